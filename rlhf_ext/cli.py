@@ -1,0 +1,184 @@
+"""The ``rlhf-ext`` command line.
+
+    rlhf-ext train segment-rm --config FILE [key.sub=value ...]
+    rlhf-ext recipe list | rlhf-ext recipe copy NAME DEST
+    rlhf-ext segment show --model RM_DIR --prompt TEXT --response TEXT [--html OUT]
+    rlhf-ext demo
+
+Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from rlhf_ext.config import RecipeError
+
+
+def _fail(message: str) -> None:
+    click.secho(f"error: {message}", fg="red", err=True)
+    sys.exit(2)
+
+
+def _recipe_dir():
+    return resources.files("rlhf_ext") / "recipes"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[: -len(".yaml")] for p in _recipe_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A recipe file: an existing path, or the name of a packaged recipe (with or without ``.yaml``)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    name = name_or_path[: -len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
+    packaged = _recipe_dir() / f"{name}.yaml"
+    if packaged.is_file():
+        return Path(str(packaged))
+    raise RecipeError(
+        f"recipe {name_or_path!r} is neither a file nor a packaged recipe; "
+        f"packaged recipes: {', '.join(recipe_names())}"
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rlhf-ext")
+def main() -> None:
+    """rlhf-ext: segment rewards, online DPO, async and continual RLHF for TRL and OpenRLHF."""
+
+
+# --------------------------------------------------------------------------------------------------------- train
+@main.group()
+def train() -> None:
+    """Train with a recipe (YAML) plus key.sub=value overrides."""
+
+
+@train.command("segment-rm", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.option("--engine", type=click.Choice(["trl", "openrlhf"]), default=None, help="Override the recipe's engine.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
+    """Segment-level reward model (paper 003, section 2.2)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+
+    try:
+        recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
+    except RecipeError as e:
+        _fail(str(e))
+    if engine is not None:
+        recipe.engine = engine
+    summary = run_segment_rm(recipe)
+    _print_rm_summary(summary)
+
+
+def _print_rm_summary(summary: dict) -> None:
+    if not summary:
+        return
+    ev = summary.get("eval", {})
+    click.echo("")
+    click.secho("segment reward model trained", fg="green", bold=True)
+    click.echo(f"  checkpoint:      {summary['model_dir']}")
+    if "eval_accuracy" in ev:
+        segs = ev.get("eval_segments_per_response", 0.0)
+        click.echo(f"  held-out acc.:   {ev['eval_accuracy']:.3f}  (segments/response {segs:.2f})")
+    if "report" in summary:
+        click.echo(f"  segment report:  {summary['report']['html']}")
+        click.echo(f"                   {summary['report']['text']}")
+
+
+# -------------------------------------------------------------------------------------------------------- recipe
+@main.group()
+def recipe() -> None:
+    """List and copy the packaged recipes."""
+
+
+@recipe.command("list")
+def recipe_list() -> None:
+    """Show the packaged recipes with their first comment line."""
+    for name in recipe_names():
+        first = (_recipe_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+        click.echo(f"{name:32s} {first}")
+
+
+@recipe.command("copy")
+@click.argument("name")
+@click.argument("dest", type=click.Path())
+def recipe_copy(name: str, dest: str) -> None:
+    """Copy packaged recipe NAME to DEST (a file or a directory)."""
+    try:
+        src = recipe_path(name)
+    except RecipeError as e:
+        _fail(str(e))
+    target = Path(dest)
+    if target.is_dir():
+        target = target / src.name
+    if target.exists():
+        _fail(f"{target} exists; choose another destination or delete it first")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, target)
+    click.echo(str(target))
+
+
+# ------------------------------------------------------------------------------------------------------- segment
+@main.group()
+def segment() -> None:
+    """Inspect segment reward models."""
+
+
+@segment.command("show")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True), help="Segment reward model dir.")
+@click.option("--prompt", default="", help="Prompt text.")
+@click.option("--response", required=True, help="Response text to segment and score.")
+@click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
+@click.option("--cutoff", type=float, default=None, help="Entropy cutoff (default: the training value).")
+@click.option("--html", "html_path", type=click.Path(), default=None, help="Also write a coloured HTML view here.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json) -> None:
+    """Split RESPONSE into segments and print each segment's reward (paper Figure 3)."""
+    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.segment.scoring import SegmentScorer, render_html
+    from rlhf_ext.utils import atomic_write_text
+
+    try:
+        scorer = SegmentScorer(
+            model_dir, sft_model=resolve_model(sft_model) if sft_model else None, entropy_cutoff=cutoff
+        )
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    view = scorer.score(prompt or None, response)
+    if as_json:
+        click.echo(json.dumps(view.__dict__, indent=2))
+    else:
+        click.echo(view.as_text())
+    if html_path:
+        atomic_write_text(html_path, render_html([view]))
+        click.echo(f"html: {html_path}")
+
+
+# ---------------------------------------------------------------------------------------------------------- demo
+@main.command()
+@click.option("--out", default="runs/demo", show_default=True, help="Output directory.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def demo(out: str, overrides: tuple[str, ...]) -> None:
+    """The main job on the embedded default: train a segment reward model on the toy task (tiny model, CPU)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+
+    try:
+        recipe = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_tiny"), (f"train.output_dir={out}", *overrides))
+    except RecipeError as e:
+        _fail(str(e))
+    _print_rm_summary(run_segment_rm(recipe))
+
+
+if __name__ == "__main__":
+    main()

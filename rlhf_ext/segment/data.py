@@ -1,0 +1,384 @@
+"""Preference data for segment reward models: tokenisation, one-time SFT entropy preprocessing, caching, collation.
+
+Segmentation is a one-time preprocessing step with the frozen SFT model (paper 003, section 2.2 and Algorithm 1).
+We store the SFT model's *entropy* of every response token as a dataset column rather than the boundaries
+themselves, so the cutoff stays a training-time setting (the bandit, token and segment models of Table 1 and the
+cutoff sweep of Figure 4 all reuse one cache). Both engines read the same columns:
+
+========================  =====================================================================================
+column                    meaning
+========================  =====================================================================================
+``chosen_ids``            prompt + chosen response token ids (response ends with EOS)
+``rejected_ids``          prompt + rejected response token ids
+``prompt_len``            number of prompt tokens at the start of both sequences
+``chosen_entropy``        entropy of the SFT distribution each chosen-response token was sampled from (nats)
+``rejected_entropy``      same for the rejected response
+``margin`` (optional)     passed through (margin BT loss)
+========================  =====================================================================================
+
+Truncation follows the paper (Appendix C): prompts are truncated on the left, responses on the right, and a response
+whose EOS was cut off gets its last kept token replaced by EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_ext.segment.core import token_entropy
+from rlhf_ext.utils import atomic_directory, file_lock, stable_hash
+
+ENTROPY_COLUMNS = ("chosen_entropy", "rejected_entropy")
+TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
+
+
+class DatasetFormatError(ValueError):
+    """The preference dataset is missing a column or holds a value of the wrong type."""
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def check_preference_columns(column_names: Sequence[str], chosen_key: str, rejected_key: str, where: str) -> None:
+    missing = [c for c in (chosen_key, rejected_key) if c not in column_names]
+    if missing:
+        raise DatasetFormatError(
+            f"{where}: preference dataset has no column {', '.join(repr(c) for c in missing)} "
+            f"(columns: {', '.join(column_names) or 'none'}); rename your columns or set data.chosen_key / "
+            "data.rejected_key (and data.prompt_key) in the recipe"
+        )
+
+
+def _split_prompt_response(example: dict, tokenizer, prompt_key: str | None, key: str) -> tuple[str, str, bool]:
+    """Return (prompt_text, response_text, is_chat) for one side of a preference example."""
+    response = example[key]
+    prompt = example.get(prompt_key) if prompt_key else None
+    if _is_conversation(response) or _is_conversation(prompt):
+        if tokenizer.chat_template is None:
+            raise DatasetFormatError(
+                f"column '{key}' holds chat messages but the tokenizer has no chat template; set one or use plain text"
+            )
+        if prompt is None:  # implicit prompt: everything but the final assistant turn
+            if not response or response[-1].get("role") != "assistant":
+                raise DatasetFormatError(f"column '{key}': a conversation must end with an assistant message")
+            prompt, response = response[:-1], response[-1:]
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(list(prompt) + list(response), tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise DatasetFormatError(
+                "the chat template renders the prompt differently inside the full conversation; cannot locate the "
+                f"response in column '{key}'"
+            )
+        return prompt_text, full_text[len(prompt_text) :], True
+    if not isinstance(response, str):
+        raise DatasetFormatError(f"column '{key}' must hold text or chat messages, got {type(response).__name__}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise DatasetFormatError(f"column '{prompt_key}' must hold text, got {type(prompt).__name__}")
+    return prompt or "", response, False
+
+
+def tokenize_pair(
+    example: dict,
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+) -> dict[str, Any]:
+    """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
+
+    Prompt and responses are tokenised separately and concatenated, so the prompt/response boundary is exact. EOS
+    is appended to responses that do not end with it. With ``max_length``: the prompt is cut from the left to
+    ``max_prompt_length`` (default: ``max_length - 1``), then responses are cut from the right with their last kept
+    token set to EOS.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DatasetFormatError("the tokenizer has no EOS token; set tokenizer.eos_token")
+    prompt_text, chosen_text, is_chat = _split_prompt_response(example, tokenizer, prompt_key, chosen_key)
+    _, rejected_text, _ = _split_prompt_response(example, tokenizer, prompt_key, rejected_key)
+    # Plain-text prompts get the tokenizer's special tokens (e.g. BOS); a chat template already renders them.
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=not is_chat)["input_ids"] if prompt_text else []
+    responses = []
+    for text in (chosen_text, rejected_text):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        if not ids or ids[-1] != eos:
+            ids = ids + [eos]
+        responses.append(ids)
+    if max_length is not None:
+        if max_length < 2:
+            raise DatasetFormatError(f"max_length must be >= 2 (one prompt and one response token), got {max_length}")
+        limit = max_prompt_length if max_prompt_length is not None else max_length - 1
+        limit = min(limit, max_length - 1)
+        if len(prompt_ids) > limit:
+            prompt_ids = prompt_ids[len(prompt_ids) - limit :]
+        room = max_length - len(prompt_ids)
+        responses = [ids if len(ids) <= room else ids[: room - 1] + [eos] for ids in responses]
+    out = {
+        "chosen_ids": prompt_ids + responses[0],
+        "rejected_ids": prompt_ids + responses[1],
+        "prompt_len": len(prompt_ids),
+    }
+    if "margin" in example and example["margin"] is not None:
+        out["margin"] = float(example["margin"])
+    return out
+
+
+def tokenize_preference_dataset(
+    dataset,
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    num_proc: int | None = None,
+):
+    """Map :func:`tokenize_pair` over a ``datasets.Dataset``; idempotent on an already tokenised dataset."""
+    if all(c in dataset.column_names for c in TOKENIZED_COLUMNS):
+        return dataset
+    check_preference_columns(dataset.column_names, chosen_key, rejected_key, "tokenize_preference_dataset")
+    if prompt_key and prompt_key not in dataset.column_names:
+        prompt_key = None
+    return dataset.map(
+        tokenize_pair,
+        fn_kwargs=dict(
+            tokenizer=tokenizer,
+            max_length=max_length,
+            max_prompt_length=max_prompt_length,
+            prompt_key=prompt_key,
+            chosen_key=chosen_key,
+            rejected_key=rejected_key,
+        ),
+        remove_columns=[c for c in dataset.column_names if c != "margin"],
+        num_proc=num_proc,
+        desc="Tokenizing preference pairs",
+    )
+
+
+def _output_head_is_plain(model) -> bool:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return not (getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+
+
+@torch.no_grad()
+def sft_token_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True).
+
+    For models whose logits are a plain linear map of the last hidden state (Llama, Qwen, Mistral, Phi, GPT-2 ...)
+    the ``[B, T, V]`` logits are never materialised at once: the output head is applied chunk by chunk inside the
+    entropy computation. Models with logit soft-capping or scaling fall back to their full forward.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    head = model.get_output_embeddings()
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    if head is None or base is None or not _output_head_is_plain(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return token_entropy(logits, shift=True)
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    b, t, _ = hidden.shape
+    rows_per_chunk = max(1, (1 << 24) // head.out_features)
+    flat = hidden.reshape(b * t, -1)
+    ent = torch.empty(b * t, dtype=torch.float32, device=hidden.device)
+    for start in range(0, b * t, rows_per_chunk):
+        logits = head(flat[start : start + rows_per_chunk]).unsqueeze(0)
+        ent[start : start + rows_per_chunk] = token_entropy(logits, shift=False)[0]
+    ent = ent.view(b, t)
+    return torch.cat([ent.new_zeros(b, 1), ent[:, :-1]], dim=1)
+
+
+def pad_sequences(
+    seqs: Sequence[Sequence[float]], value: float, side: str, dtype: torch.dtype, multiple_of: int | None = None
+) -> torch.Tensor:
+    """Pad 1-D sequences into a ``[N, W]`` tensor on ``side`` ('left'/'right'); W = max length rounded up to
+    ``multiple_of``."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    width = max((len(s) for s in seqs), default=0)
+    if multiple_of:
+        width = -(-width // multiple_of) * multiple_of
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        if len(s):
+            if side == "right":
+                out[i, : len(s)] = torch.as_tensor(s, dtype=dtype)
+            else:
+                out[i, width - len(s) :] = torch.as_tensor(s, dtype=dtype)
+    return out
+
+
+def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: int = 0, desc: str = "Segmenting"):
+    """Add ``chosen_entropy``/``rejected_entropy`` computed by the frozen ``sft_model`` (one forward per sequence)."""
+    device = next(sft_model.parameters()).device
+    was_training = sft_model.training
+    sft_model.eval()
+
+    def batch_fn(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for side in ("chosen", "rejected"):
+            seqs = batch[f"{side}_ids"]
+            ids = pad_sequences(seqs, pad_token_id, "right", torch.long).to(device)
+            mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(device)
+            ent = sft_token_entropy(sft_model, ids, mask).cpu()
+            out[f"{side}_entropy"] = [
+                ent[i, p : len(s)].tolist() for i, (s, p) in enumerate(zip(seqs, batch["prompt_len"]))
+            ]
+        return out
+
+    try:
+        return dataset.map(batch_fn, batched=True, batch_size=batch_size, desc=desc, load_from_cache_file=False)
+    finally:
+        sft_model.train(was_training)
+
+
+def model_identity(name_or_path: str) -> dict[str, Any]:
+    """What identifies a checkpoint for caching: its path plus the size and mtime of its weight files."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        return {"name": str(name_or_path)}
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".json"))
+    return {"path": str(path.resolve()), "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
+
+
+def prepare_segment_dataset(
+    dataset,
+    tokenizer,
+    sft_model=None,
+    sft_model_name_or_path: str | None = None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    entropy_batch_size: int = 8,
+    cache_dir: str | Path | None = None,
+):
+    """Tokenise a preference dataset and add SFT entropies, reusing an on-disk cache when possible.
+
+    Args:
+        dataset: a ``datasets.Dataset`` with ``chosen``/``rejected`` (and usually ``prompt``) columns, or one that
+            already has the tokenised and entropy columns (returned unchanged).
+        sft_model: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None).
+        cache_dir: where to cache the result (``None`` disables caching). The key covers the dataset fingerprint,
+            the SFT checkpoint identity and the tokenisation settings; concurrent ranks wait on a file lock and the
+            first one computes.
+
+    Returns:
+        The dataset with :data:`TOKENIZED_COLUMNS` and :data:`ENTROPY_COLUMNS` (plus ``margin`` if present).
+    """
+    from datasets import load_from_disk
+
+    if all(c in dataset.column_names for c in TOKENIZED_COLUMNS + ENTROPY_COLUMNS):
+        return dataset
+    if sft_model is None and sft_model_name_or_path is None:
+        raise ValueError(
+            "segmentation needs the SFT model the reward model starts from: pass sft_model= or "
+            "sft_model_name_or_path= (recipe key model.sft_model)"
+        )
+    settings = dict(
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        prompt_key=prompt_key,
+        chosen_key=chosen_key,
+        rejected_key=rejected_key,
+    )
+    cache_path = None
+    if cache_dir is not None and sft_model_name_or_path is not None:
+        key = stable_hash(
+            dataset._fingerprint,
+            model_identity(sft_model_name_or_path),
+            settings,
+            tokenizer.name_or_path,
+            len(tokenizer),
+        )
+        cache_path = Path(cache_dir) / f"segment-entropy-{key}"
+
+    def compute():
+        tokenized = tokenize_preference_dataset(dataset, tokenizer, **settings)
+        model = sft_model
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(sft_model_name_or_path, dtype=torch.float32)
+        return add_entropy_columns(tokenized, model, entropy_batch_size, tokenizer.pad_token_id or 0)
+
+    if cache_path is None:
+        return compute()
+    with file_lock(cache_path.with_name(cache_path.name + ".lock")):
+        if not (cache_path / "dataset_info.json").exists():
+            result = compute()
+            with atomic_directory(cache_path) as tmp:
+                result.save_to_disk(str(tmp))
+    return load_from_disk(str(cache_path))
+
+
+def collate_segment_pairs(
+    examples: Sequence[dict[str, Any]],
+    pad_token_id: int,
+    padding_side: str = "right",
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Stack chosen then rejected sequences of a batch of prepared examples (TRL's convention) into tensors.
+
+    Returns a dict with ``[2B, T]`` tensors ``input_ids`` (long), ``attention_mask`` (long), ``action_mask`` (bool,
+    response tokens), ``entropy`` (float32, aligned to the sampled token, 0 outside the response) and, if every
+    example has one, ``margin`` ``[B]``.
+    """
+    seqs, prompt_lens, entropies = [], [], []
+    for side in ("chosen", "rejected"):
+        for ex in examples:
+            seqs.append(ex[f"{side}_ids"])
+            prompt_lens.append(ex["prompt_len"])
+            entropies.append(ex[f"{side}_entropy"])
+    pad = dict(side=padding_side, multiple_of=pad_to_multiple_of)
+    input_ids = pad_sequences(seqs, pad_token_id, dtype=torch.long, **pad)
+    attention_mask = pad_sequences([[1] * len(s) for s in seqs], 0, dtype=torch.long, **pad)
+    action = [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)]
+    action_mask = pad_sequences(action, 0, dtype=torch.long, **pad).bool()
+    if any(len(e) != len(s) - p for e, s, p in zip(entropies, seqs, prompt_lens)):
+        raise DatasetFormatError(
+            "the entropy columns do not match the token ids (a stale segment cache?); delete the cache directory "
+            "and rerun the preprocessing"
+        )
+    full_entropy = [[0.0] * p + list(e) for e, p in zip(entropies, prompt_lens)]
+    entropy = pad_sequences(full_entropy, 0.0, dtype=torch.float32, **pad)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask, "entropy": entropy}
+    if examples and all(ex.get("margin") is not None for ex in examples):
+        out["margin"] = torch.tensor([float(ex["margin"]) for ex in examples], dtype=torch.float32)
+    return out
+
+
+SEGMENT_CONFIG_NAME = "segment_config.json"
+
+
+def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> None:
+    """Record next to a reward-model checkpoint how it segments text (cutoff, aggregation, tau, SFT model)."""
+    import json
+    import math
+
+    from rlhf_ext.utils import atomic_write_text
+
+    settings = dict(settings)
+    if isinstance(settings.get("entropy_cutoff"), float) and math.isinf(settings["entropy_cutoff"]):
+        settings["entropy_cutoff"] = "inf"  # JSON has no infinity
+    atomic_write_text(Path(model_dir) / SEGMENT_CONFIG_NAME, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
+    """Read the settings a segment reward model was trained with (see :func:`save_segment_settings`)."""
+    import json
+
+    path = Path(model_dir) / SEGMENT_CONFIG_NAME
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{model_dir} has no {SEGMENT_CONFIG_NAME}, so it was not trained by rlhf-ext's segment reward trainer; "
+            "pass the entropy cutoff, aggregation and SFT model explicitly"
+        )
+    settings = json.loads(path.read_text())
+    settings["entropy_cutoff"] = float(settings["entropy_cutoff"])
+    return settings

@@ -1,0 +1,46 @@
+"""Straightforward per-sample, per-token Python implementations of the segment functions.
+
+They follow the paper's wording literally and are deliberately slow: tests use them as an independent oracle for the
+vectorised functions in :mod:`rlhf_ext.segment`, and ``benchmarks/segmentation.py`` measures the speed-up against them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_segment_rewards(
+    token_scores: torch.Tensor, entropy: torch.Tensor, action_mask: torch.Tensor, cutoff: float
+) -> list[list[tuple[int, int, float]]]:
+    """For each row: a list of (start, end_inclusive, reward) segments, reward = score at the segment's last token."""
+    out = []
+    for b in range(token_scores.shape[0]):
+        segs: list[tuple[int, int, float]] = []
+        start = None
+        for t in range(token_scores.shape[1]):
+            if not bool(action_mask[b, t]):
+                if start is not None:
+                    segs.append((start, t - 1, float(token_scores[b, t - 1])))
+                    start = None
+                continue
+            if start is None:
+                start = t
+            elif float(entropy[b, t]) > cutoff:
+                segs.append((start, t - 1, float(token_scores[b, t - 1])))
+                start = t
+        if start is not None:
+            t = token_scores.shape[1] - 1
+            segs.append((start, t, float(token_scores[b, t])))
+        out.append(segs)
+    return out
+
+
+def reference_aggregate(rewards: list[float], kind: str, tau: float) -> float:
+    if kind == "softmax":
+        m = max(rewards)
+        return m + tau * math.log(sum(math.exp((r - m) / tau) for r in rewards))
+    if kind == "sum":
+        return sum(rewards)
+    return sum(rewards) / len(rewards)

@@ -1,0 +1,131 @@
+"""A learnable toy preference task: the chosen response contains a key multi-token phrase the rejected one lacks.
+
+Every response is four short sentences: three filler sentences (a subject and a predicate, each drawn from ten
+options) and, at a random position, the sentence ``"The facts about {topic} are {phrase}."``. In the chosen response
+the phrase is a *key phrase* ("backed by peer-reviewed evidence", ...); in the rejected one it is a *weak phrase* of
+the same length ("mostly rumours passed around online", ...). Everything else is drawn from the same distribution,
+so a reward model can only separate the two by reading a few multi-token segments — the situation paper 003's
+Figure 2 describes.
+
+Deterministic for a given seed. Columns: ``prompt``, ``chosen``, ``rejected`` (TRL/OpenRLHF "standard" format with an
+explicit prompt).
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = [
+    "volcanoes",
+    "honeybees",
+    "ocean tides",
+    "black holes",
+    "sourdough bread",
+    "glaciers",
+    "solar panels",
+    "octopuses",
+    "the printing press",
+    "vaccines",
+    "coral reefs",
+    "earthquakes",
+    "wind turbines",
+    "penguins",
+    "the immune system",
+    "rainbows",
+    "electric cars",
+    "tea plants",
+    "lightning",
+    "migratory birds",
+    "desert plants",
+    "the moon",
+    "composting",
+    "jazz music",
+]
+
+SUBJECTS = [
+    "Many people",
+    "Most readers",
+    "Some experts",
+    "A few teachers",
+    "Curious students",
+    "Young children",
+    "Local guides",
+    "Old textbooks",
+    "Travel writers",
+    "Science museums",
+]
+PREDICATES = [
+    "wonder about this",
+    "ask this question often",
+    "find it surprising",
+    "enjoy the details",
+    "disagree on small points",
+    "mention it in passing",
+    "get the basics wrong",
+    "love a good example",
+    "keep notes on it",
+    "talk about it every year",
+]
+KEY_PHRASES = [
+    "backed by peer-reviewed evidence",
+    "confirmed by careful measurements",
+    "explained step by step by experts",
+    "supported by decades of field research",
+    "verified by independent laboratories",
+    "documented in primary historical sources",
+    "measured with calibrated instruments",
+    "reproduced in controlled experiments",
+    "summarised in official encyclopedias",
+    "checked against satellite observations",
+]
+WEAK_PHRASES = [
+    "mostly rumours passed around online",
+    "hard to pin down for anyone at all",
+    "a matter of guesswork and hearsay",
+    "whatever people happen to believe today",
+    "based on a story a friend once told",
+    "impossible to check in any useful way",
+    "anyone's guess without more information",
+    "something I vaguely remember reading",
+    "open to every possible interpretation",
+    "too fuzzy to say anything definite about",
+]
+
+
+def _response(rng: random.Random, topic: str, chosen: bool) -> str:
+    sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(PREDICATES)}." for _ in range(3)]
+    phrase = rng.choice(KEY_PHRASES if chosen else WEAK_PHRASES)
+    sentences.insert(rng.randrange(len(sentences) + 1), f"The facts about {topic} are {phrase}.")
+    return " " + " ".join(sentences)
+
+
+def toy_preference_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` preference rows (prompt / chosen / rejected) of the key-phrase task."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        topic = rng.choice(TOPICS)
+        prompt = f"Question: What should I know about {topic}?\nAnswer:"
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": _response(rng, topic, chosen=True),
+                "rejected": _response(rng, topic, chosen=False),
+            }
+        )
+    return rows
+
+
+def toy_preference_dataset(n_train: int = 512, n_test: int = 128, seed: int = 0):
+    """A ``DatasetDict`` with ``train`` and ``test`` splits of the key-phrase task (disjoint seeds)."""
+    from datasets import Dataset, DatasetDict
+
+    return DatasetDict(
+        train=Dataset.from_list(toy_preference_rows(n_train, seed)),
+        test=Dataset.from_list(toy_preference_rows(n_test, seed + 10_000)),
+    )
+
+
+def has_key_phrase(text: str) -> bool:
+    """The toy task's gold label: does the response contain a key phrase?"""
+    return any(k in text for k in KEY_PHRASES)

@@ -1,0 +1,8 @@
+"""Adapters for TRL 1.16: subclasses of TRL's trainers that call rlhf-ext's pure tensor functions.
+
+Importing this package imports ``trl`` (about 5 s); ``import rlhf_ext`` alone does not.
+"""
+
+from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
+
+__all__ = ["SegmentPreferenceCollator", "SegmentRewardConfig", "SegmentRewardTrainer"]

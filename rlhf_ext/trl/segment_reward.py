@@ -1,0 +1,315 @@
+"""Segment-level reward model training on TRL: ``SegmentRewardConfig`` + ``SegmentRewardTrainer`` (paper 003, 2.2).
+
+``SegmentRewardTrainer`` is TRL's ``RewardTrainer`` with two changes:
+
+1. **Data.** Before TRL sees the dataset it is tokenised (prompt and responses separately, so the response mask is
+   exact) and the frozen SFT model's entropy of every response token is added as a column — the paper's one-time
+   segmentation preprocessing, cached on disk (:func:`rlhf_ext.segment.data.prepare_segment_dataset`).
+2. **Loss.** ``compute_loss`` reads the score head's output at *every* position (captured from the same forward pass
+   the stock trainer runs, no extra compute), splits each response into segments at tokens whose SFT entropy
+   exceeds ``entropy_cutoff``, takes each segment's reward at its last token, aggregates them with the soft-max of
+   Eq. 4 and applies the Bradley-Terry loss of Eq. 3. With ``entropy_cutoff=inf`` this is exactly the stock bandit
+   loss.
+
+Example::
+
+    from rlhf_ext.trl import SegmentRewardConfig, SegmentRewardTrainer
+
+    trainer = SegmentRewardTrainer(
+        model="my-sft-checkpoint",            # the reward model starts from the SFT model...
+        args=SegmentRewardConfig(output_dir="rm", entropy_cutoff=2.0, tau=0.5),
+        train_dataset=dataset,                # prompt / chosen / rejected
+        processing_class=tokenizer,
+    )                                         # ...which also segments the data (sft_model_name_or_path defaults to it)
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import RewardConfig, RewardTrainer
+
+from rlhf_ext.segment.core import (
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    check_aggregation,
+    check_cutoff,
+    check_tau,
+    evaluate_sequences,
+    segment_bt_loss,
+)
+from rlhf_ext.segment.data import (
+    ENTROPY_COLUMNS,
+    TOKENIZED_COLUMNS,
+    collate_segment_pairs,
+    prepare_segment_dataset,
+    save_segment_settings,
+)
+from rlhf_ext.segment.scoring import TokenScoreCapture
+
+
+@dataclass
+class SegmentRewardConfig(RewardConfig):
+    """``RewardConfig`` plus the segment settings of paper 003 (defaults from Table 7).
+
+    Args:
+        entropy_cutoff: c_ent in nats; a token starts a segment when the SFT entropy of its distribution exceeds it.
+            ``inf`` = bandit (sequence-level) model, ``0`` = token-level model (Appendix C). Default 2.0.
+        aggregation: ``softmax`` (Eq. 4, default), ``sum`` or ``mean`` (Table 4).
+        tau: soft-max temperature (default 0.5).
+        sft_model_name_or_path: the SFT checkpoint used for segmentation. Defaults to the reward model's own
+            initial checkpoint when ``model`` is given as a path (the paper initialises the RM from the SFT model).
+        entropy_batch_size: batch size of the one-time entropy pass.
+        segment_cache_dir: where to cache the segmented dataset (``None``: no cache).
+    """
+
+    entropy_cutoff: float = field(default=DEFAULT_ENTROPY_CUTOFF, metadata={"help": "Entropy cutoff c_ent (nats)."})
+    aggregation: str = field(default="softmax", metadata={"help": "softmax | sum | mean"})
+    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of Eq. 4."})
+    sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
+    entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
+    segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
+        self.tau = check_tau(self.tau)
+        check_aggregation(self.aggregation)
+
+    def segment_settings(self) -> dict[str, Any]:
+        """What PPO needs to reuse this reward model's segmentation (saved as ``segment_config.json``)."""
+        return {
+            "entropy_cutoff": self.entropy_cutoff,
+            "aggregation": self.aggregation,
+            "tau": self.tau,
+            "sft_model_name_or_path": self.sft_model_name_or_path,
+        }
+
+
+class SegmentPreferenceCollator:
+    """Pads prepared preference examples (chosen then rejected, right padding) for :class:`SegmentRewardTrainer`."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return collate_segment_pairs(examples, self.pad_token_id, "right", self.pad_to_multiple_of)
+
+
+class SegmentRewardTrainer(RewardTrainer):
+    """TRL ``RewardTrainer`` with the segment-level loss of paper 003 (Eq. 3-4). See the module docstring."""
+
+    _tag_names = ["trl", "reward-trainer", "rlhf-ext", "segment-reward"]
+
+    def __init__(
+        self,
+        model,
+        args: SegmentRewardConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        sft_model=None,
+        data_collator=None,
+        **kwargs,
+    ):
+        if args is None:
+            args = SegmentRewardConfig(output_dir="segment-reward-model")
+        if not isinstance(args, SegmentRewardConfig):
+            raise TypeError(f"args must be a SegmentRewardConfig, got {type(args).__name__}")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required (a preference dataset with prompt/chosen/rejected)")
+        model_path = model if isinstance(model, str) else None
+        if processing_class is None:
+            if model_path is None:
+                raise ValueError("pass processing_class= (the tokenizer) when the model is already instantiated")
+            from transformers import AutoTokenizer
+
+            processing_class = AutoTokenizer.from_pretrained(model_path)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if args.sft_model_name_or_path is None:
+            args.sft_model_name_or_path = model_path or (
+                getattr(getattr(sft_model, "config", None), "_name_or_path", None) if sft_model is not None else None
+            )
+        prepare = dict(
+            tokenizer=processing_class,
+            sft_model=sft_model,
+            sft_model_name_or_path=args.sft_model_name_or_path if sft_model is None else None,
+            max_length=args.max_length,
+            entropy_batch_size=args.entropy_batch_size,
+            cache_dir=args.segment_cache_dir,
+        )
+        if sft_model is None and args.sft_model_name_or_path is None:
+            raise ValueError(
+                "the segment reward model needs the SFT model for segmentation: pass sft_model= or set "
+                "SegmentRewardConfig.sft_model_name_or_path"
+            )
+        train_dataset = prepare_segment_dataset(train_dataset, **prepare)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare_segment_dataset(v, **prepare) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepare_segment_dataset(eval_dataset, **prepare)
+        if data_collator is None:
+            data_collator = SegmentPreferenceCollator(processing_class.pad_token_id, args.pad_to_multiple_of)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._capture = TokenScoreCapture(self.model)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = [*TOKENIZED_COLUMNS, *ENTROPY_COLUMNS, "margin"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        action_mask = inputs.pop("action_mask")
+        entropy = inputs.pop("entropy")
+        margin = inputs.pop("margin", None)
+        inputs["use_cache"] = False
+        outputs = model(**inputs)
+        token_scores = self._capture.pop().float()  # [2B, T]
+        ev = evaluate_sequences(
+            token_scores, entropy, action_mask, self.args.entropy_cutoff, self.args.aggregation, self.args.tau
+        )
+        rewards_chosen, rewards_rejected = ev.values.chunk(2)
+        loss = segment_bt_loss(rewards_chosen, rewards_rejected, margin)
+        if self.args.center_rewards_coefficient is not None:
+            loss = loss + self.args.center_rewards_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
+
+        if mode == "train":
+            num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += num_tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        with torch.no_grad():
+            gather = self.accelerator.gather_for_metrics
+            values = gather(ev.values.detach())
+            counts = gather(ev.segments.counts.float())
+            tokens = gather(action_mask.sum(1).float())
+            metrics = self._metrics[mode]
+            metrics["min_reward"].append(values.min().item())
+            metrics["mean_reward"].append(values.mean().item())
+            metrics["max_reward"].append(values.max().item())
+            metrics["accuracy"].append(gather((rewards_chosen > rewards_rejected).float()).mean().item())
+            metrics["margin"].append(gather((rewards_chosen - rewards_rejected).detach()).mean().item())
+            metrics["segments_per_response"].append(counts.mean().item())
+            metrics["mean_segment_length"].append((tokens.sum() / counts.sum().clamp_min(1)).item())
+        if return_outputs:
+            # The stock trainer returns the pooled logits; return the sequence evaluations e_phi in their place.
+            outputs.logits = ev.values.detach().unsqueeze(-1)
+            return loss, outputs
+        return loss
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            save_segment_settings(output_dir, self.args.segment_settings())
+
+
+def recipe_to_config(recipe) -> SegmentRewardConfig:
+    """Map a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` onto TRL's config (``train.trl_args`` last)."""
+    from rlhf_ext.config import RecipeError
+
+    t = recipe.train
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if t.batch_size % (t.micro_batch_size * world):
+        raise RecipeError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size x processes "
+            f"({t.micro_batch_size} x {world})"
+        )
+    kwargs: dict[str, Any] = dict(
+        output_dir=t.output_dir,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.batch_size // (t.micro_batch_size * world),
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_betas[0],
+        adam_beta2=t.adam_betas[1],
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        logging_steps=t.logging_steps,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        eval_strategy="epoch",
+        bf16=t.bf16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        max_length=recipe.data.max_length,
+        entropy_cutoff=recipe.segment.entropy_cutoff,
+        aggregation=recipe.segment.aggregation,
+        tau=recipe.segment.tau,
+        entropy_batch_size=recipe.segment.entropy_batch_size,
+        segment_cache_dir=t.segment_cache_dir,
+    )
+    kwargs.update(t.trl_args)
+    try:
+        return SegmentRewardConfig(**kwargs)
+    except TypeError as e:
+        raise RecipeError(f"train.trl_args: {e} (keys must be SegmentRewardConfig / RewardConfig fields)") from e
+
+
+def train_segment_rm(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` with TRL; returns paths and final eval metrics."""
+    from transformers import AutoTokenizer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.segment.recipe import load_preference_splits, write_segment_report
+    from rlhf_ext.utils import atomic_write_json
+
+    args = recipe_to_config(recipe)
+    sft_path = resolve_model(recipe.model.sft_model)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or sft_path))
+    train_ds, eval_ds = load_preference_splits(recipe.data)
+    if recipe.data.prompt_key and recipe.data.prompt_key not in train_ds.column_names:
+        recipe.data.prompt_key = None
+    from rlhf_ext.segment.data import prepare_segment_dataset
+
+    prepare = dict(
+        tokenizer=tokenizer,
+        sft_model_name_or_path=sft_path,
+        max_length=recipe.data.max_length,
+        max_prompt_length=recipe.data.max_prompt_length,
+        prompt_key=recipe.data.prompt_key,
+        chosen_key=recipe.data.chosen_key,
+        rejected_key=recipe.data.rejected_key,
+        entropy_batch_size=recipe.segment.entropy_batch_size,
+        cache_dir=recipe.train.segment_cache_dir,
+    )
+    train_prepared = prepare_segment_dataset(train_ds, **prepare)
+    eval_prepared = prepare_segment_dataset(eval_ds, **prepare) if eval_ds is not None else None
+    args.sft_model_name_or_path = sft_path
+    trainer = SegmentRewardTrainer(
+        model=sft_path,
+        args=args,
+        train_dataset=train_prepared,
+        eval_dataset=eval_prepared,
+        processing_class=tokenizer,
+    )
+    last = get_last_checkpoint(args.output_dir) if recipe.train.resume and os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(args.output_dir)
+    metrics = trainer.evaluate() if eval_prepared is not None else {}
+    summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
+    if trainer.accelerator.is_main_process:
+        if eval_ds is not None:
+            summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
+        atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
+    return summary

@@ -1,0 +1,71 @@
+"""Shared offline fixtures: tokenizers, tiny models, the SFT'd builtin model, the toy preference task."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    real = os.environ.get("RLHF_EXT_REAL_MODEL") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "real_model" in item.keywords and not real:
+            item.add_marker(pytest.mark.skip(reason="loads SmolLM2-135M; set RLHF_EXT_REAL_MODEL=1 to run"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One cache shared by all xdist workers of a run (built models are locked and renamed atomically)."""
+    root = os.environ.get("RLHF_EXT_TEST_CACHE")
+    if root is None:
+        root = str(tmp_path_factory.getbasetemp().parent / "rlhf_ext_cache")
+    os.environ["RLHF_EXT_CACHE"] = root
+    return root
+
+
+@pytest.fixture(scope="session")
+def gpt2_tok():
+    from rlhf_ext.testing.tokenizer import gpt2_tokenizer
+
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_sft_path(cache_dir) -> str:
+    """The builtin tiny model after SFT on the toy task (built once per run, ~30 s)."""
+    from rlhf_ext.resources import resolve_model
+
+    return resolve_model("builtin:tiny-sft", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_base_path(cache_dir) -> str:
+    from rlhf_ext.resources import resolve_model
+
+    return resolve_model("builtin:tiny", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def toy_tok(tiny_base_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_base_path)
+
+
+@pytest.fixture(scope="session")
+def toy_data():
+    from rlhf_ext.testing.toy import toy_preference_dataset
+
+    return toy_preference_dataset(n_train=256, n_test=64, seed=0)
