@@ -117,7 +117,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     n = mask.sum().clamp_min(1)
     mean = torch.where(mask, x, 0.0).sum() / n
     var = torch.where(mask, (x - mean) ** 2, 0.0).sum() / n
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out = (x - mean) * var.clamp_min(eps).rsqrt()
     if not shift_mean:
         out = out + mean
     return torch.where(mask, out, 0.0)
@@ -141,3 +141,35 @@ def clipped_value_loss(
         loss, clipped = torch.maximum(err, err_clip), err_clip > err
     n = mask.sum().clamp_min(1)
     return 0.5 * torch.where(mask, loss, 0.0).sum() / n, torch.where(mask, clipped.float(), 0.0).sum() / n
+
+
+def ppo_advantages(
+    dense_rewards: Tensor,
+    kl: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    values: Tensor | None = None,
+    estimator: Literal["gae", "reinforce"] = "gae",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    group_size: int = 1,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO rewards ``r_t = dense_t - kl_coef * KL_t`` (Eq. 5) -> (rewards, advantages, returns).
+
+    ``gae`` needs ``values``; ``reinforce`` uses reward-to-go minus the leave-one-out/batch baseline. Advantages are
+    whitened over the batch when ``whiten`` (as OpenRLHF does for gae/reinforce).
+    """
+    mask = mask.bool()
+    rewards = torch.where(mask, dense_rewards.float() - kl_coef * kl.float(), 0.0)
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("the gae estimator needs critic values")
+        advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
+    elif estimator == "reinforce":
+        advantages, returns = reinforce_advantages(rewards, mask, group_size, gamma)
+    else:
+        raise ValueError(f"advantage estimator must be gae or reinforce; got {estimator!r}")
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return rewards, advantages, returns

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import math
 import os
-import runpy
-import sys
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping, run_cli_module, split_ext_args
 from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
 from rlhf_ext.segment.core import (
     DEFAULT_ENTROPY_CUTOFF,
@@ -64,29 +62,8 @@ EXT_DEFAULTS: dict[str, Any] = {
 
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
-
-    Returns (remaining argv, ext settings with defaults filled in and validated).
-    """
-    rest: list[str] = []
-    ext = dict(EXT_DEFAULTS)
-    it = iter(range(len(argv)))
-    argv = list(argv)
-    for i in it:
-        arg = argv[i]
-        if not arg.startswith("--ext."):
-            rest.append(arg)
-            continue
-        key, eq, value = arg[len("--ext.") :].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"--ext.{key} needs a value")
-            value = argv[i + 1]
-            next(it)
-        if key not in EXT_DEFAULTS:
-            raise SystemExit(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in EXT_DEFAULTS)}")
-        ext[key] = value
-    return rest, validate_ext(ext)
+    """Split and validate this module's ``--ext.*`` options (see :data:`EXT_DEFAULTS`)."""
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
 
 
 def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
@@ -230,54 +207,23 @@ def install() -> None:
     rm_trainer_module.RewardModelTrainer = SegmentRewardModelTrainer
 
 
-def _attach_ext(ext: dict[str, Any]) -> None:
-    """Wrap OpenRLHF's config hierarchiser so the parsed arguments carry ``args.ext``."""
-    import openrlhf.utils.config as config_module
-
-    original = getattr(config_module.hierarchize, "__wrapped__", config_module.hierarchize)
-
-    def hierarchize(args):
-        nested = original(args)
-        nested.ext = SimpleNamespace(**ext)
-        return nested
-
-    hierarchize.__wrapped__ = original
-    config_module.hierarchize = hierarchize
-
-
 def run_train_rm(argv: Sequence[str]) -> None:
     """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options."""
     rest, ext = parse_ext_args(argv)
     install()
-    _attach_ext(ext)
-    saved = sys.argv
-    sys.argv = ["openrlhf.cli.train_rm", *rest]
-    try:
-        runpy.run_module("openrlhf.cli.train_rm", run_name="__main__", alter_sys=True)
-    finally:
-        sys.argv = saved
-    output_dir = _flag_value(rest, "--ckpt.output_dir", "./ckpt")
+    run_cli_module("openrlhf.cli.train_rm", rest, ext)
     if int(os.environ.get("RANK", "0")) == 0:
         from rlhf_ext.segment.data import save_segment_settings
 
         save_segment_settings(
-            output_dir,
+            flag_value(rest, "--ckpt.output_dir", "./ckpt"),
             {
                 "entropy_cutoff": ext["entropy_cutoff"],
                 "aggregation": ext["aggregation"],
                 "tau": ext["tau"],
-                "sft_model_name_or_path": ext["sft_model"] or _flag_value(rest, "--model.model_name_or_path", None),
+                "sft_model_name_or_path": ext["sft_model"] or flag_value(rest, "--model.model_name_or_path", None),
             },
         )
-
-
-def _flag_value(argv: Sequence[str], flag: str, default: Any) -> Any:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return default
 
 
 def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
@@ -319,13 +265,7 @@ def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
         argv += ["--ckpt.load_enable"]
     if t.gradient_checkpointing:
         argv += ["--model.gradient_checkpointing_enable"]
-    for key, value in t.openrlhf_args.items():
-        flag = f"--{key.lstrip('-')}"
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, *(map(str, value) if isinstance(value, list | tuple) else [str(value)])]
-    return argv
+    return argv + flags_from_mapping(t.openrlhf_args)
 
 
 def train_segment_rm(recipe) -> dict[str, Any]:

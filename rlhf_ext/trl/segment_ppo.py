@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rlhf_ext.rl import clipped_value_loss, gae_advantages, masked_whiten, per_token_kl, reinforce_advantages
+from rlhf_ext.rl import clipped_value_loss, per_token_kl, ppo_advantages
 from rlhf_ext.segment.core import check_cutoff
 from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
 from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer
@@ -295,15 +295,23 @@ class SegmentPPOTrainer(GRPOTrainer):
                 tau=self.seg_tau,
             )
             kl = torch.where(mask, per_token_kl(old_logps, ref_logps, args.kl_estimator), 0.0)
-            rewards = dense.rewards - args.kl_coef * kl
+            values = None
             if self.critic is not None:
                 values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
-                advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)
+            _, advantages, returns = ppo_advantages(
+                dense.rewards,
+                kl,
+                mask,
+                args.kl_coef,
+                values,
+                args.advantage_estimator,
+                args.gamma,
+                args.lam,
+                self.num_generations,
+                args.whiten_advantages,
+            )
+            if values is not None:
                 out["old_values"], out["returns"] = values, returns
-            else:
-                advantages, _ = reinforce_advantages(rewards, mask, self.num_generations, args.gamma)
-            if args.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
         out["advantages"] = advantages
         out["old_per_token_logps"] = old_logps
 

@@ -1,0 +1,91 @@
+"""Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our extras.
+
+OpenRLHF's CLIs keep their argparse under ``__main__`` and take no class arguments. What works without copying them
+(ENGINES.md): patch the classes on their source modules, strip our ``--ext.*`` flags from the command line and hand
+them over as ``args.ext`` by wrapping OpenRLHF's config hierarchiser, then execute the module with ``runpy``.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+
+def split_ext_args(
+    argv: Sequence[str], defaults: dict[str, Any], validate: Callable[[dict[str, Any]], dict[str, Any]]
+) -> tuple[list[str], dict[str, Any]]:
+    """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
+
+    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``).
+    """
+    argv = list(argv)
+    rest: list[str] = []
+    ext = dict(defaults)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--ext."):
+            rest.append(arg)
+            continue
+        key, eq, value = arg[len("--ext.") :].partition("=")
+        if not eq:
+            if i >= len(argv):
+                raise SystemExit(f"--ext.{key} needs a value")
+            value = argv[i]
+            i += 1
+        if key not in defaults:
+            raise SystemExit(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in defaults)}")
+        ext[key] = value
+    return rest, validate(ext)
+
+
+def attach_ext(ext: dict[str, Any]) -> None:
+    """Wrap OpenRLHF's config hierarchiser so the parsed arguments carry ``args.ext`` (idempotent)."""
+    import openrlhf.utils.config as config_module
+
+    original = getattr(config_module.hierarchize, "__wrapped__", config_module.hierarchize)
+
+    def hierarchize(args):
+        nested = original(args)
+        nested.ext = SimpleNamespace(**ext)
+        return nested
+
+    hierarchize.__wrapped__ = original
+    config_module.hierarchize = hierarchize
+
+
+def run_cli_module(module: str, argv: Sequence[str], ext: dict[str, Any]) -> None:
+    """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv`` and ``args.ext = ext``."""
+    attach_ext(ext)
+    saved = sys.argv
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+
+
+def flag_value(argv: Sequence[str], flag: str, default: Any) -> Any:
+    """The value of ``flag`` in an argv list (``--flag value`` or ``--flag=value``), else ``default``."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def flags_from_mapping(options: dict[str, Any]) -> list[str]:
+    """``{"ds.adam_offload": True, "actor.adam.lr": 1e-6}`` -> ``["--ds.adam_offload", "--actor.adam.lr", "1e-06"]``."""
+    out: list[str] = []
+    for key, value in options.items():
+        flag = f"--{key.lstrip('-')}"
+        if value is True:
+            out.append(flag)
+        elif value is not False and value is not None:
+            out += [flag, *(map(str, value) if isinstance(value, list | tuple) else [str(value)])]
+    return out

@@ -1,0 +1,413 @@
+"""Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3), with its own CLI and vLLM rollouts.
+
+Three subclasses, installed on OpenRLHF's modules by :func:`install` (driver) and :func:`setup_worker` (every Ray
+worker, through ``ray.init(runtime_env={"worker_process_setup_hook": ...})``):
+
+* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)``: the entropies come from
+  the logits OpenRLHF's reference forward already computes for the KL term, so no forward pass is added.
+* ``SegmentRewardModelActor`` — the reward-model actor returns the score at *every* position ``[B, T]`` (read from the
+  value head during the normal forward) instead of the last one.
+* ``SegmentExperienceMaker`` — after OpenRLHF's ``make_experience`` it turns scores and entropies into dense rewards
+  with :func:`rlhf_ext.segment.dense_segment_rewards` (the function the TRL trainer calls) and hands them to
+  OpenRLHF's own ``compute_reward`` where the scalar reward would be placed. OpenRLHF's GAE/returns, advantage
+  whitening, async mode and vLLM rollouts then run unchanged.
+
+``--ext.granularity bandit`` leaves OpenRLHF's stock path untouched (scalar reward, ``--reward.normalize_enable``).
+The Ray pipeline needs GPUs (rollouts are vLLM-only); everything above is importable and unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, run_cli_module, split_ext_args
+from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
+from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
+from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.segment.normalizer import LocationNormalizer
+from rlhf_ext.segment.scoring import TokenScoreCapture
+
+install_import_shims()
+import openrlhf.models.utils as openrlhf_model_utils  # noqa: E402
+import ray  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
+from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor  # noqa: E402
+
+#: ``--ext.*`` options of the segment PPO entrypoint (None = the reward model's recorded setting).
+EXT_DEFAULTS: dict[str, Any] = {
+    "granularity": "segment",
+    "interpolation": "even_split",
+    "entropy_cutoff": None,
+    "aggregation": None,
+    "tau": None,
+    "normalizer": None,
+    "reward_model_id": None,
+}
+DENSE_ATTR = "_rlhf_ext_dense_rewards"
+
+
+def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
+    ext = dict(ext)
+    if ext["granularity"] not in GRANULARITIES:
+        raise ValueError(f"--ext.granularity must be one of {', '.join(GRANULARITIES)}; got {ext['granularity']!r}")
+    if ext["interpolation"] not in INTERPOLATIONS:
+        raise ValueError(f"--ext.interpolation must be one of {', '.join(INTERPOLATIONS)}")
+    if ext["entropy_cutoff"] is not None:
+        ext["entropy_cutoff"] = check_cutoff(float(ext["entropy_cutoff"]))
+    if ext["tau"] is not None:
+        ext["tau"] = check_tau(float(ext["tau"]))
+    return ext
+
+
+def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------- Ray actors
+class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
+    """Reference actor that also returns the entropy of the distribution each action token was sampled from."""
+
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_output=False,
+        packed_seq_lens: list[int] | None = None,
+        mm_train_inputs_list=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
+
+        Action ``j`` is the sequence token at position ``T - A + j``; its entropy is that of the logits at the
+        position before it (``token_entropy(..., shift=True)``), computed chunk-wise from the logits the forward
+        already produced for the log-probs.
+        """
+        if mm_train_inputs_list and any(mm_train_inputs_list):
+            raise ValueError("segment rewards are not supported for vision-language inputs")
+        if self.strategy.args.ds.packing_samples:
+            raise ValueError("segment rewards do not support --ds.packing_samples; drop the flag")
+        device = _device()
+        with torch.no_grad():
+            log_probs, output = self.model(
+                sequences.to(device),
+                action_mask.to(device),
+                attention_mask.to(device),
+                return_output=True,
+                ring_attn_group=self.strategy.ring_attn_group,
+                packed_seq_lens=packed_seq_lens,
+            )
+            entropy = token_entropy(output["logits"], shift=True)[:, -action_mask.shape[1] :]
+            entropy = entropy * action_mask.to(device)
+        return log_probs.to("cpu"), entropy.to("cpu")
+
+
+class _SegmentRewardActor(RewardModelActor.__ray_actor_class__):
+    """Reward-model actor that returns the score at every position ``[B, T]`` (one forward, no extra cost)."""
+
+    def init_model_from_pretrained(self, strategy, pretrain):
+        if strategy.args.ds.packing_samples:
+            raise ValueError("segment rewards do not support --ds.packing_samples; drop the flag")
+        super().init_model_from_pretrained(strategy, pretrain)
+        self._capture = TokenScoreCapture(self.model)
+
+    def forward(self, sequences, attention_mask=None, packed_seq_lens=None, pad_sequence=False) -> torch.Tensor:
+        device = _device()
+        with torch.no_grad():
+            self.model(
+                sequences.to(device),
+                attention_mask.to(device),
+                ring_attn_group=self.strategy.ring_attn_group,
+                pad_sequence=True,
+                packed_seq_lens=packed_seq_lens,
+            )
+            scores = self._capture.pop().float()
+        return scores.to("cpu")
+
+
+SegmentReferenceModelActor = ray.remote(num_gpus=1)(_SegmentReferenceActor)
+SegmentRewardModelActor = ray.remote(num_gpus=1)(_SegmentRewardActor)
+
+
+# ------------------------------------------------------------------------------------------ experience maker
+_stock_compute_reward = getattr(openrlhf_model_utils.compute_reward, "__wrapped__", openrlhf_model_utils.compute_reward)
+
+
+def dense_aware_compute_reward(r, kl_coef, kl, action_mask=None, reward_clip_range=None):
+    """OpenRLHF's ``compute_reward`` plus the dense segment rewards attached to ``kl`` (if any).
+
+    Stock placement: the scalar ``r`` on the last action token and ``-kl_coef * kl`` everywhere. The segment
+    experience maker sets ``r = 0`` and attaches the ``[B, A]`` dense rewards to the experience's ``kl`` tensor, so
+    the result is ``dense - kl_coef * kl`` (+ any length penalty OpenRLHF put on the scalar).
+    """
+    reward = _stock_compute_reward(r, kl_coef, kl, action_mask=action_mask, reward_clip_range=reward_clip_range)
+    dense = getattr(kl, DENSE_ATTR, None)
+    return reward if dense is None else reward + dense.to(reward.dtype)
+
+
+dense_aware_compute_reward.__wrapped__ = _stock_compute_reward
+
+
+class SegmentExperienceMaker(RemoteExperienceMaker):
+    """OpenRLHF's experience maker with dense segment rewards (paper 003, Algorithm 1 lines 23-27)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ext = validate_ext(vars(self.args.ext))
+        self.ext = ext
+        self.dense = ext["granularity"] != "bandit"
+        settings: dict[str, Any] = {}
+        reward_path = getattr(getattr(self.args, "reward", None), "model_name_or_path", None)
+        if reward_path and os.path.exists(os.path.join(str(reward_path), "segment_config.json")):
+            from rlhf_ext.segment.data import load_segment_settings
+
+            settings = load_segment_settings(reward_path)
+        self.entropy_cutoff = ext["entropy_cutoff"] if ext["entropy_cutoff"] is not None else settings.get(
+            "entropy_cutoff", 2.0
+        )
+        self.aggregation = ext["aggregation"] or settings.get("aggregation", "softmax")
+        self.tau = ext["tau"] if ext["tau"] is not None else settings.get("tau", 0.5)
+        self.normalizer = (
+            LocationNormalizer.load(ext["normalizer"], reward_model=ext["reward_model_id"])
+            if ext["normalizer"]
+            else LocationNormalizer()
+        )
+        if self.dense and self.advantage_estimator not in ("gae", "reinforce"):
+            raise ValueError(
+                f"dense segment rewards need --algo.advantage.estimator gae or reinforce (got "
+                f"{self.advantage_estimator}); group estimators shape a scalar reward"
+            )
+        self._ref_entropies: list[torch.Tensor] | None = None
+
+    def _flatten_results(self, refs, duplicate_factor):
+        results = super()._flatten_results(refs, duplicate_factor)
+        if results and isinstance(results[0], tuple):  # the segment reference actor: (log_probs, entropy)
+            self._ref_entropies = [entropy for _, entropy in results]
+            return [log_probs for log_probs, _ in results]
+        return results
+
+    @torch.no_grad()
+    def make_experience(self, samples_list):
+        self._ref_entropies = None
+        experiences = super().make_experience(samples_list)
+        if self.dense:
+            self.attach_dense_rewards(experiences, self._ref_entropies)
+        return experiences
+
+    def attach_dense_rewards(self, experiences, entropies: list[torch.Tensor] | None) -> None:
+        """Replace each experience's ``[B, T]`` reward-model scores by dense rewards attached to its ``kl``.
+
+        ``experience.rewards`` becomes 0 (nothing is placed on the last token) and ``info["reward"]`` the summed
+        dense reward per sample, so OpenRLHF's logging keeps one scalar per sample.
+        """
+        needs_entropy = self.ext["granularity"] in ("segment", "bandit_as_segment", "segment_as_bandit")
+        if needs_entropy and entropies is None:
+            raise ValueError(
+                "segment rewards need the reference model's entropies: enable the reference model "
+                "(--algo.kl.init_coef > 0) and run with rlhf_ext's segment PPO launcher"
+            )
+        for i, exp in enumerate(experiences):
+            scores = exp.rewards
+            if scores.dim() != 2:
+                raise ValueError(
+                    "the reward model returned one score per sample; segment rewards need the per-token scores of "
+                    "SegmentRewardModelActor (precomputed rewards / --reward.remote_url only work with "
+                    "--ext.granularity bandit)"
+                )
+            action_mask = exp.action_mask.bool()
+            a = action_mask.shape[1]
+            dense = dense_segment_rewards(
+                scores[:, -a:],
+                action_mask,
+                entropies[i] if needs_entropy else None,
+                normalizer=self.normalizer,
+                granularity=self.ext["granularity"],
+                interpolation=self.ext["interpolation"],
+                entropy_cutoff=self.entropy_cutoff,
+                aggregation=self.aggregation,
+                tau=self.tau,
+            )
+            setattr(exp.kl, DENSE_ATTR, dense.rewards)
+            exp.rewards = torch.zeros(scores.shape[0], dtype=torch.float32)
+            exp.info["reward"] = dense.sequence_reward
+            exp.info["segments_per_response"] = dense.segments.counts.float()
+
+
+# ----------------------------------------------------------------------------------------------- installation
+def install_in_process() -> None:
+    """Patch this process's OpenRLHF modules (idempotent): experience maker, reward placement, Ray actor classes."""
+    import openrlhf.trainer.ppo_trainer as ppo_trainer_module
+    import openrlhf.trainer.ppo_utils.experience_maker as experience_maker_module
+    import openrlhf.trainer.ray.launcher as launcher_module
+
+    experience_maker_module.compute_reward = dense_aware_compute_reward
+    experience_maker_module.RemoteExperienceMaker = SegmentExperienceMaker
+    ppo_trainer_module.RemoteExperienceMaker = SegmentExperienceMaker
+    launcher_module.ReferenceModelActor = SegmentReferenceModelActor
+    launcher_module.RewardModelActor = SegmentRewardModelActor
+
+
+def setup_worker() -> None:
+    """``worker_process_setup_hook`` for every Ray worker: CPU shims/patches where needed, then the subclasses."""
+    install_import_shims()
+    patch_for_cpu()
+    install_in_process()
+
+
+def install() -> None:
+    """Driver side: check the OpenRLHF version, apply CPU patches if there is no GPU, install the subclasses."""
+    check_version()
+    patch_for_cpu()
+    install_in_process()
+
+
+def run_train_ppo_ray(argv: Sequence[str]) -> None:
+    """Run ``openrlhf.cli.train_ppo_ray`` with the segment subclasses in the driver and every Ray worker."""
+    rest, ext = parse_ext_args(argv)
+    if ext["granularity"] != "bandit":
+        install()
+        if not ray.is_initialized():
+            ray.init(
+                runtime_env={
+                    "worker_process_setup_hook": "rlhf_ext.openrlhf.segment_ppo.setup_worker",
+                    "env_vars": {
+                        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+                        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+                        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+                    },
+                }
+            )
+    run_cli_module("openrlhf.cli.train_ppo_ray", rest, ext)
+
+
+# ------------------------------------------------------------------------------------------------ the recipe
+def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> list[str]:
+    """Translate a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``)."""
+    from rlhf_ext.segment.calibration import model_id
+
+    t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
+    gpus = max(torch.cuda.device_count(), 1)
+    argv = [
+        "--actor.model_name_or_path", recipe.model.sft_model,
+        "--reward.model_name_or_path", recipe.model.reward_model,
+        "--data.prompt_dataset", prompts_file,
+        "--data.input_key", "prompt",
+        "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
+        "--rollout.max_new_tokens", str(data.max_completion_length),
+        "--rollout.batch_size", str(t.batch_size),
+        "--rollout.micro_batch_size", str(t.micro_batch_size),
+        "--rollout.n_samples_per_prompt", str(ppo.num_generations),
+        "--rollout.temperature", repr(ppo.temperature),
+        "--rollout.top_p", repr(ppo.top_p),
+        "--train.batch_size", str(t.batch_size),
+        "--train.micro_batch_size", str(t.micro_batch_size),
+        "--train.max_epochs", "1",
+        "--train.num_episodes", str(max(1, math.ceil(t.epochs))),
+        "--train.seed", str(t.seed),
+        "--actor.adam.lr", repr(t.learning_rate),
+        "--critic.adam.lr", repr(t.critic_learning_rate),
+        "--actor.eps_clip", repr(ppo.clip_eps),
+        "--algo.kl.init_coef", repr(ppo.kl_coef),
+        "--algo.kl.estimator", ppo.kl_estimator,
+        "--algo.advantage.estimator", ppo.advantage_estimator,
+        "--algo.advantage.gamma", repr(ppo.gamma),
+        "--algo.advantage.lambd", repr(ppo.lam),
+        "--ds.zero_stage", str(t.zero_stage),
+        "--ds.param_dtype", "bf16",
+        "--ckpt.output_dir", t.output_dir,
+        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
+        "--logger.logging_steps", str(t.logging_steps),
+        "--actor.num_gpus_per_node", str(gpus),
+        "--ref.num_gpus_per_node", str(gpus),
+        "--reward.num_gpus_per_node", str(gpus),
+        "--critic.num_gpus_per_node", str(gpus),
+        "--vllm.num_engines", str(gpus),
+        "--train.colocate_all",
+        "--ext.granularity", seg.granularity,
+        "--ext.interpolation", seg.interpolation,
+        "--ext.reward_model_id", model_id(recipe.model.reward_model),
+    ]  # fmt: skip
+    if ppo.advantage_estimator == "gae":
+        argv += ["--critic.model_name_or_path", recipe.model.critic_model or recipe.model.reward_model]
+        if ppo.value_clip is not None:
+            argv += ["--critic.value_clip", repr(ppo.value_clip)]
+    for key in ("entropy_cutoff", "aggregation", "tau"):
+        value = getattr(seg, key)
+        if value is not None:
+            argv += [f"--ext.{key}", str(value)]
+    if normalizer_path is not None:
+        argv += ["--ext.normalizer", normalizer_path]
+    if t.save_steps:
+        argv += ["--ckpt.save_steps", str(t.save_steps)]
+    if t.resume:
+        argv += ["--ckpt.load_enable"]
+    if t.gradient_checkpointing:
+        argv += ["--actor.gradient_checkpointing_enable"]
+    return argv + flags_from_mapping(t.openrlhf_args)
+
+
+def prepare_run(recipe) -> tuple[list[str], dict[str, Any]]:
+    """Resolve models, write the prompt file, fit the normalizer if needed; returns (argv, paths)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_ext.resources import resolve_dataset, resolve_model
+    from rlhf_ext.segment.calibration import fit_normalizer, model_id
+    from rlhf_ext.trl.segment_ppo import load_prompts
+    from rlhf_ext.utils import atomic_write_text
+
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    out = recipe.train.output_dir
+    os.makedirs(out, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
+    prompts = load_prompts(recipe.data, tokenizer)
+    prompts_file = os.path.join(out, "prompts.jsonl")
+    atomic_write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts["prompt"]))
+    normalizer_path = recipe.model.normalizer
+    seg = recipe.segment
+    if normalizer_path is None and seg.granularity != "bandit" and seg.normalizer_kind != "none":
+        if recipe.data.calibration is None:
+            raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
+        from rlhf_ext.segment.data import load_segment_settings
+
+        settings = load_segment_settings(recipe.model.reward_model)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        normalizer = fit_normalizer(
+            AutoModelForSequenceClassification.from_pretrained(recipe.model.reward_model, num_labels=1).to(device),
+            AutoModelForCausalLM.from_pretrained(recipe.model.sft_model).to(device),
+            tokenizer,
+            resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split],
+            kind=seg.normalizer_kind,
+            basis=seg.normalizer_basis,
+            granularity=seg.granularity,
+            entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else settings["entropy_cutoff"],
+            aggregation=seg.aggregation or settings["aggregation"],
+            tau=seg.tau if seg.tau is not None else settings["tau"],
+            reward_model_id=model_id(recipe.model.reward_model),
+            max_pairs=recipe.data.max_calibration_pairs,
+        )
+        normalizer_path = os.path.join(out, "normalizer.json")
+        normalizer.save(normalizer_path)
+    return recipe_to_argv(recipe, prompts_file, normalizer_path), {"prompts": prompts_file, "normalizer": normalizer_path}
+
+
+def train_segment_ppo(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with OpenRLHF's Ray PPO (GPUs required)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "the OpenRLHF engine runs PPO on Ray with vLLM rollouts, which needs GPUs; on a CPU machine use "
+            "`engine: trl` (the same recipe runs with the TRL engine)"
+        )
+    argv, paths = prepare_run(recipe)
+    run_train_ppo_ray(argv)
+    return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}
