@@ -93,10 +93,10 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Open sessions / load models and check the backend can serve requests."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release sessions, threads and models."""
 
     @abc.abstractmethod
@@ -450,7 +450,8 @@ def make_backend(spec, bank: PhraseBank | None = None) -> Backend:
     if spec.backend == "offline":
         from rlhf_ext.datagen.phrasebank import load_phrase_bank
 
-        return OfflineBackend(bank if bank is not None else load_phrase_bank(spec.phrase_bank), spec.markers_per_response)
+        bank = bank if bank is not None else load_phrase_bank(spec.phrase_bank)
+        return OfflineBackend(bank, spec.markers_per_response)
     if spec.backend == "hf":
         return HFBackend(spec.model)
     if spec.backend == "openai":

@@ -134,7 +134,9 @@ class GenerationPlan:
             f"drift: {self.drift['type']} / mode {self.drift['mode']}"
             + (f" / {self.drift['cycles']} cycles" if self.drift["cycles"] > 1 else "")
             + (f" / C = {self.drift['lipschitz_constant']}" if self.drift["lipschitz_constant"] else ""),
-            f"backend: {gen.backend}" + (f" ({gen.model})" if gen.model else "") + f", mode {gen.response_mode}"
+            f"backend: {gen.backend}"
+            + (f" ({gen.model})" if gen.model else "")
+            + f", mode {gen.response_mode}"
             + (f", judge {gen.resolved_judge()}" if gen.response_mode == "judged" else ""),
         ]
         for st in self.stages:
@@ -276,9 +278,8 @@ class _Runner:
         ctx = {"objective_kind": job.task.objective_kind, "seed_words": words, "style": job.task.style, "axes": axes}
         meta = PROMPT_MAPPER.meta_prompt(task, words)
         seeds = [derive_seed(job.seed, k) for k in range(4)]
-        prompt = PROMPT_MAPPER.finalize(
-            task, _text(await self.backend.complete(self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)))
-        )
+        request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
+        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request)))
         info: dict[str, Any] = {"axes": [list(a) for a in axes]}
         if gen.response_mode == "pair":
             request = self._request(

@@ -70,7 +70,10 @@ AXIS_LINE = "On a scale of 1 to 5 where 1 is {low} and 5 is {high}, the response
 
 _HEADER = r"[ \t]*\**[ \t]*{name}[ \t]*\**[ \t]*:[ \t]*\**"
 _PAIR_RE = re.compile(
-    r"^\s*" + _HEADER.format(name="CHOSEN") + r"(?P<chosen>.*?)\n" + _HEADER.format(name="REJECTED")
+    r"^\s*"
+    + _HEADER.format(name="CHOSEN")
+    + r"(?P<chosen>.*?)\n"
+    + _HEADER.format(name="REJECTED")
     + r"(?P<rejected>.*?)\s*$",
     re.DOTALL | re.IGNORECASE,
 )
