@@ -40,7 +40,9 @@ def _load(path: str):
 
 def _save(ds, out: str) -> None:
     ds.save(out)
-    click.echo(f"wrote {ds!r} to {out}")
+    train = sum(len(d["train"]) for d in ds)
+    test = sum(len(d["test"]) for d in ds)
+    click.echo(f"wrote {len(ds)} stages ({train} train / {test} test rows) to {out}")
 
 
 def _backend_overrides(backend, model, api_base, max_concurrency, seed, fmt) -> list[str]:

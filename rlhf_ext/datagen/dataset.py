@@ -174,7 +174,9 @@ class ContinualDataset(collections.abc.Sequence):
             for info, dd in zip(meta["stages"], self.stages):
                 info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
                 info["train"], info["test"] = len(dd["train"]), len(dd["test"])
-                dd.save_to_disk(str(tmp / _stage_dirname(info)))
+                # one shard per split: datasets writes no shard for an empty split unless asked, and then cannot
+                # load it back
+                dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
         atomic_write_json(path / METADATA_FILE, meta)
         _umask_modes(path / STAGES_DIR, path / METADATA_FILE)
         self.metadata = meta

@@ -17,8 +17,9 @@ finished sample is already in the cache.
 
 After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format
 and the seeded train/test split applied there) and saved. The dataset (``stages/`` and ``continual_dataset.json``)
-depends only on the config and seed, so with the ``offline`` backend it is byte-identical whatever
-``max_concurrency`` is and however often the run was interrupted.
+depends only on the config and seed, so with the ``offline`` backend the same config and seed give byte-identical
+files however often the run was interrupted; the stage data is also identical for any ``max_concurrency`` (which
+the metadata records as part of the config).
 """
 
 from __future__ import annotations
@@ -139,9 +140,12 @@ class GenerationPlan:
             + f", mode {gen.response_mode}"
             + (f", judge {gen.resolved_judge()}" if gen.response_mode == "judged" else ""),
         ]
+        width = max(len(st.name) for st in self.stages)
         for st in self.stages:
             mix = ", ".join(f"{k} {w:.2f}" for k, w in sorted(st.weights.items()))
-            lines.append(f"  [{st.index:3d}] {st.name:40s} n={st.num_samples:<6d} test={st.test_ratio:.2f}  {mix}")
+            lines.append(
+                f"  [{st.index:3d}] {st.name:{width}s}  n={st.num_samples:<6d} test={st.test_ratio:.2f}  {mix}"
+            )
         return "\n".join(lines)
 
 

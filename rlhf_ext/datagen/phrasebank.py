@@ -69,6 +69,11 @@ class ObjectiveEntry:
         self.triggers = [t.lower() for t in self.triggers]
         if not self.prompt_templates or not self.content_sentences:
             raise ValueError("prompt_templates and content_sentences must not be empty")
+        missing = [t for t in self.prompt_templates if "{topic}" not in t]
+        if missing:
+            raise ValueError(
+                f"every prompt template must mention all seed words ({{topic}}); this one does not: {missing[0]!r}"
+            )
 
 
 @dataclass

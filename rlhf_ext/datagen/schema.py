@@ -278,8 +278,9 @@ class GenerationSpec:
         return self.judge
 
     def content_fingerprint(self) -> dict[str, Any]:
-        """Settings that change what a sample's text is (part of every cache key). Concurrency, timeouts, retries,
-        the swap probability and the output format do not: they are applied without regenerating."""
+        """Settings that change what a sample's text is (part of every cache key). The server address, concurrency,
+        timeouts, retries, the swap probability and the output format do not: a restarted server on another port
+        resumes the same cache, and swap/format are applied without regenerating."""
         keys = (
             "backend",
             "model",
@@ -293,8 +294,6 @@ class GenerationSpec:
         )
         fp = {k: getattr(self, k) for k in keys}
         fp["judge"] = self.resolved_judge() if self.response_mode == "judged" else None
-        if self.backend == "openai":
-            fp["api_base"] = self.api_base
         return fp
 
 
