@@ -160,9 +160,8 @@ def test_api_key_comes_from_the_environment_and_is_never_written(tmp_path, monke
     for p in out.rglob("*"):
         if p.is_file():
             assert secret.encode() not in p.read_bytes(), p
-    with FakeChatServer(api_key="another-key") as server:
-        with pytest.raises(BackendUnavailable) as err:
-            generate_dataset(cfg, tmp_path / "out2", backend=backend(server, api_key_env="RLHF_EXT_TEST_KEY"))
+    with FakeChatServer(api_key="another-key") as server, pytest.raises(BackendUnavailable) as err:
+        generate_dataset(cfg, tmp_path / "out2", backend=backend(server, api_key_env="RLHF_EXT_TEST_KEY"))
     assert "rejected the credentials (HTTP 401); check $RLHF_EXT_TEST_KEY" in str(err.value)
     assert secret not in str(err.value) and secret not in capsys.readouterr().err
 
@@ -173,9 +172,11 @@ def test_unreachable_server_and_unknown_model_fail_clearly(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(BackendUnavailable, match=r"cannot reach the chat-completions server .*vllm serve"):
         generate_dataset(config(n=1), tmp_path / "a", backend=OpenAIBackend(f"http://127.0.0.1:{port}/v1"))
-    with FakeChatServer() as server:
-        with pytest.raises(BackendUnavailable, match="model 'other' is not served .* it serves: fake-model"):
-            generate_dataset(config(n=1), tmp_path / "b", backend=backend(server, model="other"))
+    with (
+        FakeChatServer() as server,
+        pytest.raises(BackendUnavailable, match="model 'other' is not served .* it serves: fake-model"),
+    ):
+        generate_dataset(config(n=1), tmp_path / "b", backend=backend(server, model="other"))
 
 
 def test_rejected_requests_are_skipped_for_good(tmp_path):
