@@ -447,6 +447,7 @@ async def agenerate_dataset(
     out = Path(output_dir)
     counts: Counter = Counter()
     started = time.monotonic()
+    generating = 0.0
     with SampleCache(out / CACHE_DIR) as cache:
         pending = [job for job in plan.jobs if job.key not in cache]
         reused = len(plan.jobs) - len(pending)
@@ -454,7 +455,9 @@ async def agenerate_dataset(
             with _progress_bar(len(plan.jobs), reused, config.name, progress) as bar:
                 await backend.start()
                 try:
+                    t0 = time.monotonic()
                     await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency)
+                    generating = time.monotonic() - t0
                 except BackendUnavailable as e:
                     done = sum(1 for job in plan.jobs if job.key in cache)
                     raise BackendUnavailable(
@@ -470,6 +473,8 @@ async def agenerate_dataset(
         run = {
             "time": time.time(),
             "elapsed_s": round(elapsed, 3),
+            "generate_s": round(generating, 3),
+            "samples_per_s": round(len(pending) / generating, 2) if generating > 0 else None,
             "planned": len(plan.jobs),
             "reused": reused,
             "attempted": len(pending),
