@@ -193,7 +193,7 @@ class HFBackend(Backend):
             path = resolve_model(self.model_spec)
             self._tokenizer = AutoTokenizer.from_pretrained(path)
             self._model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.dtype))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RuntimeError) as e:
             raise BackendUnavailable(
                 f"cannot load the hf model {self.model_spec!r} ({type(e).__name__}: {e}); pass a local checkpoint "
                 "directory, builtin:smollm2 or builtin:tiny-sft (no model hub on this machine)"

@@ -233,12 +233,12 @@ def _user(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def _text(completion: ChatCompletion) -> str:
+def _text(completion: ChatCompletion, request: ChatRequest) -> str:
     if completion.finish_reason == "length":
-        raise _Skip("truncated")
+        raise _Skip("truncated", f"the {request.kind} answer hit max_tokens={request.max_tokens}")
     text = completion.text.strip()
     if not text:
-        raise _Skip("empty_output")
+        raise _Skip("empty_output", f"the {request.kind} answer is empty")
     return text
 
 
@@ -254,6 +254,12 @@ async def _gather(*aws):
         raise
 
 
+def _record(job: SampleJob, **fields: Any) -> dict[str, Any]:
+    """A cache record: the job's identity plus ``status`` and its payload."""
+    ident = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
+    return {**ident, "task": job.task.spec.name, **fields}
+
+
 class _Runner:
     def __init__(self, plan: GenerationPlan, backend: Backend, bank: PhraseBank):
         self.plan = plan
@@ -266,13 +272,13 @@ class _Runner:
 
     async def sample(self, job: SampleJob) -> dict[str, Any]:
         """Generate one sample; returns its cache record (``status`` ok or skipped)."""
-        base = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
-        base["task"] = job.task.spec.name
         try:
             sample, info = await self._generate(job)
         except _Skip as s:
-            return {**base, "status": "skipped", "reason": s.reason, "detail": str(s)[:200]}
-        return {**base, "status": "ok", "sample": sample, "info": info}
+            return _record(job, status="skipped", reason=s.reason, detail=str(s)[:200])
+        except RequestRejected as e:
+            return _record(job, status="skipped", reason="request_rejected", detail=str(e)[:200])
+        return _record(job, status="ok", sample=sample, info=info)
 
     async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
         task, gen = job.task.spec, self.gen
@@ -283,14 +289,14 @@ class _Runner:
         meta = PROMPT_MAPPER.meta_prompt(task, words)
         seeds = [derive_seed(job.seed, k) for k in range(4)]
         request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
-        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request)))
+        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
         info: dict[str, Any] = {"axes": [list(a) for a in axes]}
         if gen.response_mode == "pair":
             request = self._request(
                 "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
             )
             try:
-                chosen, rejected = parse_pair(_text(await self.backend.complete(request)))
+                chosen, rejected = parse_pair(_text(await self.backend.complete(request), request))
             except UnparseableOutput as e:
                 raise _Skip("pair_unparseable", str(e)) from None
         else:
@@ -305,7 +311,8 @@ class _Runner:
                 )
                 for k, stance in enumerate(stances)
             ]
-            first, second = [_text(c) for c in await _gather(*(self.backend.complete(r) for r in requests))]
+            answers = await _gather(*(self.backend.complete(r) for r in requests))
+            first, second = [_text(c, r) for c, r in zip(answers, requests)]
             verdict = await self.judge.judge(task, job.task.style, prompt, first, second, seeds[3])
             if verdict.winner is None:
                 raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
@@ -348,9 +355,6 @@ async def _run_jobs(
         for job in jobs:  # one shared iterator: every job is taken exactly once
             try:
                 record = await runner.sample(job)
-            except RequestRejected as e:
-                record = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
-                record.update(task=job.task.spec.name, status="skipped", reason="request_rejected", detail=str(e)[:200])
             except BackendUnavailable:
                 raise
             except BackendError as e:

@@ -220,7 +220,7 @@ class GenerationSpec:
         backend: ``offline`` (deterministic, model-free), ``hf`` (local transformers model) or ``openai`` (any
             OpenAI-compatible chat-completions server, e.g. ``vllm serve``).
         model: hf: a path, hub id or ``builtin:smollm2``; openai: the served model name (default: the only model
-            the server lists).
+            the server lists; name it explicitly to keep cache keys stable if the server may change).
         api_base: openai: base URL up to ``/v1``.
         api_key_env: openai: name of the environment variable holding the API key. The key itself is never read
             from a file, logged or saved.

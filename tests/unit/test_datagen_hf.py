@@ -70,15 +70,15 @@ def test_smollm2_generates_a_small_dataset(tmp_path, cache_dir):
     ds = generate_dataset(
         "continual-piecewise-qa",
         tmp_path / "out",
-        num_samples=2,
+        num_samples=1,
         overrides=[
             "generation.backend=hf",
             "generation.model=builtin:smollm2",
-            "generation.max_tokens_prompt=60",
-            "generation.max_tokens_response=300",
+            "generation.max_tokens_prompt=160",
+            "generation.max_tokens_response=600",
             "generation.temperature=0.7",
         ],
         progress=False,
     )
     stats = ds.metadata["stats"]
-    assert stats["generated"] + stats["skipped"] == stats["planned"] == 8 and stats["missing"] == 0
+    assert stats["generated"] + stats["skipped"] == stats["planned"] == 4 and stats["missing"] == 0
