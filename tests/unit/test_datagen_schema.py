@@ -171,3 +171,18 @@ def test_cli_reports_bad_yaml_with_the_key(tmp_path):
     assert not (tmp_path / "out").exists()
     result = CliRunner().invoke(main, ["data", "generate", "no-such-config", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "packaged configs: continual-lipschitz" in result.output
+
+
+def test_datagen_and_the_cli_stay_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlhf_ext, rlhf_ext.cli\n"
+        "from rlhf_ext.datagen import plan_generation\n"
+        "plan_generation('continual-mixed', num_samples=2)\n"
+        "heavy = ('trl', 'openrlhf', 'deepspeed', 'ray', 'vllm', 'torch', 'transformers', 'datasets', 'aiohttp')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
