@@ -35,7 +35,6 @@ METADATA_FILE = "continual_dataset.json"
 STAGES_DIR = "stages"
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
-EXTRA_COLUMNS = ("source_task", "style", "seed_words", "sample_id", "swapped")
 
 
 def features(fmt: str):

@@ -171,11 +171,15 @@ def transition_mode(a: TaskSpec, b: TaskSpec) -> str:
 def drift_summary(config: DatagenConfig) -> dict[str, Any]:
     """Type and modes of drift of ``config``: one mode per transition between consecutive anchors, and overall."""
     anchors = _anchor_names(config)
-    transitions = []
-    for (a, ca), (b, cb) in zip(anchors, anchors[1:]):
-        mode = transition_mode(config.task(a), config.task(b))
-        transitions.append({"from": _label(a, ca, config.drift.cycles), "to": _label(b, cb, config.drift.cycles)})
-        transitions[-1]["mode"] = mode
+    cycles = config.drift.cycles
+    transitions = [
+        {
+            "from": _label(a, ca, cycles),
+            "to": _label(b, cb, cycles),
+            "mode": transition_mode(config.task(a), config.task(b)),
+        }
+        for (a, ca), (b, cb) in zip(anchors, anchors[1:])
+    ]
     modes = {t["mode"] for t in transitions} - {"none"}
     if not modes:
         overall = "none"
