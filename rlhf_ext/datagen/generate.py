@@ -274,6 +274,7 @@ class _Runner:
         """Generate one sample; returns its cache record (``status`` ok or skipped)."""
         try:
             sample, info = await self._generate(job)
+            info["model"] = self.backend.describe().get("model")
         except _Skip as s:
             return _record(job, status="skipped", reason=s.reason, detail=str(s)[:200])
         except RequestRejected as e:
@@ -381,13 +382,15 @@ async def _run_jobs(
         await asyncio.gather(*workers, return_exceptions=True)
 
 
-def assemble(plan: GenerationPlan, cache: SampleCache, backend_info: dict[str, Any]) -> ContinualDataset:
-    """Build the ``ContinualDataset`` from cached records, in stage and index order."""
+def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
+    """Build the ``ContinualDataset`` from cached records, in stage and index order. Depends only on the plan and
+    the cache (never on the current run), so a rerun that generates nothing rewrites the same bytes."""
     config = plan.config
     fmt = config.output.format
     swap_p = config.generation.preference_swap
     stages, infos = [], []
     totals: Counter = Counter()
+    models: set[str] = set()
     for stage in plan.stages:
         rows, skipped, sources, missing = [], Counter(), Counter(), 0
         for job in plan.jobs_by_stage.get(stage.index, []):
@@ -399,6 +402,8 @@ def assemble(plan: GenerationPlan, cache: SampleCache, backend_info: dict[str, A
                 skipped[record["reason"]] += 1
                 continue
             row = dict(record["sample"])
+            if record.get("info", {}).get("model"):
+                models.add(record["info"]["model"])
             row["sample_id"] = job.key
             row["swapped"] = swap_decision(job.key, swap_p, config.seed)
             if row["swapped"]:
@@ -429,7 +434,11 @@ def assemble(plan: GenerationPlan, cache: SampleCache, backend_info: dict[str, A
         },
         "stages": infos,
         "stats": {"planned": len(plan.jobs), **dict(sorted(totals.items()))},
-        "generator": {**backend_info, "rlhf_ext_version": __version__},
+        "generator": {
+            "backend": config.generation.backend,
+            "models": sorted(models),  # as the backend reported them (e.g. resolved from the server's /models)
+            "rlhf_ext_version": __version__,
+        },
     }
     return ContinualDataset(stages, metadata)
 
@@ -472,7 +481,7 @@ async def agenerate_dataset(
                 finally:
                     await backend.close()
         cache.sync()
-        dataset = assemble(plan, cache, backend.describe())
+        dataset = assemble(plan, cache)
         dataset.save(out)
         elapsed = time.monotonic() - started
         run = {

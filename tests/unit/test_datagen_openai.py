@@ -143,7 +143,7 @@ def test_concurrency_is_bounded_and_used(tmp_path):
     assert server.requests == 2 * 24 and ds.metadata["stats"]["generated"] == 24
     row = ds[0]["train"][0]
     assert row["chosen"].startswith("A careful answer") and row["rejected"].startswith("A careless answer")
-    assert ds.metadata["generator"]["model"] == "fake-model"  # resolved from GET /models
+    assert ds.metadata["generator"]["models"] == ["fake-model"]  # resolved from GET /models
 
 
 def test_api_key_comes_from_the_environment_and_is_never_written(tmp_path, monkeypatch, capsys):
