@@ -11,6 +11,7 @@ Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is inst
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from importlib import resources
@@ -81,11 +82,12 @@ def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str,
     if engine is not None:
         recipe.engine = engine
     summary = run_segment_rm(recipe)
-    _print_rm_summary(summary)
+    print_rm_summary(summary)
 
 
-def _print_rm_summary(summary: dict) -> None:
-    if not summary:
+def print_rm_summary(summary: dict) -> None:
+    """Print where a segment reward-model run left its checkpoint, accuracy and report (rank 0 only)."""
+    if not summary or os.environ.get("RANK", "0") != "0":
         return
     ev = summary.get("eval", {})
     click.echo("")
@@ -165,7 +167,7 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
         click.echo(view.as_text())
     if html_path:
         atomic_write_text(html_path, render_html([view]))
-        click.echo(f"html: {html_path}")
+        click.echo(f"html: {html_path}", err=as_json)
 
 
 # ---------------------------------------------------------------------------------------------------------- demo
@@ -181,7 +183,7 @@ def demo(out: str, overrides: tuple[str, ...]) -> None:
         recipe = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_tiny"), (f"train.output_dir={out}", *overrides))
     except RecipeError as e:
         _fail(str(e))
-    _print_rm_summary(run_segment_rm(recipe))
+    print_rm_summary(run_segment_rm(recipe))
 
 
 if __name__ == "__main__":

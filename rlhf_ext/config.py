@@ -118,7 +118,10 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = (
+                difflib.get_close_matches(str(key), list(fields), n=1)
+                or [f for f in fields if str(key) in f or f in str(key)][:1]
+            )
             hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
             valid = ", ".join(sorted(fields))
             raise RecipeError(f"unknown key '{path}'{hint}; valid keys here: {valid}")

@@ -17,9 +17,29 @@ from rlhf_ext.segment.core import (
     segment_ids,
     token_entropy,
 )
+from rlhf_ext.segment.dense import (
+    GRANULARITIES,
+    INTERPOLATIONS,
+    DenseRewards,
+    RewardValueError,
+    calibration_points,
+    dense_segment_rewards,
+    interpolate_rewards,
+)
+from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer, NormalizerError
 
 __all__ = [
     "AGGREGATIONS",
+    "GRANULARITIES",
+    "INTERPOLATIONS",
+    "NORMALIZER_KINDS",
+    "DenseRewards",
+    "LocationNormalizer",
+    "NormalizerError",
+    "RewardValueError",
+    "calibration_points",
+    "dense_segment_rewards",
+    "interpolate_rewards",
     "DEFAULT_ENTROPY_CUTOFF",
     "DEFAULT_TAU",
     "Segments",

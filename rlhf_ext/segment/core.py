@@ -167,21 +167,20 @@ def segment_ids(starts: Tensor, action_mask: Tensor) -> Segments:
         raise ValueError(f"starts {tuple(starts.shape)} and action_mask {tuple(action_mask.shape)} must match")
     action_mask = action_mask.bool()
     starts = (starts.bool() & action_mask) | first_response_tokens(action_mask)
-    run = torch.cumsum(starts.long(), dim=1) - 1
-    ids = torch.where(action_mask, run, torch.full_like(run, -1))
-    counts = starts.long().sum(dim=1)
-    num_seg = max(int(counts.max().item()) if counts.numel() else 0, 1)
-    b = ids.shape[0]
-    lengths = torch.zeros(b, num_seg + 1, dtype=torch.long, device=ids.device)
-    # index num_seg collects the -1 (non-response) positions and is dropped.
-    lengths.scatter_add_(1, torch.where(action_mask, ids, num_seg), torch.ones_like(ids))
-    lengths = lengths[:, :num_seg]
+    ids = torch.cumsum(starts, dim=1)  # long; one [B, T] integer allocation, reused in place
+    ids.sub_(1).masked_fill_(~action_mask, -1)
+    # a token ends its segment when the next position is outside the response or starts a new segment
+    ends = action_mask.clone()
+    ends[:, :-1] &= ~action_mask[:, 1:] | starts[:, 1:]
+    counts = starts.sum(dim=1)
+    num_seg = max(int(counts.max()) if counts.numel() else 0, 1)
     seg_index = torch.arange(num_seg, device=ids.device).unsqueeze(0)
     mask = seg_index < counts.unsqueeze(1)
+    # token counts per segment; positions outside the response go to a spare column (index num_seg) that is dropped
+    lengths = torch.zeros(ids.shape[0], num_seg + 1, dtype=torch.long, device=ids.device)
+    lengths.scatter_add_(1, ids.remainder(num_seg + 1), torch.ones_like(ids))
+    lengths = lengths[:, :num_seg]
     locations = torch.where(mask, (seg_index + 1).float() / counts.clamp_min(1).unsqueeze(1).float(), 0.0)
-    nxt = torch.full_like(ids, -2)
-    nxt[:, :-1] = ids[:, 1:]
-    ends = action_mask & (nxt != ids)
     return Segments(ids=ids, lengths=lengths, counts=counts, locations=locations, mask=mask, ends=ends)
 
 
@@ -202,10 +201,8 @@ def gather_segment_rewards(token_scores: Tensor, segments: Segments) -> Tensor:
             f"token_scores {tuple(token_scores.shape)} must have the shape of the segment ids "
             f"{tuple(segments.ids.shape)}"
         )
-    b_idx, t_idx = segments.ends.nonzero(as_tuple=True)
-    s_idx = segments.ids[b_idx, t_idx]
-    out = token_scores.new_zeros(segments.mask.shape)
-    return out.index_put((b_idx, s_idx), token_scores[b_idx, t_idx])
+    # segment ends in row-major order fill each row's leading ``counts[b]`` slots (see segment_ids)
+    return token_scores.new_zeros(segments.mask.shape).masked_scatter(segments.mask, token_scores[segments.ends])
 
 
 def aggregate_segments(

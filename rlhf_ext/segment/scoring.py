@@ -21,7 +21,7 @@ def find_score_head(model) -> torch.nn.Module:
     inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
     if hasattr(inner, "get_base_model"):  # PEFT
         inner = inner.get_base_model()
-    head = getattr(inner, "score", None)
+    head = getattr(inner, getattr(inner, "value_head_prefix", "score"), None)  # OpenRLHF names its head
     if not isinstance(head, torch.nn.Module):
         raise TypeError(
             f"{type(model).__name__} has no `score` head; a segment reward model needs a sequence-classification "
@@ -62,6 +62,42 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
         return capture.pop().float()
     finally:
         capture.remove()
+
+
+@torch.no_grad()
+def preference_accuracy(
+    model,
+    prepared_rows,
+    entropy_cutoff: float,
+    aggregation: str = "softmax",
+    tau: float = 0.5,
+    batch_size: int = 16,
+) -> dict[str, float]:
+    """Held-out accuracy of a segment reward model: the fraction of pairs with e(x, y_w) > e(x, y_l).
+
+    Args:
+        model: a sequence-classification reward model, or the path of one.
+        prepared_rows: a dataset prepared by :func:`rlhf_ext.segment.data.prepare_segment_dataset`.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_ext.segment.data import collate_segment_pairs
+
+    if isinstance(model, str):
+        model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1, dtype=torch.float32)
+    model.eval()
+    pad = model.config.pad_token_id or 0
+    correct, segments, total = 0, 0.0, 0
+    for start in range(0, len(prepared_rows), batch_size):
+        rows = prepared_rows.select(range(start, min(start + batch_size, len(prepared_rows))))
+        batch = collate_segment_pairs(list(rows), pad)
+        scores = token_scores(model, batch["input_ids"], batch["attention_mask"])
+        ev = evaluate_sequences(scores, batch["entropy"], batch["action_mask"], entropy_cutoff, aggregation, tau)
+        chosen, rejected = ev.values.chunk(2)
+        correct += int((chosen > rejected).sum())
+        segments += float(ev.segments.counts.float().sum())
+        total += chosen.numel()
+    return {"eval_accuracy": correct / total, "eval_segments_per_response": segments / (2 * total)}
 
 
 @dataclass

@@ -15,24 +15,25 @@ def reference_segment_rewards(
     token_scores: torch.Tensor, entropy: torch.Tensor, action_mask: torch.Tensor, cutoff: float
 ) -> list[list[tuple[int, int, float]]]:
     """For each row: a list of (start, end_inclusive, reward) segments, reward = score at the segment's last token."""
+    scores, ent, mask = token_scores.tolist(), entropy.tolist(), action_mask.tolist()
     out = []
-    for b in range(token_scores.shape[0]):
+    for row_scores, row_ent, row_mask in zip(scores, ent, mask):
         segs: list[tuple[int, int, float]] = []
         start = None
-        for t in range(token_scores.shape[1]):
-            if not bool(action_mask[b, t]):
+        for t, in_response in enumerate(row_mask):
+            if not in_response:
                 if start is not None:
-                    segs.append((start, t - 1, float(token_scores[b, t - 1])))
+                    segs.append((start, t - 1, row_scores[t - 1]))
                     start = None
                 continue
             if start is None:
                 start = t
-            elif float(entropy[b, t]) > cutoff:
-                segs.append((start, t - 1, float(token_scores[b, t - 1])))
+            elif row_ent[t] > cutoff:
+                segs.append((start, t - 1, row_scores[t - 1]))
                 start = t
         if start is not None:
-            t = token_scores.shape[1] - 1
-            segs.append((start, t, float(token_scores[b, t])))
+            last = len(row_mask) - 1
+            segs.append((start, last, row_scores[last]))
         out.append(segs)
     return out
 

@@ -144,11 +144,6 @@ class SegmentRewardTrainer(RewardTrainer):
             entropy_batch_size=args.entropy_batch_size,
             cache_dir=args.segment_cache_dir,
         )
-        if sft_model is None and args.sft_model_name_or_path is None:
-            raise ValueError(
-                "the segment reward model needs the SFT model for segmentation: pass sft_model= or set "
-                "SegmentRewardConfig.sft_model_name_or_path"
-            )
         train_dataset = prepare_segment_dataset(train_dataset, **prepare)
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare_segment_dataset(v, **prepare) for k, v in eval_dataset.items()}

@@ -1,0 +1,224 @@
+"""Make OpenRLHF 0.11.2 importable and runnable on a CPU-only machine, without changing it on a GPU machine.
+
+Two independent pieces, both no-ops where they are not needed:
+
+* :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
+  when) those packages are missing, it registers placeholder modules under their names whose every function and
+  class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
+  loudly. OpenRLHF's own test suite does the same.
+* :func:`patch_for_cpu` — when CUDA is unavailable, replaces the few strategy helpers that call CUDA
+  unconditionally (measured in ENGINES.md): DeepSpeed's shared-memory comm-op build, ``setup_distributed`` (gloo
+  and a ``cpu`` device mesh), ``all_reduce``/``all_gather`` (no move to ``cuda.current_device()``),
+  ``torch.cuda.synchronize`` (a no-op without CUDA), and the DeepSpeed optimizer config (``torch_adam``, avoiding
+  the fused-Adam C++ build).
+
+Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from datetime import timedelta
+from typing import Any
+
+OPENRLHF_VERSION = "0.11.2"
+
+#: Names OpenRLHF 0.11.2 imports from GPU-only packages (``grep -rn "flash_attn\|vllm" openrlhf``).
+_SHIMS: dict[str, dict[str, str]] = {
+    "flash_attn": {},
+    "flash_attn.bert_padding": {
+        "index_first_axis": "func",
+        "pad_input": "func",
+        "rearrange": "func",
+        "unpad_input": "func",
+    },
+    "flash_attn.utils": {},
+    "flash_attn.utils.distributed": {"all_gather": "func"},
+    "flash_attn.ops": {},
+    "flash_attn.ops.triton": {},
+    "flash_attn.ops.triton.cross_entropy": {"cross_entropy_loss": "func"},
+    "vllm": {"SamplingParams": "class", "LLM": "class"},
+    "vllm.inputs": {"TokensPrompt": "class"},
+    "vllm.utils": {"random_uuid": "func"},
+}
+_SHIM_MARKER = "__rlhf_ext_shim__"
+
+
+def _unavailable(package: str, name: str):
+    message = (
+        f"{package}.{name} is not available: '{package}' is not installed on this machine. This OpenRLHF code path "
+        f"needs a GPU install (`pip install {'flash-attn' if package == 'flash_attn' else 'vllm'}`)."
+    )
+
+    def raiser(*args: Any, **kwargs: Any):
+        raise RuntimeError(message)
+
+    return raiser, message
+
+
+def install_import_shims() -> list[str]:
+    """Register placeholder ``flash_attn`` / ``vllm`` modules if (and only if) the real ones are missing.
+
+    Returns the module names that were shimmed (empty on a GPU machine with both installed).
+    """
+    installed = []
+    for root in ("flash_attn", "vllm"):
+        if root in sys.modules or importlib.util.find_spec(root) is not None:
+            continue
+        for name, attrs in _SHIMS.items():
+            if name.split(".")[0] != root:
+                continue
+            module = types.ModuleType(name)
+            setattr(module, _SHIM_MARKER, True)
+            module.__path__ = []  # a package, so submodules resolve
+            # find_spec() must work on it (transformers probes flash_attn that way); with no __file__ and no
+            # __version__, transformers treats it as "not installed", which is the truth.
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            for attr, kind in attrs.items():
+                raiser, message = _unavailable(root, attr)
+                if kind == "class":
+                    setattr(module, attr, type(attr, (), {"__init__": raiser, "__doc__": message}))
+                else:
+                    setattr(module, attr, raiser)
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, module)
+            installed.append(name)
+    return installed
+
+
+def is_shim(module_name: str) -> bool:
+    """True if ``module_name`` is one of our placeholder modules rather than the real package."""
+    return bool(getattr(sys.modules.get(module_name), _SHIM_MARKER, False))
+
+
+def check_version() -> None:
+    from importlib.metadata import version
+
+    found = version("openrlhf")
+    if found != OPENRLHF_VERSION:
+        raise RuntimeError(
+            f"rlhf-ext's OpenRLHF adapters are written against openrlhf=={OPENRLHF_VERSION} (they subclass private "
+            f"parts of it); found {found}. Install `openrlhf=={OPENRLHF_VERSION}`."
+        )
+
+
+def ensure_single_process_env() -> None:
+    """Fill in the torch.distributed rendezvous variables for a plain ``python`` run (launchers set them)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def _cpu_setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
+    """``DeepspeedStrategy.setup_distributed`` without CUDA: gloo backend and a ``cpu`` device mesh."""
+    import deepspeed
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if self.full_determinism:
+        transformers.enable_full_determinism(self.seed)
+    else:
+        transformers.set_seed(self.seed)
+    if self.args.local_rank != -1:
+        os.environ["LOCAL_RANK"] = str(self.args.local_rank)
+    ensure_single_process_env()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+    self.world_size = dist.get_world_size()
+    dp_size = self.world_size // self.ring_attn_size // self.ds_tensor_parallel_size
+    self.ds_device_mesh = init_device_mesh(
+        "cpu", (dp_size, self.ring_attn_size, self.ds_tensor_parallel_size), mesh_dim_names=("dp", "sp", "tp")
+    )
+    self.setup_ring_attn(self.ds_device_mesh)
+    self.accumulated_gradient = (
+        self.train_batch_size
+        * self.ring_attn_size
+        * self.ds_tensor_parallel_size
+        // self.micro_train_batch_size
+        // self.world_size
+    )
+
+
+def _cpu_all_reduce(self, data, op: str = "mean"):
+    """``DeepspeedStrategy.all_reduce`` for CPU tensors (the stock one moves them to ``cuda.current_device()``)."""
+    import torch
+    import torch.distributed as dist
+
+    if op not in ("mean", "max", "sum"):
+        raise ValueError(f"op must be mean, max or sum, got {op!r}")
+    if isinstance(data, dict):
+        return {k: _cpu_all_reduce(self, v, op) for k, v in data.items()}
+    is_tensor = isinstance(data, torch.Tensor)
+    tensor = (data.detach().clone() if is_tensor else torch.tensor([float(data)])).cpu()
+    if op == "mean":
+        tensor = tensor / self.world_size
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return tensor if is_tensor else tensor.item()
+
+
+def _cpu_all_gather(self, data):
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(data, dict):
+        return {k: _cpu_all_gather(self, v) for k, v in data.items()}
+    tensor = data if isinstance(data, torch.Tensor) else torch.tensor([float(data)])
+    out = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+    dist.all_gather(out, tensor)
+    return torch.cat(out)
+
+
+def _with_torch_adam(original):
+    def get_ds_train_config(self, optim_dict=None, **kwargs):
+        config = original(self, optim_dict, **kwargs)
+        optimizer = config.get("optimizer")
+        if optimizer is not None and optimizer.get("type") in ("Adam", "AdamW"):
+            optimizer.setdefault("params", {})["torch_adam"] = True
+        return config
+
+    get_ds_train_config.__wrapped__ = original
+    return get_ds_train_config
+
+
+_PATCHED = False
+
+
+def patch_for_cpu() -> bool:
+    """Apply the CPU patches if CUDA is unavailable. Returns True if patches are (now) active."""
+    global _PATCHED
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _PATCHED:
+        return True
+    install_import_shims()
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` binds the real torch
+    ds_comm_torch.build_shm_op = lambda: None
+    from openrlhf.utils.deepspeed import deepspeed as ds_strategy
+
+    strategy_cls = ds_strategy.DeepspeedStrategy
+    strategy_cls.setup_distributed = _cpu_setup_distributed
+    strategy_cls.all_reduce = _cpu_all_reduce
+    strategy_cls.all_gather = _cpu_all_gather
+    strategy_cls.get_ds_train_config = _with_torch_adam(strategy_cls.get_ds_train_config)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    _PATCHED = True
+    return True

@@ -1,0 +1,388 @@
+"""Segment-level reward model training on OpenRLHF 0.11.2 (paper 003, section 2.2), through its own ``train_rm``.
+
+OpenRLHF's CLI builds ``RewardDataset`` and ``RewardModelTrainer`` by name. :func:`install` swaps in the two
+subclasses below on their source modules, and :func:`run_train_rm` runs the *unmodified* ``openrlhf.cli.train_rm``
+with ``runpy`` after stripping our ``--ext.*`` flags from the command line and attaching them to OpenRLHF's parsed
+arguments as ``args.ext`` (by wrapping its config hierarchiser). Nothing of OpenRLHF's CLI is copied::
+
+    deepspeed --module rlhf_ext.openrlhf.train_rm \\
+        --model.model_name_or_path SFT --data.dataset prefs.jsonl --data.prompt_key prompt ... \\
+        --ext.entropy_cutoff 2.0 --ext.aggregation softmax --ext.tau 0.5
+
+How segment information reaches the loss. OpenRLHF's ``fit`` loop unpacks ``(chosen_ids, chosen_mask, rejected_ids,
+rejected_mask, extra)`` and hands ids and masks to ``concatenated_forward``; ``extra`` never gets there. The dataset's
+collator therefore returns a *role mask* in place of the attention mask (:func:`encode_role_mask`): 0 for padding,
+-1 for prompt tokens and ``1 + entropy`` for response tokens (float64, so the entropy round-trips exactly).
+:class:`SegmentRewardModelTrainer` decodes it, gives the model a plain 0/1 attention mask, and computes the sequence
+evaluation e_phi with :func:`rlhf_ext.segment.evaluate_sequences` — the same function the TRL trainer calls — which
+OpenRLHF's own ``PairWiseLoss`` then turns into the BT loss of Eq. 3.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
+from rlhf_ext.segment.core import (
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    check_aggregation,
+    check_cutoff,
+    check_tau,
+    evaluate_sequences,
+)
+from rlhf_ext.segment.data import (
+    ENTROPY_COLUMNS,
+    TOKENIZED_COLUMNS,
+    collate_segment_pairs,
+    prepare_segment_dataset,
+)
+from rlhf_ext.segment.scoring import TokenScoreCapture
+
+install_import_shims()
+from openrlhf.datasets.reward_dataset import RewardDataset  # noqa: E402
+from openrlhf.trainer.rm_trainer import RewardModelTrainer  # noqa: E402
+
+#: ``--ext.*`` options and their defaults (paper 003 Table 7).
+EXT_DEFAULTS: dict[str, Any] = {
+    "entropy_cutoff": DEFAULT_ENTROPY_CUTOFF,
+    "aggregation": "softmax",
+    "tau": DEFAULT_TAU,
+    "sft_model": None,  # default: --model.model_name_or_path (the RM starts from the SFT model)
+    "entropy_batch_size": 8,
+    "max_prompt_length": None,
+    "cache_dir": None,
+}
+
+
+def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
+
+    Returns (remaining argv, ext settings with defaults filled in and validated).
+    """
+    rest: list[str] = []
+    ext = dict(EXT_DEFAULTS)
+    it = iter(range(len(argv)))
+    argv = list(argv)
+    for i in it:
+        arg = argv[i]
+        if not arg.startswith("--ext."):
+            rest.append(arg)
+            continue
+        key, eq, value = arg[len("--ext.") :].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"--ext.{key} needs a value")
+            value = argv[i + 1]
+            next(it)
+        if key not in EXT_DEFAULTS:
+            raise SystemExit(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in EXT_DEFAULTS)}")
+        ext[key] = value
+    return rest, validate_ext(ext)
+
+
+def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
+    ext = dict(ext)
+    ext["entropy_cutoff"] = check_cutoff(float(ext["entropy_cutoff"]))
+    ext["tau"] = check_tau(float(ext["tau"]))
+    check_aggregation(ext["aggregation"])
+    ext["entropy_batch_size"] = int(ext["entropy_batch_size"])
+    if ext["max_prompt_length"] is not None:
+        ext["max_prompt_length"] = int(ext["max_prompt_length"])
+    return ext
+
+
+# ----------------------------------------------------------------------------------------------- the role mask
+ROLE_PAD, ROLE_PROMPT = 0.0, -1.0
+
+
+def encode_role_mask(attention_mask: torch.Tensor, action_mask: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float64: 0 = padding, -1 = prompt token, ``1 + entropy`` = response token (entropy >= 0)."""
+    roles = torch.where(attention_mask.bool(), ROLE_PROMPT, ROLE_PAD).double()
+    return torch.where(action_mask.bool(), 1.0 + entropy.double(), roles)
+
+
+def decode_role_mask(roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`encode_role_mask`: (attention_mask long, action_mask bool, entropy float32)."""
+    attention_mask = (roles != ROLE_PAD).long()
+    action_mask = roles >= 1.0
+    entropy = torch.where(action_mask, roles - 1.0, 0.0).float()
+    return attention_mask, action_mask, entropy
+
+
+# ------------------------------------------------------------------------------------------------ the dataset
+class SegmentRewardDataset(RewardDataset):
+    """OpenRLHF ``RewardDataset`` over segment-prepared rows (token ids, prompt length, SFT entropies).
+
+    Accepts either an already prepared dataset (what ``rlhf-ext train segment-rm --engine openrlhf`` passes) or raw
+    preference rows, which it prepares with the SFT model from ``--ext.sft_model`` (default: the RM's init model),
+    cached in ``--ext.cache_dir`` so that ranks share one computation.
+    """
+
+    def __init__(self, dataset, tokenizer, max_length: int, strategy, input_template=None, is_dpo=False, **kwargs):
+        if is_dpo:
+            raise ValueError("SegmentRewardDataset is for reward-model training, not DPO")
+        self.tokenizer = tokenizer
+        self.strategy = strategy
+        self.max_length = max_length
+        args = strategy.args
+        ext = args.ext
+        if args.ds.packing_samples:
+            raise ValueError("segment reward training does not support --ds.packing_samples; drop the flag")
+        if not all(c in dataset.column_names for c in TOKENIZED_COLUMNS + ENTROPY_COLUMNS):
+            prompt_key = getattr(args.data, "prompt_key", None)
+            if input_template and prompt_key:
+                dataset = dataset.map(lambda row: {prompt_key: input_template.format(row[prompt_key])})
+            dataset = prepare_segment_dataset(
+                dataset,
+                tokenizer,
+                sft_model_name_or_path=ext.sft_model or args.model.model_name_or_path,
+                max_length=max_length,
+                max_prompt_length=ext.max_prompt_length,
+                prompt_key=prompt_key,
+                chosen_key=args.data.chosen_key,
+                rejected_key=args.data.rejected_key,
+                entropy_batch_size=ext.entropy_batch_size,
+                cache_dir=ext.cache_dir,
+            )
+        too_long = [i for i, n in enumerate(dataset["chosen_ids"]) if len(n) > max_length]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} prepared rows exceed --data.max_len {max_length} (e.g. row {too_long[0]}); "
+                "prepare the data with the same max length"
+            )
+        keep = [*TOKENIZED_COLUMNS, *ENTROPY_COLUMNS] + (["margin"] if "margin" in dataset.column_names else [])
+        self.rows = dataset.select_columns(keep)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        return self.rows[idx]
+
+    def collate_fn(self, item_list: list[dict[str, Any]]):
+        """Left-padded (OpenRLHF's RM convention) chosen and rejected batches with role masks (see module doc)."""
+        batch = collate_segment_pairs(item_list, self.tokenizer.pad_token_id, padding_side="left")
+        roles = encode_role_mask(batch["attention_mask"], batch["action_mask"], batch["entropy"])
+        n = len(item_list)
+        margins = batch["margin"].tolist() if "margin" in batch else [0.0] * n
+        ids = batch["input_ids"]
+        return ids[:n], roles[:n], ids[n:], roles[n:], margins
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+class SegmentRewardModelTrainer(RewardModelTrainer):
+    """OpenRLHF ``RewardModelTrainer`` whose chosen/rejected "rewards" are segment sequence evaluations (Eq. 4)."""
+
+    def __init__(self, model, strategy, *args, **kwargs):
+        super().__init__(model, strategy, *args, **kwargs)
+        ext = strategy.args.ext
+        self.entropy_cutoff = ext.entropy_cutoff
+        self.aggregation = ext.aggregation
+        self.tau = ext.tau
+        self._capture = TokenScoreCapture(model)
+        self._segment_stats = torch.zeros(3, dtype=torch.float64)  # responses, segments, response tokens
+
+    def concatenated_forward(self, model, chosen_ids, c_mask, reject_ids, r_mask):
+        input_ids, roles = self.concatenated_inputs(chosen_ids, c_mask, reject_ids, r_mask)
+        attention_mask, action_mask, entropy = decode_role_mask(roles)
+        _, output = model(
+            input_ids, attention_mask=attention_mask, return_output=True, ring_attn_group=self.strategy.ring_attn_group
+        )
+        token_scores = self._capture.pop().float()
+        ev = evaluate_sequences(token_scores, entropy, action_mask, self.entropy_cutoff, self.aggregation, self.tau)
+        with torch.no_grad():
+            self._segment_stats += torch.tensor(
+                [ev.values.numel(), ev.segments.counts.sum().item(), action_mask.sum().item()], dtype=torch.float64
+            )
+        n = chosen_ids.shape[0]
+        aux_loss = output.aux_loss if "aux_loss" in output else []
+        return ev.values[:n], ev.values[n:], aux_loss
+
+    def save_logs_and_checkpoints(self, args, global_step, step_bar, logs_dict=None, client_states=None):
+        if logs_dict is not None and self._segment_stats[0] > 0:
+            responses, segments, tokens = self._segment_stats.tolist()
+            logs_dict["segments_per_response"] = segments / responses
+            logs_dict["mean_segment_length"] = tokens / max(segments, 1.0)
+            self._segment_stats.zero_()
+        return super().save_logs_and_checkpoints(args, global_step, step_bar, logs_dict, client_states)
+
+
+# ------------------------------------------------------------------------------------------------- the runner
+def install() -> None:
+    """Make OpenRLHF's ``train_rm`` build our dataset and trainer (patches its source modules; idempotent)."""
+    check_version()
+    patch_for_cpu()
+    import openrlhf.datasets as datasets_pkg
+    import openrlhf.datasets.reward_dataset as reward_dataset_module
+    import openrlhf.trainer.rm_trainer as rm_trainer_module
+
+    datasets_pkg.RewardDataset = SegmentRewardDataset
+    reward_dataset_module.RewardDataset = SegmentRewardDataset
+    rm_trainer_module.RewardModelTrainer = SegmentRewardModelTrainer
+
+
+def _attach_ext(ext: dict[str, Any]) -> None:
+    """Wrap OpenRLHF's config hierarchiser so the parsed arguments carry ``args.ext``."""
+    import openrlhf.utils.config as config_module
+
+    original = getattr(config_module.hierarchize, "__wrapped__", config_module.hierarchize)
+
+    def hierarchize(args):
+        nested = original(args)
+        nested.ext = SimpleNamespace(**ext)
+        return nested
+
+    hierarchize.__wrapped__ = original
+    config_module.hierarchize = hierarchize
+
+
+def run_train_rm(argv: Sequence[str]) -> None:
+    """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options."""
+    rest, ext = parse_ext_args(argv)
+    install()
+    _attach_ext(ext)
+    saved = sys.argv
+    sys.argv = ["openrlhf.cli.train_rm", *rest]
+    try:
+        runpy.run_module("openrlhf.cli.train_rm", run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+    output_dir = _flag_value(rest, "--ckpt.output_dir", "./ckpt")
+    if int(os.environ.get("RANK", "0")) == 0:
+        from rlhf_ext.segment.data import save_segment_settings
+
+        save_segment_settings(
+            output_dir,
+            {
+                "entropy_cutoff": ext["entropy_cutoff"],
+                "aggregation": ext["aggregation"],
+                "tau": ext["tau"],
+                "sft_model_name_or_path": ext["sft_model"] or _flag_value(rest, "--model.model_name_or_path", None),
+            },
+        )
+
+
+def _flag_value(argv: Sequence[str], flag: str, default: Any) -> Any:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
+    """Translate a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` into ``train_rm`` flags (+ ``--ext.*``)."""
+    t = recipe.train
+    cpu = not torch.cuda.is_available()
+    argv = [
+        "--model.model_name_or_path", recipe.model.sft_model,
+        "--data.dataset", dataset_dir,
+        "--data.dataset_split", "train",
+        "--data.max_len", str(recipe.data.max_length),
+        "--ckpt.output_dir", t.output_dir,
+        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
+        "--ckpt.save_steps", str(t.save_steps or -1),
+        "--train.max_epochs", str(max(1, math.ceil(t.epochs))),
+        "--train.batch_size", str(t.batch_size),
+        "--train.micro_batch_size", str(t.micro_batch_size),
+        "--train.seed", str(t.seed),
+        "--adam.lr", repr(t.learning_rate),
+        "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),
+        "--adam.weight_decay", repr(t.weight_decay),
+        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler == "cosine" else t.lr_scheduler,
+        "--lr_warmup_ratio", repr(t.warmup_ratio),
+        "--max_norm", repr(t.max_grad_norm),
+        "--logger.logging_steps", str(t.logging_steps),
+        "--ds.zero_stage", str(t.zero_stage),
+        "--ds.param_dtype", "bf16",
+        "--ds.attn_implementation", "sdpa" if cpu else "flash_attention_2",
+        "--ext.entropy_cutoff", repr(recipe.segment.entropy_cutoff),
+        "--ext.aggregation", recipe.segment.aggregation,
+        "--ext.tau", repr(recipe.segment.tau),
+        "--ext.sft_model", recipe.model.sft_model,
+    ]  # fmt: skip
+    if recipe.data.max_prompt_length is not None:
+        argv += ["--ext.max_prompt_length", str(recipe.data.max_prompt_length)]
+    if eval_dir is not None:
+        argv += ["--eval.dataset", eval_dir, "--eval.split", "train"]
+    if t.resume:
+        argv += ["--ckpt.load_enable"]
+    if t.gradient_checkpointing:
+        argv += ["--model.gradient_checkpointing_enable"]
+    for key, value in t.openrlhf_args.items():
+        flag = f"--{key.lstrip('-')}"
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, *(map(str, value) if isinstance(value, list | tuple) else [str(value)])]
+    return argv
+
+
+def train_segment_rm(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` with OpenRLHF's ``train_rm`` (in this process).
+
+    The data is prepared (tokenised, SFT entropies) once, saved next to the output, and handed to OpenRLHF as a
+    dataset directory, so every rank of a ``deepspeed`` launch reads the same prepared rows.
+    """
+    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.segment.recipe import load_preference_splits, write_segment_report
+    from rlhf_ext.utils import atomic_directory, atomic_write_json, file_lock
+
+    if recipe.train.epochs != math.ceil(recipe.train.epochs):
+        raise ValueError("the OpenRLHF engine trains whole epochs: set train.epochs to an integer")
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or recipe.model.sft_model))
+    data_root = os.path.join(recipe.train.output_dir, "prepared_data")
+    dirs = {}
+    with file_lock(data_root + ".lock"):
+        train_ds, eval_ds = load_preference_splits(recipe.data)
+        prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
+        for name, ds in (("train", train_ds), ("eval", eval_ds)):
+            if ds is None:
+                continue
+            target = os.path.join(data_root, name)
+            if not os.path.exists(os.path.join(target, "dataset_info.json")):
+                prepared = prepare_segment_dataset(
+                    ds,
+                    tokenizer,
+                    sft_model_name_or_path=recipe.model.sft_model,
+                    max_length=recipe.data.max_length,
+                    max_prompt_length=recipe.data.max_prompt_length,
+                    prompt_key=prompt_key,
+                    chosen_key=recipe.data.chosen_key,
+                    rejected_key=recipe.data.rejected_key,
+                    entropy_batch_size=recipe.segment.entropy_batch_size,
+                    cache_dir=recipe.train.segment_cache_dir,
+                )
+                with atomic_directory(target) as tmp:
+                    prepared.save_to_disk(str(tmp))
+            dirs[name] = target
+    run_train_rm(recipe_to_argv(recipe, dirs["train"], dirs.get("eval")))
+    summary: dict[str, Any] = {"engine": "openrlhf", "model_dir": recipe.train.output_dir, "eval": {}}
+    if int(os.environ.get("RANK", "0")) == 0:
+        if eval_ds is not None:
+            from datasets import load_from_disk
+
+            from rlhf_ext.segment.scoring import preference_accuracy
+
+            seg = recipe.segment
+            summary["eval"] = preference_accuracy(
+                recipe.train.output_dir, load_from_disk(dirs["eval"]), seg.entropy_cutoff, seg.aggregation, seg.tau
+            )
+            summary["report"] = write_segment_report(
+                recipe.train.output_dir, eval_ds, recipe.data, recipe.train.output_dir
+            )
+        atomic_write_json(os.path.join(recipe.train.output_dir, "metrics.json"), summary)
+    return summary

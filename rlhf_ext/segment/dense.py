@@ -1,0 +1,176 @@
+"""From reward-model token scores to dense per-token PPO rewards (paper 003, section 2.3, Algorithm 1 second half).
+
+:func:`dense_segment_rewards` is the one function both engines call. It segments each sampled response with the
+reference (SFT) model's entropies — the ones PPO's reference forward pass produces anyway for the KL term, so no
+forward pass is added — reads the segment rewards, normalizes them with a :class:`LocationNormalizer`, and
+interpolates them onto tokens.
+
+``granularity`` selects the action definition of Table 1 (the reward model decides the rest):
+
+================== ====================================================================================================
+``segment``        segments at entropy > cutoff; normalized segment rewards; interpolated (the paper's method)
+``token``          every response token is a segment (cutoff 0); normalized per-token rewards
+``bandit``         one reward per response: the score at its last token, normalized at p = 1, on the last token
+``bandit_as_segment``  Table 1 (A): a *bandit* reward model read at segment ends — computed exactly like ``segment``;
+                   the name records that the reward model was trained with cutoff = inf
+``segment_as_bandit``  Table 1 (B): a *segment* reward model used for a bandit reward: its sequence evaluation
+                   e_phi (Eq. 4), normalized at p = 1, on the last token
+================== ====================================================================================================
+
+``interpolation`` (Table 3): ``even_split`` gives every token of a segment r/|segment| (the paper), ``repeat`` gives
+every token r, ``segment_end`` puts r on the segment's last token and 0 elsewhere ("no interpolation").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlhf_ext.segment.core import (
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    Segments,
+    aggregate_segments,
+    check_cutoff,
+    gather_segment_rewards,
+    segment_boundaries,
+    segment_ids,
+)
+from rlhf_ext.segment.normalizer import LocationNormalizer
+
+Interpolation = Literal["even_split", "repeat", "segment_end"]
+Granularity = Literal["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"]
+INTERPOLATIONS: tuple[str, ...] = ("even_split", "repeat", "segment_end")
+GRANULARITIES: tuple[str, ...] = ("segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit")
+
+
+class RewardValueError(ValueError):
+    """The reward model produced NaN or infinite scores."""
+
+
+def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpolation = "even_split") -> Tensor:
+    """Spread segment rewards over their tokens (paper 003, section 2.3 "Within-segment Reward Interpolation").
+
+    Args:
+        seg_rewards: ``[B, S]`` (normalized) segment rewards.
+        segments: the :class:`Segments` of the batch (``ids`` ``[B, T]``, ``lengths``, ``ends``).
+        kind: ``even_split`` (r/|a_t| on every token, so each segment's tokens sum back to r), ``repeat`` (r on
+            every token) or ``segment_end`` (r on the last token, 0 elsewhere).
+
+    Returns:
+        ``[B, T]`` per-token rewards, 0 outside the response.
+    """
+    if kind not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}; got {kind!r}")
+    inside = segments.ids >= 0
+    index = segments.ids.clamp_min(0)
+    per_token = seg_rewards.gather(1, index)
+    if kind == "even_split":
+        per_token = per_token / segments.lengths.gather(1, index).clamp_min(1).to(per_token.dtype)
+    elif kind == "segment_end":
+        inside = segments.ends
+    return torch.where(inside, per_token, torch.zeros_like(per_token))
+
+
+def check_finite_scores(token_scores: Tensor, action_mask: Tensor) -> None:
+    """Raise :class:`RewardValueError` naming the samples whose response scores are NaN/inf."""
+    bad = (~torch.isfinite(token_scores) & action_mask.bool()).any(dim=1)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise RewardValueError(
+            f"the reward model returned NaN/inf scores for sample(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} "
+            "of this batch; check the reward model checkpoint (dtype overflow in fp16?) and its inputs"
+        )
+
+
+class DenseRewards(NamedTuple):
+    """Output of :func:`dense_segment_rewards`.
+
+    Attributes:
+        rewards: ``[B, T]`` per-token rewards (before the KL penalty), 0 outside the response.
+        seg_rewards: ``[B, S]`` normalized segment (or sequence) rewards before interpolation.
+        raw_seg_rewards: ``[B, S]`` the reward model's segment rewards before normalization.
+        segments: the segmentation used.
+        sequence_reward: ``[B]`` sum of ``rewards`` over each response (what PPO's return sees without KL).
+    """
+
+    rewards: Tensor
+    seg_rewards: Tensor
+    raw_seg_rewards: Tensor
+    segments: Segments
+    sequence_reward: Tensor
+
+
+def dense_segment_rewards(
+    token_scores: Tensor,
+    action_mask: Tensor,
+    entropy: Tensor | None = None,
+    logits: Tensor | None = None,
+    normalizer: LocationNormalizer | None = None,
+    granularity: Granularity = "segment",
+    interpolation: Interpolation = "even_split",
+    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
+    aggregation: str = "softmax",
+    tau: float = DEFAULT_TAU,
+) -> DenseRewards:
+    """Per-token PPO rewards from a reward model's token scores (paper 003, Algorithm 1 lines 23-27).
+
+    Args:
+        token_scores: ``[B, T]`` reward-model score after reading each token.
+        action_mask: ``[B, T]`` bool, true at response tokens.
+        entropy: ``[B, T]`` reference-model entropy of the distribution each token was sampled from. Give this, or
+            ``logits`` (``[B, T, V]``, logits at t predicting t + 1) from which it is computed; not needed for
+            ``bandit``/``token``.
+        normalizer: location-aware normalizer (default: none).
+        granularity: see the module docstring.
+        interpolation: see :func:`interpolate_rewards` (only for segment granularities).
+        entropy_cutoff: c_ent for the segment granularities.
+        aggregation, tau: sequence evaluation for ``segment_as_bandit``.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
+    action_mask = action_mask.bool()
+    check_finite_scores(token_scores, action_mask)
+    normalizer = normalizer or LocationNormalizer()
+    token_scores = token_scores.float()
+    if granularity in ("segment", "bandit_as_segment", "segment_as_bandit"):
+        if entropy is None:
+            if logits is None:
+                raise ValueError(f"granularity {granularity!r} needs the reference model's entropy (or its logits)")
+            from rlhf_ext.segment.core import token_entropy
+
+            entropy = token_entropy(logits, shift=True)
+        cutoff = check_cutoff(entropy_cutoff)
+    else:
+        entropy = torch.zeros_like(token_scores)
+        cutoff = math.inf if granularity == "bandit" else 0.0
+    if granularity == "token":
+        starts = action_mask  # every response token is its own segment, whatever the entropies are
+    else:
+        starts = segment_boundaries(entropy, action_mask, cutoff)
+    segments = segment_ids(starts, action_mask)
+    raw = gather_segment_rewards(token_scores, segments)
+    if granularity in ("bandit", "segment_as_bandit"):
+        if granularity == "segment_as_bandit":
+            seq = aggregate_segments(raw, segments.mask, aggregation, tau)
+        else:
+            seq = raw[:, 0]
+        has_response = segments.counts > 0
+        ones = torch.ones_like(seq)
+        seq_norm = normalizer.normalize(seq, ones, has_response)
+        last = segments.ends & (segments.ids == (segments.counts - 1).unsqueeze(1))
+        rewards = torch.where(last, seq_norm.unsqueeze(1), torch.zeros_like(token_scores))
+        return DenseRewards(rewards, seq_norm.unsqueeze(1), seq.unsqueeze(1), segments, seq_norm)
+    normalized = normalizer.normalize(raw, segments.locations, segments.mask)
+    rewards = interpolate_rewards(normalized, segments, "segment_end" if granularity == "token" else interpolation)
+    return DenseRewards(rewards, normalized, raw, segments, rewards.sum(dim=1))
+
+
+def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tensor, cutoff: float):
+    """(locations ``[N]``, segment rewards ``[N]``) of every segment in a batch, for :meth:`LocationNormalizer.fit`."""
+    segments = segment_ids(segment_boundaries(entropy, action_mask, cutoff), action_mask)
+    rewards = gather_segment_rewards(token_scores.float(), segments)
+    return segments.locations[segments.mask], rewards[segments.mask]

@@ -1,0 +1,87 @@
+"""Typed recipes: unknown or mistyped keys are errors that name the key; overrides; packaged recipes load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlhf_ext.cli import recipe_names, recipe_path
+from rlhf_ext.config import RecipeError, apply_overrides, from_dict, load_recipe, parse_override
+from rlhf_ext.segment.recipe import SegmentRMRecipe
+
+
+def test_unknown_key_is_named_with_suggestion():
+    with pytest.raises(
+        RecipeError, match=r"unknown key 'segment.entropy_cuttoff' \(did you mean 'segment.entropy_cutoff'"
+    ):
+        from_dict(SegmentRMRecipe, {"segment": {"entropy_cuttoff": 2.0}})
+
+
+def test_unknown_top_level_section_is_named():
+    with pytest.raises(RecipeError, match="unknown key 'optimiser'"):
+        from_dict(SegmentRMRecipe, {"optimiser": {}})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"train": {"batch_size": "big"}}, "'train.batch_size' must be an integer; got 'big'"),
+        ({"train": {"bf16": "yes"}}, "'train.bf16' must be true or false"),
+        ({"segment": {"aggregation": "max"}}, "'segment.aggregation' must be one of 'softmax', 'sum', 'mean'"),
+        ({"engine": "vllm"}, "'engine' must be one of 'trl', 'openrlhf'"),
+        ({"train": {"adam_betas": [0.9]}}, "'train.adam_betas' must have 2 items"),
+        ({"segment": "x"}, "'segment' must be a mapping"),
+    ],
+)
+def test_mistyped_values_are_named(data, message):
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_dict(SegmentRMRecipe, data)
+
+
+def test_cross_field_validation_names_the_section():
+    with pytest.raises(RecipeError, match="'segment': entropy cutoff must be >= 0"):
+        from_dict(SegmentRMRecipe, {"segment": {"entropy_cutoff": -1}})
+    with pytest.raises(RecipeError, match="multiple of train.micro_batch_size"):
+        from_dict(SegmentRMRecipe, {"train": {"batch_size": 10, "micro_batch_size": 4}})
+
+
+def test_ints_are_accepted_for_floats_and_inf_parses():
+    r = from_dict(SegmentRMRecipe, {"segment": {"entropy_cutoff": "inf", "tau": 1}, "train": {"learning_rate": 1}})
+    assert math.isinf(r.segment.entropy_cutoff) and r.segment.tau == 1.0 and r.train.learning_rate == 1.0
+
+
+def test_overrides_apply_nested_and_typed(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("segment:\n  tau: 0.5\n")
+    recipe = load_recipe(SegmentRMRecipe, path, ["segment.tau=0.3", "train.epochs=2", "data.eval=null"])
+    assert recipe.segment.tau == 0.3 and recipe.train.epochs == 2.0 and recipe.data.eval is None
+    assert parse_override("model.sft_model=builtin:tiny") == (["model", "sft_model"], "builtin:tiny")
+    with pytest.raises(RecipeError, match="must look like key.sub=value"):
+        apply_overrides({}, ["segment.tau"])
+    with pytest.raises(RecipeError, match="is a value, not a section"):
+        apply_overrides({"engine": "trl"}, ["engine.x=1"])
+
+
+def test_bad_yaml_and_missing_file_are_clear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("segment: [unclosed\n")
+    with pytest.raises(RecipeError, match="invalid YAML"):
+        load_recipe(SegmentRMRecipe, bad)
+    with pytest.raises(RecipeError, match="does not exist; `rlhf-ext recipe list`"):
+        load_recipe(SegmentRMRecipe, tmp_path / "nope.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(RecipeError, match="must be a mapping of sections"):
+        load_recipe(SegmentRMRecipe, listy)
+
+
+def test_every_packaged_segment_rm_recipe_loads():
+    names = [n for n in recipe_names() if n.startswith("segment_rm")]
+    assert {"segment_rm_tiny", "segment_rm_paper"} <= set(names)
+    for name in names:
+        load_recipe(SegmentRMRecipe, recipe_path(name))
+    paper = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_paper"))
+    # Table 7 of paper 003
+    assert (paper.segment.entropy_cutoff, paper.segment.tau, paper.train.learning_rate) == (2.0, 0.5, 1e-6)
+    assert (paper.train.batch_size, paper.data.max_length, paper.train.zero_stage) == (128, 2048, 3)
