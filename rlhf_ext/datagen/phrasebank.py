@@ -1,0 +1,277 @@
+"""The offline backend's phrase bank and the gold rubric that says what separates chosen from rejected.
+
+The ``offline`` backend composes prompts and responses from seed words and the packaged ``phrase_bank.yaml`` (or a
+custom bank with the same schema, ``generation.phrase_bank``). Everything a reward model can use sits in a few
+multi-token **key phrases**:
+
+* Every preference maps to a **style** (``eli5``, ``highschool``, ``expert``, ``hinted``, ``direct``, ``formal``,
+  ``rapper``, ``shakespeare``) of a **family** (``complexity``, ``answer``, ``register``). Styles of a family compete.
+* A response is a shuffled list of sentences: neutral *content* sentences built from the prompt's seed words (drawn
+  from the same distribution for both responses), neutral *auxiliary-style* sentences (identical in both responses of
+  a pair), and exactly ``markers_per_response`` *marker* sentences ``"<connector> <key phrase>."``.
+* A response that **follows** the preference takes all its key phrases from the task's style; a response that
+  **violates** it takes them from the other styles of the same family (e.g. ``expert`` phrases when ``eli5`` is
+  preferred). In ``pair`` mode the chosen response follows and the rejected one violates. In ``judged`` mode a
+  response whose prompt did not state the preference draws each key phrase from either side with probability 1/2,
+  and the judge orders the two responses.
+
+So the gold reward of a response for style ``s`` is::
+
+    gold_score(text, s) = #(key phrases of s in text) - #(key phrases of s's competing styles in text)
+
+(case-insensitive occurrence counts, :meth:`Rubric.score`). A ``pair``-mode chosen response scores
+``+markers_per_response`` and its rejected response ``-markers_per_response``. Content, connectors and auxiliary
+sentences never contain a key phrase (checked when a bank is loaded), so the rubric sees only preference signal.
+Preference drift between tasks of one family therefore *reverses* which phrases are rewarded (ELI5 -> expert),
+which is what makes forgetting measurable; drift across families adds a new feature to learn.
+
+:func:`rubric_for` and :func:`gold_score` are the programmatic interface a simulator's gold scorer uses; each
+generated row carries its ``style`` column.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlhf_ext.config import RecipeError, from_dict, read_yaml
+
+DEFAULT_BANK = "phrase_bank.yaml"
+Stance = Literal["follow", "violate", "unstated"]
+
+
+@dataclass
+class StyleEntry:
+    family: str
+    phrases: list[str]
+    triggers: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.phrases = [p.strip().lower() for p in self.phrases]
+        self.triggers = [t.lower() for t in self.triggers]
+        if not self.phrases:
+            raise ValueError("phrases must not be empty")
+        if any(len(p.split()) < 2 for p in self.phrases):
+            raise ValueError("every key phrase must have at least two words (credit sits in multi-token phrases)")
+
+
+@dataclass
+class ObjectiveEntry:
+    prompt_templates: list[str]
+    content_sentences: list[str]
+    triggers: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.triggers = [t.lower() for t in self.triggers]
+        if not self.prompt_templates or not self.content_sentences:
+            raise ValueError("prompt_templates and content_sentences must not be empty")
+        missing = [t for t in self.prompt_templates if "{topic}" not in t]
+        if missing:
+            raise ValueError(
+                f"every prompt template must mention all seed words ({{topic}}); this one does not: {missing[0]!r}"
+            )
+
+
+@dataclass
+class PhraseBank:
+    """A typed phrase bank; see the module docstring and ``phrase_bank.yaml`` for the meaning of each part."""
+
+    styles: dict[str, StyleEntry]
+    objectives: dict[str, ObjectiveEntry]
+    connectors: list[str]
+    aux: dict[str, list[str]] = field(default_factory=dict)
+    version: int = 1
+
+    def __post_init__(self):
+        if not self.connectors:
+            raise ValueError("connectors must not be empty")
+        families: dict[str, list[str]] = {}
+        for name, style in self.styles.items():
+            families.setdefault(style.family, []).append(name)
+        lonely = [f"{f} ({names[0]})" for f, names in families.items() if len(names) < 2]
+        if lonely:
+            raise ValueError(
+                f"every style family needs at least two styles (the rejected response uses a competitor); "
+                f"families with one style: {', '.join(lonely)}"
+            )
+        phrases = [(p, s) for s, e in self.styles.items() for p in e.phrases]
+        for p, s in phrases:
+            for q, t in phrases:
+                if p != q and p in q:
+                    raise ValueError(f"key phrase {p!r} ({s}) is contained in key phrase {q!r} ({t})")
+        seen: dict[str, str] = {}
+        for p, s in phrases:
+            if p in seen:
+                raise ValueError(f"key phrase {p!r} appears in styles {seen[p]} and {s}")
+            seen[p] = s
+        neutral = list(self.connectors) + [x for v in self.aux.values() for x in v]
+        for o in self.objectives.values():
+            neutral += o.prompt_templates + o.content_sentences
+        for text in neutral:
+            for p, s in phrases:
+                if p in text.lower():
+                    raise ValueError(f"neutral text {text!r} contains the key phrase {p!r} of style {s}")
+
+    def family(self, style: str) -> list[str]:
+        """The styles competing with ``style`` (same family, excluding ``style``)."""
+        fam = self.style(style).family
+        return [s for s, e in self.styles.items() if e.family == fam and s != style]
+
+    def style(self, name: str) -> StyleEntry:
+        if name not in self.styles:
+            raise KeyError(f"unknown style {name!r}; the phrase bank has: {', '.join(sorted(self.styles))}")
+        return self.styles[name]
+
+    def infer_style(self, preference: str) -> str | None:
+        """The style whose triggers occur in ``preference`` (None when none does). Raises ``ValueError`` when several
+        styles match: set the task's ``style:`` explicitly then."""
+        text = preference.lower()
+        hits = [s for s, e in self.styles.items() if any(t in text for t in e.triggers)]
+        if len(hits) > 1:
+            raise ValueError(f"preference matches several styles ({', '.join(hits)}); set style: explicitly")
+        return hits[0] if hits else None
+
+    def infer_objective_kind(self, objective: str, preference: str) -> str | None:
+        """The objective kind whose triggers occur first in the preference text, else in the objective text."""
+        for text in (preference.lower(), objective.lower()):
+            for kind, entry in self.objectives.items():
+                if any(t in text for t in entry.triggers):
+                    return kind
+        return None
+
+
+@dataclass(frozen=True)
+class Rubric:
+    """The gold preference of one style: ``score = #positive - #negative`` key-phrase occurrences (case-insensitive).
+
+    Attributes:
+        style: the preferred style.
+        positive: its key phrases (present in responses that follow the preference).
+        negative: key phrases of the competing styles of its family (present in responses that violate it).
+    """
+
+    style: str
+    positive: tuple[str, ...]
+    negative: tuple[str, ...]
+
+    def counts(self, text: str) -> tuple[int, int]:
+        low = text.lower()
+        return sum(low.count(p) for p in self.positive), sum(low.count(q) for q in self.negative)
+
+    def score(self, text: str) -> int:
+        pos, neg = self.counts(text)
+        return pos - neg
+
+    def spans(self, text: str) -> list[tuple[int, int, int]]:
+        """Character spans ``(start, end, +1|-1)`` of every key phrase in ``text`` (where the credit sits)."""
+        low = text.lower()
+        out = []
+        for sign, phrases in ((1, self.positive), (-1, self.negative)):
+            for p in phrases:
+                out += [(m.start(), m.end(), sign) for m in re.finditer(re.escape(p), low)]
+        return sorted(out)
+
+
+def load_phrase_bank(path: str | Path | None = None) -> PhraseBank:
+    """Load and validate a phrase bank (default: the packaged one; cached)."""
+    return _load_bank(str(path) if path is not None else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_bank(path: str | None) -> PhraseBank:
+    if path is None:
+        from importlib import resources
+
+        path = str(resources.files("rlhf_ext.datagen") / DEFAULT_BANK)
+    try:
+        return from_dict(PhraseBank, read_yaml(path))
+    except RecipeError as e:
+        raise RecipeError(f"phrase bank {path}: {e}") from None
+
+
+def rubric_for(style: str, bank: PhraseBank | None = None) -> Rubric:
+    """The gold :class:`Rubric` of ``style`` (what a programmatic gold reward scores)."""
+    bank = bank if bank is not None else load_phrase_bank()
+    negative = tuple(p for other in bank.family(style) for p in bank.style(other).phrases)
+    return Rubric(style=style, positive=tuple(bank.style(style).phrases), negative=negative)
+
+
+def gold_score(text: str, style: str, bank: PhraseBank | None = None) -> int:
+    """Gold reward of ``text`` under the preference ``style`` (see the module docstring)."""
+    return rubric_for(style, bank).score(text)
+
+
+# ------------------------------------------------------------------------------------------------- composition
+def _join_words(words: list[str]) -> str:
+    if len(words) == 1:
+        return words[0]
+    return ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _fill(template: str, words: list[str], rng: random.Random) -> str:
+    w = rng.choice(words)
+    w2 = rng.choice([x for x in words if x != w] or words)
+    return template.format(
+        topic=_join_words(words),
+        w0=words[0],
+        w1=words[1] if len(words) > 1 else words[0],
+        w=w,
+        W=w[:1].upper() + w[1:],
+        w2=w2,
+    )
+
+
+def compose_prompt(bank: PhraseBank, objective_kind: str, seed_words: list[str], rng: random.Random) -> str:
+    """An offline prompt for ``objective_kind`` mentioning the seed words (the E.1 prompt mapper's output)."""
+    entry = bank.objectives[objective_kind]
+    return _fill(rng.choice(entry.prompt_templates), seed_words, rng)
+
+
+def compose_response(
+    bank: PhraseBank,
+    *,
+    style: str,
+    stance: Stance,
+    objective_kind: str,
+    seed_words: list[str],
+    axes: list[tuple[str, str, int]],
+    markers: int,
+    rng: random.Random,
+) -> str:
+    """One offline response (see the module docstring for the sentence structure).
+
+    Args:
+        stance: ``follow`` (all key phrases from ``style``), ``violate`` (all from competing styles of its family)
+            or ``unstated`` (each key phrase from either side with probability 1/2).
+        axes: auxiliary styles ``(low, high, score 1..5)``; ``short/long`` sets the number of content sentences
+            (score + 1), other axes add their pole's neutral sentence unless the score is 3.
+    """
+    entry = bank.objectives[objective_kind]
+    n_content = 3
+    aux_sentences = []
+    for low, high, score in axes:
+        if (low, high) == ("short", "long"):
+            n_content = score + 1
+        elif score != 3:
+            pole = low if score < 3 else high
+            options = bank.aux.get(pole, [])
+            if options:
+                aux_sentences.append(options[(score + len(pole)) % len(options)])
+    templates = entry.content_sentences
+    picked = rng.sample(templates, min(n_content, len(templates)))
+    picked += [rng.choice(templates) for _ in range(n_content - len(picked))]
+    sentences = [_fill(t, seed_words, rng) for t in picked]
+    competitors = [p for other in bank.family(style) for p in bank.style(other).phrases]
+    own = bank.style(style).phrases
+    for _ in range(markers):
+        side = stance if stance != "unstated" else rng.choice(("follow", "violate"))
+        phrase = rng.choice(own if side == "follow" else competitors)
+        sentence = f"{rng.choice(bank.connectors)} {phrase}."
+        sentences.insert(rng.randrange(len(sentences) + 1), sentence)
+    for s in aux_sentences:
+        sentences.insert(rng.randrange(len(sentences) + 1), s)
+    return " ".join(sentences)

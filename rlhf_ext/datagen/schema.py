@@ -1,0 +1,391 @@
+"""The task YAML schema: a sequence of alignment tasks plus drift, generation and output settings (paper 000, 5.1).
+
+A config file maps 1:1 onto :class:`DatagenConfig` through :mod:`rlhf_ext.config`, so unknown keys, missing fields
+and mistyped values are errors that name the key path::
+
+    RecipeError: my.yaml: unknown key 'tasks[1].metadata.seed_word_per_prompt'
+    (did you mean 'tasks[1].metadata.seed_words_per_prompt'?); valid keys here: ...
+
+Example (the structure of every packaged config under ``rlhf_ext/datagen/configs``)::
+
+    name: my-continual-dataset
+    seed: 0
+    drift:
+      type: piecewise          # piecewise | lipschitz
+      cycles: 1                # repeat the task sequence (piecewise preference: 3 cycles)
+      lipschitz_constant: null # lipschitz only: max change of a task's mixture weight per step
+    generation:
+      backend: offline         # offline | hf | openai
+      response_mode: pair      # pair (one call, E.2) | judged (two responses + judge, Algorithm 2)
+    output:
+      format: plain            # plain | conversational
+    tasks:
+      - name: eli5
+        objective: "Ask a non-trivial physics question ..."
+        preference: "Explain the answer ... understood by a five year old."
+        style: eli5            # offline phrase-bank style (inferred from the preference when omitted)
+        domain:
+          physics: {seed_words: [entropy, momentum, ...], weight: 1.0}
+        num_samples: 1000
+        test_ratio: 0.15
+        metadata:
+          seed_words_per_prompt: 2
+          preference_inclusion_prob: 0.4
+
+Defaults are the paper's (section 6.1 and Appendix D): temperature 0.99, 1024 prompt tokens, 2048 response tokens,
+128 judge tokens, ``max_concurrency`` 256, two seed words per prompt, three auxiliary styles per response, preference
+inclusion probability 0.4, test ratio 0.15.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhf_ext.config import RecipeError, apply_overrides, from_dict, read_yaml, to_dict
+
+Backend = Literal["offline", "hf", "openai"]
+ObjectiveKind = Literal["qa", "summary", "generation"]
+DriftType = Literal["piecewise", "lipschitz"]
+ResponseMode = Literal["pair", "judged"]
+JudgeKind = Literal["auto", "rule", "llm"]
+OutputFormat = Literal["plain", "conversational"]
+
+#: Auxiliary style axes of the response mapper (paper Figure 4b, "preference axes"); each is (low pole, high pole)
+#: on a 1-5 scale. Both responses of a pair share the sampled axes and scores, so they are nuisance variation.
+DEFAULT_STYLE_AXES: tuple[tuple[str, str], ...] = (
+    ("short", "long"),
+    ("serious", "humorous"),
+    ("optimistic", "pessimistic"),
+    ("friendly", "distant"),
+    ("authoritative", "tentative"),
+    ("concrete", "abstract"),
+)
+
+
+def _check_probability(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0 or math.isnan(value):
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+@dataclass
+class DomainComponent:
+    """One named part of a domain (e.g. ``physics`` in *education*): a seed-word vocabulary and a sampling weight.
+
+    Seed words are drawn without replacement across all components of the domain; a word's probability is its
+    component's normalised weight divided by the component's vocabulary size (paper 5.2, Figure 4a).
+    """
+
+    seed_words: list[str]
+    weight: float = 1.0
+
+    def __post_init__(self):
+        words = [w for w in self.seed_words if w.strip()]
+        if not words:
+            raise ValueError("seed_words must contain at least one non-empty word")
+        if len(set(words)) != len(words):
+            dup = sorted({w for w in words if words.count(w) > 1})
+            raise ValueError(f"seed_words contains duplicates: {', '.join(dup)}")
+        self.seed_words = words
+        if not self.weight > 0 or math.isinf(self.weight):
+            raise ValueError(f"weight must be a positive finite number, got {self.weight}")
+
+
+@dataclass
+class TaskMetadata:
+    """Per-task knobs of the prompt and response mappers (paper Figure 4).
+
+    Args:
+        prompt_prefix / prompt_suffix: text put before / after every generated prompt (e.g. ``"Question: "`` and
+            ``"\\nAnswer:"`` for base models). They are part of the dataset's ``prompt`` column.
+        seed_words_per_prompt: seed words sampled per prompt (paper: 2).
+        preference_inclusion_prob: ``response_mode: judged`` only: the probability that the task preference is
+            stated in each response's generation prompt (positively for the first, negatively for the second);
+            lower values make the pair harder to tell apart (paper 6.1: 0.4).
+        styles_per_response: auxiliary style axes sampled per sample (paper 6.1: 3; 0 disables them).
+        style_axes: the axes to sample from (default :data:`DEFAULT_STYLE_AXES`).
+    """
+
+    prompt_prefix: str = ""
+    prompt_suffix: str = ""
+    seed_words_per_prompt: int = 2
+    preference_inclusion_prob: float = 0.4
+    styles_per_response: int = 3
+    style_axes: list[tuple[str, str]] | None = None
+
+    def __post_init__(self):
+        if self.seed_words_per_prompt < 1:
+            raise ValueError(f"seed_words_per_prompt must be >= 1, got {self.seed_words_per_prompt}")
+        _check_probability("preference_inclusion_prob", self.preference_inclusion_prob)
+        axes = self.axes()
+        if self.styles_per_response < 0 or self.styles_per_response > len(axes):
+            raise ValueError(f"styles_per_response must be between 0 and {len(axes)} (the number of style_axes)")
+
+    def axes(self) -> list[tuple[str, str]]:
+        return [tuple(a) for a in (self.style_axes if self.style_axes is not None else DEFAULT_STYLE_AXES)]
+
+
+@dataclass
+class TaskSpec:
+    """One alignment task = objective x domain x preference (paper 5.1).
+
+    Args:
+        name: unique identifier (used for stage names, the ``source_task`` column and cache keys).
+        objective: what the generated prompt should be (question answering, an article to summarise, ...).
+        preference: the latent reward: the style the chosen response follows (e.g. "explain like I'm five").
+        domain: named components with seed-word vocabularies and weights.
+        num_samples: preference pairs to generate for this task (train + test).
+        test_ratio: fraction of the task's samples held out in its ``test`` split.
+        style: key of the offline phrase bank's style for this preference (``eli5``, ``expert``, ``rapper`` ...);
+            inferred from the preference text when omitted. Needed by the ``offline`` backend and the rule judge.
+        objective_kind: ``qa`` | ``summary`` | ``generation`` for the offline backend's prompt templates; inferred
+            from the objective and preference text when omitted.
+        metadata: prompt prefix/suffix, seed words per prompt, preference-inclusion probability, style axes.
+    """
+
+    name: str
+    objective: str
+    preference: str
+    domain: dict[str, DomainComponent]
+    num_samples: int
+    test_ratio: float = 0.15
+    style: str | None = None
+    objective_kind: ObjectiveKind | None = None
+    metadata: TaskMetadata = field(default_factory=TaskMetadata)
+
+    def __post_init__(self):
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        for key in ("objective", "preference"):
+            if not getattr(self, key).strip():
+                raise ValueError(f"{key} must not be empty")
+        if not self.domain:
+            raise ValueError("domain needs at least one component (name: {seed_words: [...], weight: 1.0})")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if not 0.0 <= self.test_ratio < 1.0:
+            raise ValueError(f"test_ratio must be in [0, 1), got {self.test_ratio}")
+
+    def prompt_fingerprint(self) -> dict[str, Any]:
+        """What determines the prompt distribution p_t(x): objective, domain and prompt metadata."""
+        m = self.metadata
+        return {
+            "objective": self.objective,
+            "objective_kind": self.objective_kind,
+            "domain": {k: to_dict(v) for k, v in sorted(self.domain.items())},
+            "prompt_prefix": m.prompt_prefix,
+            "prompt_suffix": m.prompt_suffix,
+            "seed_words_per_prompt": m.seed_words_per_prompt,
+        }
+
+    def preference_fingerprint(self) -> dict[str, Any]:
+        """What determines the reward r_t(y, x): the preference (and its offline style)."""
+        return {"preference": self.preference, "style": self.style}
+
+
+@dataclass
+class DriftSpec:
+    """How the task sequence turns into time steps (paper section 4, Figure 2d-e).
+
+    ``piecewise``: one step per task, in order, the whole sequence repeated ``cycles`` times (sudden switches).
+    ``lipschitz``: consecutive tasks are blended: between two tasks the mixture weight of each sample's source task
+    moves by at most ``lipschitz_constant`` per step, i.e. ``ceil(1 / C)`` steps per transition.
+    """
+
+    type: DriftType = "piecewise"
+    cycles: int = 1
+    lipschitz_constant: float | None = None
+
+    def __post_init__(self):
+        if self.cycles < 1:
+            raise ValueError(f"cycles must be >= 1, got {self.cycles}")
+        if self.type == "lipschitz":
+            c = self.lipschitz_constant
+            if c is None:
+                raise ValueError("lipschitz drift needs lipschitz_constant (0 < C <= 1), e.g. 0.25")
+            if not 0.0 < c <= 1.0:
+                raise ValueError(f"lipschitz_constant must be in (0, 1], got {c}")
+        elif self.lipschitz_constant is not None:
+            raise ValueError("lipschitz_constant only applies to type: lipschitz")
+
+
+@dataclass
+class GenerationSpec:
+    """Backend and sampling settings (paper Appendix D defaults).
+
+    Args:
+        backend: ``offline`` (deterministic, model-free), ``hf`` (local transformers model) or ``openai`` (any
+            OpenAI-compatible chat-completions server, e.g. ``vllm serve``).
+        model: hf: a path, hub id or ``builtin:smollm2``; openai: the served model name (default: the only model
+            the server lists; name it explicitly to keep cache keys stable if the server may change).
+        api_base: openai: base URL up to ``/v1``.
+        api_key_env: openai: name of the environment variable holding the API key. The key itself is never read
+            from a file, logged or saved.
+        response_mode: ``pair``: one call returns a chosen/rejected pair (Appendix E.2); ``judged``: two responses
+            ordered by a judge (Algorithm 2).
+        judge: ``rule`` (offline phrase-bank rubric), ``llm`` (the backend, strict one-letter answer), ``auto``
+            (rule for offline, llm otherwise). Used by ``judged`` mode and by ``validate``.
+        preference_swap: probability of swapping chosen and rejected (annotation noise; 0 disables).
+        max_concurrency: requests in flight at once (openai).
+        request_timeout: seconds per request attempt (openai).
+        max_retries: retries per request after the first attempt (HTTP 408/429/5xx, timeouts, dropped connections),
+            with exponential backoff and jitter.
+        markers_per_response: offline: key phrases per response (the preference signal).
+        phrase_bank: offline: path of a custom phrase-bank YAML (default: the packaged one).
+    """
+
+    backend: Backend = "offline"
+    model: str | None = None
+    api_base: str = "http://localhost:8000/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = 0.99
+    max_tokens_prompt: int = 1024
+    max_tokens_response: int = 2048
+    max_tokens_judge: int = 128
+    response_mode: ResponseMode = "pair"
+    judge: JudgeKind = "auto"
+    preference_swap: float = 0.0
+    max_concurrency: int = 256
+    request_timeout: float = 120.0
+    max_retries: int = 5
+    markers_per_response: int = 2
+    phrase_bank: str | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for key in ("max_tokens_prompt", "max_tokens_response", "max_tokens_judge", "max_concurrency"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.markers_per_response < 1:
+            raise ValueError(f"markers_per_response must be >= 1, got {self.markers_per_response}")
+        _check_probability("preference_swap", self.preference_swap)
+        if self.backend == "hf" and not self.model:
+            raise ValueError("backend hf needs model (a checkpoint path, hub id, or builtin:smollm2)")
+        if "://" not in self.api_base:
+            raise ValueError(f"api_base must be a URL like http://localhost:8000/v1, got {self.api_base!r}")
+
+    def resolved_judge(self) -> Literal["rule", "llm"]:
+        if self.judge == "auto":
+            return "rule" if self.backend == "offline" else "llm"
+        return self.judge
+
+    def content_fingerprint(self) -> dict[str, Any]:
+        """Settings that change what a sample's text is (part of every cache key). The server address, concurrency,
+        timeouts, retries, the swap probability and the output format do not: a restarted server on another port
+        resumes the same cache, and swap/format are applied without regenerating."""
+        keys = (
+            "backend",
+            "model",
+            "temperature",
+            "max_tokens_prompt",
+            "max_tokens_response",
+            "max_tokens_judge",
+            "response_mode",
+            "markers_per_response",
+            "phrase_bank",
+        )
+        fp = {k: getattr(self, k) for k in keys}
+        fp["judge"] = self.resolved_judge() if self.response_mode == "judged" else None
+        return fp
+
+
+@dataclass
+class OutputSpec:
+    """``format``: ``plain`` strings or ``conversational`` message lists (both load as-is in TRL and OpenRLHF)."""
+
+    format: OutputFormat = "plain"
+
+
+@dataclass
+class DatagenConfig:
+    """A continual preference-dataset recipe: the task sequence and how to turn it into data."""
+
+    name: str
+    tasks: list[TaskSpec]
+    seed: int = 0
+    drift: DriftSpec = field(default_factory=DriftSpec)
+    generation: GenerationSpec = field(default_factory=GenerationSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ValueError("tasks must list at least one alignment task")
+        names = [t.name for t in self.tasks]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"task names must be unique; repeated: {', '.join(dup)}")
+
+    def task(self, name: str) -> TaskSpec:
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise KeyError(f"no task named {name!r}; tasks: {', '.join(t.name for t in self.tasks)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def with_num_samples(self, num_samples: int) -> DatagenConfig:
+        """A copy in which every task has ``num_samples`` samples (``--num-samples``: run a config small)."""
+        if num_samples < 1:
+            raise RecipeError(f"num_samples must be >= 1, got {num_samples}")
+        return replace(self, tasks=[replace(t, num_samples=num_samples) for t in self.tasks])
+
+
+def config_names() -> list[str]:
+    """Names of the packaged configs (``rlhf-ext data configs``)."""
+    from importlib import resources
+
+    root = resources.files("rlhf_ext.datagen") / "configs"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def config_path(name_or_path: str | Path) -> Path:
+    """A config file: an existing path, or the name of a packaged config (with or without ``.yaml``)."""
+    from importlib import resources
+
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    name = str(name_or_path)
+    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    packaged = resources.files("rlhf_ext.datagen") / "configs" / f"{name}.yaml"
+    if packaged.is_file():
+        return Path(str(packaged))
+    raise RecipeError(
+        f"config {str(name_or_path)!r} is neither a file nor a packaged config; packaged configs: "
+        f"{', '.join(config_names())} (`rlhf-ext data configs` lists them)"
+    )
+
+
+def load_task_config(
+    source: str | Path | dict[str, Any] | DatagenConfig, overrides: typing.Iterable[str] = ()
+) -> DatagenConfig:
+    """Load and validate a task config from a YAML path, a packaged config name or a mapping.
+
+    ``overrides`` are ``key.sub=value`` strings (``generation.backend=openai``). Errors are
+    :class:`rlhf_ext.config.RecipeError` naming the file and key.
+    """
+    if isinstance(source, DatagenConfig):
+        if not overrides:
+            return source
+        source = source.to_dict()
+    where = ""
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = config_path(source)
+        where = f"{path}: "
+        data = read_yaml(path)
+    data = apply_overrides(data, overrides)
+    try:
+        return from_dict(DatagenConfig, data)
+    except RecipeError as e:
+        raise RecipeError(f"{where}{e}") from None
