@@ -1,10 +1,10 @@
 """Segment-level PPO (paper 003, section 2.3) from a recipe — the package's headline entrypoint.
 
-    python launch/train_segment_ppo.py --config recipes/segment_ppo_tiny.yaml [key=value ...]
-    torchrun --nproc_per_node 2 launch/train_segment_ppo.py --config my.yaml        # TRL engine, 2 CPU processes
-    accelerate launch launch/train_segment_ppo.py --config my.yaml                  # TRL engine, your GPUs
-    deepspeed launch/train_segment_ppo.py --config my.yaml                          # TRL engine under deepspeed
-    python launch/train_segment_ppo.py --engine openrlhf --config recipes/segment_ppo_openrlhf.yaml   # Ray PPO
+python launch/train_segment_ppo.py --config recipes/segment_ppo_tiny.yaml [key=value ...]
+torchrun --nproc_per_node 2 launch/train_segment_ppo.py --config my.yaml        # TRL engine, 2 CPU processes
+accelerate launch launch/train_segment_ppo.py --config my.yaml                  # TRL engine, your GPUs
+deepspeed launch/train_segment_ppo.py --config my.yaml                          # TRL engine under deepspeed
+python launch/train_segment_ppo.py --engine openrlhf --config recipes/segment_ppo_openrlhf.yaml   # Ray PPO
 """
 
 import sys

@@ -170,8 +170,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             from rlhf_ext.segment.data import load_segment_settings
 
             settings = load_segment_settings(reward_path)
-        self.entropy_cutoff = ext["entropy_cutoff"] if ext["entropy_cutoff"] is not None else settings.get(
-            "entropy_cutoff", 2.0
+        self.entropy_cutoff = (
+            ext["entropy_cutoff"] if ext["entropy_cutoff"] is not None else settings.get("entropy_cutoff", 2.0)
         )
         self.aggregation = ext["aggregation"] or settings.get("aggregation", "softmax")
         self.tau = ext["tau"] if ext["tau"] is not None else settings.get("tau", 0.5)
@@ -398,7 +398,8 @@ def prepare_run(recipe) -> tuple[list[str], dict[str, Any]]:
         )
         normalizer_path = os.path.join(out, "normalizer.json")
         normalizer.save(normalizer_path)
-    return recipe_to_argv(recipe, prompts_file, normalizer_path), {"prompts": prompts_file, "normalizer": normalizer_path}
+    paths = {"prompts": prompts_file, "normalizer": normalizer_path}
+    return recipe_to_argv(recipe, prompts_file, normalizer_path), paths
 
 
 def train_segment_ppo(recipe) -> dict[str, Any]:

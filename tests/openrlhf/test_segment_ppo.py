@@ -1,0 +1,247 @@
+"""Segment PPO on OpenRLHF's real experience maker and Ray actor classes, on CPU (the Ray pipeline needs GPUs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_ext.rl import per_token_kl, ppo_advantages
+from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards, token_entropy
+
+
+@pytest.fixture(scope="module")
+def seg_ppo():
+    import rlhf_ext.openrlhf.segment_ppo as seg_ppo
+
+    seg_ppo.install_in_process()
+    return seg_ppo
+
+
+def _args(estimator="gae", granularity="segment", normalizer=None, n_samples=1, reward_model=None):
+    return SimpleNamespace(
+        algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=1.0, lambd=0.95, no_std_norm=False)),
+        rollout=SimpleNamespace(n_samples_per_prompt=n_samples, max_new_tokens=None),
+        reward=SimpleNamespace(clip_range=None, model_name_or_path=reward_model),
+        data=SimpleNamespace(max_len=64),
+        ext=SimpleNamespace(
+            granularity=granularity, interpolation="even_split", entropy_cutoff=2.0, aggregation="softmax",
+            tau=0.5, normalizer=normalizer, reward_model_id=None,
+        ),
+    )  # fmt: skip
+
+
+def _maker(cls, args, kl_coef=0.01):
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    return cls(None, None, None, None, FixedKLController(kl_coef), SimpleNamespace(args=args), tokenizer=None)
+
+
+def _experience(seed=0, b=4, prompt=3, a=7):
+    """A real OpenRLHF Experience: left-padded prompts, right-padded responses of different lengths."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 5, 3, 6])[:b]
+    action_mask = torch.arange(a).unsqueeze(0) < lengths.unsqueeze(1)
+    t = prompt + a
+    exp = Experience(
+        sequences=torch.randint(0, 50, (b, t), generator=g),
+        attention_mask=torch.cat([torch.ones(b, prompt, dtype=torch.long), action_mask.long()], dim=1),
+        action_mask=action_mask,
+        values=torch.randn(b, a, generator=g) * action_mask,
+        kl=torch.randn(b, a, generator=g).abs() * 0.1 * action_mask,
+        info={},
+    )
+    exp.index = list(range(b))
+    return exp, torch.randn(b, t, generator=g), torch.rand(b, a, generator=g) * 4
+
+
+def test_bandit_granularity_reproduces_stock_openrlhf_exactly(seg_ppo):
+    """Dense path with granularity=bandit = OpenRLHF's scalar reward on the last token, same advantages/returns."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    stock_exp, scores, _ = _experience()
+    a = stock_exp.action_mask.shape[1]
+    last = a - 1 - stock_exp.action_mask.long().fliplr().argmax(dim=1)
+    stock_exp.rewards = scores[:, -a:].gather(1, last[:, None]).squeeze(1)  # the RM's scalar: score at EOS
+    ours_exp, _, _ = _experience()
+    ours_exp.rewards = scores.clone()  # SegmentRewardModelActor returns [B, T]
+
+    for estimator in ("gae", "reinforce"):
+        s, o = _experience()[0], _experience()[0]
+        s.rewards, o.rewards = stock_exp.rewards.clone(), scores.clone()
+        stock = _maker(RemoteExperienceMaker, _args(estimator)).compute_advantages_and_returns([s])[0]
+        maker = _maker(seg_ppo.SegmentExperienceMaker, _args(estimator, granularity="bandit"))
+        maker.attach_dense_rewards([o], None)
+        ours = maker.compute_advantages_and_returns([o])[0]
+        torch.testing.assert_close(ours.advantages, stock.advantages, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours.returns, stock.returns, atol=1e-6, rtol=1e-6)
+
+
+def test_trl_and_openrlhf_paths_give_identical_rewards_and_advantages(seg_ppo):
+    """Identical tensors through OpenRLHF's GAE (its Python loop) and the TRL trainer's functions: same numbers."""
+    exp, scores, entropy = _experience(seed=3)
+    logp = torch.randn(exp.action_mask.shape) * exp.action_mask
+    ref = logp - exp.kl  # k1 KL = logp - ref = the experience's kl
+    norm = LocationNormalizer(kind="regression", w_mu=0.3, b_mu=-0.2, w_sigma=-0.5, b_sigma=0.1)
+    maker = _maker(seg_ppo.SegmentExperienceMaker, _args("gae"), kl_coef=0.05)
+    maker.normalizer = norm
+    values = exp.values.clone()
+    exp.rewards = scores.clone()
+    maker.attach_dense_rewards([exp], [entropy])
+    dense_openrlhf = getattr(exp.kl, seg_ppo.DENSE_ATTR).clone()
+    out = maker.compute_advantages_and_returns([exp])[0]
+
+    mask = exp.action_mask
+    a = mask.shape[1]
+    dense_trl = dense_segment_rewards(scores[:, -a:], mask, entropy, normalizer=norm, entropy_cutoff=2.0)
+    torch.testing.assert_close(dense_openrlhf, dense_trl.rewards)
+    kl = torch.where(mask, per_token_kl(logp, ref, "k1"), 0.0)
+    _, adv, ret = ppo_advantages(dense_trl.rewards, kl, mask, 0.05, values, "gae", 1.0, 0.95)
+    torch.testing.assert_close(out.advantages * mask, adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.returns * mask, ret, atol=1e-5, rtol=1e-5)
+    # OpenRLHF logs one scalar per sample
+    assert out.info["reward"].shape == (4,)
+
+
+def test_reinforce_path_matches_reward_to_go(seg_ppo):
+    exp, scores, entropy = _experience(seed=5)
+    maker = _maker(seg_ppo.SegmentExperienceMaker, _args("reinforce"), kl_coef=0.0)
+    exp.rewards = scores.clone()
+    maker.attach_dense_rewards([exp], [entropy])
+    dense = getattr(exp.kl, seg_ppo.DENSE_ATTR).clone()
+    out = maker.compute_advantages_and_returns([exp])[0]
+    expected = torch.flip(torch.cumsum(torch.flip(dense, [1]), 1), [1]) * exp.action_mask
+    torch.testing.assert_close(out.returns * exp.action_mask, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_scalar_rewards_with_segment_granularity_are_refused(seg_ppo):
+    exp, _, entropy = _experience()
+    exp.rewards = torch.zeros(4)
+    maker = _maker(seg_ppo.SegmentExperienceMaker, _args("gae"))
+    with pytest.raises(ValueError, match="one score per sample"):
+        maker.attach_dense_rewards([exp], [entropy])
+    with pytest.raises(ValueError, match="need the reference model's entropies"):
+        maker.attach_dense_rewards([exp], None)
+    with pytest.raises(ValueError, match="estimator gae or reinforce"):
+        _maker(seg_ppo.SegmentExperienceMaker, _args("rloo"))
+
+
+def test_normalizer_for_another_reward_model_is_refused(seg_ppo, tmp_path):
+    path = tmp_path / "n.json"
+    LocationNormalizer(kind="global", reward_model="/models/rm-a").save(path)
+    args = _args(normalizer=str(path))
+    args.ext.reward_model_id = "/models/rm-b"
+    with pytest.raises(ValueError, match="fitted for reward model"):
+        _maker(seg_ppo.SegmentExperienceMaker, args)
+
+
+def test_reward_actor_returns_scores_at_every_position(seg_ppo, tiny_sft_path, toy_tok):
+    """SegmentRewardModelActor.forward on OpenRLHF's reward model: one score per position, last = stock reward."""
+    from openrlhf.models.model import _get_reward_model
+    from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaModel, LlamaPreTrainedModel
+
+    from rlhf_ext.segment.scoring import TokenScoreCapture, token_scores
+
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_sft_path, num_labels=1).eval()
+    config = AutoConfig.from_pretrained(tiny_sft_path)
+    config.normalize_reward = False
+    model = _get_reward_model(LlamaPreTrainedModel, LlamaModel, "score")(config).eval()
+    model.load_state_dict(hf.state_dict())
+    actor = seg_ppo._SegmentRewardActor.__new__(seg_ppo._SegmentRewardActor)
+    actor.model, actor.strategy = model, SimpleNamespace(ring_attn_group=None)
+    actor._capture = TokenScoreCapture(model)
+    ids = torch.tensor([toy_tok("Question: hi\nAnswer: Many people wonder about this.")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    scores = actor.forward(ids, mask)
+    assert scores.shape == ids.shape
+    with torch.no_grad():
+        stock = model(ids, attention_mask=mask)  # OpenRLHF's scalar: the score at the last real token
+    torch.testing.assert_close(scores[:, -1], stock)
+    torch.testing.assert_close(scores[0], token_scores(hf, ids[:1], mask[:1])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_actor_returns_entropies_from_the_same_forward(seg_ppo, tiny_sft_path, toy_tok):
+    from openrlhf.models import Actor
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_sft_path).eval()
+    actor_model = Actor(tiny_sft_path, attn_implementation="sdpa", param_dtype="bf16").float().eval()
+    actor_model.model.load_state_dict(hf.state_dict())  # the same fp32 weights (Actor loads bf16)
+    actor = seg_ppo._SegmentReferenceActor.__new__(seg_ppo._SegmentReferenceActor)
+    actor.model = actor_model
+    actor.strategy = SimpleNamespace(
+        ring_attn_group=None, args=SimpleNamespace(ds=SimpleNamespace(packing_samples=False))
+    )
+    ids = torch.tensor([toy_tok("Question: hi\nAnswer: Many people wonder about this.")["input_ids"]])
+    a = 6
+    action_mask = torch.ones(1, a, dtype=torch.bool)
+    log_probs, entropy = actor.forward(ids, action_mask, torch.ones_like(ids))
+    with torch.no_grad():
+        logits = hf(ids).logits
+    torch.testing.assert_close(entropy, token_entropy(logits)[:, -a:], atol=1e-4, rtol=1e-4)
+    expected_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -a:]
+    torch.testing.assert_close(log_probs, expected_lp, atol=1e-4, rtol=1e-4)
+
+
+def test_flatten_results_splits_reference_tuples(seg_ppo):
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        maker = _maker(seg_ppo.SegmentExperienceMaker, _args())
+        refs = [ray.put([(torch.ones(1), torch.zeros(1)), (torch.ones(2), torch.zeros(2))])]
+        log_probs = maker._flatten_results(refs, 1)
+        assert [lp.numel() for lp in log_probs] == [1, 2] and [e.numel() for e in maker._ref_entropies] == [1, 2]
+        plain = maker._flatten_results([ray.put([torch.ones(3)])], 1)
+        assert plain[0].numel() == 3
+    finally:
+        ray.shutdown()
+
+
+def test_install_patches_openrlhf_modules(seg_ppo):
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_utils.experience_maker as em
+    import openrlhf.trainer.ray.launcher as launcher
+
+    assert ppo_trainer.RemoteExperienceMaker is seg_ppo.SegmentExperienceMaker
+    assert em.compute_reward is seg_ppo.dense_aware_compute_reward
+    assert launcher.RewardModelActor is seg_ppo.SegmentRewardModelActor
+    assert launcher.ReferenceModelActor is seg_ppo.SegmentReferenceModelActor
+
+
+def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
+    from rlhf_ext.cli import recipe_path
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+
+    recipe = load_recipe(SegmentPPORecipe, recipe_path("segment_ppo_openrlhf"))
+    recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
+    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json")
+    pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
+    assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
+    assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
+    assert pairs["--ext.granularity"] == "segment" and pairs["--ext.normalizer"] == "/tmp/n.json"
+    rest, ext = seg_ppo.parse_ext_args(argv)
+    assert not any(a.startswith("--ext.") for a in rest) and ext["normalizer"] == "/tmp/n.json"
+
+
+@pytest.mark.gpu
+def test_openrlhf_segment_ppo_runs_on_gpu(tmp_path):
+    """One PPO episode through OpenRLHF's Ray pipeline with vLLM (GPU machines only)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo
+
+    recipe = load_recipe(
+        SegmentPPORecipe,
+        None,
+        ["engine=openrlhf", f"train.output_dir={tmp_path}", "train.batch_size=8", "train.micro_batch_size=4",
+         "data.max_prompts=16", "data.max_completion_length=32",
+         "train.openrlhf_args={vllm.gpu_memory_utilization: 0.3}"],
+    )  # fmt: skip
+    summary = run_segment_ppo(recipe)
+    assert summary["engine"] == "openrlhf" and (tmp_path / "normalizer.json").exists()
+    assert (tmp_path / "config.json").exists()  # the trained actor

@@ -1,0 +1,153 @@
+"""SegmentPPOTrainer (TRL 1.16 GRPO subclass): rollouts with dense rewards, learning on the toy task, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+
+@pytest.fixture(scope="module")
+def segment_rm(cache_dir) -> str:
+    from rlhf_ext.resources import resolve_model
+
+    return resolve_model("builtin:tiny-segment-rm", cache_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(toy_data):
+    return Dataset.from_list([{"prompt": r["prompt"]} for r in toy_data["train"]])
+
+
+def _config(tmp_path, segment_rm, **kw):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOConfig
+
+    base = dict(
+        output_dir=str(tmp_path / "ppo"), reward_model_path=segment_rm, per_device_train_batch_size=8,
+        num_generations=2, max_completion_length=64, learning_rate=3e-4, critic_learning_rate=1e-4, max_steps=1,
+        logging_steps=1, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        gradient_checkpointing=False, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    base.update(kw)
+    return SegmentPPOConfig(**base)
+
+
+def _segment_score_of_samples(trainer, prompts: list[str], seed: int = 0) -> float:
+    """Mean PPO objective before the KL penalty on fresh samples: the sum of the normalized, interpolated segment
+    rewards the reward model assigns (``segment/score``), measured by the trainer's own rollout in eval mode."""
+    torch.manual_seed(seed)
+    was_training = trainer.model.training
+    trainer.model.eval()
+    trainer._generate_and_score_completions([{"prompt": p} for p in prompts])
+    trainer.model.train(was_training)
+    return trainer._metrics["eval"]["segment/score"][-1]
+
+
+def test_rollout_produces_dense_per_token_advantages(tmp_path, tiny_sft_path, toy_tok, toy_data, segment_rm, prompts):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    trainer = SegmentPPOTrainer(
+        model=tiny_sft_path,
+        args=_config(tmp_path, segment_rm),
+        train_dataset=prompts,
+        processing_class=toy_tok,
+        calibration_dataset=toy_data["test"],
+    )
+    assert trainer.normalizer.kind == "regression" and trainer.normalizer.num_points > 100
+    assert trainer.entropy_cutoff == 2.0  # read from the reward model's segment_config.json
+    batch = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    mask = out["completion_mask"].bool()
+    adv = out["advantages"]
+    assert adv.shape == out["completion_ids"].shape  # [B, T], not one scalar per sequence
+    assert (adv[~mask] == 0).all()
+    assert abs(adv[mask].mean().item()) < 1e-4 and adv[mask].std().item() == pytest.approx(1.0, abs=0.05)
+    assert out["returns"].shape == adv.shape and (out["old_values"][~mask] == 0).all()
+    # dense: tokens of one response do not all share one advantage (it would with a bandit reward and no critic)
+    assert (adv[0][mask[0]].unique().numel()) > 3
+    metrics = trainer._metrics["train"]
+    assert metrics["segment/segments_per_response"][-1] > 2
+    assert math.isfinite(metrics["segment/kl"][-1])
+
+
+def test_ppo_raises_the_reward_models_score_while_kl_stays_finite(tmp_path, tiny_sft_path, toy_tok, toy_data,
+                                                                  segment_rm, prompts):  # fmt: skip
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, max_steps=12, per_device_train_batch_size=16, advantage_estimator="reinforce")
+    trainer = SegmentPPOTrainer(
+        model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
+        calibration_dataset=toy_data["train"],
+    )  # fmt: skip
+    held_out = [r["prompt"] for r in toy_data["test"]][:32]
+    before = _segment_score_of_samples(trainer, held_out)
+    trainer.train()
+    after = _segment_score_of_samples(trainer, held_out)
+    kls = [h["segment/kl"] for h in trainer.state.log_history if "segment/kl" in h]
+    assert after > before + 0.2, (before, after)
+    assert all(math.isfinite(k) for k in kls) and max(kls) < 20.0
+
+
+def test_gae_training_step_updates_critic_and_saves(tmp_path, tiny_sft_path, toy_tok, toy_data, segment_rm, prompts):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    trainer = SegmentPPOTrainer(
+        model=tiny_sft_path, args=_config(tmp_path, segment_rm, max_steps=2), train_dataset=prompts,
+        processing_class=toy_tok, calibration_dataset=toy_data["test"],
+    )  # fmt: skip
+    critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
+    trainer.train()
+    changed = any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.parameters()))
+    assert changed, "the critic's optimizer never stepped"
+    logs = [h for h in trainer.state.log_history if "critic/value_loss" in h]
+    assert logs and all(math.isfinite(h["critic/value_loss"]) for h in logs)
+    trainer.save_model()
+    from rlhf_ext.segment import LocationNormalizer
+
+    assert LocationNormalizer.load(tmp_path / "ppo" / "normalizer.json") == trainer.normalizer
+    assert (tmp_path / "ppo" / "critic" / "config.json").exists()
+
+
+def test_missing_normalizer_file_is_a_clear_error(tmp_path, tiny_sft_path, toy_tok, segment_rm, prompts):
+    from rlhf_ext.segment import NormalizerError
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, normalizer_path=str(tmp_path / "nope.json"), advantage_estimator="reinforce")
+    with pytest.raises(NormalizerError, match="does not exist"):
+        SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
+
+
+def test_no_calibration_data_warns_and_runs_unnormalized(tmp_path, tiny_sft_path, toy_tok, segment_rm, prompts):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce")
+    with pytest.warns(UserWarning, match="not normalized"):
+        trainer = SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
+    assert trainer.normalizer.kind == "none"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beta": 0.1}, "set kl_coef, not beta"),
+        ({"granularity": "sentence"}, "granularity must be one of"),
+        ({"interpolation": "spread"}, "interpolation must be one of"),
+        ({"advantage_estimator": "ppo"}, "gae or reinforce"),
+        ({"entropy_cutoff": -1.0}, "entropy cutoff must be >= 0"),
+        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+    ],
+)
+def test_bad_config_is_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, "rm", **kwargs)
+
+
+def test_segment_granularity_with_infinite_cutoff_is_refused(tmp_path, tiny_sft_path, toy_tok, segment_rm, prompts):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, entropy_cutoff=math.inf, normalizer_kind="none")
+    with pytest.raises(ValueError, match="infinite cutoff is the bandit setting"):
+        SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
