@@ -183,6 +183,11 @@ class OneStepAsyncRunner(Generic[T]):
         return self._version
 
     @property
+    def delivered(self) -> int:
+        """How many batches the learner has received."""
+        return self._next_index
+
+    @property
     def stopping(self) -> bool:
         """True once the run is ending; a long ``generate_fn`` may poll it to stop early."""
         return self._stop.is_set()
