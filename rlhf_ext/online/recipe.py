@@ -45,13 +45,16 @@ class RewardSection:
 @dataclass
 class PromptSection:
     """Where prompts come from (any dataset with a prompt column; preference datasets work, their responses are
-    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists."""
+    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists. ``as_chat``: wrap plain-text
+    prompts as a user message so they go through the chat template (for chat / instruct models); prompts that are
+    already message lists are used as they are."""
 
     train: str = "builtin:toy-keyphrase"
     train_split: str = "train"
     eval: str | None = None
     eval_split: str = "test"
     prompt_key: str = "prompt"
+    as_chat: bool = False
     max_train_prompts: int | None = None
     max_eval_prompts: int | None = 64
 

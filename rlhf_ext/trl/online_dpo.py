@@ -537,7 +537,8 @@ class IterativeDPOTrainer:
             prompts, ids = self.iteration_prompts(k)
             sampler = self.sampler()
             sampler.load_policy(policy)
-            samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", k))
+            with torch_threads(self.args.generation_threads):
+                samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", k))
             sampler.release()
             rows, stats = self._score_and_select(
                 prompts, ids, samples, torch.Generator().manual_seed(self._seed("select", k))
@@ -609,9 +610,13 @@ class IterativeDPOTrainer:
             a = self.args
             sampler = self.sampler()
             sampler.load_policy(path)
-            samples = sampler.sample(
-                self.eval_prompts, a.eval_samples_per_prompt, temperatures=[a.eval_temperature], seed=self._seed("eval")
-            )
+            with torch_threads(a.generation_threads):
+                samples = sampler.sample(
+                    self.eval_prompts,
+                    a.eval_samples_per_prompt,
+                    temperatures=[a.eval_temperature],
+                    seed=self._seed("eval"),
+                )
             sampler.release()
             flat_prompts = [p for p in self.eval_prompts for _ in range(a.eval_samples_per_prompt)]
             rewards = score(self.reward_fn, flat_prompts, samples.flat())
@@ -846,7 +851,10 @@ def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:
                 f"columns: {', '.join(ds.column_names)}"
             )
         prompts = ds[data.prompt_key]
-        return prompts[:limit] if limit is not None else prompts
+        prompts = prompts[:limit] if limit is not None else prompts
+        if data.as_chat:
+            prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        return prompts
 
     train = pick(data.train, data.train_split, data.max_train_prompts, "train")
     try:

@@ -457,9 +457,9 @@ def load_reward(
     """A reward function from a recipe string.
 
     ``spec`` is ``builtin:keyphrase-gold``, ``module.path:callable`` (a user function or a factory's result, e.g.
-    the simulator's annotators), or a reward-model checkpoint directory. ``kind`` for checkpoints: ``segment`` (a
-    segment reward model, scored by ``e_phi``), ``sequence_classification``, or ``auto`` (segment if the directory
-    has rlhf-ext's ``segment_config.json``).
+    the simulator's annotators), a reward-model checkpoint directory, or the hub id of a sequence classifier.
+    ``kind`` for checkpoints: ``segment`` (a segment reward model, scored by ``e_phi``), ``sequence_classification``,
+    or ``auto`` (segment if the directory has rlhf-ext's ``segment_config.json``).
     """
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
@@ -477,11 +477,13 @@ def load_reward(
         if not callable(fn):
             raise ValueError(f"reward function {spec!r} is not callable")
         return fn
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"reward model {spec!r} is not a directory; give a reward-model checkpoint, 'module:function' or "
-            f"one of {', '.join(BUILTIN_REWARDS)}"
-        )
+    if not path.exists():
+        if kind == "segment" or spec.startswith(("/", ".")) or spec.count("/") != 1:
+            raise FileNotFoundError(
+                f"reward model {spec!r} does not exist; give a reward-model checkpoint directory (or a hub id of a "
+                f"sequence classifier), 'module:function' or one of {', '.join(BUILTIN_REWARDS)}"
+            )
+        return SequenceClassifierReward(spec, batch_size=batch_size, device=device)  # a hub id
     from rlhf_ext.segment.data import SEGMENT_CONFIG_NAME
 
     if kind == "auto":

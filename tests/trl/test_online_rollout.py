@@ -257,5 +257,5 @@ def test_load_reward_resolves_every_kind(reward_dirs):
         load_reward("builtin:nope")
     with pytest.raises(ValueError, match="could not be imported"):
         load_reward("no_such_module_xyz:fn")
-    with pytest.raises(FileNotFoundError, match="not a directory"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward("/no/such/dir")
