@@ -44,6 +44,7 @@ uses them.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import queue
 import threading
 import time
@@ -88,6 +89,8 @@ class RunnerStats:
         generate_seconds / train_seconds: per-batch time spent in ``generate_fn`` / between receiving a batch and
             publishing the update.
         wait_seconds: per-batch time the learner waited for the batch.
+        publish_seconds: time since ``start()`` at which each update was published (steady-state throughput is
+            the slope of this series).
         wall_seconds: from ``start()`` to the end of the last update.
     """
 
@@ -96,6 +99,7 @@ class RunnerStats:
     generate_seconds: list[float] = field(default_factory=list)
     train_seconds: list[float] = field(default_factory=list)
     wait_seconds: list[float] = field(default_factory=list)
+    publish_seconds: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -105,6 +109,7 @@ class RunnerStats:
             "generate_seconds": self.generate_seconds,
             "train_seconds": self.train_seconds,
             "wait_seconds": self.wait_seconds,
+            "publish_seconds": self.publish_seconds,
             "wall_seconds": self.wall_seconds,
         }
 
@@ -123,19 +128,95 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+def _put(q, item: Any, stop) -> bool:
+    """Put with polling, giving up when ``stop`` is set (works for thread and process queues)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q, stop) -> Any:
+    """Get with polling; None once ``stop`` is set and nothing arrived."""
+    while True:
+        try:
+            return q.get(timeout=_POLL_SECONDS)
+        except queue.Empty:
+            if stop.is_set():
+                return None
+
+
+def _picklable(e: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any failure means "send the text only"
+        return None
+
+
+def _generator_loop(generate_fn, load_weights_fn, num_batches: int, lag: int, threads, batches, weights, stop, errors):
+    """The generator side of Appendix D (runs in a thread or in a spawned process).
+
+    Batch ``k`` is generated with ``theta_{max(k - lag, 0)}``: before generating it, the loop takes published weights
+    from ``weights`` until it holds that version. Batches go to ``batches`` (size 1). A failure is reported through
+    ``errors`` as ``(traceback text, exception or None)`` and sets ``stop``.
+    """
+    loaded = 0
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        for index in range(num_batches):
+            need = max(index - lag, 0)
+            while loaded < need:
+                item = _get(weights, stop)
+                if item is None:
+                    return
+                version, payload = item
+                if load_weights_fn is not None:
+                    load_weights_fn(payload, version)
+                loaded = version
+            if loaded != need:  # the lock-step protocol makes this impossible; fail loudly if it breaks
+                raise StalenessError(f"generator holds version {loaded} for batch {index}, expected {need}")
+            t0 = time.perf_counter()
+            data = generate_fn(index, loaded)
+            if not _put(batches, Batch(index, loaded, data, time.perf_counter() - t0), stop):
+                return
+    except BaseException as e:  # noqa: BLE001 - re-raised in the learner
+        errors.put(("".join(traceback.format_exception(type(e), e, e.__traceback__)), _picklable(e)))
+        stop.set()
+
+
+def _process_main(*args) -> None:
+    """Entry point of the generator process: run the loop, then exit without waiting to flush a full queue."""
+    _generator_loop(*args)
+    batches, stop = args[5], args[7]
+    if stop.is_set():
+        batches.cancel_join_thread()
+
+
 class OneStepAsyncRunner(Generic[T]):
     """Overlap generation of batch ``t+1`` (with ``theta_t``) and training on batch ``t`` (paper 001, Appendix D).
 
     Args:
-        generate_fn: ``(index, version) -> data`` — produce batch ``index`` with policy ``version`` (generator thread).
+        generate_fn: ``(index, version) -> data`` — produce batch ``index`` with policy ``version`` (generator side).
         num_batches: number of batches (= learner updates) in the run.
         load_weights_fn: ``(weights, version) -> None`` — install published weights in the generator (generator
-            thread). ``None``: the generator shares the policy object with the learner, which is only safe in
+            side). ``None``: the generator shares the policy object with the learner, which is only safe in
             ``sync`` mode or when ``generate_fn`` does not read the weights.
         sync: on-policy baseline (generate batch ``t+1`` only after update ``t``); staleness 0.
         generator_threads / learner_threads: torch intra-op threads for each role (per thread, so both modes can
-            hold each role to the same budget); ``None`` leaves the setting alone.
-        name: name of the generator thread.
+            hold each role to the same budget); ``None`` leaves the setting alone (a generator process inherits
+            the caller's thread count).
+        process: run the generator in a spawned process instead of a thread. Python threads share one interpreter
+            lock, so two roles that each spend much time in Python (small models, HF ``generate``) slow each other
+            down (paper 001, A.2, "GIL"); a process avoids that. ``generate_fn`` and ``load_weights_fn`` are then
+            pickled to the child (bound methods of one object arrive as one object; build heavy state lazily on
+            the first call), batches must be picklable, and CPU tensors in published weights travel through
+            shared memory.
+        name: name of the generator thread / process.
     """
 
     def __init__(
@@ -146,6 +227,7 @@ class OneStepAsyncRunner(Generic[T]):
         sync: bool = False,
         generator_threads: int | None = None,
         learner_threads: int | None = None,
+        process: bool = False,
         name: str = "rlhf-ext-generator",
     ):
         if not isinstance(num_batches, int) or num_batches < 1:
@@ -155,6 +237,8 @@ class OneStepAsyncRunner(Generic[T]):
                 "asynchronous mode needs load_weights_fn: the generator must hold its own copy of the policy, "
                 "because the learner updates its parameters while the generator samples (or use sync=True)"
             )
+        if load_weights_fn is None and process:
+            raise ValueError("a generator process cannot share the learner's policy object; pass load_weights_fn")
         self.generate_fn = generate_fn
         self.load_weights_fn = load_weights_fn
         self.num_batches = num_batches
@@ -162,14 +246,21 @@ class OneStepAsyncRunner(Generic[T]):
         self.lag = 0 if sync else 1  # batch k is generated with theta_{max(k - lag, 0)}
         self.generator_threads = generator_threads
         self.learner_threads = learner_threads
+        self.process = process
         self.name = name
         self.stats = RunnerStats()
-        self._batches: queue.Queue = queue.Queue(maxsize=1)
-        self._weights: queue.Queue = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        if process:
+            import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
+
+            ctx = mp.get_context("spawn")
+            self._batches, self._weights, self._errors = ctx.Queue(maxsize=1), ctx.Queue(maxsize=1), ctx.Queue()
+            self._stop = ctx.Event()
+        else:
+            self._batches, self._weights, self._errors = queue.Queue(maxsize=1), queue.Queue(maxsize=1), queue.Queue()
+            self._stop = threading.Event()
+        self._worker: threading.Thread | Any | None = None
         self._error: BaseException | None = None
-        self._error_text = ""
+        self._error_text: str | None = None
         self._version = 0  # learner: updates done
         self._next_index = 0  # learner: next batch expected
         self._awaiting_publish = False
@@ -189,7 +280,7 @@ class OneStepAsyncRunner(Generic[T]):
 
     @property
     def stopping(self) -> bool:
-        """True once the run is ending; a long ``generate_fn`` may poll it to stop early."""
+        """True once the run is ending; a long ``generate_fn`` may poll it to stop early (thread mode)."""
         return self._stop.is_set()
 
     def version_for(self, index: int) -> int:
@@ -198,18 +289,51 @@ class OneStepAsyncRunner(Generic[T]):
 
     # --------------------------------------------------------------------------------------------------- control
     def start(self) -> OneStepAsyncRunner[T]:
-        if self._thread is not None:
+        if self._worker is not None:
             raise RuntimeError("the runner was already started; create a new OneStepAsyncRunner for another run")
         self._started_at = time.perf_counter()
-        self._thread = threading.Thread(target=self._generator_main, name=self.name, daemon=True)
-        self._thread.start()
+        threads = self.generator_threads
+        if threads is None and self.process:  # a fresh process would start with every core; inherit the budget
+            threads = torch.get_num_threads()
+        args = (
+            self.generate_fn,
+            self.load_weights_fn,
+            self.num_batches,
+            self.lag,
+            threads,
+            self._batches,
+            self._weights,
+            self._stop,
+            self._errors,
+        )
+        if self.process:
+            import torch.multiprocessing as mp
+
+            self._worker = mp.get_context("spawn").Process(target=_process_main, args=args, name=self.name, daemon=True)
+        else:
+            self._worker = threading.Thread(target=_generator_loop, args=args, name=self.name, daemon=True)
+        self._worker.start()
         return self
 
-    def close(self) -> None:
-        """Stop the generator and join its thread (waits for a ``generate_fn`` call in progress to return)."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the generator and wait for it (a ``generate_fn`` call in progress finishes first). A generator
+        process still alive after ``timeout`` seconds is terminated."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._worker is None:
+            return
+        if self.process:
+            self._weights.cancel_join_thread()  # do not block on weights the child will never read
+            while True:  # unblock a child waiting to flush a batch
+                try:
+                    self._batches.get_nowait()
+                except queue.Empty:
+                    break
+            self._worker.join(timeout)
+            if self._worker.is_alive():
+                self._worker.terminate()
+                self._worker.join()
+        else:
+            self._worker.join()
 
     def __enter__(self) -> OneStepAsyncRunner[T]:
         return self.start()
@@ -219,57 +343,39 @@ class OneStepAsyncRunner(Generic[T]):
         if exc is None:
             self._raise_generator_error()
 
-    # ------------------------------------------------------------------------------------------------- generator
-    def _put(self, q: queue.Queue, item: Any) -> bool:
-        while not self._stop.is_set():
+    def _failed(self, wait: float = 0.0) -> bool:
+        """Whether the generator reported a failure; ``wait`` seconds for a report still in flight."""
+        if self._error_text is None:
             try:
-                q.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+                item = self._errors.get(timeout=wait) if wait > 0 else self._errors.get_nowait()
+                self._error_text, self._error = item
+            except queue.Empty:
+                pass
+        return self._error_text is not None
 
-    def _get(self, q: queue.Queue) -> Any:
+    def _raise_generator_error(self, wait: float = 0.0) -> None:
+        if self._failed(wait):
+            raise AsyncRunnerError(
+                f"the generator failed; the learner stopped.\n--- generator traceback ---\n{self._error_text}"
+            ) from (self._error or RuntimeError(self._error_text))
+
+    def _wait_for_batch(self) -> Batch[T]:
         while True:
             try:
-                return q.get(timeout=_POLL_SECONDS)
+                return self._batches.get(timeout=_POLL_SECONDS)
             except queue.Empty:
-                if self._stop.is_set():
-                    return None
-                if q is self._batches and self._error is not None:
-                    return None
-
-    def _generator_main(self) -> None:
-        loaded = 0
-        try:
-            with torch_threads(self.generator_threads):
-                for index in range(self.num_batches):
-                    need = self.version_for(index)
-                    while loaded < need:
-                        item = self._get(self._weights)
-                        if item is None:
-                            return
-                        version, weights = item
-                        if self.load_weights_fn is not None:
-                            self.load_weights_fn(weights, version)
-                        loaded = version
-                    if loaded != need:  # the lock-step protocol makes this impossible; fail loudly if it breaks
-                        raise StalenessError(f"generator holds version {loaded} for batch {index}, expected {need}")
-                    t0 = time.perf_counter()
-                    data = self.generate_fn(index, loaded)
-                    seconds = time.perf_counter() - t0
-                    if not self._put(self._batches, Batch(index, loaded, data, seconds)):
-                        return
-        except BaseException as e:  # noqa: BLE001 - re-raised in the learner thread
-            self._error_text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            self._error = e
-            self._stop.set()
-
-    def _raise_generator_error(self) -> None:
-        if self._error is not None:
-            raise AsyncRunnerError(
-                f"the generator thread failed; the learner stopped.\n--- generator traceback ---\n{self._error_text}"
-            ) from self._error
+                pass
+            self._raise_generator_error()
+            if self._stop.is_set():  # set by a failing generator (its report may still be in flight) or by close()
+                self._raise_generator_error(wait=5.0)
+                raise RuntimeError("the runner was closed while the learner was waiting for a batch")
+            if self.process and not self._worker.is_alive():
+                try:  # the last batch may still be in the pipe
+                    return self._batches.get(timeout=1.0)
+                except queue.Empty:
+                    self._raise_generator_error(wait=1.0)
+                    self._error_text = f"the generator process exited with code {self._worker.exitcode}"
+                    self._raise_generator_error()
 
     # --------------------------------------------------------------------------------------------------- learner
     def __iter__(self) -> Iterator[Batch[T]]:
@@ -278,17 +384,14 @@ class OneStepAsyncRunner(Generic[T]):
 
     def next_batch(self) -> Batch[T]:
         """Block until the next batch is ready and return it (learner side)."""
-        if self._thread is None:
+        if self._worker is None:
             raise RuntimeError("start the runner first (use it as a context manager or call start())")
         if self._awaiting_publish:
             raise RuntimeError("call publish() after training on each batch, before asking for the next one")
         if self._next_index >= self.num_batches:
             raise RuntimeError(f"all {self.num_batches} batches were already delivered")
         t0 = time.perf_counter()
-        batch = self._get(self._batches)
-        if batch is None:
-            self._raise_generator_error()
-            raise RuntimeError("the runner was closed while the learner was waiting for a batch")
+        batch = self._wait_for_batch()
         self.stats.wait_seconds.append(time.perf_counter() - t0)
         if batch.index != self._next_index:
             raise StalenessError(f"expected batch {self._next_index}, got batch {batch.index} (dropped or repeated)")
@@ -320,12 +423,13 @@ class OneStepAsyncRunner(Generic[T]):
         self.stats.train_seconds.append(time.perf_counter() - self._received_at)
         self._version += 1
         self.stats.wall_seconds = time.perf_counter() - self._started_at
+        self.stats.publish_seconds.append(self.stats.wall_seconds)
         # the generator uses versions 1 .. version_for(num_batches - 1); later ones are never needed
         if self._version > self.version_for(self.num_batches - 1):
             return
         payload = weights() if callable(weights) else weights
-        if not self._put(self._weights, (self._version, payload)):
-            self._raise_generator_error()
+        if not _put(self._weights, (self._version, payload), self._stop):
+            self._raise_generator_error(wait=5.0)
             raise RuntimeError("the runner was closed while publishing weights")
 
     def run(self, train_fn: Callable[[Batch[T]], Any]) -> RunnerStats:

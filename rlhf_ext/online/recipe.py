@@ -62,10 +62,13 @@ class PromptSection:
 @dataclass
 class OnlineSection:
     """Papers 004 / 001 knobs (defaults: the papers'). ``mode: iterative`` is Algorithm 2; ``mode: online`` is one
-    DPO update per generated batch with ``async_generation`` one step off-policy (paper 001) or synchronous."""
+    DPO update per generated batch with ``async_generation`` one step off-policy (paper 001) or synchronous;
+    ``generator_process`` runs the generator in its own process instead of a thread (no interpreter-lock
+    contention; HF generation, picklable reward)."""
 
     mode: Literal["iterative", "online"] = "iterative"
     async_generation: bool = True
+    generator_process: bool = False
     iterations: int = 3
     prompts_per_iteration: int | None = None
     num_samples: int = 8

@@ -68,20 +68,23 @@ from rlhf_ext.online import (
     Batch,
     OneStepAsyncRunner,
     PairStore,
+    RunnerStats,
     check_num_samples,
-    select_pairs,
     torch_threads,
 )
-from rlhf_ext.trl.online_rollout import (
+from rlhf_ext.online.rollout import (
+    OnlinePairGenerator,
     RewardFn,
+    SelectionSettings,
     SequenceClassifierReward,
     is_conversation,
     load_reward,
     make_sampler,
     score,
+    score_and_select,
     split_temperatures,
 )
-from rlhf_ext.utils import atomic_write_json, stable_hash
+from rlhf_ext.utils import atomic_directory, atomic_write_json, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,9 @@ class IterativeDPOConfig(DPOConfig):
         eval_num_prompts / eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
         online_mode: ``iterative`` (Algorithm 2) or ``online`` (one update per generated batch, paper 001).
         async_generation: online mode: one-step asynchronous (default) or synchronous on-policy.
+        generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
+            thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
+            function must be picklable).
         max_fill_rounds: online mode: extra sampling rounds to replace tied prompts before giving up.
         generation_threads / training_threads: torch intra-op threads of each role (CPU); ``None``: unchanged.
         vllm_gpu_memory_utilization / vllm_kwargs: passed to ``vllm.LLM``.
@@ -142,6 +148,7 @@ class IterativeDPOConfig(DPOConfig):
     eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation sampling temperature."})
     online_mode: str = field(default="iterative", metadata={"help": "iterative | online"})
     async_generation: bool = field(default=True, metadata={"help": "Online mode: one-step async generation."})
+    generator_process: bool = field(default=False, metadata={"help": "Online mode: generate in a separate process."})
     max_fill_rounds: int = field(default=4, metadata={"help": "Online mode: rounds to replace tied prompts."})
     generation_threads: int | None = field(default=None, metadata={"help": "CPU threads for generation."})
     training_threads: int | None = field(default=None, metadata={"help": "CPU threads for training."})
@@ -284,11 +291,12 @@ class _PublishWeights(TrainerCallback):
     """After every optimizer step, report the update to the runner; the weights snapshot (cloned tensors) is only
     taken when the generator will use that version."""
 
-    def __init__(self, runner: OneStepAsyncRunner, model_fn: Callable[[], torch.nn.Module]):
-        self.runner, self.model_fn = runner, model_fn
+    def __init__(self, runner: OneStepAsyncRunner, model_fn: Callable[[], torch.nn.Module], to_cpu: bool = False):
+        self.runner, self.model_fn, self.to_cpu = runner, model_fn, to_cpu
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model_fn().state_dict().items()}
+        sd = self.model_fn().state_dict()
+        return {k: (v.detach().cpu() if self.to_cpu else v.detach()).clone() for k, v in sd.items()}
 
     def on_step_end(self, args, state, control, **kwargs):
         self.runner.publish(self.snapshot)
@@ -305,7 +313,7 @@ class IterativeDPOTrainer:
             ``eval_num_prompts`` training prompts).
         reward_fn: ``(prompts, responses) -> tensor[N]`` — any scorer (e.g. the simulator's annotators).
         reward_model: instead of ``reward_fn``: a reward-model checkpoint (sequence classification or rlhf-ext
-            segment RM, see :func:`~rlhf_ext.trl.online_rollout.load_reward`) or an instantiated
+            segment RM, see :func:`~rlhf_ext.online.rollout.load_reward`) or an instantiated
             sequence-classification model.
         processing_class: the tokenizer (default: loaded from ``model``).
         ref_model: path of the SFT reference (default: ``model``).
@@ -425,71 +433,26 @@ class IterativeDPOTrainer:
         ids = order[positions].tolist()
         return [self.prompts[i] for i in ids], ids
 
+    def sampler_spec(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~rlhf_ext.online.rollout.make_sampler` for this run."""
+        a = self.args
+        return dict(
+            backend=a.generation_backend,
+            policy=self.sft_path,
+            tokenizer=self.tokenizer,
+            max_new_tokens=a.max_new_tokens,
+            temperatures=a.temperatures,
+            batch_size=a.generation_batch_size,
+            max_prompt_length=a.max_prompt_length,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
+        )
+
     def sampler(self):
         if self._sampler is None:
-            a = self.args
-            self._sampler = make_sampler(
-                a.generation_backend,
-                self.sft_path,
-                self.tokenizer,
-                max_new_tokens=a.max_new_tokens,
-                temperatures=a.temperatures,
-                batch_size=a.generation_batch_size,
-                max_prompt_length=a.max_prompt_length,
-                top_p=a.top_p,
-                top_k=a.top_k,
-                vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
-            )
+            self._sampler = make_sampler(**self.sampler_spec())
         return self._sampler
-
-    def _score_and_select(self, prompts: list[Any], ids: list[int], samples, generator: torch.Generator):
-        """Rewards ``[P, n]`` and the selected pair rows (one dict per kept prompt, in prompt order)."""
-        n = len(samples.temperatures)
-        flat_prompts = [p for p in prompts for _ in range(n)]
-        rewards = score(self.reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
-        lengths = samples.num_chars() if self.args.length_unit == "chars" else samples.num_tokens.float()
-        sel = select_pairs(
-            rewards,
-            lengths=lengths,
-            rule=self.args.selection_rule,
-            length_penalty=self.args.length_penalty,
-            texts=samples.texts,
-            tie_tolerance=self.args.tie_tolerance,
-            generator=generator,
-        )
-        rows = []
-        for j, (i, c, r) in enumerate(zip(sel.prompt_index.tolist(), sel.chosen.tolist(), sel.rejected.tolist())):
-            rows.append(
-                {
-                    "prompt": prompts[i],
-                    "chosen": samples.texts[i][c],
-                    "rejected": samples.texts[i][r],
-                    "chosen_reward": float(rewards[i, c]),
-                    "rejected_reward": float(rewards[i, r]),
-                    "margin": float(sel.margin[j]),
-                    "reward_margin": float(sel.reward_margin[j]),
-                    "prompt_id": ids[i],
-                    "chosen_index": c,
-                    "rejected_index": r,
-                    "chosen_temperature": samples.temperatures[c],
-                    "rejected_temperature": samples.temperatures[r],
-                }
-            )
-        stats = {
-            "num_prompts": len(prompts),
-            "num_samples": n,
-            "dropped": sel.dropped,
-            "mean_reward": float(rewards.mean()),
-            "mean_reward_by_temperature": {
-                str(t): float(rewards[:, [j for j, tt in enumerate(samples.temperatures) if tt == t]].mean())
-                for t in dict.fromkeys(samples.temperatures)
-            },
-            "mean_margin": float(sel.reward_margin.mean()) if len(sel) else 0.0,
-            "mean_max_min_gap": float((rewards.max(1).values - rewards.min(1).values).mean()),
-            "mean_length_chars": float(samples.num_chars().mean()),
-            "truncated_fraction": float(samples.truncated.float().mean()),
-        }
-        return rows, stats
 
     def _dpo_dataset(self, rows: Sequence[dict[str, Any]]):
         """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
@@ -540,8 +503,13 @@ class IterativeDPOTrainer:
             with torch_threads(self.args.generation_threads):
                 samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", k))
             sampler.release()
-            rows, stats = self._score_and_select(
-                prompts, ids, samples, torch.Generator().manual_seed(self._seed("select", k))
+            rows, stats = score_and_select(
+                prompts,
+                ids,
+                samples,
+                self.reward_fn,
+                SelectionSettings.from_args(self.args),
+                torch.Generator().manual_seed(self._seed("select", k)),
             )
             for r in rows:
                 r.update(iteration=k, policy=k)
@@ -684,6 +652,9 @@ class IterativeDPOTrainer:
             else max(1, len(self.prompts) // (pairs_per_update * self.state.num_processes))
         )
         work = self.root / "online"
+        dest = self.root / "policies" / "online_final"
+        if dest.exists() and (self.root / "summary.json").exists():
+            return json.loads((self.root / "summary.json").read_text())  # the run already finished
         last = get_last_checkpoint(str(work)) if work.is_dir() else None
         offset = int(Path(last).name.split("-")[-1]) if last else 0
         # batches generated after the last checkpoint belong to updates that were lost: they are generated again
@@ -693,61 +664,19 @@ class IterativeDPOTrainer:
                     shutil.rmtree(self.store.path(it))
         self.state.wait_for_everyone()
         evals = [self.evaluate(0)]
-        sampler = self.sampler()
-        sampler.load_policy(last or self.sft_path)
-        stream = self.prompts[self.state.process_index :: self.state.num_processes]
-        order = torch.randperm(len(stream), generator=torch.Generator().manual_seed(self._seed("order", offset)))
-        cursor = {"pos": 0}
-
-        def take(m: int) -> tuple[list[Any], list[int]]:
-            pos = (cursor["pos"] + torch.arange(m)) % len(stream)
-            cursor["pos"] += m
-            ids = order[pos].tolist()
-            return [stream[i] for i in ids], ids
-
-        def generate(index: int, version: int) -> list[dict[str, Any]]:
-            rows: list[dict[str, Any]] = []
-            for _ in range(a.max_fill_rounds + 1):
-                prompts, ids = take(pairs_per_update - len(rows))
-                samples = sampler.sample(prompts, a.num_samples)
-                new, _ = self._score_and_select(prompts, ids, samples, torch.Generator().manual_seed(index))
-                rows.extend(new)
-                if len(rows) == pairs_per_update:
-                    return rows
-            raise RuntimeError(
-                f"online batch {index}: only {len(rows)} of {pairs_per_update} prompts gave a preference pair after "
-                f"{a.max_fill_rounds + 1} sampling rounds (the others' {a.num_samples} responses tied). Use a reward "
-                "with finer resolution, more samples per prompt (num_samples), or a larger max_fill_rounds."
-            )
-
-        runner = OneStepAsyncRunner(
-            generate,
-            num_batches=total - offset,
-            load_weights_fn=lambda weights, version: sampler.load_weights(weights),
-            sync=not a.async_generation,
-            generator_threads=a.generation_threads,
-            name=f"rlhf-ext-generator-{self.state.process_index}",
-        )
-        with runner, torch_threads(a.training_threads):
-            first = runner.next_batch()
-            loader = _StreamLoader(self, runner, first, total, offset)
-            args = self._dpo_args(work, max_steps=total, ignore_data_skip=True)
-            trainer = _StreamingDPOTrainer(
-                model=self.sft_path,
-                ref_model=self._load_causal_lm(self.ref_path),
-                args=args,
-                train_dataset=self._dpo_dataset(first.data),
-                processing_class=self.tokenizer,
-                callbacks=self.callbacks,
-                stream=loader,
-            )
-            publisher = _PublishWeights(runner, lambda: trainer.accelerator.unwrap_model(trainer.model))
-            trainer.add_callback(publisher)
-            trainer.train(resume_from_checkpoint=last)
-        self.runner_stats = runner.stats
-        dest = self.root / "policies" / "online_final"
-        if not dest.exists():
-            self._save_policy(trainer, dest)
+        if self.state.is_main_process:
+            shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
+        self.state.wait_for_everyone()
+        if offset < total:
+            stats = self._run_online(total, offset, last, work, dest)
+        else:  # killed after the last update's checkpoint, before the final policy was saved
+            stats = RunnerStats()
+            if self.state.is_main_process:
+                with atomic_directory(dest) as tmp:
+                    self._load_causal_lm(last).save_pretrained(tmp)
+                    self.tokenizer.save_pretrained(tmp)
+            self.state.wait_for_everyone()
+        self.runner_stats = stats
         state = self._read_state()
         state["policies"]["final"] = str(dest)
         self._write_state(state)
@@ -759,12 +688,53 @@ class IterativeDPOTrainer:
             "final_policy": str(dest),
             "updates": total,
             "resumed_from_update": offset,
-            "runner": runner.stats.as_dict(),
+            "runner": stats.as_dict(),
             "eval": [*evals, final_eval],
         }
         if self.state.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
         return summary
+
+    def _run_online(self, total: int, offset: int, last: str | None, work: Path, dest: Path) -> RunnerStats:
+        """Updates ``offset .. total-1``: ``DPOTrainer``'s loop as the learner, fed by a :class:`OneStepAsyncRunner`
+        whose generator holds its own copy of the policy; saves the final policy to ``dest``."""
+        a = self.args
+        generator = OnlinePairGenerator(
+            prompts=self.prompts[self.state.process_index :: self.state.num_processes],
+            pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
+            num_samples=a.num_samples,
+            max_fill_rounds=a.max_fill_rounds,
+            selection=SelectionSettings.from_args(a),
+            reward_fn=self.reward_fn,
+            sampler_spec={**self.sampler_spec(), "policy": last or self.sft_path},
+            seed=self._seed("order", offset),
+            sampler=None if a.generator_process else self.sampler(),
+        )
+        runner = OneStepAsyncRunner(
+            generator.generate,
+            num_batches=total - offset,
+            load_weights_fn=generator.load_weights,
+            sync=not a.async_generation,
+            generator_threads=a.generation_threads,
+            process=a.generator_process,
+            name=f"rlhf-ext-generator-{self.state.process_index}",
+        )
+        with runner, torch_threads(a.training_threads):
+            first = runner.next_batch()
+            trainer = _StreamingDPOTrainer(
+                model=self.sft_path,
+                ref_model=self._load_causal_lm(self.ref_path),
+                args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
+                train_dataset=self._dpo_dataset(first.data),
+                processing_class=self.tokenizer,
+                callbacks=self.callbacks,
+                stream=_StreamLoader(self, runner, first, total, offset),
+            )
+            model_fn = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
+            trainer.add_callback(_PublishWeights(runner, model_fn, to_cpu=a.generator_process))
+            trainer.train(resume_from_checkpoint=last)
+        self._save_policy(trainer, dest)
+        return runner.stats
 
 
 # ------------------------------------------------------------------------------------------------------- recipes
@@ -805,6 +775,7 @@ def recipe_to_config(recipe) -> IterativeDPOConfig:
         reference=recipe.policy.reference,
         online_mode=o.mode,
         async_generation=o.async_generation,
+        generator_process=o.generator_process,
         num_iterations=o.iterations,
         prompts_per_iteration=o.prompts_per_iteration,
         num_samples=o.num_samples,

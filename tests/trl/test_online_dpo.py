@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from rlhf_ext.online.rollout import keyphrase_gold_reward
 from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
-from rlhf_ext.trl.online_rollout import keyphrase_gold_reward
 
 
 @pytest.fixture(autouse=True)
@@ -258,11 +258,17 @@ def test_bad_configuration_and_inputs_are_clear_errors(tmp_path, tiny_sft_path, 
 
 
 # ----------------------------------------------------------------------------------------------- online mode
-@pytest.mark.parametrize("async_generation", [True, False])
-def test_online_mode_trains_one_update_per_generated_batch(tmp_path, tiny_sft_path, prompts, async_generation):
+@pytest.mark.parametrize("async_generation, process", [(True, False), (False, False), (True, True)])
+def test_online_mode_trains_one_update_per_generated_batch(tmp_path, tiny_sft_path, prompts, async_generation, process):
     train, test = prompts
     args = make_args(
-        tmp_path, online_mode="online", async_generation=async_generation, max_steps=4, gradient_accumulation_steps=2
+        tmp_path,
+        online_mode="online",
+        async_generation=async_generation,
+        generator_process=process,
+        generation_threads=1,
+        max_steps=4,
+        gradient_accumulation_steps=2,
     )
     summary = IterativeDPOTrainer(
         tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
@@ -308,3 +314,27 @@ def test_online_mode_resumes_from_the_last_checkpoint(tmp_path, tiny_sft_path, p
         json.loads((tmp_path / f"pairs/iter_{i:03d}/summary.json").read_text())["policy_version"] for i in range(5)
     ]
     assert versions == [0, 0, 2, 2, 3]
+
+
+def test_online_mode_generator_failure_reaches_the_caller_and_a_finished_run_is_not_redone(
+    tmp_path, tiny_sft_path, prompts
+):
+    from rlhf_ext.online import AsyncRunnerError
+
+    train, test = prompts
+    args = make_args(tmp_path / "ties", online_mode="online", max_steps=2, max_fill_rounds=1)
+    tied = IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train, reward_fn=lambda p, r: torch.zeros(len(r)))
+    with pytest.raises(AsyncRunnerError, match="responses tied") as info:
+        tied.train()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+    args = make_args(tmp_path / "done", online_mode="online", max_steps=2)
+    first = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
+    )
+    summary = first.train()
+    calls = []
+    again = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=lambda p, r: calls.append(1)
+    )
+    assert again.train() == json.loads(json.dumps(summary)) and not calls

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rlhf_ext.trl.online_rollout import (
+from rlhf_ext.online.rollout import (
     HFSampler,
     SegmentSequenceReward,
     SequenceClassifierReward,
@@ -247,7 +247,7 @@ def test_segment_reward_is_the_segment_scorers_evaluation(reward_dirs):
 
 def test_load_reward_resolves_every_kind(reward_dirs):
     assert load_reward("builtin:keyphrase-gold") is keyphrase_gold_reward
-    assert load_reward("rlhf_ext.trl.online_rollout:keyphrase_gold_reward") is keyphrase_gold_reward
+    assert load_reward("rlhf_ext.online.rollout:keyphrase_gold_reward") is keyphrase_gold_reward
     assert isinstance(load_reward(str(reward_dirs / "segment")), SegmentSequenceReward)
     assert isinstance(load_reward(str(reward_dirs / "plain")), SequenceClassifierReward)
     assert isinstance(

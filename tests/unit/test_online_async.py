@@ -206,3 +206,55 @@ def test_constructor_errors():
     runner = OneStepAsyncRunner(lambda i, v: None, num_batches=1, sync=True)
     with pytest.raises(RuntimeError, match="start"):
         runner.next_batch()
+
+
+# ----------------------------------------------------------------------------------------------- process mode
+def _probe_run(probe, sync=False, fail_train_at=None, n=5):
+    import os
+
+    from rlhf_ext.testing.async_probe import version_weights
+
+    seen = []
+
+    def train(batch):
+        if batch.index == fail_train_at:
+            raise RuntimeError(f"learner boom at batch {batch.index}")
+        assert batch.data["weights_used"] == batch.version and batch.data["pid"] != os.getpid()
+        seen.append(batch)
+        return version_weights(batch.index + 1)
+
+    runner = OneStepAsyncRunner(
+        probe.generate, num_batches=n, load_weights_fn=probe.load_weights, sync=sync, process=True, generator_threads=1
+    )
+    return runner, seen, train
+
+
+def test_process_generator_keeps_the_one_step_schedule():
+    from rlhf_ext.testing.async_probe import VersionProbe
+
+    runner, seen, train = _probe_run(VersionProbe())
+    stats = runner.run(train)
+    assert stats.trained == [(k, max(k - 1, 0), k) for k in range(5)]
+    assert all(b.data["threads"] == 1 for b in seen)
+    assert not runner._worker.is_alive() and runner._worker.exitcode == 0
+
+
+def test_process_generator_failure_reaches_the_learner_with_its_traceback():
+    from rlhf_ext.testing.async_probe import VersionProbe
+
+    runner, seen, train = _probe_run(VersionProbe(fail_at=2))
+    with pytest.raises(AsyncRunnerError, match="probe failed while generating batch 2") as info:
+        runner.run(train)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "in generate" in str(info.value)
+    assert [b.index for b in seen] == [0, 1]
+    assert not runner._worker.is_alive()
+
+
+def test_learner_failure_stops_the_generator_process():
+    from rlhf_ext.testing.async_probe import VersionProbe
+
+    runner, _, train = _probe_run(VersionProbe(sleep=0.2), fail_train_at=1)
+    with pytest.raises(RuntimeError, match="learner boom at batch 1"):
+        runner.run(train)
+    assert not runner._worker.is_alive()
