@@ -4,12 +4,13 @@
 
 1. **Sync vs one-step async** (paper 001, section 3.5 / Appendix D): the same number of DPO updates with
    ``IterativeDPOTrainer``'s online mode, ``async_generation`` false then true, each role held to one CPU thread in
-   both modes. Generation (sampling K responses + reward-model scoring, the generator side as in section 4.2) and
-   training (one DPO step) are balanced by K. Per-update steady-state time comes from the runner's publish times
-   (the first ``--warmup`` updates, which include building the trainer, are excluded). The ideal speedup is
-   ``(G + T) / max(G, T)`` with G and T the per-batch generation and training times of the synchronous run, where
-   the roles do not compete. Modes alternate (sync, async, sync, async ...) so load drift from other processes
-   hits both.
+   both modes, with the generator in a thread (the paper's design) and in a separate process. Generation (sampling
+   K responses + segment-reward scoring, the generator side as in section 4.2) and training (one DPO step) are
+   made comparable by calibrating the response length on a short synchronous run. Per-update steady-state time
+   comes from the runner's publish times (the first ``--warmup`` updates, which include building the trainer, are
+   excluded). The ideal speedup is ``(G + T) / max(G, T)`` with G and T the per-batch generation and training times
+   of the synchronous run, where the roles do not compete. Modes alternate (sync, async, sync, async ...) so load
+   drift from other processes hits both.
 2. **Pairs per second and reward margin vs n** (paper 004 best/worst-of-n; paper 001 section 4.2 reports the
    chosen-rejected margin about 2x larger at K = 4 than at K = 2): the tiny SFT policy, a segment reward model
    trained on the toy task (built once with the ``segment_rm_tiny`` recipe), 64 prompts.
@@ -37,8 +38,41 @@ def load() -> list[float]:
 
 
 def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the generator process, once joined)."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _spin(seconds_of_work: int) -> float:
+    """A fixed amount of single-threaded matmul work; returns its wall time."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(seconds_of_work):
+        b = a
+        for _ in range(400):
+            b = (b @ a).tanh()
+    return time.perf_counter() - t0
+
+
+def machine_parallelism(work: int = 2) -> float:
+    """How much faster two single-threaded processes finish side by side than one after the other, right now:
+    2.0 on two idle cores, ~1.0 when other processes already use them. The ceiling for any async speedup."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        pool.map(_spin, [0, 0])  # start-up
+        t0 = time.perf_counter()
+        pool.map(_spin, [work])
+        pool.map(_spin, [work])
+        serial = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pool.map(_spin, [work, work])
+        parallel = time.perf_counter() - t0
+    return serial / parallel
 
 
 def reward_model(root: Path) -> str:
@@ -54,7 +88,19 @@ def reward_model(root: Path) -> str:
     return str(out)
 
 
-def online_run(sft: str, prompts, reward, out: Path, asynchronous: bool, k: int, updates: int, seed: int) -> dict:
+def online_run(
+    sft: str,
+    prompts,
+    reward,
+    out: Path,
+    asynchronous: bool,
+    k: int,
+    updates: int,
+    seed: int,
+    process: bool = False,
+    max_new_tokens: int = 72,
+    pairs: int = 8,
+) -> dict:
     import shutil
 
     from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
@@ -64,11 +110,12 @@ def online_run(sft: str, prompts, reward, out: Path, asynchronous: bool, k: int,
         output_dir=str(out),
         online_mode="online",
         async_generation=asynchronous,
+        generator_process=process,
         max_steps=updates,
         num_samples=k,
         temperatures=[0.7, 1.0],
-        max_new_tokens=72,
-        per_device_train_batch_size=8,
+        max_new_tokens=max_new_tokens,
+        per_device_train_batch_size=pairs,
         learning_rate=1e-4,
         lr_scheduler_type="constant",
         beta=0.1,
@@ -90,7 +137,7 @@ def online_run(sft: str, prompts, reward, out: Path, asynchronous: bool, k: int,
     summary = IterativeDPOTrainer(sft, args=args, prompts=prompts, reward_fn=reward).train()
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu_before
     shutil.rmtree(out, ignore_errors=True)
-    return {**summary["runner"], "load_before": load_before, "load_after": load(), "process_cpu_per_wall": cpu / wall}
+    return {**summary["runner"], "load_before": load_before, "load_after": load(), "cpu_per_wall": cpu / wall}
 
 
 def steady(stats: dict, warmup: int) -> dict:
@@ -102,19 +149,37 @@ def steady(stats: dict, warmup: int) -> dict:
         "T": statistics.median(stats["train_seconds"][warmup:]),
         "staleness": stats["staleness"],
         "load": stats["load_before"] + stats["load_after"],
-        "cpu_per_wall": stats["process_cpu_per_wall"],
+        "cpu_per_wall": stats["cpu_per_wall"],
     }
 
 
-def speedup_table(sft, prompts, reward, root: Path, ks: list[int], updates: int, reps: int, warmup: int) -> list[dict]:
+def calibrate(sft, prompts, reward, root: Path, k: int, warmup: int) -> tuple[int, dict]:
+    """A response length at which generation (G) and training (T) take about the same time per batch."""
+    mnt = 72
+    for _ in range(2):
+        stats = steady(
+            online_run(sft, prompts, reward, root / "calibrate", False, k, warmup + 4, 0, False, mnt), warmup
+        )
+        print(f"  calibration: {mnt} new tokens -> G {stats['G']:.3f} s, T {stats['T']:.3f} s", flush=True)
+        mnt = max(16, min(96, round(mnt * stats["T"] / stats["G"])))
+    return mnt, stats
+
+
+def speedup_table(sft, prompts, reward, root: Path, k: int, mnt: int, pairs: int, updates: int, reps: int, warmup: int):
     rows = []
-    for k in ks:
-        runs = {"sync": [], "async": []}
+    for backend in ("thread", "process"):
+        runs: dict[str, list] = {"sync": [], "async": []}
+        probes = []
         for rep in range(reps):
+            probes.append(machine_parallelism())
+            print(f"  {backend} rep {rep}: two processes side by side finish {probes[-1]:.2f}x faster", flush=True)
             for mode in ("sync", "async"):
-                stats = online_run(sft, prompts, reward, root / f"run_{mode}", mode == "async", k, updates, seed=rep)
+                out = root / f"run_{mode}"
+                stats = online_run(
+                    sft, prompts, reward, out, mode == "async", k, updates, rep, backend == "process", mnt, pairs
+                )
                 runs[mode].append(steady(stats, warmup))
-                print(f"  K={k} rep {rep} {mode:5s}: {runs[mode][-1]['per_update']:.3f} s/update", flush=True)
+                print(f"  {backend} rep {rep} {mode:5s}: {runs[mode][-1]['per_update']:.3f} s/update", flush=True)
         sync_u = statistics.median(r["per_update"] for r in runs["sync"])
         async_u = statistics.median(r["per_update"] for r in runs["async"])
         g = statistics.median(r["G"] for r in runs["sync"])
@@ -122,7 +187,10 @@ def speedup_table(sft, prompts, reward, root: Path, ks: list[int], updates: int,
         ideal = (g + t) / max(g, t)
         rows.append(
             {
+                "generator": backend,
+                "machine_parallelism": statistics.median(probes),
                 "K": k,
+                "max_new_tokens": mnt,
                 "G_sync": g,
                 "T_sync": t,
                 "G_async": statistics.median(r["G"] for r in runs["async"]),
@@ -132,6 +200,14 @@ def speedup_table(sft, prompts, reward, root: Path, ks: list[int], updates: int,
                 "ideal_speedup": ideal,
                 "achieved_speedup": sync_u / async_u,
                 "efficiency": (sync_u / async_u) / ideal,
+                # how well the runner overlaps the per-role times it actually got, and how much each role slowed
+                # down while running next to the other (cores shared with other processes, interpreter lock)
+                "overlap": max(
+                    statistics.median(r["G"] for r in runs["async"]), statistics.median(r["T"] for r in runs["async"])
+                )
+                / async_u,
+                "cpu_per_wall_sync": statistics.median(r["cpu_per_wall"] for r in runs["sync"]),
+                "cpu_per_wall_async": statistics.median(r["cpu_per_wall"] for r in runs["async"]),
                 "staleness_sync": runs["sync"][0]["staleness"],
                 "staleness_async": runs["async"][0]["staleness"],
                 "runs": runs,
@@ -185,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--updates", type=int, default=16, help="DPO updates per run")
     parser.add_argument("--warmup", type=int, default=3, help="updates excluded from the steady-state time")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each (sync, async) pair")
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="samples per prompt in the timing runs")
+    parser.add_argument("--k", type=int, default=2, help="samples per prompt in the timing runs (paper 001: 2)")
+    parser.add_argument("--pairs", type=int, default=16, help="pairs per DPO update in the timing runs")
     parser.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8, 16])
     args = parser.parse_args(argv)
 
@@ -211,22 +288,41 @@ def main(argv: list[str] | None = None) -> dict:
     print("pairs per second and margin vs n ...", flush=True)
     margins = margin_table(sft, tokenizer, eval_prompts, reward, args.ns)
     print("sync vs one-step async ...", flush=True)
-    speed = speedup_table(sft, train_prompts, reward, root, args.ks, args.updates, args.reps, args.warmup)
+    mnt, calibration = calibrate(sft, train_prompts, reward, root, args.k, args.pairs, args.warmup)
+    speed = speedup_table(
+        sft, train_prompts, reward, root, args.k, mnt, args.pairs, args.updates, args.reps, args.warmup
+    )
     machine["load_at_end"] = load()
 
     lines = [
         f"machine: {machine['cpus']} CPUs, load average (1/5/15 min) at start {machine['load_at_start']}, "
         f"at end {machine['load_at_end']}",
         "",
-        "Sync vs one-step async online DPO (same updates; 1 thread per role in both modes; steady state)",
-        f"{'K':>3} {'G s':>7} {'T s':>7} {'sync s/upd':>11} {'async s/upd':>12} {'ideal':>6} {'achieved':>9} "
+        f"Sync vs one-step async online DPO: {args.updates} updates, K={args.k}, {mnt} new tokens, "
+        f"{args.pairs} pairs/update,",
+        "1 torch thread per role in both modes; steady state (medians of the repetitions)",
+        f"{'generator':>9} {'G s':>7} {'T s':>7} {'sync s/upd':>11} {'async s/upd':>12} {'ideal':>6} {'achieved':>9} "
         f"{'% ideal':>8}  staleness async | sync",
     ]
     for r in speed:
         lines.append(
-            f"{r['K']:>3} {r['G_sync']:>7.3f} {r['T_sync']:>7.3f} {r['sync_s_per_update']:>11.3f} "
+            f"{r['generator']:>9} {r['G_sync']:>7.3f} {r['T_sync']:>7.3f} {r['sync_s_per_update']:>11.3f} "
             f"{r['async_s_per_update']:>12.3f} {r['ideal_speedup']:>6.2f} {r['achieved_speedup']:>9.2f} "
             f"{100 * r['efficiency']:>7.0f}%  {r['staleness_async']} | {r['staleness_sync']}"
+        )
+    lines += [
+        "",
+        "Where the async time goes: per-role times while overlapped, overlap = max(G, T) / async time per update,",
+        "CPU seconds per wall second over the whole run, this process and its generator child (2.0 = both cores)",
+        "machine = speedup of two single-threaded processes side by side vs one after the other, measured before",
+        "each repetition (2.00 on two idle cores): the ceiling any async speedup can reach on this machine now",
+        f"{'generator':>9} {'G async':>8} {'T async':>8} {'overlap':>8} {'CPU/wall sync':>14} {'CPU/wall async':>15} "
+        f"{'machine':>8}",
+    ]
+    for r in speed:
+        lines.append(
+            f"{r['generator']:>9} {r['G_async']:>8.3f} {r['T_async']:>8.3f} {100 * r['overlap']:>7.0f}% "
+            f"{r['cpu_per_wall_sync']:>14.2f} {r['cpu_per_wall_async']:>15.2f} {r['machine_parallelism']:>8.2f}"
         )
     lines += [
         "",
@@ -241,7 +337,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
     table = "\n".join(lines)
     print("\n" + table)
-    result = {"machine": machine, "speedup": speed, "margin_vs_n": margins, "args": vars(args), "table": table}
+    result = {
+        "machine": machine,
+        "calibration": {"max_new_tokens": mnt, **calibration},
+        "speedup": speed,
+        "margin_vs_n": margins,
+        "args": vars(args),
+        "table": table,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
