@@ -153,13 +153,12 @@ def steady(stats: dict, warmup: int) -> dict:
     }
 
 
-def calibrate(sft, prompts, reward, root: Path, k: int, warmup: int) -> tuple[int, dict]:
+def calibrate(sft, prompts, reward, root: Path, k: int, pairs: int, warmup: int) -> tuple[int, dict]:
     """A response length at which generation (G) and training (T) take about the same time per batch."""
     mnt = 72
     for _ in range(2):
-        stats = steady(
-            online_run(sft, prompts, reward, root / "calibrate", False, k, warmup + 4, 0, False, mnt), warmup
-        )
+        run = online_run(sft, prompts, reward, root / "calibrate", False, k, warmup + 4, 0, False, mnt, pairs)
+        stats = steady(run, warmup)
         print(f"  calibration: {mnt} new tokens -> G {stats['G']:.3f} s, T {stats['T']:.3f} s", flush=True)
         mnt = max(16, min(96, round(mnt * stats["T"] / stats["G"])))
     return mnt, stats
