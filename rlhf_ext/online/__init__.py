@@ -1,6 +1,8 @@
 """Online preference learning: best/worst-of-n pairs (paper 004) and one-step asynchronous training (paper 001).
 
-Engine-free (``torch`` only). The TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
+Engine-free (``torch`` only at import). :mod:`rlhf_ext.online.rollout` adds samplers (HF ``generate`` / vLLM),
+reward adapters and pair collection, importing ``transformers`` / vLLM when used; :mod:`rlhf_ext.online.recipe` is
+the typed recipe. The TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
 """
 
 from rlhf_ext.online.async_runner import (

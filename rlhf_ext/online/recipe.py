@@ -45,7 +45,8 @@ class RewardSection:
 @dataclass
 class PromptSection:
     """Where prompts come from (any dataset with a prompt column; preference datasets work, their responses are
-    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists. ``as_chat``: wrap plain-text
+    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists, else the evaluation uses
+    the first training prompts (not held out). ``as_chat``: wrap plain-text
     prompts as a user message so they go through the chat template (for chat / instruct models); prompts that are
     already message lists are used as they are."""
 

@@ -730,6 +730,12 @@ class IterativeDPOTrainer:
                 callbacks=self.callbacks,
                 stream=_StreamLoader(self, runner, first, total, offset),
             )
+            plugin = trainer.accelerator.state.deepspeed_plugin
+            if plugin is not None and plugin.zero_stage == 3:
+                raise ValueError(
+                    "online mode publishes the policy's full weights to the generator after every step, which ZeRO-3 "
+                    "shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
+                )
             model_fn = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
             trainer.add_callback(_PublishWeights(runner, model_fn, to_cpu=a.generator_process))
             trainer.train(resume_from_checkpoint=last)
