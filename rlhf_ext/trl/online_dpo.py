@@ -350,23 +350,22 @@ class IterativeDPOTrainer:
             self.eval_prompts = self.eval_prompts[: self.args.eval_num_prompts]
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("pass exactly one of reward_fn= (a callable) or reward_model= (a checkpoint or model)")
-        if isinstance(model, str | Path):
-            self.sft_path = str(model)
-            tok_source = self.sft_path
-        else:
-            self.sft_path = str(self.root / "policies" / "policy_000")
-            tok_source = None
-            if not (Path(self.sft_path) / "config.json").exists() and self.state.is_main_process:
-                model.save_pretrained(self.sft_path)
         if processing_class is None:
-            if tok_source is None:
+            if not isinstance(model, str | Path):
                 raise ValueError("pass processing_class= (the tokenizer) when the model is already instantiated")
-            processing_class = AutoTokenizer.from_pretrained(tok_source)
+            processing_class = AutoTokenizer.from_pretrained(str(model))
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         self.tokenizer = processing_class
-        if not isinstance(model, str | Path) and self.state.is_main_process:
-            processing_class.save_pretrained(self.sft_path)
+        if isinstance(model, str | Path):
+            self.sft_path = str(model)
+        else:  # an instantiated pi_0: every iteration reloads policies from disk, so it is saved once, atomically
+            self.sft_path = str(self.root / "policies" / "policy_000")
+            if not (Path(self.sft_path) / "config.json").exists() and self.state.is_main_process:
+                with atomic_directory(self.sft_path) as tmp:
+                    model.save_pretrained(tmp)
+                    processing_class.save_pretrained(tmp)
+            self.state.wait_for_everyone()
         self.ref_path = str(ref_model) if ref_model is not None else self.sft_path
         if reward_fn is not None:
             if not callable(reward_fn):

@@ -233,6 +233,25 @@ def test_all_ties_warn_and_skip_training(tmp_path, tiny_sft_path, prompts):
     assert not (tmp_path / "iterations").exists()
 
 
+def test_an_instantiated_sft_model_is_saved_once_as_policy_0(tmp_path, tiny_sft_path, toy_tok, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_sft_path)
+    args = make_args(tmp_path, num_iterations=1)
+    with pytest.raises(ValueError, match="processing_class"):
+        IterativeDPOTrainer(model, args=args, prompts=prompts[0], reward_fn=keyphrase_gold_reward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = IterativeDPOTrainer(
+            model, args=args, prompts=prompts[0], processing_class=toy_tok, reward_fn=lambda p, r: torch.zeros(len(r))
+        ).train()
+    assert any("skipping DPO" in str(w.message) for w in caught)
+    saved = tmp_path / "policies/policy_000"
+    assert summary["final_policy"] == str(saved) and (saved / "tokenizer_config.json").is_file()
+    original = load_file(str(Path(tiny_sft_path) / "model.safetensors"))
+    assert all(torch.equal(original[k], v) for k, v in _weights(str(saved)).items())
+
+
 def test_bad_configuration_and_inputs_are_clear_errors(tmp_path, tiny_sft_path, prompts):
     train, _ = prompts
     with pytest.raises(ValueError, match=">= 2"):
