@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> dict:
     except RecipeError as e:
         sys.exit(f"error: {e}")
     summary = run_online_dpo(recipe)
-    print(json.dumps({k: summary[k] for k in ("mode", "final_policy", "output_dir")}, indent=2))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({k: summary[k] for k in ("mode", "final_policy", "output_dir")}, indent=2))
     return summary
 
 

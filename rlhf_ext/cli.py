@@ -12,6 +12,7 @@ Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is inst
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from importlib import resources
@@ -112,6 +113,8 @@ def train_online_dpo(config_path: str, overrides: tuple[str, ...]) -> None:
 
 
 def _print_online_summary(summary: dict) -> None:
+    if os.environ.get("RANK", "0") != "0":  # under accelerate / torchrun only rank 0 reports
+        return
     click.echo("")
     click.secho(f"online DPO finished ({summary['mode']})", fg="green", bold=True)
     click.echo(f"  final policy:    {summary['final_policy']}")
