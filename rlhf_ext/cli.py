@@ -1,6 +1,7 @@
 """The ``rlhf-ext`` command line.
 
     rlhf-ext train segment-rm --config FILE [key.sub=value ...]
+    rlhf-ext train online-dpo --config FILE [key.sub=value ...]
     rlhf-ext recipe list | rlhf-ext recipe copy NAME DEST
     rlhf-ext segment show --model RM_DIR --prompt TEXT --response TEXT [--html OUT]
     rlhf-ext demo
@@ -134,6 +135,38 @@ def print_ppo_summary(summary: dict) -> None:
                 f"  {row.get('step', 0):5d} {row.get('reward', float('nan')):9.3f} "
                 f"{row.get('segment/kl', float('nan')):8.4f} {row.get('segment/raw_last_score', float('nan')):9.3f}"
             )
+
+
+@train.command("online-dpo", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train_online_dpo(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Iterative best/worst-of-n online DPO (paper 004) or one-step asynchronous online DPO (paper 001)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.online.recipe import OnlineDPORecipe, run_online_dpo
+
+    try:
+        recipe = load_recipe(OnlineDPORecipe, recipe_path(config_path), overrides)
+    except RecipeError as e:
+        _fail(str(e))
+    _print_online_summary(run_online_dpo(recipe))
+
+
+def _print_online_summary(summary: dict) -> None:
+    if os.environ.get("RANK", "0") != "0":  # under accelerate / torchrun only rank 0 reports
+        return
+    click.echo("")
+    click.secho(f"online DPO finished ({summary['mode']})", fg="green", bold=True)
+    click.echo(f"  final policy:    {summary['final_policy']}")
+    for ev in summary["eval"]:
+        gold = f"  gold {ev['mean_gold']:.3f}" if "mean_gold" in ev else ""
+        length = f"({ev['mean_length_chars']:.0f} chars)"
+        click.echo(f"  policy {ev['policy']!s:>5}:    reward {ev['mean_reward']:+.3f}{gold}  {length}")
+    for it in summary.get("iterations", []):
+        p = it["pairs"]
+        click.echo(f"  iteration {it['iteration']}:     {p['num_pairs']} pairs, {p['dropped']} prompts tied")
+    if "runner" in summary:
+        click.echo(f"  staleness:       {summary['runner']['staleness']}")
 
 
 # -------------------------------------------------------------------------------------------------------- recipe

@@ -1,0 +1,177 @@
+"""Best-of-n / worst-of-n preference-pair selection (paper 004, Algorithm 2 step 5, section 3.3 and Eq. 9).
+
+For every prompt the policy samples ``n`` responses; a reward model scores them and one preference pair per prompt
+is formed. The ranking score is the length-penalised reward of Eq. 9,
+
+    r_e(x, a) = r(x, a) - lambda * |a|,
+
+where ``|a|`` is the response length (characters in the paper). The default rule ``max_min`` pairs the best-ranked
+response (chosen) with the worst-ranked one (rejected) — the "best-of-n as main agent, worst-of-n as enhancer" pair
+that maximises their difference. ``max_random`` pairs the best with a uniformly drawn other response, ``random``
+pairs two distinct uniformly drawn responses (the better one is chosen). A prompt whose two picked responses tie
+(equal ranking score, within ``tie_tolerance``) or have identical text is dropped and counted: it carries no
+preference signal (the paper drops pairs with identical responses).
+
+Everything is vectorised over the ``[P, n]`` reward matrix; there is no per-prompt Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+SelectionRule = Literal["max_min", "max_random", "random"]
+SELECTION_RULES: tuple[str, ...] = ("max_min", "max_random", "random")
+
+
+@dataclass(frozen=True)
+class PairSelection:
+    """The pairs kept by :func:`select_pairs`, one entry per kept prompt, in prompt order.
+
+    Attributes:
+        prompt_index: ``[K]`` long — row of the reward matrix (prompt) each pair comes from, increasing.
+        chosen: ``[K]`` long — column (response index in ``0..n-1``) of the chosen response.
+        rejected: ``[K]`` long — column of the rejected response.
+        margin: ``[K]`` float — ranking-score difference ``r_e(chosen) - r_e(rejected) > tie_tolerance`` (Eq. 9;
+            the plain reward margin when ``length_penalty == 0``).
+        reward_margin: ``[K]`` float — the raw reward difference ``r(chosen) - r(rejected)`` (no length penalty).
+        dropped: number of prompts dropped because the picked responses tied (score or text).
+    """
+
+    prompt_index: Tensor
+    chosen: Tensor
+    rejected: Tensor
+    margin: Tensor
+    reward_margin: Tensor
+    dropped: int
+
+    def __len__(self) -> int:
+        return int(self.prompt_index.numel())
+
+
+def check_num_samples(n: int, what: str = "num_samples") -> int:
+    """``n`` responses per prompt must be at least 2 to form a pair."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise ValueError(
+            f"{what} must be an integer >= 2 (a preference pair needs two responses per prompt); got {n!r}. "
+            "Sample more responses per prompt."
+        )
+    return n
+
+
+def text_ids(texts: Sequence[Sequence[str]]) -> Tensor:
+    """``[P, n]`` long ids with equal ids exactly where two responses of the *same prompt* have identical text.
+
+    Use it to pass response texts to :func:`select_pairs` (``texts=``); ids are only compared within a row.
+    """
+    rows = [list(r) for r in texts]
+    if not rows:
+        return torch.zeros(0, 0, dtype=torch.long)
+    n = len(rows[0])
+    if any(len(r) != n for r in rows):
+        raise ValueError("texts must have the same number of responses for every prompt")
+    vocab: dict[str, int] = {}
+    flat = [vocab.setdefault(t, len(vocab)) for r in rows for t in r]
+    return torch.tensor(flat, dtype=torch.long).view(len(rows), n)
+
+
+def _check_rewards(rewards: Tensor) -> Tensor:
+    if not isinstance(rewards, Tensor):
+        rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be a [P, n] matrix (prompts x responses); got shape {tuple(rewards.shape)}")
+    check_num_samples(int(rewards.shape[1]), "the number of responses per prompt (rewards.shape[1])")
+    rewards = rewards.float() if not rewards.is_floating_point() else rewards
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero()[0].tolist()
+        raise ValueError(
+            f"rewards contain NaN/inf (first at prompt {bad[0]}, response {bad[1]}); check the reward model or "
+            "reward function"
+        )
+    return rewards
+
+
+def select_pairs(
+    rewards: Tensor,
+    lengths: Tensor | None = None,
+    rule: SelectionRule = "max_min",
+    length_penalty: float = 0.0,
+    texts: Tensor | Sequence[Sequence[str]] | None = None,
+    tie_tolerance: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> PairSelection:
+    """Pick one (chosen, rejected) pair per prompt from ``n`` scored responses (paper 004, Alg. 2 step 5, Eq. 9).
+
+    Args:
+        rewards: ``[P, n]`` reward of each of the ``n >= 2`` responses of ``P`` prompts.
+        lengths: ``[P, n]`` response lengths ``|a|`` (characters in the paper); required when ``length_penalty``
+            is not 0.
+        rule: ``max_min`` (best vs worst, default), ``max_random`` (best vs a uniformly drawn other response) or
+            ``random`` (two distinct uniformly drawn responses, the higher-scored one chosen).
+        length_penalty: ``lambda >= 0`` of Eq. 9; responses are ranked by ``r - lambda * |a|``.
+        texts: optional ``[P, n]`` text ids (see :func:`text_ids`) or the response strings themselves; a pair whose
+            two responses have identical text is dropped.
+        tie_tolerance: pairs whose ranking scores differ by at most this much are dropped (default: exact ties).
+        generator: random generator for the ``max_random`` / ``random`` rules.
+
+    Returns:
+        A :class:`PairSelection`. Among equal maxima (minima) the lowest index is picked, so ``max_min`` is
+        deterministic.
+    """
+    rewards = _check_rewards(rewards)
+    p, n = rewards.shape
+    if rule not in SELECTION_RULES:
+        raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(SELECTION_RULES)}")
+    if not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty (lambda of Eq. 9) must be a finite number >= 0; got {length_penalty}")
+    if tie_tolerance < 0:
+        raise ValueError(f"tie_tolerance must be >= 0; got {tie_tolerance}")
+    scores = rewards
+    if length_penalty != 0.0:
+        if lengths is None:
+            raise ValueError("length_penalty is set but no lengths were given; pass lengths=[P, n] response lengths")
+        lengths = torch.as_tensor(lengths, device=rewards.device)
+        if lengths.shape != rewards.shape:
+            raise ValueError(
+                f"lengths has shape {tuple(lengths.shape)}, rewards {tuple(rewards.shape)}; they must match"
+            )
+        scores = rewards - length_penalty * lengths.to(rewards.dtype)
+
+    if rule == "max_min":
+        first = scores.argmax(dim=1)
+        second = scores.argmin(dim=1)
+    else:
+        if rule == "max_random":
+            first = scores.argmax(dim=1)
+        else:
+            first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)
+        # a uniform draw among the n - 1 other responses: draw in [0, n-1) and skip over `first`
+        other = torch.randint(0, n - 1, (p,), generator=generator).to(rewards.device)
+        second = other + (other >= first).long()
+    rows = torch.arange(p, device=rewards.device)
+    s_first, s_second = scores[rows, first], scores[rows, second]
+    first_wins = s_first >= s_second
+    chosen = torch.where(first_wins, first, second)
+    rejected = torch.where(first_wins, second, first)
+    margin = scores[rows, chosen] - scores[rows, rejected]
+    keep = margin > tie_tolerance
+    if texts is not None:
+        ids = texts if isinstance(texts, Tensor) else text_ids(texts)
+        ids = ids.to(rewards.device)
+        if ids.shape != rewards.shape:
+            raise ValueError(f"texts has shape {tuple(ids.shape)}, rewards {tuple(rewards.shape)}; they must match")
+        keep &= ids[rows, chosen] != ids[rows, rejected]
+    idx = keep.nonzero().flatten()
+    return PairSelection(
+        prompt_index=idx,
+        chosen=chosen[idx],
+        rejected=rejected[idx],
+        margin=margin[idx],
+        reward_margin=rewards[idx, chosen[idx]] - rewards[idx, rejected[idx]],
+        dropped=int(p - idx.numel()),
+    )

@@ -1,0 +1,359 @@
+"""IterativeDPOTrainer on the learnable toy task: improvement per iteration, resumption, ties, online async/sync."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from rlhf_ext.online.rollout import keyphrase_gold_reward
+from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from rlhf_ext.testing.toy import toy_preference_dataset
+
+    ds = toy_preference_dataset(n_train=128, n_test=32, seed=0)
+    return ds["train"], ds["test"]
+
+
+def make_args(out: Path, **kw) -> IterativeDPOConfig:
+    base = dict(
+        output_dir=str(out),
+        num_iterations=2,
+        prompts_per_iteration=8,
+        num_samples=4,
+        max_new_tokens=64,
+        learning_rate=1e-4,
+        num_train_epochs=1,
+        per_device_train_batch_size=4,
+        beta=0.1,
+        lr_scheduler_type="constant",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=100,
+        eval_num_prompts=4,
+        eval_samples_per_prompt=1,
+        eval_temperature=0.7,
+        max_length=160,
+        seed=0,
+    )
+    base.update(kw)
+    return IterativeDPOConfig(**base)
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(TrainerCallback):
+    """Raise after optimizer step ``step`` of the DPO run whose output_dir contains ``where``."""
+
+    def __init__(self, where: str, step: int):
+        self.where, self.step, self.fired = where, step, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.fired and self.where in args.output_dir and state.global_step == self.step:
+            self.fired = True
+            raise Crash(f"killed at step {self.step} of {args.output_dir}")
+
+
+class RecordData(TrainerCallback):
+    """Record how many pairs each inner DPO run trains on."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.sizes.append(len(train_dataloader.dataset))
+
+
+def _pairs(root: Path) -> list[str]:
+    return [p.read_text() for p in sorted((root / "pairs").glob("iter_*/pairs.jsonl"))]
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------- learnable toy
+def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, tiny_sft_path, prompts, monkeypatch):
+    train, test = prompts
+    refs = []
+    original = IterativeDPOTrainer._load_causal_lm
+
+    def recording(self, path):
+        refs.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(IterativeDPOTrainer, "_load_causal_lm", recording)
+    sizes = RecordData()
+    args = make_args(
+        tmp_path,
+        num_iterations=3,
+        prompts_per_iteration=32,
+        num_samples=8,
+        max_new_tokens=72,
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.03,
+        eval_num_prompts=32,
+        eval_samples_per_prompt=8,
+    )
+    trainer = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward, callbacks=[sizes]
+    )
+    summary = trainer.train()
+    evals = [e["mean_reward"] for e in summary["eval"]]
+    collected = [it["pairs"]["mean_reward"] for it in summary["iterations"]]
+    # held-out samples of pi_0 .. pi_3 (same prompts, same seed) and the n samples each iteration collects
+    assert all(b > a + 0.01 for a, b in zip(evals, evals[1:])), evals
+    assert all(b > a + 0.01 for a, b in zip(collected, collected[1:])), collected
+    # accumulated pairs (paper: historical + new) and the SFT model as reference in every iteration
+    counts = [it["pairs"]["num_pairs"] for it in summary["iterations"]]
+    assert sizes.sizes == [sum(counts[: k + 1]) for k in range(3)]
+    assert refs == [tiny_sft_path] * 3
+    assert json.loads((tmp_path / "summary.json").read_text())["final_policy"].endswith("policy_003")
+    # best vs worst of 8 under a 0/1 reward: every kept pair has margin 1, chosen from the key-phrase responses
+    rows = [json.loads(x) for x in (tmp_path / "pairs/iter_000/pairs.jsonl").read_text().splitlines()]
+    assert rows and all(r["chosen_reward"] == 1.0 and r["rejected_reward"] == 0.0 for r in rows)
+
+
+# -------------------------------------------------------------------------------------------------- resuming
+def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_path, prompts, monkeypatch):
+    train, test = prompts
+    common = dict(num_iterations=3, reference="previous", pair_data="latest")
+    refs: list[str] = []
+    original = IterativeDPOTrainer._load_causal_lm
+
+    def recording(self, path):
+        refs.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(IterativeDPOTrainer, "_load_causal_lm", recording)
+
+    def run(out, reward_fn=keyphrase_gold_reward, callbacks=(), **kw):
+        args = make_args(out, **common, **kw)
+        t = IterativeDPOTrainer(
+            tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=reward_fn, callbacks=list(callbacks)
+        )
+        return t.train()
+
+    sizes = RecordData()
+    full = run(tmp_path / "full", callbacks=[sizes])
+    assert refs == [
+        tiny_sft_path,
+        str(tmp_path / "full/policies/policy_001"),
+        str(tmp_path / "full/policies/policy_002"),
+    ]
+    assert sizes.sizes == [
+        json.loads((tmp_path / f"full/pairs/iter_{k:03d}/summary.json").read_text())["num_pairs"] for k in range(3)
+    ]
+
+    # kill 1: while scoring iteration 1's samples (calls: eval pi_0, collect 0, eval pi_1, collect 1)
+    calls = {"n": 0}
+
+    def dying_reward(p, r):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise Crash("killed while scoring")
+        return keyphrase_gold_reward(p, r)
+
+    out = tmp_path / "killed"
+    with pytest.raises(Crash):
+        run(out, reward_fn=dying_reward, save_strategy="steps", save_steps=1)
+    assert [p.name for p in sorted((out / "pairs").iterdir()) if not p.name.startswith(".")] == ["iter_000"]
+    # kill 2: after the first optimizer step of iteration 2's DPO run (a checkpoint exists from step 1)
+    with pytest.raises(Crash):
+        run(out, save_strategy="steps", save_steps=1, callbacks=[CrashAt("iter_002", 2)])
+    assert (out / "iterations/iter_002/checkpoint-1").is_dir()
+    resumed = run(out, save_strategy="steps", save_steps=1)
+
+    assert _pairs(out) == _pairs(tmp_path / "full")  # same pairs, same order, none lost or duplicated
+    for k in (1, 2, 3):
+        a, b = _weights(full["eval"][k]["path"]), _weights(resumed["eval"][k]["path"])
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert [e["mean_reward"] for e in resumed["eval"]] == [e["mean_reward"] for e in full["eval"]]
+    assert not list((out / "iterations/iter_002").glob("checkpoint-*"))  # cleaned once the iterate was saved
+    assert not [p for p in (out / "policies").iterdir() if p.name.startswith(".")]
+
+
+def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, prompts):
+    train, _ = prompts
+    trainer = IterativeDPOTrainer(
+        tiny_sft_path, args=make_args(tmp_path), prompts=train, reward_fn=lambda p, r: torch.zeros(len(r))
+    )
+    trainer._check_run_dir()
+    other = IterativeDPOTrainer(
+        tiny_sft_path, args=make_args(tmp_path, num_samples=6), prompts=train, reward_fn=keyphrase_gold_reward
+    )
+    with pytest.raises(ValueError, match="num_samples"):
+        other.train()
+    fresh = IterativeDPOTrainer(
+        tiny_sft_path, args=make_args(tmp_path, resume=False), prompts=train, reward_fn=keyphrase_gold_reward
+    )
+    with pytest.raises(FileExistsError, match="resume=True"):
+        fresh.train()
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def test_all_ties_warn_and_skip_training(tmp_path, tiny_sft_path, prompts):
+    train, _ = prompts
+    trainer = IterativeDPOTrainer(
+        tiny_sft_path, args=make_args(tmp_path), prompts=train, reward_fn=lambda p, r: torch.zeros(len(r))
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = trainer.train()
+    messages = [str(w.message) for w in caught]
+    assert sum("tied" in m for m in messages) == 2 and sum("skipping DPO" in m for m in messages) == 2
+    assert summary["skipped_iterations"] == [0, 1]
+    assert summary["final_policy"] == tiny_sft_path  # no training happened
+    for it in summary["iterations"]:
+        assert it["pairs"]["num_pairs"] == 0 and it["pairs"]["dropped"] == 8
+    assert not (tmp_path / "iterations").exists()
+
+
+def test_an_instantiated_sft_model_is_saved_once_as_policy_0(tmp_path, tiny_sft_path, toy_tok, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_sft_path)
+    args = make_args(tmp_path, num_iterations=1)
+    with pytest.raises(ValueError, match="processing_class"):
+        IterativeDPOTrainer(model, args=args, prompts=prompts[0], reward_fn=keyphrase_gold_reward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = IterativeDPOTrainer(
+            model, args=args, prompts=prompts[0], processing_class=toy_tok, reward_fn=lambda p, r: torch.zeros(len(r))
+        ).train()
+    assert any("skipping DPO" in str(w.message) for w in caught)
+    saved = tmp_path / "policies/policy_000"
+    assert summary["final_policy"] == str(saved) and (saved / "tokenizer_config.json").is_file()
+    original = load_file(str(Path(tiny_sft_path) / "model.safetensors"))
+    assert all(torch.equal(original[k], v) for k, v in _weights(str(saved)).items())
+
+
+def test_bad_configuration_and_inputs_are_clear_errors(tmp_path, tiny_sft_path, prompts):
+    train, _ = prompts
+    with pytest.raises(ValueError, match=">= 2"):
+        make_args(tmp_path, num_samples=1)
+    with pytest.raises(ValueError, match="selection_rule"):
+        make_args(tmp_path, selection_rule="best")
+    with pytest.raises(ValueError, match="reference"):
+        make_args(tmp_path, reference="ema")
+    with pytest.raises(ValueError, match="length_penalty"):
+        make_args(tmp_path, length_penalty=-0.1)
+    args = make_args(tmp_path)
+    with pytest.raises(ValueError, match="exactly one"):
+        IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train)
+    with pytest.raises(ValueError, match="no 'question' column"):
+        IterativeDPOTrainer(
+            tiny_sft_path, args=args, prompts=train, reward_fn=keyphrase_gold_reward, prompt_key="question"
+        )
+    with pytest.raises(ValueError, match="empty"):
+        IterativeDPOTrainer(tiny_sft_path, args=args, prompts=[], reward_fn=keyphrase_gold_reward)
+    wrong = IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train, reward_fn=lambda p, r: [0.0])
+    with pytest.raises(ValueError, match="one score per"):
+        wrong.train()
+
+
+# ----------------------------------------------------------------------------------------------- online mode
+@pytest.mark.parametrize("async_generation, process", [(True, False), (False, False), (True, True)])
+def test_online_mode_trains_one_update_per_generated_batch(tmp_path, tiny_sft_path, prompts, async_generation, process):
+    train, test = prompts
+    args = make_args(
+        tmp_path,
+        online_mode="online",
+        async_generation=async_generation,
+        generator_process=process,
+        generation_threads=1,
+        max_steps=4,
+        gradient_accumulation_steps=2,
+    )
+    summary = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
+    ).train()
+    runner = summary["runner"]
+    if async_generation:
+        assert runner["staleness"] == {0: 1, 1: 3}
+        expected_versions = [0, 0, 1, 2]
+    else:
+        assert runner["staleness"] == {0: 4}
+        expected_versions = [0, 1, 2, 3]
+    assert [t[0] for t in runner["trained"]] == [0, 1, 2, 3]
+    stored = [json.loads((tmp_path / f"pairs/iter_{i:03d}/summary.json").read_text()) for i in range(4)]
+    assert [s["policy_version"] for s in stored] == expected_versions
+    assert all(s["num_pairs"] == 8 for s in stored)  # micro-batch 4 x 2 accumulation steps, ties topped up
+    a, b = _weights(summary["final_policy"]), load_file(str(Path(tiny_sft_path) / "model.safetensors"))
+    assert any(not torch.equal(a[n], b[n]) for n in b)
+
+
+def test_online_mode_resumes_from_the_last_checkpoint(tmp_path, tiny_sft_path, prompts):
+    train, test = prompts
+
+    def run(callbacks=()):
+        args = make_args(tmp_path, online_mode="online", max_steps=5, save_strategy="steps", save_steps=1)
+        t = IterativeDPOTrainer(
+            tiny_sft_path,
+            args=args,
+            prompts=train,
+            eval_prompts=test,
+            reward_fn=keyphrase_gold_reward,
+            callbacks=list(callbacks),
+        )
+        return t.train()
+
+    with pytest.raises(Crash):
+        run([CrashAt("online", 3)])
+    summary = run()
+    assert summary["resumed_from_update"] == 2
+    assert summary["runner"]["staleness"] == {0: 1, 1: 2}
+    stored = sorted(p.name for p in (tmp_path / "pairs").iterdir() if not p.name.startswith("."))
+    assert stored == [f"iter_{i:03d}" for i in range(5)]  # one dataset per update: none lost, none twice
+    versions = [
+        json.loads((tmp_path / f"pairs/iter_{i:03d}/summary.json").read_text())["policy_version"] for i in range(5)
+    ]
+    assert versions == [0, 0, 2, 2, 3]
+
+
+def test_online_mode_generator_failure_reaches_the_caller_and_a_finished_run_is_not_redone(
+    tmp_path, tiny_sft_path, prompts
+):
+    from rlhf_ext.online import AsyncRunnerError
+
+    train, test = prompts
+    args = make_args(tmp_path / "ties", online_mode="online", max_steps=2, max_fill_rounds=1)
+    tied = IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train, reward_fn=lambda p, r: torch.zeros(len(r)))
+    with pytest.raises(AsyncRunnerError, match="responses tied") as info:
+        tied.train()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+    args = make_args(tmp_path / "done", online_mode="online", max_steps=2)
+    first = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
+    )
+    summary = first.train()
+    calls = []
+    again = IterativeDPOTrainer(
+        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=lambda p, r: calls.append(1)
+    )
+    assert again.train() == json.loads(json.dumps(summary)) and not calls
