@@ -77,17 +77,17 @@ def test_ppo_raises_the_reward_models_score_while_kl_stays_finite(tmp_path, tiny
                                                                   segment_rm, prompts):  # fmt: skip
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
 
-    args = _config(tmp_path, segment_rm, max_steps=12, per_device_train_batch_size=16, advantage_estimator="reinforce")
+    args = _config(tmp_path, segment_rm, max_steps=24, per_device_train_batch_size=16, advantage_estimator="reinforce")
     trainer = SegmentPPOTrainer(
         model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
         calibration_dataset=toy_data["train"],
     )  # fmt: skip
-    held_out = [r["prompt"] for r in toy_data["test"]][:32]
+    held_out = [r["prompt"] for r in toy_data["test"]][:64]
     before = _segment_score_of_samples(trainer, held_out)
     trainer.train()
     after = _segment_score_of_samples(trainer, held_out)
     kls = [h["segment/kl"] for h in trainer.state.log_history if "segment/kl" in h]
-    assert after > before + 0.2, (before, after)
+    assert after > before + 2.0, (before, after)  # measured: 6.4 -> 18.8 at 30 steps
     assert all(math.isfinite(k) for k in kls) and max(kls) < 20.0
 
 
