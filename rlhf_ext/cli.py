@@ -240,18 +240,31 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
 
 # ---------------------------------------------------------------------------------------------------------- demo
 @main.command()
-@click.option("--out", default="runs/demo", show_default=True, help="Output directory.")
+@click.option("--config", "config_path", default="demo", show_default=True, help="Demo recipe (file or packaged name).")
+@click.option("--out", default=None, help="Output directory (default: the recipe's, runs/demo).")
+@click.option("--force", is_flag=True, help="Redo every stage instead of reusing finished ones.")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def demo(out: str, overrides: tuple[str, ...]) -> None:
-    """The main job on the embedded default: train a segment reward model on the toy task (tiny model, CPU)."""
+def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, ...]) -> None:
+    """The main job on the embedded default (tiny models, generated data, CPU): data -> SFT -> simulated labels ->
+    segment reward model -> normalizer -> segment PPO -> evaluation -> runs/demo/report.html."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+    from rlhf_ext.demo import DemoPipeline, DemoRecipe
 
     try:
-        recipe = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_tiny"), (f"train.output_dir={out}", *overrides))
+        recipe = load_recipe(DemoRecipe, recipe_path(config_path), (*((f"out={out}",) if out else ()), *overrides))
     except RecipeError as e:
         _fail(str(e))
-    print_rm_summary(run_segment_rm(recipe))
+    results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
+    ev = results["eval"]["ppo_vs_sft"]
+    click.echo("")
+    click.secho(f"demo finished in {results['total_seconds']:.0f} s", fg="green", bold=True)
+    click.echo(
+        f"  win rate PPO vs SFT: {ev['win_rate']:.3f} +- {ev['stderr']:.3f} ({ev['num_comparisons']} comparisons)"
+    )
+    click.echo(f"  gold reward:         PPO {ev['gold_mean']:+.3f}   SFT {ev['ref_gold_mean']:+.3f}")
+    click.echo(f"  KL(PPO || SFT):      {ev['kl']:.3f} nats")
+    click.echo(f"  report:              {results['report']['html']}")
+    click.echo(f"  metrics:             {results['report']['metrics']}")
 
 
 if __name__ == "__main__":

@@ -171,8 +171,16 @@ class SegmentScorer:
         return SegmentView(prompt_text, texts, ev.seg_rewards[0, :n].tolist(), starts, float(ev.values[0]))
 
 
-def render_html(views: list[SegmentView], title: str = "Segment rewards") -> str:
-    """A self-contained HTML page: each response's segments coloured by reward (green high, red low; Figure 3)."""
+SEGMENT_CSS = (
+    "body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;line-height:1.7}"
+    ".ex{border:1px solid #ddd;border-radius:6px;padding:.8rem;margin:1rem 0}"
+    ".prompt{color:#555;white-space:pre-wrap}"
+    ".seg{border-right:2px solid #fff;padding:1px 0;white-space:pre-wrap}.meta{color:#777;font-size:.85rem}"
+)
+
+
+def render_segments(views: list[SegmentView]) -> str:
+    """HTML fragment: each response's segments coloured by reward (green high, red low; paper Figure 3)."""
     all_r = [r for v in views for r in v.rewards] or [0.0]
     scale = max(abs(min(all_r)), abs(max(all_r)), 1e-6)
 
@@ -191,15 +199,15 @@ def render_html(views: list[SegmentView], title: str = "Segment rewards") -> str
             f'<div class="ex"><div class="prompt">{html.escape(v.prompt)}</div><div class="resp">{spans}</div>'
             f'<div class="meta">e(x, y) = {v.evaluation:+.3f} &middot; {len(v.segments)} segments</div></div>'
         )
-    style = (
-        "body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;line-height:1.7}"
-        ".ex{border:1px solid #ddd;border-radius:6px;padding:.8rem;margin:1rem 0}"
-        ".prompt{color:#555;white-space:pre-wrap}"
-        ".seg{border-right:2px solid #fff;padding:1px 0;white-space:pre-wrap}.meta{color:#777;font-size:.85rem}"
-    )
+    return f"<style>{SEGMENT_CSS}</style>" + "".join(blocks)
+
+
+def render_html(views: list[SegmentView], title: str = "Segment rewards") -> str:
+    """A self-contained HTML page around :func:`render_segments`."""
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
-        "<p>Each coloured block is one segment; colour = the reward model's score at the segment's last token "
-        "(green high, red low). Hover for values.</p>" + "".join(blocks) + "</body></html>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        f"<h1>{html.escape(title)}</h1><p>Each coloured block is one segment; colour = the reward model's score at "
+        "the segment's last token (green high, red low). Hover for values.</p>"
+        + render_segments(views)
+        + "</body></html>"
     )

@@ -1,0 +1,276 @@
+"""The main job: the whole RLHF pipeline on an embedded default, on a CPU, in minutes (``make demo``).
+
+Stages (each writes its outputs atomically and a marker; a rerun reuses finished stages unless ``--force``):
+
+1. ``data``       — a small continual preference dataset from the ``offline`` generator (paper 000); stage 0 is used.
+2. ``sft``        — a BPE tokenizer trained on the data and a tiny Llama fine-tuned (TRL ``SFTTrainer``) on the
+                    demonstrations (chosen and rejected responses alike, so the SFT policy is mixed-quality).
+3. ``labels``     — the preference split relabelled by the simulated annotator pool (25% label flips; paper 002).
+4. ``rm``         — a segment reward model (paper 003, section 2.2) trained on those labels.
+5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (Eq. 6).
+6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
+7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
+                    noise), gold reward, response length and KL to the SFT model; reward-model accuracy.
+8. ``report``     — ``report.html`` (metrics, reward/KL curves, responses coloured by segment reward) and
+                    ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhf_ext.utils import atomic_write_json
+
+STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
+
+
+@dataclass
+class DemoData:
+    config: str = "continual-piecewise-preference"
+    num_samples: int = 600
+    stage: int = 0
+    sft_fraction: float = 0.4
+    eval_prompts: int = 64
+
+
+@dataclass
+class DemoModel:
+    tokenizer_vocab: int = 1024
+    hidden_size: int = 64
+    num_layers: int = 2
+    sft_epochs: int = 4
+    sft_learning_rate: float = 3e-3
+
+
+@dataclass
+class DemoTraining:
+    annotator_flip_prob: float = 0.25
+    rm_epochs: float = 2.0
+    rm_learning_rate: float = 1e-3
+    ppo_steps: int = 20
+    ppo_batch_size: int = 16
+    ppo_learning_rate: float = 3e-4
+    advantage_estimator: Literal["gae", "reinforce"] = "reinforce"
+    max_completion_length: int = 112
+    seed: int = 0
+
+
+@dataclass
+class DemoRecipe:
+    """Settings of ``rlhf-ext demo`` (``recipes/demo.yaml``); defaults run in a few minutes on 2 CPU cores."""
+
+    out: str = "runs/demo"
+    data: DemoData = field(default_factory=DemoData)
+    model: DemoModel = field(default_factory=DemoModel)
+    training: DemoTraining = field(default_factory=DemoTraining)
+
+
+class DemoPipeline:
+    """Runs the stages in order, skipping the ones already finished (see the module docstring)."""
+
+    def __init__(self, recipe: DemoRecipe, force: bool = False, echo=print):
+        self.recipe = recipe
+        self.out = Path(recipe.out)
+        self.force = force
+        self.echo = echo
+        self.markers = self.out / "stages"
+
+    # ----------------------------------------------------------------------------------------------- plumbing
+    def _done(self, stage: str) -> dict[str, Any] | None:
+        path = self.markers / f"{stage}.json"
+        return json.loads(path.read_text()) if path.exists() and not self.force else None
+
+    def run(self) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        start = time.perf_counter()
+        for i, stage in enumerate(STAGES, 1):
+            done = self._done(stage)
+            if done is not None:
+                self.echo(f"[{i}/{len(STAGES)}] {stage}: reusing {self.markers / (stage + '.json')}")
+                results[stage] = done
+                continue
+            self.echo(f"[{i}/{len(STAGES)}] {stage} ...")
+            t0 = time.perf_counter()
+            results[stage] = getattr(self, f"stage_{stage}")(results)
+            results[stage]["seconds"] = round(time.perf_counter() - t0, 1)
+            atomic_write_json(self.markers / f"{stage}.json", results[stage])
+            self.echo(f"[{i}/{len(STAGES)}] {stage}: done in {results[stage]['seconds']} s")
+        results["total_seconds"] = round(time.perf_counter() - start, 1)
+        return results
+
+    def _stage_split(self):
+        from rlhf_ext.datagen import load_continual_dataset
+
+        data = load_continual_dataset(self.out / "data")[self.recipe.data.stage]
+        train = data["train"]
+        n_sft = int(len(train) * self.recipe.data.sft_fraction)
+        return train.select(range(n_sft)), train.select(range(n_sft, len(train))), data["test"]
+
+    # ------------------------------------------------------------------------------------------------- stages
+    def stage_data(self, results) -> dict[str, Any]:
+        from rlhf_ext.datagen import generate_dataset
+
+        ds = generate_dataset(
+            self.recipe.data.config, self.out / "data", num_samples=self.recipe.data.num_samples, progress=True
+        )
+        stage = ds[self.recipe.data.stage]
+        return {"path": str(self.out / "data"), "stage": ds.names[self.recipe.data.stage],
+                "train": len(stage["train"]), "test": len(stage["test"])}  # fmt: skip
+
+    def stage_sft(self, results) -> dict[str, Any]:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from rlhf_ext.testing.models import tiny_causal_lm
+        from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
+        from rlhf_ext.utils import atomic_directory
+
+        m, t = self.recipe.model, self.recipe.training
+        sft_rows, pref_rows, _ = self._stage_split()
+        texts = [r["prompt"] + r[k] for rows in (sft_rows, pref_rows) for r in rows for k in ("chosen", "rejected")]
+        tokenizer = train_bpe_tokenizer(texts, m.tokenizer_vocab)
+        model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size, intermediate_size=2 * m.hidden_size,
+                               num_hidden_layers=m.num_layers)  # fmt: skip
+        demos = Dataset.from_list(
+            [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
+        )
+        dest = self.out / "sft"
+        with atomic_directory(dest) as tmp:
+            args = SFTConfig(
+                output_dir=str(tmp / "trainer"), num_train_epochs=m.sft_epochs, per_device_train_batch_size=16,
+                learning_rate=m.sft_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, seed=t.seed,
+                bf16=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=20,
+                gradient_checkpointing=False, completion_only_loss=True,
+            )  # fmt: skip
+            SFTTrainer(model=model, args=args, train_dataset=demos, processing_class=tokenizer).train()
+            import shutil
+
+            shutil.rmtree(tmp / "trainer", ignore_errors=True)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        return {"path": str(dest), "demonstrations": len(demos)}
+
+    def stage_labels(self, results) -> dict[str, Any]:
+        from rlhf_ext.sim import AnnotatorPool
+
+        _, pref_rows, _ = self._stage_split()
+        pool = AnnotatorPool.default(flip_prob=self.recipe.training.annotator_flip_prob, seed=self.recipe.training.seed)
+        labelled = pool.relabel(pref_rows, train=True)
+        dest = self.out / "labels"
+        from rlhf_ext.utils import atomic_directory
+
+        with atomic_directory(dest) as tmp:
+            labelled.save_to_disk(str(tmp))
+        agree = sum(int(a == b) for a, b in zip(labelled["chosen"], pref_rows["chosen"])) / len(labelled)
+        return {"path": str(dest), "pairs": len(labelled), "agreement_with_generator_label": agree}
+
+    def rm_recipe(self, results, out_dir: Path, *extra: str):
+        """The segment reward-model recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
+        from datasets import DatasetDict, load_from_disk
+
+        from rlhf_ext.config import load_recipe
+        from rlhf_ext.segment.recipe import SegmentRMRecipe
+
+        t = self.recipe.training
+        data_dir = self.out / "rm_data"
+        if not (data_dir / "dataset_dict.json").exists():
+            _, _, test = self._stage_split()
+            labels = load_from_disk(results["labels"]["path"])
+            DatasetDict(train=labels, test=test.select_columns(["prompt", "chosen", "rejected"])).save_to_disk(
+                str(data_dir)
+            )
+        return load_recipe(
+            SegmentRMRecipe,
+            None,
+            [f"model.sft_model={results['sft']['path']}", f"data.train={data_dir}", "data.max_length=160",
+             f"train.output_dir={out_dir}", f"train.epochs={t.rm_epochs}", "train.batch_size=16",
+             "train.micro_batch_size=16", f"train.learning_rate={t.rm_learning_rate}", f"train.seed={t.seed}",
+             "train.logging_steps=10", *extra],
+        )  # fmt: skip
+
+    def ppo_recipe(self, results, out_dir: Path, reward_model: str, normalizer: str | None, *extra: str):
+        """The segment-PPO recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
+        from datasets import DatasetDict
+
+        from rlhf_ext.config import load_recipe
+        from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+
+        t = self.recipe.training
+        prompts_dir = self.out / "ppo_prompts"
+        if not (prompts_dir / "dataset_dict.json").exists():
+            _, pref_rows, _ = self._stage_split()
+            DatasetDict(train=pref_rows.select_columns(["prompt"])).save_to_disk(str(prompts_dir))
+        return load_recipe(
+            SegmentPPORecipe,
+            None,
+            [f"model.sft_model={results['sft']['path']}", f"model.reward_model={reward_model}",
+             f"model.normalizer={normalizer if normalizer else 'null'}", f"data.prompts={prompts_dir}",
+             f"data.calibration={results['labels']['path'] if normalizer is None else 'null'}",
+             "data.calibration_split=train", f"data.max_completion_length={t.max_completion_length}",
+             f"ppo.advantage_estimator={t.advantage_estimator}", f"train.output_dir={out_dir}",
+             f"train.max_steps={t.ppo_steps}", f"train.batch_size={t.ppo_batch_size}",
+             f"train.micro_batch_size={t.ppo_batch_size}", f"train.learning_rate={t.ppo_learning_rate}",
+             "train.critic_learning_rate=1e-4", f"train.seed={t.seed}", *extra],
+        )  # fmt: skip
+
+    def stage_rm(self, results) -> dict[str, Any]:
+        from rlhf_ext.segment.recipe import run_segment_rm
+
+        summary = run_segment_rm(self.rm_recipe(results, self.out / "rm"))
+        return {"path": summary["model_dir"], "eval": summary.get("eval", {})}
+
+    def stage_normalizer(self, results) -> dict[str, Any]:
+        from datasets import load_from_disk
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        from rlhf_ext.segment.calibration import fit_normalizer, model_id
+        from rlhf_ext.segment.data import load_segment_settings
+
+        rm, sft = results["rm"]["path"], results["sft"]["path"]
+        settings = load_segment_settings(rm)
+        norm = fit_normalizer(
+            AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1),
+            AutoModelForCausalLM.from_pretrained(sft),
+            AutoTokenizer.from_pretrained(sft),
+            load_from_disk(results["labels"]["path"]),
+            entropy_cutoff=settings["entropy_cutoff"],
+            reward_model_id=model_id(rm),
+        )
+        path = self.out / "normalizer.json"
+        norm.save(path)
+        return {"path": str(path), **{k: v for k, v in asdict(norm).items() if k != "reward_model"}}
+
+    def stage_ppo(self, results) -> dict[str, Any]:
+        from rlhf_ext.segment.ppo_recipe import run_segment_ppo
+
+        recipe = self.ppo_recipe(results, self.out / "ppo", results["rm"]["path"], results["normalizer"]["path"])
+        summary = run_segment_ppo(recipe)
+        return {"path": summary["model_dir"], "curve": summary["curve"]}
+
+    def stage_eval(self, results) -> dict[str, Any]:
+        from rlhf_ext.sim import AnnotatorPool, win_rate
+
+        _, _, test = self._stage_split()
+        test = test.select(range(min(self.recipe.data.eval_prompts, len(test))))
+        pool = AnnotatorPool.default(seed=self.recipe.training.seed)
+        result = win_rate(
+            results["ppo"]["path"],
+            results["sft"]["path"],
+            list(test["prompt"]),
+            styles=list(test["style"]),
+            judge=pool,
+            seed=self.recipe.training.seed,
+            max_new_tokens=self.recipe.training.max_completion_length,
+        )
+        return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
+
+    def stage_report(self, results) -> dict[str, Any]:
+        from rlhf_ext.demo_report import write_report
+
+        _, _, test = self._stage_split()
+        prompts = list(test["prompt"][:4])
+        return write_report(self.out, results, prompts, self.recipe.training.max_completion_length)
