@@ -123,3 +123,33 @@ def test_collate_rejects_stale_entropy():
            "rejected_entropy": [0.2]}]  # fmt: skip
     with pytest.raises(DatasetFormatError, match="stale segment cache"):
         collate_segment_pairs(ex, 0)
+
+
+def test_gpt2_bpe_pair_and_bandit_reward_equal_hf_pooling(gpt2_tok):
+    """Real GPT-2 BPE: exact prompt/response split, and the c_ent = inf reward equals HF's own pooled logit."""
+    from rlhf_ext.segment import evaluate_sequences
+    from rlhf_ext.segment.scoring import token_scores
+    from rlhf_ext.testing.models import tiny_reward_model
+
+    rows = [
+        {"prompt": "Explain mitochondria.", "chosen": " The mitochondria is the powerhouse", "rejected": " No idea"},
+        {"prompt": "Hi", "chosen": " Hello there, friend!", "rejected": " Go away."},
+    ]
+    tokenized = [tokenize_pair(r, gpt2_tok) for r in rows]
+    for r, t in zip(rows, tokenized):
+        assert gpt2_tok.decode(t["chosen_ids"][t["prompt_len"] :]) == r["chosen"] + gpt2_tok.eos_token
+        assert gpt2_tok.decode(t["chosen_ids"][: t["prompt_len"]]) == r["prompt"]
+
+    def zeros(t, side):
+        return [0.0] * (len(t[f"{side}_ids"]) - t["prompt_len"])
+
+    examples = [
+        {**t, "chosen_entropy": zeros(t, "chosen"), "rejected_entropy": zeros(t, "rejected")} for t in tokenized
+    ]
+    batch = collate_segment_pairs(examples, gpt2_tok.pad_token_id)
+    model = tiny_reward_model(gpt2_tok).eval()  # vocabulary 50258, pad token distinct from EOS
+    scores = token_scores(model, batch["input_ids"], batch["attention_mask"])
+    ev = evaluate_sequences(scores, batch["entropy"], batch["action_mask"], float("inf"))
+    with torch.no_grad():
+        pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    torch.testing.assert_close(ev.values, pooled, atol=1e-5, rtol=1e-5)
