@@ -40,9 +40,9 @@ class DemoData:
 @dataclass
 class DemoModel:
     tokenizer_vocab: int = 1024
-    hidden_size: int = 64
+    hidden_size: int = 96
     num_layers: int = 2
-    sft_epochs: int = 4
+    sft_epochs: int = 10
     sft_learning_rate: float = 3e-3
 
 
