@@ -1,0 +1,54 @@
+"""The AlpacaFarm-style simulator (paper 002): gold rewards, simulated annotators, win rates, method comparison.
+
+* :class:`GoldScorer` — the programmatic gold reward of the offline generator's tasks and the toy task: distinct
+  key phrases of the preferred style minus distinct key phrases of competing styles (repetition earns nothing).
+* :class:`AnnotatorPool` — simulated pairwise preferences ``p_sim``: a pool of annotators (gold-scorer variants,
+  reward models or LLM judges), one per pair, with 25% flips on training labels; ``relabel`` turns any preference
+  dataset into simulated human feedback; ``agreement`` reports inter-annotator and gold agreement.
+* :func:`win_rate` — a policy's win rate against a reference on held-out prompts with standard error, length, gold
+  reward and KL; :class:`HFPolicy`, :class:`BestOfNPolicy` and :func:`best_of_n`.
+* ``rlhf-ext sim compare`` (:mod:`rlhf_ext.sim.compare`) — AlpacaFarm's reference methods and ours, several seeds.
+
+Engine-free: ``import rlhf_ext.sim`` imports only ``torch``; ``transformers`` / ``datasets`` / ``trl`` are imported by
+the functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GoldScorer": "rlhf_ext.sim.gold",
+    "TOY_STYLE": "rlhf_ext.sim.gold",
+    "toy_rubric": "rlhf_ext.sim.gold",
+    "Annotator": "rlhf_ext.sim.annotators",
+    "AnnotatorPool": "rlhf_ext.sim.annotators",
+    "AnnotatorSpec": "rlhf_ext.sim.annotators",
+    "AgreementReport": "rlhf_ext.sim.annotators",
+    "BTAnnotator": "rlhf_ext.sim.annotators",
+    "DEFAULT_ANNOTATORS": "rlhf_ext.sim.annotators",
+    "Decisions": "rlhf_ext.sim.annotators",
+    "LLMAnnotator": "rlhf_ext.sim.annotators",
+    "PoolConfig": "rlhf_ext.sim.annotators",
+    "TRAIN_FLIP_PROB": "rlhf_ext.sim.annotators",
+    "BestOfNPolicy": "rlhf_ext.sim.evaluate",
+    "HFPolicy": "rlhf_ext.sim.evaluate",
+    "WinRate": "rlhf_ext.sim.evaluate",
+    "best_of_n": "rlhf_ext.sim.evaluate",
+    "win_rate": "rlhf_ext.sim.evaluate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rlhf_ext.sim' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -1,0 +1,377 @@
+"""Automatic evaluation in the simulator: win rate against a reference policy (paper 002, section 3.3).
+
+AlpacaFarm's metric is the **win rate** of a policy against a reference policy on held-out instructions: the expected
+fraction of instructions on which the policy's output is preferred by the evaluation annotators ``p_eval`` (the pool
+without the training noise). :func:`win_rate` measures it for any causal LM (a checkpoint path or an instance), and
+alongside it the quantities AlpacaFarm's analysis uses: average response length (section 5.2: LPF methods make
+outputs longer), the gold reward, and the KL divergence to the reference.
+
+Policies are objects with ``sample(prompts, n, seed) -> Samples`` (the ``[P][n]`` layout of
+:class:`rlhf_ext.online.rollout.Samples`) and, for the KL, ``logprobs(prompts, responses, truncated) -> [N]``:
+
+* :class:`HFPolicy` — a transformers causal LM, sampled with :class:`rlhf_ext.online.rollout.HFSampler`; an optional
+  ``prompt_prefix`` conditions it (binary reward conditioning samples with the positive control token);
+* :class:`BestOfNPolicy` — inference-time best-of-n over a base policy with any scorer (section 3.4; Appendix A.2).
+
+KL: the sequence log-ratio estimate ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i | x_i)]`` over
+the policy's own samples ``y_i ~ pi`` (unbiased; single samples can be negative). Responses are re-tokenised from
+their text the way the trainers tokenise them (prompt and response separately, EOS appended unless the response was
+cut at ``max_new_tokens``). With a sampling temperature ``T != 1`` both models' logits are divided by ``T``, i.e. the
+KL is between the distributions actually sampled. For best-of-n the KL is the analytic value
+``log n - (n - 1) / n`` (an upper bound, exact for continuous rewards without ties).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rlhf_ext.online.rollout import RewardFn, Samples, encode_prompts, score
+from rlhf_ext.sim.annotators import AnnotatorPool
+from rlhf_ext.sim.gold import GoldScorer
+
+#: AlpacaFarm samples evaluation outputs at temperature 0.7 for API models (Appendix A); we default to 1.0 so that
+#: the KL estimate is of the policy itself. Both are recipe values.
+DEFAULT_EVAL_TEMPERATURE = 1.0
+
+
+class HFPolicy:
+    """A transformers causal LM as a simulator policy.
+
+    Args:
+        model: checkpoint path (``builtin:`` names are resolved) or an instantiated causal LM.
+        tokenizer: required for an instance; loaded from the path otherwise.
+        prompt_prefix: text put before every prompt when sampling and scoring (e.g. a control token).
+        max_new_tokens / temperature / top_p / batch_size: sampling settings (no top-k).
+        logprob_batch_size: sequences per forward in :meth:`logprobs`.
+        name: shown in reports.
+    """
+
+    kl_method = "sequence_log_ratio"
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        prompt_prefix: str = "",
+        max_new_tokens: int = 128,
+        temperature: float = DEFAULT_EVAL_TEMPERATURE,
+        top_p: float = 1.0,
+        batch_size: int = 64,
+        logprob_batch_size: int = 16,
+        max_prompt_length: int | None = None,
+        device: str | torch.device = "cpu",
+        name: str | None = None,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if temperature <= 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a positive number, got {temperature}")
+        if isinstance(model, str | Path):
+            from rlhf_ext.resources import resolve_model
+
+            path = resolve_model(str(model))
+            if not (Path(path) / "config.json").exists():
+                raise FileNotFoundError(f"policy {model!r} is not a checkpoint directory (no config.json in {path})")
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            name = name or str(model.config._name_or_path)
+        elif tokenizer is None:
+            raise ValueError("pass tokenizer= when the policy is an instantiated model")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.prompt_prefix = prompt_prefix
+        self.temperature = float(temperature)
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_length = max_prompt_length
+        self.logprob_batch_size = logprob_batch_size
+        self.device = torch.device(device)
+        self.name = name or type(model).__name__
+        self._sampler = None
+        self._sampler_args = dict(
+            max_new_tokens=max_new_tokens,
+            temperatures=[self.temperature],
+            batch_size=batch_size,
+            max_prompt_length=max_prompt_length,
+            top_p=top_p,
+            top_k=0,
+            device=device,
+        )
+
+    def __repr__(self) -> str:
+        return f"HFPolicy({self.name!r}, temperature={self.temperature}, prefix={self.prompt_prefix!r})"
+
+    def _prompts(self, prompts: Sequence[Any]) -> list[Any]:
+        if not self.prompt_prefix:
+            return list(prompts)
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError("prompt_prefix works with text prompts only (the prompts are chat messages)")
+        return [self.prompt_prefix + p for p in prompts]
+
+    def sample(self, prompts: Sequence[Any], n: int, seed: int) -> Samples:
+        """``n`` responses per prompt (``[P][n]``), reproducible for a given ``seed``."""
+        from rlhf_ext.online.rollout import HFSampler
+
+        if self._sampler is None:
+            self._sampler = HFSampler(self.model, self.tokenizer, **self._sampler_args)
+        return self._sampler.sample(self._prompts(prompts), n, seed=seed)
+
+    @torch.no_grad()
+    def logprobs(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor) -> Tensor:
+        """``[N]`` float32 ``log pi(y | x)`` summed over response tokens (EOS included unless ``truncated``), with
+        logits divided by the policy's sampling temperature."""
+        tok = self.tokenizer
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        truncated = torch.as_tensor(truncated, dtype=torch.bool).flatten().tolist()
+        prompt_ids = encode_prompts(tok, self._prompts(prompts), self.max_prompt_length)
+        seqs, starts = [], []
+        for p_ids, text, cut in zip(prompt_ids, responses, truncated):
+            r_ids = tok(text, add_special_tokens=False)["input_ids"] if text else []
+            if not cut and eos is not None:
+                r_ids = r_ids + [eos]
+            seqs.append(p_ids + r_ids)
+            starts.append(len(p_ids))
+        out = []
+        for lo in range(0, len(seqs), self.logprob_batch_size):
+            chunk, first = seqs[lo : lo + self.logprob_batch_size], starts[lo : lo + self.logprob_batch_size]
+            out.append(self._chunk_logprobs(chunk, first, pad))
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def _chunk_logprobs(self, seqs: list[list[int]], starts: list[int], pad: int) -> Tensor:
+        from rlhf_ext.segment.data import pad_sequences
+
+        ids = pad_sequences(seqs, pad, "right", torch.long).to(self.device)
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+        attention = (pos < lengths.unsqueeze(1)).long()
+        logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        target = pos[:, 1:]  # logits at t predict token t + 1
+        response = (target >= torch.tensor(starts, device=self.device).unsqueeze(1)) & (target < lengths.unsqueeze(1))
+        return torch.where(response, logp, 0.0).sum(1).cpu()
+
+
+class BestOfNPolicy:
+    """Inference-time best-of-n (paper 002, section 3.4): each response is the highest-scoring of ``n`` samples of
+    ``base`` under ``scorer`` (``(prompts, responses) -> [N]``, e.g. a surrogate reward model or the gold scorer).
+    Ties go to the first of the tied samples."""
+
+    kl_method = "analytic_best_of_n"
+
+    def __init__(self, base: HFPolicy, scorer: RewardFn, n: int):
+        if n < 1:
+            raise ValueError(f"best-of-n needs n >= 1, got {n}")
+        self.base, self.scorer, self.n = base, scorer, int(n)
+        self.name = f"best-of-{n}({base.name})"
+        self.tokenizer = base.tokenizer
+
+    def __repr__(self) -> str:
+        return f"BestOfNPolicy({self.base!r}, n={self.n})"
+
+    def analytic_kl(self) -> float:
+        """``log n - (n - 1) / n`` nats: the KL of best-of-n to its base policy (Stiennon et al., 2020)."""
+        return math.log(self.n) - (self.n - 1) / self.n
+
+    def sample(self, prompts: Sequence[Any], n: int, seed: int) -> Samples:
+        """``n`` best-of-``self.n`` responses per prompt: ``n * self.n`` base samples, scored, best of each group."""
+        raw = self.base.sample(prompts, n * self.n, seed=seed)
+        flat_prompts = [p for p in prompts for _ in range(n * self.n)]
+        scores = score(self.scorer, flat_prompts, raw.flat()).view(len(prompts), n, self.n)
+        best = scores.argmax(-1)  # [P, n]: first maximum
+        cols = (torch.arange(n).unsqueeze(0) * self.n + best).long()  # [P, n] column in the raw layout
+        texts = [[raw.texts[i][c] for c in row] for i, row in enumerate(cols.tolist())]
+        return Samples(
+            texts=texts,
+            num_tokens=raw.num_tokens.gather(1, cols),
+            truncated=raw.truncated.gather(1, cols),
+            temperatures=[raw.temperatures[0]] * n,
+        )
+
+
+def best_of_n(
+    policy, prompts: Sequence[Any], scorer: RewardFn, n: int, *, seed: int = 0, tokenizer=None, **policy_kwargs: Any
+) -> list[str]:
+    """The best of ``n`` samples of ``policy`` for each prompt under ``scorer`` (one response per prompt).
+
+    ``policy`` is an :class:`HFPolicy`, a checkpoint path or a model instance (then ``tokenizer=`` and
+    :class:`HFPolicy` keyword arguments such as ``max_new_tokens`` / ``temperature`` apply).
+    """
+    base = as_policy(policy, tokenizer, **policy_kwargs)
+    return BestOfNPolicy(base, scorer, n).sample(prompts, 1, seed).flat()
+
+
+def as_policy(policy, tokenizer=None, **kwargs: Any):
+    """An :class:`HFPolicy` for a path / model instance; policy objects (with ``sample``) pass through."""
+    if hasattr(policy, "sample"):
+        return policy
+    return HFPolicy(policy, tokenizer, **kwargs)
+
+
+@dataclass
+class WinRate:
+    """Result of :func:`win_rate` (all means over the evaluation comparisons).
+
+    Attributes:
+        win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
+        wins / ties / losses: counts of comparisons.
+        num_prompts / samples_per_prompt / num_comparisons: sample sizes.
+        judge: ``pool`` (evaluation annotators, no flips) or ``gold``.
+        avg_length_chars / avg_length_tokens / truncated_fraction: of the policy's responses.
+        ref_avg_length_chars: of the reference's responses.
+        gold_mean / gold_stderr / ref_gold_mean: gold reward of the policy's / reference's responses.
+        kl / kl_stderr / kl_method: KL(policy || reference) in nats (see the module docstring); NaN if not computed.
+    """
+
+    win_rate: float
+    stderr: float
+    wins: int
+    ties: int
+    losses: int
+    num_prompts: int
+    samples_per_prompt: int
+    num_comparisons: int
+    judge: str
+    avg_length_chars: float
+    avg_length_tokens: float
+    truncated_fraction: float
+    ref_avg_length_chars: float
+    gold_mean: float
+    gold_stderr: float
+    ref_gold_mean: float
+    kl: float
+    kl_stderr: float
+    kl_method: str
+    policy: str = ""
+    reference: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cluster_stderr(values: Tensor) -> float:
+    """Standard error of the mean of ``[P, k]`` values, clustered by row (prompt)."""
+    per_prompt = values.double().mean(1)
+    if per_prompt.numel() < 2:
+        return float("nan")
+    return float(per_prompt.std(unbiased=True) / math.sqrt(per_prompt.numel()))
+
+
+def win_rate(
+    policy,
+    reference,
+    prompts: Sequence[Any],
+    *,
+    styles: Sequence[str | None] | str | None = None,
+    judge: AnnotatorPool | GoldScorer | Literal["pool", "gold"] = "pool",
+    gold: GoldScorer | None = None,
+    samples_per_prompt: int = 1,
+    seed: int = 0,
+    tokenizer=None,
+    reference_samples: Samples | None = None,
+    compute_kl: bool = True,
+    **policy_kwargs: Any,
+) -> WinRate:
+    """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
+
+    Args:
+        policy / reference: :class:`HFPolicy` / :class:`BestOfNPolicy` objects, checkpoint paths, or model instances
+            (with ``tokenizer=``); paths and instances are wrapped in :class:`HFPolicy` with ``policy_kwargs``
+            (``max_new_tokens``, ``temperature`` ...). ``policy`` may be ``reference`` itself (independent samples).
+        prompts: ``P`` held-out prompts.
+        styles: the task style of each prompt (or one for all; ``None``: the toy task / the scorers' defaults).
+        judge: an :class:`AnnotatorPool` used in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``),
+            or a :class:`GoldScorer` / ``"gold"`` (higher gold reward wins; equal = tie).
+        gold: the scorer for the gold-reward columns (default ``GoldScorer()``).
+        samples_per_prompt: ``k`` responses of each policy per prompt; comparison ``j`` pits policy sample ``j``
+            against reference sample ``j`` (``P * k`` comparisons; the standard error is clustered by prompt).
+        seed: sampling seed of the policy (the reference uses ``seed + 1``); the pool's own seed is its own.
+        reference_samples: the reference's ``[P][k]`` samples, if already drawn (e.g. shared by several policies).
+        compute_kl: estimate KL(policy || reference) (needs ``reference`` to be a model, not only samples).
+
+    Returns:
+        A :class:`WinRate`.
+    """
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("win_rate needs at least one prompt")
+    k = samples_per_prompt
+    pol = as_policy(policy, tokenizer, **policy_kwargs)
+    ref = pol if reference is policy else as_policy(reference, tokenizer, **policy_kwargs)
+    gold = gold if gold is not None else GoldScorer()
+    styles_rows = gold.resolve_styles(prompts, styles)
+    flat_prompts = [p for p in prompts for _ in range(k)]
+    flat_styles = [s for s in styles_rows for _ in range(k)]
+
+    samples = pol.sample(prompts, k, seed=seed)
+    if reference_samples is None:
+        reference_samples = ref.sample(prompts, k, seed=seed + 1)
+    if len(reference_samples.texts) != len(prompts) or any(len(r) != k for r in reference_samples.texts):
+        raise ValueError(f"reference_samples must hold {k} responses for each of the {len(prompts)} prompts")
+    mine, theirs = samples.flat(), reference_samples.flat()
+
+    if isinstance(judge, str):
+        if judge not in ("pool", "gold"):
+            raise ValueError(f"judge must be 'pool', 'gold', an AnnotatorPool or a GoldScorer; got {judge!r}")
+        judge = AnnotatorPool.default(seed=seed) if judge == "pool" else gold
+    if isinstance(judge, AnnotatorPool):
+        outcome = judge.prefer(flat_prompts, mine, theirs, flat_styles, train=False).double()
+        judge_name = "pool"
+    elif isinstance(judge, GoldScorer):
+        g = judge.score(flat_prompts + flat_prompts, mine + theirs, flat_styles + flat_styles).double()
+        outcome = (torch.sign(g[: len(mine)] - g[len(mine) :]) + 1) / 2
+        judge_name = "gold"
+    else:
+        raise TypeError(f"judge must be an AnnotatorPool or a GoldScorer, got {type(judge).__name__}")
+    outcome = outcome.view(len(prompts), k)
+
+    gold_mine = gold.score(flat_prompts, mine, flat_styles).view(len(prompts), k)
+    gold_ref = gold.score(flat_prompts, theirs, flat_styles)
+
+    kl, kl_se, kl_method = float("nan"), float("nan"), "none"
+    if compute_kl:
+        if isinstance(pol, BestOfNPolicy):
+            kl, kl_se, kl_method = pol.analytic_kl(), 0.0, pol.kl_method
+        elif hasattr(pol, "logprobs") and hasattr(ref, "logprobs"):
+            lp = pol.logprobs(flat_prompts, mine, samples.truncated.flatten())
+            lr = ref.logprobs(flat_prompts, mine, samples.truncated.flatten())
+            ratio = (lp - lr).view(len(prompts), k)
+            kl, kl_se, kl_method = float(ratio.double().mean()), _cluster_stderr(ratio), pol.kl_method
+        else:
+            raise ValueError(
+                f"cannot estimate KL for {type(pol).__name__} against {type(ref).__name__}: both need logprobs(); "
+                "pass compute_kl=False"
+            )
+
+    return WinRate(
+        win_rate=float(outcome.mean()),
+        stderr=_cluster_stderr(outcome),
+        wins=int((outcome == 1).sum()),
+        ties=int((outcome == 0.5).sum()),
+        losses=int((outcome == 0).sum()),
+        num_prompts=len(prompts),
+        samples_per_prompt=k,
+        num_comparisons=outcome.numel(),
+        judge=judge_name,
+        avg_length_chars=float(samples.num_chars().mean()),
+        avg_length_tokens=float(samples.num_tokens.float().mean()),
+        truncated_fraction=float(samples.truncated.float().mean()),
+        ref_avg_length_chars=float(reference_samples.num_chars().mean()),
+        gold_mean=float(gold_mine.double().mean()),
+        gold_stderr=_cluster_stderr(gold_mine),
+        ref_gold_mean=float(gold_ref.double().mean()),
+        kl=kl,
+        kl_stderr=kl_se,
+        kl_method=kl_method,
+        policy=getattr(pol, "name", type(pol).__name__),
+        reference=getattr(ref, "name", type(ref).__name__),
+    )
