@@ -3,6 +3,13 @@
 Importing this package imports ``trl`` (about 5 s); ``import rlhf_ext`` alone does not.
 """
 
+from rlhf_ext.trl.continual_dpo import ContinualDPOConfig, ContinualDPOTrainer
 from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
-__all__ = ["SegmentPreferenceCollator", "SegmentRewardConfig", "SegmentRewardTrainer"]
+__all__ = [
+    "ContinualDPOConfig",
+    "ContinualDPOTrainer",
+    "SegmentPreferenceCollator",
+    "SegmentRewardConfig",
+    "SegmentRewardTrainer",
+]
