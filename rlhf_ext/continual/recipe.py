@@ -30,13 +30,14 @@ class TaskSequenceSection:
     ``tasks``: ``builtin:toy-continual-preference-shift`` / ``builtin:toy-continual-domains`` (toy sequences, see
     :mod:`rlhf_ext.testing.continual_toy`) or a directory written by the dataset generator
     (``rlhf_ext.datagen.load_continual_dataset``). ``num_tasks``: number of builtin tasks, or keep only the first
-    ``num_tasks`` of a generated sequence. ``max_train_samples`` / ``max_test_samples`` cut every task's splits
+    ``num_tasks`` of a generated sequence. ``max_length``: prompt + response tokens (paper 000 generates responses of
+    up to 256 tokens, Tables 4-6). ``max_train_samples`` / ``max_test_samples`` cut every task's splits
     (and size the builtin toy splits: 256 / 64 by default). ``seed`` seeds the builtin toy data.
     """
 
     tasks: str = "builtin:toy-continual-preference-shift"
     num_tasks: int | None = None
-    max_length: int = 128
+    max_length: int = 512
     max_train_samples: int | None = None
     max_test_samples: int | None = None
     seed: int = 0

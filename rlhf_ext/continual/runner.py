@@ -1,13 +1,15 @@
 """The task-sequence runner: continual RLHF over tasks ``0 .. K-1`` (paper 000, Algorithm 1 and section 4).
 
-For each task ``t`` in order:
+First, when reward models are enabled, one reward model per task (the paper trains one per task, Appendix C), each
+from the SFT model on that task's pairs and scored on every task's test split. They do not depend on the policy, so
+all of them exist before the policy sequence starts: a PPO stage can train on task ``t``'s model and score any
+snapshot on any task with that task's held-out model. Then, for each task ``t`` in order:
 
-1. optionally train a reward model on task ``t`` (the paper trains one per task; a PPO policy stage reads it);
-2. train the policy on task ``t``, starting from the snapshot of task ``t - 1`` (the SFT model for ``t = 0``), with
+1. train the policy on task ``t``, starting from the snapshot of task ``t - 1`` (the SFT model for ``t = 0``), with
    the KL to that frozen snapshot weighted by ``c_t`` (:meth:`ContinualSection.coef_for_task`; ``c_0 = 0``);
-3. write the policy snapshot ``task_{t}/policy`` (atomically: it exists complete or not at all);
-4. evaluate that snapshot on *every* task's test split: column ``t`` of the performance matrix ``R[k, t]``;
-5. write ``task_{t}/result.json`` (the task is finished once this exists), then ``performance.json`` (matrix so far,
+2. write the policy snapshot ``task_{t}/policy`` (atomically: it exists complete or not at all);
+3. evaluate that snapshot on *every* task's test split: column ``t`` of the performance matrix ``R[k, t]``;
+4. write ``task_{t}/result.json`` (the task is finished once this exists), then ``performance.json`` (matrix so far,
    metrics of :mod:`rlhf_ext.continual.metrics`) and the plots.
 
 Nothing carries over between tasks in memory: every task loads its starting point and its previous-task model from
@@ -17,8 +19,8 @@ produces exactly what an uninterrupted run produces.
 The runner is engine-free. Each stage is an object with ``run_task(task: TaskContext, test_sets) -> dict``
 returning ``{"scores": [one float per test set], "metrics": {...}}``; :func:`build_stages` picks the engine's stages
 (TRL + DPO today: :class:`rlhf_ext.trl.continual_dpo.DPOPolicyStage`). A PPO / CPPO policy stage plugs in by
-implementing the same method (it reads ``task.reward_model_dir``, written by the reward stage, for its rewards and
-reward-model scores).
+implementing the same method (it reads ``task.reward_model_dir`` for its rewards and ``task.reward_model_dirs[k]``
+to score snapshots on task ``k``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ REQUIRED_COLUMNS = ("prompt", "chosen", "rejected")
 RUN_FILE = "run.json"
 PERFORMANCE_FILE = "performance.json"
 RESULT_FILE = "result.json"
+RM_RESULT_FILE = "reward_model.json"
 #: Recipe keys that may change between a run and its resumption without invalidating finished tasks.
 RESUMABLE_KEYS = frozenset({"output_dir", "resume", "plots"})
 
@@ -64,6 +67,7 @@ class TaskContext:
     kl_coef: float
     seed: int
     task_dir: Path
+    reward_model_dirs: list[Path] | None = None  # every task's reward model, when reward models are enabled
 
     @property
     def policy_dir(self) -> Path:
@@ -210,6 +214,7 @@ class ContinualRunner:
         self.reward_stage = reward_stage
         self.out = Path(recipe.output_dir)
         self.names = [f"task_{t:02d}" for t in range(self.num_tasks)]
+        self.reward_models: list[dict[str, Any]] = []
 
     # -- resume bookkeeping --------------------------------------------------------------------------------------
     def _recipe_dict(self) -> dict[str, Any]:
@@ -272,29 +277,47 @@ class ContinualRunner:
             kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks),
             seed=self.recipe.seed + t,
             task_dir=self.out / self.names[t],
+            reward_model_dirs=[self.out / n / "reward_model" for n in self.names] if self.reward_stage else None,
         )
 
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
         self._check_or_create_run()
         test_sets = [task["test"] for task in self.tasks]
+        if self.reward_stage is not None:
+            self.reward_models = [self._reward_model(t, test_sets) for t in range(self.num_tasks)]
         results: list[dict[str, Any] | None] = [self._finished(t) for t in range(self.num_tasks)]
         last = self.num_tasks if stop_after is None else min(stop_after, self.num_tasks)
+        summary = None
         for t in range(last):
             if results[t] is not None:
                 continue
             if t > 0 and results[t - 1] is None:
                 raise TaskSequenceError(f"task {t - 1} is not finished, so task {t} cannot start")
             results[t] = self._run_task(self.context(t), test_sets)
-            self._write_summary(results)
-        return self._write_summary(results)
+            summary = self._write_summary(results)  # after every task: nothing finished is lost
+        return summary if summary is not None else self._write_summary(results)
+
+    def _reward_model(self, t: int, test_sets: Sequence[Any]) -> dict[str, Any]:
+        """Train (or, when finished before, load the record of) task ``t``'s reward model."""
+        task = self.context(t)
+        record_file = task.task_dir / RM_RESULT_FILE
+        if record_file.exists() and (task.reward_model_dir / "config.json").exists():
+            return json.loads(record_file.read_text())
+        start = time.time()
+        record = {"task": t, "path": str(task.reward_model_dir), **self.reward_stage.run_task(task, test_sets)}
+        if len(record["scores"]) != self.num_tasks:
+            raise RuntimeError(f"the reward stage returned {len(record['scores'])} scores for {self.num_tasks} tasks")
+        record["seconds"] = time.time() - start
+        if _is_main_process():
+            atomic_write_json(record_file, record)
+            shutil.rmtree(task.work_dir, ignore_errors=True)
+        _barrier()
+        return record
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
         start = time.time()
         record: dict[str, Any] = {"task": task.index, "kl_coef": task.kl_coef, "seed": task.seed}
-        if self.reward_stage is not None:
-            rm = self.reward_stage.run_task(task, test_sets)
-            record["reward_model"] = {"path": str(task.reward_model_dir), **rm}
         policy = self.policy_stage.run_task(task, test_sets)
         if len(policy["scores"]) != self.num_tasks:
             raise RuntimeError(f"the policy stage returned {len(policy['scores'])} scores for {self.num_tasks} tasks")
@@ -323,13 +346,10 @@ class ContinualRunner:
             "metric": "dpo implicit-reward accuracy" if self.recipe.algorithm == "dpo" else self.recipe.algorithm,
             "output_dir": str(self.out),
         }
-        if any(r is not None and "reward_model" in r for r in results):
-            rm = [[None] * k for _ in range(k)]
-            for t, res in enumerate(results):
-                if res is not None and "reward_model" in res:
-                    for task_k, score in enumerate(res["reward_model"]["scores"]):
-                        rm[task_k][t] = score
-            summary["reward_model_accuracy"] = rm
+        if self.reward_models:
+            rm_scores = [rm["scores"] for rm in self.reward_models]
+            summary["reward_model_accuracy"] = [[rm_scores[m][task_k] for m in range(k)] for task_k in range(k)]
+            summary["reward_model_layout"] = "reward_model_accuracy[k][m] = reward model m's accuracy on task k"
         if done == k:
             summary["metrics"] = summarize(matrix).to_dict()
             steps = [(r.get("metrics") or {}).get("steps") for r in results]

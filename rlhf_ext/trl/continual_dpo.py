@@ -291,8 +291,8 @@ class DPOPolicyStage:
         )
         trainer = ContinualDPOTrainer(
             model=task.init_policy,
-            ref_model=create_model_from_path(task.reference_policy),
-            prev_model=task.previous_policy,
+            ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
+            prev_model=task.previous_policy if task.kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
             args=args,
             train_dataset=task.train,
             processing_class=tokenizer,

@@ -75,3 +75,35 @@ def test_cli_run_and_resumed_run_equal_the_uninterrupted_one(tiny_sft_path, tmp_
     for name in ("task_00", "task_01"):
         a, b = _weights(full_dir / name / "policy"), _weights(killed_dir / name / "policy")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_per_task_reward_model_stage(tiny_sft_path, tmp_path):
+    """reward_model.enabled trains a Bradley-Terry reward model per task, saved next to the policy snapshot, and
+    scores it on every task's test split."""
+    from rlhf_ext.cli import recipe_path
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.continual.recipe import ContinualRecipe
+    from rlhf_ext.continual.runner import run_continual
+
+    overrides = [o for o in OVERRIDES if not o.startswith("data.num_tasks")]
+    rm_train = ["batch_size=4", "micro_batch_size=4", "max_steps=2", "learning_rate=1e-3"]
+    recipe = load_recipe(
+        ContinualRecipe,
+        recipe_path("continual_dpo_tiny"),
+        [
+            f"model.sft_model={tiny_sft_path}",
+            f"output_dir={tmp_path}",
+            "plots=false",
+            "data.num_tasks=1",
+            *overrides,
+            "reward_model.enabled=true",
+            *(f"reward_model.train.{o}" for o in rm_train),
+        ],
+    )
+    summary = run_continual(recipe)
+    rm_dir = tmp_path / "task_00" / "reward_model"
+    assert (rm_dir / "config.json").exists() and (tmp_path / "task_00" / "policy" / "config.json").exists()
+    (acc,) = summary["reward_model_accuracy"][0]
+    assert 0.0 <= acc <= 1.0
+    record = json.loads((tmp_path / "task_00" / "reward_model.json").read_text())
+    assert record["path"] == str(rm_dir) and record["scores"] == [acc]

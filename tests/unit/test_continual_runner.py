@@ -18,15 +18,16 @@ from rlhf_ext.utils import atomic_directory
 class RecordingStage:
     """Writes a fake snapshot and returns scores that depend on the task and the test set."""
 
-    def __init__(self, fail_on: int | None = None):
+    def __init__(self, fail_on: int | None = None, writes: str = "policy_dir"):
         self.fail_on = fail_on
+        self.writes = writes
         self.calls = []
 
     def run_task(self, task, test_sets):
         self.calls.append(task)
         if task.index == self.fail_on:
             raise RuntimeError("killed")
-        with atomic_directory(task.policy_dir) as tmp:
+        with atomic_directory(getattr(task, self.writes)) as tmp:
             (tmp / "config.json").write_text(json.dumps({"task": task.index}))
         scores = [round(0.9 - 0.2 * max(task.index - k, 0) + 0.01 * k, 6) for k in range(len(test_sets))]
         return {"scores": scores, "metrics": {"steps": 3}}
@@ -173,3 +174,33 @@ def test_recipe_validation_names_the_key(tmp_path):
         load_recipe(ContinualRecipe, None, ["algorithm=ppo"])
     with pytest.raises(RecipeError, match="estimator"):
         load_recipe(ContinualRecipe, None, ["continual.estimator=k5"])
+
+
+def test_launch_script_reports_recipe_errors(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "train_cppo.py"
+    spec = importlib.util.spec_from_file_location("train_cppo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--config", "continual_dpo_tiny", "continual.kl_coef=-2", "--local_rank=0"]) == 2
+    assert "continual.kl_coef must be a finite number >= 0" in capsys.readouterr().err
+    assert module.main(["--config", "no_such_recipe"]) == 2
+    assert "neither a file nor a packaged recipe" in capsys.readouterr().err
+
+
+def test_reward_models_are_trained_for_every_task_first_and_resumed(tmp_path, tasks):
+    policy, rm = RecordingStage(), RecordingStage(fail_on=2, writes="reward_model_dir")
+    recipe = _recipe(tmp_path)
+    with pytest.raises(RuntimeError, match="killed"):
+        ContinualRunner(recipe, tasks, policy_stage=policy, reward_stage=rm).run()
+    assert [c.index for c in rm.calls] == [0, 1, 2] and policy.calls == []  # all reward models before any policy
+    rm2 = RecordingStage(writes="reward_model_dir")
+    summary = ContinualRunner(recipe, tasks, policy_stage=policy, reward_stage=rm2).run()
+    assert [c.index for c in rm2.calls] == [2]  # finished reward models are not retrained
+    run = tmp_path / "run"
+    assert policy.calls[1].reward_model_dirs == [run / f"task_{t:02d}" / "reward_model" for t in range(3)]
+    # reward_model_accuracy[k][m]: reward model m on task k (the stand-in's scores depend on m and k)
+    assert summary["reward_model_accuracy"][0] == pytest.approx([0.9, 0.7, 0.5])
+    assert json.loads((run / "task_01" / "reward_model.json").read_text())["task"] == 1
