@@ -33,7 +33,7 @@ import torch
 
 from rlhf_ext.continual.cppo import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
 from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, per_token_kl
-from rlhf_ext.openrlhf.compat import import_shims
+from rlhf_ext.openrlhf.compat import import_shims  # re-exported for callers importing more OpenRLHF modules
 
 with import_shims():
     from openrlhf.models import Actor, PolicyLoss, aggregate_loss

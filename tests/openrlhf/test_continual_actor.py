@@ -325,3 +325,28 @@ def test_settings_from_openrlhf_args():
     assert oc.ContinualActorSettings.from_args(types.SimpleNamespace()).previous_model is None
     with pytest.raises(ValueError, match="retention must be 'kl' or 'cppo'"):
         oc.ContinualActorSettings(retention="ewc")
+
+
+def test_ray_policy_actor_builds_the_continual_trainer(monkeypatch):
+    """The Ray actor swaps ActorPPOTrainer for ContinualActorPPOTrainer only while its init runs; the CLI hook
+    replaces the policy actor class train_ppo_ray builds."""
+    with oc.import_shims():
+        import openrlhf.cli.train_ppo_ray as cli
+
+    monkeypatch.setattr(cli, "PolicyModelActor", cli.PolicyModelActor)  # restored after the test
+    oc.use_continual_actor()
+    assert cli.PolicyModelActor is oc.ContinualPolicyModelActor
+    impl = oc.ContinualPolicyModelActor.__ray_actor_class__
+    assert issubclass(impl, oc._ppo_actor.PolicyModelActor.__ray_actor_class__)
+
+    seen = []
+
+    def fake_base_init(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        seen.append(oc._ppo_actor.ActorPPOTrainer)  # what the stock init would construct
+
+    monkeypatch.setattr(
+        oc._ppo_actor.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", fake_base_init
+    )
+    impl.init_model_from_pretrained(object.__new__(impl), None, "path")
+    assert seen == [oc.ContinualActorPPOTrainer]
+    assert oc._ppo_actor.ActorPPOTrainer is oc.ActorPPOTrainer  # restored

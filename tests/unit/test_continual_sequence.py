@@ -204,3 +204,13 @@ def test_reward_models_are_trained_for_every_task_first_and_resumed(tmp_path, ta
     # reward_model_accuracy[k][m]: reward model m on task k (the stand-in's scores depend on m and k)
     assert summary["reward_model_accuracy"][0] == pytest.approx([0.9, 0.7, 0.5])
     assert json.loads((run / "task_01" / "reward_model.json").read_text())["task"] == 1
+
+
+def test_exponent_notation_without_a_dot_is_a_number():
+    """YAML 1.1 reads ``1e-3`` as a string; recipes accept it for float fields (``train.learning_rate=1e-3``)."""
+    from rlhf_ext.config import RecipeError, load_recipe
+
+    recipe = load_recipe(ContinualRecipe, None, ["train.learning_rate=1e-3", "continual.kl_coef=2E-1"])
+    assert recipe.train.learning_rate == 1e-3 and recipe.continual.kl_coef == 0.2
+    with pytest.raises(RecipeError, match="'train.learning_rate' must be a number; got 'fast'"):
+        load_recipe(ContinualRecipe, None, ["train.learning_rate=fast"])
