@@ -317,7 +317,7 @@ class DPOPolicyStage:
 class RewardModelStage:
     """The runner's optional per-task reward model (paper 000 trains one per task, Appendix C): TRL's reward trainer
     through :class:`rlhf_ext.trl.SegmentRewardTrainer` with ``entropy_cutoff=inf`` (the plain Bradley-Terry model),
-    initialised from the SFT model. Returns its held-out accuracy on every task's test split."""
+    initialised from the SFT model. Returns its exact per-pair accuracy on every task's test split."""
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -348,9 +348,22 @@ class RewardModelStage:
         )
         trainer.train()
         _save_atomically(trainer, task.reward_model_dir)
-        scores = [
-            trainer.evaluate(prepare_segment_dataset(ds, **prepare), metric_key_prefix=f"task{k}")[f"task{k}_accuracy"]
-            for k, ds in enumerate(test_sets)
-        ]
+        scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
         shutil.rmtree(work, ignore_errors=True)
         return {"scores": scores}
+
+
+@torch.no_grad()
+def _reward_model_accuracy(trainer, dataset) -> float:
+    """Exact per-pair accuracy (``r(chosen) > r(rejected)``) of a reward trainer's model on a prepared dataset."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    correct = []
+    try:
+        for batch in trainer.get_eval_dataloader(dataset):
+            _, outputs = trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch), return_outputs=True)
+            chosen, rejected = outputs.logits.squeeze(-1).chunk(2)
+            correct.append(trainer.accelerator.gather_for_metrics((chosen > rejected).float()))
+    finally:
+        trainer.model.train(was_training)
+    return torch.cat(correct).mean().item()

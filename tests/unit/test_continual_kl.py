@@ -125,8 +125,8 @@ def test_gradient_descent_moves_a_toy_policy_to_the_previous_one(estimator):
     prev_logp = prev_logits.log_softmax(-1).T  # [B=V tokens, T]
     mask = torch.ones(v, t, dtype=torch.bool)
     start = _exact_kl(theta.detach(), prev_logits).item()
-    opt = torch.optim.SGD([theta], lr=2.0)
-    for _ in range(300):
+    opt = torch.optim.SGD([theta], lr=5.0)
+    for _ in range(100):
         opt.zero_grad()
         kl_to_previous(theta.log_softmax(-1).T, prev_logp, mask, estimator).backward()
         opt.step()
