@@ -304,27 +304,22 @@ class ContinualRunner:
         record_file = task.task_dir / RM_RESULT_FILE
         if record_file.exists() and (task.reward_model_dir / "config.json").exists():
             return json.loads(record_file.read_text())
-        start = time.time()
-        record = {"task": t, "path": str(task.reward_model_dir), **self.reward_stage.run_task(task, test_sets)}
-        if len(record["scores"]) != self.num_tasks:
-            raise RuntimeError(f"the reward stage returned {len(record['scores'])} scores for {self.num_tasks} tasks")
-        record["seconds"] = time.time() - start
-        if _is_main_process():
-            atomic_write_json(record_file, record)
-            shutil.rmtree(task.work_dir, ignore_errors=True)
-        _barrier()
-        return record
+        record = {"task": t, "path": str(task.reward_model_dir)}
+        return self._run_stage(self.reward_stage, "reward", task, test_sets, record, record_file)
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
+        record = {"task": task.index, "kl_coef": task.kl_coef, "seed": task.seed, "policy_dir": str(task.policy_dir)}
+        return self._run_stage(self.policy_stage, "policy", task, test_sets, record, task.task_dir / RESULT_FILE)
+
+    def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, record_file: Path) -> dict:
+        """Run one stage on one task, check it scored every test set, then write its record (last, atomically)."""
         start = time.time()
-        record: dict[str, Any] = {"task": task.index, "kl_coef": task.kl_coef, "seed": task.seed}
-        policy = self.policy_stage.run_task(task, test_sets)
-        if len(policy["scores"]) != self.num_tasks:
-            raise RuntimeError(f"the policy stage returned {len(policy['scores'])} scores for {self.num_tasks} tasks")
-        record.update(policy_dir=str(task.policy_dir), scores=list(policy["scores"]), metrics=policy.get("metrics"))
-        record["seconds"] = time.time() - start
+        out = stage.run_task(task, test_sets)
+        if len(out["scores"]) != self.num_tasks:
+            raise RuntimeError(f"the {what} stage returned {len(out['scores'])} scores for {self.num_tasks} tasks")
+        record.update(scores=list(out["scores"]), metrics=out.get("metrics"), seconds=time.time() - start)
         if _is_main_process():
-            atomic_write_json(task.task_dir / RESULT_FILE, record)
+            atomic_write_json(record_file, record)
             shutil.rmtree(task.work_dir, ignore_errors=True)
         _barrier()
         return record

@@ -56,9 +56,11 @@ def _recipe(tmp_path, **overrides):
 
 def test_snapshots_and_kl_weights_are_wired_task_to_task(tmp_path, tasks):
     stage = RecordingStage()
-    recipe = _recipe(tmp_path, continual__kl_coef_schedule=[0.25, 0.0])
+    recipe = _recipe(tmp_path, plots=True, continual__kl_coef_schedule=[0.25, 0.0])
     summary = ContinualRunner(recipe, tasks, policy_stage=stage).run()
     run = tmp_path / "run"
+    assert summary["plots"] == {"performance": str(run / "performance.png")}
+    assert (run / "performance.png").stat().st_size > 10_000
     first, second, third = stage.calls
     assert (first.init_policy, first.previous_policy, first.kl_coef) == ("/models/sft", None, 0.0)
     assert second.init_policy == second.previous_policy == str(run / "task_00" / "policy")
