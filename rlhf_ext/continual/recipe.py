@@ -28,11 +28,12 @@ class TaskSequenceSection:
     """Where the task sequence comes from.
 
     ``tasks``: ``builtin:toy-continual-preference-shift`` / ``builtin:toy-continual-domains`` (toy sequences, see
-    :mod:`rlhf_ext.testing.continual_toy`) or a directory written by the dataset generator
-    (``rlhf_ext.datagen.load_continual_dataset``). ``num_tasks``: number of builtin tasks, or keep only the first
-    ``num_tasks`` of a generated sequence. ``max_length``: prompt + response tokens (paper 000 generates responses of
-    up to 256 tokens, Tables 4-6). ``max_train_samples`` / ``max_test_samples`` cut every task's splits
-    (and size the builtin toy splits: 256 / 64 by default). ``seed`` seeds the builtin toy data.
+    :mod:`rlhf_ext.testing.continual_toy`), or anything ``rlhf_ext.datagen.load_continual_dataset`` reads: a
+    directory written by the dataset generator or one of its ``builtin:continual-*`` datasets. ``num_tasks``:
+    number of builtin toy tasks, or keep only the first ``num_tasks`` of a generated sequence. ``max_length``:
+    prompt + response tokens (paper 000 generates responses of up to 256 tokens, Tables 4-6).
+    ``max_train_samples`` / ``max_test_samples`` cut every task's splits (and size the builtin toy splits: 256 / 64
+    by default). ``seed`` seeds the builtin toy data.
     """
 
     tasks: str = "builtin:toy-continual-preference-shift"

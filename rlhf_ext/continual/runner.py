@@ -136,10 +136,11 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
             sizes = {"n_train": data.max_train_samples or 256, "n_test": data.max_test_samples or 64}
             loaded = builtin_sequence(str(source), num_tasks=data.num_tasks or 3, seed=data.seed, **sizes)
         else:
-            if not Path(source).exists():
+            if not str(source).startswith("builtin:") and not Path(source).exists():
                 raise TaskSequenceError(
                     f"data.tasks: {str(source)!r} is neither a builtin sequence (builtin:toy-continual-preference-"
-                    "shift, builtin:toy-continual-domains) nor an existing dataset-generator output directory"
+                    "shift, builtin:toy-continual-domains, or a dataset generator's builtin:continual-*) nor an "
+                    "existing dataset-generator output directory"
                 )
             from rlhf_ext.datagen import load_continual_dataset  # only needed for generated sequences
 

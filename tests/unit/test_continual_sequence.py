@@ -216,3 +216,25 @@ def test_exponent_notation_without_a_dot_is_a_number():
     assert recipe.train.learning_rate == 1e-3 and recipe.continual.kl_coef == 0.2
     with pytest.raises(RecipeError, match="'train.learning_rate' must be a number; got 'fast'"):
         load_recipe(ContinualRecipe, None, ["train.learning_rate=fast"])
+
+
+def test_generated_sequences_go_through_datagen_lazily(tmp_path, tasks, monkeypatch):
+    """Directories and non-toy builtin specs are read with rlhf_ext.datagen.load_continual_dataset (imported only
+    then); it returns a sequence of DatasetDicts."""
+    import types
+
+    seen = []
+
+    def load_continual_dataset(path):
+        seen.append(path)
+        return tuple(tasks)  # any sequence of DatasetDict
+
+    monkeypatch.setitem(
+        sys.modules, "rlhf_ext.datagen", types.SimpleNamespace(load_continual_dataset=load_continual_dataset)
+    )
+    recipe = _recipe(tmp_path, data={"tasks": "builtin:continual-piecewise-preference", "max_train_samples": 2})
+    runner = ContinualRunner(recipe, policy_stage=RecordingStage())
+    assert seen == ["builtin:continual-piecewise-preference"] and runner.num_tasks == 3
+    assert len(runner.tasks[0]["train"]) == 2
+    ContinualRunner(recipe, tmp_path, policy_stage=RecordingStage())
+    assert seen[-1] == str(tmp_path)
