@@ -1,4 +1,5 @@
-"""Adapters for OpenRLHF 0.11.2: subclasses of OpenRLHF's losses and trainers that call rlhf-ext's tensor functions.
+"""Adapters for OpenRLHF 0.11.2 (pinned: they subclass parts of its private layout).
 
-Importing a submodule imports ``openrlhf`` (and DeepSpeed / Ray); ``import rlhf_ext`` alone does not.
+Import the submodules you need (``rlhf_ext.openrlhf.segment_rm`` ...); importing them imports OpenRLHF, DeepSpeed and
+transformers. :mod:`rlhf_ext.openrlhf.compat` makes that work on a CPU-only machine.
 """
