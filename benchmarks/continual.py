@@ -9,8 +9,13 @@
    task-sequence runner: final average performance, normalised backward transfer, forgetting, and the newest task's
    performance (the cost of the KL term to plasticity).
 
-    python benchmarks/continual.py step-cost [--models tiny-sft small] [--reps 12]
+    python benchmarks/continual.py step-cost [--models tiny-sft small smollm2] [--reps 12] [--threads 1]
     python benchmarks/continual.py forgetting [--seeds 0 1 2] [--coefs 0 1] [--tasks builtin:toy-continual-domains]
+    python benchmarks/continual.py forgetting --tasks builtin:continual-piecewise-preference \
+        builtin:continual-lipschitz --seeds 0 data.num_tasks=null data.max_train_samples=null \
+        data.max_test_samples=null data.max_length=320          # the dataset generator's sequences
+
+Run it with the package importable (``pip install -e .`` or ``PYTHONPATH=.``).
 """
 
 from __future__ import annotations
