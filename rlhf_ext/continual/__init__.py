@@ -38,6 +38,8 @@ from rlhf_ext.continual.metrics import (
     summarize,
     task_curves,
 )
+from rlhf_ext.continual.recipe import ContinualRecipe
+from rlhf_ext.continual.runner import ContinualRunner, TaskContext, TaskSequenceError, run_continual
 
 __all__ = [
     "CATEGORY_NAMES",
@@ -47,6 +49,8 @@ __all__ = [
     "BatchStats",
     "CPPOWeightSettings",
     "CPPOWeights",
+    "ContinualRecipe",
+    "ContinualRunner",
     "ContinualSummary",
     "average_performance",
     "backward_transfer",
@@ -61,6 +65,9 @@ __all__ = [
     "masked_token_mean",
     "mean_log_prob",
     "per_token_kl",
+    "run_continual",
     "summarize",
+    "TaskContext",
+    "TaskSequenceError",
     "task_curves",
 ]
