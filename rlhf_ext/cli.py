@@ -2,6 +2,7 @@
 
     rlhf-ext train segment-rm --config FILE [key.sub=value ...]
     rlhf-ext train online-dpo --config FILE [key.sub=value ...]
+    rlhf-ext train continual --config FILE [key.sub=value ...]
     rlhf-ext recipe list | rlhf-ext recipe copy NAME DEST
     rlhf-ext segment show --model RM_DIR --prompt TEXT --response TEXT [--html OUT]
     rlhf-ext demo
@@ -100,6 +101,24 @@ def print_rm_summary(summary: dict) -> None:
     if "report" in summary:
         click.echo(f"  segment report:  {summary['report']['html']}")
         click.echo(f"                   {summary['report']['text']}")
+
+
+@train.command("continual", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Continual RLHF over a task sequence with the KL to the previous task's policy (paper 000)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.continual.recipe import ContinualRecipe
+    from rlhf_ext.continual.runner import TaskSequenceError, format_summary, run_continual
+
+    try:
+        recipe = load_recipe(ContinualRecipe, recipe_path(config_path), overrides)
+        summary = run_continual(recipe)
+    except (RecipeError, TaskSequenceError) as e:
+        _fail(str(e))
+    click.echo("")
+    click.echo(format_summary(summary))
 
 
 @train.command("segment-ppo", context_settings={"ignore_unknown_options": True})

@@ -101,6 +101,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return float(value)
         if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
             return float("inf")
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise RecipeError(f"'{path}' must be a number; got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -60,11 +60,14 @@ def attach_ext(ext: dict[str, Any]) -> None:
 
 def run_cli_module(module: str, argv: Sequence[str], ext: dict[str, Any]) -> None:
     """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv`` and ``args.ext = ext``."""
+    from rlhf_ext.openrlhf.compat import import_shims
+
     attach_ext(ext)
     saved = sys.argv
     sys.argv = [module, *argv]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        with import_shims():  # the CLI module imports OpenRLHF modules that import flash_attn / vllm
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         sys.argv = saved
 

@@ -5,7 +5,11 @@ Two independent pieces, both no-ops where they are not needed:
 * :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
   when) those packages are missing, it registers placeholder modules under their names whose every function and
   class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
-  loudly. OpenRLHF's own test suite does the same.
+  loudly. OpenRLHF's own test suite does the same. :func:`import_shims` does the same for the duration of a
+  ``with`` block (for importing OpenRLHF modules) and unregisters them afterwards (:func:`remove_import_shims`):
+  while a placeholder is registered, TRL 1.16's ``is_vllm_available()`` sees ``vllm`` through ``find_spec`` and
+  then fails to parse its (missing) version, so TRL modules that check for vLLM at import (``trl.generation``)
+  cannot be imported in the meantime.
 * :func:`patch_for_cpu` — when CUDA is unavailable, replaces the few strategy helpers that call CUDA
   unconditionally (measured in ENGINES.md): DeepSpeed's shared-memory comm-op build, ``setup_distributed`` (gloo
   and a ``cpu`` device mesh), ``all_reduce``/``all_gather`` (no move to ``cuda.current_device()``),
@@ -17,12 +21,14 @@ Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private l
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +47,7 @@ _SHIMS: dict[str, dict[str, str]] = {
     },
     "flash_attn.utils": {},
     "flash_attn.utils.distributed": {"all_gather": "func"},
-    "vllm": {"SamplingParams": "class", "LLM": "class"},
+    "vllm": {"SamplingParams": "class", "LLM": "class", "AsyncEngineArgs": "class", "AsyncLLMEngine": "class"},
     "vllm.inputs": {"TokensPrompt": "class"},
     "vllm.utils": {"random_uuid": "func"},
 }
@@ -95,6 +101,27 @@ def install_import_shims() -> list[str]:
 def is_shim(module_name: str) -> bool:
     """True if ``module_name`` is one of our placeholder modules rather than the real package."""
     return bool(getattr(sys.modules.get(module_name), _SHIM_MARKER, False))
+
+
+def remove_import_shims(names: list[str] | None = None) -> list[str]:
+    """Unregister placeholder modules (``names``, default: all of them); real modules are never touched."""
+    candidates = names if names is not None else list(_SHIMS)
+    removed = [name for name in candidates if is_shim(name)]
+    for name in removed:
+        del sys.modules[name]
+    return removed
+
+
+@contextlib.contextmanager
+def import_shims() -> Iterator[list[str]]:
+    """Placeholders registered for the duration of the block (to import OpenRLHF modules, which keep references to
+    the names they imported), unregistered afterwards. Yields the names this block registered; placeholders that
+    were registered before it stay."""
+    installed = install_import_shims()
+    try:
+        yield installed
+    finally:
+        remove_import_shims(installed)
 
 
 def check_version() -> None:
@@ -208,10 +235,10 @@ def patch_for_cpu() -> bool:
         return False
     if _PATCHED:
         return True
-    install_import_shims()
     ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` binds the real torch
     ds_comm_torch.build_shm_op = lambda: None
-    from openrlhf.utils.deepspeed import deepspeed as ds_strategy
+    with import_shims():
+        from openrlhf.utils.deepspeed import deepspeed as ds_strategy
 
     strategy_cls = ds_strategy.DeepspeedStrategy
     strategy_cls.setup_distributed = _cpu_setup_distributed

@@ -23,20 +23,21 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import ray  # noqa: E402
 import torch
 
 from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, run_cli_module, split_ext_args
-from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
+from rlhf_ext.openrlhf.compat import check_version, import_shims, install_import_shims, patch_for_cpu
 from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
 from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
 from rlhf_ext.segment.normalizer import LocationNormalizer
 from rlhf_ext.segment.scoring import TokenScoreCapture
 
-install_import_shims()
-import openrlhf.models.utils as openrlhf_model_utils  # noqa: E402
-import ray  # noqa: E402
-from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
-from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor  # noqa: E402
+with import_shims():
+    import openrlhf.models.utils as openrlhf_model_utils
+    import openrlhf.trainer.ppo_trainer  # noqa: F401  (imported here so install_in_process finds it loaded)
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 
 #: ``--ext.*`` options of the segment PPO entrypoint (None = the reward model's recorded setting).
 EXT_DEFAULTS: dict[str, Any] = {
@@ -256,7 +257,9 @@ def install_in_process() -> None:
 
 
 def setup_worker() -> None:
-    """``worker_process_setup_hook`` for every Ray worker: CPU shims/patches where needed, then the subclasses."""
+    """``worker_process_setup_hook`` for every Ray worker: CPU shims/patches where needed, then the subclasses.
+
+    Ray workers run only OpenRLHF code, so the placeholders for missing GPU packages stay registered there."""
     install_import_shims()
     patch_for_cpu()
     install_in_process()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping, run_cli_module, split_ext_args
-from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
+from rlhf_ext.openrlhf.compat import check_version, import_shims, patch_for_cpu
 from rlhf_ext.segment.core import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
@@ -45,9 +45,9 @@ from rlhf_ext.segment.data import (
 )
 from rlhf_ext.segment.scoring import TokenScoreCapture
 
-install_import_shims()
-from openrlhf.datasets.reward_dataset import RewardDataset  # noqa: E402
-from openrlhf.trainer.rm_trainer import RewardModelTrainer  # noqa: E402
+with import_shims():
+    from openrlhf.datasets.reward_dataset import RewardDataset
+    from openrlhf.trainer.rm_trainer import RewardModelTrainer
 
 #: ``--ext.*`` options and their defaults (paper 003 Table 7).
 EXT_DEFAULTS: dict[str, Any] = {

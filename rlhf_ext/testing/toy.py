@@ -92,11 +92,17 @@ WEAK_PHRASES = [
 ]
 
 
-def _response(rng: random.Random, topic: str, chosen: bool) -> str:
+def response_with_phrase(rng: random.Random, topic: str, phrases: list[str]) -> str:
+    """Three filler sentences plus ``"The facts about {topic} are {phrase}."`` at a random position, with the phrase
+    drawn from ``phrases`` (the building block of every toy response)."""
     sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(PREDICATES)}." for _ in range(3)]
-    phrase = rng.choice(KEY_PHRASES if chosen else WEAK_PHRASES)
+    phrase = rng.choice(phrases)
     sentences.insert(rng.randrange(len(sentences) + 1), f"The facts about {topic} are {phrase}.")
     return " " + " ".join(sentences)
+
+
+def _response(rng: random.Random, topic: str, chosen: bool) -> str:
+    return response_with_phrase(rng, topic, KEY_PHRASES if chosen else WEAK_PHRASES)
 
 
 def toy_preference_rows(n: int, seed: int = 0) -> list[dict[str, str]]:

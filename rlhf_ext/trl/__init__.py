@@ -3,12 +3,18 @@
 Importing this package imports ``trl`` (about 5 s); ``import rlhf_ext`` alone does not.
 """
 
+from rlhf_ext.trl.continual_dpo import ContinualDPOConfig, ContinualDPOTrainer
 from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
+from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer
 from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
 __all__ = [
+    "ContinualDPOConfig",
+    "ContinualDPOTrainer",
     "IterativeDPOConfig",
     "IterativeDPOTrainer",
+    "SegmentPPOConfig",
+    "SegmentPPOTrainer",
     "SegmentPreferenceCollator",
     "SegmentRewardConfig",
     "SegmentRewardTrainer",

@@ -1,0 +1,168 @@
+"""The continual-RLHF recipe: one typed config that ``recipes/continual_*.yaml`` files map onto 1:1.
+
+``recipes/continual_dpo_tiny.yaml`` (CPU, a few minutes) is an instance of :class:`ContinualRecipe`;
+:func:`rlhf_ext.continual.runner.run_continual` runs it. ``algorithm`` and ``engine`` list what exists: DPO on TRL
+(the PPO / CPPO policy stage plugs into the same runner once a PPO trainer exists).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_kl_coef
+
+
+@dataclass
+class ContinualModelSection:
+    """``sft_model``: the SFT checkpoint every task's policy descends from (path, hub id or ``builtin:tiny-sft``).
+    It is also the DPO reference model (Eq. 6) and the initialisation of per-task reward models."""
+
+    sft_model: str = "builtin:tiny-sft"
+    tokenizer: str | None = None
+
+
+@dataclass
+class TaskSequenceSection:
+    """Where the task sequence comes from.
+
+    ``tasks``: ``builtin:toy-continual-preference-shift`` / ``builtin:toy-continual-domains`` (toy sequences, see
+    :mod:`rlhf_ext.testing.continual_toy`), or anything ``rlhf_ext.datagen.load_continual_dataset`` reads: a
+    directory written by the dataset generator or one of its ``builtin:continual-*`` datasets. ``num_tasks``:
+    number of builtin toy tasks, or keep only the first ``num_tasks`` of a generated sequence. ``max_length``:
+    prompt + response tokens (paper 000 generates responses of up to 256 tokens, Tables 4-6).
+    ``max_train_samples`` / ``max_test_samples`` cut every task's splits (and size the builtin toy splits: 256 / 64
+    by default). ``seed`` seeds the builtin toy data.
+    """
+
+    tasks: str = "builtin:toy-continual-preference-shift"
+    num_tasks: int | None = None
+    max_length: int = 512
+    max_train_samples: int | None = None
+    max_test_samples: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_tasks is not None and self.num_tasks < 1:
+            raise ValueError(f"data.num_tasks must be >= 1, got {self.num_tasks}")
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+        for name in ("max_train_samples", "max_test_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"data.{name} must be >= 1 (or empty for all rows), got {value}")
+
+
+@dataclass
+class ContinualSection:
+    """The KL to the previous task's policy (Eq. 7).
+
+    ``kl_coef``: its weight for every transition (0 = sequential fine-tuning, no regulariser; Eq. 7's unit weight by
+    default). ``kl_coef_schedule``: optional per-transition weights, one per task after the first
+    (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
+    Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
+    ``estimator``: k1 / k2 / k3 (see :mod:`rlhf_ext.continual.kl`).
+    """
+
+    kl_coef: float = DEFAULT_KL_COEF
+    kl_coef_schedule: list[float] | None = None
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    def __post_init__(self):
+        self.kl_coef = check_kl_coef(self.kl_coef, "continual.kl_coef")
+        if self.kl_coef_schedule is not None:
+            self.kl_coef_schedule = [
+                check_kl_coef(c, f"continual.kl_coef_schedule[{i}]") for i, c in enumerate(self.kl_coef_schedule)
+            ]
+
+    def coef_for_task(self, index: int, num_tasks: int) -> float:
+        """The KL weight used while training task ``index`` (0 for the first task, which has no predecessor)."""
+        if self.kl_coef_schedule is not None and len(self.kl_coef_schedule) != num_tasks - 1:
+            raise ValueError(
+                f"continual.kl_coef_schedule has {len(self.kl_coef_schedule)} entries but the sequence has "
+                f"{num_tasks} tasks, i.e. {num_tasks - 1} transitions; give one weight per transition "
+                "(into task 1 .. K-1), or remove it to use continual.kl_coef everywhere"
+            )
+        if index == 0:
+            return 0.0
+        return self.kl_coef if self.kl_coef_schedule is None else self.kl_coef_schedule[index - 1]
+
+
+@dataclass
+class DPOSection:
+    """DPO settings (Eq. 6). ``beta``: TRL's default 0.1 (paper 000 does not report it)."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+
+    def __post_init__(self):
+        if not self.beta > 0 or math.isinf(self.beta):
+            raise ValueError(f"dpo.beta must be a finite number > 0, got {self.beta}")
+
+
+@dataclass
+class StageTrainSection:
+    """Optimisation settings of one per-task training stage. ``batch_size`` is the global batch (pairs); every
+    task is trained for ``epochs`` (or ``max_steps``). Defaults are paper 000's DPO settings (Table 5: learning rate
+    5e-6, 4 epochs, batch 8). ``trl_args`` passes extra TRL config fields through unchanged."""
+
+    epochs: float = 4.0
+    max_steps: int | None = None
+    batch_size: int = 8
+    micro_batch_size: int = 8
+    learning_rate: float = 5e-6
+    lr_scheduler: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    trl_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        if not self.learning_rate > 0 or math.isinf(self.learning_rate):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or empty to train for `epochs`), got {self.max_steps}")
+
+
+def _rm_defaults() -> StageTrainSection:
+    """Paper 000, Table 3: learning rate 1e-5, 3 epochs, batch 8, weight decay 0.01, warmup ratio 0.1."""
+    return StageTrainSection(epochs=3.0, learning_rate=1e-5, weight_decay=0.01, warmup_ratio=0.1)
+
+
+@dataclass
+class RewardModelSection:
+    """Optional per-task reward model (Appendix C trains one per task): a Bradley-Terry model initialised from the
+    SFT model, trained on the task's pairs and scored on every task's test split. The DPO policy does not use it;
+    it is what a PPO policy stage reads."""
+
+    enabled: bool = False
+    train: StageTrainSection = field(default_factory=_rm_defaults)
+
+
+@dataclass
+class ContinualRecipe:
+    """Continual RLHF over a task sequence (paper 000, section 4, Algorithm 1): per task an optional reward model,
+    policy training with the KL to the previous task's snapshot, a frozen snapshot, and every snapshot evaluated on
+    every task's test split. ``output_dir`` holds everything; with ``resume: true`` a rerun continues after the last
+    finished task."""
+
+    engine: Literal["trl"] = "trl"
+    algorithm: Literal["dpo"] = "dpo"
+    output_dir: str = "runs/continual"
+    resume: bool = True
+    seed: int = 42
+    plots: bool = True
+    model: ContinualModelSection = field(default_factory=ContinualModelSection)
+    data: TaskSequenceSection = field(default_factory=TaskSequenceSection)
+    continual: ContinualSection = field(default_factory=ContinualSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    train: StageTrainSection = field(default_factory=StageTrainSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)

@@ -1,0 +1,318 @@
+"""Continual RLHF in OpenRLHF 0.11.2's PPO actor: the KL to the previous task's policy (paper 000, Eq. 7).
+
+Three pieces, smallest first:
+
+* :class:`ContinualPolicyLoss` — OpenRLHF's ``PolicyLoss`` plus ``c * KL(pi_theta || pi_{t-1})``. The per-token KL
+  is :func:`rlhf_ext.continual.per_token_kl` (the same function the TRL trainer uses) and it is reduced with
+  OpenRLHF's own ``aggregate_loss`` using the same normalisation as the policy loss (token-mean over the optimizer
+  step's global token count, or sequence-mean), so the term is invariant to data-parallel sharding exactly like the
+  PPO loss. With ``c = 0`` and no CPPO weights the loss is ``PolicyLoss``'s, unchanged. Optionally
+  (``retention="cppo"``) CPPO's sample-wise weights scale each sample's advantages (alpha) and its KL term (beta);
+  see :mod:`rlhf_ext.continual.cppo` for what exactly that is and where it comes from.
+* :class:`ContinualActorPPOTrainer` — ``ActorPPOTrainer`` whose ``training_step`` first computes the previous-task
+  policy's log-probabilities of the micro-batch under ``no_grad`` (one extra frozen forward pass), then runs the
+  stock ``training_step`` with those bound to the loss. The KL is logged as ``prev_task_kl``. The previous-task
+  model is an OpenRLHF ``Actor`` loaded like the EMA model (:func:`load_previous_task_actor`).
+* :class:`ContinualPolicyModelActor` — the Ray policy actor that builds a :class:`ContinualActorPPOTrainer`;
+  :func:`use_continual_actor` makes ``openrlhf.cli.train_ppo_ray`` use it. Settings come from
+  ``args.ext.continual`` (``--ext.continual.previous_model PATH --ext.continual.kl_coef 1.0
+  --ext.continual.estimator k3 --ext.continual.retention kl``), see :class:`ContinualActorSettings`.
+
+Importing this module imports OpenRLHF inside :func:`rlhf_ext.openrlhf.compat.import_shims` (stand-ins for
+flash-attn / vLLM when those packages are missing, removed again afterwards), so it imports on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from rlhf_ext.continual.cppo import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
+from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, per_token_kl
+from rlhf_ext.openrlhf.compat import import_shims  # re-exported for callers importing more OpenRLHF modules
+
+with import_shims():
+    from openrlhf.models import Actor, PolicyLoss, aggregate_loss
+    from openrlhf.trainer.ray import ppo_actor as _ppo_actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+PREV_TASK_KL_KEY = "prev_task_kl"
+
+
+@dataclass
+class ContinualActorSettings:
+    """Settings of the continual actor (``args.ext.continual.*`` on the OpenRLHF command line).
+
+    Args:
+        previous_model: checkpoint of the policy at the end of the previous task (``None``: first task, no term).
+        kl_coef: weight ``c`` of the KL term (Eq. 7's unit weight by default; 0 switches it off).
+        estimator: ``k1`` / ``k2`` / ``k3``.
+        retention: ``kl`` — the plain Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta weights.
+        cppo: thresholds and weight values for ``retention="cppo"``.
+    """
+
+    previous_model: str | None = None
+    kl_coef: float = DEFAULT_KL_COEF
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    retention: Literal["kl", "cppo"] = "kl"
+    cppo: CPPOWeightSettings = field(default_factory=CPPOWeightSettings)
+
+    def __post_init__(self):
+        self.kl_coef = check_kl_coef(self.kl_coef, "ext.continual.kl_coef")
+        check_estimator(self.estimator)
+        if self.retention not in ("kl", "cppo"):
+            raise ValueError(f"ext.continual.retention must be 'kl' or 'cppo'; got {self.retention!r}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> ContinualActorSettings:
+        """Read ``args.ext.continual`` (a namespace, as OpenRLHF's hierarchised flags are); defaults when absent."""
+        ns = getattr(getattr(args, "ext", None), "continual", None)
+        if ns is None:
+            return cls()
+        values = {k: v for k, v in vars(ns).items() if v is not None}
+        cppo = values.pop("cppo", None)
+        if cppo is not None and not isinstance(cppo, CPPOWeightSettings):
+            cppo = CPPOWeightSettings(**(cppo if isinstance(cppo, dict) else vars(cppo)))
+        return cls(**values, **({"cppo": cppo} if cppo is not None else {}))
+
+
+class ContinualPolicyLoss(PolicyLoss):
+    """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (Eq. 7), optionally with CPPO's sample-wise weights.
+
+    ``forward`` takes the stock arguments plus ``prev_log_probs`` (``[B, A]``, the previous-task policy's
+    log-probabilities of the action tokens), ``learning_weights`` (alpha, ``[B]``) and ``retention_weights`` (beta,
+    ``[B]``). Any of them left ``None`` is taken from :meth:`extra_inputs` when called inside it (how the stock
+    ``training_step``, which knows nothing about them, gets them). Returns the stock 5-tuple; the unweighted KL of
+    the last call is in :attr:`last_prev_task_kl`.
+    """
+
+    def __init__(
+        self, *args: Any, prev_task_kl_coef: float = DEFAULT_KL_COEF, prev_task_kl_estimator: str = "k3", **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.prev_task_kl_coef = check_kl_coef(prev_task_kl_coef, "prev_task_kl_coef")
+        self.prev_task_kl_estimator = check_estimator(prev_task_kl_estimator)
+        self.last_prev_task_kl: torch.Tensor | None = None
+        self._extra: dict[str, Any] = {}
+
+    @classmethod
+    def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
+        """A continual loss with every setting of an existing ``PolicyLoss`` (e.g. the one ``ActorPPOTrainer`` built
+        from the command line) plus ``prev_task_kl_coef`` / ``prev_task_kl_estimator``."""
+        new = cls(
+            clip_eps_low=loss.clip_eps_low,
+            clip_eps_high=loss.clip_eps_high,
+            dual_clip=loss.dual_clip,
+            token_level_loss=loss.token_level_loss,
+            policy_loss_type=loss.policy_loss_type,
+            is_correction_level=loss.is_correction_level,
+            is_correction_mode=loss.is_correction_mode,
+            is_correction_gating=loss.is_correction_gating,
+            is_correction_threshold=loss.is_correction_threshold,
+            **kwargs,
+        )
+        new.token_level_loss = loss.token_level_loss  # GSPO forces sequence-level in __init__; keep the final value
+        return new
+
+    @contextlib.contextmanager
+    def extra_inputs(self, info: dict | None = None, **inputs: Any) -> Iterator[None]:
+        """Bind ``prev_log_probs`` / ``learning_weights`` / ``retention_weights`` (and an ``info`` dict that receives
+        ``prev_task_kl``) for the calls made inside the ``with`` block."""
+        self._extra = {**inputs, "info": info}
+        try:
+            yield
+        finally:
+            self._extra = {}
+
+    def forward(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
+        dp_size: int = 1,
+        batch_num_tokens: float | None = None,
+        global_batch_size: float | None = None,
+        prev_log_probs: torch.Tensor | None = None,
+        learning_weights: torch.Tensor | None = None,
+        retention_weights: torch.Tensor | None = None,
+    ):
+        prev_log_probs = prev_log_probs if prev_log_probs is not None else self._extra.get("prev_log_probs")
+        learning_weights = learning_weights if learning_weights is not None else self._extra.get("learning_weights")
+        retention_weights = retention_weights if retention_weights is not None else self._extra.get("retention_weights")
+        if learning_weights is not None:  # PPO's clipped loss is positively homogeneous in the advantage
+            advantages = advantages * learning_weights.to(advantages.dtype).unsqueeze(-1)
+        loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = super().forward(
+            log_probs,
+            old_log_probs,
+            advantages,
+            action_mask=action_mask,
+            rollout_log_probs=rollout_log_probs,
+            dp_size=dp_size,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size,
+        )
+        self.last_prev_task_kl = None
+        if prev_log_probs is None or self.prev_task_kl_coef == 0:
+            return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+        def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate_loss(
+                per_token,
+                action_mask,
+                token_level_loss=self.token_level_loss,
+                dp_size=dp_size,
+                batch_num_tokens=batch_num_tokens,
+                global_batch_size=global_batch_size,
+            )
+
+        kl_tokens = per_token_kl(log_probs, prev_log_probs.detach(), self.prev_task_kl_estimator)
+        kl = aggregate(kl_tokens)
+        if retention_weights is not None:
+            term = aggregate(kl_tokens * retention_weights.to(kl_tokens.dtype).unsqueeze(-1))
+        else:
+            term = kl
+        loss = loss + self.prev_task_kl_coef * term
+        self.last_prev_task_kl = kl.detach()
+        info = self._extra.get("info")
+        if info is not None:
+            info[PREV_TASK_KL_KEY] = self.last_prev_task_kl
+        return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+
+def load_previous_task_actor(strategy: Any, path: str) -> Actor:
+    """The previous task's policy as a frozen OpenRLHF ``Actor``, loaded the way ``PolicyModelActor`` loads its EMA
+    model (same attention / dtype / packing settings, DeepSpeed *eval* config) and at the rollout temperature, so its
+    log-probabilities are comparable with the actor's."""
+    a = strategy.args
+    model = Actor(
+        path,
+        attn_implementation=a.ds.attn_implementation,
+        experts_implementation=a.ds.experts_implementation,
+        param_dtype=a.ds.param_dtype,
+        load_in_4bit=a.ds.load_in_4bit,
+        ds_config=strategy.get_ds_eval_config(offload=False),
+        packing_samples=a.ds.packing_samples,
+        temperature=a.rollout.temperature,
+    )
+    model.requires_grad_(False)
+    return strategy.prepare(model)
+
+
+class ContinualActorPPOTrainer(ActorPPOTrainer):
+    """``ActorPPOTrainer`` with the KL to the previous task's policy (see the module docstring).
+
+    Extra keyword arguments (everything else is ``ActorPPOTrainer``'s):
+        prev_model: a frozen OpenRLHF ``Actor`` of the previous task's policy; default: loaded from
+            ``settings.previous_model`` with :func:`load_previous_task_actor` (``None`` when that is unset).
+        settings: :class:`ContinualActorSettings`; default: read from ``strategy.args.ext.continual``.
+    """
+
+    def __init__(
+        self,
+        strategy,
+        *args: Any,
+        prev_model: Actor | None = None,
+        settings: ContinualActorSettings | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(strategy, *args, **kwargs)
+        self.continual = settings if settings is not None else ContinualActorSettings.from_args(strategy.args)
+        self.actor_loss_fn = ContinualPolicyLoss.from_policy_loss(
+            self.actor_loss_fn,
+            prev_task_kl_coef=self.continual.kl_coef,
+            prev_task_kl_estimator=self.continual.estimator,
+        )
+        if prev_model is None and self.continual.previous_model:
+            prev_model = load_previous_task_actor(strategy, self.continual.previous_model)
+        if prev_model is not None:
+            prev_model.requires_grad_(False)
+            prev_model.eval()
+        self.prev_model = prev_model
+        self.cppo_stats: BatchStats | None = None  # None: per micro-batch statistics
+
+    @torch.no_grad()
+    def previous_task_log_probs(self, experience) -> torch.Tensor:
+        """``[B, A]`` log pi_{t-1} of the experience's action tokens (one frozen forward pass)."""
+        mm_inputs = {}
+        if getattr(experience, "mm_train_inputs", None) and getattr(self.prev_model, "is_vlm", False):
+            mm_inputs = merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
+        self.prev_model.eval()
+        return self.prev_model(
+            experience.sequences,
+            experience.action_mask,
+            attention_mask=experience.attention_mask,
+            ring_attn_group=self.strategy.ring_attn_group,
+            **mm_inputs,
+        )
+
+    @staticmethod
+    def cppo_batch_stats(items) -> BatchStats:
+        """CPPO thresholds' statistics over a rollout batch (single-sample ``Experience`` items of the replay buffer):
+        reward and mean per-token rollout log-probability of every sample."""
+        rewards = torch.stack([it.rewards.float().reshape(()) for it in items])
+        logp = torch.stack([mean_log_prob(it.action_log_probs[None], it.action_mask[None])[0] for it in items])
+        return batch_stats(rewards, logp)
+
+    def ppo_train(self, kl_ctl: float):
+        if self.continual.retention == "cppo":  # thresholds from the whole rollout batch, as in the CPPO code
+            self.cppo_stats = self.cppo_batch_stats(self.replay_buffer.items)
+        return super().ppo_train(kl_ctl)
+
+    def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info: dict | None = None):
+        extra: dict[str, Any] = {}
+        if self.prev_model is not None and self.continual.kl_coef > 0:
+            extra["prev_log_probs"] = self.previous_task_log_probs(experience)
+        if self.continual.retention == "cppo":
+            weights = cppo_sample_weights(
+                experience.rewards.float().reshape(-1),
+                mean_log_prob(experience.action_log_probs, experience.action_mask),
+                self.continual.cppo,
+                stats=self.cppo_stats,
+            )
+            extra["learning_weights"], extra["retention_weights"] = weights.alpha, weights.beta
+        with self.actor_loss_fn.extra_inputs(info=experience.info, **extra):
+            return super().training_step(experience, kl_ctl, step, loss_batch_info)
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class _ContinualPolicyModelActorImpl(_ppo_actor.PolicyModelActor.__ray_actor_class__):
+    """``PolicyModelActor`` whose trainer is a :class:`ContinualActorPPOTrainer` (previous-task model loaded in the
+    actor process, like the EMA model)."""
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        with _swapped(_ppo_actor, "ActorPPOTrainer", ContinualActorPPOTrainer):
+            return super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+
+
+def _ray_actor_class():
+    import ray
+
+    return ray.remote(num_gpus=1)(_ContinualPolicyModelActorImpl)
+
+
+ContinualPolicyModelActor = _ray_actor_class()
+
+
+def use_continual_actor() -> None:
+    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor (call
+    before its ``train(args)``, e.g. from a launch script that then runs the CLI module)."""
+    with import_shims():
+        import openrlhf.cli.train_ppo_ray as cli
+
+    cli.PolicyModelActor = ContinualPolicyModelActor

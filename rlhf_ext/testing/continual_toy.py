@@ -1,0 +1,97 @@
+"""Short continual task sequences built from the toy key-phrase task (:mod:`rlhf_ext.testing.toy`), offline.
+
+Each task is a ``DatasetDict`` with ``train`` / ``test`` splits of ``prompt`` / ``chosen`` / ``rejected`` — the format
+``rlhf_ext.datagen.load_continual_dataset`` returns for generated sequences. Two kinds of non-stationarity
+(paper 000, section 4) are available:
+
+* ``preference_shift`` (piecewise *preference* drift, fixed prompt distribution): the 20 toy phrases are split into
+  groups ``G_0 .. G_{K}`` and task ``t`` prefers a response with a phrase from ``G_t`` over one with a phrase from
+  ``G_{t+1}``. Task ``t + 1`` then promotes exactly the group task ``t`` demoted, a partial conflict: a sequential
+  learner forgets task ``t`` without the tasks being plain opposites.
+* ``domains`` (piecewise *prompt* drift, fixed preference): task ``t`` asks about its own disjoint subset of topics
+  and always prefers the key phrases (a subset per task) over the weak ones.
+
+Deterministic for a given seed; train and test rows of a task come from disjoint seeds.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from rlhf_ext.testing.toy import KEY_PHRASES, TOPICS, WEAK_PHRASES, response_with_phrase
+
+SequenceKind = Literal["preference_shift", "domains"]
+SEQUENCE_KINDS: tuple[str, ...] = ("preference_shift", "domains")
+BUILTIN_PREFIX = "builtin:toy-continual-"
+
+
+def _split(items: list[str], parts: int) -> list[list[str]]:
+    size = len(items) // parts
+    if size == 0:
+        raise ValueError(f"cannot split {len(items)} toy items into {parts} non-empty groups; use fewer tasks")
+    return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _rows(n: int, seed: int, topics: list[str], chosen: list[str], rejected: list[str]) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        topic = rng.choice(topics)
+        rows.append(
+            {
+                "prompt": f"Question: What should I know about {topic}?\nAnswer:",
+                "chosen": response_with_phrase(rng, topic, chosen),
+                "rejected": response_with_phrase(rng, topic, rejected),
+            }
+        )
+    return rows
+
+
+def toy_task_sequence(
+    kind: SequenceKind = "preference_shift",
+    num_tasks: int = 3,
+    n_train: int = 256,
+    n_test: int = 64,
+    seed: int = 0,
+):
+    """A list of ``num_tasks`` ``DatasetDict`` (``train``/``test``) forming a toy continual sequence (module doc)."""
+    from datasets import Dataset, DatasetDict
+
+    if kind not in SEQUENCE_KINDS:
+        raise ValueError(f"toy sequence kind must be one of {', '.join(SEQUENCE_KINDS)}; got {kind!r}")
+    if num_tasks < 1:
+        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    tasks = []
+    if kind == "preference_shift":
+        phrases = list(KEY_PHRASES) + list(WEAK_PHRASES)
+        random.Random(seed).shuffle(phrases)
+        groups = _split(phrases, num_tasks + 1)
+        plan = [(list(TOPICS), groups[t], groups[t + 1]) for t in range(num_tasks)]
+    else:
+        topics = _split(list(TOPICS), num_tasks)
+        keys = _split(list(KEY_PHRASES), min(num_tasks, len(KEY_PHRASES)))
+        plan = [(topics[t], keys[t % len(keys)], list(WEAK_PHRASES)) for t in range(num_tasks)]
+    for t, (topics_t, chosen, rejected) in enumerate(plan):
+        base = seed * 1_000 + t * 10
+        tasks.append(
+            DatasetDict(
+                train=Dataset.from_list(_rows(n_train, base + 1, topics_t, chosen, rejected)),
+                test=Dataset.from_list(_rows(n_test, base + 2, topics_t, chosen, rejected)),
+            )
+        )
+    return tasks
+
+
+def is_builtin_sequence(spec: str) -> bool:
+    return isinstance(spec, str) and spec.startswith(BUILTIN_PREFIX)
+
+
+def builtin_sequence(spec: str, **kwargs):
+    """``builtin:toy-continual-preference-shift`` or ``builtin:toy-continual-domains`` (kwargs: see
+    :func:`toy_task_sequence`)."""
+    kind = spec[len(BUILTIN_PREFIX) :].replace("-", "_")
+    if kind not in SEQUENCE_KINDS:
+        names = ", ".join(BUILTIN_PREFIX + k.replace("_", "-") for k in SEQUENCE_KINDS)
+        raise ValueError(f"unknown builtin task sequence {spec!r}; choose one of {names}")
+    return toy_task_sequence(kind, **kwargs)

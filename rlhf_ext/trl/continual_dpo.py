@@ -1,0 +1,369 @@
+"""Continual DPO on TRL: ``ContinualDPOConfig`` + ``ContinualDPOTrainer`` (paper 000, section 4 and Eq. 6-7).
+
+``ContinualDPOTrainer`` is TRL's ``DPOTrainer`` with one extra term: the KL between the policy being trained on the
+current task and the frozen policy from the end of the previous task, on the current batch's completion tokens,
+
+    loss = DPO loss (Eq. 6, reference = the SFT model)  +  c * kl_to_previous(logp, prev_logp, completion mask)
+
+where ``logp`` are the per-token log-probabilities the stock trainer already computes in its policy forward pass
+(captured, not recomputed), and ``prev_logp`` come from one extra forward pass of the previous-task model under
+``no_grad``. The previous-task model is frozen, in eval mode, and prepared by accelerate exactly like TRL prepares
+the reference model (DeepSpeed / FSDP / plain ``prepare_model(evaluation_mode=True)``). With ``c = 0`` or without a
+previous-task model the loss *is* ``DPOTrainer``'s (the override returns straight away). The KL is logged as
+``continual/kl_to_previous`` (the unweighted masked mean, so runs with different ``c`` are comparable).
+
+The KL is the plain regulariser of Eq. 7 (:func:`rlhf_ext.continual.kl_to_previous`); CPPO's sample-wise weights need
+rollout rewards and are not used by DPO. On offline pairs the k1/k2/k3 values are penalties on the dataset's tokens,
+not unbiased KL estimates (see :mod:`rlhf_ext.continual.kl`).
+
+Example::
+
+    from rlhf_ext.trl import ContinualDPOConfig, ContinualDPOTrainer
+
+    trainer = ContinualDPOTrainer(
+        model="runs/seq/task_00/policy",          # start task 1 from the task-0 snapshot
+        ref_model=sft_model,                      # DPO reference: the SFT model (Eq. 6)
+        prev_model="runs/seq/task_00/policy",     # frozen pi_{t-1} for the KL term (Eq. 7)
+        args=ContinualDPOConfig(output_dir="out", continual_kl_coef=1.0, continual_kl_estimator="k3"),
+        train_dataset=task1["train"],
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.implicit_reward_accuracy(task0["test"])   # forgetting of task 0
+
+This module also holds :class:`DPOPolicyStage`, the TRL/DPO policy stage of the task-sequence runner
+(:mod:`rlhf_ext.continual.runner`), and :class:`RewardModelStage`, the optional per-task reward model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from trl import DPOConfig, DPOTrainer
+from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
+
+from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, kl_to_previous
+
+#: Batch keys that are not model inputs (same set as TRL's ``DPOTrainer._compute_loss``).
+_NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
+KL_METRIC = "continual/kl_to_previous"
+
+
+@dataclass
+class ContinualDPOConfig(DPOConfig):
+    """``DPOConfig`` plus the weight and estimator of the KL to the previous task's policy (Eq. 7).
+
+    Args:
+        continual_kl_coef: weight ``c`` of the KL term (>= 0). Eq. 7 adds the KL with unit weight (default 1.0);
+            0 switches the term off (plain DPO; no extra forward pass). Section 4: set it low or to 0 for a
+            transition where preferences shift sharply.
+        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` (default ``k3``); see :mod:`rlhf_ext.continual.kl`.
+    """
+
+    continual_kl_coef: float = field(default=DEFAULT_KL_COEF, metadata={"help": "Weight of KL(pi || pi_prev_task)."})
+    continual_kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 | k2 | k3."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.continual_kl_coef = check_kl_coef(self.continual_kl_coef, "continual_kl_coef")
+        check_estimator(self.continual_kl_estimator)
+
+
+class _FirstForwardLogProbs:
+    """Forward hook that keeps ``log_probs`` of the first fused-head forward pass after :meth:`armed` (the policy's
+    own pass inside ``DPOTrainer._compute_loss``; later passes, e.g. a PEFT reference pass, are ignored)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._armed = False
+        self._log_probs: torch.Tensor | None = None
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        if self._armed:
+            self._log_probs = getattr(output, "log_probs", None)
+            self._armed = False
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self._armed, self._log_probs = True, None
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def pop(self) -> torch.Tensor:
+        if self._log_probs is None:
+            raise RuntimeError(
+                "the policy forward pass returned no per-token log_probs; ContinualDPOTrainer needs TRL's fused LM "
+                "head (trl==1.16), which DPOTrainer installs on the policy"
+            )
+        out, self._log_probs = self._log_probs, None
+        return out
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ContinualDPOTrainer(DPOTrainer):
+    """TRL ``DPOTrainer`` + ``c * KL(pi_theta || pi_{t-1})`` on the batch (see the module docstring).
+
+    Args:
+        model, ref_model, args, ...: as for ``DPOTrainer`` (pass ``ref_model`` explicitly: the SFT model).
+        prev_model: the frozen policy from the end of the previous task, a model or a checkpoint path; ``None`` for
+            the first task (the trainer is then exactly ``DPOTrainer``).
+    """
+
+    _tag_names = ["trl", "dpo", "rlhf-ext", "continual-dpo"]
+
+    def __init__(self, model, ref_model=None, prev_model=None, args: ContinualDPOConfig | None = None, **kwargs):
+        if args is None:
+            args = ContinualDPOConfig(output_dir="continual-dpo")
+        if not isinstance(args, ContinualDPOConfig):
+            raise TypeError(f"args must be a ContinualDPOConfig, got {type(args).__name__}")
+        super().__init__(model, ref_model=ref_model, args=args, **kwargs)
+        self.prev_model = self._prepare_frozen(prev_model) if prev_model is not None else None
+        self._policy_log_probs = _FirstForwardLogProbs(self.accelerator.unwrap_model(self.model))
+
+    @property
+    def continual_kl_active(self) -> bool:
+        """True when the KL-to-previous-task term is computed (a previous model and ``c > 0``)."""
+        return self.prev_model is not None and self.args.continual_kl_coef > 0
+
+    def _prepare_frozen(self, prev_model):
+        """Load (if a path), freeze and prepare the previous-task model the way TRL prepares its reference model."""
+        if isinstance(prev_model, str | os.PathLike):
+            prev_model = create_model_from_path(
+                str(prev_model),
+                dtype=self.model.dtype,
+                attn_implementation=self.model.config._attn_implementation,
+                trust_remote_code=self.args.trust_remote_code,
+            )
+        if prev_model is self.model or prev_model is self.ref_model:
+            raise ValueError("prev_model must be its own frozen copy, not the policy or the reference model object")
+        if self.args.disable_dropout:
+            disable_dropout_in_model(prev_model)
+        add_fused_lm_head(prev_model)
+        prev_model.requires_grad_(False)
+        prev_model.eval()
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(prev_model, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(prev_model, self.accelerator)
+        return self.accelerator.prepare_model(prev_model, evaluation_mode=True)
+
+    @torch.no_grad()
+    def previous_task_log_probs(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[2B, T-1]`` log pi_{t-1} of the batch's tokens (chosen rows then rejected rows; label-aligned: column
+        ``i`` scores token ``i + 1``; zero outside the completion), from one frozen forward pass."""
+        model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        out = self.prev_model(**model_kwargs, labels=labels, fused_lm_head=True).log_probs
+        return out[:, -(inputs["completion_mask"].size(1) - 1) :]
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if not self.continual_kl_active:
+            return super()._compute_loss(model, inputs, return_outputs)
+        with self._policy_log_probs.armed():
+            result = super()._compute_loss(model, inputs, return_outputs)
+        loss, outputs = result if return_outputs else (result, None)
+        mask = inputs["completion_mask"][:, 1:].bool()
+        logp = self._policy_log_probs.pop()[:, -mask.size(1) :]
+        kl = kl_to_previous(logp, self.previous_task_log_probs(inputs), mask, self.args.continual_kl_estimator)
+        loss = loss + self.args.continual_kl_coef * kl
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][KL_METRIC].append(self.accelerator.gather_for_metrics(kl.detach()).mean().item())
+        return (loss, outputs) if return_outputs else loss
+
+    @torch.no_grad()
+    def implicit_reward_accuracy(self, dataset, name: str = "eval") -> dict[str, float]:
+        """Fraction of pairs whose implicit DPO reward ranks chosen above rejected (paper 000, section 7):
+        ``log pi(y_c)/pi_ref(y_c) > log pi(y_r)/pi_ref(y_r)`` (strict; independent of beta > 0), per example.
+
+        Args:
+            dataset: a ``prompt``/``chosen``/``rejected`` dataset (tokenised here like the training data).
+
+        Returns:
+            ``{"accuracy": ..., "margin": mean beta-scaled reward margin, "num_pairs": n}``.
+        """
+        if self.ref_model is None:
+            raise ValueError("implicit_reward_accuracy needs an explicit ref_model (the SFT model)")
+        prepared = self._prepare_dataset(dataset, self.processing_class, self.args, name)
+        was_training = self.model.training
+        self.model.eval()
+        margins = []
+        try:
+            for batch in self.get_eval_dataloader(prepared):
+                inputs = self._prepare_inputs(batch)
+                chosen, rejected = self.compute_ref_log_probs(self.model, inputs)
+                ref_chosen, ref_rejected = self.compute_ref_log_probs(self.ref_model, inputs)
+                margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+                margins.append(self.accelerator.gather_for_metrics(margin.float()))
+        finally:
+            self.model.train(was_training)
+        m = torch.cat(margins)
+        return {
+            "accuracy": (m > 0).float().mean().item(),
+            "margin": (self.beta * m).mean().item(),
+            "num_pairs": int(m.numel()),
+        }
+
+
+# ------------------------------------------------------------------------------------------- task-sequence stages
+def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
+    """TrainingArguments shared by the policy and reward-model stages of the runner (from the recipe's sections)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from rlhf_ext.config import RecipeError
+
+    if train.batch_size % (train.micro_batch_size * world):
+        raise RecipeError(
+            f"batch_size ({train.batch_size}) must be a multiple of micro_batch_size x processes "
+            f"({train.micro_batch_size} x {world})"
+        )
+    return dict(
+        output_dir=output_dir,
+        num_train_epochs=train.epochs,
+        max_steps=train.max_steps if train.max_steps is not None else -1,
+        per_device_train_batch_size=train.micro_batch_size,
+        per_device_eval_batch_size=train.micro_batch_size,
+        gradient_accumulation_steps=train.batch_size // (train.micro_batch_size * world),
+        learning_rate=train.learning_rate,
+        lr_scheduler_type=train.lr_scheduler,
+        warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        seed=seed,
+        data_seed=seed,
+        logging_steps=train.logging_steps,
+        save_strategy="no",
+        bf16=train.bf16,
+        gradient_checkpointing=train.gradient_checkpointing,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
+def _save_atomically(trainer, dest: Path) -> None:
+    """Save the trained model + tokenizer to ``dest`` (rename of a finished temp dir; main process only)."""
+    from rlhf_ext.utils import atomic_directory
+
+    if trainer.accelerator.is_main_process:
+        with atomic_directory(dest) as tmp:
+            trainer.save_model(str(tmp))
+    trainer.accelerator.wait_for_everyone()
+
+
+class DPOPolicyStage:
+    """The runner's DPO policy stage on TRL: trains one task with :class:`ContinualDPOTrainer`, saves the snapshot,
+    and scores it on every task's test split by implicit-reward accuracy (relative to the SFT reference)."""
+
+    name = "dpo"
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        """Train task ``task.index`` (a :class:`rlhf_ext.continual.runner.TaskContext`); return
+        ``{"scores": [accuracy on each test set], "metrics": {...}}``. The snapshot is written to
+        ``task.policy_dir`` before scoring."""
+        from transformers import AutoTokenizer
+
+        r = self.recipe
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "trainer"
+        args = ContinualDPOConfig(
+            **_training_kwargs(r.train, task.seed, str(work)),
+            beta=r.dpo.beta,
+            loss_type=[r.dpo.loss_type],
+            max_length=r.data.max_length,
+            continual_kl_coef=task.kl_coef,
+            continual_kl_estimator=r.continual.estimator,
+            **r.train.trl_args,
+        )
+        trainer = ContinualDPOTrainer(
+            model=task.init_policy,
+            ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
+            prev_model=task.previous_policy if task.kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
+            args=args,
+            train_dataset=task.train,
+            processing_class=tokenizer,
+        )
+        result = trainer.train()
+        _save_atomically(trainer, task.policy_dir)
+        evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
+        shutil.rmtree(work, ignore_errors=True)
+        history = [h for h in trainer.state.log_history if "loss" in h]
+        return {
+            "scores": [e["accuracy"] for e in evals],
+            "metrics": {
+                "train_loss": result.training_loss,
+                "steps": trainer.state.global_step,
+                "margins": [e["margin"] for e in evals],
+                "kl_to_previous": [h[KL_METRIC] for h in history if KL_METRIC in h],
+                "log_history": history,
+            },
+        }
+
+
+class RewardModelStage:
+    """The runner's optional per-task reward model (paper 000 trains one per task, Appendix C): TRL's reward trainer
+    through :class:`rlhf_ext.trl.SegmentRewardTrainer` with ``entropy_cutoff=inf`` (the plain Bradley-Terry model),
+    initialised from the SFT model. Returns its exact per-pair accuracy on every task's test split."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        from rlhf_ext.segment.data import prepare_segment_dataset
+        from rlhf_ext.trl.segment_reward import SegmentRewardConfig, SegmentRewardTrainer
+
+        rm = self.recipe.reward_model
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "rm_trainer"
+        args = SegmentRewardConfig(
+            **_training_kwargs(rm.train, task.seed, str(work)),
+            max_length=self.recipe.data.max_length,
+            entropy_cutoff=float("inf"),
+            **rm.train.trl_args,
+        )
+        prepare = dict(
+            tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=self.recipe.data.max_length
+        )
+        trainer = SegmentRewardTrainer(
+            model=task.reference_policy,
+            args=args,
+            train_dataset=prepare_segment_dataset(task.train, **prepare),
+            processing_class=tokenizer,
+        )
+        trainer.train()
+        _save_atomically(trainer, task.reward_model_dir)
+        scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
+        shutil.rmtree(work, ignore_errors=True)
+        return {"scores": scores}
+
+
+@torch.no_grad()
+def _reward_model_accuracy(trainer, dataset) -> float:
+    """Exact per-pair accuracy (``r(chosen) > r(rejected)``) of a reward trainer's model on a prepared dataset."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    correct = []
+    try:
+        for batch in trainer.get_eval_dataloader(dataset):
+            _, outputs = trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch), return_outputs=True)
+            chosen, rejected = outputs.logits.squeeze(-1).chunk(2)
+            correct.append(trainer.accelerator.gather_for_metrics((chosen > rejected).float()))
+    finally:
+        trainer.model.train(was_training)
+    return torch.cat(correct).mean().item()
