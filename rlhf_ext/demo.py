@@ -39,6 +39,10 @@ class DemoData:
 
 @dataclass
 class DemoModel:
+    """``base_model: null`` builds a tiny Llama with a BPE tokenizer trained on the data; a checkpoint path or
+    ``builtin:smollm2`` fine-tunes that model (and its tokenizer) instead."""
+
+    base_model: str | None = None
     tokenizer_vocab: int = 1024
     hidden_size: int = 96
     num_layers: int = 2
@@ -131,10 +135,18 @@ class DemoPipeline:
 
         m, t = self.recipe.model, self.recipe.training
         sft_rows, pref_rows, _ = self._stage_split()
-        texts = [r["prompt"] + r[k] for rows in (sft_rows, pref_rows) for r in rows for k in ("chosen", "rejected")]
-        tokenizer = train_bpe_tokenizer(texts, m.tokenizer_vocab)
-        model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size, intermediate_size=2 * m.hidden_size,
-                               num_hidden_layers=m.num_layers)  # fmt: skip
+        if m.base_model is None:
+            texts = [r["prompt"] + r[k] for rows in (sft_rows, pref_rows) for r in rows for k in ("chosen", "rejected")]
+            tokenizer = train_bpe_tokenizer(texts, m.tokenizer_vocab)
+            model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size,
+                                   intermediate_size=2 * m.hidden_size, num_hidden_layers=m.num_layers)  # fmt: skip
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from rlhf_ext.resources import resolve_model
+
+            path = resolve_model(m.base_model)
+            tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
         demos = Dataset.from_list(
             [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
         )
