@@ -102,6 +102,28 @@ class DPOSection:
 
 
 @dataclass
+class PPOSection:
+    """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
+    with ``SegmentPPOTrainer`` against that task's reward model (``reward_model.enabled`` must be true; the paper
+    trains one per task), bandit rewards normalized by the last-token statistics of the task's preference pairs, a
+    KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.kl_coef`` x KL to the previous task's
+    policy in the loss."""
+
+    steps_per_task: int = 16
+    batch_size: int = 16
+    learning_rate: float = 3e-4
+    kl_coef: float = 0.01
+    advantage_estimator: Literal["gae", "reinforce"] = "reinforce"
+    num_generations: int = 2
+    max_completion_length: int = 64
+    eval_prompts: int = 32
+
+    def __post_init__(self):
+        if self.steps_per_task < 1 or self.batch_size < 1:
+            raise ValueError("ppo.steps_per_task and ppo.batch_size must be >= 1")
+
+
+@dataclass
 class StageTrainSection:
     """Optimisation settings of one per-task training stage. ``batch_size`` is the global batch (pairs); every
     task is trained for ``epochs`` (or ``max_steps``). Defaults are paper 000's DPO settings (Table 5: learning rate
@@ -155,7 +177,7 @@ class ContinualRecipe:
     finished task."""
 
     engine: Literal["trl"] = "trl"
-    algorithm: Literal["dpo"] = "dpo"
+    algorithm: Literal["dpo", "ppo"] = "dpo"
     output_dir: str = "runs/continual"
     resume: bool = True
     seed: int = 42
@@ -164,5 +186,6 @@ class ContinualRecipe:
     data: TaskSequenceSection = field(default_factory=TaskSequenceSection)
     continual: ContinualSection = field(default_factory=ContinualSection)
     dpo: DPOSection = field(default_factory=DPOSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
     train: StageTrainSection = field(default_factory=StageTrainSection)
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)

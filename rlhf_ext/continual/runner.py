@@ -182,6 +182,13 @@ def build_stages(recipe: ContinualRecipe) -> tuple[TaskStage, TaskStage | None]:
         from rlhf_ext.trl.continual_dpo import DPOPolicyStage, RewardModelStage
 
         return DPOPolicyStage(recipe), RewardModelStage(recipe) if recipe.reward_model.enabled else None
+    if recipe.engine == "trl" and recipe.algorithm == "ppo":
+        from rlhf_ext.trl.continual_dpo import RewardModelStage
+        from rlhf_ext.trl.continual_ppo import PPOPolicyStage
+
+        if not recipe.reward_model.enabled:
+            raise TaskSequenceError("algorithm: ppo trains against per-task reward models: set reward_model.enabled")
+        return PPOPolicyStage(recipe), RewardModelStage(recipe)
     raise TaskSequenceError(f"no policy stage for engine={recipe.engine!r}, algorithm={recipe.algorithm!r}")
 
 
@@ -339,7 +346,9 @@ class ContinualRunner:
             "kl_coefs": [self.recipe.continual.coef_for_task(t, k) for t in range(k)],
             "performance_matrix": matrix,
             "matrix_layout": "performance_matrix[k][t] = score on task k's test split of the snapshot after task t",
-            "metric": "dpo implicit-reward accuracy" if self.recipe.algorithm == "dpo" else self.recipe.algorithm,
+            "metric": "dpo implicit-reward accuracy"
+            if self.recipe.algorithm == "dpo"
+            else "mean score of the task's reward model on the policy's samples",
             "output_dir": str(self.out),
         }
         if self.reward_models:

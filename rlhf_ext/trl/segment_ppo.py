@@ -54,6 +54,9 @@ class SegmentPPOConfig(GRPOConfig):
         value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
         critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
         whiten_advantages: standardise advantages over the rollout batch.
+        prev_policy_path, prev_kl_coef, prev_kl_estimator: continual RLHF (paper 000, Eq. 7, CPPO-style): the loss
+            gains ``prev_kl_coef * KL(pi_theta || pi_prev)`` on the batch's response tokens, with ``pi_prev`` the
+            frozen policy from the end of the previous task (one extra no-grad forward per rollout). 0 = plain PPO.
     """
 
     reward_model_path: str | None = field(default=None, metadata={"help": "Segment reward model checkpoint."})
@@ -75,6 +78,9 @@ class SegmentPPOConfig(GRPOConfig):
     critic_model_path: str | None = field(default=None, metadata={"help": "Critic init (default: reward model)."})
     critic_learning_rate: float = field(default=9e-6, metadata={"help": "Critic learning rate (Table 8)."})
     whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
+    prev_policy_path: str | None = field(default=None, metadata={"help": "Frozen previous-task policy (CPPO)."})
+    prev_kl_coef: float = field(default=0.0, metadata={"help": "c of Eq. 7 (paper 000): weight of KL to prev."})
+    prev_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 for the KL to the previous task."})
 
     def __post_init__(self):
         if self.beta != 0.0:
@@ -97,6 +103,8 @@ class SegmentPPOConfig(GRPOConfig):
             self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.prev_kl_coef < 0:
+            raise ValueError(f"prev_kl_coef must be >= 0, got {self.prev_kl_coef}")
 
 
 def segment_reward(prompts, completions, **kwargs):
@@ -129,6 +137,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         critic=None,
         normalizer: LocationNormalizer | None = None,
         calibration_dataset=None,
+        prev_model=None,
         **kwargs,
     ):
         if not isinstance(args, SegmentPPOConfig):
@@ -214,6 +223,19 @@ class SegmentPPOTrainer(GRPOTrainer):
             )
         self.normalizer = normalizer or LocationNormalizer(kind="none")
 
+        self.prev_model = None
+        if args.prev_kl_coef > 0:
+            if prev_model is None:
+                if args.prev_policy_path is None:
+                    raise ValueError(
+                        "prev_kl_coef > 0 needs the previous task's policy: prev_policy_path= or prev_model="
+                    )
+                prev_model = AutoModelForCausalLM.from_pretrained(args.prev_policy_path, dtype=self.model.dtype)
+            self._add_fused_head(prev_model)
+            self.prev_model = self.accelerator.prepare_model(prev_model.eval(), evaluation_mode=True)
+        self._last_policy_logps: torch.Tensor | None = None
+        self._in_policy_loss = False
+
         self.critic = None
         if args.advantage_estimator == "gae":
             if critic is None:
@@ -229,6 +251,13 @@ class SegmentPPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """Bypass GRPO's text-level reward functions: rewards are computed per token in the rollout (zeros here)."""
         return torch.zeros(len(prompts), 1, device=self.accelerator.device)
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """GRPO's log-prob computation; the policy's differentiable log-probs are kept for the Eq. 7 term."""
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if self._in_policy_loss:
+            self._last_policy_logps = out[0]
+        return out
 
     def _add_fused_head(self, model) -> None:
         from trl.trainer.utils import add_fused_lm_head
@@ -282,6 +311,10 @@ class SegmentPPOTrainer(GRPOTrainer):
                 batch_size=batch_size,
                 compute_entropy=needs_entropy,
             )
+            if self.prev_model is not None:
+                out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
+                )
             scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
             dense = dense_segment_rewards(
                 scores,
@@ -335,7 +368,22 @@ class SegmentPPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ losses
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self._last_policy_logps, self._in_policy_loss = None, self.prev_model is not None
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._in_policy_loss = False
+        if self.prev_model is not None and "prev_per_token_logps" in inputs:
+            from rlhf_ext.continual import kl_to_previous
+
+            mask = inputs["completion_mask"].bool()
+            kl = kl_to_previous(
+                self._last_policy_logps, inputs["prev_per_token_logps"], mask, self.args.prev_kl_estimator
+            )
+            mode = "train" if self.model.training else "eval"
+            scale = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.args.prev_kl_coef * kl / scale
+            self._metrics[mode]["continual/kl_to_previous"].append(self.accelerator.gather(kl.detach()).mean().item())
         if self.critic is not None and "returns" in inputs and self.model.training:
             self._critic_step(inputs)
         return loss

@@ -151,3 +151,34 @@ def test_segment_granularity_with_infinite_cutoff_is_refused(tmp_path, tiny_sft_
     args = _config(tmp_path, segment_rm, entropy_cutoff=math.inf, normalizer_kind="none")
     with pytest.raises(ValueError, match="infinite cutoff is the bandit setting"):
         SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
+
+
+def test_cppo_term_adds_exactly_c_times_kl_to_previous(tmp_path, tiny_sft_path, tiny_base_path, toy_tok, segment_rm,
+                                                       prompts):  # fmt: skip
+    """Eq. 7 (paper 000): loss = PPO loss + c * KL(pi_theta || pi_prev); c = 0 is plain PPO."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_ext.continual import kl_to_previous
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce", normalizer_kind="none", prev_kl_coef=2.0,
+                   prev_kl_estimator="k3")  # fmt: skip
+    prev = AutoModelForCausalLM.from_pretrained(tiny_base_path)  # a different policy: KL > 0
+    trainer = SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
+                                prev_model=prev)  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); we call compute_loss directly
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)])
+    assert batch["prev_per_token_logps"].shape == batch["completion_ids"].shape
+    with torch.no_grad():
+        with_kl = trainer.compute_loss(trainer.model, dict(batch)).item()
+        logps = trainer._last_policy_logps
+        kl = kl_to_previous(logps, batch["prev_per_token_logps"], batch["completion_mask"].bool(), "k3").item()
+        trainer.args.prev_kl_coef = 0.0
+        plain = trainer.compute_loss(trainer.model, dict(batch)).item()
+    assert kl > 0.01
+    assert with_kl == pytest.approx(plain + 2.0 * kl, rel=1e-5, abs=1e-6)
+    # the previous policy equal to the current one gives a zero KL
+    with torch.no_grad():
+        zero = kl_to_previous(logps, logps, batch["completion_mask"].bool(), "k3").item()
+    assert zero == 0.0
