@@ -220,36 +220,9 @@ class ContinualDPOTrainer(DPOTrainer):
 # ------------------------------------------------------------------------------------------- task-sequence stages
 def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
     """TrainingArguments shared by the policy and reward-model stages of the runner (from the recipe's sections)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    from rlhf_ext.config import RecipeError
+    from rlhf_ext.trl.args import training_kwargs
 
-    if train.batch_size % (train.micro_batch_size * world):
-        raise RecipeError(
-            f"batch_size ({train.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({train.micro_batch_size} x {world})"
-        )
-    return dict(
-        output_dir=output_dir,
-        num_train_epochs=train.epochs,
-        max_steps=train.max_steps if train.max_steps is not None else -1,
-        per_device_train_batch_size=train.micro_batch_size,
-        per_device_eval_batch_size=train.micro_batch_size,
-        gradient_accumulation_steps=train.batch_size // (train.micro_batch_size * world),
-        learning_rate=train.learning_rate,
-        lr_scheduler_type=train.lr_scheduler,
-        warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
-        weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm,
-        seed=seed,
-        data_seed=seed,
-        logging_steps=train.logging_steps,
-        save_strategy="no",
-        bf16=train.bf16,
-        gradient_checkpointing=train.gradient_checkpointing,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
-        disable_tqdm=True,
-    )
+    return {**training_kwargs(train, output_dir, seed), "save_strategy": "no", "disable_tqdm": True}
 
 
 def _save_atomically(trainer, dest: Path) -> None:

@@ -745,37 +745,14 @@ class IterativeDPOTrainer:
 # ------------------------------------------------------------------------------------------------------- recipes
 def recipe_to_config(recipe) -> IterativeDPOConfig:
     """Map an :class:`~rlhf_ext.online.recipe.OnlineDPORecipe` onto :class:`IterativeDPOConfig` (``trl_args`` last)."""
-    from rlhf_ext.config import RecipeError
+    from rlhf_ext.trl.args import make_config, training_kwargs
 
     t, o = recipe.train, recipe.online
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if t.batch_size % (t.micro_batch_size * world):
-        raise RecipeError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({t.micro_batch_size} x {world})"
-        )
-    kwargs: dict[str, Any] = dict(
-        output_dir=t.output_dir,
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps if t.max_steps is not None else -1,
-        per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.batch_size // (t.micro_batch_size * world),
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
+    kwargs = training_kwargs(t)
+    kwargs.update(
         beta=t.beta,
         loss_type=t.loss_type,
         max_length=t.max_length,
-        seed=t.seed,
-        logging_steps=t.logging_steps,
-        save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500,
-        bf16=t.bf16,
-        gradient_checkpointing=t.gradient_checkpointing,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
         resume=t.resume,
         reference=recipe.policy.reference,
         online_mode=o.mode,
@@ -805,11 +782,7 @@ def recipe_to_config(recipe) -> IterativeDPOConfig:
         training_threads=o.training_threads,
         vllm_gpu_memory_utilization=o.vllm_gpu_memory_utilization,
     )
-    kwargs.update(t.trl_args)
-    try:
-        return IterativeDPOConfig(**kwargs)
-    except TypeError as e:
-        raise RecipeError(f"train.trl_args: {e} (keys must be DPOConfig fields)") from e
+    return make_config(IterativeDPOConfig, kwargs, t.trl_args)
 
 
 def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:

@@ -423,37 +423,14 @@ class SegmentPPOTrainer(GRPOTrainer):
 
 def recipe_to_config(recipe) -> SegmentPPOConfig:
     """Map a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` onto TRL's config (``train.trl_args`` last)."""
-    import os
-
     from rlhf_ext.config import RecipeError
+    from rlhf_ext.trl.args import make_config, training_kwargs
 
     t, ppo, seg = recipe.train, recipe.ppo, recipe.segment
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if t.batch_size % (t.micro_batch_size * world):
-        raise RecipeError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({t.micro_batch_size} x {world})"
-        )
     if ppo.num_generations < 2:
         raise RecipeError("the TRL engine samples at least 2 responses per prompt: set ppo.num_generations >= 2")
-    kwargs: dict[str, Any] = dict(
-        output_dir=t.output_dir,
-        max_steps=t.max_steps if t.max_steps is not None else -1,
-        num_train_epochs=t.epochs,
-        per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.batch_size // (t.micro_batch_size * world),
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_ratio,
-        max_grad_norm=t.max_grad_norm,
-        seed=t.seed,
-        logging_steps=t.logging_steps,
-        save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500,
-        bf16=t.bf16,
-        gradient_checkpointing=t.gradient_checkpointing,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
+    kwargs = training_kwargs(t)
+    kwargs.update(
         disable_tqdm=False,
         num_generations=ppo.num_generations,
         max_completion_length=recipe.data.max_completion_length,
@@ -480,11 +457,7 @@ def recipe_to_config(recipe) -> SegmentPPOConfig:
         critic_learning_rate=t.critic_learning_rate,
         whiten_advantages=ppo.whiten_advantages,
     )
-    kwargs.update(t.trl_args)
-    try:
-        return SegmentPPOConfig(**kwargs)
-    except TypeError as e:
-        raise RecipeError(f"train.trl_args: {e} (keys must be SegmentPPOConfig / GRPOConfig fields)") from e
+    return make_config(SegmentPPOConfig, kwargs, t.trl_args)
 
 
 def load_prompts(data, tokenizer):

@@ -214,50 +214,19 @@ class SegmentRewardTrainer(RewardTrainer):
 
 def recipe_to_config(recipe) -> SegmentRewardConfig:
     """Map a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` onto TRL's config (``train.trl_args`` last)."""
-    from rlhf_ext.config import RecipeError
+    from rlhf_ext.trl.args import make_config, training_kwargs
 
-    t = recipe.train
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if t.batch_size % (t.micro_batch_size * world):
-        raise RecipeError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({t.micro_batch_size} x {world})"
-        )
-    kwargs: dict[str, Any] = dict(
-        output_dir=t.output_dir,
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps if t.max_steps is not None else -1,
-        per_device_train_batch_size=t.micro_batch_size,
-        per_device_eval_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.batch_size // (t.micro_batch_size * world),
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_betas[0],
-        adam_beta2=t.adam_betas[1],
-        max_grad_norm=t.max_grad_norm,
-        seed=t.seed,
-        logging_steps=t.logging_steps,
-        save_strategy="steps" if t.save_steps else "no",
-        save_steps=t.save_steps or 500,
+    kwargs = training_kwargs(recipe.train)
+    kwargs.update(
         eval_strategy="epoch",
-        bf16=t.bf16,
-        gradient_checkpointing=t.gradient_checkpointing,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
         max_length=recipe.data.max_length,
         entropy_cutoff=recipe.segment.entropy_cutoff,
         aggregation=recipe.segment.aggregation,
         tau=recipe.segment.tau,
         entropy_batch_size=recipe.segment.entropy_batch_size,
-        segment_cache_dir=t.segment_cache_dir,
+        segment_cache_dir=recipe.train.segment_cache_dir,
     )
-    kwargs.update(t.trl_args)
-    try:
-        return SegmentRewardConfig(**kwargs)
-    except TypeError as e:
-        raise RecipeError(f"train.trl_args: {e} (keys must be SegmentRewardConfig / RewardConfig fields)") from e
+    return make_config(SegmentRewardConfig, kwargs, recipe.train.trl_args)
 
 
 def train_segment_rm(recipe) -> dict[str, Any]:
