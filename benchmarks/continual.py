@@ -182,7 +182,9 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
 
 
 # -------------------------------------------------------------------------------------------------------- forgetting
-def forgetting(tasks: list[str], seeds: list[int], coefs: list[float], overrides: list[str], out: Path) -> dict:
+def forgetting(
+    tasks: list[str], seeds: list[int], coefs: list[float], overrides: list[str], out: Path, recipe: str
+) -> dict:
     from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
     from rlhf_ext.continual.recipe import ContinualRecipe
@@ -196,7 +198,7 @@ def forgetting(tasks: list[str], seeds: list[int], coefs: list[float], overrides
                     start = time.time()
                     recipe = load_recipe(
                         ContinualRecipe,
-                        recipe_path("continual_dpo_tiny"),
+                        recipe_path(recipe),
                         [
                             f"data.tasks={source}",
                             f"data.seed={seed}",
@@ -217,6 +219,7 @@ def forgetting(tasks: list[str], seeds: list[int], coefs: list[float], overrides
                             "matrix": summary["performance_matrix"],
                             "average_performance": m["average_performance"],
                             "backward_transfer": m["backward_transfer"],
+                            "backward_transfer_absolute": m["backward_transfer_absolute"],
                             "forgetting": m["forgetting"],
                             "newest_task": m["newest_task_performance"],
                             "plasticity": sum(row[k] for k, row in enumerate(summary["performance_matrix"]))
@@ -228,7 +231,9 @@ def forgetting(tasks: list[str], seeds: list[int], coefs: list[float], overrides
                         f"  {source} c={coef} seed={seed}: {json.dumps({k: runs[-1][k] for k in list(runs[-1])[3:]})}"
                     )
                     sys.stdout.flush()
-    keys = ("average_performance", "backward_transfer", "forgetting", "newest_task", "plasticity")
+    metric = summary["metric"] if runs else ""
+    keys = ("average_performance", "backward_transfer", "backward_transfer_absolute", "forgetting", "newest_task",
+            "plasticity")  # fmt: skip
     table = []
     for source in tasks:
         for coef in coefs:
@@ -236,19 +241,23 @@ def forgetting(tasks: list[str], seeds: list[int], coefs: list[float], overrides
             row = {"tasks": source, "kl_coef": coef, "n": len(group)}
             for k in keys:
                 vals = [r[k] for r in group if r[k] is not None]
+                if not vals:  # e.g. the normalised transfer of reward-model scores that can be <= 0
+                    row[k] = [float("nan"), float("nan")]
+                    continue
                 row[k] = [round(statistics.mean(vals), 4), round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0]
             table.append(row)
-    print("\nforgetting: sequential DPO (c=0) vs continual DPO (c>0); mean +- std over seeds")
+    print(f"\nforgetting ({recipe}): sequential (c=0) vs continual (c>0); mean +- std over seeds; R = {metric}")
     print(f"{'tasks':42} {'c':>5} {'n':>2}  " + "  ".join(f"{k:>20}" for k in keys))
     for row in table:
         cells = "  ".join(f"{row[k][0]:>+10.3f} +- {row[k][1]:<6.3f}" for k in keys)
         print(f"{row['tasks']:42} {row['kl_coef']:>5g} {row['n']:>2}  {cells}")
     result = {
-        "benchmark": "continual DPO forgetting",
-        "metric": "DPO implicit-reward accuracy on each task's test split",
+        "benchmark": f"continual forgetting ({recipe})",
+        "metric": metric,
         "definitions": {
             "average_performance": "mean_k R[k, K-1]",
-            "backward_transfer": "mean_{k<K-1} (R[k, K-1] - R[k, k]) / R[k, k]",
+            "backward_transfer": "mean_{k<K-1} (R[k, K-1] - R[k, k]) / R[k, k] (None if some R[k, k] <= 0)",
+            "backward_transfer_absolute": "mean_{k<K-1} R[k, K-1] - R[k, k]",
             "forgetting": "mean_{k<K-1} max_{k<=t<K-1} R[k, t] - R[k, K-1]",
             "newest_task": "R[K-1, K-1]",
             "plasticity": "mean_k R[k, k] (each task right after training on it)",
@@ -289,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     f.add_argument("--coefs", nargs="+", type=float, default=[0.0, 1.0])
     f.add_argument("--out", type=Path, default=RESULTS / "continual_forgetting.json")
+    f.add_argument("--recipe", default="continual_dpo_tiny", help="continual_dpo_tiny or continual_ppo_tiny (CPPO)")
     f.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.learning_rate=5e-4")
     args = parser.parse_args(argv)
     if args.what == "step-cost":
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(args.threads)
         step_cost(args.models, args.reps, args.batch_size, args.max_length, args.out)
     else:
-        forgetting(args.tasks, args.seeds, args.coefs, args.overrides, args.out)
+        forgetting(args.tasks, args.seeds, args.coefs, args.overrides, args.out, args.recipe)
 
 
 if __name__ == "__main__":
