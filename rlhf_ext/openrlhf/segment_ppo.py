@@ -354,6 +354,8 @@ def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> li
         argv += ["--ckpt.load_enable"]
     if t.gradient_checkpointing:
         argv += ["--actor.gradient_checkpointing_enable"]
+    if ppo.async_generation:
+        argv += ["--train.async_enable", "--train.async_queue_size", "1"]
     return argv + flags_from_mapping(t.openrlhf_args)
 
 

@@ -71,6 +71,7 @@ class PPOAlgoSection:
     temperature: float = 1.0
     top_p: float = 1.0
     whiten_advantages: bool = True
+    async_generation: bool = False  # TRL engine: one-step off-policy rollouts (paper 001); OpenRLHF: train.async_enable
 
     def __post_init__(self):
         if self.kl_coef < 0:

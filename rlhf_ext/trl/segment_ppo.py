@@ -54,6 +54,9 @@ class SegmentPPOConfig(GRPOConfig):
         value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
         critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
         whiten_advantages: standardise advantages over the rollout batch.
+        async_generation, generation_threads: one-step asynchronous off-policy rollouts (paper 001, Appendix D;
+            :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout`): batch t+1 is generated with theta_t while the
+            trainer trains on batch t, and the PPO ratio uses the behaviour policy's log-probs.
         prev_policy_path, prev_kl_coef, prev_kl_estimator: continual RLHF (paper 000, Eq. 7, CPPO-style): the loss
             gains ``prev_kl_coef * KL(pi_theta || pi_prev)`` on the batch's response tokens, with ``pi_prev`` the
             frozen policy from the end of the previous task (one extra no-grad forward per rollout). 0 = plain PPO.
@@ -81,6 +84,8 @@ class SegmentPPOConfig(GRPOConfig):
     prev_policy_path: str | None = field(default=None, metadata={"help": "Frozen previous-task policy (CPPO)."})
     prev_kl_coef: float = field(default=0.0, metadata={"help": "c of Eq. 7 (paper 000): weight of KL to prev."})
     prev_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 for the KL to the previous task."})
+    async_generation: bool = field(default=False, metadata={"help": "One-step off-policy rollouts (paper 001)."})
+    generation_threads: int | None = field(default=None, metadata={"help": "Torch threads of the async generator."})
 
     def __post_init__(self):
         if self.beta != 0.0:
@@ -142,6 +147,11 @@ class SegmentPPOTrainer(GRPOTrainer):
     ):
         if not isinstance(args, SegmentPPOConfig):
             raise TypeError(f"args must be a SegmentPPOConfig, got {type(args).__name__}")
+        async_rollout = None
+        if args.async_generation:
+            from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
+
+            async_rollout = kwargs["rollout_func"] = OneStepAsyncRollout(generator_threads=args.generation_threads)
         super().__init__(
             model=model,
             reward_funcs=[segment_reward],
@@ -151,6 +161,9 @@ class SegmentPPOTrainer(GRPOTrainer):
             processing_class=processing_class,
             **kwargs,
         )
+        self.async_rollout = async_rollout
+        if async_rollout is not None:
+            async_rollout.attach(self)
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         from rlhf_ext.segment.calibration import fit_normalizer, model_id
@@ -298,6 +311,8 @@ class SegmentPPOTrainer(GRPOTrainer):
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         with torch.no_grad():
             old_logps = out.get("old_per_token_logps")
+            if old_logps is None and self.args.async_generation and mode == "train":
+                old_logps = out["sampling_per_token_logps"]  # the behaviour policy, one version behind
             if old_logps is None:
                 old_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, c, batch_size=batch_size
@@ -456,6 +471,7 @@ def recipe_to_config(recipe) -> SegmentPPOConfig:
         value_clip=ppo.value_clip,
         critic_learning_rate=t.critic_learning_rate,
         whiten_advantages=ppo.whiten_advantages,
+        async_generation=ppo.async_generation,
     )
     return make_config(SegmentPPOConfig, kwargs, t.trl_args)
 
