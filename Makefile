@@ -33,8 +33,8 @@ demo: $(STAMP)
 	$(VENV)/bin/rlhf-ext demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check --no-cache .
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15

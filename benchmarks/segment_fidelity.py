@@ -53,10 +53,9 @@ def run_one(pipeline, shared, out: Path, name: str, seed: int, rm_kind: str, ove
     from rlhf_ext.utils import stable_hash
 
     key = f"{rm_kind}-{stable_hash(overrides, length=8)}"
-    from rlhf_ext.sim import AnnotatorPool, win_rate
-
     from rlhf_ext.segment.ppo_recipe import run_segment_ppo
     from rlhf_ext.segment.recipe import run_segment_rm
+    from rlhf_ext.sim import AnnotatorPool, win_rate
     from rlhf_ext.utils import atomic_write_json
 
     result_file = out / "runs" / f"{key}-seed{seed}.json"
