@@ -22,6 +22,7 @@ import click
 
 from rlhf_ext.config import RecipeError
 from rlhf_ext.datagen.cli import data
+from rlhf_ext.sim.cli import sim as sim_group
 
 
 def _fail(message: str) -> None:
@@ -59,6 +60,7 @@ def main() -> None:
 
 
 main.add_command(data)
+main.add_command(sim_group)
 
 
 # --------------------------------------------------------------------------------------------------------- train

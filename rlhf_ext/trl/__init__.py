@@ -3,12 +3,15 @@
 Importing this package imports ``trl`` (about 5 s); ``import rlhf_ext`` alone does not.
 """
 
+from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
 from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
 from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
 __all__ = [
     "IterativeDPOConfig",
     "IterativeDPOTrainer",
+    "KLRegularizedSFTTrainer",
+    "KLSFTConfig",
     "SegmentPreferenceCollator",
     "SegmentRewardConfig",
     "SegmentRewardTrainer",
