@@ -245,7 +245,7 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
     )
     from rlhf_ext.utils import atomic_write_json
 
-    cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{granularity}_ppo"
+    cfg, out = getattr(run.recipe, f"{granularity}_ppo"), run.seed_dir(seed) / f"{granularity}_ppo"
     summary_file = out / "ppo_metrics.json"
     if not summary_file.exists():
         rm = run.reward_model(seed, rm_kind)

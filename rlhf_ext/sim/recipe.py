@@ -205,8 +205,9 @@ class DPOSection:
 
 @dataclass
 class PPOSection:
-    """Bandit and segment PPO (:class:`SegmentPPOTrainer`): rollouts per step ``batch_size`` (= prompts x
-    ``num_generations``), KL in the reward (AlpacaFarm's simulated PPO used 0.002; paper 003 0.01)."""
+    """One PPO run (:class:`SegmentPPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned separately as
+    AlpacaFarm tuned its KL coefficient per setting): rollouts per step ``batch_size`` (= prompts x
+    ``num_generations``), KL penalty in the reward (AlpacaFarm's simulated PPO used 0.002; paper 003 0.01)."""
 
     max_steps: int = 24
     batch_size: int = 16
@@ -262,7 +263,8 @@ class SimCompareRecipe:
     reward_conditioning: RewardConditioningSection = field(default_factory=RewardConditioningSection)
     quark: QuarkSection = field(default_factory=QuarkSection)
     dpo: DPOSection = field(default_factory=DPOSection)
-    ppo: PPOSection = field(default_factory=PPOSection)
+    bandit_ppo: PPOSection = field(default_factory=PPOSection)
+    segment_ppo: PPOSection = field(default_factory=PPOSection)
     online_dpo: OnlineDPOSection = field(default_factory=OnlineDPOSection)
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
 
