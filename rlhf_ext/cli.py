@@ -23,6 +23,7 @@ import click
 
 from rlhf_ext.config import RecipeError
 from rlhf_ext.datagen.cli import data
+from rlhf_ext.sim.cli import sim as sim_group
 
 
 def _fail(message: str) -> None:
@@ -60,6 +61,7 @@ def main() -> None:
 
 
 main.add_command(data)
+main.add_command(sim_group)
 
 
 # --------------------------------------------------------------------------------------------------------- train

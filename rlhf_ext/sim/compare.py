@@ -1,0 +1,514 @@
+"""``rlhf-ext sim compare``: AlpacaFarm's method comparison in the simulator (paper 002, sections 3-5).
+
+The workflow of AlpacaFarm's Figure 1 on a cheap task: supervised fine-tuning on the SFT split; simulated pairwise
+feedback ``p_sim`` on the PREF split (two SFT samples per instruction, labelled by the annotator pool with 25%
+training flips); surrogate reward models trained on it; each method trained from the SFT model; and every method
+evaluated by its win rate against the SFT model on held-out prompts, judged by ``p_eval`` (the pool without flips),
+with the gold reward, response length and KL to the SFT model alongside. All of it is repeated for several seeds
+and summarised as mean ± standard error over seeds.
+
+Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds`` may
+change between runs of one directory)::
+
+    recipe.json                  the recipe and its fingerprint
+    data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
+    base/, sft/                  the initial model and the SFT model                      shared by all seeds
+    seed-<s>/feedback/           simulated feedback (train) + gold-ordered held-out pairs (test), agreement.json
+    seed-<s>/rm_bandit/, rm_segment/   surrogate reward models (cutoff inf / segment cutoff)
+    seed-<s>/<method>/           the method's checkpoint
+    seed-<s>/reference_samples.json    the SFT model's evaluation samples (shared by all methods of the seed)
+    results/<method>/seed-<s>.json     one finished (method, seed): win rate, s.e., KL, length, gold, times
+    sim_compare.json / .md / _winrate.png / _tradeoff.png   the summary over all finished results
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_ext.config import RecipeError, to_dict
+from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
+from rlhf_ext.utils import atomic_directory, atomic_write_json, atomic_write_text, stable_hash
+
+#: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
+#: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
+ALPACAFARM_SIM_WINRATE: dict[str, float] = {
+    "sft": 36.7,
+    "best_of_n": 45.0,
+    "expert_iteration": 41.9,
+    "feedme": 36.6,
+    "reward_conditioning": 32.4,
+    "quark": 35.6,
+    "dpo": 46.8,
+    "bandit_ppo": 46.8,
+}
+#: Keys of the recipe that may change between runs of one output directory.
+FREE_KEYS = ("output_dir", "seeds", "methods", "threads")
+
+Progress = Callable[[str], None]
+
+
+def recipe_fingerprint(recipe: SimCompareRecipe) -> str:
+    data = {k: v for k, v in to_dict(recipe).items() if k not in FREE_KEYS}
+    return stable_hash(data)
+
+
+class SimRun:
+    """The artefacts of one comparison directory, each built on first use and reused afterwards."""
+
+    def __init__(self, recipe: SimCompareRecipe, progress: Progress = print):
+        self.recipe = recipe
+        self.root = Path(recipe.output_dir)
+        self.data_dir = self.root / "data"
+        self.progress = progress
+        self._splits = None
+        self._gold = None
+        self._reward_fns: dict[int, Any] = {}
+        self._pools: dict[int, Any] = {}
+
+    # ---------------------------------------------------------------------------------------- shared artefacts
+    def check_directory(self) -> None:
+        """Refuse a directory holding a run with other settings (its results would be mixed with new ones)."""
+        path = self.root / "recipe.json"
+        fingerprint = recipe_fingerprint(self.recipe)
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("fingerprint") != fingerprint:
+                now = to_dict(self.recipe)
+                changed = sorted(k for k in now if k not in FREE_KEYS and old.get("recipe", {}).get(k) != now[k])
+                raise RecipeError(
+                    f"{self.root} holds a comparison with different settings (changed: {', '.join(changed)}); "
+                    "use another output_dir or restore the settings (only --methods and --seeds may change)"
+                )
+        else:
+            atomic_write_json(path, {"fingerprint": fingerprint, "recipe": to_dict(self.recipe)})
+
+    def splits(self):
+        """The task's ``DatasetDict`` (:func:`rlhf_ext.sim.task.build_task_splits`), built once."""
+        if self._splits is None:
+            from datasets import load_from_disk
+
+            from rlhf_ext.sim.task import build_task_splits
+
+            if not (self.data_dir / "dataset_dict.json").exists():
+                self.progress(f"building the task splits ({self.recipe.task.source})")
+                splits = build_task_splits(self.recipe.task, self.root, seed=self.recipe.model.seed)
+                with atomic_directory(self.data_dir) as tmp:
+                    splits.save_to_disk(str(tmp))
+            self._splits = load_from_disk(str(self.data_dir))
+        return self._splits
+
+    @property
+    def gold(self):
+        """The gold scorer of the task (one style, or a prompt -> style mapping when stages mix styles)."""
+        if self._gold is None:
+            from rlhf_ext.sim.gold import GoldScorer
+
+            style_of = {r["prompt"]: r["style"] for split in self.splits().values() for r in split}
+            styles = set(style_of.values())
+            self._gold = GoldScorer(styles.pop() if len(styles) == 1 else style_of)
+        return self._gold
+
+    def base_model(self) -> str:
+        base = self.recipe.model.base
+        if base is not None:
+            from rlhf_ext.resources import resolve_model
+
+            return resolve_model(base)
+        dest = self.root / "base"
+        if not (dest / "config.json").exists():
+            from rlhf_ext.sim.task import build_base_model, task_texts
+
+            self.progress("building the tiny base model and its task tokenizer")
+            build_base_model(dest, task_texts(self.splits()), self.recipe.model.tokenizer_vocab, self.recipe.model.seed)
+        return str(dest)
+
+    def sft_model(self) -> str:
+        """The SFT model (TRL ``SFTTrainer`` on the SFT split, chosen and rejected responses by default)."""
+        from rlhf_ext.sim.methods import fine_tune
+
+        dest = self.root / "sft"
+        if not (dest / "config.json").exists():
+            cfg = self.recipe.sft
+            keys = ("chosen", "rejected") if cfg.responses == "both" else ("chosen",)
+            rows = [{"prompt": r["prompt"], "completion": r[k]} for r in self.splits()["sft"] for k in keys]
+            self.progress(f"supervised fine-tuning on {len(rows)} responses")
+            fine_tune(self, self.base_model(), rows, cfg, dest, cfg.seed)
+        return str(dest)
+
+    # ------------------------------------------------------------------------------------- per-seed artefacts
+    def seed_dir(self, seed: int) -> Path:
+        return self.root / f"seed-{seed}"
+
+    def feedback_dir(self, seed: int) -> Path:
+        return self.seed_dir(seed) / "feedback"
+
+    def pool(self, seed: int):
+        if seed not in self._pools:
+            self._pools[seed] = self.recipe.feedback.pool.build(self.gold.style, seed=seed, sft_model=self.sft_model())
+        return self._pools[seed]
+
+    def policy(self, path: str, prompt_prefix: str = "", temperature: float | None = None):
+        from rlhf_ext.sim.evaluate import HFPolicy
+
+        g = self.recipe.generation
+        return HFPolicy(
+            path,
+            prompt_prefix=prompt_prefix,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature if temperature is None else temperature,
+            batch_size=g.batch_size,
+        )
+
+    def feedback(self, seed: int):
+        """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips),
+        ``test`` = the held-out gold-ordered pairs. Writes the pool's agreement report next to it."""
+        from datasets import Dataset, DatasetDict, load_from_disk
+
+        out = self.feedback_dir(seed)
+        if not (out / "dataset_dict.json").exists():
+            pref = self.splits()["pref"]
+            if self.recipe.feedback.pairs == "sft_samples":
+                self.progress(f"seed {seed}: sampling {2 * len(pref)} SFT responses for simulated feedback")
+                samples = self.policy(self.sft_model()).sample(pref["prompt"], 2, seed=10_000 + seed)
+                pairs = Dataset.from_list(
+                    [
+                        {"prompt": r["prompt"], "chosen": s[0], "rejected": s[1], "style": r["style"]}
+                        for r, s in zip(pref, samples.texts)
+                    ]
+                )
+            else:
+                pairs = pref
+            pool = self.pool(seed)
+            labelled = pool.relabel(pairs, train=True)
+            cols = pairs.to_dict()
+            report = pool.agreement(cols["prompt"], cols["chosen"], cols["rejected"], cols["style"])
+            gold = self.gold.score(cols["prompt"] * 2, list(labelled["chosen"]) + list(labelled["rejected"]))
+            n = len(labelled)
+            decided = gold[:n] != gold[n:]
+            quality = {
+                "pairs": n,
+                "gold_tied_fraction": float((~decided).float().mean()),
+                "labels_agreeing_with_gold": float((gold[:n] > gold[n:])[decided].float().mean()),
+            }
+            with atomic_directory(out) as tmp:
+                DatasetDict(train=labelled, test=self.splits()["rm_eval"]).save_to_disk(str(tmp))
+                atomic_write_json(tmp / "agreement.json", {"report": report.as_dict(), "labels": quality})
+                atomic_write_text(tmp / "agreement.md", report.as_markdown() + "\n")
+        return load_from_disk(str(out))
+
+    def reward_model(self, seed: int, kind: str) -> str:
+        """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf) or ``segment`` (the segment cutoff), trained
+        with the segment reward-model recipe (TRL ``SegmentRewardTrainer``) from the SFT model."""
+        from rlhf_ext.segment.recipe import (
+            ModelSection,
+            PreferenceDataSection,
+            RMTrainSection,
+            SegmentRMRecipe,
+            SegmentSection,
+            run_segment_rm,
+        )
+
+        out = self.seed_dir(seed) / f"rm_{kind}"
+        if not (out / "metrics.json").exists():
+            cfg = self.recipe.reward_model
+            self.feedback(seed)
+            feedback = str(self.feedback_dir(seed))
+            self.progress(f"seed {seed}: training the {kind} reward model")
+            with atomic_directory(out) as tmp:
+                recipe = SegmentRMRecipe(
+                    engine="trl",
+                    model=ModelSection(sft_model=self.sft_model()),
+                    data=PreferenceDataSection(
+                        train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
+                    ),
+                    segment=SegmentSection(entropy_cutoff=math.inf if kind == "bandit" else cfg.segment_cutoff),
+                    train=RMTrainSection(
+                        output_dir=str(tmp),
+                        epochs=cfg.epochs,
+                        batch_size=cfg.batch_size,
+                        micro_batch_size=cfg.batch_size,
+                        learning_rate=cfg.learning_rate,
+                        seed=seed,
+                        resume=False,
+                        trl_args={"disable_tqdm": True},
+                    ),
+                )
+                summary = run_segment_rm(recipe)
+                atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
+        return str(out)
+
+    def reward_fn(self, seed: int):
+        """The bandit surrogate reward model of ``seed`` as a reward function (``load_reward``, e_phi at cutoff inf)."""
+        if seed not in self._reward_fns:
+            from rlhf_ext.online.rollout import load_reward
+
+            self._reward_fns[seed] = load_reward(self.reward_model(seed, "bandit"))
+        return self._reward_fns[seed]
+
+    def reference_samples(self, seed: int):
+        """The SFT model's evaluation samples of ``seed`` (drawn once, shared by every method's comparison)."""
+        from rlhf_ext.online.rollout import Samples
+
+        path = self.seed_dir(seed) / "reference_samples.json"
+        if not path.exists():
+            ev = self.recipe.eval
+            s = self.policy(self.sft_model(), temperature=ev.temperature).sample(
+                self.eval_prompts(), ev.samples_per_prompt, seed=30_000 + seed
+            )
+            atomic_write_json(path, {"texts": s.texts, "num_tokens": s.num_tokens, "truncated": s.truncated,
+                                     "temperatures": s.temperatures})  # fmt: skip
+        d = json.loads(path.read_text())
+        return Samples(
+            d["texts"],
+            torch.tensor(d["num_tokens"]),
+            torch.tensor(d["truncated"], dtype=torch.bool),
+            d["temperatures"],
+        )
+
+    def eval_prompts(self) -> list[Any]:
+        return list(self.splits()["eval"]["prompt"])
+
+    # ------------------------------------------------------------------------------------------------ evaluate
+    def evaluate(self, seed: int, spec) -> dict[str, Any]:
+        """Win rate of ``spec`` (a :class:`~rlhf_ext.sim.methods.PolicySpec`) against the SFT model."""
+        from rlhf_ext.sim.evaluate import BestOfNPolicy, win_rate
+
+        ev = self.recipe.eval
+        policy = self.policy(spec.path, spec.prompt_prefix, temperature=ev.temperature)
+        if spec.best_of_n:
+            policy = BestOfNPolicy(policy, self.reward_fn(seed), spec.best_of_n)
+        reference = self.policy(self.sft_model(), temperature=ev.temperature)
+        result = win_rate(
+            policy,
+            reference,
+            self.eval_prompts(),
+            styles=list(self.splits()["eval"]["style"]),
+            judge=self.pool(seed) if ev.judge == "pool" else self.gold,
+            gold=self.gold,
+            samples_per_prompt=ev.samples_per_prompt,
+            seed=20_000 + seed,
+            reference_samples=self.reference_samples(seed),
+        )
+        return result.as_dict()
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def result_path(root: Path, method: str, seed: int) -> Path:
+    return root / "results" / method / f"seed-{seed}.json"
+
+
+def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[str, Any]:
+    """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write the summary.
+
+    Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
+    """
+    from rlhf_ext.online.async_runner import torch_threads
+    from rlhf_ext.sim.methods import METHOD_FUNCTIONS
+
+    run = SimRun(recipe, progress)
+    run.check_directory()
+    start = time.time()
+    with torch_threads(recipe.threads):
+        for seed in recipe.seeds:
+            for method in recipe.methods:
+                path = result_path(run.root, method, seed)
+                if path.exists():
+                    progress(f"[{method} seed {seed}] done earlier, skipped")
+                    continue
+                progress(f"[{method} seed {seed}] training")
+                t0 = time.time()
+                spec = METHOD_FUNCTIONS[method](run, seed)
+                t1 = time.time()
+                progress(f"[{method} seed {seed}] evaluating ({t1 - t0:.0f} s of training)")
+                metrics = run.evaluate(seed, spec)
+                t2 = time.time()
+                result = {
+                    "method": method,
+                    "seed": seed,
+                    **metrics,
+                    "policy_path": spec.path,
+                    "prompt_prefix": spec.prompt_prefix,
+                    "best_of_n": spec.best_of_n,
+                    "info": spec.info,
+                    "train_seconds": t1 - t0,
+                    "eval_seconds": t2 - t1,
+                }
+                atomic_write_json(path, result)
+                progress(
+                    f"[{method} seed {seed}] win rate {metrics['win_rate']:.3f} ± {metrics['stderr']:.3f}, "
+                    f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
+                )
+    summary = summarise(recipe, wall_seconds=time.time() - start)
+    summary["reports"] = write_reports(summary, run.root)
+    return summary
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return mean, math.sqrt(var / len(vals))
+
+
+def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> dict[str, Any]:
+    """Mean ± standard error over seeds of every method's finished results (methods in :data:`METHODS` order)."""
+    root = Path(recipe.output_dir)
+    rows = []
+    for method in [m for m in METHODS if m in recipe.methods]:
+        per_seed = []
+        for seed in recipe.seeds:
+            path = result_path(root, method, seed)
+            if path.exists():
+                per_seed.append(json.loads(path.read_text()))
+        if not per_seed:
+            continue
+        row: dict[str, Any] = {"method": method, "seeds": [r["seed"] for r in per_seed]}
+        for key in ("win_rate", "gold_mean", "kl", "avg_length_chars", "train_seconds", "eval_seconds"):
+            row[key], row[f"{key}_se"] = _mean_se([r[key] for r in per_seed])
+        row["per_seed"] = [
+            {k: r[k] for k in ("seed", "win_rate", "stderr", "gold_mean", "kl", "avg_length_chars", "num_comparisons")}
+            for r in per_seed
+        ]
+        row["alpacafarm_sim_winrate"] = ALPACAFARM_SIM_WINRATE.get(method)
+        rows.append(row)
+    first = next((json.loads(p.read_text()) for p in sorted((root / "results").rglob("seed-*.json"))), None)
+    feedback = {}
+    for seed in recipe.seeds:
+        path = root / f"seed-{seed}" / "feedback" / "agreement.json"
+        if path.exists():
+            feedback[str(seed)] = json.loads(path.read_text())
+    rms = {}
+    for seed in recipe.seeds:
+        for kind in ("bandit", "segment"):
+            path = root / f"seed-{seed}" / f"rm_{kind}" / "metrics.json"
+            if path.exists():
+                ev = json.loads(path.read_text()).get("eval", {})
+                rms.setdefault(kind, {})[str(seed)] = ev.get("eval_accuracy")
+    return {
+        "recipe": to_dict(recipe),
+        "methods": rows,
+        "sample_sizes": {
+            "eval_prompts": first["num_prompts"] if first else None,
+            "samples_per_prompt": first["samples_per_prompt"] if first else None,
+            "comparisons_per_seed": first["num_comparisons"] if first else None,
+        },
+        "reward_model_heldout_accuracy": rms,
+        "feedback": feedback,
+        "wall_seconds": wall_seconds,
+        "machine": _machine(),
+    }
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "cpus": os.cpu_count(),
+        "load_average": load,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _fmt(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
+    if mean is None or math.isnan(mean):
+        return "–"
+    m = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+    return m if se is None or math.isnan(se) else f"{m} ± {se:.{digits}f}"
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The comparison as a Markdown table (mean ± s.e. over seeds)."""
+    lines = [
+        "| method | win rate vs SFT | gold reward | KL to SFT (nats) | length (chars) | seeds | train s | "
+        "AlpacaFarm sim. win rate vs Davinci003 (%) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["methods"]:
+        af = r["alpacafarm_sim_winrate"]
+        lines.append(
+            f"| {r['method']} | {_fmt(r['win_rate'], r['win_rate_se'])} | "
+            f"{_fmt(r['gold_mean'], r['gold_mean_se'], 2, signed=True)} | {_fmt(r['kl'], r['kl_se'], 2)} | "
+            f"{_fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | {len(r['seeds'])} | "
+            f"{r['train_seconds']:.0f} | {'–' if af is None else f'{af:.1f}'} |"
+        )
+    s = summary["sample_sizes"]
+    lines.append("")
+    lines.append(
+        f"Win rate: fraction of {s['comparisons_per_seed']} comparisons per seed ({s['eval_prompts']} held-out "
+        f"prompts x {s['samples_per_prompt']} samples) in which the evaluation annotators prefer the method's "
+        "response to the SFT model's (ties 1/2); mean ± standard error over seeds."
+    )
+    return "\n".join(lines)
+
+
+def write_reports(summary: dict[str, Any], root: Path) -> dict[str, str]:
+    """Write ``sim_compare.json``, ``sim_compare.md`` and the PNG plots into ``root``; returns their paths."""
+    paths = {"json": str(root / "sim_compare.json"), "markdown": str(root / "sim_compare.md")}
+    atomic_write_json(paths["json"], summary)
+    atomic_write_text(paths["markdown"], markdown_table(summary) + "\n")
+    try:
+        paths.update(plot(summary, root))
+    except ImportError:  # matplotlib is optional; the table and JSON are complete without it
+        paths["plots"] = "not written: matplotlib is not installed (pip install 'rlhf-ext[plots]')"
+    return paths
+
+
+def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
+    """Two PNGs: win rate per method (mean ± s.e., seeds as dots) and the win rate / KL trade-off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["methods"]
+    if not rows:
+        return {}
+    names = [r["method"] for r in rows]
+    out = {}
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
+    x = range(len(rows))
+    means = [r["win_rate"] for r in rows]
+    errs = [0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"] for r in rows]
+    ax.bar(x, means, yerr=errs, color="#4c78a8", capsize=3)
+    for i, r in enumerate(rows):
+        ax.scatter([i] * len(r["per_seed"]), [p["win_rate"] for p in r["per_seed"]], color="k", s=8, zorder=3)
+    ax.axhline(0.5, color="grey", ls="--", lw=1)
+    ax.set_xticks(list(x), names, rotation=35, ha="right")
+    ax.set_ylabel("win rate vs SFT (p_eval)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Simulated win rate against the SFT model (mean ± s.e. over seeds)")
+    fig.tight_layout()
+    out["winrate_png"] = str(root / "sim_compare_winrate.png")
+    fig.savefig(out["winrate_png"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for r in rows:
+        ax.errorbar(
+            r["kl"], r["win_rate"], xerr=0 if math.isnan(r["kl_se"]) else r["kl_se"],
+            yerr=0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"], fmt="o", capsize=2,
+        )  # fmt: skip
+        ax.annotate(r["method"], (r["kl"], r["win_rate"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(0.5, color="grey", ls="--", lw=1)
+    ax.set_xlabel("KL(policy || SFT), nats")
+    ax.set_ylabel("win rate vs SFT")
+    ax.set_title("Win rate vs KL to the SFT model")
+    fig.tight_layout()
+    out["tradeoff_png"] = str(root / "sim_compare_tradeoff.png")
+    fig.savefig(out["tradeoff_png"], dpi=120)
+    plt.close(fig)
+    return out

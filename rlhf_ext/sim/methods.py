@@ -1,0 +1,400 @@
+"""The reference methods of ``sim compare``: AlpacaFarm's (paper 002, section 3.4 and Appendix A) and ours.
+
+Each method is one function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy
+starting from the run's SFT model, using the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration,
+binary FeedME, binary reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's
+``DPOTrainer`` (DPO), :class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.segment_ppo.SegmentPPOTrainer`
+(bandit and segment PPO) and :class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO, synchronous and asynchronous).
+``run`` is a :class:`rlhf_ext.sim.compare.SimRun`: it owns the shared artefacts (splits, SFT model, per-seed simulated
+feedback and surrogate reward models) and writes every result atomically, so finished work is reused on rerun.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlhf_ext.utils import atomic_directory, stable_hash
+
+if TYPE_CHECKING:
+    from rlhf_ext.sim.compare import SimRun
+    from rlhf_ext.sim.recipe import TrainSettings
+
+
+@dataclass
+class PolicySpec:
+    """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix``, or, with ``best_of_n``, the
+    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics."""
+
+    path: str
+    prompt_prefix: str = ""
+    best_of_n: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _seed(*parts: Any) -> int:
+    return int(stable_hash(*parts), 16) % (2**31 - 1)
+
+
+def fine_tune(
+    run: SimRun,
+    init: str,
+    rows: list[dict[str, str]],
+    settings: TrainSettings,
+    out: Path,
+    seed: int,
+    *,
+    kl_coef: float = 0.0,
+    ref: str | None = None,
+) -> str:
+    """Supervised fine-tuning of ``init`` on ``rows`` (``prompt`` / ``completion``; loss on completions only) into
+    ``out`` (atomically; reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref``
+    (:class:`~rlhf_ext.trl.KLRegularizedSFTTrainer`); otherwise this is TRL's ``SFTTrainer``."""
+    if (out / "config.json").exists():
+        return str(out)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
+
+    if not rows:
+        raise ValueError(f"no training rows for {out.name}; check the task splits and sample counts")
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    with atomic_directory(out) as tmp:
+        args = KLSFTConfig(
+            output_dir=str(tmp / "trainer"),
+            kl_coef=kl_coef,
+            max_steps=settings.max_steps if settings.max_steps is not None else -1,
+            num_train_epochs=settings.epochs,
+            per_device_train_batch_size=settings.batch_size,
+            learning_rate=settings.learning_rate,
+            lr_scheduler_type=settings.lr_scheduler,
+            warmup_steps=settings.warmup_ratio,  # transformers 5: a float < 1 is a ratio
+            max_length=run.recipe.task.max_length,
+            completion_only_loss=True,
+            seed=seed,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10,
+            gradient_checkpointing=False,
+            disable_tqdm=True,
+        )
+        common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+        if settings.max_steps != 0:
+            if kl_coef > 0:
+                ref_model = AutoModelForCausalLM.from_pretrained(ref or init, dtype=torch.float32)
+                trainer = KLRegularizedSFTTrainer(**common, ref_model=ref_model)
+            else:
+                trainer = SFTTrainer(**common)
+            trainer.train()
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        import shutil
+
+        shutil.rmtree(tmp / "trainer", ignore_errors=True)
+    return str(out)
+
+
+def _pairs(run: SimRun, seed: int) -> list[dict[str, Any]]:
+    return run.feedback(seed)["train"].select_columns(["prompt", "chosen", "rejected"]).to_list()
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+def sft(run: SimRun, seed: int) -> PolicySpec:
+    """SFT (AlpacaFarm 3.4, "SFT 10k"): supervised fine-tuning on the SFT split; every other method starts here and
+    the win rates are measured against it, so its own row checks the evaluation (0.5 up to noise, KL 0)."""
+    return PolicySpec(run.sft_model())
+
+
+def best_of_n(run: SimRun, seed: int) -> PolicySpec:
+    """Best-of-n sampling (AlpacaFarm 3.4, App. A.2): at inference, draw n i.i.d. responses from the SFT model and
+    return the one with the highest surrogate reward (AlpacaFarm: n = 1024)."""
+    run.reward_model(seed, "bandit")
+    return PolicySpec(run.sft_model(), best_of_n=run.recipe.best_of_n.n)
+
+
+def expert_iteration(run: SimRun, seed: int) -> PolicySpec:
+    """Expert iteration (AlpacaFarm 3.4, App. A.2): best-of-n on new (unlabeled) instructions with the surrogate
+    reward model, then supervised fine-tuning of the SFT model on those best outputs; a single round."""
+    from rlhf_ext.sim.evaluate import BestOfNPolicy
+
+    cfg = run.recipe.expert_iteration
+    out = run.seed_dir(seed) / "expert_iteration"
+    prompts = run.splits()["unlabeled"]["prompt"][: cfg.max_prompts]
+    if not (out / "config.json").exists():
+        bon = BestOfNPolicy(run.policy(run.sft_model()), run.reward_fn(seed), cfg.n)
+        best = bon.sample(prompts, 1, seed=_seed("expert_iteration", seed)).flat()
+        rows = [{"prompt": p, "completion": y} for p, y in zip(prompts, best)]
+        fine_tune(run, run.sft_model(), rows, cfg.train, out, seed)
+    return PolicySpec(str(out), info={"n": cfg.n, "prompts": len(prompts)})
+
+
+def feedme(run: SimRun, seed: int) -> PolicySpec:
+    """Binary FeedME (AlpacaFarm 3.4, App. A.1): continue supervised fine-tuning of the SFT model on the preferred
+    response of each simulated pairwise comparison."""
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in _pairs(run, seed)]
+    path = fine_tune(run, run.sft_model(), rows, run.recipe.feedme.train, run.seed_dir(seed) / "feedme", seed)
+    return PolicySpec(path, info={"pairs": len(rows)})
+
+
+def reward_conditioning(run: SimRun, seed: int) -> PolicySpec:
+    """Binary reward conditioning (AlpacaFarm 3.4, App. A.1): fine-tune on [positive token, x, y_chosen] and
+    [negative token, x, y_rejected] (twice the pairs); sample conditioned on the positive token."""
+    cfg = run.recipe.reward_conditioning
+    rows = []
+    for r in _pairs(run, seed):
+        rows.append({"prompt": cfg.good_token + r["prompt"], "completion": r["chosen"]})
+        rows.append({"prompt": cfg.bad_token + r["prompt"], "completion": r["rejected"]})
+    path = fine_tune(run, run.sft_model(), rows, cfg.train, run.seed_dir(seed) / "reward_conditioning", seed)
+    return PolicySpec(path, prompt_prefix=cfg.good_token, info={"examples": len(rows)})
+
+
+def quark(run: SimRun, seed: int) -> PolicySpec:
+    """Quark, top-quantile variant (AlpacaFarm 3.4, App. A.2 / B.2): each round samples from the current policy,
+    scores with the surrogate RM, keeps only the best reward quantile (the rollout pool is reset every round) and
+    fine-tunes on it with a KL penalty to the SFT model; no entropy bonus. With one bin trained, Quark's reward
+    token is a constant, so it is omitted."""
+    from rlhf_ext.online.rollout import score
+
+    cfg = run.recipe.quark
+    unlabeled = run.splits()["unlabeled"]["prompt"]
+    policy, stats = run.sft_model(), []
+    for r in range(cfg.rounds):
+        out = run.seed_dir(seed) / "quark" / f"round-{r}"
+        if not (out / "config.json").exists():
+            start = (r * cfg.prompts_per_round) % len(unlabeled)
+            prompts = [unlabeled[(start + i) % len(unlabeled)] for i in range(cfg.prompts_per_round)]
+            samples = run.policy(policy).sample(prompts, cfg.samples_per_prompt, seed=_seed("quark", seed, r))
+            flat_prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+            rewards = score(run.reward_fn(seed), flat_prompts, samples.flat())
+            keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
+            texts = samples.flat()
+            rows = [{"prompt": flat_prompts[i], "completion": texts[i]} for i in keep]
+            fine_tune(run, policy, rows, cfg.train, out, seed, kl_coef=cfg.kl_coef, ref=run.sft_model())
+            stats.append({"round": r, "mean_reward": float(rewards.mean()), "top_mean": float(rewards[keep].mean())})
+        policy = str(out)
+    return PolicySpec(policy, info={"rounds": stats})
+
+
+def dpo(run: SimRun, seed: int) -> PolicySpec:
+    """DPO (AlpacaFarm 3.4, App. A.1 Eq. 1 / B.3): TRL's DPOTrainer on the simulated pairs with the SFT model as the
+    reference (beta 0.1)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    cfg, out = run.recipe.dpo, run.seed_dir(seed) / "dpo"
+    if not (out / "config.json").exists():
+        rows = _pairs(run, seed)
+        tokenizer = AutoTokenizer.from_pretrained(run.sft_model())
+        with atomic_directory(out) as tmp:
+            t = cfg.train
+            args = DPOConfig(
+                output_dir=str(tmp / "trainer"),
+                beta=cfg.beta,
+                max_steps=t.max_steps if t.max_steps is not None else -1,
+                num_train_epochs=t.epochs,
+                per_device_train_batch_size=t.batch_size,
+                learning_rate=t.learning_rate,
+                lr_scheduler_type=t.lr_scheduler,
+                warmup_steps=t.warmup_ratio,
+                max_length=run.recipe.task.max_length,
+                seed=seed,
+                bf16=False,
+                use_cpu=True,
+                report_to="none",
+                save_strategy="no",
+                logging_steps=10,
+                gradient_checkpointing=False,
+                disable_tqdm=True,
+            )
+            trainer = DPOTrainer(
+                model=run.sft_model(),
+                ref_model=AutoModelForCausalLM.from_pretrained(run.sft_model(), dtype=torch.float32),
+                args=args,
+                train_dataset=Dataset.from_list(rows),
+                processing_class=tokenizer,
+            )
+            trainer.train()
+            trainer.save_model(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+            import shutil
+
+            shutil.rmtree(tmp / "trainer", ignore_errors=True)
+    return PolicySpec(str(out))
+
+
+def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
+    from rlhf_ext.segment.ppo_recipe import (
+        PPOAlgoSection,
+        PPODataSection,
+        PPOModelSection,
+        PPOSegmentSection,
+        PPOTrainSection,
+        SegmentPPORecipe,
+        run_segment_ppo,
+    )
+    from rlhf_ext.utils import atomic_write_json
+
+    cfg, out = getattr(run.recipe, f"{granularity}_ppo"), run.seed_dir(seed) / f"{granularity}_ppo"
+    summary_file = out / "ppo_metrics.json"
+    if not summary_file.exists():
+        rm = run.reward_model(seed, rm_kind)
+        feedback = str(run.feedback_dir(seed))
+        with atomic_directory(out) as tmp:
+            recipe = SegmentPPORecipe(
+                engine="trl",
+                model=PPOModelSection(sft_model=run.sft_model(), reward_model=rm),
+                data=PPODataSection(
+                    prompts=str(run.data_dir),
+                    prompt_split="unlabeled",
+                    calibration=feedback,
+                    calibration_split="train",
+                    max_calibration_pairs=256,
+                    max_prompt_length=run.recipe.task.max_length // 2,
+                    max_completion_length=cfg.max_completion_length,
+                ),
+                segment=PPOSegmentSection(granularity=granularity),
+                ppo=PPOAlgoSection(
+                    kl_coef=cfg.kl_coef,
+                    advantage_estimator=cfg.advantage_estimator,
+                    num_generations=cfg.num_generations,
+                    temperature=run.recipe.generation.temperature,
+                    value_clip=0.2 if granularity == "bandit" else 0.25,  # paper 003, Appendix C
+                ),
+                train=PPOTrainSection(
+                    output_dir=str(tmp),
+                    max_steps=cfg.max_steps,
+                    batch_size=cfg.batch_size,
+                    micro_batch_size=cfg.batch_size,
+                    learning_rate=cfg.learning_rate,
+                    critic_learning_rate=cfg.critic_learning_rate,
+                    seed=seed,
+                    logging_steps=max(1, cfg.max_steps // 6),
+                    resume=False,
+                    trl_args={"disable_tqdm": True},
+                ),
+            )
+            summary = run_segment_ppo(recipe)
+            atomic_write_json(tmp / "ppo_metrics.json", {**summary, "model_dir": str(out)})
+    import json
+
+    curve = json.loads(summary_file.read_text()).get("curve", [])
+    return PolicySpec(str(out), info={"curve": curve[-1:] if curve else []})
+
+
+def bandit_ppo(run: SimRun, seed: int) -> PolicySpec:
+    """PPO (AlpacaFarm 3.4, App. A.2 Eq. 3 / B.1): maximise the surrogate (bandit) reward with a KL penalty to the SFT
+    model, value model initialised from the reward model. :class:`SegmentPPOTrainer` with ``granularity: bandit`` and
+    a reward model trained at ``entropy_cutoff: inf``."""
+    return _ppo(run, seed, "bandit", "bandit")
+
+
+def segment_ppo(run: SimRun, seed: int) -> PolicySpec:
+    """Segment-level PPO (paper 003): dense rewards from a segment reward model (entropy cutoff 2.0), normalised by
+    location and spread evenly over each segment's tokens; otherwise as bandit PPO."""
+    return _ppo(run, seed, "segment", "segment")
+
+
+def _online_dpo(run: SimRun, seed: int, asynchronous: bool) -> PolicySpec:
+    from transformers import AutoTokenizer
+
+    from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
+
+    name = "online_dpo_async" if asynchronous else "online_dpo"
+    out = run.seed_dir(seed) / name
+    r = run.recipe
+    common: dict[str, Any] = dict(
+        output_dir=str(out),
+        max_new_tokens=r.generation.max_new_tokens,
+        generation_backend="hf",
+        generation_batch_size=r.generation.batch_size,
+        max_length=r.task.max_length,
+        eval_num_prompts=8,
+        eval_samples_per_prompt=1,
+        generation_threads=r.threads,
+        training_threads=r.threads,
+        seed=seed,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    if asynchronous:
+        c = r.online_dpo_async
+        args = IterativeDPOConfig(
+            **common,
+            online_mode="online",
+            async_generation=True,
+            max_steps=c.updates,
+            per_device_train_batch_size=c.batch_size,
+            num_samples=c.num_samples,
+            temperatures=[r.generation.temperature],
+            beta=c.beta,
+            learning_rate=c.learning_rate,
+            lr_scheduler_type="constant",
+        )
+    else:
+        c = r.online_dpo
+        args = IterativeDPOConfig(
+            **common,
+            num_iterations=c.iterations,
+            prompts_per_iteration=c.prompts_per_iteration,
+            num_samples=c.num_samples,
+            beta=c.beta,
+            num_train_epochs=c.train.epochs,
+            per_device_train_batch_size=c.train.batch_size,
+            learning_rate=c.train.learning_rate,
+            lr_scheduler_type=c.train.lr_scheduler,
+            warmup_steps=c.train.warmup_ratio,
+        )
+    splits = run.splits()
+    trainer = IterativeDPOTrainer(
+        model=run.sft_model(),
+        args=args,
+        prompts=list(splits["unlabeled"]["prompt"]),
+        reward_model=run.reward_model(seed, "bandit"),
+        processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
+        gold_fn=run.gold,
+    )
+    summary = trainer.train()
+    return PolicySpec(summary["final_policy"], info={"online_eval": summary["eval"][-1]})
+
+
+def online_dpo(run: SimRun, seed: int) -> PolicySpec:
+    """Iterative best/worst-of-n online DPO (paper 004, Algorithm 2) with the surrogate RM as the online reward:
+    each iteration samples n responses per prompt from the current policy, trains DPO on best vs worst."""
+    return _online_dpo(run, seed, asynchronous=False)
+
+
+def online_dpo_async(run: SimRun, seed: int) -> PolicySpec:
+    """One-step asynchronous online DPO (paper 001): one DPO update per generated batch, the batch generated by the
+    previous policy version while the learner trains (best vs worst of K responses)."""
+    return _online_dpo(run, seed, asynchronous=True)
+
+
+METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
+    "sft": sft,
+    "best_of_n": best_of_n,
+    "expert_iteration": expert_iteration,
+    "feedme": feedme,
+    "reward_conditioning": reward_conditioning,
+    "quark": quark,
+    "dpo": dpo,
+    "bandit_ppo": bandit_ppo,
+    "segment_ppo": segment_ppo,
+    "online_dpo": online_dpo,
+    "online_dpo_async": online_dpo_async,
+}

@@ -1,0 +1,278 @@
+"""The ``sim compare`` recipe: one typed config (``recipes/sim_compare.yaml`` maps onto it 1:1; paper 002, section 5).
+
+Sections: where the simulated task comes from (``task``), the initial model (``model``) and its supervised
+fine-tuning (``sft``), the simulated feedback (``feedback``: AlpacaFarm's ``p_sim`` pool), the surrogate reward models
+(``reward_model``), sampling (``generation``), the evaluation (``eval``: win rate against the SFT model, judged by
+``p_eval``), and one section per method. Method names are those of :data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlhf_ext.sim.annotators import PoolConfig
+
+#: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
+METHODS: tuple[str, ...] = (
+    "sft",
+    "best_of_n",
+    "expert_iteration",
+    "feedme",
+    "reward_conditioning",
+    "quark",
+    "dpo",
+    "bandit_ppo",
+    "segment_ppo",
+    "online_dpo",
+    "online_dpo_async",
+)
+
+
+@dataclass
+class TrainSettings:
+    """Optimisation of one supervised / DPO run: ``max_steps`` (null = ``epochs`` passes), batch in sequences."""
+
+    max_steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0 (0 = no training), got {self.max_steps}")
+
+
+@dataclass
+class TaskSection:
+    """The simulated task.
+
+    ``source``: a ``rlhf_ext.datagen`` config (packaged name or YAML path) generated with the offline backend, of which
+    stage ``stage`` is used (one style, e.g. ``rapper`` for ``continual-piecewise-preference``), or ``toy`` (the
+    key-phrase task of :mod:`rlhf_ext.testing.toy`). ``num_samples`` replaces every task's sample count (datagen) or
+    is the number of toy rows. The stage's train split is partitioned (like AlpacaFarm's splits, section 3.1) into
+    SFT / preference (PREF) / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; its test split gives the
+    held-out evaluation prompts (at most ``max_eval_prompts``) and the gold-ordered pairs on which reward-model
+    accuracy is measured. ``prompt_suffix`` is appended to datagen prompts (separates prompt and response).
+    """
+
+    source: str = "continual-piecewise-preference"
+    stage: int = 0
+    num_samples: int = 800
+    overrides: list[str] = field(default_factory=lambda: ["drift.cycles=1"])
+    sft_fraction: float = 0.35
+    pref_fraction: float = 0.35
+    max_eval_prompts: int = 64
+    prompt_suffix: str = "\n"
+    max_length: int = 256
+
+    def __post_init__(self):
+        if self.sft_fraction <= 0 or self.pref_fraction <= 0 or self.sft_fraction + self.pref_fraction >= 1:
+            raise ValueError(
+                "task.sft_fraction and task.pref_fraction must be > 0 and sum to < 1 (the rest are unlabeled "
+                f"prompts); got {self.sft_fraction} and {self.pref_fraction}"
+            )
+        if self.num_samples < 10:
+            raise ValueError(f"task.num_samples must be >= 10, got {self.num_samples}")
+
+
+@dataclass
+class ModelSection:
+    """``base``: the model SFT starts from. ``null`` builds a tiny Llama (2 layers, hidden 64) from config with a BPE
+    tokenizer of ``tokenizer_vocab`` tokens trained on the task's texts; or a checkpoint path / ``builtin:`` name
+    (``builtin:tiny`` for the toy task, ``builtin:smollm2`` for a real model)."""
+
+    base: str | None = None
+    tokenizer_vocab: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class SFTSection(TrainSettings):
+    """Supervised fine-tuning on the SFT split (trained once, shared by all seeds, with ``seed``). ``responses``:
+    ``both`` (chosen and rejected: a policy of mixed quality, room for LPF methods) or ``chosen``."""
+
+    responses: Literal["both", "chosen"] = "both"
+    seed: int = 0
+    max_steps: int | None = 200
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+
+
+@dataclass
+class FeedbackSection:
+    """Simulated human feedback on the PREF split: ``pairs: sft_samples`` draws two SFT responses per PREF prompt and
+    lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own chosen/rejected pairs."""
+
+    pairs: Literal["sft_samples", "dataset"] = "sft_samples"
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+
+@dataclass
+class RewardModelSection:
+    """Surrogate reward models (paper 002 Eq. 2), trained from the SFT model with :class:`SegmentRewardTrainer`:
+    the bandit model at ``entropy_cutoff: inf`` (best-of-n, expert iteration, Quark, bandit PPO, online DPO) and the
+    segment model at ``segment_cutoff`` (segment PPO, paper 003)."""
+
+    epochs: float = 2.0
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    segment_cutoff: float = 2.0
+
+
+@dataclass
+class GenerationSection:
+    """Sampling inside methods (best-of-n, expert iteration, Quark, online DPO) and for feedback pairs."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    batch_size: int = 64
+
+
+@dataclass
+class EvalSection:
+    """Win rate against the SFT model on the held-out prompts (section 3.3). ``judge: pool`` is ``p_eval`` (the
+    feedback pool without flips), ``gold`` the gold scorer (ties 1/2). ``temperature`` 1.0 keeps the KL estimate
+    of the policy itself (AlpacaFarm sampled API models at 0.7)."""
+
+    samples_per_prompt: int = 2
+    temperature: float = 1.0
+    judge: Literal["pool", "gold"] = "pool"
+
+
+@dataclass
+class BestOfNSection:
+    """Inference-time best-of-n with the bandit surrogate RM (AlpacaFarm: n = 1024; 16 here)."""
+
+    n: int = 16
+
+
+@dataclass
+class ExpertIterationSection:
+    """One round (AlpacaFarm, Appendix A.2): best-of-``n`` on ``max_prompts`` unlabeled prompts, then SFT on them."""
+
+    n: int = 8
+    max_prompts: int = 128
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+
+
+@dataclass
+class FeedMESection:
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+
+
+@dataclass
+class RewardConditioningSection:
+    """Control tokens put before the prompt (the positive one at inference)."""
+
+    good_token: str = "<|good|> "
+    bad_token: str = "<|bad|> "
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+
+
+@dataclass
+class QuarkSection:
+    """Top-quantile Quark (Appendix B.2): per round, sample ``samples_per_prompt`` responses for
+    ``prompts_per_round`` unlabeled prompts from the current policy, keep the top ``top_fraction`` by surrogate
+    reward (the rollout pool is reset every round), fine-tune with ``kl_coef`` x KL to the SFT model."""
+
+    rounds: int = 3
+    prompts_per_round: int = 64
+    samples_per_prompt: int = 4
+    top_fraction: float = 0.25
+    kl_coef: float = 0.05
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=1, learning_rate=5e-4, warmup_ratio=0))
+
+    def __post_init__(self):
+        if not 0 < self.top_fraction <= 1:
+            raise ValueError(f"quark.top_fraction must be in (0, 1], got {self.top_fraction}")
+
+
+@dataclass
+class DPOSection:
+    """DPO on the simulated pairs (Appendix B.3: beta 0.1, 1 epoch); reference = the SFT model."""
+
+    beta: float = 0.1
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=5e-4))
+
+
+@dataclass
+class PPOSection:
+    """One PPO run (:class:`SegmentPPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned separately as
+    AlpacaFarm tuned its KL coefficient per setting): rollouts per step ``batch_size`` (= prompts x
+    ``num_generations``), KL penalty in the reward (AlpacaFarm's simulated PPO used 0.002; paper 003 0.01)."""
+
+    max_steps: int = 24
+    batch_size: int = 16
+    num_generations: int = 2
+    learning_rate: float = 3e-4
+    critic_learning_rate: float = 1e-4
+    kl_coef: float = 0.01
+    advantage_estimator: Literal["gae", "reinforce"] = "gae"
+    max_completion_length: int = 128
+
+
+@dataclass
+class OnlineDPOSection:
+    """Iterative best/worst-of-n online DPO (paper 004) with the bandit surrogate RM as the online reward."""
+
+    iterations: int = 2
+    prompts_per_iteration: int = 64
+    num_samples: int = 4
+    beta: float = 0.1
+    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
+
+
+@dataclass
+class OnlineDPOAsyncSection:
+    """One-step asynchronous online DPO (paper 001): ``updates`` DPO steps of ``batch_size`` pairs, each pair the
+    best and worst of ``num_samples`` responses generated one policy version behind."""
+
+    updates: int = 12
+    batch_size: int = 8
+    num_samples: int = 4
+    beta: float = 0.1
+    learning_rate: float = 5e-4
+
+
+@dataclass
+class SimCompareRecipe:
+    """``rlhf-ext sim compare``: train and evaluate ``methods`` for every seed in ``seeds`` (see the module doc)."""
+
+    output_dir: str = "runs/sim_compare"
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    threads: int | None = 1
+    task: TaskSection = field(default_factory=TaskSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    feedback: FeedbackSection = field(default_factory=FeedbackSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    best_of_n: BestOfNSection = field(default_factory=BestOfNSection)
+    expert_iteration: ExpertIterationSection = field(default_factory=ExpertIterationSection)
+    feedme: FeedMESection = field(default_factory=FeedMESection)
+    reward_conditioning: RewardConditioningSection = field(default_factory=RewardConditioningSection)
+    quark: QuarkSection = field(default_factory=QuarkSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    bandit_ppo: PPOSection = field(default_factory=PPOSection)
+    segment_ppo: PPOSection = field(default_factory=PPOSection)
+    online_dpo: OnlineDPOSection = field(default_factory=OnlineDPOSection)
+    online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        if not self.methods:
+            raise ValueError("methods must list at least one method")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be a non-empty list of distinct integers, got {self.seeds}")

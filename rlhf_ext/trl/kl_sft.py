@@ -1,0 +1,69 @@
+"""Supervised fine-tuning with a KL penalty to a frozen reference model (Quark's KL term; paper 002, App. A.2/B.2).
+
+Quark (Lu et al., 2022) fine-tunes on the model's own best-scoring samples while "minimizing the KL divergence
+between the trained model and the SFT initialization"; AlpacaFarm's top-quantile variant uses a KL coefficient of 0.05
+(Appendix B.2) and drops Quark's entropy bonus. :class:`KLRegularizedSFTTrainer` is TRL's ``SFTTrainer`` with that
+term added to its loss::
+
+    loss = NLL(completion tokens) + kl_coef * mean_t KL( pi_theta(. | y_<t) || pi_ref(. | y_<t) )
+
+where the mean runs over the same completion tokens the NLL uses, and the KL is exact over the vocabulary (not a
+sampled estimate). With ``kl_coef = 0`` it is the stock ``SFTTrainer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+
+@dataclass
+class KLSFTConfig(SFTConfig):
+    """``SFTConfig`` plus ``kl_coef`` (AlpacaFarm's Quark: 0.05)."""
+
+    kl_coef: float = field(default=0.05, metadata={"help": "Weight of KL(pi || pi_ref) per completion token."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+def token_kl(logits, ref_logits) -> torch.Tensor:
+    """``[B, T]`` exact ``KL(softmax(logits) || softmax(ref_logits))`` at each position (``[B, T, V]`` inputs)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+class KLRegularizedSFTTrainer(SFTTrainer):
+    """``SFTTrainer`` whose loss adds ``kl_coef`` x the per-token KL to ``ref_model`` on completion tokens."""
+
+    _tag_names = ["trl", "sft", "rlhf-ext", "kl-regularized"]
+
+    def __init__(self, model, args: KLSFTConfig, *rest, ref_model=None, **kwargs):
+        if not isinstance(args, KLSFTConfig):
+            raise TypeError(f"args must be a KLSFTConfig (it carries kl_coef), got {type(args).__name__}")
+        if ref_model is None:
+            raise ValueError("KLRegularizedSFTTrainer needs ref_model= (the frozen SFT initialization)")
+        super().__init__(model, args, *rest, **kwargs)
+        self.ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        labels = inputs["labels"]
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.kl_coef == 0:
+            return out
+        loss = out[0] if return_outputs else out
+        logits = model(**forward, use_cache=False).logits[:, :-1]
+        with torch.no_grad():
+            ref_logits = self.ref_model(**forward, use_cache=False).logits[:, :-1]
+        mask = labels[:, 1:] != -100  # logits at t predict token t + 1
+        kl = (token_kl(logits, ref_logits) * mask).sum() / mask.sum().clamp_min(1)
+        mode = "train" if model.training else "eval"
+        self._metrics[mode]["kl_to_ref"].append(self.accelerator.gather(kl.detach()).mean().item())
+        loss = loss + self.args.kl_coef * kl
+        return (loss, out[1]) if return_outputs else loss

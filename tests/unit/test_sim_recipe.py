@@ -1,0 +1,62 @@
+"""The sim-compare recipe (packaged YAML), its fingerprint, and the summary statistics (mean ± s.e. over seeds)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rlhf_ext.config import RecipeError, load_recipe
+from rlhf_ext.sim.compare import markdown_table, recipe_fingerprint, result_path, summarise
+from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
+
+
+def packaged(*overrides: str) -> SimCompareRecipe:
+    from rlhf_ext.cli import recipe_path
+
+    return load_recipe(SimCompareRecipe, recipe_path("sim_compare"), overrides)
+
+
+def test_packaged_recipe_lists_every_method_and_three_seeds():
+    r = packaged()
+    assert r.methods == list(METHODS) and r.seeds == [0, 1, 2]
+    assert r.feedback.pool.flip_prob == 0.25 and r.eval.judge == "pool"
+    assert r.bandit_ppo.learning_rate != r.segment_ppo.learning_rate  # tuned separately
+
+
+def test_recipe_errors_name_the_key():
+    with pytest.raises(RecipeError, match="unknown method"):
+        packaged("methods=[sft,rlhf]")
+    with pytest.raises(RecipeError, match="sft_fraction"):
+        packaged("task.sft_fraction=0.7")
+    with pytest.raises(RecipeError, match="did you mean 'dpo.beta'"):
+        packaged("dpo.betta=0.2")
+    with pytest.raises(RecipeError, match="flip_prob"):
+        packaged("feedback.pool.flip_prob=0.9")
+
+
+def test_fingerprint_ignores_only_the_free_keys():
+    base = recipe_fingerprint(packaged())
+    assert recipe_fingerprint(packaged("seeds=[5]", "methods=[dpo]", "output_dir=x", "threads=2")) == base
+    assert recipe_fingerprint(packaged("dpo.beta=0.2")) != base
+    assert recipe_fingerprint(packaged("task.num_samples=100")) != base
+
+
+def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
+    r = packaged(f"output_dir={tmp_path}", "methods=[sft,dpo]", "seeds=[0,1,2]")
+    base = dict(stderr=0.04, gold_mean=0.0, kl=0.0, avg_length_chars=100.0, num_comparisons=128, num_prompts=64,
+                samples_per_prompt=2, train_seconds=1.0, eval_seconds=1.0)  # fmt: skip
+    for seed, wr in ((0, 0.5), (1, 0.7)):  # seed 2 of dpo not finished: summarised over the finished ones
+        path = result_path(tmp_path, "dpo", seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**base, "seed": seed, "win_rate": wr, "gold_mean": 2 * wr}))
+    summary = summarise(r)
+    (row,) = summary["methods"]  # sft has no results and is left out
+    assert row["method"] == "dpo" and row["seeds"] == [0, 1]
+    assert row["win_rate"] == pytest.approx(0.6) and row["win_rate_se"] == pytest.approx(0.1)
+    assert row["gold_mean"] == pytest.approx(1.2) and row["gold_mean_se"] == pytest.approx(0.2)
+    assert math.isnan(summarise(packaged(f"output_dir={tmp_path}", "methods=[dpo]", "seeds=[1]"))["methods"][0][
+        "win_rate_se"])  # fmt: skip
+    table = markdown_table(summary)
+    assert "| dpo | 0.600 ± 0.100 | +1.20 ± 0.20 |" in table and "46.8" in table
