@@ -191,46 +191,45 @@ def forgetting(
     from rlhf_ext.continual.runner import run_continual
 
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for source in tasks:
-            for coef in coefs:
-                for seed in seeds:
-                    start = time.time()
-                    recipe = load_recipe(
-                        ContinualRecipe,
-                        recipe_path(recipe),
-                        [
-                            f"data.tasks={source}",
-                            f"data.seed={seed}",
-                            f"seed={seed}",
-                            f"continual.kl_coef={coef}",
-                            f"output_dir={tmp}/run{len(runs)}",
-                            "plots=false",
-                            *overrides,
-                        ],
-                    )
-                    summary = run_continual(recipe)
-                    m = summary["metrics"]
-                    runs.append(
-                        {
-                            "tasks": source,
-                            "kl_coef": coef,
-                            "seed": seed,
-                            "matrix": summary["performance_matrix"],
-                            "average_performance": m["average_performance"],
-                            "backward_transfer": m["backward_transfer"],
-                            "backward_transfer_absolute": m["backward_transfer_absolute"],
-                            "forgetting": m["forgetting"],
-                            "newest_task": m["newest_task_performance"],
-                            "plasticity": sum(row[k] for k, row in enumerate(summary["performance_matrix"]))
-                            / len(summary["performance_matrix"]),
-                            "seconds": round(time.time() - start, 1),
-                        }
-                    )
-                    print(
-                        f"  {source} c={coef} seed={seed}: {json.dumps({k: runs[-1][k] for k in list(runs[-1])[3:]})}"
-                    )
-                    sys.stdout.flush()
+    # every sequence runs in runs/benchmarks/<result name>/: a rerun resumes it at its last finished task
+    work = Path("runs") / "benchmarks" / out.stem
+    for source in tasks:
+        for coef in coefs:
+            for seed in seeds:
+                start = time.time()
+                recipe = load_recipe(
+                    ContinualRecipe,
+                    recipe_path(recipe),
+                    [
+                        f"data.tasks={source}",
+                        f"data.seed={seed}",
+                        f"seed={seed}",
+                        f"continual.kl_coef={coef}",
+                        f"output_dir={work}/run{len(runs)}",
+                        "plots=false",
+                        *overrides,
+                    ],
+                )
+                summary = run_continual(recipe)
+                m = summary["metrics"]
+                runs.append(
+                    {
+                        "tasks": source,
+                        "kl_coef": coef,
+                        "seed": seed,
+                        "matrix": summary["performance_matrix"],
+                        "average_performance": m["average_performance"],
+                        "backward_transfer": m["backward_transfer"],
+                        "backward_transfer_absolute": m["backward_transfer_absolute"],
+                        "forgetting": m["forgetting"],
+                        "newest_task": m["newest_task_performance"],
+                        "plasticity": sum(row[k] for k, row in enumerate(summary["performance_matrix"]))
+                        / len(summary["performance_matrix"]),
+                        "seconds": round(time.time() - start, 1),
+                    }
+                )
+                print(f"  {source} c={coef} seed={seed}: {json.dumps({k: runs[-1][k] for k in list(runs[-1])[3:]})}")
+                sys.stdout.flush()
     metric = summary["metric"] if runs else ""
     keys = ("average_performance", "backward_transfer", "backward_transfer_absolute", "forgetting", "newest_task",
             "plasticity")  # fmt: skip

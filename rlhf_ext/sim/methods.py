@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -23,7 +23,7 @@ from rlhf_ext.utils import atomic_directory, stable_hash
 
 if TYPE_CHECKING:
     from rlhf_ext.sim.compare import SimRun
-    from rlhf_ext.sim.recipe import TrainSettings
+    from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection, TrainSettings
 
 
 @dataclass
@@ -185,16 +185,21 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
     return PolicySpec(policy, info={"rounds": stats})
 
 
-def dpo(run: SimRun, seed: int) -> PolicySpec:
+def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "dpo") -> PolicySpec:
     """DPO (AlpacaFarm 3.4, App. A.1 Eq. 1 / B.3): TRL's DPOTrainer on the simulated pairs with the SFT model as the
-    reference (beta 0.1)."""
+    reference (beta 0.1). ``cfg`` (default: the recipe's ``dpo`` section) and ``name`` (the output directory under
+    the seed's) let a benchmark train variants, e.g. with a smaller label budget (``max_pairs``)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    cfg, out = run.recipe.dpo, run.seed_dir(seed) / "dpo"
+    cfg, out = cfg or run.recipe.dpo, run.seed_dir(seed) / name
     if not (out / "config.json").exists():
         rows = _pairs(run, seed)
+        if cfg.max_pairs is not None:
+            if cfg.max_pairs > len(rows):
+                raise ValueError(f"dpo.max_pairs={cfg.max_pairs} but the simulated feedback has only {len(rows)} pairs")
+            rows = rows[: cfg.max_pairs]
         tokenizer = AutoTokenizer.from_pretrained(run.sft_model())
         with atomic_directory(out) as tmp:
             t = cfg.train
@@ -305,12 +310,26 @@ def segment_ppo(run: SimRun, seed: int) -> PolicySpec:
     return _ppo(run, seed, "segment", "segment")
 
 
-def _online_dpo(run: SimRun, seed: int, asynchronous: bool) -> PolicySpec:
+def sim_online_dpo(
+    run: SimRun,
+    seed: int,
+    mode: Literal["iterative", "async", "sync"],
+    *,
+    cfg: OnlineDPOSection | OnlineDPOAsyncSection | None = None,
+    name: str | None = None,
+) -> PolicySpec:
+    """Online DPO from the SFT model with the bandit surrogate RM as the online reward (:class:`IterativeDPOTrainer`).
+
+    ``mode``: ``iterative`` (paper 004's Algorithm 2, section ``online_dpo``), ``async`` (per-batch, one-step
+    off-policy, paper 001) or ``sync`` (the same per-batch loop on-policy; both from section ``online_dpo_async``).
+    ``cfg``/``name`` override the recipe's section and the output directory (default ``online_dpo[_async|_sync]``).
+    ``info["policies"]``: the checkpoint after each iteration (iterative mode, index 0 = SFT).
+    """
     from transformers import AutoTokenizer
 
     from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
 
-    name = "online_dpo_async" if asynchronous else "online_dpo"
+    name = name or {"iterative": "online_dpo", "async": "online_dpo_async", "sync": "online_dpo_sync"}[mode]
     out = run.seed_dir(seed) / name
     r = run.recipe
     common: dict[str, Any] = dict(
@@ -332,12 +351,12 @@ def _online_dpo(run: SimRun, seed: int, asynchronous: bool) -> PolicySpec:
         gradient_checkpointing=False,
         disable_tqdm=True,
     )
-    if asynchronous:
-        c = r.online_dpo_async
+    if mode != "iterative":
+        c = cfg or r.online_dpo_async
         args = IterativeDPOConfig(
             **common,
             online_mode="online",
-            async_generation=True,
+            async_generation=mode == "async",
             max_steps=c.updates,
             per_device_train_batch_size=c.batch_size,
             num_samples=c.num_samples,
@@ -347,12 +366,14 @@ def _online_dpo(run: SimRun, seed: int, asynchronous: bool) -> PolicySpec:
             lr_scheduler_type="constant",
         )
     else:
-        c = r.online_dpo
+        c = cfg or r.online_dpo
         args = IterativeDPOConfig(
             **common,
             num_iterations=c.iterations,
             prompts_per_iteration=c.prompts_per_iteration,
             num_samples=c.num_samples,
+            length_penalty=c.length_penalty,
+            length_unit="chars",
             beta=c.beta,
             num_train_epochs=c.train.epochs,
             per_device_train_batch_size=c.train.batch_size,
@@ -370,19 +391,28 @@ def _online_dpo(run: SimRun, seed: int, asynchronous: bool) -> PolicySpec:
         gold_fn=run.gold,
     )
     summary = trainer.train()
-    return PolicySpec(summary["final_policy"], info={"online_eval": summary["eval"][-1]})
+    info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
+    if mode == "iterative":
+        info["policies"] = [e["path"] for e in summary["eval"]]
+    return PolicySpec(summary["final_policy"], info=info)
 
 
 def online_dpo(run: SimRun, seed: int) -> PolicySpec:
     """Iterative best/worst-of-n online DPO (paper 004, Algorithm 2) with the surrogate RM as the online reward:
     each iteration samples n responses per prompt from the current policy, trains DPO on best vs worst."""
-    return _online_dpo(run, seed, asynchronous=False)
+    return sim_online_dpo(run, seed, "iterative")
 
 
 def online_dpo_async(run: SimRun, seed: int) -> PolicySpec:
     """One-step asynchronous online DPO (paper 001): one DPO update per generated batch, the batch generated by the
     previous policy version while the learner trains (best vs worst of K responses)."""
-    return _online_dpo(run, seed, asynchronous=True)
+    return sim_online_dpo(run, seed, "async")
+
+
+def online_dpo_sync(run: SimRun, seed: int) -> PolicySpec:
+    """The on-policy baseline of ``online_dpo_async``: the same per-batch loop and settings, but each batch is
+    generated by the current policy after the previous update (paper 001's synchronous RLHF)."""
+    return sim_online_dpo(run, seed, "sync")
 
 
 METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
@@ -397,4 +427,5 @@ METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
     "segment_ppo": segment_ppo,
     "online_dpo": online_dpo,
     "online_dpo_async": online_dpo_async,
+    "online_dpo_sync": online_dpo_sync,
 }

@@ -27,6 +27,7 @@ METHODS: tuple[str, ...] = (
     "segment_ppo",
     "online_dpo",
     "online_dpo_async",
+    "online_dpo_sync",
 )
 
 
@@ -200,6 +201,7 @@ class DPOSection:
     """DPO on the simulated pairs (Appendix B.3: beta 0.1, 1 epoch); reference = the SFT model."""
 
     beta: float = 0.1
+    max_pairs: int | None = None  # use only the first N simulated pairs (None: all), e.g. to match a label budget
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=5e-4))
 
 
@@ -227,13 +229,15 @@ class OnlineDPOSection:
     prompts_per_iteration: int = 64
     num_samples: int = 4
     beta: float = 0.1
+    length_penalty: float = 0.0  # lambda of paper 004's Eq. 9, per character: responses ranked by r - lambda * len
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
 
 
 @dataclass
 class OnlineDPOAsyncSection:
     """One-step asynchronous online DPO (paper 001): ``updates`` DPO steps of ``batch_size`` pairs, each pair the
-    best and worst of ``num_samples`` responses generated one policy version behind."""
+    best and worst of ``num_samples`` responses generated one policy version behind. Method ``online_dpo_sync``
+    runs the same settings on-policy (generation waits for each update), the baseline of paper 001."""
 
     updates: int = 12
     batch_size: int = 8

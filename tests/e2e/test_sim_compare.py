@@ -14,7 +14,7 @@ def recipe_file(tmp_path, tiny_sft_path):
     cfg = {
         "output_dir": str(tmp_path / "run"),
         "seeds": [0],
-        "methods": ["sft", "best_of_n", "dpo"],
+        "methods": ["sft", "best_of_n", "dpo", "online_dpo_sync"],
         "task": {"source": "toy", "num_samples": 160, "max_eval_prompts": 16, "max_length": 128},
         "model": {"base": tiny_sft_path},  # already fine-tuned on the toy task: SFT only copies it
         "sft": {"max_steps": 0},
@@ -22,7 +22,8 @@ def recipe_file(tmp_path, tiny_sft_path):
         "generation": {"max_new_tokens": 64},
         "eval": {"samples_per_prompt": 2},
         "best_of_n": {"n": 4},
-        "dpo": {"train": {"max_steps": 6, "batch_size": 8, "learning_rate": 5e-4}},
+        "dpo": {"max_pairs": 48, "train": {"max_steps": 6, "batch_size": 8, "learning_rate": 5e-4}},
+        "online_dpo_async": {"updates": 2, "batch_size": 4, "num_samples": 2},
     }
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -38,11 +39,14 @@ def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     summary = json.loads((run / "sim_compare.json").read_text())
     rows = {r["method"]: r for r in summary["methods"]}
-    assert list(rows) == ["sft", "best_of_n", "dpo"]
+    assert list(rows) == ["sft", "best_of_n", "dpo", "online_dpo_sync"]
     assert rows["sft"]["kl"] == 0.0 and rows["sft"]["per_seed"][0]["num_comparisons"] == 32
     assert all(0.0 <= r["win_rate"] <= 1.0 for r in rows.values())
     assert rows["best_of_n"]["kl"] == pytest.approx(1.3863 - 0.75, abs=1e-3)  # log 4 - 3/4
     assert rows["dpo"]["kl"] != 0.0  # DPO moved the policy
+    sync_run = json.loads((run / "seed-0" / "online_dpo_sync" / "summary.json").read_text())
+    assert sync_run["async_generation"] is False and sync_run["runner"]["staleness"] == {"0": 2}  # on-policy
+    assert rows["online_dpo_sync"]["kl"] != 0.0
     assert summary["reward_model_heldout_accuracy"]["bandit"]["0"] is not None
     feedback = summary["feedback"]["0"]
     assert feedback["labels"]["pairs"] == 56 and feedback["report"]["flip_prob"] == 0.25
