@@ -197,7 +197,7 @@ def forgetting(
         for coef in coefs:
             for seed in seeds:
                 start = time.time()
-                recipe = load_recipe(
+                config = load_recipe(
                     ContinualRecipe,
                     recipe_path(recipe),
                     [
@@ -210,7 +210,7 @@ def forgetting(
                         *overrides,
                     ],
                 )
-                summary = run_continual(recipe)
+                summary = run_continual(config)
                 m = summary["metrics"]
                 runs.append(
                     {

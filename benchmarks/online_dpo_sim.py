@@ -18,7 +18,7 @@ scorer, and reports, for each seed:
 Each evaluation is the gold-judged win rate against the SFT model on the held-out prompts (ties count 1/2), the
 mean gold reward and the mean length. Every finished run/evaluation is kept under ``--out`` and skipped on rerun.
 
-    python benchmarks/online_dpo_sim.py [--out runs/online_dpo_sim] [--seeds 0 1 2] [--length-penalty 0.005]
+    python benchmarks/online_dpo_sim.py [--out runs/online_dpo_sim] [--seeds 0 1 2] [--length-penalty 0.001 0.005]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def evaluate_cached(run, seed: int, name: str, path: str) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def run_seed(run, seed: int, length_penalty: float) -> dict[str, Any]:
+def run_seed(run, seed: int, length_penalties: list[float]) -> dict[str, Any]:
     from rlhf_ext.sim.methods import dpo, sim_online_dpo
 
     r = run.recipe
@@ -83,14 +83,15 @@ def run_seed(run, seed: int, length_penalty: float) -> dict[str, Any]:
         spec = sim_online_dpo(run, seed, mode)
         result[mode] = evaluate_cached(run, seed, f"online_dpo_{mode}", spec.path)
 
-    penalised = sim_online_dpo(
-        run, seed, "iterative", cfg=replace(r.online_dpo, length_penalty=length_penalty), name="online_dpo_lp"
-    )
-    result["length_penalty"] = evaluate_cached(run, seed, "online_dpo_lp", penalised.path)
+    result["length_penalty"] = {}
+    for lam in length_penalties:
+        name = f"online_dpo_lp{lam:g}"
+        penalised = sim_online_dpo(run, seed, "iterative", cfg=replace(r.online_dpo, length_penalty=lam), name=name)
+        result["length_penalty"][f"{lam:g}"] = evaluate_cached(run, seed, name, penalised.path)
     return result
 
 
-def tables(results: list[dict[str, Any]], recipe, length_penalty: float) -> str:
+def tables(results: list[dict[str, Any]], recipe, length_penalties: list[float]) -> str:
     per_iter = recipe.online_dpo.prompts_per_iteration
     seeds = ", ".join(str(r["seed"]) for r in results)
     lines = [
@@ -130,8 +131,9 @@ def tables(results: list[dict[str, Any]], recipe, length_penalty: float) -> str:
         "| lambda | mean length (chars) | gold win rate | gold reward |",
         "|---|---|---|---|",
     ]
-    unpenalised, penalised = [r["online"][-1] for r in results], [r["length_penalty"] for r in results]
-    for lam, ms in ((0.0, unpenalised), (length_penalty, penalised)):
+    rows = [(0.0, [r["online"][-1] for r in results])]
+    rows += [(lam, [r["length_penalty"][f"{lam:g}"] for r in results]) for lam in length_penalties]
+    for lam, ms in rows:
         lines.append(
             f"| {lam:g} | {fmt([m['avg_length_chars'] for m in ms], 0)} | {fmt([m['win_rate'] for m in ms])} | "
             f"{fmt([m['gold_mean'] for m in ms], 2)} |"
@@ -144,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="sim_compare", help="sim compare recipe (file or packaged name)")
     parser.add_argument("--out", default="runs/online_dpo_sim")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--length-penalty", type=float, default=0.005, help="lambda of Eq. 9 per character")
+    parser.add_argument(
+        "--length-penalty", type=float, nargs="+", default=[0.001, 0.005], help="lambdas of Eq. 9, per character"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
     args = parser.parse_args(argv)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     payload = {
         "results": results,
-        "length_penalty": args.length_penalty,
+        "length_penalties": args.length_penalty,
         "iterations": ITERATIONS,
         "wall_seconds": time.time() - start,
         "machine": _machine(),
