@@ -172,8 +172,8 @@ def test_recipe_validation_names_the_key(tmp_path):
         load_recipe(ContinualRecipe, None, ["continual.kl_coef=-1"])
     with pytest.raises(RecipeError, match=r"unknown key 'continual.kl_coeff' \(did you mean 'continual.kl_coef'\?\)"):
         load_recipe(ContinualRecipe, None, ["continual.kl_coeff=1"])
-    with pytest.raises(RecipeError, match="'algorithm' must be one of 'dpo'"):
-        load_recipe(ContinualRecipe, None, ["algorithm=ppo"])
+    with pytest.raises(RecipeError, match="'algorithm' must be one of 'dpo', 'ppo'; got 'grpo'"):
+        load_recipe(ContinualRecipe, None, ["algorithm=grpo"])
     with pytest.raises(RecipeError, match="estimator"):
         load_recipe(ContinualRecipe, None, ["continual.estimator=k5"])
 
