@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3, help="updates excluded from the steady-state time")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each (sync, async) pair")
     parser.add_argument("--k", type=int, default=2, help="samples per prompt in the timing runs (paper 001: 2)")
-    parser.add_argument("--pairs", type=int, default=16, help="pairs per DPO update in the timing runs")
+    parser.add_argument("--pairs", type=int, default=64, help="pairs per DPO update in the timing runs")
     parser.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--render", default=None, help="re-print the tables of a results JSON and exit")
     args = parser.parse_args(argv)
