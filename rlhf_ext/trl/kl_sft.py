@@ -32,7 +32,8 @@ class KLSFTConfig(SFTConfig):
 
 
 def token_kl(logits, ref_logits) -> torch.Tensor:
-    """``[B, T]`` exact ``KL(softmax(logits) || softmax(ref_logits))`` at each position (``[B, T, V]`` inputs)."""
+    """``[B, T]`` exact ``KL(softmax(logits) || softmax(ref_logits))`` at each position (``[B, T, V]`` inputs;
+    log-probabilities work as logits)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
@@ -52,18 +53,25 @@ class KLRegularizedSFTTrainer(SFTTrainer):
         self.ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
-        labels = inputs["labels"]
-        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        """``kl_coef = 0``: ``SFTTrainer``'s loss. Otherwise the NLL and the KL come from one forward pass of the
+        policy (TRL's fused-head SFT loss does not build the logits the exact KL needs, so it is not called)."""
         if self.args.kl_coef == 0:
-            return out
-        loss = out[0] if return_outputs else out
-        logits = model(**forward, use_cache=False).logits[:, :-1]
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        outputs = model(**forward, use_cache=False)
+        logp = torch.log_softmax(outputs.logits[:, :-1].float(), dim=-1)  # logits at t predict token t + 1
+        labels = inputs["labels"][:, 1:]
+        mask = labels != -100
+        nll = -logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        # SFTTrainer's normalisation: tokens of the whole (accumulated, all-rank) batch when the Trainer passes it
+        num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = (nll * mask).sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
         with torch.no_grad():
             ref_logits = self.ref_model(**forward, use_cache=False).logits[:, :-1]
-        mask = labels[:, 1:] != -100  # logits at t predict token t + 1
-        kl = (token_kl(logits, ref_logits) * mask).sum() / mask.sum().clamp_min(1)
+        kl = (token_kl(logp, ref_logits) * mask).sum() / mask.sum().clamp_min(1)
         mode = "train" if model.training else "eval"
         self._metrics[mode]["kl_to_ref"].append(self.accelerator.gather(kl.detach()).mean().item())
         loss = loss + self.args.kl_coef * kl
-        return (loss, out[1]) if return_outputs else loss
+        return (loss, outputs) if return_outputs else loss

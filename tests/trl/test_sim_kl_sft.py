@@ -76,3 +76,28 @@ def test_kl_trainer_needs_its_config_and_reference(tmp_path, tiny_sft_path, toy_
         )
     with pytest.raises(ValueError, match="kl_coef"):
         KLSFTConfig(output_dir=str(tmp_path), kl_coef=-1.0, use_cpu=True, bf16=False)
+
+
+def test_kl_loss_with_an_identical_reference_equals_the_sft_loss(tiny_sft_path, toy_tok, toy_data, tmp_path):
+    # one forward computes NLL and KL; with ref == policy the KL is 0 and the NLL must be SFTTrainer's own loss
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf_ext.trl import KLRegularizedSFTTrainer, KLSFTConfig
+
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in toy_data["train"].select(range(8))]
+    common = dict(per_device_train_batch_size=8, completion_only_loss=True, bf16=False, use_cpu=True,
+                  report_to="none", disable_tqdm=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_sft_path, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_sft_path, dtype=torch.float32)
+    data = dict(train_dataset=Dataset.from_list(rows), processing_class=toy_tok)
+    sft = SFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path / "a"), **common), **data)
+    kl_args = KLSFTConfig(output_dir=str(tmp_path / "b"), kl_coef=3.0, **common)
+    kl = KLRegularizedSFTTrainer(model=model, args=kl_args, ref_model=ref, **data)
+    batch = next(iter(sft.get_train_dataloader()))
+    with torch.no_grad():
+        expected = sft.compute_loss(model, dict(batch))
+        got = kl.compute_loss(model, dict(batch))
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert kl._metrics["eval"]["kl_to_ref"][-1] == pytest.approx(0.0, abs=1e-6)  # from_pretrained: eval mode
