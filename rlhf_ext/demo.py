@@ -126,12 +126,9 @@ class DemoPipeline:
                 "train": len(stage["train"]), "test": len(stage["test"])}  # fmt: skip
 
     def stage_sft(self, results) -> dict[str, Any]:
-        from datasets import Dataset
-        from trl import SFTConfig, SFTTrainer
-
         from rlhf_ext.testing.models import tiny_causal_lm
         from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
-        from rlhf_ext.utils import atomic_directory
+        from rlhf_ext.trl.sft import fine_tune
 
         m, t = self.recipe.model, self.recipe.training
         sft_rows, pref_rows, _ = self._stage_split()
@@ -140,30 +137,14 @@ class DemoPipeline:
             tokenizer = train_bpe_tokenizer(texts, m.tokenizer_vocab)
             model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size,
                                    intermediate_size=2 * m.hidden_size, num_hidden_layers=m.num_layers)  # fmt: skip
-        else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        else:  # fine_tune loads the checkpoint (float32) and its tokenizer
             from rlhf_ext.resources import resolve_model
 
-            path = resolve_model(m.base_model)
-            tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-        demos = Dataset.from_list(
-            [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
-        )
+            model, tokenizer = resolve_model(m.base_model), None
+        demos = [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
         dest = self.out / "sft"
-        with atomic_directory(dest) as tmp:
-            args = SFTConfig(
-                output_dir=str(tmp / "trainer"), num_train_epochs=m.sft_epochs, per_device_train_batch_size=16,
-                learning_rate=m.sft_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, seed=t.seed,
-                bf16=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=20,
-                gradient_checkpointing=False, completion_only_loss=True,
-            )  # fmt: skip
-            SFTTrainer(model=model, args=args, train_dataset=demos, processing_class=tokenizer).train()
-            import shutil
-
-            shutil.rmtree(tmp / "trainer", ignore_errors=True)
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        fine_tune(model, demos, dest, tokenizer=tokenizer, epochs=m.sft_epochs, batch_size=16,
+                  learning_rate=m.sft_learning_rate, warmup_steps=0.05, seed=t.seed, logging_steps=20)  # fmt: skip
         return {"path": str(dest), "demonstrations": len(demos)}
 
     def stage_labels(self, results) -> dict[str, Any]:

@@ -66,43 +66,13 @@ def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0
     The SFT model learns the language of the task (both kinds of response), which is what segmentation needs: low
     entropy inside a phrase, high entropy where the next phrase is chosen.
     """
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
     from rlhf_ext.testing.toy import toy_preference_rows
+    from rlhf_ext.trl.sft import fine_tune
 
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     rows = toy_preference_rows(TOY_CORPUS_ROWS, seed=12345)
-    data = Dataset.from_list(
-        [{"prompt": r["prompt"], "completion": r[k]} for r in rows for k in ("chosen", "rejected")]
-    )
-    with atomic_directory(dest) as tmp:
-        args = SFTConfig(
-            output_dir=str(tmp / "trainer"),
-            max_steps=steps,
-            per_device_train_batch_size=32,
-            learning_rate=3e-3,
-            lr_scheduler_type="cosine",
-            warmup_steps=10,
-            seed=seed,
-            bf16=False,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=50,
-            gradient_checkpointing=False,
-            completion_only_loss=True,
-            disable_tqdm=True,
-        )
-        SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
-        import shutil
-
-        shutil.rmtree(tmp / "trainer", ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    demos = [{"prompt": r["prompt"], "completion": r[k]} for r in rows for k in ("chosen", "rejected")]
+    fine_tune(base, demos, dest, max_steps=steps, batch_size=32, learning_rate=3e-3, warmup_steps=10, seed=seed,
+              logging_steps=50, disable_tqdm=True)  # fmt: skip
 
 
 def _build_tiny_segment_rm(dest: Path, sft: str) -> None:

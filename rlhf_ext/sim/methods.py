@@ -52,56 +52,18 @@ def fine_tune(
     kl_coef: float = 0.0,
     ref: str | None = None,
 ) -> str:
-    """Supervised fine-tuning of ``init`` on ``rows`` (``prompt`` / ``completion``; loss on completions only) into
-    ``out`` (atomically; reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref``
-    (:class:`~rlhf_ext.trl.KLRegularizedSFTTrainer`); otherwise this is TRL's ``SFTTrainer``."""
+    """:func:`rlhf_ext.trl.sft.fine_tune` of ``init`` on ``rows`` with a recipe's ``TrainSettings`` into ``out``
+    (reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref`` (default ``init``)."""
     if (out / "config.json").exists():
         return str(out)
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTTrainer
+    from rlhf_ext.trl.sft import fine_tune as sft_fine_tune
 
-    from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
-
-    if not rows:
-        raise ValueError(f"no training rows for {out.name}; check the task splits and sample counts")
-    tokenizer = AutoTokenizer.from_pretrained(init)
-    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
-    with atomic_directory(out) as tmp:
-        args = KLSFTConfig(
-            output_dir=str(tmp / "trainer"),
-            kl_coef=kl_coef,
-            max_steps=settings.max_steps if settings.max_steps is not None else -1,
-            num_train_epochs=settings.epochs,
-            per_device_train_batch_size=settings.batch_size,
-            learning_rate=settings.learning_rate,
-            lr_scheduler_type=settings.lr_scheduler,
-            warmup_steps=settings.warmup_ratio,  # transformers 5: a float < 1 is a ratio
-            max_length=run.recipe.task.max_length,
-            completion_only_loss=True,
-            seed=seed,
-            bf16=False,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=10,
-            gradient_checkpointing=False,
-            disable_tqdm=True,
-        )
-        common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
-        if settings.max_steps != 0:
-            if kl_coef > 0:
-                ref_model = AutoModelForCausalLM.from_pretrained(ref or init, dtype=torch.float32)
-                trainer = KLRegularizedSFTTrainer(**common, ref_model=ref_model)
-            else:
-                trainer = SFTTrainer(**common)
-            trainer.train()
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        import shutil
-
-        shutil.rmtree(tmp / "trainer", ignore_errors=True)
-    return str(out)
+    return sft_fine_tune(
+        init, rows, out,
+        learning_rate=settings.learning_rate, batch_size=settings.batch_size, seed=seed, epochs=settings.epochs,
+        max_steps=settings.max_steps, lr_scheduler=settings.lr_scheduler, warmup_steps=settings.warmup_ratio,
+        max_length=run.recipe.task.max_length, kl_coef=kl_coef, ref_model=ref or init, disable_tqdm=True,
+    )  # fmt: skip
 
 
 def _pairs(run: SimRun, seed: int) -> list[dict[str, Any]]:

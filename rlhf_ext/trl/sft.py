@@ -1,0 +1,95 @@
+"""The package's one supervised fine-tuning routine (the demo's SFT stage, the simulator's SFT-based methods and the
+test fixtures' ``builtin:tiny-sft`` all call it): TRL's ``SFTTrainer`` on ``prompt``/``completion`` rows with the loss
+on completions only, or :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` when ``kl_coef > 0``, saved atomically."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def fine_tune(
+    model: Any,
+    rows: list[dict[str, str]],
+    out: str | Path,
+    *,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+    epochs: float = 1.0,
+    max_steps: int | None = None,
+    lr_scheduler: str = "cosine",
+    warmup_steps: float = 0.0,
+    max_length: int = 1024,
+    logging_steps: int = 10,
+    tokenizer: Any = None,
+    kl_coef: float = 0.0,
+    ref_model: Any = None,
+    disable_tqdm: bool = False,
+) -> str:
+    """Fine-tune ``model`` (a checkpoint path or a loaded model) on ``rows`` and write model + tokenizer to ``out``.
+
+    Args:
+        model: path of the initial checkpoint, or a ``PreTrainedModel`` (then ``tokenizer`` is required).
+        rows: ``[{"prompt": ..., "completion": ...}]``; must not be empty.
+        out: destination directory, written atomically (a crash leaves no half-written checkpoint).
+        max_steps: ``None`` trains for ``epochs``; ``0`` saves the initial model unchanged.
+        warmup_steps: transformers 5 semantics: an integer is a number of steps, a float < 1 a ratio.
+        kl_coef, ref_model: Quark's KL penalty to ``ref_model`` (a path or a model) per completion token.
+
+    Returns:
+        ``str(out)``.
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
+    from rlhf_ext.utils import atomic_directory
+
+    out = Path(out)
+    if not rows:
+        raise ValueError(f"no training rows for {out.name}; check the data splits and sample counts")
+    if isinstance(model, (str, Path)):
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if tokenizer is None:
+        raise ValueError("fine_tune: pass tokenizer= with a loaded model")
+    with atomic_directory(out) as tmp:
+        if max_steps != 0:
+            args = KLSFTConfig(
+                output_dir=str(tmp / "trainer"),
+                kl_coef=kl_coef,
+                num_train_epochs=epochs,
+                max_steps=max_steps if max_steps is not None else -1,
+                per_device_train_batch_size=batch_size,
+                learning_rate=learning_rate,
+                lr_scheduler_type=lr_scheduler,
+                warmup_steps=warmup_steps,
+                max_length=max_length,
+                completion_only_loss=True,
+                seed=seed,
+                bf16=False,
+                use_cpu=True,
+                report_to="none",
+                save_strategy="no",
+                logging_steps=logging_steps,
+                gradient_checkpointing=False,
+                disable_tqdm=disable_tqdm,
+            )
+            common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+            if kl_coef > 0:
+                if ref_model is None:
+                    raise ValueError("fine_tune: kl_coef > 0 needs ref_model=")
+                if isinstance(ref_model, (str, Path)):
+                    ref_model = AutoModelForCausalLM.from_pretrained(ref_model, dtype=torch.float32)
+                KLRegularizedSFTTrainer(**common, ref_model=ref_model).train()
+            else:
+                SFTTrainer(**common).train()
+            shutil.rmtree(tmp / "trainer", ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return str(out)
