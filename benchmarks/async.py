@@ -105,6 +105,7 @@ def online_run(
     import shutil
 
     from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
+    from rlhf_ext.trl.args import CPU_RUN
 
     shutil.rmtree(out, ignore_errors=True)
     args = IterativeDPOConfig(
@@ -121,12 +122,7 @@ def online_run(
         lr_scheduler_type="constant",
         beta=0.1,
         max_length=160,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
+        **CPU_RUN,
         logging_steps=10_000,
         eval_num_prompts=1,
         eval_samples_per_prompt=1,

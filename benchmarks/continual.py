@@ -84,6 +84,7 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
 
     from rlhf_ext.testing.toy import toy_preference_dataset
     from rlhf_ext.trl import ContinualDPOConfig, ContinualDPOTrainer
+    from rlhf_ext.trl.args import CPU_RUN
 
     data = toy_preference_dataset(n_train=batch_size, n_test=1, seed=7)["train"]
     rows = []
@@ -95,12 +96,7 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
                 per_device_train_batch_size=batch_size,
                 max_length=max_length,
                 learning_rate=0.0,  # weights stay fixed: every repetition runs the same computation
-                bf16=False,
-                use_cpu=True,
-                report_to="none",
-                gradient_checkpointing=False,
-                save_strategy="no",
-                disable_tqdm=True,
+                **CPU_RUN,
             )
             import copy
 

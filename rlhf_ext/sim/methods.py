@@ -155,6 +155,8 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    from rlhf_ext.trl.args import CPU_RUN
+
     cfg, out = cfg or run.recipe.dpo, run.seed_dir(seed) / name
     if not (out / "config.json").exists():
         rows = _pairs(run, seed)
@@ -176,13 +178,8 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
                 warmup_steps=t.warmup_ratio,
                 max_length=run.recipe.task.max_length,
                 seed=seed,
-                bf16=False,
-                use_cpu=True,
-                report_to="none",
-                save_strategy="no",
+                **CPU_RUN,
                 logging_steps=10,
-                gradient_checkpointing=False,
-                disable_tqdm=True,
             )
             trainer = DPOTrainer(
                 model=run.sft_model(),
@@ -289,6 +286,7 @@ def sim_online_dpo(
     """
     from transformers import AutoTokenizer
 
+    from rlhf_ext.trl.args import CPU_RUN
     from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
 
     name = name or {"iterative": "online_dpo", "async": "online_dpo_async", "sync": "online_dpo_sync"}[mode]
@@ -305,13 +303,8 @@ def sim_online_dpo(
         generation_threads=r.threads,
         training_threads=r.threads,
         seed=seed,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
+        **CPU_RUN,
         logging_steps=10,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
     )
     if mode != "iterative":
         c = cfg or r.online_dpo_async

@@ -13,6 +13,18 @@ import torch
 
 T = TypeVar("T")
 
+#: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32 on the
+#: CPU, no logging integrations, no checkpoints, no gradient checkpointing, no progress bars. Recipes go through
+#: :func:`training_kwargs` instead.
+CPU_RUN: dict[str, Any] = dict(
+    bf16=False,
+    use_cpu=True,
+    report_to="none",
+    save_strategy="no",
+    gradient_checkpointing=False,
+    disable_tqdm=True,
+)
+
 
 def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None = None) -> dict[str, Any]:
     """``TrainingArguments`` keywords from a recipe ``train`` section.

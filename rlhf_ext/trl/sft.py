@@ -47,6 +47,7 @@ def fine_tune(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
 
+    from rlhf_ext.trl.args import CPU_RUN
     from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
     from rlhf_ext.utils import atomic_directory
 
@@ -72,13 +73,8 @@ def fine_tune(
                 max_length=max_length,
                 completion_only_loss=True,
                 seed=seed,
-                bf16=False,
-                use_cpu=True,
-                report_to="none",
-                save_strategy="no",
                 logging_steps=logging_steps,
-                gradient_checkpointing=False,
-                disable_tqdm=disable_tqdm,
+                **{**CPU_RUN, "disable_tqdm": disable_tqdm},
             )
             common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
             if kl_coef > 0:

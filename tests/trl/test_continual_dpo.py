@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf_ext.continual import kl_to_previous
+from rlhf_ext.trl.args import CPU_RUN
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -26,12 +27,7 @@ def _args(cls, tmp_path, **kw):
         output_dir=str(tmp_path / cls.__name__),
         per_device_train_batch_size=4,
         max_length=96,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
+        **CPU_RUN,
         seed=3,
         **kw,
     )

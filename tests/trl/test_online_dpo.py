@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from rlhf_ext.online.rollout import keyphrase_gold_reward
 from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
+from rlhf_ext.trl.args import CPU_RUN
 
 
 @pytest.fixture(autouse=True)
@@ -43,12 +44,7 @@ def make_args(out: Path, **kw) -> IterativeDPOConfig:
         per_device_train_batch_size=4,
         beta=0.1,
         lr_scheduler_type="constant",
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        gradient_checkpointing=False,
-        save_strategy="no",
-        disable_tqdm=True,
+        **CPU_RUN,
         logging_steps=100,
         eval_num_prompts=4,
         eval_samples_per_prompt=1,

@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from rlhf_ext.segment.data import prepare_segment_dataset
+from rlhf_ext.trl.args import CPU_RUN
 
 
 def _args(tmp_path, **kw):
@@ -20,12 +21,7 @@ def _args(tmp_path, **kw):
         per_device_train_batch_size=8,
         per_device_eval_batch_size=8,
         learning_rate=1e-3,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
+        **CPU_RUN,
         logging_steps=1,
         seed=0,
     )
