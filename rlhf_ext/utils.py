@@ -88,3 +88,26 @@ def stable_hash(*parts: Any, length: int = 16) -> str:
         h.update(json.dumps(part, sort_keys=True, default=str).encode())
         h.update(b"\0")
     return h.hexdigest()[:length]
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Any, Any]:
+    """Module-level ``__getattr__`` and ``__dir__`` for a package whose public names live in submodules.
+
+    ``exports`` maps each public name to the module defining it; the module is imported on first access and the
+    value cached in the package, so ``import package`` stays light. Use as
+    ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``.
+    """
+    import importlib
+    import sys
+
+    def __getattr__(name: str) -> Any:
+        if name in exports:
+            value = getattr(importlib.import_module(exports[name]), name)
+            setattr(sys.modules[package], name, value)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__

@@ -15,8 +15,7 @@ Engine-free: nothing here imports trl, openrlhf, deepspeed, ray or vllm; ``datas
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlhf_ext.utils import lazy_exports
 
 #: public name -> defining module (imported on first access, so ``rlhf-ext --help`` stays fast)
 _EXPORTS = {
@@ -70,13 +69,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlhf_ext.datagen' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -15,8 +15,7 @@ the functions that need them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlhf_ext.utils import lazy_exports
 
 _EXPORTS = {
     "GoldScorer": "rlhf_ext.sim.gold",
@@ -42,13 +41,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlhf_ext.sim' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
