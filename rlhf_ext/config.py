@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -114,6 +115,41 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise RecipeError(f"'{path}' must be {_type_name(tp)}; got {value!r}")
+
+
+@dataclasses.dataclass
+class TrainSection:
+    """Optimisation keys every recipe's ``train`` section shares (each recipe subclasses it with its own defaults
+    and extra keys; :func:`rlhf_ext.trl.args.training_kwargs` maps them to ``TrainingArguments``).
+
+    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch; ``max_steps``
+    (``None``: train for ``epochs``); ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed
+    through unchanged.
+    """
+
+    epochs: float = 1.0
+    max_steps: int | None = None
+    batch_size: int = 16
+    micro_batch_size: int = 16
+    learning_rate: float = 1e-5
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    trl_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        if not self.learning_rate > 0 or math.isinf(self.learning_rate):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or empty to train for `epochs`), got {self.max_steps}")
 
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from rlhf_ext.config import TrainSection
 from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_kl_coef
 
 
@@ -124,34 +125,17 @@ class PPOSection:
 
 
 @dataclass
-class StageTrainSection:
-    """Optimisation settings of one per-task training stage. ``batch_size`` is the global batch (pairs); every
-    task is trained for ``epochs`` (or ``max_steps``). Defaults are paper 000's DPO settings (Table 5: learning rate
-    5e-6, 4 epochs, batch 8). ``trl_args`` passes extra TRL config fields through unchanged."""
+class StageTrainSection(TrainSection):
+    """Optimisation settings of one per-task training stage (:class:`~rlhf_ext.config.TrainSection`).
+    ``batch_size`` is the global batch (pairs); every task is trained for ``epochs`` (or ``max_steps``). Defaults
+    are paper 000's DPO settings (Table 5: learning rate 5e-6, 4 epochs, batch 8)."""
 
     epochs: float = 4.0
-    max_steps: int | None = None
     batch_size: int = 8
     micro_batch_size: int = 8
     learning_rate: float = 5e-6
     lr_scheduler: str = "linear"
     warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    logging_steps: int = 10
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    trl_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
-            )
-        if not self.learning_rate > 0 or math.isinf(self.learning_rate):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 (or empty to train for `epochs`), got {self.max_steps}")
 
 
 def _rm_defaults() -> StageTrainSection:

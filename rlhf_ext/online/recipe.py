@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhf_ext.config import TrainSection
 from rlhf_ext.online.selection import check_num_samples
 
 
@@ -103,7 +104,7 @@ class OnlineSection:
 
 
 @dataclass
-class DPOTrainSection:
+class DPOTrainSection(TrainSection):
     """The inner DPO runs (paper 004: lr 5e-7, 2 epochs, cosine, warm-up 0.03, global batch 128, beta 0.1).
     ``batch_size`` is the global batch in pairs. ``max_steps``: online mode's number of updates (default: one pass
     over the prompts). ``save_steps`` writes resumable ``DPOTrainer`` checkpoints. ``trl_args``: extra
@@ -111,35 +112,20 @@ class DPOTrainSection:
 
     output_dir: str = "runs/online_dpo"
     epochs: float = 2.0
-    max_steps: int | None = None
     batch_size: int = 128
     micro_batch_size: int = 8
     learning_rate: float = 5e-7
-    lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
     beta: float = 0.1
     loss_type: str = "sigmoid"
     max_length: int | None = 2048
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
     seed: int = 42
-    logging_steps: int = 10
     save_steps: int | None = None
     resume: bool = True
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    trl_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be a multiple of train.micro_batch_size "
-                f"({self.micro_batch_size})"
-            )
-        if self.learning_rate <= 0 or not math.isfinite(self.learning_rate):
-            raise ValueError(f"train.learning_rate must be a positive number, got {self.learning_rate}")
+        super().__post_init__()
         if self.beta <= 0:
-            raise ValueError(f"train.beta (the DPO KL coefficient) must be > 0, got {self.beta}")
+            raise ValueError(f"beta (the DPO KL coefficient) must be > 0, got {self.beta}")
 
 
 @dataclass

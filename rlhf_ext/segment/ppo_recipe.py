@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhf_ext.config import TrainSection
 from rlhf_ext.segment.core import check_cutoff, check_tau
 
 
@@ -81,35 +82,20 @@ class PPOAlgoSection:
 
 
 @dataclass
-class PPOTrainSection:
-    """``batch_size`` = rollouts per optimizer step (global); ``micro_batch_size`` per device."""
+class PPOTrainSection(TrainSection):
+    """:class:`~rlhf_ext.config.TrainSection` with ``batch_size`` = rollouts per optimizer step (global),
+    ``micro_batch_size`` per device, and the critic's own learning rate."""
 
     output_dir: str = "runs/segment_ppo"
-    max_steps: int | None = None
-    epochs: float = 1.0
     batch_size: int = 128
-    micro_batch_size: int = 16
     learning_rate: float = 5e-7
     critic_learning_rate: float = 9e-6
-    lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    seed: int = 42
     logging_steps: int = 1
+    seed: int = 42
     save_steps: int | None = None
     resume: bool = True
-    bf16: bool = False
-    gradient_checkpointing: bool = False
     zero_stage: int = 2
-    trl_args: dict[str, Any] = field(default_factory=dict)
     openrlhf_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be a multiple of train.micro_batch_size "
-                f"({self.micro_batch_size})"
-            )
 
 
 @dataclass

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhf_ext.config import TrainSection
 from rlhf_ext.segment.core import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
@@ -68,8 +68,8 @@ class SegmentSection:
 
 
 @dataclass
-class RMTrainSection:
-    """Optimisation settings; both engines read the same keys. ``batch_size`` is the global batch (pairs).
+class RMTrainSection(TrainSection):
+    """Optimisation settings (:class:`~rlhf_ext.config.TrainSection`); both engines read the same keys.
 
     ``save_steps`` writes resumable checkpoints; with ``resume: true`` a rerun continues from the last one.
     ``trl_args`` / ``openrlhf_args`` pass engine-native options through unchanged (``SegmentRewardConfig`` fields,
@@ -77,35 +77,14 @@ class RMTrainSection:
     """
 
     output_dir: str = "runs/segment_rm"
-    epochs: float = 1.0
-    max_steps: int | None = None
-    batch_size: int = 16
-    micro_batch_size: int = 16
     learning_rate: float = 1e-3
-    lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 1.0
     seed: int = 42
-    logging_steps: int = 10
     save_steps: int | None = None
     resume: bool = True
-    bf16: bool = False
-    gradient_checkpointing: bool = False
     zero_stage: int = 2
     segment_cache_dir: str | None = None
-    trl_args: dict[str, Any] = field(default_factory=dict)
     openrlhf_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be a multiple of train.micro_batch_size "
-                f"({self.micro_batch_size})"
-            )
-        if self.learning_rate <= 0 or not math.isfinite(self.learning_rate):
-            raise ValueError(f"train.learning_rate must be a positive number, got {self.learning_rate}")
 
 
 @dataclass

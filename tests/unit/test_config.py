@@ -42,7 +42,7 @@ def test_mistyped_values_are_named(data, message):
 def test_cross_field_validation_names_the_section():
     with pytest.raises(RecipeError, match="'segment': entropy cutoff must be >= 0"):
         from_dict(SegmentRMRecipe, {"segment": {"entropy_cutoff": -1}})
-    with pytest.raises(RecipeError, match="multiple of train.micro_batch_size"):
+    with pytest.raises(RecipeError, match=r"'train': batch_size \(10\) must be a multiple of micro_batch_size \(4\)"):
         from_dict(SegmentRMRecipe, {"train": {"batch_size": 10, "micro_batch_size": 4}})
 
 
@@ -85,3 +85,35 @@ def test_every_packaged_segment_rm_recipe_loads():
     # Table 7 of paper 003
     assert (paper.segment.entropy_cutoff, paper.segment.tau, paper.train.learning_rate) == (2.0, 0.5, 1e-6)
     assert (paper.train.batch_size, paper.data.max_length, paper.train.zero_stage) == (128, 2048, 3)
+
+
+@pytest.mark.parametrize(
+    "recipe_cls, section",
+    [
+        ("rlhf_ext.segment.recipe:SegmentRMRecipe", "train"),
+        ("rlhf_ext.segment.ppo_recipe:SegmentPPORecipe", "train"),
+        ("rlhf_ext.online.recipe:OnlineDPORecipe", "train"),
+        ("rlhf_ext.continual.recipe:ContinualRecipe", "train"),
+        ("rlhf_ext.continual.recipe:ContinualRecipe", "reward_model.train"),
+    ],
+)
+def test_every_train_section_validates_the_shared_optimisation_keys(recipe_cls, section):
+    import importlib
+
+    from rlhf_ext.config import RecipeError, TrainSection, load_recipe
+
+    module, name = recipe_cls.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    recipe = load_recipe(cls, None, [])
+    train = recipe
+    for part in section.split("."):
+        train = getattr(train, part)
+    assert isinstance(train, TrainSection)
+    bad = {
+        "micro_batch_size=3": r"batch_size \(16\) must be a multiple of micro_batch_size \(3\)",
+        "learning_rate=0": "learning_rate must be a positive number, got 0",
+        "max_steps=0": "max_steps must be >= 1",
+    }
+    for override, message in bad.items():
+        with pytest.raises(RecipeError, match=f"'{section}': {message}"):
+            load_recipe(cls, None, [f"{section}.{override}", f"{section}.batch_size=16"])
