@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlhf_ext.utils import atomic_write_json, atomic_write_text
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -305,9 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["table"] = render(result)
     print("\n" + result["table"])
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".txt").write_text(result["table"] + "\n")
+    atomic_write_json(out, result)
+    atomic_write_text(out.with_suffix(".txt"), result["table"] + "\n")
     print(f"\nwrote {out} and {out.with_suffix('.txt')}")
     return result
 

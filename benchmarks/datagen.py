@@ -17,13 +17,14 @@ sample cached). Each configuration runs in a fresh output directory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rlhf_ext.utils import atomic_write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -136,8 +137,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]},
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

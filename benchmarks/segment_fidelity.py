@@ -24,6 +24,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from rlhf_ext.utils import atomic_write_json, atomic_write_text
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -56,7 +58,6 @@ def run_one(pipeline, shared, out: Path, name: str, seed: int, rm_kind: str, ove
     from rlhf_ext.segment.ppo_recipe import run_segment_ppo
     from rlhf_ext.segment.recipe import run_segment_rm
     from rlhf_ext.sim import AnnotatorPool, win_rate
-    from rlhf_ext.utils import atomic_write_json
 
     result_file = out / "runs" / f"{key}-seed{seed}.json"
     if result_file.exists():
@@ -121,7 +122,6 @@ def main() -> None:
     shared = {}
     for stage in ("data", "sft", "labels"):
         shared[stage] = pipeline._done(stage) or getattr(pipeline, f"stage_{stage}")(shared)
-        from rlhf_ext.utils import atomic_write_json
 
         atomic_write_json(pipeline.markers / f"{stage}.json", shared[stage])
     tables = {1: ("Table 1: action granularity", TABLE1, True), 2: ("Table 2: reward normalizer", TABLE2, False),
@@ -137,9 +137,8 @@ def main() -> None:
     text = f"Seeds {args.seeds}; {recipe.data.eval_prompts} held-out prompts per evaluation.\n\n" + "\n".join(report)
     print(text)
     base = Path(args.results)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    base.with_suffix(".md").write_text(text)
-    base.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_text(base.with_suffix(".md"), text)
+    atomic_write_json(base.with_suffix(".json"), results)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf_ext.utils import atomic_write_json
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -183,8 +185,7 @@ def main() -> None:
     for row in results["curve"]:
         print(f"{row['step']:4d} {row['reward']:8.2f} {row['segment/kl']:7.3f} {row['segment/raw_last_score']:7.3f}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(out, results)
     print(f"\nwrote {out}", file=sys.stderr)
 
 

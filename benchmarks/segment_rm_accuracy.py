@@ -11,12 +11,13 @@ reach 100%). Prints mean +- standard error over seeds and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import tempfile
 from pathlib import Path
+
+from rlhf_ext.utils import atomic_write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -85,8 +86,7 @@ def main() -> None:
     segs = {k: statistics.mean(r["segments_per_response"] for r in results if r["setting"] == k) for k in SETTINGS}
     print("segments per response: " + ", ".join(f"{k} {v:.1f}" for k, v in segs.items()))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": results, "segments_per_response": segs}, indent=2) + "\n")
+    atomic_write_json(out, {"results": results, "segments_per_response": segs})
 
 
 if __name__ == "__main__":

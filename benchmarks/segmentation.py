@@ -16,7 +16,6 @@ Each comparison runs both sides interleaved in one process and reports medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from rlhf_ext.utils import atomic_write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -232,8 +233,7 @@ def main() -> None:
         print(f"{r['model']:28s} {r['pairs']:5d} {r['T']:5d} {r['bandit_step_ms']:12.1f} {r['segment_step_ms']:13.1f} "
               f"{r['ratio']:6.3f}")  # fmt: skip
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(out, results)
     print(f"\nwrote {out}", file=sys.stderr)
 
 
