@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="loads SmolLM2-135M; set RLHF_EXT_REAL_MODEL=1 to run"))
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Run the test with one torch thread (generation-heavy tests: 2 xdist workers share 2 cores)."""
+    from rlhf_ext.online.async_runner import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     """One cache shared by all xdist workers of a run (built models are locked and renamed atomically)."""

@@ -81,3 +81,10 @@ def make_config(config_cls: type[T], kwargs: dict[str, Any], trl_args: dict[str,
         return config_cls(**kwargs)
     except TypeError as e:
         raise RecipeError(f"train.trl_args: {e} (keys must be {config_cls.__name__} fields)") from e
+
+
+def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str | None:
+    """The newest ``checkpoint-*`` directory under ``output_dir`` to resume from (``None``: start fresh)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(output_dir)) if resume and os.path.isdir(output_dir) else None

@@ -539,7 +539,7 @@ class IterativeDPOTrainer:
             state["skipped"].append(k)
             self._write_state(state)
             return start
-        from transformers.trainer_utils import get_last_checkpoint
+        from rlhf_ext.trl.args import last_checkpoint
 
         work = self.root / "iterations" / f"iter_{k:03d}"
         ref = self._load_causal_lm(self.ref_path if self.args.reference == "sft" else start)
@@ -551,7 +551,7 @@ class IterativeDPOTrainer:
             processing_class=self.tokenizer,
             callbacks=self.callbacks,
         )
-        last = get_last_checkpoint(str(work)) if work.is_dir() else None
+        last = last_checkpoint(work)
         with torch_threads(self.args.training_threads):
             trainer.train(resume_from_checkpoint=last)
         dest = self.root / "policies" / f"policy_{k + 1:03d}"
@@ -639,7 +639,7 @@ class IterativeDPOTrainer:
             )
 
     def _train_online(self) -> dict[str, Any]:
-        from transformers.trainer_utils import get_last_checkpoint
+        from rlhf_ext.trl.args import last_checkpoint
 
         a = self.args
         if self.state.num_processes > 1 and a.generation_backend == "vllm":
@@ -654,7 +654,7 @@ class IterativeDPOTrainer:
         dest = self.root / "policies" / "online_final"
         if dest.exists() and (self.root / "summary.json").exists():
             return json.loads((self.root / "summary.json").read_text())  # the run already finished
-        last = get_last_checkpoint(str(work)) if work.is_dir() else None
+        last = last_checkpoint(work)
         offset = int(Path(last).name.split("-")[-1]) if last else 0
         # batches generated after the last checkpoint belong to updates that were lost: they are generated again
         if self.state.is_main_process:

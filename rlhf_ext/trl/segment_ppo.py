@@ -512,9 +512,9 @@ def train_segment_ppo(recipe) -> dict[str, Any]:
     import os
 
     from transformers import AutoTokenizer
-    from transformers.trainer_utils import get_last_checkpoint
 
     from rlhf_ext.resources import resolve_dataset, resolve_model
+    from rlhf_ext.trl.args import last_checkpoint
     from rlhf_ext.utils import atomic_write_json
 
     recipe.model.sft_model = resolve_model(recipe.model.sft_model)
@@ -532,7 +532,7 @@ def train_segment_ppo(recipe) -> dict[str, Any]:
         processing_class=tokenizer,
         calibration_dataset=calibration,
     )
-    last = get_last_checkpoint(args.output_dir) if recipe.train.resume and os.path.isdir(args.output_dir) else None
+    last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
     curve = [

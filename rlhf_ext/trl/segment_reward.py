@@ -232,10 +232,10 @@ def recipe_to_config(recipe) -> SegmentRewardConfig:
 def train_segment_rm(recipe) -> dict[str, Any]:
     """Run a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` with TRL; returns paths and final eval metrics."""
     from transformers import AutoTokenizer
-    from transformers.trainer_utils import get_last_checkpoint
 
     from rlhf_ext.resources import resolve_model
     from rlhf_ext.segment.recipe import load_preference_splits, write_segment_report
+    from rlhf_ext.trl.args import last_checkpoint
     from rlhf_ext.utils import atomic_write_json
 
     args = recipe_to_config(recipe)
@@ -267,7 +267,7 @@ def train_segment_rm(recipe) -> dict[str, Any]:
         eval_dataset=eval_prepared,
         processing_class=tokenizer,
     )
-    last = get_last_checkpoint(args.output_dir) if recipe.train.resume and os.path.isdir(args.output_dir) else None
+    last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
     metrics = trainer.evaluate() if eval_prepared is not None else {}

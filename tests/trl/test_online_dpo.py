@@ -15,13 +15,7 @@ from rlhf_ext.online.rollout import keyphrase_gold_reward
 from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
 from rlhf_ext.trl.args import CPU_RUN
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
