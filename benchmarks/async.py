@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json, atomic_write_text
+from rlhf_ext.utils import atomic_write_json, atomic_write_text, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     root = Path(args.work)
-    machine = {"cpus": os.cpu_count(), "load_at_start": load(), "torch": torch.__version__}
+    machine = {**machine_info(), "load_at_start": load()}
     sft = resolve_model("builtin:tiny-sft")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     print("reward model ...", flush=True)

@@ -29,22 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhf_ext.utils import machine_info
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _machine() -> dict:
-    import torch
-
-    return {
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "cuda": torch.cuda.is_available(),
-    }
 
 
 # --------------------------------------------------------------------------------------------------------- step cost
@@ -159,7 +150,7 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
                 }
             )
             del plain, cont
-    result = {"benchmark": "continual DPO step vs plain DPO step", "target_ratio": 1.35, "machine": _machine()}
+    result = {"benchmark": "continual DPO step vs plain DPO step", "target_ratio": 1.35, "machine": machine_info()}
     result["rows"] = rows
     print("\nstep cost: continual DPO (c=1, k3) vs TRL DPOTrainer, same batch, interleaved; target <= 1.35x")
     header = f"{'model':10} {'params':>8} {'pairs':>6} {'tokens':>7} {'plain s':>9} {'cont. s':>9} {'ratio':>7}"
@@ -258,7 +249,7 @@ def forgetting(
             "plasticity": "mean_k R[k, k] (each task right after training on it)",
         },
         "overrides": overrides,
-        "machine": _machine(),
+        "machine": machine_info(),
         "table": table,
         "runs": runs,
     }

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json
+from rlhf_ext.utils import atomic_write_json, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def main() -> None:
         "rows": rows,
         "openai_speedup_32_vs_1": speedup,
         "target_speedup": 20,
-        "machine": {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]},
+        "machine": machine_info(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     atomic_write_json(args.out, result)

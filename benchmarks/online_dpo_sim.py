@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
     from rlhf_ext.online.async_runner import torch_threads
-    from rlhf_ext.sim.compare import SimRun, _machine
+    from rlhf_ext.sim.compare import SimRun
     from rlhf_ext.sim.recipe import SimCompareRecipe
-    from rlhf_ext.utils import atomic_write_json
+    from rlhf_ext.utils import atomic_write_json, machine_info
 
     recipe = load_recipe(
         SimCompareRecipe,
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "length_penalties": args.length_penalty,
         "iterations": ITERATIONS,
         "wall_seconds": time.time() - start,
-        "machine": _machine(),
+        "machine": machine_info(),
         "markdown": table,
     }
     atomic_write_json(Path(args.out) / "online_dpo_sim.json", payload)

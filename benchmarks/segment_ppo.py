@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_ext.utils import atomic_write_json
+from rlhf_ext.utils import atomic_write_json, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -165,7 +165,7 @@ def main() -> None:
     results["step_memory"] = [step_memory(sft, rm, "gae"), step_memory(sft, rm, "reinforce")]
     with tempfile.TemporaryDirectory() as tmp:
         results["curve"] = ppo_curve(tmp)
-    results["machine"] = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__}
+    results["machine"] = machine_info()
 
     print("\nReward production for one PPO batch (reference forward + reward-model forward + reward shaping)")
     print(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_ext.utils import atomic_write_json
+from rlhf_ext.utils import atomic_write_json, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -216,8 +215,7 @@ def main() -> None:
             steps.append(bench_step("SmolLM2-135M architecture", tmp, 8, 256, repeats))
     del tiny_config
     results["step"] = steps
-    results["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                          "threads": torch.get_num_threads()}  # fmt: skip
+    results["machine"] = machine_info()
 
     s = results["segmentation"]
     print(f"\nSegmentation + gather, B={s['B']}, T={s['T']} (median of {repeats})")

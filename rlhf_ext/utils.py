@@ -111,3 +111,19 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Any, Any]:
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
+
+
+def machine_info() -> dict[str, Any]:
+    """What a benchmark result needs to be read against: CPUs, torch threads, 1/5/15-minute load average, versions."""
+    import platform
+
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }

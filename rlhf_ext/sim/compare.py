@@ -34,7 +34,7 @@ import torch
 
 from rlhf_ext.config import RecipeError, to_dict
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
-from rlhf_ext.utils import atomic_directory, atomic_write_json, atomic_write_text, stable_hash
+from rlhf_ext.utils import atomic_directory, atomic_write_json, atomic_write_text, machine_info, stable_hash
 
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
 #: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
@@ -406,20 +406,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
         "reward_model_heldout_accuracy": rms,
         "feedback": feedback,
         "wall_seconds": wall_seconds,
-        "machine": _machine(),
-    }
-
-
-def _machine() -> dict[str, Any]:
-    import os
-    import platform
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {
-        "cpus": os.cpu_count(),
-        "load_average": load,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "machine": machine_info(),
     }
 
 
