@@ -43,14 +43,17 @@ def split_ext_args(
     return rest, validate(ext)
 
 
-def attach_ext(ext: dict[str, Any]) -> None:
-    """Wrap OpenRLHF's config hierarchiser so the parsed arguments carry ``args.ext`` (idempotent)."""
+def attach_ext(ext: dict[str, Any] | Callable[[Any], Any]) -> None:
+    """Wrap OpenRLHF's config hierarchiser (idempotent) so the parsed arguments carry ``args.ext = ext`` — or, given
+    a callable, so that ``ext(args)`` sees (and may change) the parsed arguments right before the CLI's ``train``."""
     import openrlhf.utils.config as config_module
 
     original = getattr(config_module.hierarchize, "__wrapped__", config_module.hierarchize)
 
     def hierarchize(args):
         nested = original(args)
+        if callable(ext):
+            return ext(nested)
         nested.ext = SimpleNamespace(**ext)
         return nested
 
@@ -58,8 +61,8 @@ def attach_ext(ext: dict[str, Any]) -> None:
     config_module.hierarchize = hierarchize
 
 
-def run_cli_module(module: str, argv: Sequence[str], ext: dict[str, Any]) -> None:
-    """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv`` and ``args.ext = ext``."""
+def run_cli_module(module: str, argv: Sequence[str], ext: dict[str, Any] | Callable[[Any], Any]) -> None:
+    """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv`` and ``args.ext = ext`` (see :func:`attach_ext`)."""
     from rlhf_ext.openrlhf.compat import import_shims
 
     attach_ext(ext)

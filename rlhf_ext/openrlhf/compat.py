@@ -5,16 +5,21 @@ Two independent pieces, both no-ops where they are not needed:
 * :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
   when) those packages are missing, it registers placeholder modules under their names whose every function and
   class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
-  loudly. OpenRLHF's own test suite does the same. :func:`import_shims` does the same for the duration of a
+  loudly. OpenRLHF's own test suite does the same. Reading any other attribute of a placeholder (``vllm.__version__`` ...)
+  raises :class:`GPUPackageMissing` naming the package; ``vllm.SamplingParams`` is a plain dataclass
+  (:class:`SamplingParams`) because OpenRLHF builds one even when the HF rollout engine
+  generates. :func:`import_shims` does the same for the duration of a
   ``with`` block (for importing OpenRLHF modules) and unregisters them afterwards (:func:`remove_import_shims`):
   while a placeholder is registered, TRL 1.16's ``is_vllm_available()`` sees ``vllm`` through ``find_spec`` and
   then fails to parse its (missing) version, so TRL modules that check for vLLM at import (``trl.generation``)
   cannot be imported in the meantime.
 * :func:`patch_for_cpu` — when CUDA is unavailable, replaces the few strategy helpers that call CUDA
-  unconditionally (measured in ENGINES.md): DeepSpeed's shared-memory comm-op build, ``setup_distributed`` (gloo
+  unconditionally: DeepSpeed's shared-memory comm-op build, ``setup_distributed`` (gloo
   and a ``cpu`` device mesh), ``all_reduce``/``all_gather`` (no move to ``cuda.current_device()``),
   ``torch.cuda.synchronize`` (a no-op without CUDA), and the DeepSpeed optimizer config (``torch_adam``, avoiding
-  the fused-Adam C++ build).
+  the fused-Adam C++ build). In Ray workers (``worker=True``) also ``torch.cuda.current_device()`` — OpenRLHF's PPO
+  path moves tensors with ``.to(torch.cuda.current_device())`` at 18 call sites — returns the CPU device, and the PPO
+  replay buffer targets the CPU.
 
 Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
 """
@@ -29,6 +34,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +58,38 @@ _SHIMS: dict[str, dict[str, str]] = {
     "vllm.utils": {"random_uuid": "func"},
 }
 _SHIM_MARKER = "__rlhf_ext_shim__"
+
+
+@dataclass
+class SamplingParams:
+    """The fields of ``vllm.SamplingParams`` OpenRLHF 0.11.2 sets (``SamplesGenerator``, its agent executors); the
+    HF rollout engine (:mod:`rlhf_ext.openrlhf.rollout`) reads them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    stop: list[str] | None = None
+
+
+class GPUPackageMissing(AttributeError):
+    """An attribute of a placeholder GPU package was read (an ``AttributeError``, so ``hasattr`` probes say no)."""
+
+
+def _missing_attribute(package: str):
+    def __getattr__(name: str):
+        if name.startswith("__") and name not in ("__version__",):
+            raise AttributeError(name)
+        raise GPUPackageMissing(
+            f"{package}.{name}: '{package}' is not installed on this machine (rlhf-ext registered a placeholder so "
+            f"OpenRLHF imports on CPU). Install {'flash-attn' if package == 'flash_attn' else 'vllm'} on a GPU "
+            f"machine, or on CPU run PPO with --ext.rollout_engine hf."
+        )
+
+    return __getattr__
 
 
 def _unavailable(package: str, name: str):
@@ -84,7 +122,11 @@ def install_import_shims() -> list[str]:
             # find_spec() must work on it (transformers probes flash_attn that way); with no __file__ and no
             # __version__, transformers treats it as "not installed", which is the truth.
             module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            module.__getattr__ = _missing_attribute(root)
             for attr, kind in attrs.items():
+                if name == "vllm" and attr == "SamplingParams":  # plain data, built by OpenRLHF's driver side
+                    module.SamplingParams = SamplingParams
+                    continue
                 raiser, message = _unavailable(root, attr)
                 if kind == "class":
                     setattr(module, attr, type(attr, (), {"__init__": raiser, "__doc__": message}))
@@ -223,16 +265,48 @@ def _with_torch_adam(original):
     return get_ds_train_config
 
 
+def _cpu_current_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _cpu_replay_buffer_init(original):
+    def __init__(self, *args, **kwargs):
+        import torch
+
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # the stock __init__ formats f"cuda:{current_device()}"
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+        self.target_device = torch.device("cpu")
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 _PATCHED = False
+_WORKER_PATCHED = False
 
 
-def patch_for_cpu() -> bool:
-    """Apply the CPU patches if CUDA is unavailable. Returns True if patches are (now) active."""
-    global _PATCHED
+def patch_for_cpu(worker: bool = False) -> bool:
+    """Apply the CPU patches if CUDA is unavailable (``worker``: also the Ray-worker ones, see the module
+    docstring). Returns True if patches are (now) active."""
+    global _PATCHED, _WORKER_PATCHED
     import torch
 
     if torch.cuda.is_available():
         return False
+    if worker and not _WORKER_PATCHED:
+        with import_shims():
+            from openrlhf.trainer.ppo_utils import replay_buffer
+
+        torch.cuda.current_device = _cpu_current_device
+        buffer_cls = replay_buffer.NaiveReplayBuffer
+        buffer_cls.__init__ = _cpu_replay_buffer_init(getattr(buffer_cls.__init__, "__wrapped__", buffer_cls.__init__))
+        _WORKER_PATCHED = True
     if _PATCHED:
         return True
     ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `import a.b.torch as x` binds the real torch

@@ -310,9 +310,9 @@ ContinualPolicyModelActor = _ray_actor_class()
 
 
 def use_continual_actor() -> None:
-    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor (call
-    before its ``train(args)``, e.g. from a launch script that then runs the CLI module)."""
-    with import_shims():
-        import openrlhf.cli.train_ppo_ray as cli
+    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor.
 
-    cli.PolicyModelActor = ContinualPolicyModelActor
+    The CLI runs as ``__main__`` (``runpy``) and imports ``PolicyModelActor`` from ``openrlhf.trainer.ray.ppo_actor``
+    when it starts, so the class is replaced there (:mod:`rlhf_ext.openrlhf.train_ppo_ray` calls this when
+    ``--ext.continual.previous_model`` is given)."""
+    _ppo_actor.PolicyModelActor = ContinualPolicyModelActor

@@ -1,7 +1,7 @@
-"""Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3), with its own CLI and vLLM rollouts.
+"""Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3).
 
-Three subclasses, installed on OpenRLHF's modules by :func:`install` (driver) and :func:`setup_worker` (every Ray
-worker, through ``ray.init(runtime_env={"worker_process_setup_hook": ...})``):
+Three subclasses, installed on OpenRLHF's modules by :func:`install_in_process` (in the driver and in every Ray
+worker: :mod:`rlhf_ext.openrlhf.train_ppo_ray`, the runnable module, does both):
 
 * ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)``: the entropies come from
   the logits OpenRLHF's reference forward already computes for the KL term, so no forward pass is added.
@@ -9,25 +9,24 @@ worker, through ``ray.init(runtime_env={"worker_process_setup_hook": ...})``):
   value head during the normal forward) instead of the last one.
 * ``SegmentExperienceMaker`` — after OpenRLHF's ``make_experience`` it turns scores and entropies into dense rewards
   with :func:`rlhf_ext.segment.dense_segment_rewards` (the function the TRL trainer calls) and hands them to
-  OpenRLHF's own ``compute_reward`` where the scalar reward would be placed. OpenRLHF's GAE/returns, advantage
-  whitening, async mode and vLLM rollouts then run unchanged.
+  OpenRLHF's own ``compute_reward`` where the scalar reward would be placed (clipped to ``--reward.clip_range`` per
+  token, as OpenRLHF clips the scalar). OpenRLHF's GAE/returns, advantage whitening and async mode run unchanged.
 
-``--ext.granularity bandit`` leaves OpenRLHF's stock path untouched (scalar reward, ``--reward.normalize_enable``).
-The Ray pipeline needs GPUs (rollouts are vLLM-only); everything above is importable and unit-tested on CPU.
+``--ext.granularity bandit`` runs the same subclasses but hands OpenRLHF the reward model's score at the last token
+as the scalar reward, which is exactly stock OpenRLHF (tested end to end through the Ray loop).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import ray  # noqa: E402
 import torch
 
-from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, run_cli_module, split_ext_args
-from rlhf_ext.openrlhf.compat import check_version, import_shims, install_import_shims, patch_for_cpu
+from rlhf_ext.openrlhf.cli_runner import flags_from_mapping
+from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
 from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
 from rlhf_ext.segment.normalizer import LocationNormalizer
@@ -39,20 +38,12 @@ with import_shims():
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 
-#: ``--ext.*`` options of the segment PPO entrypoint (None = the reward model's recorded setting).
-EXT_DEFAULTS: dict[str, Any] = {
-    "granularity": "segment",
-    "interpolation": "even_split",
-    "entropy_cutoff": None,
-    "aggregation": None,
-    "tau": None,
-    "normalizer": None,
-    "reward_model_id": None,
-}
 DENSE_ATTR = "_rlhf_ext_dense_rewards"
+WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout engine
 
 
-def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
+def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
+    """Check and convert the segment ``--ext.*`` values (strings from the command line)."""
     ext = dict(ext)
     if ext["granularity"] not in GRANULARITIES:
         raise ValueError(f"--ext.granularity must be one of {', '.join(GRANULARITIES)}; got {ext['granularity']!r}")
@@ -63,10 +54,6 @@ def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
     if ext["tau"] is not None:
         ext["tau"] = check_tau(float(ext["tau"]))
     return ext
-
-
-def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
 
 
 def _device() -> torch.device:
@@ -147,11 +134,15 @@ def dense_aware_compute_reward(r, kl_coef, kl, action_mask=None, reward_clip_ran
 
     Stock placement: the scalar ``r`` on the last action token and ``-kl_coef * kl`` everywhere. The segment
     experience maker sets ``r = 0`` and attaches the ``[B, A]`` dense rewards to the experience's ``kl`` tensor, so
-    the result is ``dense - kl_coef * kl`` (+ any length penalty OpenRLHF put on the scalar).
+    the result is ``clip(dense) - kl_coef * kl``, ``clip`` being ``--reward.clip_range`` per token.
     """
     reward = _stock_compute_reward(r, kl_coef, kl, action_mask=action_mask, reward_clip_range=reward_clip_range)
     dense = getattr(kl, DENSE_ATTR, None)
-    return reward if dense is None else reward + dense.to(reward.dtype)
+    if dense is None:
+        return reward
+    if reward_clip_range:
+        dense = dense.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    return reward + dense.to(reward.dtype)
 
 
 dense_aware_compute_reward.__wrapped__ = _stock_compute_reward
@@ -162,7 +153,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        ext = validate_ext(vars(self.args.ext))
+        ext = validate_segment_ext({k: v for k, v in vars(self.args.ext).items() if k != "continual"})
         self.ext = ext
         self.dense = ext["granularity"] != "bandit"
         settings: dict[str, Any] = {}
@@ -186,6 +177,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
                 f"dense segment rewards need --algo.advantage.estimator gae or reinforce (got "
                 f"{self.advantage_estimator}); group estimators shape a scalar reward"
             )
+        self._batches = 0
+        self._first_version: float | None = None
         self._ref_entropies: list[torch.Tensor] | None = None
 
     def _flatten_results(self, refs, duplicate_factor):
@@ -196,19 +189,57 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         return results
 
     @torch.no_grad()
+    def make_experience_batch(self, rollout_samples):
+        """OpenRLHF's, plus ``info["staleness"]`` per sample when the rollout engine reports weights versions (the HF
+        engine does): policy updates made before this batch minus the version the sample was generated with — 0
+        on-policy, up to 1 with one-step async (paper 001). Counted from the first batch's version, so a resumed run
+        (whose engines got the checkpoint's weights first) starts at 0 too."""
+        versions = [s.info[WEIGHTS_VERSION].float() for s in rollout_samples if WEIGHTS_VERSION in s.info]
+        if len(versions) == len(rollout_samples) and versions:
+            if self._first_version is None:
+                self._first_version = float(versions[0].min())
+            expected = self._first_version + self._batches
+            for sample, version in zip(rollout_samples, versions):
+                sample.info["staleness"] = expected - version
+        self._batches += 1
+        return super().make_experience_batch(rollout_samples)
+
+    @torch.no_grad()
     def make_experience(self, samples_list):
         self._ref_entropies = None
         experiences = super().make_experience(samples_list)
-        if self.dense:
-            self.attach_dense_rewards(experiences, self._ref_entropies)
+        self.attach_dense_rewards(experiences, self._ref_entropies)
+        return experiences
+
+    @torch.no_grad()
+    def compute_advantages_and_returns(self, experiences):
+        # OpenRLHF's length-penalty step copies ``rewards`` (the zero placeholder of dense runs) into
+        # info["reward"]; keep the summed dense reward there so rollout/reward_mean logs what PPO optimises.
+        summed = {id(e): e.info["reward"] for e in experiences if self.dense and "reward" in e.info}
+        experiences = super().compute_advantages_and_returns(experiences)
+        for e in experiences:
+            if id(e) in summed:
+                e.info["reward"] = summed[id(e)]
         return experiences
 
     def attach_dense_rewards(self, experiences, entropies: list[torch.Tensor] | None) -> None:
         """Replace each experience's ``[B, T]`` reward-model scores by dense rewards attached to its ``kl``.
 
         ``experience.rewards`` becomes 0 (nothing is placed on the last token) and ``info["reward"]`` the summed
-        dense reward per sample, so OpenRLHF's logging keeps one scalar per sample.
+        dense reward per sample, so OpenRLHF's logging keeps one scalar per sample. With ``bandit`` granularity
+        ``experience.rewards`` becomes the score at the last response token: OpenRLHF's own scalar reward.
         """
+        if not self.dense:
+            for exp in experiences:
+                scores = exp.rewards
+                if scores.dim() == 2:
+                    mask = exp.action_mask.bool()
+                    a = mask.shape[1]
+                    last = a - 1 - mask.long().fliplr().argmax(dim=1)
+                    scores = scores[:, -a:].gather(1, last[:, None]).squeeze(1).float()
+                exp.rewards = scores
+                exp.info["reward"] = scores
+            return
         needs_entropy = self.ext["granularity"] in ("segment", "bandit_as_segment", "segment_as_bandit")
         if needs_entropy and entropies is None:
             raise ValueError(
@@ -256,39 +287,11 @@ def install_in_process() -> None:
     launcher_module.RewardModelActor = SegmentRewardModelActor
 
 
-def setup_worker() -> None:
-    """``worker_process_setup_hook`` for every Ray worker: CPU shims/patches where needed, then the subclasses.
+def run_train_ppo_ray(argv: list[str]) -> None:
+    """Run ``openrlhf.cli.train_ppo_ray`` with rlhf-ext's classes (:func:`rlhf_ext.openrlhf.train_ppo_ray.main`)."""
+    from rlhf_ext.openrlhf.train_ppo_ray import main
 
-    Ray workers run only OpenRLHF code, so the placeholders for missing GPU packages stay registered there."""
-    install_import_shims()
-    patch_for_cpu()
-    install_in_process()
-
-
-def install() -> None:
-    """Driver side: check the OpenRLHF version, apply CPU patches if there is no GPU, install the subclasses."""
-    check_version()
-    patch_for_cpu()
-    install_in_process()
-
-
-def run_train_ppo_ray(argv: Sequence[str]) -> None:
-    """Run ``openrlhf.cli.train_ppo_ray`` with the segment subclasses in the driver and every Ray worker."""
-    rest, ext = parse_ext_args(argv)
-    if ext["granularity"] != "bandit":
-        install()
-        if not ray.is_initialized():
-            ray.init(
-                runtime_env={
-                    "worker_process_setup_hook": "rlhf_ext.openrlhf.segment_ppo.setup_worker",
-                    "env_vars": {
-                        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
-                        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-                        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-                    },
-                }
-            )
-    run_cli_module("openrlhf.cli.train_ppo_ray", rest, ext)
+    main(argv)
 
 
 # ------------------------------------------------------------------------------------------------ the recipe

@@ -1,0 +1,277 @@
+"""``python -m rlhf_ext.openrlhf.train_ppo_ray``: OpenRLHF 0.11.2's own ``openrlhf.cli.train_ppo_ray`` with rlhf-ext's
+methods installed in the driver and in every Ray worker.
+
+It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
+
+    ray job submit --address http://HEAD:8265 -- python -m rlhf_ext.openrlhf.train_ppo_ray \\
+        --actor.model_name_or_path SFT --reward.model_name_or_path SEGMENT_RM --data.prompt_dataset prompts.jsonl \\
+        ...any OpenRLHF flag... \\
+        --ext.granularity segment --ext.normalizer normalizer.json          # paper 003 (dense segment rewards)
+        --ext.continual.previous_model PREV --ext.continual.kl_coef 1.0      # paper 000, Eq. 7 (CPPO-style KL)
+        --train.async_enable --train.async_queue_size 1                      # paper 001 (OpenRLHF's own flag)
+
+``--ext`` flags (:data:`EXT_DEFAULTS`):
+
+* segment rewards — ``granularity`` (``segment`` | ``token`` | ``bandit`` | ``bandit_as_segment`` |
+  ``segment_as_bandit``), ``interpolation``, ``entropy_cutoff`` / ``aggregation`` / ``tau`` (default: the reward
+  model's ``segment_config.json``), ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file),
+  ``reward_model_id``. ``bandit`` runs the same subclasses with the scalar reward at the last token: identical to
+  stock OpenRLHF (tested), which makes it the control arm of paper 003's Table 1.
+* continual RLHF — ``continual.previous_model``, ``continual.kl_coef``, ``continual.estimator``,
+  ``continual.retention`` (:class:`~rlhf_ext.openrlhf.continual.ContinualActorSettings`); the policy actor becomes
+  :class:`~rlhf_ext.openrlhf.continual.ContinualPolicyModelActor` when ``continual.previous_model`` is set.
+* ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
+  CUDA is available, else HF with a one-line notice).
+
+Running on a machine without GPUs (``hf`` engine, :func:`cpu_settings`): OpenRLHF's actors and placement groups ask
+Ray for GPUs, so the driver starts Ray with *logical* GPU resources — bookkeeping only, every actor computes on
+the CPU; on an existing cluster (``ray job submit``, ``RAY_ADDRESS``) start it with ``ray start --head --num-gpus N``.
+DeepSpeed runs with gloo, attention with ``sdpa``, and OpenRLHF's ``torch.cuda.current_device()`` call sites get
+the CPU (:func:`rlhf_ext.openrlhf.compat.patch_for_cpu`).
+
+Settings OpenRLHF would silently ignore with dense rewards (``--reward.normalize_enable``,
+``--reward.stop_properly_penalty_coef``, ``--reward.overlong_buffer_len``), group estimators other than the ones
+defined on dense rewards, and ``--ds.packing_samples`` are refused by :func:`check_args` before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
+
+#: ``--ext.*`` flags and their defaults (``None``: the reward model's recorded setting / unset).
+EXT_DEFAULTS: dict[str, Any] = {
+    "granularity": "segment",
+    "interpolation": "even_split",
+    "entropy_cutoff": None,
+    "aggregation": None,
+    "tau": None,
+    "normalizer": None,
+    "reward_model_id": None,
+    "rollout_engine": "auto",
+    "continual.previous_model": None,
+    "continual.kl_coef": None,
+    "continual.estimator": None,
+    "continual.retention": None,
+}
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+#: Estimators defined on dense per-token rewards: GAE, and REINFORCE's reward-to-go with group baselines
+#: subtracted from each sample's summed reward (see :func:`rlhf_ext.openrlhf.segment_ppo.group_baseline`).
+DENSE_ESTIMATORS = ("gae", "reinforce")
+WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
+
+
+class ExtArgsError(ValueError):
+    """A command-line setting rlhf-ext cannot honour (raised in the driver, before Ray starts)."""
+
+
+def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
+    from rlhf_ext.openrlhf.segment_ppo import validate_segment_ext
+
+    ext = validate_segment_ext(ext)
+    if ext["rollout_engine"] not in ROLLOUT_ENGINES:
+        raise ExtArgsError(f"--ext.rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}")
+    return ext
+
+
+def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict)."""
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
+
+
+def nest(ext: dict[str, Any]) -> SimpleNamespace:
+    """``{"a": 1, "continual.kl_coef": 2}`` -> ``namespace(a=1, continual=namespace(kl_coef=2))`` (as OpenRLHF's
+    hierarchised flags are)."""
+    root: dict[str, Any] = {}
+    for key, value in ext.items():
+        *parents, leaf = key.split(".")
+        node = root
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    def build(x: Any) -> Any:
+        return SimpleNamespace(**{k: build(v) for k, v in x.items()}) if isinstance(x, dict) else x
+
+    return build(root)
+
+
+def resolve_rollout_engine(requested: str, cuda: bool | None = None) -> str:
+    """``auto`` -> ``vllm`` with CUDA, ``hf`` without (with a one-line notice); explicit choices are kept."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if requested != "auto":
+        return requested
+    if cuda:
+        return "vllm"
+    print("rlhf-ext: no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)", file=sys.stderr)
+    return "hf"
+
+
+def check_args(args: Any) -> None:
+    """Refuse, before Ray starts, settings the segment subclasses cannot honour (raises :class:`ExtArgsError`)."""
+    ext = args.ext
+    dense = ext.granularity != "bandit"
+    estimator = args.algo.advantage.estimator
+    if dense and estimator not in DENSE_ESTIMATORS:
+        raise ExtArgsError(
+            f"--algo.advantage.estimator {estimator} shapes one scalar reward per sample; dense segment rewards "
+            f"(--ext.granularity {ext.granularity}) need {' or '.join(DENSE_ESTIMATORS)} (or --ext.granularity bandit)"
+        )
+    if args.ds.packing_samples:
+        raise ExtArgsError("rlhf-ext's segment subclasses do not support --ds.packing_samples; drop the flag")
+    if dense:
+        for flag, value in (
+            ("--reward.normalize_enable", args.reward.normalize_enable),
+            ("--reward.stop_properly_penalty_coef", args.reward.stop_properly_penalty_coef),
+            ("--reward.overlong_buffer_len", args.reward.overlong_buffer_len),
+        ):
+            if value not in (None, False):
+                raise ExtArgsError(
+                    f"{flag} acts on OpenRLHF's scalar reward, which dense segment rewards replace; drop it (segment "
+                    f"rewards are normalised by --ext.normalizer, paper 003 Eq. 6) or use --ext.granularity bandit"
+                )
+        if args.reward.remote_url:
+            raise ExtArgsError(
+                "--reward.remote_url returns one score per sample; dense segment rewards need the per-token scores "
+                "of a reward model actor (--reward.model_name_or_path) or --ext.granularity bandit"
+            )
+        if args.algo.kl.init_coef <= 0:
+            raise ExtArgsError(
+                "segment rewards read entropies from the reference model: set --algo.kl.init_coef > 0 "
+                "(or use --ext.granularity token/bandit)"
+            )
+    if ext.rollout_engine == "hf" and args.data.max_images_per_prompt > 0:
+        raise ExtArgsError("the HF rollout engine generates text only; use --ext.rollout_engine vllm for images")
+
+
+def cpu_settings(args: Any) -> list[str]:
+    """Settings a run with the HF rollout engine needs on a machine without CUDA; returns what was changed."""
+    changed = []
+    if args.vllm.sync_backend != "gloo":
+        args.vllm.sync_backend = "gloo"
+        changed.append("--vllm.sync_backend gloo")
+    if "flash" in str(args.ds.attn_implementation):
+        args.ds.attn_implementation = "sdpa"
+        changed.append("--ds.attn_implementation sdpa")
+    if not args.vllm.num_engines:
+        args.vllm.num_engines = 1
+        changed.append("--vllm.num_engines 1")
+    return changed
+
+
+def logical_gpus(args: Any) -> int:
+    """How many GPU bundles OpenRLHF's actors and placement groups will ask Ray for (upper bound)."""
+    roles = [args.actor, args.ref, args.reward, args.critic]
+    return sum(r.num_nodes * r.num_gpus_per_node for r in roles) + (args.vllm.num_engines or 0)
+
+
+def worker_settings(ext: Any) -> dict[str, Any]:
+    """What :func:`setup_worker` installs in each Ray worker (passed through an environment variable)."""
+    return {
+        "segment": True,
+        "continual": bool(ext.continual.previous_model),
+        "rollout_engine": ext.rollout_engine,
+    }
+
+
+def install(settings: dict[str, Any], driver: bool) -> None:
+    """Install rlhf-ext's classes on OpenRLHF's modules in this process (idempotent)."""
+    from rlhf_ext.openrlhf.compat import check_version, install_import_shims, patch_for_cpu
+
+    if driver:
+        check_version()
+    else:  # Ray workers run only OpenRLHF code: placeholders for missing GPU packages may stay registered
+        install_import_shims()
+    patch_for_cpu(worker=not driver)
+    from rlhf_ext.openrlhf import segment_ppo
+
+    if settings.get("segment"):
+        segment_ppo.install_in_process()
+    if settings.get("continual"):
+        from rlhf_ext.openrlhf.continual import use_continual_actor
+
+        use_continual_actor()
+    if settings.get("rollout_engine") == "hf":
+        from rlhf_ext.openrlhf import rollout
+
+        rollout.install_in_process()
+
+
+def setup_worker() -> None:
+    """``worker_process_setup_hook`` of every Ray worker the run starts."""
+    install(json.loads(os.environ.get(WORKER_ENV, "{}")), driver=False)
+
+
+def prepare(args: Any, ext: dict[str, Any]) -> Any:
+    """Called with OpenRLHF's parsed arguments right before its ``train(args)``: attach ``args.ext``, check, adapt
+    to the CPU, start Ray with the worker hook (the driver's classes were installed before the CLI imported them)."""
+    import ray
+    import torch
+
+    args.ext = nest(ext)
+    check_args(args)
+    cpu = not torch.cuda.is_available()
+    if args.ext.rollout_engine == "hf":
+        changed = cpu_settings(args)
+        if changed:
+            print(f"rlhf-ext: HF rollout engine: using {', '.join(changed)}", file=sys.stderr)
+    settings = worker_settings(args.ext)
+    if not ray.is_initialized():
+        env_vars = {
+            WORKER_ENV: json.dumps(settings),
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+            "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+        }
+        for name in (
+            "TORCHDYNAMO_DISABLE",
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "HF_DATASETS_OFFLINE",
+            "DS_BUILD_OPS",
+        ):
+            if name in os.environ:
+                env_vars[name] = os.environ[name]
+        runtime_env = {
+            "worker_process_setup_hook": "rlhf_ext.openrlhf.train_ppo_ray.setup_worker",
+            "env_vars": env_vars,
+        }
+        init: dict[str, Any] = {"runtime_env": runtime_env}
+        if cpu and not os.environ.get("RAY_ADDRESS"):
+            # Logical GPUs: OpenRLHF's actors request num_gpus=1 and {"GPU": 1} bundles. Nothing runs on a GPU.
+            init["num_gpus"] = logical_gpus(args)
+            init["num_cpus"] = max(os.cpu_count() or 1, init["num_gpus"])
+        ray.init(**init)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rest, ext = parse_ext_args(argv)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    ext["rollout_engine"] = resolve_rollout_engine(ext["rollout_engine"])
+    install(worker_settings(nest(ext)), driver=True)  # before the CLI module imports the classes it builds
+
+    def postprocess(args: Any) -> Any:
+        try:
+            return prepare(args, ext)
+        except ExtArgsError as error:
+            raise SystemExit(f"error: {error}") from None
+
+    run_cli_module("openrlhf.cli.train_ppo_ray", rest, postprocess)
+
+
+if __name__ == "__main__":
+    main()
