@@ -277,6 +277,8 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
                 stats=self.cppo_stats,
             )
             extra["learning_weights"], extra["retention_weights"] = weights.alpha, weights.beta
+        if self.prev_model is None:  # first task of a sequence: no previous policy, the term is 0 (logged as such)
+            experience.info[PREV_TASK_KL_KEY] = torch.zeros(())
         with self.actor_loss_fn.extra_inputs(info=experience.info, **extra):
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 

@@ -19,7 +19,8 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
   stock OpenRLHF (tested), which makes it the control arm of paper 003's Table 1.
 * continual RLHF — ``continual.previous_model``, ``continual.kl_coef``, ``continual.estimator``,
   ``continual.retention`` (:class:`~rlhf_ext.openrlhf.continual.ContinualActorSettings`); the policy actor becomes
-  :class:`~rlhf_ext.openrlhf.continual.ContinualPolicyModelActor` when ``continual.previous_model`` is set.
+  :class:`~rlhf_ext.openrlhf.continual.ContinualPolicyModelActor` when any ``continual.*`` flag is given (the first
+  task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
 * ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
   CUDA is available, else HF with a one-line notice).
 
@@ -178,7 +179,7 @@ def worker_settings(ext: Any) -> dict[str, Any]:
     """What :func:`setup_worker` installs in each Ray worker (passed through an environment variable)."""
     return {
         "segment": True,
-        "continual": bool(ext.continual.previous_model),
+        "continual": any(v is not None for v in vars(ext.continual).values()),
         "rollout_engine": ext.rollout_engine,
     }
 
