@@ -300,7 +300,13 @@ def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> li
     from rlhf_ext.segment.calibration import model_id
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
-    gpus = max(torch.cuda.device_count(), 1)
+    gpus = torch.cuda.device_count()
+    dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
+    if dtype is None:
+        raise ValueError(
+            "OpenRLHF trains in bf16 or fp16 only (--ds.param_dtype): set train.bf16: true, or "
+            "train.openrlhf_args: {ds.param_dtype: fp16}"
+        )
     argv = [
         "--actor.model_name_or_path", recipe.model.sft_model,
         "--reward.model_name_or_path", recipe.model.reward_model,
@@ -327,20 +333,24 @@ def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> li
         "--algo.advantage.gamma", repr(ppo.gamma),
         "--algo.advantage.lambd", repr(ppo.lam),
         "--ds.zero_stage", str(t.zero_stage),
-        "--ds.param_dtype", "bf16",
+        "--ds.param_dtype", dtype,
         "--ckpt.output_dir", t.output_dir,
         "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
         "--logger.logging_steps", str(t.logging_steps),
-        "--actor.num_gpus_per_node", str(gpus),
-        "--ref.num_gpus_per_node", str(gpus),
-        "--reward.num_gpus_per_node", str(gpus),
-        "--critic.num_gpus_per_node", str(gpus),
-        "--vllm.num_engines", str(gpus),
-        "--train.colocate_all",
+        "--actor.num_gpus_per_node", str(max(gpus, 1)),
+        "--ref.num_gpus_per_node", str(max(gpus, 1)),
+        "--reward.num_gpus_per_node", str(max(gpus, 1)),
+        "--critic.num_gpus_per_node", str(max(gpus, 1)),
         "--ext.granularity", seg.granularity,
         "--ext.interpolation", seg.interpolation,
         "--ext.reward_model_id", model_id(recipe.model.reward_model),
     ]  # fmt: skip
+    if gpus:  # one node: every model and the vLLM engines share the GPUs
+        argv += ["--vllm.num_engines", str(gpus), "--train.colocate_all"]
+    else:  # CPU: the HF rollout engine (train_ppo_ray picks it), logical GPUs, no flash-attention
+        argv += ["--ds.attn_implementation", "sdpa"]
+    if t.max_steps is not None:  # OpenRLHF has no step limit: one PPO step consumes rollout.batch_size prompts
+        argv += ["--data.max_samples", str(t.max_steps * t.batch_size)]
     if ppo.advantage_estimator == "gae":
         argv += ["--critic.model_name_or_path", recipe.model.critic_model or recipe.model.reward_model]
         if ppo.value_clip is not None:
@@ -411,12 +421,8 @@ def prepare_run(recipe) -> tuple[list[str], dict[str, Any]]:
 
 
 def train_segment_ppo(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with OpenRLHF's Ray PPO (GPUs required)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "the OpenRLHF engine runs PPO on Ray with vLLM rollouts, which needs GPUs; on a CPU machine use "
-            "`engine: trl` (the same recipe runs with the TRL engine)"
-        )
+    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with OpenRLHF's Ray PPO (vLLM rollouts on GPUs,
+    the HF rollout engine on a CPU)."""
     argv, paths = prepare_run(recipe)
     run_train_ppo_ray(argv)
     return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}

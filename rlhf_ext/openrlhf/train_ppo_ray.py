@@ -175,11 +175,11 @@ def logical_gpus(args: Any) -> int:
     return sum(r.num_nodes * r.num_gpus_per_node for r in roles) + (args.vllm.num_engines or 0)
 
 
-def worker_settings(ext: Any) -> dict[str, Any]:
+def worker_settings(ext: Any, methods: bool = True) -> dict[str, Any]:
     """What :func:`setup_worker` installs in each Ray worker (passed through an environment variable)."""
     return {
-        "segment": True,
-        "continual": any(v is not None for v in vars(ext.continual).values()),
+        "segment": methods,
+        "continual": methods and any(v is not None for v in vars(ext.continual).values()),
         "rollout_engine": ext.rollout_engine,
     }
 
@@ -212,20 +212,21 @@ def setup_worker() -> None:
     install(json.loads(os.environ.get(WORKER_ENV, "{}")), driver=False)
 
 
-def prepare(args: Any, ext: dict[str, Any]) -> Any:
+def prepare(args: Any, ext: dict[str, Any], methods: bool = True) -> Any:
     """Called with OpenRLHF's parsed arguments right before its ``train(args)``: attach ``args.ext``, check, adapt
     to the CPU, start Ray with the worker hook (the driver's classes were installed before the CLI imported them)."""
     import ray
     import torch
 
     args.ext = nest(ext)
-    check_args(args)
+    if methods:
+        check_args(args)
     cpu = not torch.cuda.is_available()
     if args.ext.rollout_engine == "hf":
         changed = cpu_settings(args)
         if changed:
             print(f"rlhf-ext: HF rollout engine: using {', '.join(changed)}", file=sys.stderr)
-    settings = worker_settings(args.ext)
+    settings = worker_settings(args.ext, methods)
     if not ray.is_initialized():
         env_vars = {
             WORKER_ENV: json.dumps(settings),
@@ -255,19 +256,26 @@ def prepare(args: Any, ext: dict[str, Any]) -> Any:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring)."""
+def main(argv: Sequence[str] | None = None, methods: bool = True) -> None:
+    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring).
+
+    ``methods=False`` installs only what running on a CPU needs (the HF rollout engine, the CPU patches): stock
+    OpenRLHF PPO, the reference the tests compare ``--ext.granularity bandit`` against."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        print("rlhf-ext flags:\n" + "".join(f"  --ext.{k} (default: {v})\n" for k, v in EXT_DEFAULTS.items()))
+        print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
         rest, ext = parse_ext_args(argv)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     ext["rollout_engine"] = resolve_rollout_engine(ext["rollout_engine"])
-    install(worker_settings(nest(ext)), driver=True)  # before the CLI module imports the classes it builds
+    install(worker_settings(nest(ext), methods), driver=True)  # before the CLI imports the classes it builds
 
     def postprocess(args: Any) -> Any:
         try:
-            return prepare(args, ext)
+            return prepare(args, ext, methods)
         except ExtArgsError as error:
             raise SystemExit(f"error: {error}") from None
 

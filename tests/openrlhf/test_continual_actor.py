@@ -328,25 +328,22 @@ def test_settings_from_openrlhf_args():
 
 
 def test_ray_policy_actor_builds_the_continual_trainer(monkeypatch):
-    """The Ray actor swaps ActorPPOTrainer for ContinualActorPPOTrainer only while its init runs; the CLI hook
-    replaces the policy actor class train_ppo_ray builds."""
-    with oc.import_shims():
-        import openrlhf.cli.train_ppo_ray as cli
-
-    monkeypatch.setattr(cli, "PolicyModelActor", cli.PolicyModelActor)  # restored after the test
+    """The Ray actor swaps ActorPPOTrainer for ContinualActorPPOTrainer only while its init runs; the hook replaces
+    the policy actor class on ``openrlhf.trainer.ray.ppo_actor``, where the CLI module (run as ``__main__``) imports
+    it from when it starts."""
+    stock = oc._ppo_actor.PolicyModelActor
+    monkeypatch.setattr(oc._ppo_actor, "PolicyModelActor", stock)  # restored after the test
     oc.use_continual_actor()
-    assert cli.PolicyModelActor is oc.ContinualPolicyModelActor
+    assert oc._ppo_actor.PolicyModelActor is oc.ContinualPolicyModelActor
     impl = oc.ContinualPolicyModelActor.__ray_actor_class__
-    assert issubclass(impl, oc._ppo_actor.PolicyModelActor.__ray_actor_class__)
+    assert issubclass(impl, stock.__ray_actor_class__)
 
     seen = []
 
     def fake_base_init(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         seen.append(oc._ppo_actor.ActorPPOTrainer)  # what the stock init would construct
 
-    monkeypatch.setattr(
-        oc._ppo_actor.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", fake_base_init
-    )
+    monkeypatch.setattr(stock.__ray_actor_class__, "init_model_from_pretrained", fake_base_init)
     impl.init_model_from_pretrained(object.__new__(impl), None, "path")
     assert seen == [oc.ContinualActorPPOTrainer]
     assert oc._ppo_actor.ActorPPOTrainer is oc.ActorPPOTrainer  # restored

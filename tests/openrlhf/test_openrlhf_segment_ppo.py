@@ -225,7 +225,9 @@ def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
     assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
     assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
     assert pairs["--ext.granularity"] == "segment" and pairs["--ext.normalizer"] == "/tmp/n.json"
-    rest, ext = seg_ppo.parse_ext_args(argv)
+    from rlhf_ext.openrlhf.train_ppo_ray import parse_ext_args
+
+    rest, ext = parse_ext_args(argv)
     assert not any(a.startswith("--ext.") for a in rest) and ext["normalizer"] == "/tmp/n.json"
 
 

@@ -1,0 +1,167 @@
+"""OpenRLHF's real Ray PPO loop on CPU, run the way users run it: ``python -m rlhf_ext.openrlhf.train_ppo_ray``.
+
+Each run goes through OpenRLHF's own CLI module, ``PPOTrainer``/``PPOTrainerAsync``, Ray actors for the policy,
+reference, reward model and critic, DeepSpeed (ZeRO-2 and ZeRO-3, one and two policy ranks) and the HF rollout
+engine. The metrics are OpenRLHF's own per-step log line. Runs are shared between the tests (one xdist group, module
+fixtures) so that each configuration runs once: about 30 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_ppo")]
+
+STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
+
+
+def _run(out_dir, models, prompts, *flags, stock=False, timeout=400) -> list[dict]:
+    """Run the CLI in a fresh process with tiny models; return its per-step metrics.
+
+    2 episodes over the same 8 prompts = 2 PPO steps that each see every prompt: OpenRLHF's controller shuffles
+    prompts with an unseeded generator and collects samples in completion order, so only a step holding the whole
+    prompt set is the same batch from run to run."""
+    sft, rm = models
+    argv = [
+        "--actor.model_name_or_path", sft, "--reward.model_name_or_path", rm,
+        "--data.prompt_dataset", prompts, "--data.input_key", "prompt", "--data.max_len", "96",
+        "--rollout.max_new_tokens", "24", "--rollout.batch_size", "8", "--rollout.micro_batch_size", "4",
+        "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
+        "--train.num_episodes", "2", "--train.seed", "7",
+        "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
+        "--critic.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01", "--ds.param_dtype", "bf16",
+        "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0", "--critic.lr_warmup_ratio", "0",
+        "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "ckpt"),
+        *flags,
+    ]  # fmt: skip
+    code = (
+        "import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; "
+        f"main(sys.argv[1:], methods={not stock})"
+    )
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=out_dir.parent
+    )
+    log = proc.stdout + proc.stderr
+    (out_dir.parent / f"{out_dir.name}.log").write_text(log)
+    assert proc.returncode == 0, log[-4000:]
+    steps = {int(m.group(1)): ast.literal_eval(m.group(2)) for m in STEP_LINE.finditer(log)}
+    assert sorted(steps) == [1, 2], log[-4000:]
+    return [steps[1], steps[2]]
+
+
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory, tiny_sft_path, cache_dir):
+    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.testing.toy import toy_preference_dataset
+
+    root = tmp_path_factory.mktemp("ray_ppo")
+    prompts = root / "prompts.jsonl"
+    data = toy_preference_dataset(n_train=8, n_test=4, seed=0)["train"]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in data["prompt"]))
+    return root, (tiny_sft_path, resolve_model("builtin:tiny-segment-rm", cache_dir)), str(prompts)
+
+
+@pytest.fixture(scope="module")
+def bandit_runs(ray_env):
+    """The same GAE run twice: stock OpenRLHF (only the CPU pieces installed) and rlhf-ext with bandit granularity."""
+    root, models, prompts = ray_env
+    flags = ["--algo.advantage.estimator", "gae", "--ds.zero_stage", "2", "--ext.granularity", "bandit",
+             "--rollout.micro_batch_size", "8", "--train.micro_batch_size", "8"]  # fmt: skip
+    stock = _run(root / "stock", models, prompts, *flags, stock=True)
+    ours = _run(root / "bandit", models, prompts, *flags)
+    return root, stock, ours
+
+
+@pytest.fixture(scope="module")
+def segment_task0(ray_env):
+    """Segment rewards + GAE critic, two policy ranks under ZeRO-2, first task of a continual sequence."""
+    root, models, prompts = ray_env
+    out = root / "task0"
+    steps = _run(
+        out, models, prompts,
+        "--algo.advantage.estimator", "gae", "--ds.zero_stage", "2", "--actor.num_gpus_per_node", "2",
+        "--ref.num_gpus_per_node", "2", "--ext.granularity", "segment", "--ext.continual.kl_coef", "1.0",
+    )  # fmt: skip
+    return out, steps
+
+
+@pytest.fixture(scope="module")
+def segment_task1(ray_env, segment_task0):
+    """Segment rewards + REINFORCE, one-step async, ZeRO-3 with two policy ranks, second task (CPPO-style KL)."""
+    root, (_, rm), prompts = ray_env
+    prev, _ = segment_task0
+    out = root / "task1"
+    steps = _run(
+        out, (str(prev), rm), prompts,
+        "--algo.advantage.estimator", "reinforce", "--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2",
+        "--ref.num_gpus_per_node", "2", "--train.async_enable", "--train.async_queue_size", "1",
+        "--ext.granularity", "segment", "--ext.continual.previous_model", str(prev), "--ext.continual.kl_coef", "1.0",
+    )  # fmt: skip
+    return out, steps
+
+
+def _finite(step: dict, keys) -> None:
+    for key in keys:
+        assert key in step, f"{key} not logged: {sorted(step)}"
+        assert math.isfinite(step[key]), (key, step[key])
+
+
+def test_bandit_through_rlhf_ext_equals_stock_openrlhf(bandit_runs):
+    """Same seeds, same rollouts (the HF engine's sampling is batch-independent), same rewards, returns, losses,
+    gradients and final weights: the subclasses change nothing at bandit granularity."""
+    from safetensors.torch import load_file
+
+    root, stock, ours = bandit_runs
+    # (key, rel, abs): rollouts, rewards, values and returns are identical; the training side sums bf16 gradients
+    # of samples that reach the trainer in completion order, so it agrees to float rounding only.
+    tolerances = [("reward", 1e-6, 0), ("return", 1e-6, 0), ("values", 1e-6, 0), ("response_length", 1e-6, 0),
+                  ("rollout/reward_mean", 1e-6, 0), ("rollout/reward_std", 1e-6, 0), ("critic_loss", 1e-5, 0),
+                  ("kl", 1e-5, 1e-7), ("policy_loss", 0, 1e-6), ("actor_grad_norm", 1e-3, 0)]  # fmt: skip
+    for s, o in zip(stock, ours):
+        for key, rel, abs_ in tolerances:
+            assert o[key] == pytest.approx(s[key], rel=rel, abs=abs_), key
+    assert stock[1]["kl"] > 0  # the policy moved, so step 2 compares updated policies
+    assert stock[0]["reward"] != 0 and ours[0]["rollout/reward_mean"] == pytest.approx(ours[0]["reward"], rel=1e-5)
+    a, b = load_file(root / "stock" / "model.safetensors"), load_file(root / "bandit" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:  # bf16 weights: at most one rounding step apart
+        torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-4)
+
+
+def test_segment_gae_two_ranks_zero2(segment_task0, tiny_sft_path):
+    """Dense segment rewards through the critic: finite metrics, a real (non-zero) logged reward, a checkpoint plain
+    transformers loads, and the first task's previous-task KL logged as 0."""
+    from transformers import AutoModelForCausalLM
+
+    out, steps = segment_task0
+    for step in steps:
+        _finite(step, ["reward", "return", "policy_loss", "critic_loss", "values", "segments_per_response"])
+        assert step["reward"] != 0.0 and step["rollout/reward_mean"] == pytest.approx(step["reward"], rel=1e-5)
+        assert step["segments_per_response"] > 1  # entropy segmentation, not one bandit segment
+        assert step["prev_task_kl"] == 0.0 and step["staleness"] == 0.0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_sft_path)
+    moved = [(p - q).abs().max().item() for p, q in zip(model.parameters(), base.parameters())]
+    assert max(moved) > 1e-3
+
+
+def test_segment_reinforce_async_zero3_second_task(segment_task1):
+    """One-step off-policy (paper 001): the second batch was generated before the first update (staleness 1); the
+    CPPO-style KL to the previous task's policy is 0 before the first update and positive after it."""
+    out, (first, second) = segment_task1
+    for step in (first, second):
+        _finite(step, ["reward", "return", "policy_loss", "prev_task_kl", "staleness"])
+    assert first["staleness"] == 0.0 and second["staleness"] == 1.0
+    assert first["prev_task_kl"] == 0.0 and second["prev_task_kl"] > 0.0
+    assert (out / "config.json").exists()

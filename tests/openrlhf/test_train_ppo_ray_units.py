@@ -1,0 +1,178 @@
+"""The pieces of ``rlhf_ext.openrlhf.train_ppo_ray`` that need no Ray cluster: the HF rollout engine's sampling, the
+driver's refusals, the placeholder vLLM module, and the segment experience maker's reward handling."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_ext.openrlhf import rollout
+from rlhf_ext.openrlhf.compat import SamplingParams
+
+
+def test_gumbel_max_samples_the_softmax():
+    """Property: argmax(logits + noise) over many independent seeds is distributed as softmax(logits)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    n = 20000
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
+    choices = (logits + rollout.gumbel_noise(seeds, step=3, vocab_size=5)).argmax(-1)
+    freq = torch.bincount(choices, minlength=5).float() / n
+    expected = logits.softmax(-1)
+    # 4.5 standard errors of a binomial proportion
+    assert torch.all((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()), (freq, expected)
+
+
+def test_noise_depends_only_on_seed_step_and_token():
+    a = rollout.gumbel_noise(torch.tensor([5, 9, 5]), 2, 11)
+    torch.testing.assert_close(a[0], a[2])
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(a[0], rollout.gumbel_noise(torch.tensor([5]), 3, 11)[0])
+
+
+def test_process_logits_top_k_top_p_by_hand():
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = rollout.process_logits(scores, 1.0, top_k=-1, top_p=0.7)  # 0.5 < 0.7 <= 0.8: keep the top two
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    kept = rollout.process_logits(scores, 1.0, top_k=3, top_p=1.0)
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
+    torch.testing.assert_close(rollout.process_logits(scores, 0.5, -1, 1.0), scores / 0.5)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_sft_path):
+    """The engine class itself (no Ray actor): ``generate_batch`` is plain Python."""
+    return rollout._HFRolloutEngine(model=tiny_sft_path, seed=3)
+
+
+def test_rollouts_do_not_depend_on_batching(engine, toy_tok):
+    """Two prompts generated together or one at a time give the same tokens (same weights version, same
+    occurrence number): how OpenRLHF's dispatch batches requests cannot change a seeded run."""
+    prompts = [toy_tok("Question: What should I know about tides?\nAnswer:")["input_ids"],
+               toy_tok("Question: Why do cats purr?\nAnswer:")["input_ids"]]  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_tokens=12, logprobs=1)
+    together = engine.generate_batch(prompts, params)
+    engine._occurrences.clear()
+    alone = [engine.generate_batch([p], params)[0] for p in prompts]
+    for a, b in zip(together, alone):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason in ("stop", "length")
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        assert la == pytest.approx(lb, abs=1e-5) and all(v <= 0 for v in la)
+    # a second sample of the same prompt is a different draw
+    again = engine.generate_batch(prompts[:1], params)[0]
+    assert again.outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_rollout_logprobs_match_the_model(engine, toy_tok):
+    """The reported log-probabilities are the temperature-processed model's (what vLLM's processed_logprobs mode
+    reports and OpenRLHF's importance-sampling correction compares against)."""
+    prompt = toy_tok("Question: What should I know about tides?\nAnswer:")["input_ids"]
+    out = engine.generate_batch([prompt], SamplingParams(temperature=0.7, max_tokens=6, logprobs=1))[0].outputs[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = engine.model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    got = torch.tensor([next(iter(d.values())).logprob for d in out.logprobs])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_load_weights_bumps_the_version_and_rejects_foreign_weights(engine):
+    state = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    version = engine.version
+    assert engine.load_weights(state) == version + 1
+    with pytest.raises(ValueError, match="do not match the rollout model"):
+        engine.load_weights({"not.a.weight": torch.zeros(1)})
+
+
+def _driver(*flags: str) -> subprocess.CompletedProcess:
+    argv = ["--actor.model_name_or_path", "/nonexistent", "--reward.model_name_or_path", "/nonexistent", *flags]
+    code = "import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "2"], "shapes one scalar reward"),
+        (["--reward.normalize_enable"], "--reward.normalize_enable acts on OpenRLHF's scalar reward"),
+        (["--reward.stop_properly_penalty_coef", "0.5"], "--reward.stop_properly_penalty_coef acts on"),
+        (["--ds.packing_samples"], "do not support --ds.packing_samples"),
+        (["--ext.granularity", "segmnt"], "--ext.granularity must be one of"),
+        (["--ext.continual.kl_coeff", "1"], "unknown option --ext.continual.kl_coeff"),
+    ],
+)
+def test_driver_refuses_before_ray_starts(flags, message):
+    """One line naming the flag and the fix, exit code != 0, and no Ray cluster was started."""
+    proc = _driver(*flags)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+
+
+def test_help_lists_the_ext_flags():
+    proc = _driver("--help")
+    assert proc.returncode == 0
+    assert "--ext.rollout_engine" in proc.stdout and "--actor.model_name_or_path" in proc.stdout
+
+
+def test_placeholder_vllm_gives_a_clear_error():
+    code = (
+        "from rlhf_ext.openrlhf.compat import install_import_shims; install_import_shims(); import vllm\n"
+        "assert not hasattr(vllm, '__version__')\n"
+        "vllm.SamplingParams(temperature=0.5, max_tokens=3)\n"
+        "vllm.__version__\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "GPUPackageMissing: vllm.__version__: 'vllm' is not installed" in proc.stderr
+    assert "--ext.rollout_engine hf" in proc.stderr
+
+
+def test_dense_rewards_are_clipped_per_token_like_the_scalar():
+    from rlhf_ext.openrlhf import segment_ppo
+
+    kl = torch.zeros(2, 3)
+    dense = torch.tensor([[20.0, -30.0, 1.0], [0.5, 0.0, 0.0]])
+    setattr(kl, segment_ppo.DENSE_ATTR, dense)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    out = segment_ppo.dense_aware_compute_reward(torch.zeros(2), 0.0, kl, action_mask=mask, reward_clip_range=(-10, 10))
+    torch.testing.assert_close(out, torch.tensor([[10.0, -10.0, 1.0], [0.5, 0.0, 0.0]]))
+
+
+def test_logged_reward_survives_openrlhf_length_penalty_step():
+    """OpenRLHF's length-penalty step copies ``rewards`` (0 for dense runs) into info["reward"]; the logged reward
+    must stay the summed dense reward (it read 0.0 before)."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    from rlhf_ext.openrlhf import segment_ppo
+
+    args = SimpleNamespace(
+        algo=SimpleNamespace(advantage=SimpleNamespace(estimator="reinforce", gamma=1.0, lambd=1.0, no_std_norm=False)),
+        rollout=SimpleNamespace(n_samples_per_prompt=1, max_new_tokens=None),
+        reward=SimpleNamespace(clip_range=(-10, 10), model_name_or_path=None, overlong_buffer_len=None,
+                               stop_properly_penalty_coef=None),
+        data=SimpleNamespace(max_len=64),
+        ext=SimpleNamespace(granularity="token", interpolation="even_split", entropy_cutoff=None, aggregation=None,
+                            tau=None, normalizer=None, reward_model_id=None),
+    )  # fmt: skip
+    maker = segment_ppo.SegmentExperienceMaker(
+        None, None, None, None, FixedKLController(0.0), SimpleNamespace(args=args), tokenizer=None
+    )
+    mask = torch.tensor([[1, 1, 1, 0]]).bool()
+    exp = Experience(
+        sequences=torch.zeros(1, 6, dtype=torch.long), attention_mask=torch.ones(1, 6, dtype=torch.long),
+        action_mask=mask, kl=torch.zeros(1, 4), info={},
+    )  # fmt: skip
+    exp.index = [0]
+    exp.rewards = torch.tensor([[0.0, 0.0, 1.0, 2.0, 3.0, 0.0]])  # per-token RM scores, [B, T]
+    maker.attach_dense_rewards([exp], None)
+    summed = exp.info["reward"].clone()
+    assert summed.item() != 0 and math.isfinite(summed.item())
+    maker.compute_advantages_and_returns([exp])
+    torch.testing.assert_close(exp.info["reward"], summed)
