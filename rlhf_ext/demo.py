@@ -58,7 +58,7 @@ class DemoTraining:
     ppo_steps: int = 20
     ppo_batch_size: int = 16
     ppo_learning_rate: float = 3e-4
-    advantage_estimator: Literal["gae", "reinforce"] = "reinforce"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "reinforce_baseline"
     max_completion_length: int = 112
     seed: int = 0
 

@@ -89,26 +89,20 @@ def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     return torch.where(mask, discounted_reverse_cumsum(torch.where(mask, rewards.float(), 0.0), gamma), 0.0)
 
 
-def reinforce_advantages(
-    rewards: Tensor, mask: Tensor, group_size: int = 1, gamma: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """Critic-free advantages: per-token reward-to-go minus a baseline; returns (advantages, returns).
+def reinforce_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Critic-free advantages: the per-token reward-to-go itself (OpenRLHF's ``reinforce``; the batch mean is removed
+    by the whitening that follows); returns (advantages, returns)."""
+    returns = reward_to_go(rewards, mask.bool(), gamma)
+    return returns, returns
 
-    The baseline is the mean total return G_0 of the *other* responses to the same prompt when ``group_size > 1``
-    (leave-one-out, RLOO), otherwise the batch mean of G_0. Rows must be grouped by prompt, ``group_size`` apart.
-    """
-    mask = mask.bool()
-    returns = reward_to_go(rewards, mask, gamma)
-    first = mask.float().argmax(dim=1, keepdim=True)
-    total = returns.gather(1, first).squeeze(1)  # G_0 of each response
-    if group_size > 1:
-        if total.numel() % group_size:
-            raise ValueError(f"batch of {total.numel()} is not a whole number of groups of {group_size}")
-        grouped = total.view(-1, group_size)
-        baseline = ((grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)).flatten()
-    else:
-        baseline = total.mean().expand_as(total)
-    return torch.where(mask, returns - baseline.unsqueeze(1), 0.0), returns
+
+def group_mean_baseline(sequence_reward: Tensor, group_size: int) -> Tensor:
+    """``[B]`` mean sequence reward of each sample's prompt group (rows grouped by prompt, ``group_size`` apart):
+    OpenRLHF's ``reinforce_baseline`` (RLOO-style variance reduction, paper 001 Appendix B)."""
+    if sequence_reward.numel() % group_size:
+        raise ValueError(f"batch of {sequence_reward.numel()} is not a whole number of groups of {group_size}")
+    grouped = sequence_reward.view(-1, group_size)
+    return grouped.mean(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
@@ -143,33 +137,56 @@ def clipped_value_loss(
     return 0.5 * torch.where(mask, loss, 0.0).sum() / n, torch.where(mask, clipped.float(), 0.0).sum() / n
 
 
+#: Advantage estimators defined on dense per-token rewards, with OpenRLHF 0.11.2's names and semantics.
+ESTIMATORS: tuple[str, ...] = ("gae", "reinforce", "reinforce_baseline")
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """``[B]`` index of each row's last valid position (0 for an empty row)."""
+    mask = mask.bool()
+    return mask.shape[1] - 1 - mask.long().fliplr().argmax(dim=1)
+
+
 def ppo_advantages(
     dense_rewards: Tensor,
     kl: Tensor,
     mask: Tensor,
     kl_coef: float,
     values: Tensor | None = None,
-    estimator: Literal["gae", "reinforce"] = "gae",
+    estimator: str = "gae",
     gamma: float = 1.0,
     lam: float = 0.95,
     group_size: int = 1,
     whiten: bool = True,
+    clip_range: tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token PPO rewards ``r_t = dense_t - kl_coef * KL_t`` (Eq. 5) -> (rewards, advantages, returns).
+    """Per-token PPO rewards ``r_t = clip(dense_t) - kl_coef * KL_t`` (paper 003 Eq. 5) -> (rewards, advantages,
+    returns), in OpenRLHF 0.11.2's order so that both engines compute the same numbers:
 
-    ``gae`` needs ``values``; ``reinforce`` uses reward-to-go minus the leave-one-out/batch baseline. Advantages are
-    whitened over the batch when ``whiten`` (as OpenRLHF does for gae/reinforce).
+    1. ``reinforce_baseline``: the prompt group's mean sequence reward (``dense.sum(1)``) is subtracted at each
+       response's last token (for a bandit reward this is exactly OpenRLHF's scalar baseline);
+    2. every token's reward is clipped to ``clip_range`` (OpenRLHF's ``--reward.clip_range``, applied to its scalar);
+    3. minus ``kl_coef * KL``; GAE (needs ``values``) or reward-to-go (``reinforce*``);
+    4. advantages whitened over the batch when ``whiten`` (OpenRLHF whitens all three estimators).
+
+    Shapes: ``dense_rewards``, ``kl``, ``mask``, ``values`` ``[B, T]``; rows grouped by prompt for step 1.
     """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {', '.join(ESTIMATORS)}; got {estimator!r}")
     mask = mask.bool()
-    rewards = torch.where(mask, dense_rewards.float() - kl_coef * kl.float(), 0.0)
+    dense = torch.where(mask, dense_rewards.float(), 0.0)
+    if estimator == "reinforce_baseline":
+        baseline = group_mean_baseline(dense.sum(dim=1), group_size)
+        dense = dense.scatter_add(1, last_token_index(mask)[:, None], -baseline[:, None])
+    if clip_range is not None:
+        dense = dense.clamp(min=clip_range[0], max=clip_range[1])
+    rewards = torch.where(mask, dense - kl_coef * kl.float(), 0.0)
     if estimator == "gae":
         if values is None:
             raise ValueError("the gae estimator needs critic values")
         advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
-    elif estimator == "reinforce":
-        advantages, returns = reinforce_advantages(rewards, mask, group_size, gamma)
     else:
-        raise ValueError(f"advantage estimator must be gae or reinforce; got {estimator!r}")
+        advantages, returns = reinforce_advantages(rewards, mask, gamma)
     if whiten:
         advantages = masked_whiten(advantages, mask)
     return rewards, advantages, returns

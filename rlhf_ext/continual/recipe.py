@@ -114,7 +114,7 @@ class PPOSection:
     batch_size: int = 16
     learning_rate: float = 3e-4
     kl_coef: float = 0.01
-    advantage_estimator: Literal["gae", "reinforce"] = "reinforce"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "reinforce_baseline"
     num_generations: int = 2
     max_completion_length: int = 64
     eval_prompts: int = 32

@@ -1,7 +1,7 @@
 """Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our extras.
 
-OpenRLHF's CLIs keep their argparse under ``__main__`` and take no class arguments. What works without copying them
-(ENGINES.md): patch the classes on their source modules, strip our ``--ext.*`` flags from the command line and hand
+OpenRLHF's CLIs keep their argparse under ``__main__`` and take no class arguments. What works without copying them:
+patch the classes on their source modules, strip our ``--ext.*`` flags from the command line and hand
 them over as ``args.ext`` by wrapping OpenRLHF's config hierarchiser, then execute the module with ``runpy``.
 """
 

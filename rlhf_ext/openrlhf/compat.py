@@ -5,11 +5,11 @@ Two independent pieces, both no-ops where they are not needed:
 * :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
   when) those packages are missing, it registers placeholder modules under their names whose every function and
   class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
-  loudly. OpenRLHF's own test suite does the same. Reading any other attribute of a placeholder (``vllm.__version__`` ...)
-  raises :class:`GPUPackageMissing` naming the package; ``vllm.SamplingParams`` is a plain dataclass
-  (:class:`SamplingParams`) because OpenRLHF builds one even when the HF rollout engine
-  generates. :func:`import_shims` does the same for the duration of a
-  ``with`` block (for importing OpenRLHF modules) and unregisters them afterwards (:func:`remove_import_shims`):
+  loudly. OpenRLHF's own test suite does the same. Reading any other attribute of a placeholder
+  (``vllm.__version__`` ...) raises :class:`GPUPackageMissing` naming the package; ``vllm.SamplingParams`` is a plain
+  dataclass (:class:`SamplingParams`) because OpenRLHF builds one even when the HF rollout engine generates.
+  :func:`import_shims` does the same for the duration of a ``with`` block (for importing OpenRLHF modules) and
+  unregisters them afterwards (:func:`remove_import_shims`):
   while a placeholder is registered, TRL 1.16's ``is_vllm_available()`` sees ``vllm`` through ``find_spec`` and
   then fails to parse its (missing) version, so TRL modules that check for vLLM at import (``trl.generation``)
   cannot be imported in the meantime.

@@ -27,6 +27,7 @@ import torch
 
 from rlhf_ext.openrlhf.cli_runner import flags_from_mapping
 from rlhf_ext.openrlhf.compat import import_shims
+from rlhf_ext.rl import ESTIMATORS, group_mean_baseline, last_token_index
 from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
 from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
 from rlhf_ext.segment.normalizer import LocationNormalizer
@@ -172,10 +173,10 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             if ext["normalizer"]
             else LocationNormalizer()
         )
-        if self.dense and self.advantage_estimator not in ("gae", "reinforce"):
+        if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
-                f"dense segment rewards need --algo.advantage.estimator gae or reinforce (got "
-                f"{self.advantage_estimator}); group estimators shape a scalar reward"
+                f"dense segment rewards need --algo.advantage.estimator {' | '.join(ESTIMATORS)} (got "
+                f"{self.advantage_estimator}); the other estimators shape a scalar reward"
             )
         self._batches = 0
         self._first_version: float | None = None
@@ -213,13 +214,28 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):
-        # OpenRLHF's length-penalty step copies ``rewards`` (the zero placeholder of dense runs) into
-        # info["reward"]; keep the summed dense reward there so rollout/reward_mean logs what PPO optimises.
-        summed = {id(e): e.info["reward"] for e in experiences if self.dense and "reward" in e.info}
+        """OpenRLHF's, on dense rewards. For ``reinforce_baseline`` the prompt group's mean summed dense reward is
+        subtracted at each response's last token first (OpenRLHF subtracts it from the scalar, which is the zero
+        placeholder here): the same numbers as :func:`rlhf_ext.rl.ppo_advantages`, which the TRL engine calls."""
+        if not self.dense:
+            return super().compute_advantages_and_returns(experiences)
+        dense = [getattr(e.kl, DENSE_ATTR) for e in experiences]
+        if self.advantage_estimator == "reinforce_baseline":
+            n = self.args.rollout.n_samples_per_prompt
+            indices = torch.tensor([i for e in experiences for i in e.index])
+            summed = torch.cat([d.sum(dim=1) for d in dense])
+            ordered = torch.empty_like(summed)
+            ordered[indices] = summed  # OpenRLHF's prompt order: rows grouped by prompt, n apart
+            baseline = group_mean_baseline(ordered, n)[indices].split([len(e.index) for e in experiences])
+            for e, d, b in zip(experiences, dense, baseline):
+                shifted = d.scatter_add(1, last_token_index(e.action_mask)[:, None], -b[:, None].to(d.dtype))
+                setattr(e.kl, DENSE_ATTR, shifted)
+        # OpenRLHF's length-penalty step copies ``rewards`` (the zero placeholder) into info["reward"]; keep the
+        # summed dense reward there so rollout/reward_mean logs what PPO optimises.
+        summed_rewards = [e.info["reward"] for e in experiences]
         experiences = super().compute_advantages_and_returns(experiences)
-        for e in experiences:
-            if id(e) in summed:
-                e.info["reward"] = summed[id(e)]
+        for e, reward in zip(experiences, summed_rewards):
+            e.info["reward"] = reward
         return experiences
 
     def attach_dense_rewards(self, experiences, entropies: list[torch.Tensor] | None) -> None:
@@ -229,16 +245,16 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         dense reward per sample, so OpenRLHF's logging keeps one scalar per sample. With ``bandit`` granularity
         ``experience.rewards`` becomes the score at the last response token: OpenRLHF's own scalar reward.
         """
-        if not self.dense:
+        if not self.dense:  # the score at the last token (normalized at p = 1 if a normalizer is given)
             for exp in experiences:
                 scores = exp.rewards
                 if scores.dim() == 2:
                     mask = exp.action_mask.bool()
-                    a = mask.shape[1]
-                    last = a - 1 - mask.long().fliplr().argmax(dim=1)
-                    scores = scores[:, -a:].gather(1, last[:, None]).squeeze(1).float()
-                exp.rewards = scores
-                exp.info["reward"] = scores
+                    bandit = dense_segment_rewards(scores[:, -mask.shape[1] :], mask, normalizer=self.normalizer,
+                                                   granularity="bandit")  # fmt: skip
+                    scores = bandit.sequence_reward
+                exp.rewards = scores.float()
+                exp.info["reward"] = exp.rewards
             return
         needs_entropy = self.ext["granularity"] in ("segment", "bandit_as_segment", "segment_as_bandit")
         if needs_entropy and entropies is None:

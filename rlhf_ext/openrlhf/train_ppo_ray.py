@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
+from rlhf_ext.rl import ESTIMATORS
 
 #: ``--ext.*`` flags and their defaults (``None``: the reward model's recorded setting / unset).
 EXT_DEFAULTS: dict[str, Any] = {
@@ -62,9 +63,6 @@ EXT_DEFAULTS: dict[str, Any] = {
     "continual.retention": None,
 }
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
-#: Estimators defined on dense per-token rewards: GAE, and REINFORCE's reward-to-go with group baselines
-#: subtracted from each sample's summed reward (see :func:`rlhf_ext.openrlhf.segment_ppo.group_baseline`).
-DENSE_ESTIMATORS = ("gae", "reinforce")
 WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
 
 
@@ -122,10 +120,10 @@ def check_args(args: Any) -> None:
     ext = args.ext
     dense = ext.granularity != "bandit"
     estimator = args.algo.advantage.estimator
-    if dense and estimator not in DENSE_ESTIMATORS:
+    if dense and estimator not in ESTIMATORS:
         raise ExtArgsError(
             f"--algo.advantage.estimator {estimator} shapes one scalar reward per sample; dense segment rewards "
-            f"(--ext.granularity {ext.granularity}) need {' or '.join(DENSE_ESTIMATORS)} (or --ext.granularity bandit)"
+            f"(--ext.granularity {ext.granularity}) need {' | '.join(ESTIMATORS)} (or --ext.granularity bandit)"
         )
     if args.ds.packing_samples:
         raise ExtArgsError("rlhf-ext's segment subclasses do not support --ds.packing_samples; drop the flag")

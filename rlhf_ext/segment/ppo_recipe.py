@@ -63,7 +63,7 @@ class PPOAlgoSection:
 
     kl_coef: float = 0.01
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    advantage_estimator: Literal["gae", "reinforce"] = "gae"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "gae"
     gamma: float = 1.0
     lam: float = 0.95
     clip_eps: float = 0.2

@@ -217,7 +217,7 @@ class PPOSection:
     learning_rate: float = 3e-4
     critic_learning_rate: float = 1e-4
     kl_coef: float = 0.01
-    advantage_estimator: Literal["gae", "reinforce"] = "gae"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "gae"
     max_completion_length: int = 128
 
 

@@ -13,7 +13,7 @@ replaces the reward and advantage computation of each rollout batch:
 
 The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo"``) with GRPO's own KL term off
 (``beta = 0``: the KL is in the reward, as in PPO-RLHF). TRL samples at least two responses per prompt
-(``num_generations >= 2``); they are treated as independent rollouts (REINFORCE uses the siblings as baseline).
+(``num_generations >= 2``); they are independent rollouts (``reinforce_baseline`` uses the siblings as baseline).
 
 Limits: the separate critic is trained with its own optimizer and supports single-process and DDP runs
 (``torchrun``/``accelerate launch``); with DeepSpeed use ``advantage_estimator="reinforce"`` or the OpenRLHF engine.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rlhf_ext.rl import clipped_value_loss, per_token_kl, ppo_advantages
+from rlhf_ext.rl import ESTIMATORS, clipped_value_loss, per_token_kl, ppo_advantages
 from rlhf_ext.segment.core import check_cutoff
 from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
 from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer
@@ -49,7 +49,10 @@ class SegmentPPOConfig(GRPOConfig):
         normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
             (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
         kl_coef: beta of Eq. 5 (0.01); kl_estimator: k1 (OpenRLHF's reward penalty), k2, k3.
-        advantage_estimator: ``gae`` (critic) or ``reinforce`` (critic-free).
+        advantage_estimator: ``gae`` (critic), ``reinforce`` (critic-free reward-to-go) or ``reinforce_baseline``
+            (minus the prompt group's mean sequence reward) — OpenRLHF's estimators, computed as it does
+            (:func:`rlhf_ext.rl.ppo_advantages`).
+        reward_clip_range: per-token reward clip, OpenRLHF's ``--reward.clip_range`` (default ±10 in both).
         gamma, lam: GAE discount and lambda (OpenRLHF defaults 1.0, 0.95).
         value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
         critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
@@ -74,7 +77,13 @@ class SegmentPPOConfig(GRPOConfig):
     calibration_max_pairs: int | None = field(default=512, metadata={"help": "Pairs used to fit the normalizer."})
     kl_coef: float = field(default=0.01, metadata={"help": "KL penalty in the reward (Eq. 5)."})
     kl_estimator: str = field(default="k1", metadata={"help": "k1 | k2 | k3"})
-    advantage_estimator: str = field(default="gae", metadata={"help": "gae | reinforce"})
+    advantage_estimator: str = field(default="gae", metadata={"help": "gae | reinforce | reinforce_baseline"})
+    reward_clip_range: list[float] | None = field(
+        default_factory=lambda: [-10.0, 10.0],
+        metadata={
+            "help": "Clip each token's reward to [low, high] before the KL penalty (OpenRLHF's --reward.clip_range)."
+        },
+    )
     gamma: float = field(default=1.0, metadata={"help": "Discount."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     value_clip: float | None = field(default=0.25, metadata={"help": "Value clip (0.25 dense, 0.2 bandit)."})
@@ -102,8 +111,14 @@ class SegmentPPOConfig(GRPOConfig):
             raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}; got {self.interpolation!r}")
         if self.normalizer_kind not in NORMALIZER_KINDS:
             raise ValueError(f"normalizer_kind must be one of {', '.join(NORMALIZER_KINDS)}")
-        if self.advantage_estimator not in ("gae", "reinforce"):
-            raise ValueError(f"advantage_estimator must be gae or reinforce; got {self.advantage_estimator!r}")
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {', '.join(ESTIMATORS)}; got {self.advantage_estimator!r}"
+            )
+        if self.reward_clip_range is not None and (
+            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] >= self.reward_clip_range[1]
+        ):
+            raise ValueError(f"reward_clip_range must be [low, high] with low < high; got {self.reward_clip_range}")
         if self.entropy_cutoff is not None:
             self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
         if self.kl_coef < 0:
@@ -357,6 +372,7 @@ class SegmentPPOTrainer(GRPOTrainer):
                 args.lam,
                 self.num_generations,
                 args.whiten_advantages,
+                tuple(args.reward_clip_range) if args.reward_clip_range else None,
             )
             if values is not None:
                 out["old_values"], out["returns"] = values, returns

@@ -29,7 +29,7 @@ def test_scoped_placeholders_import_openrlhf_raise_when_used_and_are_removed():
         from openrlhf.models.utils import log_probs_from_logits
         from openrlhf.trainer.ray.vllm_engine import RolloutRayActor  # noqa: F401  (imports vllm at module level)
 
-        for call in (lambda: pad_input(None, None, 1, 1), lambda: unpad_input(None, None), vllm.SamplingParams):
+        for call in (lambda: pad_input(None, None, 1, 1), lambda: unpad_input(None, None), vllm.LLM):
             with pytest.raises(RuntimeError, match="not installed on this machine"):
                 call()
         # flash-attn's fused cross entropy is not a placeholder: OpenRLHF falls back to its pure-torch path

@@ -60,7 +60,7 @@ def _experience(seed=0, b=4, prompt=3, a=7):
 
 def test_bandit_granularity_reproduces_stock_openrlhf_exactly(seg_ppo):
     """Dense path with granularity=bandit = OpenRLHF's scalar reward on the last token, same advantages/returns."""
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    RemoteExperienceMaker = seg_ppo.RemoteExperienceMaker  # the stock class (the module attribute is replaced)
 
     stock_exp, scores, _ = _experience()
     a = stock_exp.action_mask.shape[1]
@@ -80,30 +80,41 @@ def test_bandit_granularity_reproduces_stock_openrlhf_exactly(seg_ppo):
         torch.testing.assert_close(ours.returns, stock.returns, atol=1e-6, rtol=1e-6)
 
 
-def test_trl_and_openrlhf_paths_give_identical_rewards_and_advantages(seg_ppo):
-    """Identical tensors through OpenRLHF's GAE (its Python loop) and the TRL trainer's functions: same numbers."""
+@pytest.mark.parametrize("granularity", ["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"])
+@pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline"])
+def test_trl_and_openrlhf_paths_give_identical_rewards_and_advantages(seg_ppo, granularity, estimator):
+    """Identical tensors through OpenRLHF's experience maker (its GAE loop, its reward clip, its group baseline and
+    whitening) and the TRL trainer's functions: the same numbers for every granularity x estimator, with 2 samples
+    per prompt and a clip range small enough to bite."""
     exp, scores, entropy = _experience(seed=3)
     logp = torch.randn(exp.action_mask.shape) * exp.action_mask
     ref = logp - exp.kl  # k1 KL = logp - ref = the experience's kl
     norm = LocationNormalizer(kind="regression", w_mu=0.3, b_mu=-0.2, w_sigma=-0.5, b_sigma=0.1)
-    maker = _maker(seg_ppo.SegmentExperienceMaker, _args("gae"), kl_coef=0.05)
+    args = _args(estimator, granularity=granularity, n_samples=2)
+    args.reward.clip_range = (-1.5, 1.5)
+    maker = _maker(seg_ppo.SegmentExperienceMaker, args, kl_coef=0.05)
     maker.normalizer = norm
     values = exp.values.clone()
     exp.rewards = scores.clone()
     maker.attach_dense_rewards([exp], [entropy])
-    dense_openrlhf = getattr(exp.kl, seg_ppo.DENSE_ATTR).clone()
     out = maker.compute_advantages_and_returns([exp])[0]
 
     mask = exp.action_mask
     a = mask.shape[1]
-    dense_trl = dense_segment_rewards(scores[:, -a:], mask, entropy, normalizer=norm, entropy_cutoff=2.0)
-    torch.testing.assert_close(dense_openrlhf, dense_trl.rewards)
+    dense_trl = dense_segment_rewards(scores[:, -a:], mask, entropy, normalizer=norm, entropy_cutoff=2.0,
+                                      granularity=granularity)  # fmt: skip
     kl = torch.where(mask, per_token_kl(logp, ref, "k1"), 0.0)
-    _, adv, ret = ppo_advantages(dense_trl.rewards, kl, mask, 0.05, values, "gae", 1.0, 0.95)
+    _, adv, ret = ppo_advantages(
+        dense_trl.rewards, kl, mask, 0.05, values if estimator == "gae" else None, estimator, 1.0, 0.95,
+        group_size=2, clip_range=(-1.5, 1.5),
+    )  # fmt: skip
     torch.testing.assert_close(out.advantages * mask, adv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.returns * mask, ret, atol=1e-5, rtol=1e-5)
-    # OpenRLHF logs one scalar per sample
-    assert out.info["reward"].shape == (4,)
+    torch.testing.assert_close(out.info["reward"].float().reshape(-1), dense_trl.sequence_reward.reshape(-1))
+    if estimator == "reinforce_baseline":  # the group baseline acted: advantages differ from plain reinforce
+        _, plain, _ = ppo_advantages(dense_trl.rewards, kl, mask, 0.05, None, "reinforce", group_size=2,
+                                     clip_range=(-1.5, 1.5))  # fmt: skip
+        assert not torch.allclose(plain, adv, atol=1e-3)
 
 
 def test_reinforce_path_matches_reward_to_go(seg_ppo):
@@ -125,7 +136,7 @@ def test_scalar_rewards_with_segment_granularity_are_refused(seg_ppo):
         maker.attach_dense_rewards([exp], [entropy])
     with pytest.raises(ValueError, match="need the reference model's entropies"):
         maker.attach_dense_rewards([exp], None)
-    with pytest.raises(ValueError, match="estimator gae or reinforce"):
+    with pytest.raises(ValueError, match="need --algo.advantage.estimator gae | reinforce | reinforce_baseline"):
         _maker(seg_ppo.SegmentExperienceMaker, _args("rloo"))
 
 

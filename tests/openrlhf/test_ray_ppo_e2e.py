@@ -43,14 +43,16 @@ def _run(out_dir, models, prompts, *flags, stock=False, timeout=400) -> list[dic
         "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "ckpt"),
         *flags,
     ]  # fmt: skip
-    code = (
-        "import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; "
-        f"main(sys.argv[1:], methods={not stock})"
-    )
+    code = f"import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:], methods={not stock})"
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
     env.pop("RAY_ADDRESS")
     proc = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=out_dir.parent
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=out_dir.parent,
     )
     log = proc.stdout + proc.stderr
     (out_dir.parent / f"{out_dir.name}.log").write_text(log)

@@ -15,6 +15,7 @@ from rlhf_ext.rl import (
     gae_advantages,
     masked_whiten,
     per_token_kl,
+    ppo_advantages,
     reinforce_advantages,
     reward_to_go,
 )
@@ -237,14 +238,21 @@ def test_gae_matches_openrlhf_style_loop():
     assert (adv[1, 4:] == 0).all() and (ret[1, 4:] == 0).all()
 
 
-def test_reinforce_leave_one_out_baseline():
+def test_reinforce_and_group_baseline_by_hand():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0], [2.0, 0.0], [0.0, 0.0]])
     mask = torch.ones(4, 2, dtype=torch.bool)
-    adv, ret = reinforce_advantages(rewards, mask, group_size=2)
+    adv, ret = reinforce_advantages(rewards, mask)
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [3.0, 3.0], [2.0, 0.0], [0.0, 0.0]]))
-    # group 1: G0 = 1 and 3 -> baselines 3 and 1; group 2: G0 = 2 and 0 -> baselines 0 and 2
-    torch.testing.assert_close(adv, torch.tensor([[-2.0, -2.0], [2.0, 2.0], [2.0, 0.0], [-2.0, -2.0]]))
+    torch.testing.assert_close(adv, ret)
     torch.testing.assert_close(reward_to_go(rewards, mask), ret)
+    # reinforce_baseline: group means 2 and 1 subtracted at the last token, no KL, no whitening
+    _, adv, ret = ppo_advantages(rewards, torch.zeros(4, 2), mask, 0.0, None, "reinforce_baseline", group_size=2,
+                                 whiten=False)  # fmt: skip
+    torch.testing.assert_close(ret, torch.tensor([[-1.0, -1.0], [1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]]))
+    # clip after the baseline, per token: 3 - 2 = 1 -> clipped to 0.5
+    _, _, ret = ppo_advantages(rewards, torch.zeros(4, 2), mask, 0.0, None, "reinforce_baseline", group_size=2,
+                               whiten=False, clip_range=(-0.5, 0.5))  # fmt: skip
+    torch.testing.assert_close(ret, torch.tensor([[-0.5, -0.5], [0.5, 0.5], [0.0, -0.5], [-0.5, -0.5]]))
 
 
 def test_per_token_kl_estimators_and_whiten_and_value_loss():
