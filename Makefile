@@ -17,7 +17,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo test test-fast lint bench clean openrlhf-tests
 
 venv: $(STAMP)
 
@@ -42,8 +42,19 @@ test: $(STAMP) lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow"
 
+# OpenRLHF's own unit tests (its repository's tests/, e.g. a checkout of tag v0.11.0) against the installed
+# openrlhf==0.11.2, first as shipped, then with every rlhf-ext patch installed: the two results must be the same.
+# They locate OpenRLHF's sources as ../openrlhf, so they run from a scratch folder that links the installed package.
+OPENRLHF_TESTS ?=
+openrlhf-tests: $(STAMP)
+	@test -n "$(OPENRLHF_TESTS)" || { echo "set OPENRLHF_TESTS=/path/to/OpenRLHF/tests"; exit 2; }
+	rm -rf .openrlhf-tests && mkdir .openrlhf-tests && cp -r "$(OPENRLHF_TESTS)" .openrlhf-tests/tests
+	ln -s "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("openrlhf").submodule_search_locations[0])')" .openrlhf-tests/openrlhf
+	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider tests | tail -n 4 || true
+	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider -p rlhf_ext.testing.openrlhf_plugin tests | tail -n 4 || true
+
 bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .openrlhf-tests

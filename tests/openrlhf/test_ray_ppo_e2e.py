@@ -137,8 +137,10 @@ def test_bandit_through_rlhf_ext_equals_stock_openrlhf(bandit_runs):
     assert stock[0]["reward"] != 0 and ours[0]["rollout/reward_mean"] == pytest.approx(ours[0]["reward"], rel=1e-5)
     a, b = load_file(root / "stock" / "model.safetensors"), load_file(root / "bandit" / "model.safetensors")
     assert a.keys() == b.keys()
-    for key in a:  # bf16 weights: at most one rounding step apart
-        torch.testing.assert_close(a[key].float(), b[key].float(), rtol=1e-2, atol=1e-4)
+    # Adam divides by sqrt(v): where a gradient is ~0 its rounding noise moves a weight by up to ~lr (1e-2) per step.
+    # Everywhere else the final weights agree.
+    diff = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
+    assert (diff > 1e-4).float().mean() < 1e-3 and diff.max() <= 2 * 1e-2, (diff.max(), (diff > 1e-4).sum())
 
 
 def test_segment_gae_two_ranks_zero2(segment_task0, tiny_sft_path):

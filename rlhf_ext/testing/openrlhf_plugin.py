@@ -1,0 +1,17 @@
+"""pytest plugin that installs every patch rlhf-ext makes to OpenRLHF 0.11.2 before a test session — the Ray-worker
+set, the most invasive one: placeholder ``flash_attn``/``vllm`` modules, the CPU patches, the segment experience maker
+and actors, the continual policy actor and the HF rollout engine.
+
+It exists to run OpenRLHF's own unit tests (its repository's ``tests/``) unchanged with those patches on::
+
+    make openrlhf-tests OPENRLHF_TESTS=/path/to/OpenRLHF/tests
+    # = python -m pytest -p rlhf_ext.testing.openrlhf_plugin /path/to/OpenRLHF/tests
+"""
+
+from __future__ import annotations
+
+
+def pytest_configure(config) -> None:
+    from rlhf_ext.openrlhf.train_ppo_ray import install
+
+    install({"segment": True, "continual": True, "rollout_engine": "hf"}, driver=False)
