@@ -21,6 +21,9 @@ or a hub id).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +89,10 @@ def _build_tiny_segment_rm(dest: Path, sft: str) -> None:
         run_segment_rm(recipe)
 
 
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE")  # fmt: skip
+
+
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
     """Return a loadable path for ``spec``, building a ``builtin:`` model into the cache on first use."""
     if not is_builtin(spec):
@@ -103,6 +110,13 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
         from rlhf_ext.testing.models import smollm2_checkpoint
 
         return str(smollm2_checkpoint(dest))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Building trains a model; inside a torchrun/deepspeed launch that training would join the launch's process
+        # group while the other ranks wait for the lock (a deadlock). Build in a plain single process instead.
+        env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+        code = f"from rlhf_ext.resources import resolve_model; resolve_model({spec!r}, {str(root)!r})"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        return str(dest)
     with file_lock(root / "models" / f"{name}.lock"):
         if not (dest / "config.json").exists():
             if name == "tiny":

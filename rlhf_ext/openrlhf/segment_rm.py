@@ -184,6 +184,16 @@ class SegmentRewardModelTrainer(RewardModelTrainer):
         aux_loss = output.aux_loss if "aux_loss" in output else []
         return ev.values[:n], ev.values[n:], aux_loss
 
+    def evaluate(self, eval_dataloader, steps=0):
+        """OpenRLHF's evaluation, skipped (with one notice) when the eval set is empty: without ``--eval.dataset``
+        OpenRLHF evaluates on 1% of the training rows, which is none below 100 rows (its own loop then crashes)."""
+        if len(eval_dataloader) == 0:
+            if not getattr(self, "_warned_empty_eval", False):
+                self.strategy.print("rlhf-ext: the eval set is empty (pass --eval.dataset); skipping evaluation")
+                self._warned_empty_eval = True
+            return None
+        return super().evaluate(eval_dataloader, steps)
+
     def save_logs_and_checkpoints(self, args, global_step, step_bar, logs_dict=None, client_states=None):
         if logs_dict is not None and self._segment_stats[0] > 0:
             responses, segments, tokens = self._segment_stats.tolist()
@@ -226,10 +236,34 @@ def run_train_rm(argv: Sequence[str]) -> None:
         )
 
 
+def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """The per-device micro batch for a global ``batch_size`` over ``world_size`` processes (DeepSpeed needs
+    ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
+    ``batch_size // world_size`` when it does not fit, with a notice; a clear error when nothing fits."""
+    if batch_size % world_size:
+        raise ValueError(
+            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
+            f"{world_size}"
+        )
+    micro = min(micro_batch_size, batch_size // world_size)
+    if (batch_size // world_size) % micro:
+        raise ValueError(
+            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
+            f"not a multiple of train.micro_batch_size {micro_batch_size}"
+        )
+    if micro != micro_batch_size:
+        print(
+            f"rlhf-ext: train.micro_batch_size {micro_batch_size} x {world_size} processes exceeds train.batch_size "
+            f"{batch_size}; using micro batch {micro} per process"
+        )
+    return micro
+
+
 def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
     """Translate a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` into ``train_rm`` flags (+ ``--ext.*``)."""
     t = recipe.train
     cpu = not torch.cuda.is_available()
+    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")))
     argv = [
         "--model.model_name_or_path", recipe.model.sft_model,
         "--data.dataset", dataset_dir,
@@ -240,7 +274,7 @@ def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
         "--ckpt.save_steps", str(t.save_steps or -1),
         "--train.max_epochs", str(max(1, math.ceil(t.epochs))),
         "--train.batch_size", str(t.batch_size),
-        "--train.micro_batch_size", str(t.micro_batch_size),
+        "--train.micro_batch_size", str(micro),
         "--train.seed", str(t.seed),
         "--adam.lr", repr(t.learning_rate),
         "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),

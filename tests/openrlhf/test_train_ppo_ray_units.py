@@ -176,3 +176,38 @@ def test_logged_reward_survives_openrlhf_length_penalty_step():
     assert summed.item() != 0 and math.isfinite(summed.item())
     maker.compute_advantages_and_returns([exp])
     torch.testing.assert_close(exp.info["reward"], summed)
+
+
+def test_micro_batch_is_fitted_to_the_world_size(capsys):
+    """``deepspeed --num_accelerators 2`` with the tiny recipe (batch 16, micro 16) failed with DeepSpeed's
+    "Gradient accumulation steps: 0"; the micro batch is now lowered to fit, and impossible splits are named."""
+    from rlhf_ext.openrlhf.segment_rm import per_device_micro_batch
+
+    assert per_device_micro_batch(16, 16, 2) == 8 and "using micro batch 8" in capsys.readouterr().out
+    assert per_device_micro_batch(16, 4, 2) == 4
+    with pytest.raises(ValueError, match="not divisible by the 3 processes"):
+        per_device_micro_batch(16, 4, 3)
+    with pytest.raises(ValueError, match="not a multiple of train.micro_batch_size 3"):
+        per_device_micro_batch(16, 3, 2)
+
+
+def test_empty_eval_set_is_skipped_not_crashed():
+    """Without --eval.dataset OpenRLHF evaluates on 1% of the training rows: none below 100 rows."""
+    from rlhf_ext.openrlhf.segment_rm import SegmentRewardModelTrainer
+
+    printed = []
+    trainer = object.__new__(SegmentRewardModelTrainer)
+    trainer.strategy = SimpleNamespace(print=printed.append)
+    assert trainer.evaluate([], steps=3) is None and trainer.evaluate([], steps=4) is None
+    assert len(printed) == 1 and "eval set is empty (pass --eval.dataset)" in printed[0]
+
+
+def test_builtin_model_is_built_outside_a_distributed_launch(tmp_path, monkeypatch):
+    """Under torchrun/deepspeed (WORLD_SIZE > 1) a builtin model is built in a plain subprocess: building one in the
+    rank itself deadlocked (the build joined the launch's process group while the other rank waited on the lock)."""
+    from rlhf_ext.resources import resolve_model
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    path = resolve_model("builtin:tiny", tmp_path)
+    assert (tmp_path / "models" / "tiny" / "config.json").exists() and path == str(tmp_path / "models" / "tiny")
