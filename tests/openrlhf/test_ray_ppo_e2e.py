@@ -8,57 +8,26 @@ fixtures) so that each configuration runs once: about 30 s each on 2 cores.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_ppo")]
 
-STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
 
-
-def _run(out_dir, models, prompts, *flags, stock=False, timeout=400) -> list[dict]:
+def _run(out_dir, models, prompts, *flags, stock=False) -> list[dict]:
     """Run the CLI in a fresh process with tiny models; return its per-step metrics.
 
     2 episodes over the same 8 prompts = 2 PPO steps that each see every prompt: OpenRLHF's controller shuffles
     prompts with an unseeded generator and collects samples in completion order, so only a step holding the whole
     prompt set is the same batch from run to run."""
-    sft, rm = models
-    argv = [
-        "--actor.model_name_or_path", sft, "--reward.model_name_or_path", rm,
-        "--data.prompt_dataset", prompts, "--data.input_key", "prompt", "--data.max_len", "96",
-        "--rollout.max_new_tokens", "24", "--rollout.batch_size", "8", "--rollout.micro_batch_size", "4",
-        "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
-        "--train.num_episodes", "2", "--train.seed", "7",
-        "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
-        "--critic.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01", "--ds.param_dtype", "bf16",
-        "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0", "--critic.lr_warmup_ratio", "0",
-        "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "ckpt"),
-        *flags,
-    ]  # fmt: skip
-    code = f"import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:], methods={not stock})"
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ""}
-    env.pop("RAY_ADDRESS")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=out_dir.parent,
-    )
-    log = proc.stdout + proc.stderr
-    (out_dir.parent / f"{out_dir.name}.log").write_text(log)
-    assert proc.returncode == 0, log[-4000:]
-    steps = {int(m.group(1)): ast.literal_eval(m.group(2)) for m in STEP_LINE.finditer(log)}
-    assert sorted(steps) == [1, 2], log[-4000:]
+    from rlhf_ext.testing.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
+
+    argv = tiny_ppo_argv(*models, prompts, out_dir) + list(flags)
+    steps, _ = run_train_ppo_ray(argv, out_dir.parent / f"{out_dir.name}.log", methods=not stock, timeout=400)
+    assert sorted(steps) == [1, 2], f"see {out_dir.parent / f'{out_dir.name}.log'}"
     return [steps[1], steps[2]]
 
 

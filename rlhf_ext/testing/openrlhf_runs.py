@@ -1,0 +1,51 @@
+"""Run ``python -m rlhf_ext.openrlhf.train_ppo_ray`` in a fresh process and read OpenRLHF's per-step metrics.
+
+Shared by the end-to-end tests and ``benchmarks/openrlhf_ppo.py``. The metrics are the dicts OpenRLHF's trainer logs
+as ``Global step N: {...}`` (rewards, losses, ``timing/*``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
+
+
+def tiny_ppo_argv(sft: str, rm: str, prompts: str, out_dir: Path, episodes: int = 2) -> list[str]:
+    """OpenRLHF flags for a tiny CPU run: 8 prompts per step, 24 new tokens, one Ray actor per role."""
+    return [
+        "--actor.model_name_or_path", sft, "--reward.model_name_or_path", rm,
+        "--data.prompt_dataset", prompts, "--data.input_key", "prompt", "--data.max_len", "96",
+        "--rollout.max_new_tokens", "24", "--rollout.batch_size", "8", "--rollout.micro_batch_size", "4",
+        "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
+        "--train.num_episodes", str(episodes), "--train.seed", "7",
+        "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
+        "--critic.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01", "--ds.param_dtype", "bf16",
+        "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0", "--critic.lr_warmup_ratio", "0",
+        "--ckpt.output_dir", str(out_dir), "--ckpt.path", str(out_dir / "ckpt"),
+    ]  # fmt: skip
+
+
+def run_train_ppo_ray(
+    argv: list[str], log_file: Path, methods: bool = True, timeout: float = 600
+) -> tuple[dict, float]:
+    """Run the CLI (``methods=False``: stock OpenRLHF with only the CPU pieces); returns ({step: metrics}, wall s).
+
+    Raises ``RuntimeError`` with the log's tail if the run fails."""
+    code = f"import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:], methods={methods})"
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)  # always a private local cluster
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    wall = time.perf_counter() - start
+    log = proc.stdout + proc.stderr
+    Path(log_file).write_text(log)
+    if proc.returncode != 0:
+        raise RuntimeError(f"train_ppo_ray exited {proc.returncode}; log {log_file}:\n{log[-4000:]}")
+    return {int(m.group(1)): ast.literal_eval(m.group(2)) for m in STEP_LINE.finditer(log)}, wall
