@@ -94,14 +94,16 @@ def test_bandit_through_rlhf_ext_equals_stock_openrlhf(bandit_runs):
     from safetensors.torch import load_file
 
     root, stock, ours = bandit_runs
-    # (key, rel, abs): rollouts, rewards, values and returns are identical; the training side sums bf16 gradients
-    # of samples that reach the trainer in completion order, so it agrees to float rounding only.
-    tolerances = [("reward", 1e-6, 0), ("return", 1e-6, 0), ("values", 1e-6, 0), ("response_length", 1e-6, 0),
-                  ("rollout/reward_mean", 1e-6, 0), ("rollout/reward_std", 1e-6, 0), ("critic_loss", 1e-5, 0),
-                  ("kl", 1e-5, 1e-7), ("policy_loss", 0, 1e-6), ("actor_grad_norm", 1e-3, 0)]  # fmt: skip
+    # (key, rel, abs): rollouts and rewards are identical; the training side sums bf16 gradients of samples that
+    # reach the trainer in completion order, so what depends on the updated models (step 2's values, KL and the
+    # KL-penalised return, the losses, the gradient norm) agrees to float rounding only.
+    tolerances = [("reward", 1e-6, 0), ("response_length", 1e-6, 0), ("rollout/reward_mean", 1e-6, 0),
+                  ("rollout/reward_std", 1e-6, 0), ("values", 1e-5, 0), ("critic_loss", 1e-5, 0), ("kl", 1e-4, 1e-7),
+                  ("return", 1e-4, 0), ("policy_loss", 0, 1e-6), ("actor_grad_norm", 1e-3, 0)]  # fmt: skip
     for s, o in zip(stock, ours):
         for key, rel, abs_ in tolerances:
             assert o[key] == pytest.approx(s[key], rel=rel, abs=abs_), key
+    assert stock[0]["return"] == pytest.approx(ours[0]["return"], rel=1e-6)  # before any update: identical
     assert stock[1]["kl"] > 0  # the policy moved, so step 2 compares updated policies
     assert stock[0]["reward"] != 0 and ours[0]["rollout/reward_mean"] == pytest.approx(ours[0]["reward"], rel=1e-5)
     a, b = load_file(root / "stock" / "model.safetensors"), load_file(root / "bandit" / "model.safetensors")

@@ -77,7 +77,8 @@ def test_ppo_raises_the_reward_models_score_while_kl_stays_finite(tmp_path, tiny
                                                                   segment_rm, prompts):  # fmt: skip
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
 
-    args = _config(tmp_path, segment_rm, max_steps=24, per_device_train_batch_size=16, advantage_estimator="reinforce")
+    args = _config(tmp_path, segment_rm, max_steps=24, per_device_train_batch_size=16,
+                   advantage_estimator="reinforce_baseline")  # fmt: skip
     trainer = SegmentPPOTrainer(
         model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
         calibration_dataset=toy_data["train"],
@@ -135,7 +136,7 @@ def test_no_calibration_data_warns_and_runs_unnormalized(tmp_path, tiny_sft_path
         ({"beta": 0.1}, "set kl_coef, not beta"),
         ({"granularity": "sentence"}, "granularity must be one of"),
         ({"interpolation": "spread"}, "interpolation must be one of"),
-        ({"advantage_estimator": "ppo"}, "gae or reinforce"),
+        ({"advantage_estimator": "ppo"}, "one of gae, reinforce, reinforce_baseline"),
         ({"entropy_cutoff": -1.0}, "entropy cutoff must be >= 0"),
         ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
     ],
