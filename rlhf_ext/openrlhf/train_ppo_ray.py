@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from rlhf_ext.continual.kl import check_estimator, check_kl_coef
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
 from rlhf_ext.rl import ESTIMATORS
 
@@ -74,6 +75,12 @@ def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
     from rlhf_ext.openrlhf.segment_ppo import validate_segment_ext
 
     ext = validate_segment_ext(ext)
+    if ext["continual.kl_coef"] is not None:
+        ext["continual.kl_coef"] = check_kl_coef(float(ext["continual.kl_coef"]), "--ext.continual.kl_coef")
+    if ext["continual.estimator"] is not None:
+        check_estimator(ext["continual.estimator"])
+    if ext["continual.retention"] not in (None, "kl", "cppo"):
+        raise ExtArgsError("--ext.continual.retention must be kl or cppo")
     if ext["rollout_engine"] not in ROLLOUT_ENGINES:
         raise ExtArgsError(f"--ext.rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}")
     return ext

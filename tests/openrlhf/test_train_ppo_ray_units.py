@@ -105,6 +105,7 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
         (["--ds.packing_samples"], "do not support --ds.packing_samples"),
         (["--ext.granularity", "segmnt"], "--ext.granularity must be one of"),
         (["--ext.continual.kl_coeff", "1"], "unknown option --ext.continual.kl_coeff"),
+        (["--ext.continual.kl_coef", "-1"], "--ext.continual.kl_coef"),
     ],
 )
 def test_driver_refuses_before_ray_starts(flags, message):
