@@ -25,7 +25,7 @@ from typing import Any
 import ray  # noqa: E402
 import torch
 
-from rlhf_ext.openrlhf.cli_runner import flags_from_mapping
+from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
 from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.rl import ESTIMATORS, group_mean_baseline, last_token_index
 from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
@@ -317,6 +317,8 @@ def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> li
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
     gpus = torch.cuda.device_count()
+    actor_ranks = int(t.openrlhf_args.get("actor.num_gpus_per_node", max(gpus, 1)))
+    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, actor_ranks)
     dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
     if dtype is None:
         raise ValueError(
@@ -336,7 +338,7 @@ def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> li
         "--rollout.temperature", repr(ppo.temperature),
         "--rollout.top_p", repr(ppo.top_p),
         "--train.batch_size", str(t.batch_size),
-        "--train.micro_batch_size", str(t.micro_batch_size),
+        "--train.micro_batch_size", str(micro),
         "--train.max_epochs", "1",
         "--train.num_episodes", str(max(1, math.ceil(t.epochs))),
         "--train.seed", str(t.seed),

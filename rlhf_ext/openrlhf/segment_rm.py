@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping, run_cli_module, split_ext_args
+from rlhf_ext.openrlhf.cli_runner import (
+    flag_value,
+    flags_from_mapping,
+    per_device_micro_batch,
+    run_cli_module,
+    split_ext_args,
+)
 from rlhf_ext.openrlhf.compat import check_version, import_shims, patch_for_cpu
 from rlhf_ext.segment.core import (
     DEFAULT_ENTROPY_CUTOFF,
@@ -234,29 +240,6 @@ def run_train_rm(argv: Sequence[str]) -> None:
                 "sft_model_name_or_path": ext["sft_model"] or flag_value(rest, "--model.model_name_or_path", None),
             },
         )
-
-
-def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """The per-device micro batch for a global ``batch_size`` over ``world_size`` processes (DeepSpeed needs
-    ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
-    ``batch_size // world_size`` when it does not fit, with a notice; a clear error when nothing fits."""
-    if batch_size % world_size:
-        raise ValueError(
-            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
-            f"{world_size}"
-        )
-    micro = min(micro_batch_size, batch_size // world_size)
-    if (batch_size // world_size) % micro:
-        raise ValueError(
-            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
-            f"not a multiple of train.micro_batch_size {micro_batch_size}"
-        )
-    if micro != micro_batch_size:
-        print(
-            f"rlhf-ext: train.micro_batch_size {micro_batch_size} x {world_size} processes exceeds train.batch_size "
-            f"{batch_size}; using micro batch {micro} per process"
-        )
-    return micro
 
 
 def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:

@@ -32,20 +32,26 @@ def tiny_ppo_argv(sft: str, rm: str, prompts: str, out_dir: Path, episodes: int 
     ]  # fmt: skip
 
 
-def run_train_ppo_ray(
-    argv: list[str], log_file: Path, methods: bool = True, timeout: float = 600
-) -> tuple[dict, float]:
-    """Run the CLI (``methods=False``: stock OpenRLHF with only the CPU pieces); returns ({step: metrics}, wall s).
+def run_logged(cmd: list[str], log_file: Path, timeout: float = 600) -> tuple[dict, float]:
+    """Run ``cmd`` (a private local Ray cluster, no log deduplication); returns ({step: metrics}, wall s).
 
-    Raises ``RuntimeError`` with the log's tail if the run fails."""
-    code = f"import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:], methods={methods})"
+    Raises ``RuntimeError`` with the log's tail if the command fails."""
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)  # always a private local cluster
+    env.pop("RAY_ADDRESS", None)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - start
     log = proc.stdout + proc.stderr
     Path(log_file).write_text(log)
     if proc.returncode != 0:
-        raise RuntimeError(f"train_ppo_ray exited {proc.returncode}; log {log_file}:\n{log[-4000:]}")
+        raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}; log {log_file}:\n{log[-4000:]}")
     return {int(m.group(1)): ast.literal_eval(m.group(2)) for m in STEP_LINE.finditer(log)}, wall
+
+
+def run_train_ppo_ray(
+    argv: list[str], log_file: Path, methods: bool = True, timeout: float = 600
+) -> tuple[dict, float]:
+    """``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` (``methods=False``: stock OpenRLHF with only the CPU
+    pieces installed); see :func:`run_logged`."""
+    code = f"import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:], methods={methods})"
+    return run_logged([sys.executable, "-c", code, *argv], log_file, timeout)
