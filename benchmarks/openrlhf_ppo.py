@@ -11,7 +11,7 @@ of the tests.
    ``python launch/train_segment_ppo.py --engine openrlhf ...`` (Ray + DeepSpeed + HF rollouts) and the TRL engine,
    interleaved, including process start, Ray start-up, normalizer fitting and saving.
 
-    python benchmarks/openrlhf_ppo.py [--repeats 3] [--out benchmarks/results/openrlhf_ppo.json]
+    python benchmarks/openrlhf_ppo.py [--repeats 3] [--models tiny|smollm2] [--skip-engines]
 """
 
 from __future__ import annotations
@@ -85,14 +85,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=5, help="PPO steps per step-cost run (8 prompts each)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "openrlhf_ppo.json"))
+    parser.add_argument(
+        "--models",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: builtin tiny-sft + tiny-segment-rm (vocab 512); smollm2: SmolLM2-135M-Instruct as "
+        "policy, reference, reward model and critic (vocab 49k, score head untrained) for part 1",
+    )
+    parser.add_argument("--skip-engines", action="store_true", help="only part 1")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/openrlhf_ppo[_smollm2].json")
     args = parser.parse_args()
+    suffix = "" if args.models == "tiny" else f"_{args.models}"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"openrlhf_ppo{suffix}.json")
 
     from rlhf_ext.resources import resolve_model
     from rlhf_ext.testing.toy import toy_preference_dataset
     from rlhf_ext.utils import atomic_write_json, machine_info
 
-    sft, rm = resolve_model("builtin:tiny-sft"), resolve_model("builtin:tiny-segment-rm")
+    if args.models == "tiny":
+        sft, rm = resolve_model("builtin:tiny-sft"), resolve_model("builtin:tiny-segment-rm")
+    else:
+        sft = rm = resolve_model("builtin:smollm2")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prompts = root / "prompts.jsonl"
@@ -100,9 +113,12 @@ def main() -> None:
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
         print("1. OpenRLHF PPO step: segment rewards vs stock scalar rewards", flush=True)
         cost = step_cost(root, sft, rm, str(prompts), args.repeats, args.episodes)
-        print("2. 4-step segment_ppo_tiny runs, OpenRLHF vs TRL engine", flush=True)
-        runs = engine_runs(root, args.repeats)
-    results = {"step_cost": cost, "recipe_runs": runs, "machine": machine_info(), "repeats": args.repeats}
+        runs = {}
+        if not args.skip_engines:
+            print("2. 4-step segment_ppo_tiny runs, OpenRLHF vs TRL engine", flush=True)
+            runs = engine_runs(root, args.repeats)
+    results = {"models": args.models, "step_cost": cost, "recipe_runs": runs, "machine": machine_info(),
+               "repeats": args.repeats, "steps_per_run": args.episodes}  # fmt: skip
 
     def fmt(s: dict) -> str:
         return f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}] (n={s['n']})"
@@ -113,9 +129,10 @@ def main() -> None:
         print(f"| {key} | {fmt(cost['stock'][key])} | {fmt(cost['segment'][key])} | {cost[f'ratio_{key}']:.3f} |")
     print(f"\nwhole runs ({args.episodes} steps, incl. Ray start): stock {fmt(cost['run_wall_s']['stock'])} s, "
           f"segment {fmt(cost['run_wall_s']['segment'])} s")  # fmt: skip
-    print("\n| 4-step segment_ppo_tiny run, wall s | median [min, max] |\n|---|---|")
-    for engine, s in runs.items():
-        print(f"| {engine} | {fmt(s)} |")
+    if runs:
+        print("\n| 4-step segment_ppo_tiny run, wall s | median [min, max] |\n|---|---|")
+        for engine, s in runs.items():
+            print(f"| {engine} | {fmt(s)} |")
     atomic_write_json(args.out, results)
     print(f"\nwrote {args.out}")
 

@@ -77,8 +77,8 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
         """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
 
         Action ``j`` is the sequence token at position ``T - A + j``; its entropy is that of the logits at the
-        position before it (``token_entropy(..., shift=True)``), computed chunk-wise from the logits the forward
-        already produced for the log-probs.
+        position before it, computed chunk-wise — over those ``A`` positions only, not the prompt — from the logits
+        the forward already produced for the log-probs.
         """
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("segment rewards are not supported for vision-language inputs")
@@ -94,7 +94,8 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
                 ring_attn_group=self.strategy.ring_attn_group,
                 packed_seq_lens=packed_seq_lens,
             )
-            entropy = token_entropy(output["logits"], shift=True)[:, -action_mask.shape[1] :]
+            # only the A positions whose distributions sampled the action tokens (logits at t predict t + 1)
+            entropy = token_entropy(output["logits"][:, -action_mask.shape[1] - 1 : -1], shift=False)
             entropy = entropy * action_mask.to(device)
         return log_probs.to("cpu"), entropy.to("cpu")
 
