@@ -242,6 +242,28 @@ def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
     assert not any(a.startswith("--ext.") for a in rest) and ext["normalizer"] == "/tmp/n.json"
 
 
+def test_recipe_flags_on_a_cpu_machine(seg_ppo):
+    """``train.max_steps`` and ``train.bf16`` reach OpenRLHF; no GPU-only defaults (colocation, vLLM engine count,
+    flash-attention) on a CPU; fp32 is refused with the fix (OpenRLHF trains in bf16/fp16 only)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+
+    recipe = load_recipe(SegmentPPORecipe, None, ["engine=openrlhf", "train.max_steps=3", "train.batch_size=8",
+                                                  "train.micro_batch_size=8", "train.bf16=true"])  # fmt: skip
+    recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
+    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+    pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
+    assert pairs["--data.max_samples"] == "24" and pairs["--ds.param_dtype"] == "bf16"
+    assert pairs["--ds.attn_implementation"] == "sdpa" and pairs["--actor.num_gpus_per_node"] == "1"
+    assert "--train.colocate_all" not in argv and "--vllm.num_engines" not in argv
+    recipe.train.openrlhf_args = {"actor.num_gpus_per_node": 2}  # two actor ranks: micro batch 8 -> 4 each
+    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+    assert argv[argv.index("--train.micro_batch_size") + 1] == "4"
+    recipe.train.bf16, recipe.train.openrlhf_args = False, {}
+    with pytest.raises(ValueError, match="OpenRLHF trains in bf16 or fp16 only"):
+        seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+
+
 @pytest.mark.gpu
 def test_openrlhf_segment_ppo_runs_on_gpu(tmp_path):
     """One PPO episode through OpenRLHF's Ray pipeline with vLLM (GPU machines only)."""
