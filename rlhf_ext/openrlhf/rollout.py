@@ -91,17 +91,25 @@ class _GumbelSampler:
         self.prompt_width = prompt_width
         self.params = params
         self.keep_logprobs = keep_logprobs
-        self.logprobs: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []  # [B] per generated token: log-prob of the sampled token
+        self._last: torch.Tensor | None = None  # [B, V] processed log-probs of the step whose token is not known yet
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         p = self.params
+        self.finish(input_ids[:, -1])  # the token the previous step sampled
         scores = process_logits(scores, p.temperature, p.top_k, p.top_p)
         if self.keep_logprobs:
-            self.logprobs.append(scores.log_softmax(-1))
+            self._last = scores.log_softmax(-1)
         if p.temperature <= 0:
             return scores
         step = input_ids.shape[1] - self.prompt_width
         return scores + gumbel_noise(self.row_seeds, step, scores.shape[-1])
+
+    def finish(self, sampled: torch.Tensor) -> None:
+        """Record the log-prob of ``sampled`` (``[B]``) under the pending step's distribution (no [B, T, V] kept)."""
+        if self._last is not None:
+            self.logprobs.append(self._last.gather(1, sampled[:, None]).squeeze(1))
+            self._last = None
 
 
 @dataclass
@@ -241,9 +249,9 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
             has_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(has_eos, new.shape[1], dtype=torch.long)
         )
         logprobs = None
+        sampler.finish(new[:, -1])
         if sampler.logprobs:
-            steps = torch.stack(sampler.logprobs, dim=1)  # [B, new, V]
-            logprobs = steps.gather(2, new[:, : steps.shape[1], None]).squeeze(2)
+            logprobs = torch.stack(sampler.logprobs, dim=1)  # [B, new]
         outputs = []
         for i, prompt in enumerate(prompts):
             ids = new[i, : lengths[i]].tolist()

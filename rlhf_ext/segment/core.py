@@ -29,7 +29,8 @@ AGGREGATIONS: tuple[str, ...] = ("softmax", "sum", "mean")
 DEFAULT_ENTROPY_CUTOFF = 2.0
 DEFAULT_TAU = 0.5
 
-_ENTROPY_CHUNK_ELEMENTS = 1 << 20  # 1M logits (4 MB in fp32) per chunk: 5-7x faster than 16M-logit chunks (measured, CPU)
+#: 1M logits (4 MB in fp32) per chunk: 5-7x faster on CPU than 16M-logit chunks (measured).
+_ENTROPY_CHUNK_ELEMENTS = 1 << 20
 
 
 def check_cutoff(cutoff: float) -> float:
