@@ -92,20 +92,14 @@ def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def nest(ext: dict[str, Any]) -> SimpleNamespace:
-    """``{"a": 1, "continual.kl_coef": 2}`` -> ``namespace(a=1, continual=namespace(kl_coef=2))`` (as OpenRLHF's
-    hierarchised flags are)."""
-    root: dict[str, Any] = {}
-    for key, value in ext.items():
-        *parents, leaf = key.split(".")
-        node = root
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    """``{"a": 1, "continual.kl_coef": 2}`` -> ``namespace(a=1, continual=namespace(kl_coef=2))``, by OpenRLHF's own
+    hierarchiser (as its dotted flags are nested)."""
+    from rlhf_ext.openrlhf.compat import import_shims
 
-    def build(x: Any) -> Any:
-        return SimpleNamespace(**{k: build(v) for k, v in x.items()}) if isinstance(x, dict) else x
+    with import_shims():
+        from openrlhf.utils.config import hierarchize
 
-    return build(root)
+    return getattr(hierarchize, "__wrapped__", hierarchize)(SimpleNamespace(**ext))
 
 
 def resolve_rollout_engine(requested: str, cuda: bool | None = None) -> str:
