@@ -445,3 +445,10 @@ def train_segment_ppo(recipe) -> dict[str, Any]:
     argv, paths = prepare_run(recipe)
     run_train_ppo_ray(argv)
     return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}
+
+
+if __name__ == "__main__":  # `python -m rlhf_ext.openrlhf.segment_ppo` used to exit 0 and do nothing
+    raise SystemExit(
+        "rlhf_ext.openrlhf.segment_ppo is a library module; run OpenRLHF's PPO with segment rewards as "
+        "`python -m rlhf_ext.openrlhf.train_ppo_ray --help`"
+    )

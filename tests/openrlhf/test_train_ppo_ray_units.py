@@ -212,3 +212,10 @@ def test_builtin_model_is_built_outside_a_distributed_launch(tmp_path, monkeypat
         monkeypatch.setenv(key, value)
     path = resolve_model("builtin:tiny", tmp_path)
     assert (tmp_path / "models" / "tiny" / "config.json").exists() and path == str(tmp_path / "models" / "tiny")
+
+
+def test_running_the_library_module_points_to_the_runnable_one():
+    """``python -m rlhf_ext.openrlhf.segment_ppo --help`` exited 0 and did nothing."""
+    proc = subprocess.run([sys.executable, "-m", "rlhf_ext.openrlhf.segment_ppo", "--help"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "python -m rlhf_ext.openrlhf.train_ppo_ray" in proc.stderr
