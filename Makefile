@@ -35,6 +35,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/ruff format --check --no-cache .
+	$(VENV)/bin/lint-imports --no-cache
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
@@ -51,7 +52,7 @@ openrlhf-tests: $(STAMP)
 	rm -rf .openrlhf-tests && mkdir .openrlhf-tests && cp -r "$(OPENRLHF_TESTS)" .openrlhf-tests/tests
 	ln -s "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("openrlhf").submodule_search_locations[0])')" .openrlhf-tests/openrlhf
 	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider tests | tail -n 4 || true
-	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider -p rlhf_ext.testing.openrlhf_plugin tests | tail -n 4 || true
+	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider -p rlhf_ext.openrlhf.pytest_plugin tests | tail -n 4 || true
 
 bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py

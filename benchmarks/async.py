@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json, atomic_write_text, machine_info
+from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,9 +80,9 @@ def machine_parallelism(work: int = 2) -> float:
 
 def reward_model(root: Path) -> str:
     """A segment reward model for the toy task (trained once with the packaged segment_rm_tiny recipe)."""
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm
+    from rlhf_ext.recipes import recipe_path
 
     out = root / "segment_rm"
     if not (out / "segment_config.json").exists():
@@ -216,7 +216,8 @@ def speedup_table(sft, prompts, reward, root: Path, k: int, mnt: int, pairs: int
 
 def margin_table(sft, tokenizer, prompts, reward, ns: list[int], seed: int = 0) -> list[dict]:
     from rlhf_ext.online import select_pairs, torch_threads
-    from rlhf_ext.online.rollout import HFSampler, score
+    from rlhf_ext.runtime.rewards import score
+    from rlhf_ext.runtime.sampling import HFSampler
 
     sampler = HFSampler(sft, tokenizer, max_new_tokens=72, temperatures=[0.7, 1.0], batch_size=64)
     rows = []
@@ -273,9 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from rlhf_ext.online.rollout import SegmentSequenceReward
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.testing.toy import toy_preference_rows
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.rewards import SegmentSequenceReward
+    from rlhf_ext.zoo.toy import toy_preference_rows
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhf_ext.utils import machine_info
+from rlhf_ext.runtime.io import machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -44,10 +44,10 @@ def _models(name: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     if name == "small":  # 4 layers, hidden 256: the tiny tokenizer, a model where compute dominates overhead
-        from rlhf_ext.testing.models import tiny_causal_lm
+        from rlhf_ext.zoo.models import tiny_causal_lm
 
         path = resolve_model("builtin:tiny")
         tok = AutoTokenizer.from_pretrained(path)
@@ -73,9 +73,9 @@ def _models(name: str):
 def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, out: Path) -> dict:
     from trl import DPOConfig, DPOTrainer
 
-    from rlhf_ext.testing.toy import toy_preference_dataset
     from rlhf_ext.trl import ContinualDPOConfig, ContinualDPOTrainer
     from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     data = toy_preference_dataset(n_train=batch_size, n_test=1, seed=7)["train"]
     rows = []
@@ -172,10 +172,10 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
 def forgetting(
     tasks: list[str], seeds: list[int], coefs: list[float], overrides: list[str], out: Path, recipe: str
 ) -> dict:
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.continual.recipe import ContinualRecipe
-    from rlhf_ext.continual.runner import run_continual
+    from rlhf_ext.pipelines.continual import run_continual
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+    from rlhf_ext.recipes import recipe_path
 
     runs = []
     # every sequence runs in runs/benchmarks/<result name>/: a rerun resumes it at its last finished task
@@ -258,7 +258,7 @@ def forgetting(
 
 
 def _write(path: Path, obj: dict) -> None:
-    from rlhf_ext.utils import atomic_write_json
+    from rlhf_ext.runtime.io import atomic_write_json
 
     atomic_write_json(path, obj)
     print(f"\nwrote {path}")

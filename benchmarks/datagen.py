@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Synthetic preference-data generation throughput (paper 000, AIF-GEN). Prints a table and writes JSON; not a test.
 
-1. ``openai`` backend against a local OpenAI-compatible server (``rlhf_ext.testing.chat_server``, run as a separate
+1. ``openai`` backend against a local OpenAI-compatible server (``tests.helpers.chat_server``, run as a separate
    process) that answers every request after a fixed latency (default 50 ms), at ``max_concurrency`` 1 and 32.
    ``pair`` mode: two requests per sample (prompt, then the chosen/rejected pair). Target: concurrency 32 gives at
    least 20x the samples per second of concurrency 1.
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json, machine_info
+from rlhf_ext.runtime.io import atomic_write_json, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ from rlhf_ext.datagen import OpenAIBackend, generate_dataset  # noqa: E402
 
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_ext.testing.chat_server", "--latency", str(latency)],
+        [sys.executable, "-m", "tests.helpers.chat_server", "--latency", str(latency)],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},

@@ -53,8 +53,8 @@ def fmt(values: list[float], digits: int = 3) -> str:
 
 def evaluate_cached(run, seed: int, name: str, path: str) -> dict[str, Any]:
     """Gold-judged win rate of the checkpoint at ``path`` against SFT (written once to ``results/<name>``)."""
+    from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.sim.methods import PolicySpec
-    from rlhf_ext.utils import atomic_write_json
 
     out = run.root / "results" / name / f"seed-{seed}.json"
     if not out.exists():
@@ -153,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value")
     args = parser.parse_args(argv)
 
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.online.async_runner import torch_threads
+    from rlhf_ext.recipes import recipe_path
+    from rlhf_ext.runtime.async_runner import torch_threads
+    from rlhf_ext.runtime.io import atomic_write_json, machine_info
     from rlhf_ext.sim.compare import SimRun
     from rlhf_ext.sim.recipe import SimCompareRecipe
-    from rlhf_ext.utils import atomic_write_json, machine_info
 
     recipe = load_recipe(
         SimCompareRecipe,

@@ -31,6 +31,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.helpers
 
 
 def summary(values: list[float]) -> dict:
@@ -38,7 +39,7 @@ def summary(values: list[float]) -> dict:
 
 
 def step_cost(root: Path, sft: str, rm: str, prompts: str, repeats: int, episodes: int) -> dict:
-    from rlhf_ext.testing.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
+    from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
 
     flags = {"stock": ["--ext.granularity", "bandit"], "segment": ["--ext.granularity", "segment"]}
     timings: dict[str, dict[str, list[float]]] = {k: {"make_experience": [], "step_total": []} for k in flags}
@@ -98,9 +99,9 @@ def main() -> None:
     suffix = "" if args.models == "tiny" else f"_{args.models}"
     args.out = args.out or str(ROOT / "benchmarks" / "results" / f"openrlhf_ppo{suffix}.json")
 
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.testing.toy import toy_preference_dataset
-    from rlhf_ext.utils import atomic_write_json, machine_info
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.io import atomic_write_json, machine_info
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     if args.models == "tiny":
         sft, rm = resolve_model("builtin:tiny-sft"), resolve_model("builtin:tiny-segment-rm")

@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json, atomic_write_text
+from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -52,11 +52,11 @@ def run_one(pipeline, shared, out: Path, name: str, seed: int, rm_kind: str, ove
 
     Runs are keyed by their reward-model kind and PPO overrides, so identical settings of different tables share one
     run."""
-    from rlhf_ext.utils import stable_hash
+    from rlhf_ext.runtime.io import stable_hash
 
     key = f"{rm_kind}-{stable_hash(overrides, length=8)}"
-    from rlhf_ext.segment.ppo_recipe import run_segment_ppo
-    from rlhf_ext.segment.recipe import run_segment_rm
+    from rlhf_ext.pipelines.segment_ppo import run_segment_ppo
+    from rlhf_ext.pipelines.segment_rm import run_segment_rm
     from rlhf_ext.sim import AnnotatorPool, win_rate
 
     result_file = out / "runs" / f"{key}-seed{seed}.json"
@@ -112,9 +112,9 @@ def main() -> None:
     parser.add_argument("--results", default="benchmarks/results/segment_fidelity")
     args = parser.parse_args()
 
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
     from rlhf_ext.demo import DemoPipeline, DemoRecipe
+    from rlhf_ext.recipes import recipe_path
 
     out = Path(args.out)
     recipe = load_recipe(DemoRecipe, recipe_path("demo"), [f"out={out}"])

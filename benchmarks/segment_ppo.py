@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_ext.utils import atomic_write_json, machine_info
+from rlhf_ext.runtime.io import atomic_write_json, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -130,7 +130,7 @@ def step_memory(policy_dir: str, rm_dir: str, estimator: str) -> dict:
 
 def ppo_curve(out_dir: str) -> list[dict]:
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
     recipe_file = Path(__file__).resolve().parents[1] / "rlhf_ext" / "recipes" / "segment_ppo_tiny.yaml"
     recipe = load_recipe(SegmentPPORecipe, recipe_file, [f"train.output_dir={out_dir}", "train.max_steps=16"])
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/segment_ppo.json")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     sft, rm = resolve_model("builtin:tiny-sft"), resolve_model("builtin:tiny-segment-rm")
     repeats = 5 if args.quick else 11

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from rlhf_ext.utils import atomic_write_json
+from rlhf_ext.runtime.io import atomic_write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -35,10 +35,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.segment.data import prepare_segment_dataset
-    from rlhf_ext.testing.toy import toy_preference_dataset
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.segment_data import prepare_segment_dataset
     from rlhf_ext.trl import SegmentRewardConfig, SegmentRewardTrainer
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     sft = resolve_model("builtin:tiny-sft")
     tok = AutoTokenizer.from_pretrained(sft)

@@ -3,7 +3,7 @@
 1. Segmentation + gather for B=64, T=1024: the vectorised path (``segment_boundaries`` -> ``segment_ids`` ->
    ``gather_segment_rewards``) against two per-sample Python loops: the straightforward one that walks each
    sample's tensors token by token, and a tuned one that converts to Python lists first
-   (:func:`rlhf_ext.testing.reference.reference_segment_rewards`, the tests' oracle). Target: >= 50x.
+   (:func:`tests.helpers.reference.reference_segment_rewards`, the tests' oracle). Target: >= 50x.
 2. One reward-model training step (forward + loss + backward) of ``SegmentRewardTrainer`` (c_ent = 2.0) against TRL's
    stock ``RewardTrainer`` (bandit) on the same batch and weights, entropy preprocessing excluded. Target: <= 1.10x.
    Measured for the tiny test model and for the SmolLM2-135M architecture (random weights, built from config).
@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_ext.utils import atomic_write_json, machine_info
+from rlhf_ext.runtime.io import atomic_write_json, machine_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -42,7 +44,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 def bench_segmentation(b: int, t: int, repeats: int) -> dict:
     from rlhf_ext.segment import gather_segment_rewards, segment_boundaries, segment_ids
-    from rlhf_ext.testing.reference import reference_segment_rewards
+    from tests.helpers.reference import reference_segment_rewards
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(16, 256, (b, 1), generator=g)
@@ -106,8 +108,8 @@ def bench_segmentation(b: int, t: int, repeats: int) -> dict:
 def _prepared_batch(tokenizer, n_pairs: int, max_len: int):
     from datasets import Dataset
 
-    from rlhf_ext.segment.data import tokenize_preference_dataset
-    from rlhf_ext.testing.toy import toy_preference_rows
+    from rlhf_ext.runtime.segment_data import tokenize_preference_dataset
+    from rlhf_ext.zoo.toy import toy_preference_rows
 
     rows = toy_preference_rows(n_pairs, seed=3)
     words = " ".join(r["chosen"] for r in rows)  # long responses so T ~ max_len
@@ -197,8 +199,8 @@ def main() -> None:
     torch.manual_seed(0)
     repeats = 3 if args.quick else 7
 
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.testing.models import tiny_config
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.zoo.models import tiny_config
 
     results = {"segmentation": bench_segmentation(64, 1024, repeats)}
     steps = [bench_step("tiny (2 layers, hidden 64)", resolve_model("builtin:tiny"), 8, 256, repeats * 2)]

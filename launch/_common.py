@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from rlhf_ext.cli import recipe_path
 from rlhf_ext.config import RecipeError, load_recipe
+from rlhf_ext.recipes import recipe_path
 
 
 def parse_recipe(recipe_cls: type, description: str, argv: list[str] | None = None) -> Any:

@@ -6,7 +6,7 @@ policy, frozen snapshots, the performance matrix and forgetting metrics.
     accelerate launch launch/train_cppo.py --config my_continual.yaml
     deepspeed launch/train_cppo.py --config my_continual.yaml train.trl_args='{deepspeed: ds_zero2.json}'
 
-A thin wrapper around :func:`rlhf_ext.continual.runner.run_continual`; ``rlhf-ext train continual`` is the same.
+A thin wrapper around :func:`rlhf_ext.pipelines.continual.run_continual`; ``rlhf-ext train continual`` is the same.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import RecipeError, load_recipe
-    from rlhf_ext.continual.recipe import ContinualRecipe
-    from rlhf_ext.continual.runner import TaskSequenceError, format_summary, run_continual
+    from rlhf_ext.pipelines.continual import TaskSequenceError, format_summary, run_continual
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+    from rlhf_ext.recipes import recipe_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML file or packaged recipe name")

@@ -13,9 +13,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import RecipeError, load_recipe
-    from rlhf_ext.online.recipe import OnlineDPORecipe, run_online_dpo
+    from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe, run_online_dpo
+    from rlhf_ext.recipes import recipe_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML file or packaged recipe name")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_recipe  # noqa: E402
 
 from rlhf_ext.cli import print_ppo_summary  # noqa: E402
-from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo  # noqa: E402
+from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo  # noqa: E402
 
 if __name__ == "__main__":
     print_ppo_summary(run_segment_ppo(parse_recipe(SegmentPPORecipe, __doc__)))

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_recipe  # noqa: E402
 
 from rlhf_ext.cli import print_rm_summary  # noqa: E402
-from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm  # noqa: E402
+from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm  # noqa: E402
 
 if __name__ == "__main__":
     print_rm_summary(run_segment_rm(parse_recipe(SegmentRMRecipe, __doc__)))

@@ -11,7 +11,10 @@ from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-_SUBMODULES = {"segment", "online", "continual", "datagen", "sim", "trl", "openrlhf", "config", "cli", "testing"}
+_SUBMODULES = {
+    "algos", "runtime", "trl", "openrlhf", "pipelines", "zoo", "sim", "datagen", "recipes", "config", "cli",
+    "segment", "online", "continual",
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

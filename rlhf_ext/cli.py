@@ -16,42 +16,19 @@ import json
 import os
 import shutil
 import sys
-from importlib import resources
 from pathlib import Path
 
 import click
 
 from rlhf_ext.config import RecipeError
 from rlhf_ext.datagen.cli import data
+from rlhf_ext.recipes import recipe_dir, recipe_names, recipe_path
 from rlhf_ext.sim.cli import sim as sim_group
 
 
 def _fail(message: str) -> None:
     click.secho(f"error: {message}", fg="red", err=True)
     sys.exit(2)
-
-
-def _recipe_dir():
-    return resources.files("rlhf_ext") / "recipes"
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.name[: -len(".yaml")] for p in _recipe_dir().iterdir() if p.name.endswith(".yaml"))
-
-
-def recipe_path(name_or_path: str) -> Path:
-    """A recipe file: an existing path, or the name of a packaged recipe (with or without ``.yaml``)."""
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    name = name_or_path[: -len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
-    packaged = _recipe_dir() / f"{name}.yaml"
-    if packaged.is_file():
-        return Path(str(packaged))
-    raise RecipeError(
-        f"recipe {name_or_path!r} is neither a file nor a packaged recipe; "
-        f"packaged recipes: {', '.join(recipe_names())}"
-    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,7 +54,7 @@ def train() -> None:
 def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
     """Segment-level reward model (paper 003, section 2.2)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.recipe import SegmentRMRecipe, run_segment_rm
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm
 
     try:
         recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
@@ -111,8 +88,8 @@ def print_rm_summary(summary: dict) -> None:
 def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
     """Continual RLHF over a task sequence with the KL to the previous task's policy (paper 000)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.continual.recipe import ContinualRecipe
-    from rlhf_ext.continual.runner import TaskSequenceError, format_summary, run_continual
+    from rlhf_ext.pipelines.continual import TaskSequenceError, format_summary, run_continual
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 
     try:
         recipe = load_recipe(ContinualRecipe, recipe_path(config_path), overrides)
@@ -130,7 +107,7 @@ def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
 def train_segment_ppo(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
     """Segment-level PPO (paper 003, section 2.3)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
     try:
         recipe = load_recipe(SegmentPPORecipe, recipe_path(config_path), overrides)
@@ -164,7 +141,7 @@ def print_ppo_summary(summary: dict) -> None:
 def train_online_dpo(config_path: str, overrides: tuple[str, ...]) -> None:
     """Iterative best/worst-of-n online DPO (paper 004) or one-step asynchronous online DPO (paper 001)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.online.recipe import OnlineDPORecipe, run_online_dpo
+    from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe, run_online_dpo
 
     try:
         recipe = load_recipe(OnlineDPORecipe, recipe_path(config_path), overrides)
@@ -200,7 +177,7 @@ def recipe() -> None:
 def recipe_list() -> None:
     """Show the packaged recipes with their first comment line."""
     for name in recipe_names():
-        first = (_recipe_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
+        first = (recipe_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ").strip()
         click.echo(f"{name:32s} {first}")
 
 
@@ -239,9 +216,9 @@ def segment() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json) -> None:
     """Split RESPONSE into segments and print each segment's reward (paper Figure 3)."""
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.segment.scoring import SegmentScorer, render_html
-    from rlhf_ext.utils import atomic_write_text
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.io import atomic_write_text
+    from rlhf_ext.runtime.token_scores import SegmentScorer, render_html
 
     try:
         scorer = SegmentScorer(

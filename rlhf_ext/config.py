@@ -262,6 +262,6 @@ def load_recipe(cls: type[T], path: str | Path | None = None, overrides: typing.
 
 def save_recipe(obj: Any, path: str | Path) -> None:
     """Write a recipe dataclass as YAML (atomically)."""
-    from rlhf_ext.utils import atomic_write_text
+    from rlhf_ext.runtime.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_ext.utils import atomic_write_json
+from rlhf_ext.runtime.io import atomic_write_json
 
 STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 
@@ -126,9 +126,9 @@ class DemoPipeline:
                 "train": len(stage["train"]), "test": len(stage["test"])}  # fmt: skip
 
     def stage_sft(self, results) -> dict[str, Any]:
-        from rlhf_ext.testing.models import tiny_causal_lm
-        from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
         from rlhf_ext.trl.sft import fine_tune
+        from rlhf_ext.zoo.models import tiny_causal_lm
+        from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
 
         m, t = self.recipe.model, self.recipe.training
         sft_rows, pref_rows, _ = self._stage_split()
@@ -138,7 +138,7 @@ class DemoPipeline:
             model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size,
                                    intermediate_size=2 * m.hidden_size, num_hidden_layers=m.num_layers)  # fmt: skip
         else:  # fine_tune loads the checkpoint (float32) and its tokenizer
-            from rlhf_ext.resources import resolve_model
+            from rlhf_ext.pipelines.builtins import resolve_model
 
             model, tokenizer = resolve_model(m.base_model), None
         demos = [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
@@ -154,7 +154,7 @@ class DemoPipeline:
         pool = AnnotatorPool.default(flip_prob=self.recipe.training.annotator_flip_prob, seed=self.recipe.training.seed)
         labelled = pool.relabel(pref_rows, train=True)
         dest = self.out / "labels"
-        from rlhf_ext.utils import atomic_directory
+        from rlhf_ext.runtime.io import atomic_directory
 
         with atomic_directory(dest) as tmp:
             labelled.save_to_disk(str(tmp))
@@ -166,7 +166,7 @@ class DemoPipeline:
         from datasets import DatasetDict, load_from_disk
 
         from rlhf_ext.config import load_recipe
-        from rlhf_ext.segment.recipe import SegmentRMRecipe
+        from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
 
         t = self.recipe.training
         data_dir = self.out / "rm_data"
@@ -190,7 +190,7 @@ class DemoPipeline:
         from datasets import DatasetDict
 
         from rlhf_ext.config import load_recipe
-        from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+        from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
 
         t = self.recipe.training
         prompts_dir = self.out / "ppo_prompts"
@@ -211,7 +211,7 @@ class DemoPipeline:
         )  # fmt: skip
 
     def stage_rm(self, results) -> dict[str, Any]:
-        from rlhf_ext.segment.recipe import run_segment_rm
+        from rlhf_ext.pipelines.segment_rm import run_segment_rm
 
         summary = run_segment_rm(self.rm_recipe(results, self.out / "rm"))
         return {"path": summary["model_dir"], "eval": summary.get("eval", {})}
@@ -220,8 +220,8 @@ class DemoPipeline:
         from datasets import load_from_disk
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-        from rlhf_ext.segment.calibration import fit_normalizer, model_id
-        from rlhf_ext.segment.data import load_segment_settings
+        from rlhf_ext.runtime.calibration import fit_normalizer, model_id, save_normalizer
+        from rlhf_ext.runtime.segment_data import load_segment_settings
 
         rm, sft = results["rm"]["path"], results["sft"]["path"]
         settings = load_segment_settings(rm)
@@ -234,11 +234,11 @@ class DemoPipeline:
             reward_model_id=model_id(rm),
         )
         path = self.out / "normalizer.json"
-        norm.save(path)
+        save_normalizer(norm, path)
         return {"path": str(path), **{k: v for k, v in asdict(norm).items() if k != "reward_model"}}
 
     def stage_ppo(self, results) -> dict[str, Any]:
-        from rlhf_ext.segment.ppo_recipe import run_segment_ppo
+        from rlhf_ext.pipelines.segment_ppo import run_segment_ppo
 
         recipe = self.ppo_recipe(results, self.out / "ppo", results["rm"]["path"], results["normalizer"]["path"])
         summary = run_segment_ppo(recipe)
@@ -262,7 +262,7 @@ class DemoPipeline:
         return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
 
     def stage_report(self, results) -> dict[str, Any]:
-        from rlhf_ext.demo_report import write_report
+        from rlhf_ext.pipelines.reports import write_report
 
         _, _, test = self._stage_split()
         prompts = list(test["prompt"][:4])

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture()
 def one_torch_thread():
     """Run the test with one torch thread (generation-heavy tests: 2 xdist workers share 2 cores)."""
-    from rlhf_ext.online.async_runner import torch_threads
+    from rlhf_ext.runtime.async_runner import torch_threads
 
     with torch_threads(1):
         yield
@@ -46,7 +46,7 @@ def cache_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def gpt2_tok():
-    from rlhf_ext.testing.tokenizer import gpt2_tokenizer
+    from rlhf_ext.zoo.tokenizer import gpt2_tokenizer
 
     return gpt2_tokenizer()
 
@@ -54,14 +54,14 @@ def gpt2_tok():
 @pytest.fixture(scope="session")
 def tiny_sft_path(cache_dir) -> str:
     """The builtin tiny model after SFT on the toy task (built once per run, ~30 s)."""
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     return resolve_model("builtin:tiny-sft", cache_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_base_path(cache_dir) -> str:
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     return resolve_model("builtin:tiny", cache_dir)
 
@@ -75,6 +75,6 @@ def toy_tok(tiny_base_path):
 
 @pytest.fixture(scope="session")
 def toy_data():
-    from rlhf_ext.testing.toy import toy_preference_dataset
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     return toy_preference_dataset(n_train=256, n_test=64, seed=0)

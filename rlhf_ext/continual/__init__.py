@@ -6,19 +6,10 @@ Engine-free (``torch`` / ``numpy`` only): importing this package never imports t
 * :func:`kl_to_previous` — the plain regulariser of Eq. 7 (masked token mean of a k1/k2/k3 KL estimate).
 * :func:`cppo_sample_weights` — CPPO's optional learning / retention weights (alpha, beta), from the authors' code.
 * :func:`backward_transfer`, :func:`forgetting`, :func:`average_performance`, :func:`summarize` — Appendix C.3.
-* :mod:`rlhf_ext.continual.runner` — train a sequence of tasks with snapshots, evaluation matrix, plots and resume.
+* :mod:`rlhf_ext.pipelines.continual` — train a sequence of tasks with snapshots, evaluation matrix, plots and resume.
 """
 
-from rlhf_ext.continual.cppo import (
-    CATEGORY_NAMES,
-    BatchStats,
-    CPPOWeights,
-    CPPOWeightSettings,
-    batch_stats,
-    cppo_sample_weights,
-    mean_log_prob,
-)
-from rlhf_ext.continual.kl import (
+from rlhf_ext.algos.continual_kl import (
     DEFAULT_KL_COEF,
     K3_MAX_LOG_RATIO,
     KL_ESTIMATORS,
@@ -28,7 +19,16 @@ from rlhf_ext.continual.kl import (
     masked_token_mean,
     per_token_kl,
 )
-from rlhf_ext.continual.metrics import (
+from rlhf_ext.algos.cppo_weights import (
+    CATEGORY_NAMES,
+    BatchStats,
+    CPPOWeights,
+    CPPOWeightSettings,
+    batch_stats,
+    cppo_sample_weights,
+    mean_log_prob,
+)
+from rlhf_ext.algos.forgetting import (
     ContinualSummary,
     average_performance,
     backward_transfer,
@@ -38,8 +38,8 @@ from rlhf_ext.continual.metrics import (
     summarize,
     task_curves,
 )
-from rlhf_ext.continual.recipe import ContinualRecipe
-from rlhf_ext.continual.runner import ContinualRunner, TaskContext, TaskSequenceError, run_continual
+from rlhf_ext.pipelines.continual import ContinualRunner, TaskContext, TaskSequenceError, run_continual
+from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 
 __all__ = [
     "CATEGORY_NAMES",

@@ -15,7 +15,7 @@ Engine-free: nothing here imports trl, openrlhf, deepspeed, ray or vllm; ``datas
 
 from __future__ import annotations
 
-from rlhf_ext.utils import lazy_exports
+from rlhf_ext.runtime.io import lazy_exports
 
 #: public name -> defining module (imported on first access, so ``rlhf-ext --help`` stays fast)
 _EXPORTS = {
@@ -54,7 +54,7 @@ _EXPORTS = {
     "generate_dataset": "rlhf_ext.datagen.generate",
     "gold_score": "rlhf_ext.datagen.phrasebank",
     "lipschitz_weights": "rlhf_ext.datagen.drift",
-    "load_continual_dataset": "rlhf_ext.datagen.dataset",
+    "load_continual_dataset": "rlhf_ext.datagen.builtin",
     "load_phrase_bank": "rlhf_ext.datagen.phrasebank",
     "load_task_config": "rlhf_ext.datagen.schema",
     "make_backend": "rlhf_ext.datagen.backends",

@@ -187,7 +187,7 @@ class HFBackend(Backend):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from rlhf_ext.resources import resolve_model
+        from rlhf_ext.zoo.builtins import resolve_model
 
         try:
             path = resolve_model(self.model_spec)

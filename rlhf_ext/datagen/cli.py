@@ -30,7 +30,7 @@ def _fail(message: str) -> None:
 
 
 def _load(path: str):
-    from rlhf_ext.datagen.dataset import load_continual_dataset
+    from rlhf_ext.datagen.builtin import load_continual_dataset
 
     try:
         return load_continual_dataset(path)
@@ -177,7 +177,7 @@ def validate(
     """Counts, token entropy, embedding diversity and judge agreement of DATASET, per stage."""
     from rlhf_ext.datagen.backends import BackendUnavailable, make_backend
     from rlhf_ext.datagen.validate import format_report, validate_dataset
-    from rlhf_ext.utils import atomic_write_json
+    from rlhf_ext.runtime.io import atomic_write_json
 
     ds = _load(dataset)
     if embedding_model == "auto":

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_ext.datagen.drift import derive_seed, stage_dirname
-from rlhf_ext.utils import atomic_directory, atomic_write_json
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json
 
 METADATA_FILE = "continual_dataset.json"
 STAGES_DIR = "stages"
@@ -270,16 +270,6 @@ def _umask_modes(*paths: Path) -> None:
 
 def _stage_dirname(info: dict[str, Any]) -> str:
     return stage_dirname(info["index"], info["name"])
-
-
-def load_continual_dataset(path: str | Path) -> ContinualDataset:
-    """Load a saved continual dataset (or build a ``builtin:`` one into the cache): its stages' ``DatasetDict``s in
-    order, with ``.metadata``."""
-    if isinstance(path, str) and path.startswith("builtin:"):
-        from rlhf_ext.resources import resolve_continual_dataset
-
-        path = resolve_continual_dataset(path)
-    return ContinualDataset.load(path)
 
 
 # ---------------------------------------------------------------------------------------------------- transforms

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec
-from rlhf_ext.utils import stable_hash
+from rlhf_ext.runtime.io import stable_hash
 
 #: Weights closer than this to 0 are dropped from a stage's mixture (floating-point noise of the interpolation).
 _EPS = 1e-12

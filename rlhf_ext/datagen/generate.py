@@ -58,7 +58,7 @@ from rlhf_ext.datagen.mappers import (
 )
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec, load_task_config
-from rlhf_ext.utils import stable_hash
+from rlhf_ext.runtime.io import stable_hash
 
 PROMPT_MAPPER = PromptMapper()
 RESPONSE_MAPPER = ResponseMapper()

@@ -83,7 +83,7 @@ def load_embedder(spec: str, batch_size: int = 64, max_length: int = 256) -> Cal
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.zoo.builtins import resolve_model
 
     path = _minilm_dir() if spec == "minilm" else resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,11 +1,20 @@
 """Online preference learning: best/worst-of-n pairs (paper 004) and one-step asynchronous training (paper 001).
 
-Engine-free (``torch`` only at import). :mod:`rlhf_ext.online.rollout` adds samplers (HF ``generate`` / vLLM),
-reward adapters and pair collection, importing ``transformers`` / vLLM when used; :mod:`rlhf_ext.online.recipe` is
-the typed recipe. The TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
+A facade over :mod:`rlhf_ext.algos` (pair selection, importance weights) and :mod:`rlhf_ext.runtime` (the async runner,
+the pair store); ``torch`` only at import. Samplers, reward functions and pair collection are in
+:mod:`rlhf_ext.runtime`; the iteration loop and its recipe in :mod:`rlhf_ext.pipelines.iterative_dpo`.
+The TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
 """
 
-from rlhf_ext.online.async_runner import (
+from rlhf_ext.algos.importance import ImportanceWeights, truncated_importance_weights
+from rlhf_ext.algos.pair_selection import (
+    SELECTION_RULES,
+    PairSelection,
+    check_num_samples,
+    select_pairs,
+    text_ids,
+)
+from rlhf_ext.runtime.async_runner import (
     AsyncRunnerError,
     Batch,
     OneStepAsyncRunner,
@@ -13,15 +22,7 @@ from rlhf_ext.online.async_runner import (
     StalenessError,
     torch_threads,
 )
-from rlhf_ext.online.importance import ImportanceWeights, truncated_importance_weights
-from rlhf_ext.online.selection import (
-    SELECTION_RULES,
-    PairSelection,
-    check_num_samples,
-    select_pairs,
-    text_ids,
-)
-from rlhf_ext.online.store import PairStore
+from rlhf_ext.runtime.pair_store import PairStore
 
 __all__ = [
     "SELECTION_RULES",

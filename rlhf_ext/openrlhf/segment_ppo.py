@@ -18,20 +18,19 @@ as the scalar reward, which is exactly stock OpenRLHF (tested end to end through
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 import ray  # noqa: E402
 import torch
 
-from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.ppo import ESTIMATORS, group_mean_baseline, last_token_index
+from rlhf_ext.algos.segment_dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.algos.segment_reward import check_cutoff, check_tau, token_entropy
 from rlhf_ext.openrlhf.compat import import_shims
-from rlhf_ext.rl import ESTIMATORS, group_mean_baseline, last_token_index
-from rlhf_ext.segment.core import check_cutoff, check_tau, token_entropy
-from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
-from rlhf_ext.segment.normalizer import LocationNormalizer
-from rlhf_ext.segment.scoring import TokenScoreCapture
+from rlhf_ext.runtime.calibration import load_normalizer
+from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 with import_shims():
     import openrlhf.models.utils as openrlhf_model_utils
@@ -161,7 +160,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         settings: dict[str, Any] = {}
         reward_path = getattr(getattr(self.args, "reward", None), "model_name_or_path", None)
         if reward_path and os.path.exists(os.path.join(str(reward_path), "segment_config.json")):
-            from rlhf_ext.segment.data import load_segment_settings
+            from rlhf_ext.runtime.segment_data import load_segment_settings
 
             settings = load_segment_settings(reward_path)
         self.entropy_cutoff = (
@@ -170,7 +169,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         self.aggregation = ext["aggregation"] or settings.get("aggregation", "softmax")
         self.tau = ext["tau"] if ext["tau"] is not None else settings.get("tau", 0.5)
         self.normalizer = (
-            LocationNormalizer.load(ext["normalizer"], reward_model=ext["reward_model_id"])
+            load_normalizer(ext["normalizer"], reward_model=ext["reward_model_id"])
             if ext["normalizer"]
             else LocationNormalizer()
         )
@@ -217,7 +216,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     def compute_advantages_and_returns(self, experiences):
         """OpenRLHF's, on dense rewards. For ``reinforce_baseline`` the prompt group's mean summed dense reward is
         subtracted at each response's last token first (OpenRLHF subtracts it from the scalar, which is the zero
-        placeholder here): the same numbers as :func:`rlhf_ext.rl.ppo_advantages`, which the TRL engine calls."""
+        placeholder here): the same numbers as :func:`rlhf_ext.algos.ppo.ppo_advantages`, which the TRL engine calls."""
         if not self.dense:
             return super().compute_advantages_and_returns(experiences)
         dense = [getattr(e.kl, DENSE_ATTR) for e in experiences]
@@ -309,142 +308,6 @@ def run_train_ppo_ray(argv: list[str]) -> None:
     from rlhf_ext.openrlhf.train_ppo_ray import main
 
     main(argv)
-
-
-# ------------------------------------------------------------------------------------------------ the recipe
-def recipe_to_argv(recipe, prompts_file: str, normalizer_path: str | None) -> list[str]:
-    """Translate a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``)."""
-    from rlhf_ext.segment.calibration import model_id
-
-    t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
-    gpus = torch.cuda.device_count()
-    actor_ranks = int(t.openrlhf_args.get("actor.num_gpus_per_node", max(gpus, 1)))
-    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, actor_ranks)
-    dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
-    if dtype is None:
-        raise ValueError(
-            "OpenRLHF trains in bf16 or fp16 only (--ds.param_dtype): set train.bf16: true, or "
-            "train.openrlhf_args: {ds.param_dtype: fp16}"
-        )
-    argv = [
-        "--actor.model_name_or_path", recipe.model.sft_model,
-        "--reward.model_name_or_path", recipe.model.reward_model,
-        "--data.prompt_dataset", prompts_file,
-        "--data.input_key", "prompt",
-        "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
-        "--rollout.max_new_tokens", str(data.max_completion_length),
-        "--rollout.batch_size", str(t.batch_size),
-        "--rollout.micro_batch_size", str(t.micro_batch_size),
-        "--rollout.n_samples_per_prompt", str(ppo.num_generations),
-        "--rollout.temperature", repr(ppo.temperature),
-        "--rollout.top_p", repr(ppo.top_p),
-        "--train.batch_size", str(t.batch_size),
-        "--train.micro_batch_size", str(micro),
-        "--train.max_epochs", "1",
-        "--train.num_episodes", str(max(1, math.ceil(t.epochs))),
-        "--train.seed", str(t.seed),
-        "--actor.adam.lr", repr(t.learning_rate),
-        "--critic.adam.lr", repr(t.critic_learning_rate),
-        "--actor.eps_clip", repr(ppo.clip_eps),
-        "--algo.kl.init_coef", repr(ppo.kl_coef),
-        "--algo.kl.estimator", ppo.kl_estimator,
-        "--algo.advantage.estimator", ppo.advantage_estimator,
-        "--algo.advantage.gamma", repr(ppo.gamma),
-        "--algo.advantage.lambd", repr(ppo.lam),
-        "--ds.zero_stage", str(t.zero_stage),
-        "--ds.param_dtype", dtype,
-        "--ckpt.output_dir", t.output_dir,
-        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
-        "--logger.logging_steps", str(t.logging_steps),
-        "--actor.num_gpus_per_node", str(max(gpus, 1)),
-        "--ref.num_gpus_per_node", str(max(gpus, 1)),
-        "--reward.num_gpus_per_node", str(max(gpus, 1)),
-        "--critic.num_gpus_per_node", str(max(gpus, 1)),
-        "--ext.granularity", seg.granularity,
-        "--ext.interpolation", seg.interpolation,
-        "--ext.reward_model_id", model_id(recipe.model.reward_model),
-    ]  # fmt: skip
-    if gpus:  # one node: every model and the vLLM engines share the GPUs
-        argv += ["--vllm.num_engines", str(gpus), "--train.colocate_all"]
-    else:  # CPU: the HF rollout engine (train_ppo_ray picks it), logical GPUs, no flash-attention
-        argv += ["--ds.attn_implementation", "sdpa"]
-    if t.max_steps is not None:  # OpenRLHF has no step limit: one PPO step consumes rollout.batch_size prompts
-        argv += ["--data.max_samples", str(t.max_steps * t.batch_size)]
-    if ppo.advantage_estimator == "gae":
-        argv += ["--critic.model_name_or_path", recipe.model.critic_model or recipe.model.reward_model]
-        if ppo.value_clip is not None:
-            argv += ["--critic.value_clip", repr(ppo.value_clip)]
-    for key in ("entropy_cutoff", "aggregation", "tau"):
-        value = getattr(seg, key)
-        if value is not None:
-            argv += [f"--ext.{key}", str(value)]
-    if normalizer_path is not None:
-        argv += ["--ext.normalizer", normalizer_path]
-    if t.save_steps:
-        argv += ["--ckpt.save_steps", str(t.save_steps)]
-    if t.resume:
-        argv += ["--ckpt.load_enable"]
-    if t.gradient_checkpointing:
-        argv += ["--actor.gradient_checkpointing_enable"]
-    if ppo.async_generation:
-        argv += ["--train.async_enable", "--train.async_queue_size", "1"]
-    return argv + flags_from_mapping(t.openrlhf_args)
-
-
-def prepare_run(recipe) -> tuple[list[str], dict[str, Any]]:
-    """Resolve models, write the prompt file, fit the normalizer if needed; returns (argv, paths)."""
-    import json
-
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlhf_ext.resources import resolve_dataset, resolve_model
-    from rlhf_ext.segment.calibration import fit_normalizer, model_id
-    from rlhf_ext.trl.segment_ppo import load_prompts
-    from rlhf_ext.utils import atomic_write_text
-
-    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
-    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
-    out = recipe.train.output_dir
-    os.makedirs(out, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
-    prompts = load_prompts(recipe.data, tokenizer)
-    prompts_file = os.path.join(out, "prompts.jsonl")
-    atomic_write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts["prompt"]))
-    normalizer_path = recipe.model.normalizer
-    seg = recipe.segment
-    if normalizer_path is None and seg.granularity != "bandit" and seg.normalizer_kind != "none":
-        if recipe.data.calibration is None:
-            raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
-        from rlhf_ext.segment.data import load_segment_settings
-
-        settings = load_segment_settings(recipe.model.reward_model)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        normalizer = fit_normalizer(
-            AutoModelForSequenceClassification.from_pretrained(recipe.model.reward_model, num_labels=1).to(device),
-            AutoModelForCausalLM.from_pretrained(recipe.model.sft_model).to(device),
-            tokenizer,
-            resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split],
-            kind=seg.normalizer_kind,
-            basis=seg.normalizer_basis,
-            granularity=seg.granularity,
-            entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else settings["entropy_cutoff"],
-            aggregation=seg.aggregation or settings["aggregation"],
-            tau=seg.tau if seg.tau is not None else settings["tau"],
-            reward_model_id=model_id(recipe.model.reward_model),
-            max_pairs=recipe.data.max_calibration_pairs,
-        )
-        normalizer_path = os.path.join(out, "normalizer.json")
-        normalizer.save(normalizer_path)
-    paths = {"prompts": prompts_file, "normalizer": normalizer_path}
-    return recipe_to_argv(recipe, prompts_file, normalizer_path), paths
-
-
-def train_segment_ppo(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with OpenRLHF's Ray PPO (vLLM rollouts on GPUs,
-    the HF rollout engine on a CPU)."""
-    argv, paths = prepare_run(recipe)
-    run_train_ppo_ray(argv)
-    return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}
 
 
 if __name__ == "__main__":  # `python -m rlhf_ext.openrlhf.segment_ppo` used to exit 0 and do nothing

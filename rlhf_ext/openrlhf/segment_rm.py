@@ -20,22 +20,13 @@ OpenRLHF's own ``PairWiseLoss`` then turns into the BT loss of Eq. 3.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlhf_ext.openrlhf.cli_runner import (
-    flag_value,
-    flags_from_mapping,
-    per_device_micro_batch,
-    run_cli_module,
-    split_ext_args,
-)
-from rlhf_ext.openrlhf.compat import check_version, import_shims, patch_for_cpu
-from rlhf_ext.segment.core import (
+from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
     check_aggregation,
@@ -43,13 +34,19 @@ from rlhf_ext.segment.core import (
     check_tau,
     evaluate_sequences,
 )
-from rlhf_ext.segment.data import (
+from rlhf_ext.openrlhf.cli_runner import (
+    flag_value,
+    run_cli_module,
+    split_ext_args,
+)
+from rlhf_ext.openrlhf.compat import check_version, import_shims, patch_for_cpu
+from rlhf_ext.runtime.segment_data import (
     ENTROPY_COLUMNS,
     TOKENIZED_COLUMNS,
     collate_segment_pairs,
     prepare_segment_dataset,
 )
-from rlhf_ext.segment.scoring import TokenScoreCapture
+from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 with import_shims():
     from openrlhf.datasets.reward_dataset import RewardDataset
@@ -229,7 +226,7 @@ def run_train_rm(argv: Sequence[str]) -> None:
     install()
     run_cli_module("openrlhf.cli.train_rm", rest, ext)
     if int(os.environ.get("RANK", "0")) == 0:
-        from rlhf_ext.segment.data import save_segment_settings
+        from rlhf_ext.runtime.segment_data import save_segment_settings
 
         save_segment_settings(
             flag_value(rest, "--ckpt.output_dir", "./ckpt"),
@@ -240,106 +237,3 @@ def run_train_rm(argv: Sequence[str]) -> None:
                 "sft_model_name_or_path": ext["sft_model"] or flag_value(rest, "--model.model_name_or_path", None),
             },
         )
-
-
-def recipe_to_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
-    """Translate a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` into ``train_rm`` flags (+ ``--ext.*``)."""
-    t = recipe.train
-    cpu = not torch.cuda.is_available()
-    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")))
-    argv = [
-        "--model.model_name_or_path", recipe.model.sft_model,
-        "--data.dataset", dataset_dir,
-        "--data.dataset_split", "train",
-        "--data.max_len", str(recipe.data.max_length),
-        "--ckpt.output_dir", t.output_dir,
-        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
-        "--ckpt.save_steps", str(t.save_steps or -1),
-        "--train.max_epochs", str(max(1, math.ceil(t.epochs))),
-        "--train.batch_size", str(t.batch_size),
-        "--train.micro_batch_size", str(micro),
-        "--train.seed", str(t.seed),
-        "--adam.lr", repr(t.learning_rate),
-        "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),
-        "--adam.weight_decay", repr(t.weight_decay),
-        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler == "cosine" else t.lr_scheduler,
-        "--lr_warmup_ratio", repr(t.warmup_ratio),
-        "--max_norm", repr(t.max_grad_norm),
-        "--logger.logging_steps", str(t.logging_steps),
-        "--ds.zero_stage", str(t.zero_stage),
-        "--ds.param_dtype", "bf16",
-        "--ds.attn_implementation", "sdpa" if cpu else "flash_attention_2",
-        "--ext.entropy_cutoff", repr(recipe.segment.entropy_cutoff),
-        "--ext.aggregation", recipe.segment.aggregation,
-        "--ext.tau", repr(recipe.segment.tau),
-        "--ext.sft_model", recipe.model.sft_model,
-    ]  # fmt: skip
-    if recipe.data.max_prompt_length is not None:
-        argv += ["--ext.max_prompt_length", str(recipe.data.max_prompt_length)]
-    if eval_dir is not None:
-        argv += ["--eval.dataset", eval_dir, "--eval.split", "train"]
-    if t.resume:
-        argv += ["--ckpt.load_enable"]
-    if t.gradient_checkpointing:
-        argv += ["--model.gradient_checkpointing_enable"]
-    return argv + flags_from_mapping(t.openrlhf_args)
-
-
-def train_segment_rm(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` with OpenRLHF's ``train_rm`` (in this process).
-
-    The data is prepared (tokenised, SFT entropies) once, saved next to the output, and handed to OpenRLHF as a
-    dataset directory, so every rank of a ``deepspeed`` launch reads the same prepared rows.
-    """
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.segment.recipe import load_preference_splits, write_segment_report
-    from rlhf_ext.utils import atomic_directory, atomic_write_json, file_lock
-
-    if recipe.train.epochs != math.ceil(recipe.train.epochs):
-        raise ValueError("the OpenRLHF engine trains whole epochs: set train.epochs to an integer")
-    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or recipe.model.sft_model))
-    data_root = os.path.join(recipe.train.output_dir, "prepared_data")
-    dirs = {}
-    with file_lock(data_root + ".lock"):
-        train_ds, eval_ds = load_preference_splits(recipe.data)
-        prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
-        for name, ds in (("train", train_ds), ("eval", eval_ds)):
-            if ds is None:
-                continue
-            target = os.path.join(data_root, name)
-            if not os.path.exists(os.path.join(target, "dataset_info.json")):
-                prepared = prepare_segment_dataset(
-                    ds,
-                    tokenizer,
-                    sft_model_name_or_path=recipe.model.sft_model,
-                    max_length=recipe.data.max_length,
-                    max_prompt_length=recipe.data.max_prompt_length,
-                    prompt_key=prompt_key,
-                    chosen_key=recipe.data.chosen_key,
-                    rejected_key=recipe.data.rejected_key,
-                    entropy_batch_size=recipe.segment.entropy_batch_size,
-                    cache_dir=recipe.train.segment_cache_dir,
-                )
-                with atomic_directory(target) as tmp:
-                    prepared.save_to_disk(str(tmp))
-            dirs[name] = target
-    run_train_rm(recipe_to_argv(recipe, dirs["train"], dirs.get("eval")))
-    summary: dict[str, Any] = {"engine": "openrlhf", "model_dir": recipe.train.output_dir, "eval": {}}
-    if int(os.environ.get("RANK", "0")) == 0:
-        if eval_ds is not None:
-            from datasets import load_from_disk
-
-            from rlhf_ext.segment.scoring import preference_accuracy
-
-            seg = recipe.segment
-            summary["eval"] = preference_accuracy(
-                recipe.train.output_dir, load_from_disk(dirs["eval"]), seg.entropy_cutoff, seg.aggregation, seg.tau
-            )
-            summary["report"] = write_segment_report(
-                recipe.train.output_dir, eval_ds, recipe.data, recipe.train.output_dir
-            )
-        atomic_write_json(os.path.join(recipe.train.output_dir, "metrics.json"), summary)
-    return summary

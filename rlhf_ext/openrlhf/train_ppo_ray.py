@@ -18,9 +18,9 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
   ``reward_model_id``. ``bandit`` runs the same subclasses with the scalar reward at the last token: identical to
   stock OpenRLHF (tested), which makes it the control arm of paper 003's Table 1.
 * continual RLHF — ``continual.previous_model``, ``continual.kl_coef``, ``continual.estimator``,
-  ``continual.retention`` (:class:`~rlhf_ext.openrlhf.continual.ContinualActorSettings`); the policy actor becomes
-  :class:`~rlhf_ext.openrlhf.continual.ContinualPolicyModelActor` when any ``continual.*`` flag is given (the first
-  task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
+  ``continual.retention`` (:class:`~rlhf_ext.openrlhf.continual_actor.ContinualActorSettings`); the policy actor
+  becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual.*`` flag is
+  given (the first task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
 * ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
   CUDA is available, else HF with a one-line notice).
 
@@ -44,9 +44,9 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from rlhf_ext.continual.kl import check_estimator, check_kl_coef
+from rlhf_ext.algos.continual_kl import check_estimator, check_kl_coef
+from rlhf_ext.algos.ppo import ESTIMATORS
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
-from rlhf_ext.rl import ESTIMATORS
 
 #: ``--ext.*`` flags and their defaults (``None``: the reward model's recorded setting / unset).
 EXT_DEFAULTS: dict[str, Any] = {
@@ -197,7 +197,7 @@ def install(settings: dict[str, Any], driver: bool) -> None:
     if settings.get("segment"):
         segment_ppo.install_in_process()
     if settings.get("continual"):
-        from rlhf_ext.openrlhf.continual import use_continual_actor
+        from rlhf_ext.openrlhf.continual_actor import use_continual_actor
 
         use_continual_actor()
     if settings.get("rollout_engine") == "hf":

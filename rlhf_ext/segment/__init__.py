@@ -3,7 +3,17 @@
 Pure ``torch`` functions, vectorised over the batch; the TRL and OpenRLHF adapters only move tensors in and out.
 """
 
-from rlhf_ext.segment.core import (
+from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerError
+from rlhf_ext.algos.segment_dense import (
+    GRANULARITIES,
+    INTERPOLATIONS,
+    DenseRewards,
+    RewardValueError,
+    calibration_points,
+    dense_segment_rewards,
+    interpolate_rewards,
+)
+from rlhf_ext.algos.segment_reward import (
     AGGREGATIONS,
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
@@ -17,16 +27,6 @@ from rlhf_ext.segment.core import (
     segment_ids,
     token_entropy,
 )
-from rlhf_ext.segment.dense import (
-    GRANULARITIES,
-    INTERPOLATIONS,
-    DenseRewards,
-    RewardValueError,
-    calibration_points,
-    dense_segment_rewards,
-    interpolate_rewards,
-)
-from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer, NormalizerError
 
 __all__ = [
     "AGGREGATIONS",

@@ -15,7 +15,7 @@ the functions that need them.
 
 from __future__ import annotations
 
-from rlhf_ext.utils import lazy_exports
+from rlhf_ext.runtime.io import lazy_exports
 
 _EXPORTS = {
     "GoldScorer": "rlhf_ext.sim.gold",

@@ -12,7 +12,7 @@ Here an annotator is anything that returns ``P(a preferred over b)`` for a batch
   The default pool (:data:`DEFAULT_ANNOTATORS`) uses variants of the gold scorer (:class:`~rlhf_ext.sim.GoldScorer`
   with other phrase weights, a length preference like AlpacaFarm's "prefers long / short" GPT-4 annotators, and
   different temperatures). Any reward model is a utility too (:meth:`AnnotatorPool.from_reward_models`, through
-  :func:`rlhf_ext.online.rollout.load_reward`: a sequence-classification RM or an rlhf-ext segment RM; temperature
+  :func:`rlhf_ext.runtime.rewards.load_reward`: a sequence-classification RM or an rlhf-ext segment RM; temperature
   1 is the reward model's own Bradley-Terry probability).
 * :class:`LLMAnnotator` — an LLM judge through the dataset generator's backends (``openai``: any OpenAI-compatible
   server), with :class:`rlhf_ext.datagen.LLMJudge`'s prompt, strict A/B parsing and randomised presentation order
@@ -363,8 +363,8 @@ class AnnotatorPool:
         batch_size: int = 32,
     ) -> AnnotatorPool:
         """Annotators backed by reward models: checkpoint paths (sequence-classification or rlhf-ext segment RMs,
-        loaded with :func:`~rlhf_ext.online.rollout.load_reward`) or reward functions ``(prompts, responses)``."""
-        from rlhf_ext.online.rollout import load_reward
+        loaded with :func:`~rlhf_ext.runtime.rewards.load_reward`) or reward functions ``(prompts, responses)``."""
+        from rlhf_ext.runtime.rewards import load_reward
 
         temps = [temperatures] * len(models) if isinstance(temperatures, int | float) else list(temperatures)
         if len(temps) != len(models):

@@ -47,8 +47,8 @@ def compare(config_path, methods, seeds, out, report_only, overrides) -> None:
 
     Each finished (method, seed) is written to OUT/results/ at once and skipped when the command is rerun.
     """
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
+    from rlhf_ext.recipes import recipe_path
     from rlhf_ext.sim.compare import markdown_table, run_compare, summarise, write_reports
     from rlhf_ext.sim.recipe import SimCompareRecipe
 

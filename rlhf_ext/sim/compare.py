@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from rlhf_ext.config import RecipeError, to_dict
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info, stable_hash
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
-from rlhf_ext.utils import atomic_directory, atomic_write_json, atomic_write_text, machine_info, stable_hash
 
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
 #: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
@@ -118,7 +118,7 @@ class SimRun:
     def base_model(self) -> str:
         base = self.recipe.model.base
         if base is not None:
-            from rlhf_ext.resources import resolve_model
+            from rlhf_ext.pipelines.builtins import resolve_model
 
             return resolve_model(base)
         dest = self.root / "base"
@@ -206,7 +206,7 @@ class SimRun:
     def reward_model(self, seed: int, kind: str) -> str:
         """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf) or ``segment`` (the segment cutoff), trained
         with the segment reward-model recipe (TRL ``SegmentRewardTrainer``) from the SFT model."""
-        from rlhf_ext.segment.recipe import (
+        from rlhf_ext.pipelines.segment_rm import (
             ModelSection,
             PreferenceDataSection,
             RMTrainSection,
@@ -247,14 +247,14 @@ class SimRun:
     def reward_fn(self, seed: int):
         """The bandit surrogate reward model of ``seed`` as a reward function (``load_reward``, e_phi at cutoff inf)."""
         if seed not in self._reward_fns:
-            from rlhf_ext.online.rollout import load_reward
+            from rlhf_ext.runtime.rewards import load_reward
 
             self._reward_fns[seed] = load_reward(self.reward_model(seed, "bandit"))
         return self._reward_fns[seed]
 
     def reference_samples(self, seed: int):
         """The SFT model's evaluation samples of ``seed`` (drawn once, shared by every method's comparison)."""
-        from rlhf_ext.online.rollout import Samples
+        from rlhf_ext.runtime.sampling import Samples
 
         path = self.seed_dir(seed) / "reference_samples.json"
         if not path.exists():
@@ -309,7 +309,7 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[st
 
     Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
     """
-    from rlhf_ext.online.async_runner import torch_threads
+    from rlhf_ext.runtime.async_runner import torch_threads
     from rlhf_ext.sim.methods import METHOD_FUNCTIONS
 
     run = SimRun(recipe, progress)

@@ -7,9 +7,9 @@ alongside it the quantities AlpacaFarm's analysis uses: average response length 
 outputs longer), the gold reward, and the KL divergence to the reference.
 
 Policies are objects with ``sample(prompts, n, seed) -> Samples`` (the ``[P][n]`` layout of
-:class:`rlhf_ext.online.rollout.Samples`) and, for the KL, ``logprobs(prompts, responses, truncated) -> [N]``:
+:class:`rlhf_ext.runtime.sampling.Samples`) and, for the KL, ``logprobs(prompts, responses, truncated) -> [N]``:
 
-* :class:`HFPolicy` — a transformers causal LM, sampled with :class:`rlhf_ext.online.rollout.HFSampler`; an optional
+* :class:`HFPolicy` — a transformers causal LM, sampled with :class:`rlhf_ext.runtime.sampling.HFSampler`; an optional
   ``prompt_prefix`` conditions it (binary reward conditioning samples with the positive control token);
 * :class:`BestOfNPolicy` — inference-time best-of-n over a base policy with any scorer (section 3.4; Appendix A.2).
 
@@ -32,7 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlhf_ext.online.rollout import RewardFn, Samples, encode_prompts, score
+from rlhf_ext.runtime.rewards import RewardFn, score
+from rlhf_ext.runtime.sampling import Samples, encode_prompts
 from rlhf_ext.sim.annotators import AnnotatorPool
 from rlhf_ext.sim.gold import GoldScorer
 
@@ -75,7 +76,7 @@ class HFPolicy:
         if temperature <= 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be a positive number, got {temperature}")
         if isinstance(model, str | Path):
-            from rlhf_ext.resources import resolve_model
+            from rlhf_ext.pipelines.builtins import resolve_model
 
             path = resolve_model(str(model))
             if not (Path(path) / "config.json").exists():
@@ -117,7 +118,7 @@ class HFPolicy:
 
     def sample(self, prompts: Sequence[Any], n: int, seed: int) -> Samples:
         """``n`` responses per prompt (``[P][n]``), reproducible for a given ``seed``."""
-        from rlhf_ext.online.rollout import HFSampler
+        from rlhf_ext.runtime.sampling import HFSampler
 
         if self._sampler is None:
             self._sampler = HFSampler(self.model, self.tokenizer, **self._sampler_args)
@@ -146,7 +147,7 @@ class HFPolicy:
         return torch.cat(out) if out else torch.zeros(0)
 
     def _chunk_logprobs(self, seqs: list[list[int]], starts: list[int], pad: int) -> Tensor:
-        from rlhf_ext.segment.data import pad_sequences
+        from rlhf_ext.runtime.segment_data import pad_sequences
 
         ids = pad_sequences(seqs, pad, "right", torch.long).to(self.device)
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)

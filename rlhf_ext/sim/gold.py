@@ -1,14 +1,14 @@
 """Gold rewards of the simulator: what a response *should* be rewarded for (paper 002 2.2; paper 003 Fig. 2-3).
 
 :class:`GoldScorer` scores how well a response satisfies a task's preference, for the tasks of the ``offline`` dataset
-generator (:mod:`rlhf_ext.datagen`) and for the toy key-phrase task (:mod:`rlhf_ext.testing.toy`). Credit sits in a
+generator (:mod:`rlhf_ext.datagen`) and for the toy key-phrase task (:mod:`rlhf_ext.zoo.toy`). Credit sits in a
 few multi-token **key phrases** and nowhere else:
 
 * **Offline generator tasks** (``style`` = a phrase-bank style such as ``rapper`` or ``eli5``): the positive phrases are
   the style's key phrases, the negative phrases those of the competing styles of its family
   (:func:`rlhf_ext.datagen.phrasebank.rubric_for`).
-* **Toy task** (``style`` = ``None`` or ``"toy"``): the positive phrases are :data:`rlhf_ext.testing.toy.KEY_PHRASES`
-  ("backed by peer-reviewed evidence", ...), the negative phrases :data:`~rlhf_ext.testing.toy.WEAK_PHRASES`
+* **Toy task** (``style`` = ``None`` or ``"toy"``): the positive phrases are :data:`rlhf_ext.zoo.toy.KEY_PHRASES`
+  ("backed by peer-reviewed evidence", ...), the negative phrases :data:`~rlhf_ext.zoo.toy.WEAK_PHRASES`
   ("mostly rumours passed around online", ...).
 
 The gold reward of response ``y`` under style ``s`` is::
@@ -22,7 +22,7 @@ Figure 3 bottom: a reward model that pays for repetition is being hacked, so the
 on purpose from :func:`rlhf_ext.datagen.phrasebank.gold_score` / :meth:`Rubric.score`, which count *occurrences*
 (they describe how the generator built a pair, where repetition is incidental); the rubric — which phrases are
 positive and negative — is the same. For the toy task, ``P >= 1`` is exactly
-:func:`rlhf_ext.testing.toy.has_key_phrase` up to letter case.
+:func:`rlhf_ext.zoo.toy.has_key_phrase` up to letter case.
 
 The annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with other weights.
 """
@@ -43,7 +43,7 @@ StyleSpec = str | None | Mapping[str, str]
 def toy_rubric():
     """The toy task's :class:`~rlhf_ext.datagen.phrasebank.Rubric`: key phrases positive, weak phrases negative."""
     from rlhf_ext.datagen.phrasebank import Rubric
-    from rlhf_ext.testing.toy import KEY_PHRASES, WEAK_PHRASES
+    from rlhf_ext.zoo.toy import KEY_PHRASES, WEAK_PHRASES
 
     return Rubric(
         style=TOY_STYLE,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from rlhf_ext.utils import atomic_directory, stable_hash
+from rlhf_ext.runtime.io import atomic_directory, stable_hash
 
 if TYPE_CHECKING:
     from rlhf_ext.sim.compare import SimRun
@@ -125,7 +125,7 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
     scores with the surrogate RM, keeps only the best reward quantile (the rollout pool is reset every round) and
     fine-tunes on it with a KL penalty to the SFT model; no entropy bonus. With one bin trained, Quark's reward
     token is a constant, so it is omitted."""
-    from rlhf_ext.online.rollout import score
+    from rlhf_ext.runtime.rewards import score
 
     cfg = run.recipe.quark
     unlabeled = run.splits()["unlabeled"]["prompt"]
@@ -198,7 +198,7 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
 
 
 def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
-    from rlhf_ext.segment.ppo_recipe import (
+    from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
         PPOModelSection,
@@ -207,7 +207,7 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
         SegmentPPORecipe,
         run_segment_ppo,
     )
-    from rlhf_ext.utils import atomic_write_json
+    from rlhf_ext.runtime.io import atomic_write_json
 
     cfg, out = getattr(run.recipe, f"{granularity}_ppo"), run.seed_dir(seed) / f"{granularity}_ppo"
     summary_file = out / "ppo_metrics.json"

@@ -57,7 +57,7 @@ class TaskSection:
 
     ``source``: a ``rlhf_ext.datagen`` config (packaged name or YAML path) generated with the offline backend, of which
     stage ``stage`` is used (one style, e.g. ``rapper`` for ``continual-piecewise-preference``), or ``toy`` (the
-    key-phrase task of :mod:`rlhf_ext.testing.toy`). ``num_samples`` replaces every task's sample count (datagen) or
+    key-phrase task of :mod:`rlhf_ext.zoo.toy`). ``num_samples`` replaces every task's sample count (datagen) or
     is the number of toy rows. The stage's train split is partitioned (like AlpacaFarm's splits, section 3.1) into
     SFT / preference (PREF) / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; its test split gives the
     held-out evaluation prompts (at most ``max_eval_prompts``) and the gold-ordered pairs on which reward-model

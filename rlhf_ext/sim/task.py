@@ -25,7 +25,7 @@ COLUMNS = ("prompt", "chosen", "rejected", "style")
 
 
 def _toy_rows(n: int, seed: int) -> list[dict[str, Any]]:
-    from rlhf_ext.testing.toy import toy_preference_rows
+    from rlhf_ext.zoo.toy import toy_preference_rows
 
     return [{**r, "style": "toy"} for r in toy_preference_rows(n, seed)]
 
@@ -97,8 +97,8 @@ def task_texts(splits) -> list[str]:
 
 def build_base_model(dest: str | Path, texts: list[str], vocab_size: int, seed: int) -> str:
     """A tiny Llama (2 layers, hidden 64) with a byte-level BPE tokenizer trained on ``texts``, saved at ``dest``."""
-    from rlhf_ext.testing.models import save_tiny_checkpoint, tiny_causal_lm
-    from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
+    from rlhf_ext.zoo.models import save_tiny_checkpoint, tiny_causal_lm
+    from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(texts, vocab_size)
     save_tiny_checkpoint(dest, model=tiny_causal_lm(tokenizer, seed=seed), tokenizer=tokenizer)

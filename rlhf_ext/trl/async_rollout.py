@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from rlhf_ext.online.async_runner import OneStepAsyncRunner, torch_threads
+from rlhf_ext.runtime.async_runner import OneStepAsyncRunner, torch_threads
 
 
 class _PublishAfterStep(TrainerCallback):

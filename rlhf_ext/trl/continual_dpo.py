@@ -14,7 +14,7 @@ previous-task model the loss *is* ``DPOTrainer``'s (the override returns straigh
 
 The KL is the plain regulariser of Eq. 7 (:func:`rlhf_ext.continual.kl_to_previous`); CPPO's sample-wise weights need
 rollout rewards and are not used by DPO. On offline pairs the k1/k2/k3 values are penalties on the dataset's tokens,
-not unbiased KL estimates (see :mod:`rlhf_ext.continual.kl`).
+not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
 
 Example::
 
@@ -31,26 +31,22 @@ Example::
     trainer.train()
     trainer.implicit_reward_accuracy(task0["test"])   # forgetting of task 0
 
-This module also holds :class:`DPOPolicyStage`, the TRL/DPO policy stage of the task-sequence runner
-(:mod:`rlhf_ext.continual.runner`), and :class:`RewardModelStage`, the optional per-task reward model.
+The task-sequence runner's stages that use this trainer live in :mod:`rlhf_ext.pipelines.continual_stages`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 from trl import DPOConfig, DPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
-from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, kl_to_previous
+from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, kl_to_previous
 
 #: Batch keys that are not model inputs (same set as TRL's ``DPOTrainer._compute_loss``).
 _NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
@@ -65,7 +61,7 @@ class ContinualDPOConfig(DPOConfig):
         continual_kl_coef: weight ``c`` of the KL term (>= 0). Eq. 7 adds the KL with unit weight (default 1.0);
             0 switches the term off (plain DPO; no extra forward pass). Section 4: set it low or to 0 for a
             transition where preferences shift sharply.
-        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` (default ``k3``); see :mod:`rlhf_ext.continual.kl`.
+        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` (default ``k3``); see :mod:`rlhf_ext.algos.continual_kl`.
     """
 
     continual_kl_coef: float = field(default=DEFAULT_KL_COEF, metadata={"help": "Weight of KL(pi || pi_prev_task)."})
@@ -215,128 +211,3 @@ class ContinualDPOTrainer(DPOTrainer):
             "margin": (self.beta * m).mean().item(),
             "num_pairs": int(m.numel()),
         }
-
-
-# ------------------------------------------------------------------------------------------- task-sequence stages
-def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
-    """TrainingArguments shared by the policy and reward-model stages of the runner (from the recipe's sections)."""
-    from rlhf_ext.trl.args import training_kwargs
-
-    return {**training_kwargs(train, output_dir, seed), "save_strategy": "no", "disable_tqdm": True}
-
-
-def _save_atomically(trainer, dest: Path) -> None:
-    """Save the trained model + tokenizer to ``dest`` (rename of a finished temp dir; main process only)."""
-    from rlhf_ext.utils import atomic_directory
-
-    if trainer.accelerator.is_main_process:
-        with atomic_directory(dest) as tmp:
-            trainer.save_model(str(tmp))
-    trainer.accelerator.wait_for_everyone()
-
-
-class DPOPolicyStage:
-    """The runner's DPO policy stage on TRL: trains one task with :class:`ContinualDPOTrainer`, saves the snapshot,
-    and scores it on every task's test split by implicit-reward accuracy (relative to the SFT reference)."""
-
-    name = "dpo"
-
-    def __init__(self, recipe):
-        self.recipe = recipe
-
-    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
-        """Train task ``task.index`` (a :class:`rlhf_ext.continual.runner.TaskContext`); return
-        ``{"scores": [accuracy on each test set], "metrics": {...}}``. The snapshot is written to
-        ``task.policy_dir`` before scoring."""
-        from transformers import AutoTokenizer
-
-        r = self.recipe
-        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
-        work = task.work_dir / "trainer"
-        args = ContinualDPOConfig(
-            **_training_kwargs(r.train, task.seed, str(work)),
-            beta=r.dpo.beta,
-            loss_type=[r.dpo.loss_type],
-            max_length=r.data.max_length,
-            continual_kl_coef=task.kl_coef,
-            continual_kl_estimator=r.continual.estimator,
-            **r.train.trl_args,
-        )
-        trainer = ContinualDPOTrainer(
-            model=task.init_policy,
-            ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
-            prev_model=task.previous_policy if task.kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
-            args=args,
-            train_dataset=task.train,
-            processing_class=tokenizer,
-        )
-        result = trainer.train()
-        _save_atomically(trainer, task.policy_dir)
-        evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
-        shutil.rmtree(work, ignore_errors=True)
-        history = [h for h in trainer.state.log_history if "loss" in h]
-        return {
-            "scores": [e["accuracy"] for e in evals],
-            "metrics": {
-                "train_loss": result.training_loss,
-                "steps": trainer.state.global_step,
-                "margins": [e["margin"] for e in evals],
-                "kl_to_previous": [h[KL_METRIC] for h in history if KL_METRIC in h],
-                "log_history": history,
-            },
-        }
-
-
-class RewardModelStage:
-    """The runner's optional per-task reward model (paper 000 trains one per task, Appendix C): TRL's reward trainer
-    through :class:`rlhf_ext.trl.SegmentRewardTrainer` with ``entropy_cutoff=inf`` (the plain Bradley-Terry model),
-    initialised from the SFT model. Returns its exact per-pair accuracy on every task's test split."""
-
-    def __init__(self, recipe):
-        self.recipe = recipe
-
-    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
-        from transformers import AutoTokenizer
-
-        from rlhf_ext.segment.data import prepare_segment_dataset
-        from rlhf_ext.trl.segment_reward import SegmentRewardConfig, SegmentRewardTrainer
-
-        rm = self.recipe.reward_model
-        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
-        work = task.work_dir / "rm_trainer"
-        args = SegmentRewardConfig(
-            **_training_kwargs(rm.train, task.seed, str(work)),
-            max_length=self.recipe.data.max_length,
-            entropy_cutoff=float("inf"),
-            **rm.train.trl_args,
-        )
-        prepare = dict(
-            tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=self.recipe.data.max_length
-        )
-        trainer = SegmentRewardTrainer(
-            model=task.reference_policy,
-            args=args,
-            train_dataset=prepare_segment_dataset(task.train, **prepare),
-            processing_class=tokenizer,
-        )
-        trainer.train()
-        _save_atomically(trainer, task.reward_model_dir)
-        scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
-        shutil.rmtree(work, ignore_errors=True)
-        return {"scores": scores}
-
-
-@torch.no_grad()
-def _reward_model_accuracy(trainer, dataset) -> float:
-    """Exact per-pair accuracy (``r(chosen) > r(rejected)``) of a reward trainer's model on a prepared dataset."""
-    was_training = trainer.model.training
-    trainer.model.eval()
-    correct = []
-    try:
-        for batch in trainer.get_eval_dataloader(dataset):
-            _, outputs = trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch), return_outputs=True)
-            chosen, rejected = outputs.logits.squeeze(-1).chunk(2)
-            correct.append(trainer.accelerator.gather_for_metrics((chosen > rejected).float()))
-    finally:
-        trainer.model.train(was_training)
-    return torch.cat(correct).mean().item()

@@ -63,28 +63,13 @@ import torch
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer
 
-from rlhf_ext.online import (
-    SELECTION_RULES,
-    Batch,
-    OneStepAsyncRunner,
-    PairStore,
-    RunnerStats,
-    check_num_samples,
-    torch_threads,
-)
-from rlhf_ext.online.rollout import (
-    OnlinePairGenerator,
-    RewardFn,
-    SelectionSettings,
-    SequenceClassifierReward,
-    is_conversation,
-    load_reward,
-    make_sampler,
-    score,
-    score_and_select,
-    split_temperatures,
-)
-from rlhf_ext.utils import atomic_directory, atomic_write_json, stable_hash
+from rlhf_ext.algos.pair_selection import SELECTION_RULES, check_num_samples
+from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, stable_hash
+from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, SelectionSettings, score_and_select
+from rlhf_ext.runtime.pair_store import PairStore
+from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score
+from rlhf_ext.runtime.sampling import is_conversation, make_sampler, split_temperatures
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +298,7 @@ class IterativeDPOTrainer:
             ``eval_num_prompts`` training prompts).
         reward_fn: ``(prompts, responses) -> tensor[N]`` — any scorer (e.g. the simulator's annotators).
         reward_model: instead of ``reward_fn``: a reward-model checkpoint (sequence classification or rlhf-ext
-            segment RM, see :func:`~rlhf_ext.online.rollout.load_reward`) or an instantiated
+            segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`) or an instantiated
             sequence-classification model.
         processing_class: the tokenizer (default: loaded from ``model``).
         ref_model: path of the SFT reference (default: ``model``).
@@ -433,7 +418,7 @@ class IterativeDPOTrainer:
         return [self.prompts[i] for i in ids], ids
 
     def sampler_spec(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~rlhf_ext.online.rollout.make_sampler` for this run."""
+        """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
         a = self.args
         return dict(
             backend=a.generation_backend,
@@ -740,104 +725,3 @@ class IterativeDPOTrainer:
             trainer.train(resume_from_checkpoint=last)
         self._save_policy(trainer, dest)
         return runner.stats
-
-
-# ------------------------------------------------------------------------------------------------------- recipes
-def recipe_to_config(recipe) -> IterativeDPOConfig:
-    """Map an :class:`~rlhf_ext.online.recipe.OnlineDPORecipe` onto :class:`IterativeDPOConfig` (``trl_args`` last)."""
-    from rlhf_ext.trl.args import make_config, training_kwargs
-
-    t, o = recipe.train, recipe.online
-    kwargs = training_kwargs(t)
-    kwargs.update(
-        beta=t.beta,
-        loss_type=t.loss_type,
-        max_length=t.max_length,
-        resume=t.resume,
-        reference=recipe.policy.reference,
-        online_mode=o.mode,
-        async_generation=o.async_generation,
-        generator_process=o.generator_process,
-        num_iterations=o.iterations,
-        prompts_per_iteration=o.prompts_per_iteration,
-        num_samples=o.num_samples,
-        temperatures=list(o.temperatures),
-        max_new_tokens=o.max_new_tokens,
-        max_prompt_length=o.max_prompt_length,
-        top_p=o.top_p,
-        top_k=o.top_k,
-        selection_rule=o.selection,
-        length_penalty=o.length_penalty,
-        length_unit=o.length_unit,
-        tie_tolerance=o.tie_tolerance,
-        pair_data=o.pair_data,
-        generation_backend=o.generation_backend,
-        generation_batch_size=o.generation_batch_size,
-        reward_batch_size=recipe.reward.batch_size,
-        eval_num_prompts=recipe.data.max_eval_prompts,
-        eval_samples_per_prompt=o.eval_samples_per_prompt,
-        eval_temperature=o.eval_temperature,
-        max_fill_rounds=o.max_fill_rounds,
-        generation_threads=o.generation_threads,
-        training_threads=o.training_threads,
-        vllm_gpu_memory_utilization=o.vllm_gpu_memory_utilization,
-    )
-    return make_config(IterativeDPOConfig, kwargs, t.trl_args)
-
-
-def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:
-    """(train prompts, eval prompts or None) for a recipe's ``data`` section, columns checked up front."""
-    from rlhf_ext.resources import resolve_dataset
-
-    def pick(source: str, split: str, limit: int | None, what: str):
-        dd = resolve_dataset(source)
-        if split not in dd:
-            raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
-        ds = dd[split]
-        if data.prompt_key not in ds.column_names:
-            raise ValueError(
-                f"data.{what} ({source}) has no prompt column {data.prompt_key!r}; "
-                f"columns: {', '.join(ds.column_names)}"
-            )
-        prompts = ds[data.prompt_key]
-        prompts = prompts[:limit] if limit is not None else prompts
-        if data.as_chat:
-            prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        return prompts
-
-    train = pick(data.train, data.train_split, data.max_train_prompts, "train")
-    try:
-        evals = pick(data.eval or data.train, data.eval_split, data.max_eval_prompts, "eval")
-    except ValueError:
-        if data.eval is not None:
-            raise
-        evals = None  # the training source has no eval split and none was configured
-    return train, evals
-
-
-def train_online_dpo(recipe) -> dict[str, Any]:
-    """Run an :class:`~rlhf_ext.online.recipe.OnlineDPORecipe`; returns the trainer's summary."""
-    from transformers import AutoTokenizer
-
-    from rlhf_ext.resources import resolve_model
-
-    args = recipe_to_config(recipe)
-    sft = resolve_model(recipe.policy.sft_model)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.policy.tokenizer or sft))
-    train_prompts, eval_prompts = load_prompt_splits(recipe.data)
-    r = recipe.reward
-    reward = dict(reward_fn=load_reward(r.function)) if r.function else dict(reward_model=None)
-    if r.model is not None:
-        reward = dict(
-            reward_fn=load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
-        )
-    trainer = IterativeDPOTrainer(
-        model=sft,
-        args=args,
-        prompts=train_prompts,
-        eval_prompts=eval_prompts,
-        processing_class=tokenizer,
-        gold_fn=load_reward(r.gold) if r.gold else None,
-        **reward,
-    )
-    return trainer.train()

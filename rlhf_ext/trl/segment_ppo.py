@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rlhf_ext.rl import ESTIMATORS, clipped_value_loss, per_token_kl, ppo_advantages
-from rlhf_ext.segment.core import check_cutoff
-from rlhf_ext.segment.dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
-from rlhf_ext.segment.normalizer import NORMALIZER_KINDS, LocationNormalizer
-from rlhf_ext.segment.scoring import TokenScoreCapture
+from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer
+from rlhf_ext.algos.ppo import ESTIMATORS, clipped_value_loss, per_token_kl, ppo_advantages
+from rlhf_ext.algos.segment_dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.algos.segment_reward import check_cutoff
+from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
+from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
@@ -51,7 +52,7 @@ class SegmentPPOConfig(GRPOConfig):
         kl_coef: beta of Eq. 5 (0.01); kl_estimator: k1 (OpenRLHF's reward penalty), k2, k3.
         advantage_estimator: ``gae`` (critic), ``reinforce`` (critic-free reward-to-go) or ``reinforce_baseline``
             (minus the prompt group's mean sequence reward) — OpenRLHF's estimators, computed as it does
-            (:func:`rlhf_ext.rl.ppo_advantages`).
+            (:func:`rlhf_ext.algos.ppo.ppo_advantages`).
         reward_clip_range: per-token reward clip, OpenRLHF's ``--reward.clip_range`` (default ±10 in both).
         gamma, lam: GAE discount and lambda (OpenRLHF defaults 1.0, 0.95).
         value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
@@ -181,8 +182,8 @@ class SegmentPPOTrainer(GRPOTrainer):
             async_rollout.attach(self)
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        from rlhf_ext.segment.calibration import fit_normalizer, model_id
-        from rlhf_ext.segment.data import load_segment_settings
+        from rlhf_ext.runtime.calibration import fit_normalizer, model_id
+        from rlhf_ext.runtime.segment_data import load_segment_settings
 
         if reward_model is None:
             if args.reward_model_path is None:
@@ -227,7 +228,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         self._reward_capture = TokenScoreCapture(self.reward_model)
 
         if normalizer is None and args.normalizer_path is not None:
-            normalizer = LocationNormalizer.load(args.normalizer_path, reward_model=model_id(rm_source))
+            normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source))
         if normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none":
             normalizer = fit_normalizer(
                 self.accelerator.unwrap_model(self.reward_model),
@@ -405,7 +406,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         finally:
             self._in_policy_loss = False
         if self.prev_model is not None and "prev_per_token_logps" in inputs:
-            from rlhf_ext.continual import kl_to_previous
+            from rlhf_ext.algos.continual_kl import kl_to_previous
 
             mask = inputs["completion_mask"].bool()
             kl = kl_to_previous(
@@ -447,116 +448,6 @@ class SegmentPPOTrainer(GRPOTrainer):
         if self.args.should_save:
             import os
 
-            self.normalizer.save(os.path.join(output_dir, "normalizer.json"))
+            save_normalizer(self.normalizer, os.path.join(output_dir, "normalizer.json"))
             if self.critic is not None:
                 self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, "critic"))
-
-
-def recipe_to_config(recipe) -> SegmentPPOConfig:
-    """Map a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` onto TRL's config (``train.trl_args`` last)."""
-    from rlhf_ext.config import RecipeError
-    from rlhf_ext.trl.args import make_config, training_kwargs
-
-    t, ppo, seg = recipe.train, recipe.ppo, recipe.segment
-    if ppo.num_generations < 2:
-        raise RecipeError("the TRL engine samples at least 2 responses per prompt: set ppo.num_generations >= 2")
-    kwargs = training_kwargs(t)
-    kwargs.update(
-        disable_tqdm=False,
-        num_generations=ppo.num_generations,
-        max_completion_length=recipe.data.max_completion_length,
-        temperature=ppo.temperature,
-        top_p=ppo.top_p,
-        epsilon=ppo.clip_eps,
-        reward_model_path=recipe.model.reward_model,
-        critic_model_path=recipe.model.critic_model,
-        normalizer_path=recipe.model.normalizer,
-        granularity=seg.granularity,
-        interpolation=seg.interpolation,
-        entropy_cutoff=seg.entropy_cutoff,
-        aggregation=seg.aggregation,
-        tau=seg.tau,
-        normalizer_kind=seg.normalizer_kind,
-        normalizer_basis=seg.normalizer_basis,
-        calibration_max_pairs=recipe.data.max_calibration_pairs,
-        kl_coef=ppo.kl_coef,
-        kl_estimator=ppo.kl_estimator,
-        advantage_estimator=ppo.advantage_estimator,
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-        value_clip=ppo.value_clip,
-        critic_learning_rate=t.critic_learning_rate,
-        whiten_advantages=ppo.whiten_advantages,
-        async_generation=ppo.async_generation,
-    )
-    return make_config(SegmentPPOConfig, kwargs, t.trl_args)
-
-
-def load_prompts(data, tokenizer):
-    """The recipe's prompt split as a ``prompt`` column, prompts longer than ``max_prompt_length`` cut on the left."""
-    from rlhf_ext.resources import resolve_dataset
-
-    dd = resolve_dataset(data.prompts)
-    if data.prompt_split not in dd:
-        raise ValueError(f"data.prompts: {data.prompts!r} has no split {data.prompt_split!r} (splits: {', '.join(dd)})")
-    ds = dd[data.prompt_split]
-    if data.prompt_key not in ds.column_names:
-        raise ValueError(
-            f"data.prompts ({data.prompts}) has no column {data.prompt_key!r}; columns: {', '.join(ds.column_names)}. "
-            "Set data.prompt_key"
-        )
-    if data.max_prompts is not None:
-        ds = ds.select(range(min(data.max_prompts, len(ds))))
-    ds = (
-        ds.select_columns([data.prompt_key]).rename_column(data.prompt_key, "prompt")
-        if data.prompt_key != "prompt"
-        else ds.select_columns(["prompt"])
-    )
-
-    def cut(row):
-        if isinstance(row["prompt"], str):
-            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            if len(ids) > data.max_prompt_length:
-                return {"prompt": tokenizer.decode(ids[-data.max_prompt_length :])}
-        return row
-
-    return ds.map(cut, desc="Truncating prompts")
-
-
-def train_segment_ppo(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.segment.ppo_recipe.SegmentPPORecipe` with TRL; returns paths and the reward/KL curve."""
-    import os
-
-    from transformers import AutoTokenizer
-
-    from rlhf_ext.resources import resolve_dataset, resolve_model
-    from rlhf_ext.trl.args import last_checkpoint
-    from rlhf_ext.utils import atomic_write_json
-
-    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
-    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
-    args = recipe_to_config(recipe)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
-    prompts = load_prompts(recipe.data, tokenizer)
-    calibration = None
-    if recipe.model.normalizer is None and recipe.data.calibration is not None:
-        calibration = resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split]
-    trainer = SegmentPPOTrainer(
-        model=recipe.model.sft_model,
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-        calibration_dataset=calibration,
-    )
-    last = last_checkpoint(args.output_dir, recipe.train.resume)
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(args.output_dir)
-    curve = [
-        {k: h[k] for k in ("step", "reward", "segment/kl", "segment/score", "segment/raw_last_score") if k in h}
-        for h in trainer.state.log_history
-        if "reward" in h
-    ]
-    summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
-    if trainer.accelerator.is_main_process:
-        atomic_write_json(os.path.join(args.output_dir, "ppo_metrics.json"), summary)
-    return summary

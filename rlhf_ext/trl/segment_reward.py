@@ -4,7 +4,7 @@
 
 1. **Data.** Before TRL sees the dataset it is tokenised (prompt and responses separately, so the response mask is
    exact) and the frozen SFT model's entropy of every response token is added as a column — the paper's one-time
-   segmentation preprocessing, cached on disk (:func:`rlhf_ext.segment.data.prepare_segment_dataset`).
+   segmentation preprocessing, cached on disk (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`).
 2. **Loss.** ``compute_loss`` reads the score head's output at *every* position (captured from the same forward pass
    the stock trainer runs, no extra compute), splits each response into segments at tokens whose SFT entropy
    exceeds ``entropy_cutoff``, takes each segment's reward at its last token, aggregates them with the soft-max of
@@ -26,14 +26,13 @@ Example::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from trl import RewardConfig, RewardTrainer
 
-from rlhf_ext.segment.core import (
+from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
     check_aggregation,
@@ -42,14 +41,14 @@ from rlhf_ext.segment.core import (
     evaluate_sequences,
     segment_bt_loss,
 )
-from rlhf_ext.segment.data import (
+from rlhf_ext.runtime.segment_data import (
     ENTROPY_COLUMNS,
     TOKENIZED_COLUMNS,
     collate_segment_pairs,
     prepare_segment_dataset,
     save_segment_settings,
 )
-from rlhf_ext.segment.scoring import TokenScoreCapture
+from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
@@ -210,70 +209,3 @@ class SegmentRewardTrainer(RewardTrainer):
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             save_segment_settings(output_dir, self.args.segment_settings())
-
-
-def recipe_to_config(recipe) -> SegmentRewardConfig:
-    """Map a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` onto TRL's config (``train.trl_args`` last)."""
-    from rlhf_ext.trl.args import make_config, training_kwargs
-
-    kwargs = training_kwargs(recipe.train)
-    kwargs.update(
-        eval_strategy="epoch",
-        max_length=recipe.data.max_length,
-        entropy_cutoff=recipe.segment.entropy_cutoff,
-        aggregation=recipe.segment.aggregation,
-        tau=recipe.segment.tau,
-        entropy_batch_size=recipe.segment.entropy_batch_size,
-        segment_cache_dir=recipe.train.segment_cache_dir,
-    )
-    return make_config(SegmentRewardConfig, kwargs, recipe.train.trl_args)
-
-
-def train_segment_rm(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.segment.recipe.SegmentRMRecipe` with TRL; returns paths and final eval metrics."""
-    from transformers import AutoTokenizer
-
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.segment.recipe import load_preference_splits, write_segment_report
-    from rlhf_ext.trl.args import last_checkpoint
-    from rlhf_ext.utils import atomic_write_json
-
-    args = recipe_to_config(recipe)
-    sft_path = resolve_model(recipe.model.sft_model)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or sft_path))
-    train_ds, eval_ds = load_preference_splits(recipe.data)
-    if recipe.data.prompt_key and recipe.data.prompt_key not in train_ds.column_names:
-        recipe.data.prompt_key = None
-    from rlhf_ext.segment.data import prepare_segment_dataset
-
-    prepare = dict(
-        tokenizer=tokenizer,
-        sft_model_name_or_path=sft_path,
-        max_length=recipe.data.max_length,
-        max_prompt_length=recipe.data.max_prompt_length,
-        prompt_key=recipe.data.prompt_key,
-        chosen_key=recipe.data.chosen_key,
-        rejected_key=recipe.data.rejected_key,
-        entropy_batch_size=recipe.segment.entropy_batch_size,
-        cache_dir=recipe.train.segment_cache_dir,
-    )
-    train_prepared = prepare_segment_dataset(train_ds, **prepare)
-    eval_prepared = prepare_segment_dataset(eval_ds, **prepare) if eval_ds is not None else None
-    args.sft_model_name_or_path = sft_path
-    trainer = SegmentRewardTrainer(
-        model=sft_path,
-        args=args,
-        train_dataset=train_prepared,
-        eval_dataset=eval_prepared,
-        processing_class=tokenizer,
-    )
-    last = last_checkpoint(args.output_dir, recipe.train.resume)
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(args.output_dir)
-    metrics = trainer.evaluate() if eval_prepared is not None else {}
-    summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
-    if trainer.accelerator.is_main_process:
-        if eval_ds is not None:
-            summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
-        atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
-    return summary

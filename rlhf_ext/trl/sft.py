@@ -47,9 +47,9 @@ def fine_tune(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
 
+    from rlhf_ext.runtime.io import atomic_directory
     from rlhf_ext.trl.args import CPU_RUN
     from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
-    from rlhf_ext.utils import atomic_directory
 
     out = Path(out)
     if not rows:

@@ -97,9 +97,9 @@ def test_smollm2_entropy_segments_real_english(cache_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.segment_data import sft_token_entropy
     from rlhf_ext.segment import segment_boundaries, segment_ids
-    from rlhf_ext.segment.data import sft_token_entropy
 
     path = resolve_model("builtin:smollm2", cache_dir)
     tok = AutoTokenizer.from_pretrained(path)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from rlhf_ext.cli import main
 from rlhf_ext.datagen import OpenAIBackend, generate_dataset, load_continual_dataset
 from rlhf_ext.datagen.cache import CACHE_DIR, SAMPLES_FILE
-from rlhf_ext.testing.chat_server import FakeChatServer
+from tests.helpers.chat_server import FakeChatServer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -44,8 +44,8 @@ def test_reward_model_learns_the_preference_and_sees_the_drift(generated, tmp_pa
     rejected responses carry rapper phrases: preference drift reverses part of the reward."""
     from trl import RewardConfig, RewardTrainer
 
-    from rlhf_ext.testing.models import tiny_reward_model
-    from rlhf_ext.testing.tokenizer import train_bpe_tokenizer
+    from rlhf_ext.zoo.models import tiny_reward_model
+    from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
 
     rapper = stage(generated["plain"], 0)
     tok = train_bpe_tokenizer([r[k] for r in rapper["train"] for k in ("prompt", "chosen", "rejected")], 1024)

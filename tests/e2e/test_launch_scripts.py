@@ -39,7 +39,7 @@ def test_train_segment_rm_script_reports_bad_recipe(tmp_path):
 @pytest.mark.slow
 def test_train_segment_ppo_under_torchrun_two_processes(tmp_path, tiny_sft_path, cache_dir):
     """Segment PPO with a critic under DDP (2 CPU processes, gloo): both ranks step, rank 0 writes the results."""
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     resolve_model("builtin:tiny-segment-rm", cache_dir)  # build once, outside the two ranks
     out = tmp_path / "ppo"

@@ -10,7 +10,7 @@ import torch
 
 from rlhf_ext.continual import batch_stats, cppo_sample_weights, kl_to_previous, mean_log_prob, per_token_kl
 
-oc = pytest.importorskip("rlhf_ext.openrlhf.continual")
+oc = pytest.importorskip("rlhf_ext.openrlhf.continual_actor")
 from openrlhf.models import Actor, PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 

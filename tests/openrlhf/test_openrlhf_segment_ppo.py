@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_ext.rl import per_token_kl, ppo_advantages
+from rlhf_ext.algos.ppo import per_token_kl, ppo_advantages
+from rlhf_ext.runtime.calibration import save_normalizer
 from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards, token_entropy
 
 
@@ -142,7 +143,7 @@ def test_scalar_rewards_with_segment_granularity_are_refused(seg_ppo):
 
 def test_normalizer_for_another_reward_model_is_refused(seg_ppo, tmp_path):
     path = tmp_path / "n.json"
-    LocationNormalizer(kind="global", reward_model="/models/rm-a").save(path)
+    save_normalizer(LocationNormalizer(kind="global", reward_model="/models/rm-a"), path)
     args = _args(normalizer=str(path))
     args.ext.reward_model_id = "/models/rm-b"
     with pytest.raises(ValueError, match="fitted for reward model"):
@@ -154,7 +155,7 @@ def test_reward_actor_returns_scores_at_every_position(seg_ppo, tiny_sft_path, t
     from openrlhf.models.model import _get_reward_model
     from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaModel, LlamaPreTrainedModel
 
-    from rlhf_ext.segment.scoring import TokenScoreCapture, token_scores
+    from rlhf_ext.runtime.token_scores import TokenScoreCapture, token_scores
 
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_sft_path, num_labels=1).eval()
     config = AutoConfig.from_pretrained(tiny_sft_path)
@@ -225,9 +226,9 @@ def test_install_patches_openrlhf_modules(seg_ppo):
 
 
 def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
+    from rlhf_ext.recipes import recipe_path
 
     recipe = load_recipe(SegmentPPORecipe, recipe_path("segment_ppo_openrlhf"))
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
@@ -246,7 +247,7 @@ def test_recipe_flags_on_a_cpu_machine(seg_ppo):
     """``train.max_steps`` and ``train.bf16`` reach OpenRLHF; no GPU-only defaults (colocation, vLLM engine count,
     flash-attention) on a CPU; fp32 is refused with the fix (OpenRLHF trains in bf16/fp16 only)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
 
     recipe = load_recipe(SegmentPPORecipe, None, ["engine=openrlhf", "train.max_steps=3", "train.batch_size=8",
                                                   "train.micro_batch_size=8", "train.bf16=true"])  # fmt: skip
@@ -268,7 +269,7 @@ def test_recipe_flags_on_a_cpu_machine(seg_ppo):
 def test_openrlhf_segment_ppo_runs_on_gpu(tmp_path):
     """One PPO episode through OpenRLHF's Ray pipeline with vLLM (GPU machines only)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.segment.ppo_recipe import SegmentPPORecipe, run_segment_ppo
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
     recipe = load_recipe(
         SegmentPPORecipe,

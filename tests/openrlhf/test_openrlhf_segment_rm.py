@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rlhf_ext.segment.data import prepare_segment_dataset
+from rlhf_ext.runtime.segment_data import prepare_segment_dataset
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_trl_and_openrlhf_paths_give_the_same_loss(seg_rm, tmp_path, tiny_sft_pa
     from openrlhf.models.model import _get_reward_model
     from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaModel, LlamaPreTrainedModel
 
-    from rlhf_ext.segment.scoring import TokenScoreCapture
+    from rlhf_ext.runtime.token_scores import TokenScoreCapture
     from rlhf_ext.trl import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
     torch.manual_seed(0)
@@ -145,8 +145,8 @@ def test_openrlhf_train_rm_runs_end_to_end_on_cpu(tmp_path, tiny_sft_path, prepa
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "acc=" in proc.stderr + proc.stdout
-    from rlhf_ext.segment.data import load_segment_settings
-    from rlhf_ext.segment.scoring import preference_accuracy
+    from rlhf_ext.runtime.segment_data import load_segment_settings
+    from rlhf_ext.runtime.token_scores import preference_accuracy
 
     settings = load_segment_settings(out)
     assert settings["entropy_cutoff"] == 2.0 and settings["sft_model_name_or_path"] == tiny_sft_path

@@ -26,7 +26,7 @@ def _run(out_dir, models, prompts, *flags, stock=False) -> list[dict]:
     2 episodes over the same 8 prompts = 2 PPO steps that each see every prompt: OpenRLHF's controller shuffles
     prompts with an unseeded generator and collects samples in completion order, so only a step holding the whole
     prompt set is the same batch from run to run."""
-    from rlhf_ext.testing.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
+    from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
 
     argv = tiny_ppo_argv(*models, prompts, out_dir) + list(flags)
     steps, _ = run_train_ppo_ray(argv, out_dir.parent / f"{out_dir.name}.log", methods=not stock, timeout=400)
@@ -36,8 +36,8 @@ def _run(out_dir, models, prompts, *flags, stock=False) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ray_env(tmp_path_factory, tiny_sft_path, cache_dir):
-    from rlhf_ext.resources import resolve_model
-    from rlhf_ext.testing.toy import toy_preference_dataset
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     root = tmp_path_factory.mktemp("ray_ppo")
     prompts = root / "prompts.jsonl"
@@ -62,7 +62,7 @@ def segment_task0(ray_env):
     """The recipe path a user starts from: ``python launch/train_segment_ppo.py --engine openrlhf --config
     segment_ppo_tiny`` (normalizer fitted by the launcher, GAE critic from the segment RM, 2 samples per prompt),
     here with two policy ranks under ZeRO-2 and as the first task of a continual sequence."""
-    from rlhf_ext.testing.openrlhf_runs import run_logged
+    from tests.helpers.openrlhf_runs import run_logged
 
     root, (sft, rm), _ = ray_env
     out = root / "task0"

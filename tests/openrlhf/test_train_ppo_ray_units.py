@@ -206,7 +206,7 @@ def test_empty_eval_set_is_skipped_not_crashed():
 def test_builtin_model_is_built_outside_a_distributed_launch(tmp_path, monkeypatch):
     """Under torchrun/deepspeed (WORLD_SIZE > 1) a builtin model is built in a plain subprocess: building one in the
     rank itself deadlocked (the build joined the launch's process group while the other rank waited on the lock)."""
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 
-from rlhf_ext.cli import recipe_path
 from rlhf_ext.config import load_recipe
-from rlhf_ext.continual.recipe import ContinualRecipe
-from rlhf_ext.continual.runner import run_continual
+from rlhf_ext.pipelines.continual import run_continual
+from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+from rlhf_ext.recipes import recipe_path
 
 SMALL = [
     "data.num_tasks=2", "data.max_train_samples=32", "data.max_test_samples=8", "ppo.steps_per_task=2",

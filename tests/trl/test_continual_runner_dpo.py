@@ -34,8 +34,8 @@ def test_cli_run_and_resumed_run_equal_the_uninterrupted_one(tiny_sft_path, tmp_
 
     from rlhf_ext.cli import main, recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.continual.recipe import ContinualRecipe
-    from rlhf_ext.continual.runner import ContinualRunner
+    from rlhf_ext.pipelines.continual import ContinualRunner
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
     from rlhf_ext.trl.continual_dpo import DPOPolicyStage
 
     model = f"model.sft_model={tiny_sft_path}"
@@ -80,10 +80,10 @@ def test_cli_run_and_resumed_run_equal_the_uninterrupted_one(tiny_sft_path, tmp_
 def test_per_task_reward_model_stage(tiny_sft_path, tmp_path):
     """reward_model.enabled trains a Bradley-Terry reward model per task, saved next to the policy snapshot, and
     scores it on every task's test split."""
-    from rlhf_ext.cli import recipe_path
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.continual.recipe import ContinualRecipe
-    from rlhf_ext.continual.runner import run_continual
+    from rlhf_ext.pipelines.continual import run_continual
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+    from rlhf_ext.recipes import recipe_path
 
     overrides = [o for o in OVERRIDES if not o.startswith("data.num_tasks")]
     rm_train = ["batch_size=4", "micro_batch_size=4", "max_steps=2", "learning_rate=1e-3"]

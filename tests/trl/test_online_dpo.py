@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from rlhf_ext.online.rollout import keyphrase_gold_reward
 from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
 from rlhf_ext.trl.args import CPU_RUN
+from rlhf_ext.zoo.toy import keyphrase_gold_reward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    from rlhf_ext.testing.toy import toy_preference_dataset
+    from rlhf_ext.zoo.toy import toy_preference_dataset
 
     ds = toy_preference_dataset(n_train=128, n_test=32, seed=0)
     return ds["train"], ds["test"]

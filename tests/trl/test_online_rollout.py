@@ -8,19 +8,17 @@ import types
 import pytest
 import torch
 
-from rlhf_ext.online.rollout import (
+from rlhf_ext.runtime.rewards import SegmentSequenceReward, SequenceClassifierReward, score
+from rlhf_ext.runtime.sampling import (
     HFSampler,
-    SegmentSequenceReward,
-    SequenceClassifierReward,
     VLLMSampler,
     _response_lengths,
     encode_prompts,
-    keyphrase_gold_reward,
-    load_reward,
     make_sampler,
-    score,
     split_temperatures,
 )
+from rlhf_ext.zoo.builtins import resolve_reward
+from rlhf_ext.zoo.toy import keyphrase_gold_reward
 
 PROMPTS = [
     "Question: What should I know about glaciers?\nAnswer:",
@@ -197,7 +195,7 @@ def reward_dirs(tmp_path_factory, tiny_sft_path):
     """A sequence-classification RM (SFT body, random head) saved twice: plain, and as a segment RM."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhf_ext.segment.data import save_segment_settings
+    from rlhf_ext.runtime.segment_data import save_segment_settings
 
     root = tmp_path_factory.mktemp("rms")
     torch.manual_seed(0)
@@ -232,7 +230,7 @@ def test_sequence_classifier_reward_scores_rewardtrainer_text_and_ignores_paddin
 
 
 def test_segment_reward_is_the_segment_scorers_evaluation(reward_dirs):
-    from rlhf_ext.segment.scoring import SegmentScorer
+    from rlhf_ext.runtime.token_scores import SegmentScorer
 
     batched = SegmentSequenceReward(reward_dirs / "segment", batch_size=8)(PROMPTS, RESPONSES)
     scorer = SegmentScorer(str(reward_dirs / "segment"))
@@ -241,16 +239,16 @@ def test_segment_reward_is_the_segment_scorers_evaluation(reward_dirs):
 
 
 def test_load_reward_resolves_every_kind(reward_dirs):
-    assert load_reward("builtin:keyphrase-gold") is keyphrase_gold_reward
-    assert load_reward("rlhf_ext.online.rollout:keyphrase_gold_reward") is keyphrase_gold_reward
-    assert isinstance(load_reward(str(reward_dirs / "segment")), SegmentSequenceReward)
-    assert isinstance(load_reward(str(reward_dirs / "plain")), SequenceClassifierReward)
+    assert resolve_reward("builtin:keyphrase-gold") is keyphrase_gold_reward
+    assert resolve_reward("rlhf_ext.zoo.toy:keyphrase_gold_reward") is keyphrase_gold_reward
+    assert isinstance(resolve_reward(str(reward_dirs / "segment")), SegmentSequenceReward)
+    assert isinstance(resolve_reward(str(reward_dirs / "plain")), SequenceClassifierReward)
     assert isinstance(
-        load_reward(str(reward_dirs / "segment"), kind="sequence_classification"), SequenceClassifierReward
+        resolve_reward(str(reward_dirs / "segment"), kind="sequence_classification"), SequenceClassifierReward
     )
     with pytest.raises(ValueError, match="unknown builtin reward"):
-        load_reward("builtin:nope")
+        resolve_reward("builtin:nope")
     with pytest.raises(ValueError, match="could not be imported"):
-        load_reward("no_such_module_xyz:fn")
+        resolve_reward("no_such_module_xyz:fn")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_reward("/no/such/dir")
+        resolve_reward("/no/such/dir")

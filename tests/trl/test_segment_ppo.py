@@ -11,7 +11,7 @@ from datasets import Dataset
 
 @pytest.fixture(scope="module")
 def segment_rm(cache_dir) -> str:
-    from rlhf_ext.resources import resolve_model
+    from rlhf_ext.pipelines.builtins import resolve_model
 
     return resolve_model("builtin:tiny-segment-rm", cache_dir)
 
@@ -106,9 +106,9 @@ def test_gae_training_step_updates_critic_and_saves(tmp_path, tiny_sft_path, toy
     logs = [h for h in trainer.state.log_history if "critic/value_loss" in h]
     assert logs and all(math.isfinite(h["critic/value_loss"]) for h in logs)
     trainer.save_model()
-    from rlhf_ext.segment import LocationNormalizer
+    from rlhf_ext.runtime.calibration import load_normalizer
 
-    assert LocationNormalizer.load(tmp_path / "ppo" / "normalizer.json") == trainer.normalizer
+    assert load_normalizer(tmp_path / "ppo" / "normalizer.json") == trainer.normalizer
     assert (tmp_path / "ppo" / "critic" / "config.json").exists()
 
 

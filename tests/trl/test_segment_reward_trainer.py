@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from rlhf_ext.segment.data import prepare_segment_dataset
+from rlhf_ext.runtime.segment_data import prepare_segment_dataset
 from rlhf_ext.trl.args import CPU_RUN
 
 
@@ -94,7 +94,7 @@ def test_tiny_model_learns_key_phrase_task(tmp_path, tiny_sft_path, toy_tok, toy
 
 
 def test_settings_saved_with_checkpoint(tmp_path, tiny_sft_path, toy_tok, prepared):
-    from rlhf_ext.segment.data import load_segment_settings
+    from rlhf_ext.runtime.segment_data import load_segment_settings
     from rlhf_ext.trl import SegmentRewardTrainer
 
     args = _args(tmp_path, entropy_cutoff=1.5, tau=0.3, aggregation="sum", max_steps=1)
@@ -152,8 +152,8 @@ def test_dataset_without_chosen_column_is_named(tmp_path, tiny_sft_path, toy_tok
 
 
 def test_instantiated_model_needs_an_sft_model(tmp_path, toy_tok, toy_data):
-    from rlhf_ext.testing.models import tiny_reward_model
     from rlhf_ext.trl import SegmentRewardTrainer
+    from rlhf_ext.zoo.models import tiny_reward_model
 
     model = tiny_reward_model(toy_tok)
     with pytest.raises(ValueError, match="needs the SFT model"):

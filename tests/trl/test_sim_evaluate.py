@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_ext.online.rollout import Samples
+from rlhf_ext.runtime.sampling import Samples
 from rlhf_ext.sim import AnnotatorPool, BestOfNPolicy, GoldScorer, HFPolicy, best_of_n, win_rate
 
 
@@ -80,7 +80,7 @@ class FixedPolicy:
 
 
 def test_gold_judge_counts_ties_as_half():
-    from rlhf_ext.testing.toy import KEY_PHRASES, WEAK_PHRASES
+    from rlhf_ext.zoo.toy import KEY_PHRASES, WEAK_PHRASES
 
     good, bad, meh = f"It is {KEY_PHRASES[0]}.", f"It is {WEAK_PHRASES[0]}.", "It is so."
     mine = FixedPolicy([good, good, meh, bad])

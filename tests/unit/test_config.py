@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from rlhf_ext.cli import recipe_names, recipe_path
 from rlhf_ext.config import RecipeError, apply_overrides, from_dict, load_recipe, parse_override
-from rlhf_ext.segment.recipe import SegmentRMRecipe
+from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+from rlhf_ext.recipes import recipe_names, recipe_path
 
 
 def test_unknown_key_is_named_with_suggestion():
@@ -90,11 +90,11 @@ def test_every_packaged_segment_rm_recipe_loads():
 @pytest.mark.parametrize(
     "recipe_cls, section",
     [
-        ("rlhf_ext.segment.recipe:SegmentRMRecipe", "train"),
-        ("rlhf_ext.segment.ppo_recipe:SegmentPPORecipe", "train"),
-        ("rlhf_ext.online.recipe:OnlineDPORecipe", "train"),
-        ("rlhf_ext.continual.recipe:ContinualRecipe", "train"),
-        ("rlhf_ext.continual.recipe:ContinualRecipe", "reward_model.train"),
+        ("rlhf_ext.pipelines.segment_rm:SegmentRMRecipe", "train"),
+        ("rlhf_ext.pipelines.segment_ppo:SegmentPPORecipe", "train"),
+        ("rlhf_ext.pipelines.iterative_dpo:OnlineDPORecipe", "train"),
+        ("rlhf_ext.pipelines.continual_recipe:ContinualRecipe", "train"),
+        ("rlhf_ext.pipelines.continual_recipe:ContinualRecipe", "reward_model.train"),
     ],
 )
 def test_every_train_section_validates_the_shared_optimisation_keys(recipe_cls, section):

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_ext.continual import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
-from rlhf_ext.continual.cppo import (
+from rlhf_ext.algos.cppo_weights import (
     HIGH_REWARD_HIGH_PROB,
     HIGH_REWARD_LOW_PROB,
     LOW_REWARD_HIGH_PROB,
     LOW_REWARD_LOW_PROB,
     NORMAL,
 )
+from rlhf_ext.continual import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
 
 UNIT = BatchStats(*(torch.tensor(v, dtype=torch.float64) for v in (0.0, 1.0, 0.0, 1.0)))
 

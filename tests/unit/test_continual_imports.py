@@ -10,7 +10,7 @@ HEAVY = ("trl", "openrlhf", "deepspeed", "ray", "vllm", "flash_attn", "transform
 
 def test_continual_imports_no_engine():
     code = (
-        "import sys, rlhf_ext, rlhf_ext.continual, rlhf_ext.continual.runner, rlhf_ext.continual.recipe\n"
+        "import sys, rlhf_ext, rlhf_ext.continual, rlhf_ext.pipelines.continual, rlhf_ext.pipelines.continual_recipe\n"
         "from rlhf_ext.continual import kl_to_previous, backward_transfer, cppo_sample_weights\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from rlhf_ext.config import from_dict
-from rlhf_ext.continual.recipe import ContinualRecipe
-from rlhf_ext.continual.runner import ContinualRunner, TaskSequenceError, format_summary
-from rlhf_ext.testing.continual_toy import toy_task_sequence
-from rlhf_ext.utils import atomic_directory
+from rlhf_ext.pipelines.continual import ContinualRunner, TaskSequenceError, format_summary
+from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+from rlhf_ext.runtime.io import atomic_directory
+from rlhf_ext.zoo.continual_toy import toy_task_sequence
 
 
 class RecordingStage:

@@ -282,7 +282,7 @@ def test_transforms_export_and_merge(tmp_path, monkeypatch):
 
 
 def test_builtin_continual_dataset(cache_dir):
-    from rlhf_ext.resources import resolve_continual_dataset
+    from rlhf_ext.datagen.builtin import resolve_continual_dataset
 
     path = resolve_continual_dataset("builtin:continual-piecewise-qa")
     assert Path(path).is_relative_to(cache_dir)

@@ -1,4 +1,4 @@
-"""The ``openai`` backend against a real local chat-completions server (rlhf_ext.testing.chat_server) with faults."""
+"""The ``openai`` backend against a real local chat-completions server (tests.helpers.chat_server) with faults."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_ext.datagen import BackendUnavailable, OpenAIBackend, generate_dataset
 from rlhf_ext.datagen.cache import CACHE_DIR, SAMPLES_FILE
-from rlhf_ext.testing.chat_server import FakeChatServer, datagen_responder, last_user_message, request_digest
+from tests.helpers.chat_server import FakeChatServer, datagen_responder, last_user_message, request_digest
 
 EDU = {"physics": {"seed_words": ["gravity", "friction", "orbit", "lens", "pressure", "torque"]}}
 

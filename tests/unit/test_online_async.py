@@ -212,7 +212,7 @@ def test_constructor_errors():
 def _probe_run(probe, sync=False, fail_train_at=None, n=5):
     import os
 
-    from rlhf_ext.testing.async_probe import version_weights
+    from tests.helpers.async_probe import version_weights
 
     seen = []
 
@@ -230,7 +230,7 @@ def _probe_run(probe, sync=False, fail_train_at=None, n=5):
 
 
 def test_process_generator_keeps_the_one_step_schedule():
-    from rlhf_ext.testing.async_probe import VersionProbe
+    from tests.helpers.async_probe import VersionProbe
 
     runner, seen, train = _probe_run(VersionProbe())
     stats = runner.run(train)
@@ -240,7 +240,7 @@ def test_process_generator_keeps_the_one_step_schedule():
 
 
 def test_process_generator_failure_reaches_the_learner_with_its_traceback():
-    from rlhf_ext.testing.async_probe import VersionProbe
+    from tests.helpers.async_probe import VersionProbe
 
     runner, seen, train = _probe_run(VersionProbe(fail_at=2))
     with pytest.raises(AsyncRunnerError, match="probe failed while generating batch 2") as info:
@@ -252,7 +252,7 @@ def test_process_generator_failure_reaches_the_learner_with_its_traceback():
 
 
 def test_learner_failure_stops_the_generator_process():
-    from rlhf_ext.testing.async_probe import VersionProbe
+    from tests.helpers.async_probe import VersionProbe
 
     runner, _, train = _probe_run(VersionProbe(sleep=0.2), fail_train_at=1)
     with pytest.raises(RuntimeError, match="learner boom at batch 1"):

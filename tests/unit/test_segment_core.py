@@ -18,7 +18,7 @@ from rlhf_ext.segment import (
     segment_ids,
     token_entropy,
 )
-from rlhf_ext.testing.reference import reference_aggregate, reference_segment_rewards
+from tests.helpers.reference import reference_aggregate, reference_segment_rewards
 
 F, T_ = False, True
 

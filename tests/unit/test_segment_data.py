@@ -6,8 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from rlhf_ext.segment import token_entropy
-from rlhf_ext.segment.data import (
+from rlhf_ext.runtime.segment_data import (
     DatasetFormatError,
     add_entropy_columns,
     collate_segment_pairs,
@@ -16,6 +15,7 @@ from rlhf_ext.segment.data import (
     tokenize_pair,
     tokenize_preference_dataset,
 )
+from rlhf_ext.segment import token_entropy
 
 
 def test_tokenize_pair_exact_boundary_and_eos(toy_tok):
@@ -87,7 +87,7 @@ def test_entropy_columns_align_with_response_tokens(tiny_sft_path, toy_tok, toy_
 
 
 def test_prepare_uses_cache_on_second_call(tiny_sft_path, toy_tok, toy_data, tmp_path, monkeypatch):
-    import rlhf_ext.segment.data as data_module
+    import rlhf_ext.runtime.segment_data as data_module
 
     small = toy_data["train"].select(range(4))
     first = prepare_segment_dataset(small, toy_tok, sft_model_name_or_path=tiny_sft_path, cache_dir=tmp_path)
@@ -127,9 +127,9 @@ def test_collate_rejects_stale_entropy():
 
 def test_gpt2_bpe_pair_and_bandit_reward_equal_hf_pooling(gpt2_tok):
     """Real GPT-2 BPE: exact prompt/response split, and the c_ent = inf reward equals HF's own pooled logit."""
+    from rlhf_ext.runtime.token_scores import token_scores
     from rlhf_ext.segment import evaluate_sequences
-    from rlhf_ext.segment.scoring import token_scores
-    from rlhf_ext.testing.models import tiny_reward_model
+    from rlhf_ext.zoo.models import tiny_reward_model
 
     rows = [
         {"prompt": "Explain mitochondria.", "chosen": " The mitochondria is the powerhouse", "rejected": " No idea"},

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_ext.rl import (
+from rlhf_ext.algos.location_norm import LocationNormalizer, NormalizerError
+from rlhf_ext.algos.ppo import (
     clipped_value_loss,
     discounted_reverse_cumsum,
     gae_advantages,
@@ -19,9 +20,9 @@ from rlhf_ext.rl import (
     reinforce_advantages,
     reward_to_go,
 )
+from rlhf_ext.algos.segment_dense import RewardValueError, dense_segment_rewards, interpolate_rewards
+from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.segment import segment_boundaries, segment_ids
-from rlhf_ext.segment.dense import RewardValueError, dense_segment_rewards, interpolate_rewards
-from rlhf_ext.segment.normalizer import LocationNormalizer, NormalizerError
 
 F, T_ = False, True
 
@@ -74,15 +75,15 @@ def test_save_load_round_trip_and_wrong_reward_model_is_refused(tmp_path):
     p, r = _synthetic(200)
     norm = LocationNormalizer.fit(p, r, reward_model="runs/rm-a")
     path = tmp_path / "norm.json"
-    norm.save(path)
-    loaded = LocationNormalizer.load(path, reward_model="runs/rm-a")
+    save_normalizer(norm, path)
+    loaded = load_normalizer(path, reward_model="runs/rm-a")
     assert loaded == norm
     q = torch.rand(10)
     torch.testing.assert_close(loaded.normalize(r[:10], q + 0.01), norm.normalize(r[:10], q + 0.01))
     with pytest.raises(NormalizerError, match="fitted for reward model 'runs/rm-a', not 'runs/rm-b'"):
-        LocationNormalizer.load(path, reward_model="runs/rm-b")
+        load_normalizer(path, reward_model="runs/rm-b")
     with pytest.raises(NormalizerError, match="does not exist"):
-        LocationNormalizer.load(tmp_path / "missing.json")
+        load_normalizer(tmp_path / "missing.json")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_ext.datagen import rubric_for
 from rlhf_ext.sim import DEFAULT_ANNOTATORS, AnnotatorPool, AnnotatorSpec, BTAnnotator, GoldScorer
-from rlhf_ext.testing.toy import toy_preference_rows
+from rlhf_ext.zoo.toy import toy_preference_rows
 
 RAP = rubric_for("rapper")
 
@@ -168,7 +168,7 @@ def test_pool_errors():
 
 def test_llm_backend_through_a_chat_server():
     from rlhf_ext.datagen import OpenAIBackend
-    from rlhf_ext.testing.chat_server import FakeChatServer
+    from tests.helpers.chat_server import FakeChatServer
 
     # the fake server's judge picks the response that contains "careful"
     a = ["A careful answer.", "A sloppy answer.", "Careless text.", "Be careful here."]

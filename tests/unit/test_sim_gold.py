@@ -7,7 +7,7 @@ import torch
 
 from rlhf_ext.datagen import gold_score, rubric_for
 from rlhf_ext.sim import GoldScorer
-from rlhf_ext.testing.toy import KEY_PHRASES, WEAK_PHRASES, has_key_phrase, toy_preference_rows
+from rlhf_ext.zoo.toy import KEY_PHRASES, WEAK_PHRASES, has_key_phrase, toy_preference_rows
 
 RAP = rubric_for("rapper")
 POS, NEG = RAP.positive, RAP.negative

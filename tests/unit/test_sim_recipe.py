@@ -13,7 +13,7 @@ from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 
 
 def packaged(*overrides: str) -> SimCompareRecipe:
-    from rlhf_ext.cli import recipe_path
+    from rlhf_ext.recipes import recipe_path
 
     return load_recipe(SimCompareRecipe, recipe_path("sim_compare"), overrides)
 

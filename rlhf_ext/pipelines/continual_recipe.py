@@ -1,7 +1,7 @@
 """The continual-RLHF recipe: one typed config that ``recipes/continual_*.yaml`` files map onto 1:1.
 
 ``recipes/continual_dpo_tiny.yaml`` (CPU, a few minutes) is an instance of :class:`ContinualRecipe`;
-:func:`rlhf_ext.continual.runner.run_continual` runs it. ``algorithm`` and ``engine`` list what exists: DPO on TRL
+:func:`rlhf_ext.pipelines.continual.run_continual` runs it. ``algorithm`` and ``engine`` list what exists: DPO on TRL
 (the PPO / CPPO policy stage plugs into the same runner once a PPO trainer exists).
 """
 
@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_kl_coef
 from rlhf_ext.config import TrainSection
-from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_kl_coef
 
 
 @dataclass
@@ -29,7 +29,7 @@ class TaskSequenceSection:
     """Where the task sequence comes from.
 
     ``tasks``: ``builtin:toy-continual-preference-shift`` / ``builtin:toy-continual-domains`` (toy sequences, see
-    :mod:`rlhf_ext.testing.continual_toy`), or anything ``rlhf_ext.datagen.load_continual_dataset`` reads: a
+    :mod:`rlhf_ext.zoo.continual_toy`), or anything ``rlhf_ext.datagen.load_continual_dataset`` reads: a
     directory written by the dataset generator or one of its ``builtin:continual-*`` datasets. ``num_tasks``:
     number of builtin toy tasks, or keep only the first ``num_tasks`` of a generated sequence. ``max_length``:
     prompt + response tokens (paper 000 generates responses of up to 256 tokens, Tables 4-6).
@@ -63,7 +63,7 @@ class ContinualSection:
     default). ``kl_coef_schedule``: optional per-transition weights, one per task after the first
     (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
     Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
-    ``estimator``: k1 / k2 / k3 (see :mod:`rlhf_ext.continual.kl`).
+    ``estimator``: k1 / k2 / k3 (see :mod:`rlhf_ext.algos.continual_kl`).
     """
 
     kl_coef: float = DEFAULT_KL_COEF

@@ -18,11 +18,9 @@ a simpler kind (regression -> global -> none) or a floor on the std, with a warn
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -30,6 +28,7 @@ from torch import Tensor
 
 NormalizerKind = Literal["none", "global", "last", "regression"]
 NORMALIZER_KINDS: tuple[str, ...] = ("none", "global", "last", "regression")
+FORMAT = "rlhf_ext.LocationNormalizer/1"
 MIN_POINTS = 8
 STD_FLOOR = 1e-4
 
@@ -207,31 +206,17 @@ class LocationNormalizer:
         valid = (positions > 0) if mask is None else mask.bool()
         return torch.where(valid, out, torch.zeros_like(out))
 
-    # ------------------------------------------------------------------------------------------- persistence
-    def save(self, path: str | Path) -> None:
-        """Write as JSON (atomically), with the reward model it was fitted for, the number of points and R^2."""
-        from rlhf_ext.utils import atomic_write_json
-
-        atomic_write_json(path, {"format": "rlhf_ext.LocationNormalizer/1", **asdict(self)})
+    # ------------------------------------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (file IO is :func:`rlhf_ext.runtime.calibration.save_normalizer`)."""
+        return {"format": FORMAT, **asdict(self)}
 
     @classmethod
-    def load(cls, path: str | Path, reward_model: str | None = None) -> LocationNormalizer:
-        """Read a saved normalizer; refuse one fitted for a different ``reward_model`` (when both are known)."""
-        path = Path(path)
-        if not path.is_file():
-            raise NormalizerError(
-                f"normalizer file {path} does not exist; fit one with `rlhf-ext segment fit-normalizer` or set "
-                "the recipe's normalizer.path to null to fit it on the calibration data"
-            )
+    def from_dict(cls, data: dict, source: str = "data") -> LocationNormalizer:
+        """Inverse of :meth:`to_dict`; raises :class:`NormalizerError` naming ``source`` on a malformed dict."""
+        data = dict(data)
+        data.pop("format", None)
         try:
-            data = json.loads(path.read_text())
-            data.pop("format", None)
-            norm = cls(**data)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise NormalizerError(f"{path} is not a LocationNormalizer file: {e}") from e
-        if reward_model is not None and norm.reward_model is not None and norm.reward_model != reward_model:
-            raise NormalizerError(
-                f"{path} was fitted for reward model {norm.reward_model!r}, not {reward_model!r}; segment reward "
-                "statistics differ between reward models, so refit it on this model's calibration rewards"
-            )
-        return norm
+            return cls(**data)
+        except TypeError as e:
+            raise NormalizerError(f"{source} is not a LocationNormalizer file: {e}") from e

@@ -10,7 +10,7 @@ snapshot on any task with that task's held-out model. Then, for each task ``t`` 
 2. write the policy snapshot ``task_{t}/policy`` (atomically: it exists complete or not at all);
 3. evaluate that snapshot on *every* task's test split: column ``t`` of the performance matrix ``R[k, t]``;
 4. write ``task_{t}/result.json`` (the task is finished once this exists), then ``performance.json`` (matrix so far,
-   metrics of :mod:`rlhf_ext.continual.metrics`) and the plots.
+   metrics of :mod:`rlhf_ext.algos.forgetting`) and the plots.
 
 Nothing carries over between tasks in memory: every task loads its starting point and its previous-task model from
 the snapshots on disk, so a sequence killed at any point and rerun with ``resume: true`` skips the finished tasks and
@@ -18,7 +18,7 @@ produces exactly what an uninterrupted run produces.
 
 The runner is engine-free. Each stage is an object with ``run_task(task: TaskContext, test_sets) -> dict``
 returning ``{"scores": [one float per test set], "metrics": {...}}``; :func:`build_stages` picks the engine's stages
-(TRL + DPO today: :class:`rlhf_ext.trl.continual_dpo.DPOPolicyStage`). A PPO / CPPO policy stage plugs in by
+(TRL + DPO today: :class:`rlhf_ext.pipelines.continual_stages.DPOPolicyStage`). A PPO / CPPO policy stage plugs in by
 implementing the same method (it reads ``task.reward_model_dir`` for its rewards and ``task.reward_model_dirs[k]``
 to score snapshots on task ``k``).
 """
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlhf_ext.continual.metrics import summarize
-from rlhf_ext.continual.recipe import ContinualRecipe
-from rlhf_ext.utils import atomic_write_json, stable_hash
+from rlhf_ext.algos.forgetting import summarize
+from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+from rlhf_ext.runtime.io import atomic_write_json, stable_hash
 
 REQUIRED_COLUMNS = ("prompt", "chosen", "rejected")
 RUN_FILE = "run.json"
@@ -130,7 +130,7 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
     data = recipe.data
     source = data.tasks if tasks is None else tasks
     if isinstance(source, str | os.PathLike):
-        from rlhf_ext.testing.continual_toy import builtin_sequence, is_builtin_sequence
+        from rlhf_ext.zoo.continual_toy import builtin_sequence, is_builtin_sequence
 
         if is_builtin_sequence(str(source)):
             sizes = {"n_train": data.max_train_samples or 256, "n_test": data.max_test_samples or 64}
@@ -179,12 +179,11 @@ def sequence_fingerprint(tasks: Sequence[Any]) -> str:
 def build_stages(recipe: ContinualRecipe) -> tuple[TaskStage, TaskStage | None]:
     """The (policy stage, reward-model stage or None) of the recipe's engine and algorithm."""
     if recipe.engine == "trl" and recipe.algorithm == "dpo":
-        from rlhf_ext.trl.continual_dpo import DPOPolicyStage, RewardModelStage
+        from rlhf_ext.pipelines.continual_stages import DPOPolicyStage, RewardModelStage
 
         return DPOPolicyStage(recipe), RewardModelStage(recipe) if recipe.reward_model.enabled else None
     if recipe.engine == "trl" and recipe.algorithm == "ppo":
-        from rlhf_ext.trl.continual_dpo import RewardModelStage
-        from rlhf_ext.trl.continual_ppo import PPOPolicyStage
+        from rlhf_ext.pipelines.continual_stages import PPOPolicyStage, RewardModelStage
 
         if not recipe.reward_model.enabled:
             raise TaskSequenceError("algorithm: ppo trains against per-task reward models: set reward_model.enabled")
@@ -269,7 +268,7 @@ class ContinualRunner:
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def context(self, t: int) -> TaskContext:
-        from rlhf_ext.resources import resolve_model
+        from rlhf_ext.pipelines.builtins import resolve_model
 
         sft = resolve_model(self.recipe.model.sft_model)
         previous = str(self.out / self.names[t - 1] / "policy") if t > 0 else None

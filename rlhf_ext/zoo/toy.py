@@ -14,6 +14,10 @@ explicit prompt).
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 TOPICS = [
     "volcanoes",
@@ -135,3 +139,10 @@ def toy_preference_dataset(n_train: int = 512, n_test: int = 128, seed: int = 0)
 def has_key_phrase(text: str) -> bool:
     """The toy task's gold label: does the response contain a key phrase?"""
     return any(k in text for k in KEY_PHRASES)
+
+
+def keyphrase_gold_reward(prompts: list[Any], responses: list[str]) -> torch.Tensor:
+    """The toy task's gold reward (``builtin:keyphrase-gold``): 1 if the response contains a key phrase, else 0."""
+    import torch
+
+    return torch.tensor([float(has_key_phrase(r)) for r in responses])

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhf_ext.algos.pair_selection import check_num_samples
 from rlhf_ext.config import TrainSection
-from rlhf_ext.online.selection import check_num_samples
 
 
 @dataclass
@@ -141,6 +141,107 @@ class OnlineDPORecipe:
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
     """Run an :class:`OnlineDPORecipe` with TRL; returns the trainer's summary."""
-    from rlhf_ext.trl.online_dpo import train_online_dpo
+    return train_with_trl(recipe)
 
-    return train_online_dpo(recipe)
+
+def trl_config(recipe):
+    """Map an :class:`OnlineDPORecipe` onto :class:`~rlhf_ext.trl.IterativeDPOConfig` (``trl_args`` last)."""
+    from rlhf_ext.trl.args import make_config, training_kwargs
+    from rlhf_ext.trl.online_dpo import IterativeDPOConfig
+
+    t, o = recipe.train, recipe.online
+    kwargs = training_kwargs(t)
+    kwargs.update(
+        beta=t.beta,
+        loss_type=t.loss_type,
+        max_length=t.max_length,
+        resume=t.resume,
+        reference=recipe.policy.reference,
+        online_mode=o.mode,
+        async_generation=o.async_generation,
+        generator_process=o.generator_process,
+        num_iterations=o.iterations,
+        prompts_per_iteration=o.prompts_per_iteration,
+        num_samples=o.num_samples,
+        temperatures=list(o.temperatures),
+        max_new_tokens=o.max_new_tokens,
+        max_prompt_length=o.max_prompt_length,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        selection_rule=o.selection,
+        length_penalty=o.length_penalty,
+        length_unit=o.length_unit,
+        tie_tolerance=o.tie_tolerance,
+        pair_data=o.pair_data,
+        generation_backend=o.generation_backend,
+        generation_batch_size=o.generation_batch_size,
+        reward_batch_size=recipe.reward.batch_size,
+        eval_num_prompts=recipe.data.max_eval_prompts,
+        eval_samples_per_prompt=o.eval_samples_per_prompt,
+        eval_temperature=o.eval_temperature,
+        max_fill_rounds=o.max_fill_rounds,
+        generation_threads=o.generation_threads,
+        training_threads=o.training_threads,
+        vllm_gpu_memory_utilization=o.vllm_gpu_memory_utilization,
+    )
+    return make_config(IterativeDPOConfig, kwargs, t.trl_args)
+
+
+def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:
+    """(train prompts, eval prompts or None) for a recipe's ``data`` section, columns checked up front."""
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    def pick(source: str, split: str, limit: int | None, what: str):
+        dd = resolve_dataset(source)
+        if split not in dd:
+            raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
+        ds = dd[split]
+        if data.prompt_key not in ds.column_names:
+            raise ValueError(
+                f"data.{what} ({source}) has no prompt column {data.prompt_key!r}; "
+                f"columns: {', '.join(ds.column_names)}"
+            )
+        prompts = ds[data.prompt_key]
+        prompts = prompts[:limit] if limit is not None else prompts
+        if data.as_chat:
+            prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        return prompts
+
+    train = pick(data.train, data.train_split, data.max_train_prompts, "train")
+    try:
+        evals = pick(data.eval or data.train, data.eval_split, data.max_eval_prompts, "eval")
+    except ValueError:
+        if data.eval is not None:
+            raise
+        evals = None  # the training source has no eval split and none was configured
+    return train, evals
+
+
+def train_with_trl(recipe) -> dict[str, Any]:
+    """Run an :class:`~rlhf_ext.pipelines.iterative_dpo.OnlineDPORecipe`; returns the trainer's summary."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.trl.online_dpo import IterativeDPOTrainer
+    from rlhf_ext.zoo.builtins import resolve_reward as load_reward
+
+    args = trl_config(recipe)
+    sft = resolve_model(recipe.policy.sft_model)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.policy.tokenizer or sft))
+    train_prompts, eval_prompts = load_prompt_splits(recipe.data)
+    r = recipe.reward
+    reward = dict(reward_fn=load_reward(r.function)) if r.function else dict(reward_model=None)
+    if r.model is not None:
+        reward = dict(
+            reward_fn=load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
+        )
+    trainer = IterativeDPOTrainer(
+        model=sft,
+        args=args,
+        prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        processing_class=tokenizer,
+        gold_fn=load_reward(r.gold) if r.gold else None,
+        **reward,
+    )
+    return trainer.train()

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.testing.tokenizer import gpt2_tokenizer
-from rlhf_ext.utils import atomic_directory, file_lock
+from rlhf_ext.runtime.io import atomic_directory, file_lock
+from rlhf_ext.zoo.tokenizer import gpt2_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
     hidden_size=64,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_ext.segment.core import evaluate_sequences
-from rlhf_ext.segment.data import load_segment_settings, sft_token_entropy
+from rlhf_ext.algos.segment_reward import evaluate_sequences
+from rlhf_ext.runtime.segment_data import load_segment_settings, sft_token_entropy
 
 
 def find_score_head(model) -> torch.nn.Module:
@@ -77,11 +77,11 @@ def preference_accuracy(
 
     Args:
         model: a sequence-classification reward model, or the path of one.
-        prepared_rows: a dataset prepared by :func:`rlhf_ext.segment.data.prepare_segment_dataset`.
+        prepared_rows: a dataset prepared by :func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`.
     """
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_ext.segment.data import collate_segment_pairs
+    from rlhf_ext.runtime.segment_data import collate_segment_pairs
 
     if isinstance(model, str):
         model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1, dtype=torch.float32)
@@ -149,7 +149,7 @@ class SegmentScorer:
 
     def score(self, prompt, response) -> SegmentView:
         """Segment and score one response. ``prompt``/``response``: text, or chat messages (prompt may be None)."""
-        from rlhf_ext.segment.data import tokenize_pair
+        from rlhf_ext.runtime.segment_data import tokenize_pair
 
         example = {"prompt": prompt, "chosen": response, "rejected": response}
         row = tokenize_pair(example, self.tokenizer, prompt_key="prompt" if prompt is not None else None)

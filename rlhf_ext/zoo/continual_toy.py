@@ -1,4 +1,4 @@
-"""Short continual task sequences built from the toy key-phrase task (:mod:`rlhf_ext.testing.toy`), offline.
+"""Short continual task sequences built from the toy key-phrase task (:mod:`rlhf_ext.zoo.toy`), offline.
 
 Each task is a ``DatasetDict`` with ``train`` / ``test`` splits of ``prompt`` / ``chosen`` / ``rejected`` — the format
 ``rlhf_ext.datagen.load_continual_dataset`` returns for generated sequences. Two kinds of non-stationarity
@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from rlhf_ext.testing.toy import KEY_PHRASES, TOPICS, WEAK_PHRASES, response_with_phrase
+from rlhf_ext.zoo.toy import KEY_PHRASES, TOPICS, WEAK_PHRASES, response_with_phrase
 
 SequenceKind = Literal["preference_shift", "domains"]
 SEQUENCE_KINDS: tuple[str, ...] = ("preference_shift", "domains")

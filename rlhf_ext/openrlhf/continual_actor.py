@@ -8,7 +8,7 @@ Three pieces, smallest first:
   step's global token count, or sequence-mean), so the term is invariant to data-parallel sharding exactly like the
   PPO loss. With ``c = 0`` and no CPPO weights the loss is ``PolicyLoss``'s, unchanged. Optionally
   (``retention="cppo"``) CPPO's sample-wise weights scale each sample's advantages (alpha) and its KL term (beta);
-  see :mod:`rlhf_ext.continual.cppo` for what exactly that is and where it comes from.
+  see :mod:`rlhf_ext.algos.cppo_weights` for what exactly that is and where it comes from.
 * :class:`ContinualActorPPOTrainer` — ``ActorPPOTrainer`` whose ``training_step`` first computes the previous-task
   policy's log-probabilities of the micro-batch under ``no_grad`` (one extra frozen forward pass), then runs the
   stock ``training_step`` with those bound to the loss. The KL is logged as ``prev_task_kl``. The previous-task
@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_ext.continual.cppo import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
-from rlhf_ext.continual.kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, per_token_kl
+from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, per_token_kl
+from rlhf_ext.algos.cppo_weights import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
 from rlhf_ext.openrlhf.compat import import_shims  # re-exported for callers importing more OpenRLHF modules
 
 with import_shims():

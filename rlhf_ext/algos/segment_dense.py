@@ -29,7 +29,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from rlhf_ext.segment.core import (
+from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
     Segments,
@@ -39,7 +40,6 @@ from rlhf_ext.segment.core import (
     segment_boundaries,
     segment_ids,
 )
-from rlhf_ext.segment.normalizer import LocationNormalizer
 
 Interpolation = Literal["even_split", "repeat", "segment_end"]
 Granularity = Literal["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"]
@@ -140,7 +140,7 @@ def dense_segment_rewards(
         if entropy is None:
             if logits is None:
                 raise ValueError(f"granularity {granularity!r} needs the reference model's entropy (or its logits)")
-            from rlhf_ext.segment.core import token_entropy
+            from rlhf_ext.algos.segment_reward import token_entropy
 
             entropy = token_entropy(logits, shift=True)
         cutoff = check_cutoff(entropy_cutoff)

@@ -5,7 +5,7 @@
 ``seed`` in; ``choices[0].message.content`` and ``finish_reason`` plus ``usage`` out). It runs an aiohttp server on
 127.0.0.1 in a background thread (``with FakeChatServer(...) as server: server.url``) or as a process::
 
-    python -m rlhf_ext.testing.chat_server --latency 0.05      # prints "URL http://127.0.0.1:PORT/v1"
+    python -m tests.helpers.chat_server --latency 0.05      # prints "URL http://127.0.0.1:PORT/v1"
 
 Completions come from a ``responder(body) -> str`` (default :func:`datagen_responder`, deterministic canned answers
 to the ``rlhf_ext.datagen`` templates). Faults come from ``fault(body, attempt) -> action | None`` where ``attempt``

@@ -7,14 +7,16 @@ granularities each response contributes its sequence reward at p = 1, so one fun
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from rlhf_ext.segment.data import collate_segment_pairs, prepare_segment_dataset
-from rlhf_ext.segment.dense import dense_segment_rewards
-from rlhf_ext.segment.normalizer import LocationNormalizer
-from rlhf_ext.segment.scoring import token_scores
+from rlhf_ext.algos.location_norm import LocationNormalizer, NormalizerError
+from rlhf_ext.algos.segment_dense import dense_segment_rewards
+from rlhf_ext.runtime.io import atomic_write_json
+from rlhf_ext.runtime.segment_data import collate_segment_pairs, prepare_segment_dataset
+from rlhf_ext.runtime.token_scores import token_scores
 
 
 def model_id(name_or_path: str) -> str:
@@ -78,3 +80,29 @@ def fit_normalizer(
     return LocationNormalizer.fit(
         torch.cat(locations), torch.cat(rewards), kind=kind, basis=basis, reward_model=reward_model_id
     )
+
+
+def save_normalizer(normalizer: LocationNormalizer, path: str | Path) -> None:
+    """Write ``normalizer`` as JSON (atomically), with the reward model it was fitted for, its point count and R^2."""
+    atomic_write_json(path, normalizer.to_dict())
+
+
+def load_normalizer(path: str | Path, reward_model: str | None = None) -> LocationNormalizer:
+    """Read a saved normalizer; refuse one fitted for a different ``reward_model`` (when both are known)."""
+    path = Path(path)
+    if not path.is_file():
+        raise NormalizerError(
+            f"normalizer file {path} does not exist; fit one with `rlhf-ext segment fit-normalizer` or set "
+            "the recipe's normalizer.path to null to fit it on the calibration data"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise NormalizerError(f"{path} is not a LocationNormalizer file: {e}") from e
+    norm = LocationNormalizer.from_dict(data, source=str(path))
+    if reward_model is not None and norm.reward_model is not None and norm.reward_model != reward_model:
+        raise NormalizerError(
+            f"{path} was fitted for reward model {norm.reward_model!r}, not {reward_model!r}; segment reward "
+            "statistics differ between reward models, so refit it on this model's calibration rewards"
+        )
+    return norm

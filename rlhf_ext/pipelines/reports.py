@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from rlhf_ext.utils import atomic_write_json, atomic_write_text
+from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 
 
 def curve_png(curve: list[dict[str, Any]]) -> bytes:
@@ -38,7 +38,7 @@ def segment_views(rm_dir: str, policy_dir: str, prompts: list[str], max_new_toke
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_ext.segment.scoring import SegmentScorer
+    from rlhf_ext.runtime.token_scores import SegmentScorer
 
     tok = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
@@ -57,7 +57,7 @@ def write_report(out: Path, results: dict[str, Any], view_prompts: list[str], ma
 
     ``view_prompts``: held-out prompts whose PPO responses are shown split into segments coloured by reward.
     """
-    from rlhf_ext.segment.scoring import render_segments
+    from rlhf_ext.runtime.token_scores import render_segments
 
     ev = results["eval"]["ppo_vs_sft"]
     rm_eval = results["eval"].get("rm", {})

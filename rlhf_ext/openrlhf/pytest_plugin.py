@@ -5,7 +5,7 @@ and actors, the continual policy actor and the HF rollout engine.
 It exists to run OpenRLHF's own unit tests (its repository's ``tests/``) unchanged with those patches on::
 
     make openrlhf-tests OPENRLHF_TESTS=/path/to/OpenRLHF/tests
-    # = python -m pytest -p rlhf_ext.testing.openrlhf_plugin /path/to/OpenRLHF/tests
+    # = python -m pytest -p rlhf_ext.openrlhf.pytest_plugin /path/to/OpenRLHF/tests
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.segment.core import token_entropy
-from rlhf_ext.utils import atomic_directory, file_lock, stable_hash
+from rlhf_ext.algos.segment_reward import token_entropy
+from rlhf_ext.runtime.io import atomic_directory, file_lock, stable_hash
 
 ENTROPY_COLUMNS = ("chosen_entropy", "rejected_entropy")
 TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
@@ -361,7 +361,7 @@ def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> No
     import json
     import math
 
-    from rlhf_ext.utils import atomic_write_text
+    from rlhf_ext.runtime.io import atomic_write_text
 
     settings = dict(settings)
     if isinstance(settings.get("entropy_cutoff"), float) and math.isinf(settings["entropy_cutoff"]):

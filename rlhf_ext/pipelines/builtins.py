@@ -1,0 +1,77 @@
+"""Building the trained ``builtin:`` models (``tiny-sft``, ``tiny-segment-rm``) explicitly: resolving a name in
+:mod:`rlhf_ext.zoo` never trains; the pipelines call :func:`resolve_model` here, which builds what is missing first.
+
+``rlhf-ext zoo build NAME`` runs :func:`build_model`. Building is safe from several processes at once (file lock +
+atomic rename), and inside a ``torchrun``/``deepspeed`` launch it runs in a plain subprocess (training inside the launch
+would join its process group while the other ranks wait for the lock: a deadlock).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlhf_ext.runtime.io import atomic_directory, file_lock
+from rlhf_ext.zoo import builtins as zoo
+from rlhf_ext.zoo.toy import toy_preference_rows
+
+
+def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0) -> None:
+    """Supervised fine-tuning of ``base`` on the toy task's chosen *and* rejected responses with TRL's SFTTrainer.
+
+    The SFT model learns the language of the task (both kinds of response), which is what segmentation needs: low
+    entropy inside a phrase, high entropy where the next phrase is chosen.
+    """
+    from rlhf_ext.trl.sft import fine_tune
+
+    rows = toy_preference_rows(zoo.TOY_CORPUS_ROWS, seed=12345)
+    demos = [{"prompt": r["prompt"], "completion": r[k]} for r in rows for k in ("chosen", "rejected")]
+    fine_tune(base, demos, dest, max_steps=steps, batch_size=32, learning_rate=3e-3, warmup_steps=10, seed=seed,
+              logging_steps=50, disable_tqdm=True)  # fmt: skip
+
+
+def _build_tiny_segment_rm(dest: Path, sft: str) -> None:
+    """Train ``recipes/segment_rm_tiny.yaml`` from ``sft`` into ``dest`` (the reward model of the tiny PPO recipe)."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm  # noqa: I001
+
+    recipe_file = Path(__file__).parents[1] / "recipes" / "segment_rm_tiny.yaml"
+    with atomic_directory(dest) as tmp:
+        recipe = load_recipe(SegmentRMRecipe, recipe_file, [f"train.output_dir={tmp}", f"model.sft_model={sft}"])
+        run_segment_rm(recipe)
+
+
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE")  # fmt: skip
+
+
+def build_model(name: str, cache_dir: str | Path | None = None) -> str:
+    """Build ``builtin:<name>`` into the cache if it is missing (training ``tiny-sft`` / ``tiny-segment-rm``); returns
+    its directory."""
+    spec = zoo.PREFIX + name
+    if name not in zoo.TRAINED_MODELS:
+        return zoo.resolve_model(spec, cache_dir)
+    dest = zoo.builtin_model_dir(name, cache_dir)
+    if (dest / "config.json").exists():
+        return str(dest)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+        code = f"from rlhf_ext.pipelines.builtins import build_model; build_model({name!r}, {str(dest.parents[1])!r})"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        return str(dest)
+    with file_lock(dest.parent / f"{name}.lock"):
+        if not (dest / "config.json").exists():
+            if name == "tiny-sft":
+                train_tiny_sft(dest, zoo.resolve_model(zoo.PREFIX + "tiny", cache_dir))
+            else:
+                _build_tiny_segment_rm(dest, build_model("tiny-sft", cache_dir))
+    return str(dest)
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
+    """:func:`rlhf_ext.zoo.resolve_model`, building a trained ``builtin:`` model first when it is missing."""
+    if zoo.is_builtin(spec) and spec[len(zoo.PREFIX) :] in zoo.TRAINED_MODELS:
+        return build_model(spec[len(zoo.PREFIX) :], cache_dir)
+    return zoo.resolve_model(spec, cache_dir)

@@ -1,0 +1,207 @@
+"""The continual runner's stages (paper 000): a DPO or PPO policy stage and the per-task reward model stage,
+on TRL. PPO stage: CPPO-style continual PPO (Eq. 7 of paper 000) with the task's own reward model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from trl.trainer.utils import create_model_from_path
+
+from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
+
+
+def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
+    """TrainingArguments shared by the policy and reward-model stages of the runner (from the recipe's sections)."""
+    from rlhf_ext.trl.args import training_kwargs
+
+    return {**training_kwargs(train, output_dir, seed), "save_strategy": "no", "disable_tqdm": True}
+
+
+def _save_atomically(trainer, dest: Path) -> None:
+    """Save the trained model + tokenizer to ``dest`` (rename of a finished temp dir; main process only)."""
+    from rlhf_ext.runtime.io import atomic_directory
+
+    if trainer.accelerator.is_main_process:
+        with atomic_directory(dest) as tmp:
+            trainer.save_model(str(tmp))
+    trainer.accelerator.wait_for_everyone()
+
+
+class DPOPolicyStage:
+    """The runner's DPO policy stage on TRL: trains one task with :class:`ContinualDPOTrainer`, saves the snapshot,
+    and scores it on every task's test split by implicit-reward accuracy (relative to the SFT reference)."""
+
+    name = "dpo"
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        """Train task ``task.index`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`); return
+        ``{"scores": [accuracy on each test set], "metrics": {...}}``. The snapshot is written to
+        ``task.policy_dir`` before scoring."""
+        from transformers import AutoTokenizer
+
+        r = self.recipe
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "trainer"
+        args = ContinualDPOConfig(
+            **_training_kwargs(r.train, task.seed, str(work)),
+            beta=r.dpo.beta,
+            loss_type=[r.dpo.loss_type],
+            max_length=r.data.max_length,
+            continual_kl_coef=task.kl_coef,
+            continual_kl_estimator=r.continual.estimator,
+            **r.train.trl_args,
+        )
+        trainer = ContinualDPOTrainer(
+            model=task.init_policy,
+            ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
+            prev_model=task.previous_policy if task.kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
+            args=args,
+            train_dataset=task.train,
+            processing_class=tokenizer,
+        )
+        result = trainer.train()
+        _save_atomically(trainer, task.policy_dir)
+        evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
+        shutil.rmtree(work, ignore_errors=True)
+        history = [h for h in trainer.state.log_history if "loss" in h]
+        return {
+            "scores": [e["accuracy"] for e in evals],
+            "metrics": {
+                "train_loss": result.training_loss,
+                "steps": trainer.state.global_step,
+                "margins": [e["margin"] for e in evals],
+                "kl_to_previous": [h[KL_METRIC] for h in history if KL_METRIC in h],
+                "log_history": history,
+            },
+        }
+
+
+class RewardModelStage:
+    """The runner's optional per-task reward model (paper 000 trains one per task, Appendix C): TRL's reward trainer
+    through :class:`rlhf_ext.trl.SegmentRewardTrainer` with ``entropy_cutoff=inf`` (the plain Bradley-Terry model),
+    initialised from the SFT model. Returns its exact per-pair accuracy on every task's test split."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        from rlhf_ext.runtime.segment_data import prepare_segment_dataset
+        from rlhf_ext.trl.segment_reward import SegmentRewardConfig, SegmentRewardTrainer
+
+        rm = self.recipe.reward_model
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "rm_trainer"
+        args = SegmentRewardConfig(
+            **_training_kwargs(rm.train, task.seed, str(work)),
+            max_length=self.recipe.data.max_length,
+            entropy_cutoff=float("inf"),
+            **rm.train.trl_args,
+        )
+        prepare = dict(
+            tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=self.recipe.data.max_length
+        )
+        trainer = SegmentRewardTrainer(
+            model=task.reference_policy,
+            args=args,
+            train_dataset=prepare_segment_dataset(task.train, **prepare),
+            processing_class=tokenizer,
+        )
+        trainer.train()
+        _save_atomically(trainer, task.reward_model_dir)
+        scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
+        shutil.rmtree(work, ignore_errors=True)
+        return {"scores": scores}
+
+
+@torch.no_grad()
+def _reward_model_accuracy(trainer, dataset) -> float:
+    """Exact per-pair accuracy (``r(chosen) > r(rejected)``) of a reward trainer's model on a prepared dataset."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    correct = []
+    try:
+        for batch in trainer.get_eval_dataloader(dataset):
+            _, outputs = trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch), return_outputs=True)
+            chosen, rejected = outputs.logits.squeeze(-1).chunk(2)
+            correct.append(trainer.accelerator.gather_for_metrics((chosen > rejected).float()))
+    finally:
+        trainer.model.train(was_training)
+    return torch.cat(correct).mean().item()
+
+
+class PPOPolicyStage:
+    """``run_task`` trains task ``task.index`` and returns ``{"scores": [mean RM_k score per task k], "metrics"}``."""
+
+    name = "ppo"
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer
+
+        r, ppo = self.recipe, self.recipe.ppo
+        if not task.reward_model_dirs:
+            raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "ppo_trainer"
+        args = SegmentPPOConfig(
+            output_dir=str(work), max_steps=ppo.steps_per_task, per_device_train_batch_size=ppo.batch_size,
+            num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
+            learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
+            report_to="none", save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
+            reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
+            kl_coef=ppo.kl_coef, advantage_estimator=ppo.advantage_estimator,
+            prev_policy_path=task.previous_policy if task.kl_coef > 0 else None,
+            prev_kl_coef=task.kl_coef, prev_kl_estimator=r.continual.estimator,
+        )  # fmt: skip
+        trainer = SegmentPPOTrainer(
+            model=task.init_policy,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": list(task.train["prompt"])}),
+            processing_class=tokenizer,
+            ref_model=AutoModelForCausalLM.from_pretrained(task.reference_policy),  # KL penalty to the SFT model
+            calibration_dataset=task.train,
+        )
+        result = trainer.train()
+        _save_atomically(trainer, task.policy_dir)
+        scores = [
+            self.score(task.policy_dir, tokenizer, rm_dir, ds, task.seed)
+            for rm_dir, ds in zip(task.reward_model_dirs, test_sets)
+        ]
+        shutil.rmtree(work, ignore_errors=True)
+        history = [h for h in trainer.state.log_history if "reward" in h]
+        return {
+            "scores": scores,
+            "metrics": {
+                "train_loss": result.training_loss,
+                "steps": trainer.state.global_step,
+                "kl_to_previous": [h["continual/kl_to_previous"] for h in history if "continual/kl_to_previous" in h],
+                "kl_to_sft": [h["segment/kl"] for h in history],
+                "log_history": history,
+            },
+        }
+
+    def score(self, policy_dir, tokenizer, rm_dir, test, seed: int) -> float:
+        """Mean score of reward model ``rm_dir`` on one sample per held-out prompt of ``test``."""
+        from rlhf_ext.runtime.rewards import SequenceClassifierReward
+        from rlhf_ext.runtime.sampling import HFSampler
+
+        prompts = list(test["prompt"][: self.recipe.ppo.eval_prompts])
+        sampler = HFSampler(str(policy_dir), tokenizer, max_new_tokens=self.recipe.ppo.max_completion_length,
+                            temperatures=[1.0])  # fmt: skip
+        responses = sampler.sample(prompts, n=1, seed=seed).flat()
+        return float(SequenceClassifierReward(str(rm_dir))(prompts, responses).mean())

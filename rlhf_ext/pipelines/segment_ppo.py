@@ -1,0 +1,369 @@
+"""The segment-PPO recipe (paper 003, section 2.3; Table 8 defaults), shared by the TRL and OpenRLHF engines.
+
+``recipes/segment_ppo_tiny.yaml`` (CPU, a few steps), ``segment_ppo_paper.yaml`` (Table 8) and
+``segment_ppo_openrlhf.yaml`` (OpenRLHF Ray, one-step async) are instances of :class:`SegmentPPORecipe`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlhf_ext.algos.segment_reward import check_cutoff, check_tau
+from rlhf_ext.config import TrainSection
+
+
+@dataclass
+class PPOModelSection:
+    """``sft_model``: policy and reference initialisation; ``reward_model``: the segment RM (its
+    ``segment_config.json`` supplies cutoff/aggregation/tau); ``critic_model``: default the reward model;
+    ``normalizer``: a saved LocationNormalizer (null = fit on ``data.calibration``)."""
+
+    sft_model: str = "builtin:tiny-sft"
+    reward_model: str = "builtin:tiny-segment-rm"
+    critic_model: str | None = None
+    normalizer: str | None = None
+
+
+@dataclass
+class PPODataSection:
+    prompts: str = "builtin:toy-keyphrase"
+    prompt_split: str = "train"
+    prompt_key: str = "prompt"
+    max_prompts: int | None = None
+    calibration: str | None = "builtin:toy-keyphrase"
+    calibration_split: str = "train"
+    max_calibration_pairs: int = 512
+    max_prompt_length: int = 1024
+    max_completion_length: int = 1024
+
+
+@dataclass
+class PPOSegmentSection:
+    """Table 1-3 switches. ``entropy_cutoff``/``aggregation``/``tau`` null = the reward model's recorded values."""
+
+    granularity: Literal["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"] = "segment"
+    interpolation: Literal["even_split", "repeat", "segment_end"] = "even_split"
+    normalizer_kind: Literal["none", "global", "last", "regression"] = "regression"
+    normalizer_basis: Literal["linear", "log"] = "linear"
+    entropy_cutoff: float | None = None
+    aggregation: Literal["softmax", "sum", "mean"] | None = None
+    tau: float | None = None
+
+    def __post_init__(self):
+        if self.entropy_cutoff is not None:
+            check_cutoff(self.entropy_cutoff)
+        if self.tau is not None:
+            check_tau(self.tau)
+
+
+@dataclass
+class PPOAlgoSection:
+    """PPO settings (Table 8 / OpenRLHF defaults)."""
+
+    kl_coef: float = 0.01
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    value_clip: float | None = 0.25
+    num_generations: int = 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    whiten_advantages: bool = True
+    async_generation: bool = False  # TRL engine: one-step off-policy rollouts (paper 001); OpenRLHF: train.async_enable
+
+    def __post_init__(self):
+        if self.kl_coef < 0:
+            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.num_generations < 1:
+            raise ValueError(f"ppo.num_generations must be >= 1, got {self.num_generations}")
+
+
+@dataclass
+class PPOTrainSection(TrainSection):
+    """:class:`~rlhf_ext.config.TrainSection` with ``batch_size`` = rollouts per optimizer step (global),
+    ``micro_batch_size`` per device, and the critic's own learning rate."""
+
+    output_dir: str = "runs/segment_ppo"
+    batch_size: int = 128
+    learning_rate: float = 5e-7
+    critic_learning_rate: float = 9e-6
+    logging_steps: int = 1
+    seed: int = 42
+    save_steps: int | None = None
+    resume: bool = True
+    zero_stage: int = 2
+    openrlhf_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SegmentPPORecipe:
+    """Segment-level PPO (paper 003, Algorithm 1 second half)."""
+
+    engine: Literal["trl", "openrlhf"] = "trl"
+    model: PPOModelSection = field(default_factory=PPOModelSection)
+    data: PPODataSection = field(default_factory=PPODataSection)
+    segment: PPOSegmentSection = field(default_factory=PPOSegmentSection)
+    ppo: PPOAlgoSection = field(default_factory=PPOAlgoSection)
+    train: PPOTrainSection = field(default_factory=PPOTrainSection)
+
+
+def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
+    """Train with the recipe's engine; returns a summary (paths, reward/KL curve)."""
+    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+
+
+def trl_config(recipe):
+    """Map a :class:`~rlhf_ext.pipelines.segment_ppo.SegmentPPORecipe` onto TRL's config (``train.trl_args`` last)."""
+    from rlhf_ext.config import RecipeError
+    from rlhf_ext.trl.args import make_config, training_kwargs
+    from rlhf_ext.trl.segment_ppo import SegmentPPOConfig
+
+    t, ppo, seg = recipe.train, recipe.ppo, recipe.segment
+    if ppo.num_generations < 2:
+        raise RecipeError("the TRL engine samples at least 2 responses per prompt: set ppo.num_generations >= 2")
+    kwargs = training_kwargs(t)
+    kwargs.update(
+        disable_tqdm=False,
+        num_generations=ppo.num_generations,
+        max_completion_length=recipe.data.max_completion_length,
+        temperature=ppo.temperature,
+        top_p=ppo.top_p,
+        epsilon=ppo.clip_eps,
+        reward_model_path=recipe.model.reward_model,
+        critic_model_path=recipe.model.critic_model,
+        normalizer_path=recipe.model.normalizer,
+        granularity=seg.granularity,
+        interpolation=seg.interpolation,
+        entropy_cutoff=seg.entropy_cutoff,
+        aggregation=seg.aggregation,
+        tau=seg.tau,
+        normalizer_kind=seg.normalizer_kind,
+        normalizer_basis=seg.normalizer_basis,
+        calibration_max_pairs=recipe.data.max_calibration_pairs,
+        kl_coef=ppo.kl_coef,
+        kl_estimator=ppo.kl_estimator,
+        advantage_estimator=ppo.advantage_estimator,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        value_clip=ppo.value_clip,
+        critic_learning_rate=t.critic_learning_rate,
+        whiten_advantages=ppo.whiten_advantages,
+        async_generation=ppo.async_generation,
+    )
+    return make_config(SegmentPPOConfig, kwargs, t.trl_args)
+
+
+def load_prompts(data, tokenizer):
+    """The recipe's prompt split as a ``prompt`` column, prompts longer than ``max_prompt_length`` cut on the left."""
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    dd = resolve_dataset(data.prompts)
+    if data.prompt_split not in dd:
+        raise ValueError(f"data.prompts: {data.prompts!r} has no split {data.prompt_split!r} (splits: {', '.join(dd)})")
+    ds = dd[data.prompt_split]
+    if data.prompt_key not in ds.column_names:
+        raise ValueError(
+            f"data.prompts ({data.prompts}) has no column {data.prompt_key!r}; columns: {', '.join(ds.column_names)}. "
+            "Set data.prompt_key"
+        )
+    if data.max_prompts is not None:
+        ds = ds.select(range(min(data.max_prompts, len(ds))))
+    ds = (
+        ds.select_columns([data.prompt_key]).rename_column(data.prompt_key, "prompt")
+        if data.prompt_key != "prompt"
+        else ds.select_columns(["prompt"])
+    )
+
+    def cut(row):
+        if isinstance(row["prompt"], str):
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if len(ids) > data.max_prompt_length:
+                return {"prompt": tokenizer.decode(ids[-data.max_prompt_length :])}
+        return row
+
+    return ds.map(cut, desc="Truncating prompts")
+
+
+def train_with_trl(recipe) -> dict[str, Any]:
+    """Run a :class:`SegmentPPORecipe` with TRL; returns paths and the reward/KL curve."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.io import atomic_write_json
+    from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    args = trl_config(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
+    prompts = load_prompts(recipe.data, tokenizer)
+    calibration = None
+    if recipe.model.normalizer is None and recipe.data.calibration is not None:
+        calibration = resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split]
+    trainer = SegmentPPOTrainer(
+        model=recipe.model.sft_model,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        calibration_dataset=calibration,
+    )
+    last = last_checkpoint(args.output_dir, recipe.train.resume)
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(args.output_dir)
+    curve = [
+        {k: h[k] for k in ("step", "reward", "segment/kl", "segment/score", "segment/raw_last_score") if k in h}
+        for h in trainer.state.log_history
+        if "reward" in h
+    ]
+    summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
+    if trainer.accelerator.is_main_process:
+        atomic_write_json(os.path.join(args.output_dir, "ppo_metrics.json"), summary)
+    return summary
+
+
+def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> list[str]:
+    """Translate a :class:`SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``)."""
+    import torch
+
+    from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+    from rlhf_ext.runtime.calibration import model_id
+
+    t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
+    gpus = torch.cuda.device_count()
+    actor_ranks = int(t.openrlhf_args.get("actor.num_gpus_per_node", max(gpus, 1)))
+    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, actor_ranks)
+    dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
+    if dtype is None:
+        raise ValueError(
+            "OpenRLHF trains in bf16 or fp16 only (--ds.param_dtype): set train.bf16: true, or "
+            "train.openrlhf_args: {ds.param_dtype: fp16}"
+        )
+    argv = [
+        "--actor.model_name_or_path", recipe.model.sft_model,
+        "--reward.model_name_or_path", recipe.model.reward_model,
+        "--data.prompt_dataset", prompts_file,
+        "--data.input_key", "prompt",
+        "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
+        "--rollout.max_new_tokens", str(data.max_completion_length),
+        "--rollout.batch_size", str(t.batch_size),
+        "--rollout.micro_batch_size", str(t.micro_batch_size),
+        "--rollout.n_samples_per_prompt", str(ppo.num_generations),
+        "--rollout.temperature", repr(ppo.temperature),
+        "--rollout.top_p", repr(ppo.top_p),
+        "--train.batch_size", str(t.batch_size),
+        "--train.micro_batch_size", str(micro),
+        "--train.max_epochs", "1",
+        "--train.num_episodes", str(max(1, math.ceil(t.epochs))),
+        "--train.seed", str(t.seed),
+        "--actor.adam.lr", repr(t.learning_rate),
+        "--critic.adam.lr", repr(t.critic_learning_rate),
+        "--actor.eps_clip", repr(ppo.clip_eps),
+        "--algo.kl.init_coef", repr(ppo.kl_coef),
+        "--algo.kl.estimator", ppo.kl_estimator,
+        "--algo.advantage.estimator", ppo.advantage_estimator,
+        "--algo.advantage.gamma", repr(ppo.gamma),
+        "--algo.advantage.lambd", repr(ppo.lam),
+        "--ds.zero_stage", str(t.zero_stage),
+        "--ds.param_dtype", dtype,
+        "--ckpt.output_dir", t.output_dir,
+        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
+        "--logger.logging_steps", str(t.logging_steps),
+        "--actor.num_gpus_per_node", str(max(gpus, 1)),
+        "--ref.num_gpus_per_node", str(max(gpus, 1)),
+        "--reward.num_gpus_per_node", str(max(gpus, 1)),
+        "--critic.num_gpus_per_node", str(max(gpus, 1)),
+        "--ext.granularity", seg.granularity,
+        "--ext.interpolation", seg.interpolation,
+        "--ext.reward_model_id", model_id(recipe.model.reward_model),
+    ]  # fmt: skip
+    if gpus:  # one node: every model and the vLLM engines share the GPUs
+        argv += ["--vllm.num_engines", str(gpus), "--train.colocate_all"]
+    else:  # CPU: the HF rollout engine (train_ppo_ray picks it), logical GPUs, no flash-attention
+        argv += ["--ds.attn_implementation", "sdpa"]
+    if t.max_steps is not None:  # OpenRLHF has no step limit: one PPO step consumes rollout.batch_size prompts
+        argv += ["--data.max_samples", str(t.max_steps * t.batch_size)]
+    if ppo.advantage_estimator == "gae":
+        argv += ["--critic.model_name_or_path", recipe.model.critic_model or recipe.model.reward_model]
+        if ppo.value_clip is not None:
+            argv += ["--critic.value_clip", repr(ppo.value_clip)]
+    for key in ("entropy_cutoff", "aggregation", "tau"):
+        value = getattr(seg, key)
+        if value is not None:
+            argv += [f"--ext.{key}", str(value)]
+    if normalizer_path is not None:
+        argv += ["--ext.normalizer", normalizer_path]
+    if t.save_steps:
+        argv += ["--ckpt.save_steps", str(t.save_steps)]
+    if t.resume:
+        argv += ["--ckpt.load_enable"]
+    if t.gradient_checkpointing:
+        argv += ["--actor.gradient_checkpointing_enable"]
+    if ppo.async_generation:
+        argv += ["--train.async_enable", "--train.async_queue_size", "1"]
+    return argv + flags_from_mapping(t.openrlhf_args)
+
+
+def prepare_openrlhf_run(recipe) -> tuple[list[str], dict[str, Any]]:
+    """Resolve models, write the prompt file, fit the normalizer if needed; returns (argv, paths)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.calibration import fit_normalizer, model_id, save_normalizer
+    from rlhf_ext.runtime.io import atomic_write_text
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    out = recipe.train.output_dir
+    os.makedirs(out, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
+    prompts = load_prompts(recipe.data, tokenizer)
+    prompts_file = os.path.join(out, "prompts.jsonl")
+    atomic_write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts["prompt"]))
+    normalizer_path = recipe.model.normalizer
+    seg = recipe.segment
+    if normalizer_path is None and seg.granularity != "bandit" and seg.normalizer_kind != "none":
+        if recipe.data.calibration is None:
+            raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
+        from rlhf_ext.runtime.segment_data import load_segment_settings
+
+        settings = load_segment_settings(recipe.model.reward_model)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        normalizer = fit_normalizer(
+            AutoModelForSequenceClassification.from_pretrained(recipe.model.reward_model, num_labels=1).to(device),
+            AutoModelForCausalLM.from_pretrained(recipe.model.sft_model).to(device),
+            tokenizer,
+            resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split],
+            kind=seg.normalizer_kind,
+            basis=seg.normalizer_basis,
+            granularity=seg.granularity,
+            entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else settings["entropy_cutoff"],
+            aggregation=seg.aggregation or settings["aggregation"],
+            tau=seg.tau if seg.tau is not None else settings["tau"],
+            reward_model_id=model_id(recipe.model.reward_model),
+            max_pairs=recipe.data.max_calibration_pairs,
+        )
+        normalizer_path = os.path.join(out, "normalizer.json")
+        save_normalizer(normalizer, normalizer_path)
+    paths = {"prompts": prompts_file, "normalizer": normalizer_path}
+    return openrlhf_argv(recipe, prompts_file, normalizer_path), paths
+
+
+def train_with_openrlhf(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.pipelines.segment_ppo.SegmentPPORecipe` with OpenRLHF's Ray PPO (vLLM rollouts on GPUs,
+    the HF rollout engine on a CPU)."""
+    from rlhf_ext.openrlhf.train_ppo_ray import main as train_ppo_ray
+
+    argv, paths = prepare_openrlhf_run(recipe)
+    train_ppo_ray(argv)
+    return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}

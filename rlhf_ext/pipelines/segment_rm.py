@@ -1,0 +1,336 @@
+"""The segment reward-model recipe: one typed config that YAML files map onto 1:1, shared by both engines.
+
+``recipes/segment_rm_tiny.yaml`` (CPU, seconds) and ``recipes/segment_rm_paper.yaml`` (Table 7) are instances of
+:class:`SegmentRMRecipe`. :func:`run_segment_rm` dispatches to the TRL or OpenRLHF adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlhf_ext.algos.segment_reward import (
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    check_aggregation,
+    check_cutoff,
+    check_tau,
+)
+from rlhf_ext.config import TrainSection
+
+Engine = Literal["trl", "openrlhf"]
+
+
+@dataclass
+class ModelSection:
+    """``sft_model``: the SFT checkpoint (path, hub id or ``builtin:tiny-sft``); the reward model is initialised from
+    it and it segments the data. ``tokenizer``: defaults to the SFT model's."""
+
+    sft_model: str = "builtin:tiny-sft"
+    tokenizer: str | None = None
+
+
+@dataclass
+class PreferenceDataSection:
+    """Where the preference pairs come from and how they are cut to length (prompt left, response right)."""
+
+    train: str = "builtin:toy-keyphrase"
+    train_split: str = "train"
+    eval: str | None = None
+    eval_split: str = "test"
+    prompt_key: str | None = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_length: int = 512
+    max_prompt_length: int | None = None
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+
+
+@dataclass
+class SegmentSection:
+    """Paper 003 segment settings (Table 7 defaults). ``entropy_cutoff: inf`` is the bandit model, ``0`` the token
+    model."""
+
+    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF
+    aggregation: Literal["softmax", "sum", "mean"] = "softmax"
+    tau: float = DEFAULT_TAU
+    entropy_batch_size: int = 8
+
+    def __post_init__(self):
+        check_cutoff(self.entropy_cutoff)
+        check_tau(self.tau)
+        check_aggregation(self.aggregation)
+
+
+@dataclass
+class RMTrainSection(TrainSection):
+    """Optimisation settings (:class:`~rlhf_ext.config.TrainSection`); both engines read the same keys.
+
+    ``save_steps`` writes resumable checkpoints; with ``resume: true`` a rerun continues from the last one.
+    ``trl_args`` / ``openrlhf_args`` pass engine-native options through unchanged (``SegmentRewardConfig`` fields,
+    or OpenRLHF flags without the leading dashes, e.g. ``{ds.adam_offload: true}``).
+    """
+
+    output_dir: str = "runs/segment_rm"
+    learning_rate: float = 1e-3
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    seed: int = 42
+    save_steps: int | None = None
+    resume: bool = True
+    zero_stage: int = 2
+    segment_cache_dir: str | None = None
+    openrlhf_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SegmentRMRecipe:
+    """Segment-level reward model training (paper 003, section 2.2, Algorithm 1 first half)."""
+
+    engine: Engine = "trl"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: PreferenceDataSection = field(default_factory=PreferenceDataSection)
+    segment: SegmentSection = field(default_factory=SegmentSection)
+    train: RMTrainSection = field(default_factory=RMTrainSection)
+
+
+def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):
+    """(train, eval-or-None) ``datasets.Dataset`` for a recipe's data section, with columns checked up front."""
+    from rlhf_ext.runtime.segment_data import check_preference_columns
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    def pick(source: str, split: str, limit: int | None, what: str):
+        dd = resolve_dataset(source, **builtin_kwargs) if source.startswith("builtin:") else resolve_dataset(source)
+        if split not in dd:
+            raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
+        ds = dd[split]
+        check_preference_columns(ds.column_names, data.chosen_key, data.rejected_key, f"data.{what} ({source})")
+        if data.prompt_key not in (None, "prompt") and data.prompt_key not in ds.column_names:
+            raise ValueError(
+                f"data.{what} ({source}) has no prompt column {data.prompt_key!r}; "
+                f"columns: {', '.join(ds.column_names)}"
+            )
+        if limit is not None:
+            ds = ds.select(range(min(limit, len(ds))))
+        if len(ds) == 0:
+            raise ValueError(f"data.{what} ({source}, split {split!r}) is empty")
+        return ds
+
+    train = pick(data.train, data.train_split, data.max_train_samples, "train")
+    eval_source = data.eval or data.train
+    try:
+        eval_ds = pick(eval_source, data.eval_split, data.max_eval_samples, "eval")
+    except ValueError:
+        if data.eval is not None:
+            raise
+        eval_ds = None  # the training source has no eval split and none was configured
+    return train, eval_ds
+
+
+def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection, out_dir: str, n: int = 4):
+    """Score ``n`` held-out pairs with the trained reward model; write ``segment_report.html`` and ``.txt``."""
+    from pathlib import Path
+
+    from rlhf_ext.runtime.io import atomic_write_text
+    from rlhf_ext.runtime.token_scores import SegmentScorer, render_html
+
+    scorer = SegmentScorer(model_dir)
+    views, lines = [], []
+    for row in eval_rows.select(range(min(n, len(eval_rows)))):
+        prompt = row.get(data.prompt_key) if data.prompt_key else None
+        for side, key in (("chosen", data.chosen_key), ("rejected", data.rejected_key)):
+            view = scorer.score(prompt, row[key])
+            views.append(view)
+            lines.append(f"[{side}] {view.prompt!r}\n{view.as_text()}\n")
+    out = Path(out_dir)
+    html_path, txt_path = out / "segment_report.html", out / "segment_report.txt"
+    atomic_write_text(html_path, render_html(views, "Segment rewards on held-out pairs (chosen, then rejected)"))
+    atomic_write_text(txt_path, "\n".join(lines))
+    return {"html": str(html_path), "text": str(txt_path)}
+
+
+def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
+    """Train a segment reward model with the recipe's engine; returns a summary (paths, final metrics)."""
+    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+
+
+def trl_config(recipe):
+    """Map a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` onto TRL's config (``train.trl_args`` last)."""
+    from rlhf_ext.trl.args import make_config, training_kwargs
+    from rlhf_ext.trl.segment_reward import SegmentRewardConfig
+
+    kwargs = training_kwargs(recipe.train)
+    kwargs.update(
+        eval_strategy="epoch",
+        max_length=recipe.data.max_length,
+        entropy_cutoff=recipe.segment.entropy_cutoff,
+        aggregation=recipe.segment.aggregation,
+        tau=recipe.segment.tau,
+        entropy_batch_size=recipe.segment.entropy_batch_size,
+        segment_cache_dir=recipe.train.segment_cache_dir,
+    )
+    return make_config(SegmentRewardConfig, kwargs, recipe.train.trl_args)
+
+
+def train_with_trl(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` with TRL; returns paths and final eval metrics."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.io import atomic_write_json
+    from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.segment_reward import SegmentRewardTrainer
+
+    args = trl_config(recipe)
+    sft_path = resolve_model(recipe.model.sft_model)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or sft_path))
+    train_ds, eval_ds = load_preference_splits(recipe.data)
+    if recipe.data.prompt_key and recipe.data.prompt_key not in train_ds.column_names:
+        recipe.data.prompt_key = None
+    from rlhf_ext.runtime.segment_data import prepare_segment_dataset
+
+    prepare = dict(
+        tokenizer=tokenizer,
+        sft_model_name_or_path=sft_path,
+        max_length=recipe.data.max_length,
+        max_prompt_length=recipe.data.max_prompt_length,
+        prompt_key=recipe.data.prompt_key,
+        chosen_key=recipe.data.chosen_key,
+        rejected_key=recipe.data.rejected_key,
+        entropy_batch_size=recipe.segment.entropy_batch_size,
+        cache_dir=recipe.train.segment_cache_dir,
+    )
+    train_prepared = prepare_segment_dataset(train_ds, **prepare)
+    eval_prepared = prepare_segment_dataset(eval_ds, **prepare) if eval_ds is not None else None
+    args.sft_model_name_or_path = sft_path
+    trainer = SegmentRewardTrainer(
+        model=sft_path,
+        args=args,
+        train_dataset=train_prepared,
+        eval_dataset=eval_prepared,
+        processing_class=tokenizer,
+    )
+    last = last_checkpoint(args.output_dir, recipe.train.resume)
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(args.output_dir)
+    metrics = trainer.evaluate() if eval_prepared is not None else {}
+    summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
+    if trainer.accelerator.is_main_process:
+        if eval_ds is not None:
+            summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
+        atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
+    return summary
+
+
+def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
+    """Translate a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` into ``train_rm`` flags (+ ``--ext.*``)."""
+    import torch
+
+    from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+
+    t = recipe.train
+    cpu = not torch.cuda.is_available()
+    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")))
+    argv = [
+        "--model.model_name_or_path", recipe.model.sft_model,
+        "--data.dataset", dataset_dir,
+        "--data.dataset_split", "train",
+        "--data.max_len", str(recipe.data.max_length),
+        "--ckpt.output_dir", t.output_dir,
+        "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
+        "--ckpt.save_steps", str(t.save_steps or -1),
+        "--train.max_epochs", str(max(1, math.ceil(t.epochs))),
+        "--train.batch_size", str(t.batch_size),
+        "--train.micro_batch_size", str(micro),
+        "--train.seed", str(t.seed),
+        "--adam.lr", repr(t.learning_rate),
+        "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),
+        "--adam.weight_decay", repr(t.weight_decay),
+        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler == "cosine" else t.lr_scheduler,
+        "--lr_warmup_ratio", repr(t.warmup_ratio),
+        "--max_norm", repr(t.max_grad_norm),
+        "--logger.logging_steps", str(t.logging_steps),
+        "--ds.zero_stage", str(t.zero_stage),
+        "--ds.param_dtype", "bf16",
+        "--ds.attn_implementation", "sdpa" if cpu else "flash_attention_2",
+        "--ext.entropy_cutoff", repr(recipe.segment.entropy_cutoff),
+        "--ext.aggregation", recipe.segment.aggregation,
+        "--ext.tau", repr(recipe.segment.tau),
+        "--ext.sft_model", recipe.model.sft_model,
+    ]  # fmt: skip
+    if recipe.data.max_prompt_length is not None:
+        argv += ["--ext.max_prompt_length", str(recipe.data.max_prompt_length)]
+    if eval_dir is not None:
+        argv += ["--eval.dataset", eval_dir, "--eval.split", "train"]
+    if t.resume:
+        argv += ["--ckpt.load_enable"]
+    if t.gradient_checkpointing:
+        argv += ["--model.gradient_checkpointing_enable"]
+    return argv + flags_from_mapping(t.openrlhf_args)
+
+
+def train_with_openrlhf(recipe) -> dict[str, Any]:
+    """Run a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` with OpenRLHF's ``train_rm`` (in this process).
+
+    The data is prepared (tokenised, SFT entropies) once, saved next to the output, and handed to OpenRLHF as a
+    dataset directory, so every rank of a ``deepspeed`` launch reads the same prepared rows.
+    """
+    from rlhf_ext.openrlhf.segment_rm import run_train_rm
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock
+    from rlhf_ext.runtime.segment_data import prepare_segment_dataset
+
+    if recipe.train.epochs != math.ceil(recipe.train.epochs):
+        raise ValueError("the OpenRLHF engine trains whole epochs: set train.epochs to an integer")
+    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or recipe.model.sft_model))
+    data_root = os.path.join(recipe.train.output_dir, "prepared_data")
+    dirs = {}
+    with file_lock(data_root + ".lock"):
+        train_ds, eval_ds = load_preference_splits(recipe.data)
+        prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
+        for name, ds in (("train", train_ds), ("eval", eval_ds)):
+            if ds is None:
+                continue
+            target = os.path.join(data_root, name)
+            if not os.path.exists(os.path.join(target, "dataset_info.json")):
+                prepared = prepare_segment_dataset(
+                    ds,
+                    tokenizer,
+                    sft_model_name_or_path=recipe.model.sft_model,
+                    max_length=recipe.data.max_length,
+                    max_prompt_length=recipe.data.max_prompt_length,
+                    prompt_key=prompt_key,
+                    chosen_key=recipe.data.chosen_key,
+                    rejected_key=recipe.data.rejected_key,
+                    entropy_batch_size=recipe.segment.entropy_batch_size,
+                    cache_dir=recipe.train.segment_cache_dir,
+                )
+                with atomic_directory(target) as tmp:
+                    prepared.save_to_disk(str(tmp))
+            dirs[name] = target
+    run_train_rm(openrlhf_argv(recipe, dirs["train"], dirs.get("eval")))
+    summary: dict[str, Any] = {"engine": "openrlhf", "model_dir": recipe.train.output_dir, "eval": {}}
+    if int(os.environ.get("RANK", "0")) == 0:
+        if eval_ds is not None:
+            from datasets import load_from_disk
+
+            from rlhf_ext.runtime.token_scores import preference_accuracy
+
+            seg = recipe.segment
+            summary["eval"] = preference_accuracy(
+                recipe.train.output_dir, load_from_disk(dirs["eval"]), seg.entropy_cutoff, seg.aggregation, seg.tau
+            )
+            summary["report"] = write_segment_report(
+                recipe.train.output_dir, eval_ds, recipe.data, recipe.train.output_dir
+            )
+        atomic_write_json(os.path.join(recipe.train.output_dir, "metrics.json"), summary)
+    return summary

@@ -1,0 +1,173 @@
+"""Pair collection for online DPO (paper 004, Algorithm 2 steps 4-6): sample ``[P][n]`` responses, score them and
+form one pair per prompt with :func:`~rlhf_ext.algos.pair_selection.select_pairs`.
+
+:func:`score_and_select` does it for one batch; :class:`OnlinePairGenerator` is the generator side of per-batch online
+DPO (thread or process).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_ext.algos.pair_selection import select_pairs
+from rlhf_ext.runtime.rewards import RewardFn, score
+from rlhf_ext.runtime.sampling import make_sampler
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    """How :func:`score_and_select` forms pairs (paper 004, Eq. 9; see :func:`~rlhf_ext.online.select_pairs`)."""
+
+    rule: str = "max_min"
+    length_penalty: float = 0.0
+    length_unit: str = "chars"
+    tie_tolerance: float = 0.0
+
+    @classmethod
+    def from_args(cls, args) -> SelectionSettings:
+        """From an :class:`~rlhf_ext.trl.IterativeDPOConfig`."""
+        return cls(args.selection_rule, args.length_penalty, args.length_unit, args.tie_tolerance)
+
+
+def score_and_select(
+    prompts: list[Any],
+    ids: list[int],
+    samples,
+    reward_fn: RewardFn,
+    settings: SelectionSettings,
+    generator: torch.Generator,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (Eq. 9).
+
+    Returns the pair rows (one dict per kept prompt, in prompt order) and statistics of the scored samples.
+    """
+    n = len(samples.temperatures)
+    flat_prompts = [p for p in prompts for _ in range(n)]
+    rewards = score(reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
+    lengths = samples.num_chars() if settings.length_unit == "chars" else samples.num_tokens.float()
+    sel = select_pairs(
+        rewards,
+        lengths=lengths,
+        rule=settings.rule,
+        length_penalty=settings.length_penalty,
+        texts=samples.texts,
+        tie_tolerance=settings.tie_tolerance,
+        generator=generator,
+    )
+    rows = []
+    for j, (i, c, r) in enumerate(zip(sel.prompt_index.tolist(), sel.chosen.tolist(), sel.rejected.tolist())):
+        rows.append(
+            {
+                "prompt": prompts[i],
+                "chosen": samples.texts[i][c],
+                "rejected": samples.texts[i][r],
+                "chosen_reward": float(rewards[i, c]),
+                "rejected_reward": float(rewards[i, r]),
+                "margin": float(sel.margin[j]),
+                "reward_margin": float(sel.reward_margin[j]),
+                "prompt_id": ids[i],
+                "chosen_index": c,
+                "rejected_index": r,
+                "chosen_temperature": samples.temperatures[c],
+                "rejected_temperature": samples.temperatures[r],
+            }
+        )
+    stats = {
+        "num_prompts": len(prompts),
+        "num_samples": n,
+        "dropped": sel.dropped,
+        "mean_reward": float(rewards.mean()),
+        "mean_reward_by_temperature": {
+            str(t): float(rewards[:, [j for j, tt in enumerate(samples.temperatures) if tt == t]].mean())
+            for t in dict.fromkeys(samples.temperatures)
+        },
+        "mean_margin": float(sel.reward_margin.mean()) if len(sel) else 0.0,
+        "mean_max_min_gap": float((rewards.max(1).values - rewards.min(1).values).mean()),
+        "mean_length_chars": float(samples.num_chars().mean()),
+        "truncated_fraction": float(samples.truncated.float().mean()),
+    }
+    return rows, stats
+
+
+class OnlinePairGenerator:
+    """The generator side of online DPO (paper 001): for each batch, sample ``num_samples`` responses for as many
+    prompts as pairs are still needed, score them, select pairs; prompts whose responses tie are replaced by the
+    next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process (the
+    sampler is then built there on first use; ``reward_fn`` must be picklable).
+
+    Prompts are taken in a fixed shuffled order (``seed``), wrapping around.
+    """
+
+    def __init__(
+        self,
+        prompts: list[Any],
+        pairs_per_update: int,
+        num_samples: int,
+        max_fill_rounds: int,
+        selection: SelectionSettings,
+        reward_fn: RewardFn,
+        sampler_spec: dict[str, Any],
+        seed: int,
+        sampler=None,
+    ):
+        self.prompts = prompts
+        self.pairs_per_update = pairs_per_update
+        self.num_samples = num_samples
+        self.max_fill_rounds = max_fill_rounds
+        self.selection = selection
+        self.reward_fn = reward_fn
+        self.sampler_spec = sampler_spec
+        self.order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))
+        self.cursor = 0
+        self._sampler = sampler
+        if sampler is not None:
+            sampler.load_policy(sampler_spec["policy"])
+        else:
+            if sampler_spec["backend"] == "vllm":
+                raise ValueError("generator_process needs generation_backend='hf' (vLLM runs its own engine process)")
+            try:
+                pickle.dumps(reward_fn)
+            except Exception as e:
+                raise ValueError(
+                    f"generator_process pickles the reward function to the generator process, but {reward_fn!r} "
+                    f"cannot be pickled ({e}); use a module-level function or a reward-model object"
+                ) from e
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sampler": None}
+
+    @property
+    def sampler(self):
+        if self._sampler is None:
+            self._sampler = make_sampler(**self.sampler_spec)
+        return self._sampler
+
+    def _take(self, m: int) -> tuple[list[Any], list[int]]:
+        pos = (self.cursor + torch.arange(m)) % len(self.prompts)
+        self.cursor += m
+        ids = self.order[pos].tolist()
+        return [self.prompts[i] for i in ids], ids
+
+    def generate(self, index: int, version: int) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for _ in range(self.max_fill_rounds + 1):
+            prompts, ids = self._take(self.pairs_per_update - len(rows))
+            samples = self.sampler.sample(prompts, self.num_samples)
+            new, _ = score_and_select(
+                prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(index)
+            )
+            rows.extend(new)
+            if len(rows) == self.pairs_per_update:
+                return rows
+        raise RuntimeError(
+            f"online batch {index}: only {len(rows)} of {self.pairs_per_update} prompts gave a preference pair after "
+            f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.num_samples} responses tied). Use a "
+            "reward with finer resolution, more samples per prompt (num_samples), or a larger max_fill_rounds."
+        )
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.sampler.load_weights(weights)

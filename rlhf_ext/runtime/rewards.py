@@ -1,0 +1,170 @@
+"""Reward functions ``reward_fn(prompts, responses) -> tensor[N]`` (one score per response; a prompt is repeated for
+each of its responses) and :func:`load_reward`, which builds one from a recipe string.
+
+Two are built on checkpoints: :class:`SequenceClassifierReward` (any ``AutoModelForSequenceClassification`` reward
+model, scored on the same text TRL's ``RewardTrainer`` trains on) and :class:`SegmentSequenceReward` (the sequence
+evaluation ``e_phi`` of a segment reward model, paper 003 Eq. 4); any user callable works too (e.g. the simulator's
+annotators). ``builtin:`` reward names are resolved by :func:`rlhf_ext.zoo.resolve_reward`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_ext.runtime.sampling import is_conversation
+
+RewardFn = Callable[[list[Any], list[str]], "Tensor | Sequence[float]"]
+
+
+# ------------------------------------------------------------------------------------------------------ rewards
+def score(reward_fn: RewardFn, prompts: Sequence[Any], responses: Sequence[str]) -> Tensor:
+    """Call ``reward_fn`` and check its output: a finite float tensor with one score per response."""
+    out = reward_fn(list(prompts), list(responses))
+    rewards = torch.as_tensor(out, dtype=torch.float32).detach().cpu().flatten()
+    if rewards.numel() != len(responses):
+        raise ValueError(
+            f"the reward function returned {rewards.numel()} scores for {len(responses)} responses; it must return "
+            "one score per (prompt, response)"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("the reward function returned NaN or inf scores; check the reward model / function")
+    return rewards
+
+
+class SequenceClassifierReward:
+    """Score with a sequence-classification reward model (``num_labels=1``), e.g. one trained by TRL's
+    ``RewardTrainer``: the text is ``prompt + response`` plus EOS (chat prompts through the chat template), as
+    ``RewardTrainer`` builds it, and the score is the model's output at the last real token."""
+
+    def __init__(self, model, tokenizer=None, batch_size: int = 32, device: str | torch.device | None = None):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model, str | Path):
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
+            model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, dtype=torch.float32)
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= when the reward model is already instantiated")
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def _text(self, prompt: Any, response: str) -> tuple[str, bool]:
+        if is_conversation(prompt):
+            messages = list(prompt) + [{"role": "assistant", "content": response}]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False), True
+        eos = self.tokenizer.eos_token or ""
+        text = prompt + response
+        return (text if text.endswith(eos) else text + eos), False
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
+        from rlhf_ext.runtime.segment_data import pad_sequences
+
+        ids = []
+        for p, r in zip(prompts, responses):
+            text, is_chat = self._text(p, r)
+            ids.append(self.tokenizer(text, add_special_tokens=not is_chat)["input_ids"])
+        out = []
+        for start in range(0, len(ids), self.batch_size):
+            chunk = ids[start : start + self.batch_size]
+            input_ids = pad_sequences(chunk, self.pad_id, "right", torch.long).to(self.device)
+            mask = pad_sequences([[1] * len(s) for s in chunk], 0, "right", torch.long).to(self.device)
+            out.append(self.model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+class SegmentSequenceReward:
+    """Score with a segment reward model's sequence evaluation ``e_phi(x, y)`` (paper 003, Eq. 4): the SFT model
+    segments each response by entropy, the reward model scores each segment's last token, and the segment rewards
+    are aggregated — the same :func:`~rlhf_ext.segment.evaluate_sequences` path training uses."""
+
+    def __init__(self, reward_model: str | Path, sft_model: str | None = None, batch_size: int = 16, device=None):
+        from rlhf_ext.runtime.token_scores import SegmentScorer
+
+        self.scorer = SegmentScorer(str(reward_model), sft_model=sft_model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.scorer.reward_model.to(self.device)
+        self.scorer.sft_model.to(self.device)
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
+        from rlhf_ext.algos.segment_reward import evaluate_sequences
+        from rlhf_ext.runtime.segment_data import pad_sequences, sft_token_entropy, tokenize_pair
+        from rlhf_ext.runtime.token_scores import token_scores
+
+        tok = self.scorer.tokenizer
+        rows = []
+        for p, r in zip(prompts, responses):
+            resp = [{"role": "assistant", "content": r}] if is_conversation(p) else r
+            rows.append(tokenize_pair({"prompt": p, "chosen": resp, "rejected": resp}, tok))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out = []
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            seqs = [row["chosen_ids"] for row in chunk]
+            ids = pad_sequences(seqs, pad, "right", torch.long).to(self.device)
+            mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(self.device)
+            action = [[0] * row["prompt_len"] + [1] * (len(s) - row["prompt_len"]) for row, s in zip(chunk, seqs)]
+            action_mask = pad_sequences(action, 0, "right", torch.long).bool().to(self.device)
+            entropy = sft_token_entropy(self.scorer.sft_model, ids, mask)
+            scores = token_scores(self.scorer.reward_model, ids, mask)
+            ev = evaluate_sequences(
+                scores, entropy, action_mask, self.scorer.cutoff, self.scorer.aggregation, self.scorer.tau
+            )
+            out.append(ev.values.float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+def load_reward(
+    spec: str,
+    kind: str = "auto",
+    batch_size: int = 32,
+    sft_model: str | None = None,
+    device: str | torch.device | None = None,
+) -> RewardFn:
+    """A reward function from a recipe string.
+
+    ``spec`` is ``builtin:keyphrase-gold``, ``module.path:callable`` (a user function or a factory's result, e.g.
+    the simulator's annotators), a reward-model checkpoint directory, or the hub id of a sequence classifier.
+    ``kind`` for checkpoints: ``segment`` (a segment reward model, scored by ``e_phi``), ``sequence_classification``,
+    or ``auto`` (segment if the directory has rlhf-ext's ``segment_config.json``).
+    """
+    if spec.startswith("builtin:"):
+        raise ValueError(f"{spec!r} is a builtin name: resolve it with rlhf_ext.zoo.resolve_reward({spec!r})")
+    path = Path(spec)
+    if not path.exists() and ":" in spec:
+        module, _, name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"reward function {spec!r} could not be imported ({e}); use 'package.module:function'"
+            ) from e
+        if not callable(fn):
+            raise ValueError(f"reward function {spec!r} is not callable")
+        return fn
+    if not path.exists():
+        if kind == "segment" or spec.startswith(("/", ".")) or spec.count("/") != 1:
+            raise FileNotFoundError(
+                f"reward model {spec!r} does not exist; give a reward-model checkpoint directory (or a hub id of a "
+                "sequence classifier) or 'module:function'"
+            )
+        return SequenceClassifierReward(spec, batch_size=batch_size, device=device)  # a hub id
+    from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME
+
+    if kind == "auto":
+        kind = "segment" if (path / SEGMENT_CONFIG_NAME).is_file() else "sequence_classification"
+    if kind == "segment":
+        return SegmentSequenceReward(path, sft_model=sft_model, batch_size=batch_size, device=device)
+    if kind == "sequence_classification":
+        return SequenceClassifierReward(str(path), batch_size=batch_size, device=device)
+    raise ValueError(f"reward kind must be 'auto', 'segment' or 'sequence_classification'; got {kind!r}")

@@ -1,0 +1,358 @@
+"""Sampling for online DPO and the simulator (engine-free; ``transformers`` / vLLM imported on use).
+
+Samplers (paper 004, Algorithm 2 step 4: "sample n responses at two temperatures", no top-k / top-p):
+
+- :class:`HFSampler` — ``transformers`` ``generate`` (CPU or one GPU).
+- :class:`VLLMSampler` — vLLM, when it is installed on a GPU machine (imported only when constructed).
+
+Both return :class:`Samples` with the ``[P][n]`` response texts in a fixed layout (for each prompt, the responses of
+the first temperature, then the second ...), and load new policy weights with ``load_weights(state_dict)`` (used by
+the asynchronous runner) or ``load_policy(path)`` (a saved iterate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+DEFAULT_TEMPERATURES = (0.7, 1.0)
+
+
+def split_temperatures(n: int, temperatures: Sequence[float]) -> list[tuple[float, int]]:
+    """``[(temperature, count)]``: ``n`` samples split as evenly as possible (earlier temperatures get the extra)."""
+    temps = [float(t) for t in temperatures]
+    if not temps:
+        raise ValueError("temperatures must list at least one sampling temperature (the paper uses [0.7, 1.0])")
+    if any(not math.isfinite(t) or t <= 0 for t in temps):
+        raise ValueError(f"sampling temperatures must be positive numbers; got {temps}")
+    if n < 1:
+        raise ValueError(f"the number of samples per prompt must be >= 1; got {n}")
+    k = len(temps)
+    counts = [n // k + (i < n % k) for i in range(k)]
+    return [(t, c) for t, c in zip(temps, counts) if c > 0]
+
+
+def is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def render_prompt(tokenizer, prompt: Any) -> tuple[str, bool]:
+    """The text the policy continues: a plain prompt as is, chat messages through the chat template."""
+    if is_conversation(prompt):
+        if tokenizer.chat_template is None:
+            raise ValueError("the prompts are chat messages but the tokenizer has no chat template; set one")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
+    if not isinstance(prompt, str):
+        raise TypeError(f"a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
+    return prompt, False
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Any], max_prompt_length: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt as TRL's DPOTrainer tokenises it (plain text with the tokenizer's special tokens,
+    rendered chat without), cut from the left to ``max_prompt_length``."""
+    out = []
+    for p in prompts:
+        text, is_chat = render_prompt(tokenizer, p)
+        ids = tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            ids = ids[len(ids) - max_prompt_length :]
+        out.append(ids)
+    return out
+
+
+@dataclass
+class Samples:
+    """``n`` responses for each of ``P`` prompts.
+
+    Attributes:
+        texts: ``[P][n]`` decoded responses (special tokens removed).
+        num_tokens: ``[P, n]`` long — generated tokens up to and including EOS.
+        truncated: ``[P, n]`` bool — the response hit ``max_new_tokens`` without EOS.
+        temperatures: ``[n]`` sampling temperature of each column.
+    """
+
+    texts: list[list[str]]
+    num_tokens: Tensor
+    truncated: Tensor
+    temperatures: list[float]
+
+    def flat(self) -> list[str]:
+        return [t for row in self.texts for t in row]
+
+    def num_chars(self) -> Tensor:
+        """``[P, n]`` response lengths in characters (the unit of the paper's Eq. 9)."""
+        return torch.tensor([[len(t) for t in row] for row in self.texts], dtype=torch.float32)
+
+
+def _response_lengths(gen: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """``[B]`` tokens up to and including the first EOS (``T`` if none) and ``[B]`` bool truncated, for ``[B, T]``."""
+    is_eos = torch.isin(gen, torch.tensor(list(eos_ids), device=gen.device))
+    has = is_eos.any(dim=1)
+    first = is_eos.int().argmax(dim=1)
+    return torch.where(has, first + 1, gen.shape[1]).cpu(), (~has).cpu()
+
+
+def _assemble(per_temp: list[tuple[float, int, list[str], Tensor, Tensor]], num_prompts: int) -> Samples:
+    """Interleave per-temperature results (each ``[P * c]``, prompt-major) into the ``[P][n]`` layout."""
+    texts: list[list[str]] = [[] for _ in range(num_prompts)]
+    tokens, truncs, temps = [], [], []
+    for temp, c, t_texts, t_tokens, t_trunc in per_temp:
+        for i in range(num_prompts):
+            texts[i].extend(t_texts[i * c : (i + 1) * c])
+        tokens.append(t_tokens.view(num_prompts, c))
+        truncs.append(t_trunc.view(num_prompts, c))
+        temps.extend([temp] * c)
+    return Samples(texts, torch.cat(tokens, dim=1), torch.cat(truncs, dim=1), temps)
+
+
+class HFSampler:
+    """Sample with ``transformers`` ``generate`` (``do_sample``, no top-k / top-p unless set).
+
+    Args:
+        model: a causal LM (used as is) or a checkpoint path.
+        tokenizer: the policy's tokenizer.
+        max_new_tokens: response length limit.
+        temperatures: the temperatures ``n`` is split across (paper: 0.7 and 1.0).
+        batch_size: sequences per ``generate`` call.
+        max_prompt_length: prompts are cut from the left to this many tokens.
+        top_p, top_k: nucleus / top-k filtering (paper: none, i.e. 1.0 and 0).
+        device: where the sampling model runs (default: CUDA if available).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 256,
+        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        batch_size: int = 64,
+        max_prompt_length: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperatures = list(temperatures)
+        self.batch_size = batch_size
+        self.max_prompt_length = max_prompt_length
+        self.top_p, self.top_k = top_p, top_k
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        self.model = None
+        if isinstance(model, str | Path):
+            self.load_policy(model)
+        else:
+            self.model = model.to(self.device).eval()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+        self.pad_id = pad
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+
+    def load_policy(self, path: str | Path) -> None:
+        """Sample from the checkpoint at ``path`` from now on."""
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device).eval()
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Install new policy weights (same architecture), e.g. published by the learner."""
+        self.model.load_state_dict(state_dict)
+
+    def release(self) -> None:
+        """Free the sampling model (before training on the same device)."""
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[Any],
+        n: int,
+        temperatures: Sequence[float] | None = None,
+        seed: int | None = None,
+    ) -> Samples:
+        """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's).
+
+        With ``seed`` the draw is reproducible and the global RNG is left untouched (main thread only; the
+        asynchronous generator thread passes no seed).
+        """
+        if self.model is None:
+            raise RuntimeError("the sampler has no model loaded; call load_policy(path) first")
+        groups = split_temperatures(n, temperatures or self.temperatures)
+        encoded = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
+        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        with rng if seed is not None else contextlib.nullcontext():
+            if seed is not None:
+                torch.manual_seed(seed)
+            per_temp = [(t, c, *self._generate(encoded, c, t)) for t, c in groups]
+        return _assemble(per_temp, len(encoded))
+
+    def _generate(self, encoded: list[list[int]], copies: int, temperature: float):
+        seqs = [ids for ids in encoded for _ in range(copies)]
+        texts: list[str] = []
+        lengths, truncated = [], []
+        for start in range(0, len(seqs), self.batch_size):
+            chunk = seqs[start : start + self.batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
+                ids[i, width - len(s) :] = torch.tensor(s)
+                mask[i, width - len(s) :] = 1
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=True,
+                temperature=temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids,
+                use_cache=True,
+            )
+            gen = out[:, width:]
+            n_tok, trunc = _response_lengths(gen, self.eos_ids)
+            # keep tokens up to the first EOS (generate pads finished rows with the pad id, which may differ)
+            keep = torch.arange(gen.shape[1], device=gen.device).unsqueeze(0) < n_tok.to(gen.device).unsqueeze(1)
+            texts.extend(self.tokenizer.batch_decode(gen.masked_fill(~keep, self.pad_id), skip_special_tokens=True))
+            lengths.append(n_tok)
+            truncated.append(trunc)
+        return texts, torch.cat(lengths), torch.cat(truncated)
+
+
+class VLLMSampler:
+    """Sample with vLLM (GPU). Same interface as :class:`HFSampler`.
+
+    Args:
+        model: checkpoint path of the initial policy.
+        tokenizer: the policy's tokenizer (prompts are tokenised here, exactly as for HF, and passed as token ids).
+        gpu_memory_utilization: share of GPU memory vLLM may take (the trainer shares the GPU).
+        llm: an existing ``vllm.LLM`` to use instead of creating one.
+        llm_kwargs: extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len`` ...).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer,
+        max_new_tokens: int = 256,
+        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        max_prompt_length: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        llm=None,
+        **llm_kwargs: Any,
+    ):
+        try:
+            vllm = importlib.import_module("vllm")
+        except ImportError as e:
+            raise ImportError(
+                "generation_backend='vllm' needs vLLM: `pip install rlhf-ext[vllm]` on a CUDA machine, or use "
+                "generation_backend='hf'"
+            ) from e
+        self._sampling_params = vllm.SamplingParams
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperatures = list(temperatures)
+        self.max_prompt_length = max_prompt_length
+        self.top_p = top_p
+        self.top_k = top_k if top_k > 0 else -1  # vLLM: -1 disables top-k
+        if llm is None:
+            llm = vllm.LLM(model=str(model), gpu_memory_utilization=gpu_memory_utilization, **llm_kwargs)
+        self.llm = llm
+
+    def sample(
+        self,
+        prompts: Sequence[Any],
+        n: int,
+        temperatures: Sequence[float] | None = None,
+        seed: int | None = None,
+    ) -> Samples:
+        groups = split_temperatures(n, temperatures or self.temperatures)
+        encoded = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
+        per_temp = []
+        for g, (temp, c) in enumerate(groups):
+            params = self._sampling_params(
+                n=c,
+                temperature=temp,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_new_tokens,
+                seed=None if seed is None else seed + g,
+            )
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+            texts, tokens, truncs = [], [], []
+            for out in outputs:
+                for comp in out.outputs:
+                    texts.append(comp.text)
+                    tokens.append(len(comp.token_ids))
+                    truncs.append(comp.finish_reason == "length")
+            per_temp.append((temp, c, texts, torch.tensor(tokens), torch.tensor(truncs)))
+        return _assemble(per_temp, len(encoded))
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Load new policy weights into the running engine (TRL's colocate path) and drop its prefix cache."""
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(state_dict.items())
+        self.llm.reset_prefix_cache()
+
+    def load_policy(self, path: str | Path) -> None:
+        """Load the weights of the checkpoint at ``path`` (same architecture) into the engine."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no .safetensors weights to load into vLLM")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        self.load_weights(state)
+
+    def release(self) -> None:
+        """vLLM keeps its memory (``gpu_memory_utilization``) for the whole run."""
+
+
+def make_sampler(
+    backend: str,
+    policy: str | Path,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    temperatures: Sequence[float],
+    batch_size: int,
+    max_prompt_length: int | None,
+    top_p: float,
+    top_k: int,
+    vllm_kwargs: dict[str, Any] | None = None,
+):
+    """``hf``, ``vllm``, or ``auto`` (vLLM when importable and CUDA is available, else HF)."""
+    if backend == "auto":
+        backend = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "hf"
+    common = dict(
+        max_new_tokens=max_new_tokens,
+        temperatures=temperatures,
+        max_prompt_length=max_prompt_length,
+        top_p=top_p,
+        top_k=top_k,
+    )
+    if backend == "hf":
+        return HFSampler(str(policy), tokenizer, batch_size=batch_size, **common)
+    if backend == "vllm":
+        return VLLMSampler(str(policy), tokenizer, **common, **(vllm_kwargs or {}))
+    raise ValueError(f"generation_backend must be 'auto', 'hf' or 'vllm'; got {backend!r}")

