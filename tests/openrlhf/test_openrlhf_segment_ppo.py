@@ -227,12 +227,12 @@ def test_install_patches_openrlhf_modules(seg_ppo):
 
 def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
     from rlhf_ext.recipes import recipe_path
 
     recipe = load_recipe(SegmentPPORecipe, recipe_path("segment_ppo_openrlhf"))
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
-    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json")
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json")
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
     assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
@@ -247,22 +247,22 @@ def test_recipe_flags_on_a_cpu_machine(seg_ppo):
     """``train.max_steps`` and ``train.bf16`` reach OpenRLHF; no GPU-only defaults (colocation, vLLM engine count,
     flash-attention) on a CPU; fp32 is refused with the fix (OpenRLHF trains in bf16/fp16 only)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
 
     recipe = load_recipe(SegmentPPORecipe, None, ["engine=openrlhf", "train.max_steps=3", "train.batch_size=8",
                                                   "train.micro_batch_size=8", "train.bf16=true"])  # fmt: skip
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
-    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None)
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert pairs["--data.max_samples"] == "24" and pairs["--ds.param_dtype"] == "bf16"
     assert pairs["--ds.attn_implementation"] == "sdpa" and pairs["--actor.num_gpus_per_node"] == "1"
     assert "--train.colocate_all" not in argv and "--vllm.num_engines" not in argv
     recipe.train.openrlhf_args = {"actor.num_gpus_per_node": 2}  # two actor ranks: micro batch 8 -> 4 each
-    argv = seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None)
     assert argv[argv.index("--train.micro_batch_size") + 1] == "4"
     recipe.train.bf16, recipe.train.openrlhf_args = False, {}
     with pytest.raises(ValueError, match="OpenRLHF trains in bf16 or fp16 only"):
-        seg_ppo.recipe_to_argv(recipe, "/tmp/p.jsonl", None)
+        openrlhf_argv(recipe, "/tmp/p.jsonl", None)
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ def test_cli_run_and_resumed_run_equal_the_uninterrupted_one(tiny_sft_path, tmp_
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.continual import ContinualRunner
     from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
-    from rlhf_ext.trl.continual_dpo import DPOPolicyStage
+    from rlhf_ext.pipelines.continual_stages import DPOPolicyStage
 
     model = f"model.sft_model={tiny_sft_path}"
     full_dir = tmp_path / "full"

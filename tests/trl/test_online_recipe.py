@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from rlhf_ext.cli import main, recipe_path
 from rlhf_ext.config import RecipeError, load_recipe
 from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
-from rlhf_ext.trl.online_dpo import recipe_to_config
+from rlhf_ext.pipelines.iterative_dpo import trl_config as recipe_to_config
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "train_online_dpo.py"
 SMALL = [
