@@ -200,6 +200,35 @@ def recipe_copy(name: str, dest: str) -> None:
     click.echo(str(target))
 
 
+# ----------------------------------------------------------------------------------------------------------- zoo
+@main.group()
+def zoo() -> None:
+    """The ``builtin:`` models (resolving a name never trains; ``build`` does, once, into the cache)."""
+
+
+@zoo.command("list")
+def zoo_list() -> None:
+    """List the builtin models and whether each is built."""
+    from rlhf_ext.zoo.builtins import BUILTIN_MODELS, builtin_model_dir
+
+    for name in BUILTIN_MODELS:
+        built = (builtin_model_dir(name) / "config.json").exists()
+        click.echo(f"builtin:{name:<18} {'built' if built else 'not built'}  {builtin_model_dir(name)}")
+
+
+@zoo.command("build")
+@click.argument("names", nargs=-1, required=True)
+def zoo_build(names: tuple[str, ...]) -> None:
+    """Build builtin models (e.g. ``tiny-sft``: 300 SFT steps on the toy task, ~15 s on 2 CPU cores)."""
+    from rlhf_ext.pipelines.builtins import build_model
+
+    for name in names:
+        try:
+            click.echo(build_model(name.removeprefix("builtin:")))
+        except ValueError as e:
+            _fail(str(e))
+
+
 # ------------------------------------------------------------------------------------------------------- segment
 @main.group()
 def segment() -> None:

@@ -182,8 +182,8 @@ def test_launch_script_reports_recipe_errors(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "launch" / "train_cppo.py"
-    spec = importlib.util.spec_from_file_location("train_cppo", path)
+    path = Path(__file__).resolve().parents[2] / "launch" / "train_continual.py"
+    spec = importlib.util.spec_from_file_location("train_continual", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--config", "continual_dpo_tiny", "continual.kl_coef=-2", "--local_rank=0"]) == 2

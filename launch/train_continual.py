@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Continual RLHF over a task sequence (paper 000): per-task policy training with the KL to the previous task's
-policy, frozen snapshots, the performance matrix and forgetting metrics.
+policy, frozen snapshots, the performance matrix and forgetting metrics. The recipe's ``algorithm`` picks the policy
+stage: ``dpo`` (continual DPO) or ``ppo`` (CPPO-style continual PPO, e.g. ``--config continual_ppo_tiny``).
 
-    python launch/train_cppo.py --config recipes/continual_dpo_tiny.yaml [key.sub=value ...]
-    accelerate launch launch/train_cppo.py --config my_continual.yaml
-    deepspeed launch/train_cppo.py --config my_continual.yaml train.trl_args='{deepspeed: ds_zero2.json}'
+    python launch/train_continual.py --config recipes/continual_dpo_tiny.yaml [key.sub=value ...]
+    accelerate launch launch/train_continual.py --config my_continual.yaml
+    deepspeed launch/train_continual.py --config my_continual.yaml train.trl_args='{deepspeed: ds_zero2.json}'
 
 A thin wrapper around :func:`rlhf_ext.pipelines.continual.run_continual`; ``rlhf-ext train continual`` is the same.
 """
