@@ -281,7 +281,12 @@ def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, .
         recipe = load_recipe(DemoRecipe, recipe_path(config_path), (*((f"out={out}",) if out else ()), *overrides))
     except RecipeError as e:
         _fail(str(e))
-    results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
+    from rlhf_ext.runtime.rundir import RunSettingsChanged
+
+    try:
+        results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
+    except RunSettingsChanged as e:
+        _fail(str(e))
     ev = results["eval"]["ppo_vs_sft"]
     click.echo("")
     click.secho(f"demo finished in {results['total_seconds']:.0f} s", fg="green", bold=True)

@@ -1,6 +1,7 @@
 """The main job: the whole RLHF pipeline on an embedded default, on a CPU, in minutes (``make demo``).
 
-Stages (each writes its outputs atomically and a marker; a rerun reuses finished stages unless ``--force``):
+Stages (each writes its outputs atomically and a marker ``stages/<stage>.json``; a rerun reuses finished stages
+unless ``--force``, and refuses a directory started with other settings):
 
 1. ``data``       — a small continual preference dataset from the ``offline`` generator (paper 000); stage 0 is used.
 2. ``sft``        — a BPE tokenizer trained on the data and a tiny Llama fine-tuned (TRL ``SFTTrainer``) on the
@@ -17,13 +18,12 @@ Stages (each writes its outputs atomically and a marker; a rerun reuses finished
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_ext.runtime.io import atomic_write_json
+from rlhf_ext.runtime.rundir import RunDir
 
 STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 
@@ -79,29 +79,31 @@ class DemoPipeline:
     def __init__(self, recipe: DemoRecipe, force: bool = False, echo=print):
         self.recipe = recipe
         self.out = Path(recipe.out)
-        self.force = force
         self.echo = echo
-        self.markers = self.out / "stages"
+        settings = {k: v for k, v in asdict(recipe).items() if k != "out"}
+        #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
+        self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+        self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
 
     # ----------------------------------------------------------------------------------------------- plumbing
     def _done(self, stage: str) -> dict[str, Any] | None:
-        path = self.markers / f"{stage}.json"
-        return json.loads(path.read_text()) if path.exists() and not self.force else None
+        """The result of a finished stage, else None (benchmarks/segment_fidelity.py reuses stages through it)."""
+        return self.run_dir.result(stage)
 
     def run(self) -> dict[str, Any]:
         results: dict[str, Any] = {}
         start = time.perf_counter()
         for i, stage in enumerate(STAGES, 1):
-            done = self._done(stage)
+            done = self.run_dir.result(stage)
             if done is not None:
-                self.echo(f"[{i}/{len(STAGES)}] {stage}: reusing {self.markers / (stage + '.json')}")
+                self.echo(f"[{i}/{len(STAGES)}] {stage}: reusing {self.run_dir.marker(stage)}")
                 results[stage] = done
                 continue
             self.echo(f"[{i}/{len(STAGES)}] {stage} ...")
             t0 = time.perf_counter()
             results[stage] = getattr(self, f"stage_{stage}")(results)
             results[stage]["seconds"] = round(time.perf_counter() - t0, 1)
-            atomic_write_json(self.markers / f"{stage}.json", results[stage])
+            self.run_dir.mark_done(stage, results[stage])
             self.echo(f"[{i}/{len(STAGES)}] {stage}: done in {results[stage]['seconds']} s")
         results["total_seconds"] = round(time.perf_counter() - start, 1)
         return results

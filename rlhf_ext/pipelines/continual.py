@@ -26,7 +26,6 @@ to score snapshots on task ``k``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -38,12 +37,15 @@ from typing import Any, Protocol
 from rlhf_ext.algos.forgetting import summarize
 from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 from rlhf_ext.runtime.io import atomic_write_json, stable_hash
+from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, describe_changes
 
 REQUIRED_COLUMNS = ("prompt", "chosen", "rejected")
 RUN_FILE = "run.json"
 PERFORMANCE_FILE = "performance.json"
-RESULT_FILE = "result.json"
-RM_RESULT_FILE = "reward_model.json"
+#: The run-directory stages of task ``t``'s policy and reward model: their markers (which hold the records) are
+#: ``task_{t}/result.json`` and ``task_{t}/reward_model.json``.
+RESULT_STAGE = "result"
+RM_STAGE = "reward_model"
 #: Recipe keys that may change between a run and its resumption without invalidating finished tasks.
 RESUMABLE_KEYS = frozenset({"output_dir", "resume", "plots"})
 
@@ -222,46 +224,48 @@ class ContinualRunner:
         self.out = Path(recipe.output_dir)
         self.names = [f"task_{t:02d}" for t in range(self.num_tasks)]
         self.reward_models: list[dict[str, Any]] = []
+        self.run_dir: RunDir | None = None  # opened by run()
 
     # -- resume bookkeeping --------------------------------------------------------------------------------------
     def _recipe_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self.recipe).items() if k not in RESUMABLE_KEYS}
 
-    def _check_or_create_run(self) -> None:
-        run_file = self.out / RUN_FILE
-        record = {"fingerprint": sequence_fingerprint(self.tasks), "recipe": self._recipe_dict(), "tasks": self.names}
-        if run_file.exists():
-            if not self.recipe.resume:
-                raise TaskSequenceError(
-                    f"{self.out} already holds a continual run and resume is false; delete the directory or choose "
-                    "another output_dir (or set resume: true to continue it)"
-                )
-            old = json.loads(run_file.read_text())
-            if old["fingerprint"] != record["fingerprint"]:
+    def _open_run(self) -> RunDir:
+        """Open the run directory (every rank; the run file is written atomically), refusing to resume a run of
+        another task sequence or recipe."""
+        if (self.out / RUN_FILE).exists() and not self.recipe.resume:
+            raise TaskSequenceError(
+                f"{self.out} already holds a continual run and resume is false; delete the directory or choose "
+                "another output_dir (or set resume: true to continue it)"
+            )
+        _barrier()  # every rank has looked before any writes the run file
+        settings = {
+            "task_sequence": sequence_fingerprint(self.tasks),
+            "tasks": self.names,
+            "recipe": self._recipe_dict(),
+        }
+        try:
+            run_dir = RunDir(self.out, settings, kind="continual", run_file=RUN_FILE, stages_dir=".")
+        except RunSettingsChanged as e:
+            recipe_keys = [k.removeprefix("recipe.") for k in e.keys if k.startswith("recipe.")]
+            if len(recipe_keys) < len(e.keys):
                 raise TaskSequenceError(
                     f"{self.out} holds a run of a different task sequence; use a new output_dir or delete it"
-                )
-            old_recipe = json.loads(json.dumps(old["recipe"]))
-            new_recipe = json.loads(json.dumps(record["recipe"]))
-            if old_recipe != new_recipe:
-                changed = sorted(_diff_keys(old_recipe, new_recipe))
-                raise TaskSequenceError(
-                    f"{self.out} was started with a different recipe (changed: {', '.join(changed)}); finished tasks "
-                    "would not match the rest. Restore those values, or use a new output_dir"
-                )
-        elif _is_main_process():
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(run_file, record)
+                ) from e
+            raise TaskSequenceError(
+                f"{self.out} was started with a different recipe (changed: {', '.join(recipe_keys)}); finished tasks "
+                f"would not match the rest ({describe_changes(recipe_keys, e.old['recipe'], e.new['recipe'])}). "
+                "Restore those values, or use a new output_dir"
+            ) from e
         _barrier()
+        return run_dir
 
     def _finished(self, t: int) -> dict[str, Any] | None:
-        result_file = self.out / self.names[t] / RESULT_FILE
-        if not result_file.exists():
-            return None
-        result = json.loads(result_file.read_text())
-        if not (self.out / self.names[t] / "policy" / "config.json").exists():
+        stage = f"{self.names[t]}/{RESULT_STAGE}"
+        result = self.run_dir.result(stage)
+        if result is not None and not (self.out / self.names[t] / "policy" / "config.json").exists():
             raise TaskSequenceError(
-                f"{result_file} says task {t} finished but its policy snapshot is missing; delete "
+                f"{self.run_dir.marker(stage)} says task {t} finished but its policy snapshot is missing; delete "
                 f"{self.out / self.names[t]} to retrain that task"
             )
         return result
@@ -289,7 +293,7 @@ class ContinualRunner:
 
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
-        self._check_or_create_run()
+        self.run_dir = self._open_run()
         test_sets = [task["test"] for task in self.tasks]
         if self.reward_stage is not None:
             self.reward_models = [self._reward_model(t, test_sets) for t in range(self.num_tasks)]
@@ -308,25 +312,27 @@ class ContinualRunner:
     def _reward_model(self, t: int, test_sets: Sequence[Any]) -> dict[str, Any]:
         """Train (or, when finished before, load the record of) task ``t``'s reward model."""
         task = self.context(t)
-        record_file = task.task_dir / RM_RESULT_FILE
-        if record_file.exists() and (task.reward_model_dir / "config.json").exists():
-            return json.loads(record_file.read_text())
+        stage = f"{task.name}/{RM_STAGE}"
+        done = self.run_dir.result(stage)
+        if done is not None and (task.reward_model_dir / "config.json").exists():
+            return done
         record = {"task": t, "path": str(task.reward_model_dir)}
-        return self._run_stage(self.reward_stage, "reward", task, test_sets, record, record_file)
+        return self._run_stage(self.reward_stage, "reward", task, test_sets, record, stage)
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
         record = {"task": task.index, "kl_coef": task.kl_coef, "seed": task.seed, "policy_dir": str(task.policy_dir)}
-        return self._run_stage(self.policy_stage, "policy", task, test_sets, record, task.task_dir / RESULT_FILE)
+        return self._run_stage(self.policy_stage, "policy", task, test_sets, record, f"{task.name}/{RESULT_STAGE}")
 
-    def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, record_file: Path) -> dict:
-        """Run one stage on one task, check it scored every test set, then write its record (last, atomically)."""
+    def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, marker: str) -> dict:
+        """Run one stage on one task, check it scored every test set, then mark ``marker`` done with its record
+        (last, atomically)."""
         start = time.time()
         out = stage.run_task(task, test_sets)
         if len(out["scores"]) != self.num_tasks:
             raise RuntimeError(f"the {what} stage returned {len(out['scores'])} scores for {self.num_tasks} tasks")
         record.update(scores=list(out["scores"]), metrics=out.get("metrics"), seconds=time.time() - start)
         if _is_main_process():
-            atomic_write_json(record_file, record)
+            self.run_dir.mark_done(marker, record)
             shutil.rmtree(task.work_dir, ignore_errors=True)
         _barrier()
         return record
@@ -364,15 +370,6 @@ class ContinualRunner:
                 summary["plots"] = plot_run(summary, results, self.out)
                 atomic_write_json(self.out / PERFORMANCE_FILE, summary)
         return summary
-
-
-def _diff_keys(a: Any, b: Any, prefix: str = "") -> set[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out: set[str] = set()
-        for key in set(a) | set(b):
-            out |= _diff_keys(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
-        return out
-    return set() if a == b else {prefix}
 
 
 # ----------------------------------------------------------------------------------------------------------- plots

@@ -10,7 +10,7 @@ and summarised as mean ± standard error over seeds.
 Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds`` may
 change between runs of one directory)::
 
-    recipe.json                  the recipe and its fingerprint
+    recipe.json                  the settings (the recipe less --methods/--seeds) and their fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
     base/, sft/                  the initial model and the SFT model                      shared by all seeds
     seed-<s>/feedback/           simulated feedback (train) + gold-ordered held-out pairs (test), agreement.json
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from rlhf_ext.config import RecipeError, to_dict
-from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info, stable_hash
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info
+from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
@@ -50,13 +51,19 @@ ALPACAFARM_SIM_WINRATE: dict[str, float] = {
 }
 #: Keys of the recipe that may change between runs of one output directory.
 FREE_KEYS = ("output_dir", "seeds", "methods", "threads")
+#: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
+RESULTS_DIR = "results"
 
 Progress = Callable[[str], None]
 
 
+def recipe_settings(recipe: SimCompareRecipe) -> dict[str, Any]:
+    """The recipe less :data:`FREE_KEYS`: what every result of one output directory must share."""
+    return {k: v for k, v in to_dict(recipe).items() if k not in FREE_KEYS}
+
+
 def recipe_fingerprint(recipe: SimCompareRecipe) -> str:
-    data = {k: v for k, v in to_dict(recipe).items() if k not in FREE_KEYS}
-    return stable_hash(data)
+    return fingerprint(recipe_settings(recipe))
 
 
 class SimRun:
@@ -71,23 +78,26 @@ class SimRun:
         self._gold = None
         self._reward_fns: dict[int, Any] = {}
         self._pools: dict[int, Any] = {}
+        self.run_dir: RunDir | None = None
 
     # ---------------------------------------------------------------------------------------- shared artefacts
-    def check_directory(self) -> None:
-        """Refuse a directory holding a run with other settings (its results would be mixed with new ones)."""
-        path = self.root / "recipe.json"
-        fingerprint = recipe_fingerprint(self.recipe)
-        if path.exists():
-            old = json.loads(path.read_text())
-            if old.get("fingerprint") != fingerprint:
-                now = to_dict(self.recipe)
-                changed = sorted(k for k in now if k not in FREE_KEYS and old.get("recipe", {}).get(k) != now[k])
-                raise RecipeError(
-                    f"{self.root} holds a comparison with different settings (changed: {', '.join(changed)}); "
-                    "use another output_dir or restore the settings (only --methods and --seeds may change)"
-                )
-        else:
-            atomic_write_json(path, {"fingerprint": fingerprint, "recipe": to_dict(self.recipe)})
+    def check_directory(self) -> RunDir:
+        """Open the run directory, refusing one that holds a run with other settings (its results would be mixed
+        with new ones)."""
+        try:
+            self.run_dir = RunDir(
+                self.root,
+                recipe_settings(self.recipe),
+                kind="sim-compare",
+                run_file="recipe.json",
+                stages_dir=RESULTS_DIR,
+            )
+        except RunSettingsChanged as e:
+            raise RecipeError(
+                f"{self.root} holds a comparison with different settings (changed: {e.changes}); use another "
+                "output_dir or restore the settings (only --methods and --seeds may change)"
+            ) from e
+        return self.run_dir
 
     def splits(self):
         """The task's ``DatasetDict`` (:func:`rlhf_ext.sim.task.build_task_splits`), built once."""
@@ -300,8 +310,13 @@ class SimRun:
 
 
 # ---------------------------------------------------------------------------------------------------- running
+def result_stage(method: str, seed: int) -> str:
+    """The run-directory stage of one (method, seed); its marker is :func:`result_path`."""
+    return f"{method}/seed-{seed}"
+
+
 def result_path(root: Path, method: str, seed: int) -> Path:
-    return root / "results" / method / f"seed-{seed}.json"
+    return root / RESULTS_DIR / f"{result_stage(method, seed)}.json"
 
 
 def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[str, Any]:
@@ -313,13 +328,12 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[st
     from rlhf_ext.sim.methods import METHOD_FUNCTIONS
 
     run = SimRun(recipe, progress)
-    run.check_directory()
+    run_dir = run.check_directory()
     start = time.time()
     with torch_threads(recipe.threads):
         for seed in recipe.seeds:
             for method in recipe.methods:
-                path = result_path(run.root, method, seed)
-                if path.exists():
+                if run_dir.done(result_stage(method, seed)):
                     progress(f"[{method} seed {seed}] done earlier, skipped")
                     continue
                 progress(f"[{method} seed {seed}] training")
@@ -340,7 +354,7 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[st
                     "train_seconds": t1 - t0,
                     "eval_seconds": t2 - t1,
                 }
-                atomic_write_json(path, result)
+                run_dir.mark_done(result_stage(method, seed), result)
                 progress(
                     f"[{method} seed {seed}] win rate {metrics['win_rate']:.3f} ± {metrics['stderr']:.3f}, "
                     f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
@@ -382,7 +396,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
         ]
         row["alpacafarm_sim_winrate"] = ALPACAFARM_SIM_WINRATE.get(method)
         rows.append(row)
-    first = next((json.loads(p.read_text()) for p in sorted((root / "results").rglob("seed-*.json"))), None)
+    first = next((json.loads(p.read_text()) for p in sorted((root / RESULTS_DIR).rglob("seed-*.json"))), None)
     feedback = {}
     for seed in recipe.seeds:
         path = root / f"seed-{seed}" / "feedback" / "agreement.json"

@@ -1,0 +1,189 @@
+"""One resumable run directory: a settings fingerprint, atomic "stage finished" markers, ``force`` to redo.
+
+A pipeline that can be killed and rerun keeps its outputs in a :class:`RunDir`::
+
+    run = RunDir(out, settings, kind="demo", force=force)   # refuses `out` if it was started with other settings
+    for stage in ("data", "train", "eval"):
+        if run.done(stage):
+            continue                                       # finished by an earlier run: skip it
+        result = train(run.stage_dir(stage))
+        run.mark_done(stage, result)                       # written last, atomically
+
+Layout under ``root``: the run file (``run.json`` by default: ``kind``, ``fingerprint``, ``settings``, ``created``,
+``rlhf_ext_version``) and ``stages/<stage>.json`` (one per finished stage, holding its result; ``stages_dir``
+renames that folder). A stage name may contain ``/`` to group markers (``"dpo/seed-0"`` is
+``stages/dpo/seed-0.json``).
+
+Settings are compared after JSON normalisation (tuples are lists, paths are strings), so a value read back from the
+run file equals the one it was written from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.runtime.io import atomic_write_json, stable_hash
+
+STAGES_DIR = "stages"
+#: How many changed keys the message of :class:`RunSettingsChanged` spells out with their old and new values.
+MAX_SHOWN_CHANGES = 5
+_MISSING = object()
+
+
+class RunSettingsChanged(ValueError):
+    """A run directory was started with other settings; its finished stages would not match a rerun.
+
+    Attributes: ``root`` (the directory), ``keys`` (the changed dotted keys, sorted), ``old`` / ``new`` (the
+    normalised settings of the earlier run and of this one, with their ``kind``).
+    """
+
+    def __init__(self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        self.root, self.keys, self.old, self.new = root, keys, old, new
+        super().__init__(
+            f"{root} was started with different settings (changed: {self.changes}); rerun with --force (Python: "
+            "force=True) to redo its stages with the new settings, or choose a new output directory"
+        )
+
+    @property
+    def changes(self) -> str:
+        """The changed keys with their old and new values, ``a.b: 1 -> 2, c: "x" -> "y"`` (see
+        :func:`describe_changes`), for callers that word the error their own way."""
+        return describe_changes(self.keys, self.old, self.new)
+
+
+def _normalise(settings: Any) -> Any:
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of the keys whose values differ between ``old`` and ``new`` (added and removed keys
+    included), recursing into nested mappings; lists and other values are compared whole. Sorted."""
+    out: list[str] = []
+    for key in set(old) | set(new):
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += changed_keys(a, b, path)
+        elif a is _MISSING or b is _MISSING or a != b:
+            out.append(path)
+    return sorted(out)
+
+
+def _lookup(settings: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = settings
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _show(value: Any, width: int = 40) -> str:
+    text = "(unset)" if value is _MISSING else json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def describe_changes(keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """``a.b: 1 -> 2, c: "x" -> "y"`` for up to :data:`MAX_SHOWN_CHANGES` keys, then ``and N more``."""
+    shown = [f"{k}: {_show(_lookup(old, k))} -> {_show(_lookup(new, k))}" for k in keys[:MAX_SHOWN_CHANGES]]
+    if len(keys) > MAX_SHOWN_CHANGES:
+        shown.append(f"and {len(keys) - MAX_SHOWN_CHANGES} more")
+    return ", ".join(shown)
+
+
+def fingerprint(settings: Mapping[str, Any]) -> str:
+    """A short, process-stable hash of the JSON-normalised ``settings`` (independent of key order)."""
+    return stable_hash(_normalise(settings))
+
+
+class RunDir:
+    """A run directory that remembers the settings it was started with and which stages have finished.
+
+    Args:
+        root: the directory (created).
+        settings: everything that makes finished stages valid; a rerun with other settings is refused.
+        kind: what runs here (``"demo"``, ``"continual"``, ...); a run file of another kind is refused too.
+        run_file: the name of the run file in ``root``.
+        force: redo everything: forget the finished stages (their markers) and record the new settings.
+        stages_dir: the folder of the markers, relative to ``root``; ``"."`` puts them next to the stages'
+            outputs (``"task_00/result"`` is ``root/task_00/result.json``) but then ``force`` is refused, since
+            the markers cannot be told from other files there.
+
+    Raises:
+        RunSettingsChanged: ``root`` holds a run with other settings (or of another kind) and ``force`` is false.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        settings: Mapping[str, Any],
+        *,
+        kind: str,
+        run_file: str = "run.json",
+        force: bool = False,
+        stages_dir: str = STAGES_DIR,
+    ) -> None:
+        self.root = Path(root)
+        self.stages = self.root / stages_dir
+        if force and self.stages.resolve() == self.root.resolve():
+            raise ValueError(f"force=True needs a stages_dir inside {self.root}, not the directory itself")
+        self.kind = kind
+        self.settings: dict[str, Any] = _normalise(dict(settings))
+        self.fingerprint = fingerprint(self.settings)
+        self.run_file = self.root / run_file
+        self.root.mkdir(parents=True, exist_ok=True)
+        old = json.loads(self.run_file.read_text()) if self.run_file.exists() else None
+        same = old is not None and old.get("fingerprint") == self.fingerprint and old.get("kind", kind) == kind
+        if old is not None and not same and not force:
+            old_settings = old.get("settings") if isinstance(old.get("settings"), Mapping) else {}
+            was, now = {"kind": old.get("kind", kind), **old_settings}, {"kind": kind, **self.settings}
+            raise RunSettingsChanged(self.root, changed_keys(was, now) or ["fingerprint"], was, now)
+        if force:
+            shutil.rmtree(self.stages, ignore_errors=True)
+        if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)
+            atomic_write_json(self.run_file, {
+                "kind": kind,
+                "fingerprint": self.fingerprint,
+                "settings": self.settings,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "rlhf_ext_version": _version(),
+            })  # fmt: skip
+
+    def marker(self, stage: str) -> Path:
+        """The marker file of ``stage`` (``<stages_dir>/<stage>.json``; it exists once the stage finished)."""
+        parts = stage.split("/")
+        if not stage or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"invalid stage name {stage!r}: use non-empty names, optionally grouped with '/'")
+        return self.stages.joinpath(*parts[:-1], f"{parts[-1]}.json")
+
+    def done(self, stage: str) -> bool:
+        """Whether ``stage`` finished (its marker exists)."""
+        return self.marker(stage).exists()
+
+    def mark_done(self, stage: str, result: Mapping[str, Any] | None = None) -> None:
+        """Record ``stage`` as finished with ``result`` (atomically: the marker exists complete or not at all)."""
+        atomic_write_json(self.marker(stage), dict(result or {}))
+
+    def result(self, stage: str) -> dict[str, Any] | None:
+        """The result ``stage`` was marked done with, or None when it has not finished."""
+        path = self.marker(stage)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def stage_dir(self, stage: str) -> Path:
+        """The directory for ``stage``'s outputs, ``root/<stage>`` (created)."""
+        self.marker(stage)  # validates the name
+        path = self.root / stage
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def _version() -> str:
+    from rlhf_ext import __version__
+
+    return __version__
