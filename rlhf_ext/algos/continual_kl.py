@@ -1,11 +1,11 @@
-"""KL to the previous task's policy: the plain regulariser of paper 000, Appendix A.2, Eq. 7.
+"""KL to the previous task's policy: the plain regulariser of paper 000 Eq. 7 (Appendix A.2).
 
 Continual RLHF keeps the policy being trained on task ``t`` close to the frozen policy ``pi_{t-1}`` taken at the end
 of task ``t - 1``:
 
-    L_t = L_t^{PPO/DPO}  +  c_t * KL( pi_theta(. | x) || pi_{t-1}(. | x) )                          (Eq. 7, section 4)
+    L_t = L_t^{PPO/DPO}  +  c_t * KL( pi_theta(. | x) || pi_{t-1}(. | x) )            (paper 000 Eq. 7, section 4)
 
-(Eq. 7 writes the PPO *objective* minus the KL, i.e. unit weight; as a loss to minimise the term is added, and
+(paper 000 Eq. 7 writes the PPO *objective* minus the KL, i.e. unit weight; as a loss to minimise the term is added, and
 section 4 notes the weight ``c_t`` may be relaxed or set to 0 when preferences shift sharply.) The KL is the
 *reverse* KL, current policy first. This module estimates it per token from the log-probabilities both policies give
 the tokens of a batch, with the three estimators of Schulman ("Approximating KL divergence", 2020). With
@@ -30,27 +30,38 @@ estimator  per-token value                       properties
 On *offline* data (DPO pairs, which were not sampled from pi_theta) none of the three is an unbiased KL estimate;
 they are per-token penalties on the batch's tokens that vanish exactly when the two policies give the same
 log-probabilities, which is how the continual DPO trainer uses them. The reduction is the masked *mean over tokens*
-(OpenRLHF's ``token-mean``); the sequence-level KL of Eq. 7 is this times the response length.
+(OpenRLHF's ``token-mean``); the sequence-level KL of paper 000 Eq. 7 is this times the response length.
+
+The per-token values come from :func:`rlhf_ext.algos.ppo.kl_estimate`, the package's one KL function (its clamp
+policy applies: only ``k3`` caps ``log r`` at :data:`K3_MAX_LOG_RATIO`); :func:`per_token_kl` here is that function
+with ``ref_logp = prev_logp``, the default ``k3`` and only the sampled-token estimators.
 
 All functions are pure ``torch``, vectorised over ``[B, T]``, and used unchanged by the TRL and OpenRLHF adapters.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+from rlhf_ext.algos.ppo import K3_MAX_LOG_RATIO, SAMPLE_KL_ESTIMATORS, KLEstimator, kl_estimate
 
-#: ``k3`` exponentiates ``prev_logp - logp``; the log-ratio is capped here before ``exp`` so a token the current
-#: policy has all but ruled out gives a large finite penalty (e^20 ~ 5e8) instead of ``inf``. OpenRLHF caps its own
-#: ratios at the same value (``policy_log_ratio.clamp(-20, 20)``).
-K3_MAX_LOG_RATIO = 20.0
+__all__ = [
+    "DEFAULT_KL_COEF",
+    "K3_MAX_LOG_RATIO",
+    "KL_ESTIMATORS",
+    "KLEstimator",
+    "check_estimator",
+    "check_kl_coef",
+    "kl_to_previous",
+    "masked_token_mean",
+    "per_token_kl",
+]
 
-#: Default weight of the KL-to-previous-task term: Eq. 7 adds the KL with unit weight.
+#: The estimators the KL-to-previous-task term accepts: the sampled-token ones (the trainers only have the log-probs
+#: of the batch's tokens, not full distributions, so :data:`rlhf_ext.algos.ppo.KL_ESTIMATORS`' ``exact`` is left out).
+KL_ESTIMATORS: tuple[str, ...] = SAMPLE_KL_ESTIMATORS
+
+#: Default weight of the KL-to-previous-task term: paper 000 Eq. 7 adds the KL with unit weight.
 DEFAULT_KL_COEF = 1.0
 
 
@@ -83,8 +94,11 @@ def _check_pair(logp: Tensor, prev_logp: Tensor, mask: Tensor | None) -> None:
         raise ValueError(f"mask must have the shape of logp {tuple(logp.shape)}; got {tuple(mask.shape)}")
 
 
-def per_token_kl(logp: Tensor, prev_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
-    """Per-token estimate of KL(pi_theta || pi_{t-1}) at the batch's tokens (Eq. 7; see the module table).
+def per_token_kl(logp: Tensor, prev_logp: Tensor, estimator: KLEstimator | str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_{t-1}) at the batch's tokens (paper 000 Eq. 7; see the module table).
+
+    :func:`rlhf_ext.algos.ppo.kl_estimate` with ``ref_logp = prev_logp``, the default ``k3`` and only the sampled-token
+    estimators; its clamp policy applies (``k3`` caps ``log r`` at :data:`K3_MAX_LOG_RATIO`, nothing else is capped).
 
     Args:
         logp: ``[B, T]`` log pi_theta(a_t | s_t) of the current policy (differentiable).
@@ -99,14 +113,7 @@ def per_token_kl(logp: Tensor, prev_logp: Tensor, estimator: KLEstimator = "k3")
     """
     _check_pair(logp, prev_logp, None)
     check_estimator(estimator)
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    log_r = prev_logp.to(dtype) - logp.to(dtype)  # log pi_{t-1} - log pi_theta
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r.square()
-    log_r = log_r.clamp(max=K3_MAX_LOG_RATIO)
-    return torch.expm1(log_r) - log_r  # r - 1 - log r, exact 0 at log r = 0
+    return kl_estimate(logp, prev_logp, estimator)
 
 
 def masked_token_mean(values: Tensor, mask: Tensor, sample_weights: Tensor | None = None) -> Tensor:
@@ -140,11 +147,11 @@ def kl_to_previous(
     estimator: KLEstimator = "k3",
     sample_weights: Tensor | None = None,
 ) -> Tensor:
-    """Masked mean over response tokens of the per-token KL(pi_theta || pi_{t-1}) (paper 000, Eq. 7).
+    """Masked mean over response tokens of the per-token KL(pi_theta || pi_{t-1}) (paper 000 Eq. 7).
 
-    This is the *plain* regulariser of Eq. 7 (every token weighs the same). Passing ``sample_weights`` (the CPPO
-    retention weights beta of :func:`rlhf_ext.continual.cppo_sample_weights`) turns it into the CPPO-weighted
-    retention term; leave it ``None`` for Eq. 7.
+    This is the *plain* regulariser of paper 000 Eq. 7 (every token weighs the same). Passing ``sample_weights``
+    (the CPPO retention weights beta of :func:`rlhf_ext.continual.cppo_sample_weights`) turns it into the
+    CPPO-weighted retention term; leave it ``None`` for paper 000 Eq. 7.
 
     Args:
         logp: ``[B, T]`` current-policy log-probabilities of the batch's tokens.

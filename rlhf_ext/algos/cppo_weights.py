@@ -1,9 +1,9 @@
-"""CPPO's sample-wise weights: learning weight alpha and retention weight beta (optional; not part of Eq. 7).
+"""CPPO's sample-wise weights: learning weight alpha and retention weight beta (optional; not part of paper 000 Eq. 7).
 
-Paper 000 only describes CPPO (Zhang et al., ICLR 2024) at the level of Eq. 7: the PPO objective plus a KL to the
-previous task's policy. The sample-wise weights that give CPPO its name are not defined in paper 000, and the CPPO
-paper itself is not available offline here. What we implement is therefore taken from the CPPO authors' released
-code, as vendored in AIF-GEN's repository: ``benchmarks/COPR/trlx/models/modeling_cppo.py``, method
+Paper 000 only describes CPPO (Zhang et al., ICLR 2024) at the level of paper 000 Eq. 7: the PPO objective plus a
+KL to the previous task's policy. The sample-wise weights that give CPPO its name are not defined in paper 000, and
+the CPPO paper itself is not available offline here. What we implement is therefore taken from the CPPO authors'
+released code, as vendored in AIF-GEN's repository: ``benchmarks/COPR/trlx/models/modeling_cppo.py``, method
 ``CPPOConfig.detect_track``, default ("constant") branch (github.com/amgadelgamal/AIF-Gen, commit ``45e526f``; the
 file's notes give the threshold ``mean + 0.85 * std`` and the weights 2.0 / 0.5 and 2.0 / 0.2).
 
@@ -29,15 +29,15 @@ How the weights are used (our adapters; differences from the released code are d
 * alpha multiplies each sample's policy-gradient loss. In OpenRLHF this is done by scaling the sample's advantages,
   which is exactly equivalent because the clipped (and dual-clipped) PPO loss is positively homogeneous in the
   advantage. The loss keeps OpenRLHF's token-count normalisation; the released code divides by ``sum(alpha * mask)``.
-* beta multiplies each sample's per-token term of the Eq. 7 KL to the *previous task's* policy (see
+* beta multiplies each sample's per-token term of the paper 000 Eq. 7 KL to the *previous task's* policy (see
   :func:`rlhf_ext.continual.kl_to_previous`, ``sample_weights=``). The released code instead penalises
   ``(log pi_theta - log pi_rollout)^2`` (2 x the k2 estimator) against the rollout policy of the current PPO
   iteration, and its line ``if n_beta: mask_beta = mask`` replaces the beta-weighted mask by the plain mask whenever
   any beta is non-zero, so the released code effectively runs with beta = 1. ``beta_high = beta_low = 1`` reproduces
   that behaviour here.
 
-The plain regulariser of Eq. 7 is :func:`rlhf_ext.continual.kl_to_previous` without weights; these weights are only
-applied when a trainer is configured with ``retention="cppo"``.
+The plain regulariser of paper 000 Eq. 7 is :func:`rlhf_ext.continual.kl_to_previous` without weights; these
+weights are only applied when a trainer is configured with ``retention="cppo"``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 In one-step asynchronous training (Appendix D) a batch is sampled by the generator's policy ``pi_rollout``
 (``theta_{t-1}``, possibly a different inference engine such as vLLM) but the PPO-style loss treats the learner's
 policy at the start of the update, ``pi_old`` (``theta_t``), as the behaviour policy. Paper 001's Proximal RLOO
-(Appendix B, Eq. 1) keeps PPO's clipped ratio ``pi_theta / pi_old``; the remaining mismatch ``pi_old / pi_rollout``
-can be corrected per token with an importance weight that is truncated for stability:
+(paper 001 Eq. 1, Appendix B) keeps PPO's clipped ratio ``pi_theta / pi_old``; the remaining mismatch
+``pi_old / pi_rollout`` can be corrected per token with an importance weight that is truncated for stability:
 
     w_t = clip(pi_old(y_t) / pi_rollout(y_t), low, high)                (mode="clip", level="token": TIS)
     w_t = ratio_t * 1[low <= ratio_t <= high]                           (mode="mask", level="token")

@@ -1,4 +1,4 @@
-"""Location-aware reward normalizers (paper 003, section 2.3, Eq. 6; Table 2 baselines; Appendix E).
+"""Location-aware reward normalizers (paper 003 Eq. 6, section 2.3; paper 003 Table 2 baselines; Appendix E).
 
 A segment reward r at location p = t/T in (0, 1] (t = 1-based segment index, T = segments in the response) is
 normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
@@ -26,8 +26,20 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-NormalizerKind = Literal["none", "global", "last", "regression"]
-NORMALIZER_KINDS: tuple[str, ...] = ("none", "global", "last", "regression")
+from rlhf_ext.algos.names import StrEnum
+
+
+class NormalizerKind(StrEnum):
+    """Kind of location-aware normalizer: ``regression`` is paper 003 Eq. 6, the others paper 003 Table 2's
+    baselines (see the module docstring)."""
+
+    NONE = "none"
+    GLOBAL = "global"
+    LAST = "last"
+    REGRESSION = "regression"
+
+
+NORMALIZER_KINDS: tuple[str, ...] = NormalizerKind.values()
 FORMAT = "rlhf_ext.LocationNormalizer/1"
 MIN_POINTS = 8
 STD_FLOOR = 1e-4
@@ -74,6 +86,7 @@ class LocationNormalizer:
     def __post_init__(self):
         if self.kind not in NORMALIZER_KINDS:
             raise NormalizerError(f"normalizer kind must be one of {', '.join(NORMALIZER_KINDS)}; got {self.kind!r}")
+        self.kind = NormalizerKind(self.kind).value  # a plain str, so that to_dict() stays JSON/YAML-safe
         if self.basis not in ("linear", "log"):
             raise NormalizerError(f"normalizer basis must be 'linear' or 'log'; got {self.basis!r}")
 
@@ -83,7 +96,7 @@ class LocationNormalizer:
         cls,
         positions: Tensor,
         rewards: Tensor,
-        kind: NormalizerKind = "regression",
+        kind: NormalizerKind | str = "regression",
         basis: Literal["linear", "log"] = "linear",
         reward_model: str | None = None,
         min_points: int = MIN_POINTS,
@@ -108,14 +121,14 @@ class LocationNormalizer:
         if bool(((positions <= 0) | (positions > 1)).any()):
             raise ValueError("locations p must lie in (0, 1] (p = t/T with 1-based segment index t)")
         base = dict(kind=kind, basis=basis, reward_model=reward_model, num_points=int(positions.numel()))
-        if kind == "none":
+        if kind == NormalizerKind.NONE:
             return cls(**base)
-        if kind == "last":
+        if kind == NormalizerKind.LAST:
             keep = positions == 1.0
             positions, rewards = positions[keep], rewards[keep]
             base["num_points"] = int(positions.numel())
-        if kind in ("global", "last") or positions.numel() < min_points:
-            if kind == "regression":
+        if kind in (NormalizerKind.GLOBAL, NormalizerKind.LAST) or positions.numel() < min_points:
+            if kind == NormalizerKind.REGRESSION:
                 return cls._scalar(positions, rewards, base, f"only {positions.numel()} points (< {min_points})")
             return cls._scalar(positions, rewards, base, None)
         # regression on D_norm = {(p, mu_p, sigma_p)}
@@ -181,12 +194,12 @@ class LocationNormalizer:
         return p if self.basis == "linear" else p.clamp_min(1e-12).log()
 
     def mean(self, p: Tensor) -> Tensor:
-        """Mean(p) (Eq. 6)."""
+        """Mean(p) (paper 003 Eq. 6)."""
         p = torch.as_tensor(p, dtype=torch.float32)
         return self.w_mu * self._x(p) + self.b_mu
 
     def std(self, p: Tensor) -> Tensor:
-        """Std(p) = exp(w_sigma * x + b_sigma) (Eq. 6), never below the floor."""
+        """Std(p) = exp(w_sigma * x + b_sigma) (paper 003 Eq. 6), never below the floor."""
         p = torch.as_tensor(p, dtype=torch.float32)
         return torch.exp(self.w_sigma * self._x(p) + self.b_sigma).clamp_min(STD_FLOOR)
 
@@ -198,7 +211,7 @@ class LocationNormalizer:
             positions: same shape, location indicators p (0 at padding).
             mask: optional bool, true at real segments (default: ``positions > 0``).
         """
-        if self.kind == "none":
+        if self.kind == NormalizerKind.NONE:
             out = rewards
         else:
             p = positions.to(rewards.dtype)

@@ -1,7 +1,7 @@
-"""Best-of-n / worst-of-n preference-pair selection (paper 004, Algorithm 2 step 5, section 3.3 and Eq. 9).
+"""Best-of-n / worst-of-n preference-pair selection (paper 004 Algorithm 2 step 5, section 3.3, paper 004 Eq. 9).
 
 For every prompt the policy samples ``n`` responses; a reward model scores them and one preference pair per prompt
-is formed. The ranking score is the length-penalised reward of Eq. 9,
+is formed. The ranking score is the length-penalised reward of paper 004 Eq. 9,
 
     r_e(x, a) = r(x, a) - lambda * |a|,
 
@@ -20,13 +20,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-SelectionRule = Literal["max_min", "max_random", "random"]
-SELECTION_RULES: tuple[str, ...] = ("max_min", "max_random", "random")
+from rlhf_ext.algos.names import StrEnum
+
+
+class SelectionRule(StrEnum):
+    """How :func:`select_pairs` picks the two responses of a prompt (see the module docstring)."""
+
+    MAX_MIN = "max_min"
+    MAX_RANDOM = "max_random"
+    RANDOM = "random"
+
+
+SELECTION_RULES: tuple[str, ...] = SelectionRule.values()
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,8 @@ class PairSelection:
         prompt_index: ``[K]`` long — row of the reward matrix (prompt) each pair comes from, increasing.
         chosen: ``[K]`` long — column (response index in ``0..n-1``) of the chosen response.
         rejected: ``[K]`` long — column of the rejected response.
-        margin: ``[K]`` float — ranking-score difference ``r_e(chosen) - r_e(rejected) > tie_tolerance`` (Eq. 9;
-            the plain reward margin when ``length_penalty == 0``).
+        margin: ``[K]`` float — ranking-score difference ``r_e(chosen) - r_e(rejected) > tie_tolerance``
+            (paper 004 Eq. 9; the plain reward margin when ``length_penalty == 0``).
         reward_margin: ``[K]`` float — the raw reward difference ``r(chosen) - r(rejected)`` (no length penalty).
         dropped: number of prompts dropped because the picked responses tied (score or text).
     """
@@ -99,13 +108,13 @@ def _check_rewards(rewards: Tensor) -> Tensor:
 def select_pairs(
     rewards: Tensor,
     lengths: Tensor | None = None,
-    rule: SelectionRule = "max_min",
+    rule: SelectionRule | str = "max_min",
     length_penalty: float = 0.0,
     texts: Tensor | Sequence[Sequence[str]] | None = None,
     tie_tolerance: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> PairSelection:
-    """Pick one (chosen, rejected) pair per prompt from ``n`` scored responses (paper 004, Alg. 2 step 5, Eq. 9).
+    """Pick one (chosen, rejected) pair per prompt from ``n`` scored responses (paper 004 Eq. 9; Alg. 2 step 5).
 
     Args:
         rewards: ``[P, n]`` reward of each of the ``n >= 2`` responses of ``P`` prompts.
@@ -113,7 +122,7 @@ def select_pairs(
             is not 0.
         rule: ``max_min`` (best vs worst, default), ``max_random`` (best vs a uniformly drawn other response) or
             ``random`` (two distinct uniformly drawn responses, the higher-scored one chosen).
-        length_penalty: ``lambda >= 0`` of Eq. 9; responses are ranked by ``r - lambda * |a|``.
+        length_penalty: ``lambda >= 0`` of paper 004 Eq. 9; responses are ranked by ``r - lambda * |a|``.
         texts: optional ``[P, n]`` text ids (see :func:`text_ids`) or the response strings themselves; a pair whose
             two responses have identical text is dropped.
         tie_tolerance: pairs whose ranking scores differ by at most this much are dropped (default: exact ties).
@@ -128,7 +137,9 @@ def select_pairs(
     if rule not in SELECTION_RULES:
         raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(SELECTION_RULES)}")
     if not math.isfinite(length_penalty) or length_penalty < 0:
-        raise ValueError(f"length_penalty (lambda of Eq. 9) must be a finite number >= 0; got {length_penalty}")
+        raise ValueError(
+            f"length_penalty (lambda of paper 004 Eq. 9) must be a finite number >= 0; got {length_penalty}"
+        )
     if tie_tolerance < 0:
         raise ValueError(f"tie_tolerance must be >= 0; got {tie_tolerance}")
     scores = rewards
@@ -142,11 +153,11 @@ def select_pairs(
             )
         scores = rewards - length_penalty * lengths.to(rewards.dtype)
 
-    if rule == "max_min":
+    if rule == SelectionRule.MAX_MIN:
         first = scores.argmax(dim=1)
         second = scores.argmin(dim=1)
     else:
-        if rule == "max_random":
+        if rule == SelectionRule.MAX_RANDOM:
             first = scores.argmax(dim=1)
         else:
             first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)

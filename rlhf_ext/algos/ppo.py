@@ -1,4 +1,5 @@
-"""PPO building blocks shared by the engines: KL penalty, GAE, reward-to-go, whitening, the clipped value loss.
+"""PPO building blocks shared by the engines: KL estimates, GAE, reward-to-go, whitening, the clipped value loss, and
+the registry of advantage estimators.
 
 All functions take right- or left-padded ``[B, T]`` tensors with a bool ``mask`` of valid (response) positions and
 are vectorised over the batch; the backward recursions of GAE and reward-to-go run as blocked matrix products
@@ -7,28 +8,131 @@ are vectorised over the batch; the backward recursions of GAE and reward-to-go r
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from rlhf_ext.algos.names import StrEnum
 
 
-def per_token_kl(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k1") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from log-probs of the sampled tokens (Schulman's estimators).
+# ------------------------------------------------------------------------------------------------------------- KL
+class KLEstimator(StrEnum):
+    """How :func:`kl_estimate` estimates ``KL(pi || pi_ref)`` at a position (Schulman, "Approximating KL divergence",
+    2020, for ``k1``-``k3``)."""
 
-    With ``log_r = ref_logp - logp``: ``k1 = -log_r`` (unbiased, can be negative), ``k2 = log_r**2 / 2``,
-    ``k3 = exp(log_r) - 1 - log_r`` (unbiased and >= 0). OpenRLHF's reward penalty uses ``k1`` by default.
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+    EXACT = "exact"
+
+
+#: Every estimator :func:`kl_estimate` accepts.
+KL_ESTIMATORS: tuple[str, ...] = KLEstimator.values()
+#: The estimators that need only the log-probabilities of the sampled tokens (``exact`` needs full distributions).
+SAMPLE_KL_ESTIMATORS: tuple[str, ...] = (KLEstimator.K1.value, KLEstimator.K2.value, KLEstimator.K3.value)
+
+#: The one clamp of :func:`kl_estimate`: ``k3`` exponentiates the log-ratio ``log r = ref_logp - logp``, which is
+#: capped at this value first, so a token the current policy has all but ruled out gives a large finite penalty
+#: (e^20 ~ 5e8) instead of ``inf``. Nothing else is clamped (see :func:`kl_estimate`).
+K3_MAX_LOG_RATIO = 20.0
+
+
+def check_kl_estimator(estimator: str, allowed: tuple[str, ...] = KL_ESTIMATORS) -> str:
+    """Validate a KL estimator name against ``allowed`` (default: all of :class:`KLEstimator`)."""
+    if estimator not in allowed:
+        raise ValueError(f"KL estimator must be one of {', '.join(allowed)}; got {estimator!r}")
+    return estimator
+
+
+def kl_estimate(
+    logp: Tensor | None,
+    ref_logp: Tensor | None,
+    estimator: KLEstimator | str = "k1",
+    logp_full: Tensor | None = None,
+    ref_logp_full: Tensor | None = None,
+) -> Tensor:
+    """Per-position estimate of ``KL(pi || pi_ref)``: the one KL function of the package.
+
+    With ``log r = ref_logp - logp = log pi_ref(a|s) - log pi(a|s)`` at the sampled token ``a``:
+
+    =========  ==========================================  =====================================================
+    estimator  value                                       properties
+    =========  ==========================================  =====================================================
+    ``k1``     ``-log r``                                  unbiased on pi's own samples, can be negative
+    ``k2``     ``(log r)^2 / 2``                           >= 0, biased, low variance
+    ``k3``     ``r - 1 - log r`` (``log r <= 20``, below)  >= 0, unbiased on pi's own samples, low variance
+    ``exact``  ``sum_v p_v (log p_v - log q_v)``           the KL itself, from the full distributions
+    =========  ==========================================  =====================================================
+
+    **Clamp policy** — clamp only where a finite input can overflow, and only there: ``k3`` is evaluated at
+    ``min(log r, K3_MAX_LOG_RATIO)`` (``K = 20``; both the ``exp`` and the linear term use the capped value, so the
+    penalty saturates at ``e^20 - 21``). ``k1`` and ``k2`` are linear / quadratic in ``log r`` and ``exact`` is an
+    expectation of log-ratios (no ``exp`` of a ratio), so none of them is clamped; ``exact`` is ``+inf`` only where
+    ``pi_ref`` gives probability 0 to a token ``pi`` does not, which is the true KL. Consequently every estimator is
+    exactly 0 where the two policies agree, and all four are unclamped for ``log r <= 20``.
+
+    Compared with OpenRLHF 0.11.2's ``openrlhf.models.utils.compute_approx_kl`` (same k1/k2/k3 formulas, with
+    ``log_ratio = logp - ref_logp = -log r``): OpenRLHF caps ``log r`` at 10 inside k3 and then clamps *every*
+    estimator's value to ``[-10, 10]``; it has no ``exact``. Our values are equal to OpenRLHF's wherever its value
+    clamp is inactive (``|k1| <= 10``, ``k2 <= 10``, ``k3 <= 10``, i.e. roughly ``-11 <= log r <= 2.6`` for k3) and
+    larger beyond, and our gradients are the estimator formulas' own pathwise gradients (OpenRLHF's optional
+    ``unbiased_gradient`` straight-through variant is not reproduced).
+
+    Args:
+        logp: ``[B, T]`` log pi(a_t | s_t) of the sampled tokens under the current policy (differentiable). Not
+            needed (may be ``None``) for ``exact``.
+        ref_logp: ``[B, T]`` the same tokens' log-probabilities under the reference policy (take no gradient
+            through it). Not needed for ``exact``.
+        estimator: a :class:`KLEstimator` or its string.
+        logp_full, ref_logp_full: ``[B, T, V]`` *normalised* log-probabilities (``log_softmax`` of the logits) of the
+            whole next-token distributions of both policies; required by ``exact``, ignored otherwise.
+
+    Returns:
+        ``[B, T]`` float32 (float64 inputs stay float64). Positions outside the response are not masked here.
     """
-    log_r = ref_logp.float() - logp.float()
-    if estimator == "k1":
+    check_kl_estimator(estimator)
+    if estimator == KLEstimator.EXACT:
+        if logp_full is None or ref_logp_full is None:
+            raise ValueError(
+                "the exact KL estimator needs the full [B, T, V] log-probabilities of both policies "
+                "(pass logp_full= and ref_logp_full=) or use k1, k2 or k3 on the sampled tokens"
+            )
+        if logp_full.shape != ref_logp_full.shape:
+            raise ValueError(
+                f"logp_full and ref_logp_full must have the same shape [B, T, V]; got {tuple(logp_full.shape)} and "
+                f"{tuple(ref_logp_full.shape)}"
+            )
+        dtype = torch.promote_types(logp_full.dtype, torch.float32)
+        lp, lq = logp_full.to(dtype), ref_logp_full.to(dtype)
+        p = lp.exp()
+        # 0 * log(0 / q) = 0: entries pi gives probability 0 (log p = -inf) contribute nothing, even if q = 0 too
+        return torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(dim=-1)
+    if logp is None or ref_logp is None:
+        raise ValueError(f"the {estimator} KL estimator needs the sampled tokens' logp and ref_logp")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(
+            f"logp and ref_logp must have the same shape; got {tuple(logp.shape)} and {tuple(ref_logp.shape)}"
+        )
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    log_r = ref_logp.to(dtype) - logp.to(dtype)  # log pi_ref - log pi
+    if estimator == KLEstimator.K1:
         return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r**2
-    if estimator == "k3":
-        return torch.expm1(log_r) - log_r
-    raise ValueError(f"KL estimator must be k1, k2 or k3; got {estimator!r}")
+    if estimator == KLEstimator.K2:
+        return 0.5 * log_r.square()
+    log_r = log_r.clamp(max=K3_MAX_LOG_RATIO)
+    return torch.expm1(log_r) - log_r  # r - 1 - log r, exact 0 at log r = 0
+
+
+def per_token_kl(
+    logp: Tensor,
+    ref_logp: Tensor,
+    estimator: KLEstimator | str = "k1",
+    logp_full: Tensor | None = None,
+    ref_logp_full: Tensor | None = None,
+) -> Tensor:
+    """:func:`kl_estimate` with the reward-penalty default ``k1`` (OpenRLHF's default ``--algo.kl.estimator``)."""
+    return kl_estimate(logp, ref_logp, estimator, logp_full=logp_full, ref_logp_full=ref_logp_full)
 
 
 def discounted_reverse_cumsum(x: Tensor, discount: float, block: int = 256) -> Tensor:
@@ -137,14 +241,117 @@ def clipped_value_loss(
     return 0.5 * torch.where(mask, loss, 0.0).sum() / n, torch.where(mask, clipped.float(), 0.0).sum() / n
 
 
-#: Advantage estimators defined on dense per-token rewards, with OpenRLHF 0.11.2's names and semantics.
-ESTIMATORS: tuple[str, ...] = ("gae", "reinforce", "reinforce_baseline")
-
-
 def last_token_index(mask: Tensor) -> Tensor:
     """``[B]`` index of each row's last valid position (0 for an empty row)."""
     mask = mask.bool()
     return mask.shape[1] - 1 - mask.long().fliplr().argmax(dim=1)
+
+
+# ----------------------------------------------------------------------------------------- advantage estimators
+class AdvantageEstimator(StrEnum):
+    """Advantage estimators defined on dense per-token rewards, with OpenRLHF 0.11.2's names and semantics."""
+
+    GAE = "gae"
+    REINFORCE = "reinforce"
+    REINFORCE_BASELINE = "reinforce_baseline"
+
+
+#: The built-in estimators' names (what the engines' command lines accept).
+ESTIMATORS: tuple[str, ...] = AdvantageEstimator.values()
+
+#: ``fn(dense, kl_penalty, mask, *, values, gamma, lam, group_size, clip_range) -> (rewards, advantages, returns)``
+#: (all keyword arguments are passed, each estimator uses the ones it needs; see :func:`ppo_advantages`).
+AdvantageFn = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+#: name -> estimator function; extend with :func:`register_advantage_estimator`.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage_estimator(name: AdvantageEstimator | str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering an advantage estimator under ``name`` for :func:`ppo_advantages` (cf. verl's
+    ``register_adv_est``). Registering a name twice raises ``ValueError``."""
+    key = str(name)
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if key in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[key] is not fn:
+            raise ValueError(f"advantage estimator {key!r} is already registered")
+        ADVANTAGE_ESTIMATORS[key] = fn
+        return fn
+
+    return decorator
+
+
+def get_advantage_estimator(name: AdvantageEstimator | str) -> AdvantageFn:
+    """The registered estimator function called ``name``; ``ValueError`` listing the registered names otherwise."""
+    fn = ADVANTAGE_ESTIMATORS.get(name) if isinstance(name, str) else None
+    if fn is None:
+        raise ValueError(f"advantage estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}; got {name!r}")
+    return fn
+
+
+def shape_rewards(
+    dense: Tensor, kl_penalty: Tensor, mask: Tensor, clip_range: tuple[float, float] | None = None
+) -> Tensor:
+    """``r_t = clip(dense_t) - kl_penalty_t`` on valid positions, 0 elsewhere (paper 003 Eq. 5 with
+    ``kl_penalty = beta * KL``; the clip is OpenRLHF's ``--reward.clip_range``)."""
+    if clip_range is not None:
+        dense = dense.clamp(min=clip_range[0], max=clip_range[1])
+    return torch.where(mask, dense - kl_penalty, 0.0)
+
+
+@register_advantage_estimator(AdvantageEstimator.GAE)
+def gae_estimator(
+    dense: Tensor,
+    kl_penalty: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    group_size: int = 1,
+    clip_range: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``gae``: shaped rewards, then :func:`gae_advantages` with the critic's ``values`` (required)."""
+    if values is None:
+        raise ValueError("the gae estimator needs critic values")
+    rewards = shape_rewards(dense, kl_penalty, mask, clip_range)
+    return (rewards, *gae_advantages(rewards, values, mask, gamma, lam))
+
+
+@register_advantage_estimator(AdvantageEstimator.REINFORCE)
+def reinforce_estimator(
+    dense: Tensor,
+    kl_penalty: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    group_size: int = 1,
+    clip_range: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``reinforce``: shaped rewards, then the reward-to-go (:func:`reinforce_advantages`); no critic."""
+    rewards = shape_rewards(dense, kl_penalty, mask, clip_range)
+    return (rewards, *reinforce_advantages(rewards, mask, gamma))
+
+
+@register_advantage_estimator(AdvantageEstimator.REINFORCE_BASELINE)
+def reinforce_baseline_estimator(
+    dense: Tensor,
+    kl_penalty: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    group_size: int = 1,
+    clip_range: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``reinforce_baseline``: the prompt group's mean sequence reward (``dense.sum(1)``, :func:`group_mean_baseline`)
+    is subtracted at each response's last token *before* the clip, then as ``reinforce`` (OpenRLHF's order)."""
+    baseline = group_mean_baseline(dense.sum(dim=1), group_size)
+    dense = dense.scatter_add(1, last_token_index(mask)[:, None], -baseline[:, None])
+    return reinforce_estimator(dense, kl_penalty, mask, gamma=gamma, clip_range=clip_range)
 
 
 def ppo_advantages(
@@ -153,7 +360,7 @@ def ppo_advantages(
     mask: Tensor,
     kl_coef: float,
     values: Tensor | None = None,
-    estimator: str = "gae",
+    estimator: AdvantageEstimator | str = "gae",
     gamma: float = 1.0,
     lam: float = 0.95,
     group_size: int = 1,
@@ -169,24 +376,24 @@ def ppo_advantages(
     3. minus ``kl_coef * KL``; GAE (needs ``values``) or reward-to-go (``reinforce*``);
     4. advantages whitened over the batch when ``whiten`` (OpenRLHF whitens all three estimators).
 
+    Steps 1-3 are the estimator registered under ``estimator`` in :data:`ADVANTAGE_ESTIMATORS` (the built-ins are
+    :class:`AdvantageEstimator`); step 4 is common to all.
+
     Shapes: ``dense_rewards``, ``kl``, ``mask``, ``values`` ``[B, T]``; rows grouped by prompt for step 1.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"advantage estimator must be one of {', '.join(ESTIMATORS)}; got {estimator!r}")
+    fn = get_advantage_estimator(estimator)
     mask = mask.bool()
     dense = torch.where(mask, dense_rewards.float(), 0.0)
-    if estimator == "reinforce_baseline":
-        baseline = group_mean_baseline(dense.sum(dim=1), group_size)
-        dense = dense.scatter_add(1, last_token_index(mask)[:, None], -baseline[:, None])
-    if clip_range is not None:
-        dense = dense.clamp(min=clip_range[0], max=clip_range[1])
-    rewards = torch.where(mask, dense - kl_coef * kl.float(), 0.0)
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("the gae estimator needs critic values")
-        advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
-    else:
-        advantages, returns = reinforce_advantages(rewards, mask, gamma)
+    rewards, advantages, returns = fn(
+        dense,
+        kl_coef * kl.float(),
+        mask,
+        values=values,
+        gamma=gamma,
+        lam=lam,
+        group_size=group_size,
+        clip_range=clip_range,
+    )
     if whiten:
         advantages = masked_whiten(advantages, mask)
     return rewards, advantages, returns

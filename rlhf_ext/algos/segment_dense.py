@@ -14,7 +14,7 @@ interpolates them onto tokens.
 ``bandit_as_segment``  Table 1 (A): a *bandit* reward model read at segment ends — computed exactly like ``segment``;
                    the name records that the reward model was trained with cutoff = inf
 ``segment_as_bandit``  Table 1 (B): a *segment* reward model used for a bandit reward: its sequence evaluation
-                   e_phi (Eq. 4), normalized at p = 1, on the last token
+                   e_phi (paper 003 Eq. 4), normalized at p = 1, on the last token
 ================== ====================================================================================================
 
 ``interpolation`` (Table 3): ``even_split`` gives every token of a segment r/|segment| (the paper), ``repeat`` gives
@@ -24,15 +24,17 @@ every token r, ``segment_end`` puts r on the segment's last token and 0 elsewher
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.names import StrEnum
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
+    Aggregation,
     Segments,
     aggregate_segments,
     check_cutoff,
@@ -41,17 +43,40 @@ from rlhf_ext.algos.segment_reward import (
     segment_ids,
 )
 
-Interpolation = Literal["even_split", "repeat", "segment_end"]
-Granularity = Literal["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"]
-INTERPOLATIONS: tuple[str, ...] = ("even_split", "repeat", "segment_end")
-GRANULARITIES: tuple[str, ...] = ("segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit")
+
+class Interpolation(StrEnum):
+    """Within-segment reward interpolation (paper 003 Table 3; see :func:`interpolate_rewards`)."""
+
+    EVEN_SPLIT = "even_split"
+    REPEAT = "repeat"
+    SEGMENT_END = "segment_end"
+
+
+class Granularity(StrEnum):
+    """Action definition of the dense reward (paper 003 Table 1; see the module docstring)."""
+
+    SEGMENT = "segment"
+    TOKEN = "token"
+    BANDIT = "bandit"
+    BANDIT_AS_SEGMENT = "bandit_as_segment"
+    SEGMENT_AS_BANDIT = "segment_as_bandit"
+
+
+INTERPOLATIONS: tuple[str, ...] = Interpolation.values()
+GRANULARITIES: tuple[str, ...] = Granularity.values()
+#: Granularities that segment the response at the reference model's entropies (and so need them).
+SEGMENTED_GRANULARITIES: tuple[str, ...] = (
+    Granularity.SEGMENT.value,
+    Granularity.BANDIT_AS_SEGMENT.value,
+    Granularity.SEGMENT_AS_BANDIT.value,
+)
 
 
 class RewardValueError(ValueError):
     """The reward model produced NaN or infinite scores."""
 
 
-def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpolation = "even_split") -> Tensor:
+def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpolation | str = "even_split") -> Tensor:
     """Spread segment rewards over their tokens (paper 003, section 2.3 "Within-segment Reward Interpolation").
 
     Args:
@@ -68,9 +93,9 @@ def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpola
     inside = segments.ids >= 0
     index = segments.ids.clamp_min(0)
     per_token = seg_rewards.gather(1, index)
-    if kind == "even_split":
+    if kind == Interpolation.EVEN_SPLIT:
         per_token = per_token / segments.lengths.gather(1, index).clamp_min(1).to(per_token.dtype)
-    elif kind == "segment_end":
+    elif kind == Interpolation.SEGMENT_END:
         inside = segments.ends
     return torch.where(inside, per_token, torch.zeros_like(per_token))
 
@@ -110,10 +135,10 @@ def dense_segment_rewards(
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
     normalizer: LocationNormalizer | None = None,
-    granularity: Granularity = "segment",
-    interpolation: Interpolation = "even_split",
+    granularity: Granularity | str = "segment",
+    interpolation: Interpolation | str = "even_split",
     entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
-    aggregation: str = "softmax",
+    aggregation: Aggregation | str = "softmax",
     tau: float = DEFAULT_TAU,
 ) -> DenseRewards:
     """Per-token PPO rewards from a reward model's token scores (paper 003, Algorithm 1 lines 23-27).
@@ -136,25 +161,25 @@ def dense_segment_rewards(
     check_finite_scores(token_scores, action_mask)
     normalizer = normalizer or LocationNormalizer()
     token_scores = token_scores.float()
-    if granularity in ("segment", "bandit_as_segment", "segment_as_bandit"):
+    if granularity in SEGMENTED_GRANULARITIES:
         if entropy is None:
             if logits is None:
-                raise ValueError(f"granularity {granularity!r} needs the reference model's entropy (or its logits)")
+                raise ValueError(f"granularity '{granularity}' needs the reference model's entropy (or its logits)")
             from rlhf_ext.algos.segment_reward import token_entropy
 
             entropy = token_entropy(logits, shift=True)
         cutoff = check_cutoff(entropy_cutoff)
     else:
         entropy = torch.zeros_like(token_scores)
-        cutoff = math.inf if granularity == "bandit" else 0.0
-    if granularity == "token":
+        cutoff = math.inf if granularity == Granularity.BANDIT else 0.0
+    if granularity == Granularity.TOKEN:
         starts = action_mask  # every response token is its own segment, whatever the entropies are
     else:
         starts = segment_boundaries(entropy, action_mask, cutoff)
     segments = segment_ids(starts, action_mask)
     raw = gather_segment_rewards(token_scores, segments)
-    if granularity in ("bandit", "segment_as_bandit"):
-        if granularity == "segment_as_bandit":
+    if granularity in (Granularity.BANDIT, Granularity.SEGMENT_AS_BANDIT):
+        if granularity == Granularity.SEGMENT_AS_BANDIT:
             seq = aggregate_segments(raw, segments.mask, aggregation, tau)
         else:
             seq = raw[:, 0]
@@ -165,7 +190,8 @@ def dense_segment_rewards(
         rewards = torch.where(last, seq_norm.unsqueeze(1), torch.zeros_like(token_scores))
         return DenseRewards(rewards, seq_norm.unsqueeze(1), seq.unsqueeze(1), segments, seq_norm)
     normalized = normalizer.normalize(raw, segments.locations, segments.mask)
-    rewards = interpolate_rewards(normalized, segments, "segment_end" if granularity == "token" else interpolation)
+    kind = Interpolation.SEGMENT_END if granularity == Granularity.TOKEN else interpolation
+    rewards = interpolate_rewards(normalized, segments, kind)
     return DenseRewards(rewards, normalized, raw, segments, rewards.sum(dim=1))
 
 

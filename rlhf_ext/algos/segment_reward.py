@@ -1,4 +1,4 @@
-"""Entropy-based segmentation and segment-reward aggregation (paper 003, section 2.2, Eq. 3-4).
+"""Entropy-based segmentation and segment-reward aggregation (paper 003 Eq. 3-4, section 2.2).
 
 Pure tensor functions, vectorised over the batch, no Python loop over tokens or samples.
 
@@ -17,13 +17,23 @@ Conventions (all functions):
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-Aggregation = Literal["softmax", "sum", "mean"]
-AGGREGATIONS: tuple[str, ...] = ("softmax", "sum", "mean")
+from rlhf_ext.algos.names import StrEnum
+
+
+class Aggregation(StrEnum):
+    """Aggregation f of the segment rewards into a sequence evaluation (paper 003 Eq. 3-4; Table 4)."""
+
+    SOFTMAX = "softmax"
+    SUM = "sum"
+    MEAN = "mean"
+
+
+AGGREGATIONS: tuple[str, ...] = Aggregation.values()
 
 #: Paper defaults (section 4.1, Table 7): entropy cutoff c_ent = 2.0, soft-max temperature tau = 0.5.
 DEFAULT_ENTROPY_CUTOFF = 2.0
@@ -45,7 +55,7 @@ def check_cutoff(cutoff: float) -> float:
 
 
 def check_tau(tau: float) -> float:
-    """Validate the soft-max temperature of Eq. 4 (must be > 0)."""
+    """Validate the soft-max temperature of paper 003 Eq. 4 (must be > 0)."""
     tau = float(tau)
     if not tau > 0 or math.isinf(tau):
         raise ValueError(f"soft-max temperature tau must be a finite number > 0, got {tau}; the paper uses 0.5")
@@ -53,6 +63,7 @@ def check_tau(tau: float) -> float:
 
 
 def check_aggregation(kind: str) -> str:
+    """Validate an aggregation name (a :class:`Aggregation` or its string)."""
     if kind not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {kind!r}")
     return kind
@@ -207,11 +218,11 @@ def gather_segment_rewards(token_scores: Tensor, segments: Segments) -> Tensor:
 
 
 def aggregate_segments(
-    seg_rewards: Tensor, seg_mask: Tensor, kind: Aggregation = "softmax", tau: float = DEFAULT_TAU
+    seg_rewards: Tensor, seg_mask: Tensor, kind: Aggregation | str = "softmax", tau: float = DEFAULT_TAU
 ) -> Tensor:
-    """Parameterised sequence evaluation e_phi(x, y) = f({r_phi(s_t, a_t)}) (paper 003, Eq. 3-4).
+    """Parameterised sequence evaluation e_phi(x, y) = f({r_phi(s_t, a_t)}) (paper 003 Eq. 3-4).
 
-    * ``softmax`` (paper default): ``tau * log(sum_t exp(r_t / tau))`` (Eq. 4). It equals ``r`` for a single
+    * ``softmax`` (paper default): ``tau * log(sum_t exp(r_t / tau))`` (paper 003 Eq. 4). It equals ``r`` for a single
       segment and tends to ``max_t r_t`` as ``tau -> 0``.
     * ``sum``: ``sum_t r_t``;  ``mean``: ``sum_t r_t / T`` (Table 4's alternatives).
 
@@ -234,18 +245,18 @@ def aggregate_segments(
             f"response(s) at batch index {rows} are empty (no response token), so they have no segment to score; "
             "drop empty responses from the dataset or make the tokenizer append an EOS token to every response"
         )
-    if kind == "softmax":
+    if kind == Aggregation.SOFTMAX:
         tau = check_tau(tau)
         scaled = (seg_rewards / tau).masked_fill(~seg_mask, float("-inf"))
         return tau * torch.logsumexp(scaled, dim=1)
     total = (seg_rewards * seg_mask).sum(dim=1)
-    if kind == "sum":
+    if kind == Aggregation.SUM:
         return total
     return total / seg_mask.sum(dim=1)
 
 
 def segment_bt_loss(chosen_eval: Tensor, rejected_eval: Tensor, margin: Tensor | None = None) -> Tensor:
-    """Bradley-Terry loss on sequence evaluations (paper 003, Eq. 3; Eq. 1 when each response is one segment).
+    """Bradley-Terry loss on sequence evaluations (paper 003 Eq. 3; paper 003 Eq. 1 when each response is one segment).
 
     ``L = -mean_b log sigmoid(e(x, y_w) - e(x, y_l) - margin)``.
 
@@ -272,7 +283,7 @@ def evaluate_sequences(
     entropy: Tensor,
     action_mask: Tensor,
     cutoff: float = DEFAULT_ENTROPY_CUTOFF,
-    aggregation: Aggregation = "softmax",
+    aggregation: Aggregation | str = "softmax",
     tau: float = DEFAULT_TAU,
 ) -> SequenceEvaluation:
     """Token scores -> segments -> segment rewards -> sequence evaluation e_phi (the one path both engines use).

@@ -1,0 +1,28 @@
+"""The string-valued enums of :mod:`rlhf_ext.algos` share one base class, :class:`StrEnum`.
+
+Every option that used to be a ``Literal[...]`` plus a tuple of allowed strings (granularity, interpolation,
+normalizer kind, advantage estimator, KL estimator, selection rule, aggregation) is a ``StrEnum`` subclass. A member
+*is* its string: ``Granularity.BANDIT == "bandit"``, ``hash(Granularity.BANDIT) == hash("bandit")`` (so members and
+plain strings are interchangeable as dict keys and in sets), and ``str`` / ``format`` / f-strings give the bare value
+on every supported Python (3.10 has no ``enum.StrEnum``). Plain strings keep working wherever a member is accepted;
+the old tuple constants are derived from the enums (``GRANULARITIES = Granularity.values()``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class StrEnum(str, Enum):
+    """A ``str`` whose allowed values are the members of an ``Enum`` (cf. verl's ``AdvantageEstimator(str, Enum)``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """The members' string values, in definition order."""
+        return tuple(member.value for member in cls)
