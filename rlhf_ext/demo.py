@@ -8,7 +8,7 @@ unless ``--force``, and refuses a directory started with other settings):
                     demonstrations (chosen and rejected responses alike, so the SFT policy is mixed-quality).
 3. ``labels``     — the preference split relabelled by the simulated annotator pool (25% label flips; paper 002).
 4. ``rm``         — a segment reward model (paper 003, section 2.2) trained on those labels.
-5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (Eq. 6).
+5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (paper 003 Eq. 6).
 6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
 7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
                     noise), gold reward, response length and KL to the SFT model; reward-model accuracy.

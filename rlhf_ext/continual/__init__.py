@@ -3,7 +3,7 @@ task-sequence runner.
 
 Engine-free (``torch`` / ``numpy`` only): importing this package never imports trl, openrlhf, deepspeed, ray or vllm.
 
-* :func:`kl_to_previous` — the plain regulariser of Eq. 7 (masked token mean of a k1/k2/k3 KL estimate).
+* :func:`kl_to_previous` — the plain regulariser of paper 000 Eq. 7 (masked token mean of a k1/k2/k3 KL estimate).
 * :func:`cppo_sample_weights` — CPPO's optional learning / retention weights (alpha, beta), from the authors' code.
 * :func:`backward_transfer`, :func:`forgetting`, :func:`average_performance`, :func:`summarize` — Appendix C.3.
 * :mod:`rlhf_ext.pipelines.continual` — train a sequence of tasks with snapshots, evaluation matrix, plots and resume.

@@ -50,9 +50,9 @@ class ContinualActorSettings:
 
     Args:
         previous_model: checkpoint of the policy at the end of the previous task (``None``: first task, no term).
-        kl_coef: weight ``c`` of the KL term (Eq. 7's unit weight by default; 0 switches it off).
+        kl_coef: weight ``c`` of the KL term (paper 000 Eq. 7's unit weight by default; 0 switches it off).
         estimator: ``k1`` / ``k2`` / ``k3``.
-        retention: ``kl`` — the plain Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta weights.
+        retention: ``kl`` — the plain paper 000 Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta weights.
         cppo: thresholds and weight values for ``retention="cppo"``.
     """
 
@@ -82,7 +82,7 @@ class ContinualActorSettings:
 
 
 class ContinualPolicyLoss(PolicyLoss):
-    """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (Eq. 7), optionally with CPPO's sample-wise weights.
+    """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (paper 000 Eq. 7), optionally with CPPO's sample-wise weights.
 
     ``forward`` takes the stock arguments plus ``prev_log_probs`` (``[B, A]``, the previous-task policy's
     log-probabilities of the action tokens), ``learning_weights`` (alpha, ``[B]``) and ``retention_weights`` (beta,

@@ -15,7 +15,7 @@ collator therefore returns a *role mask* in place of the attention mask (:func:`
 -1 for prompt tokens and ``1 + entropy`` for response tokens (float64, so the entropy round-trips exactly).
 :class:`SegmentRewardModelTrainer` decodes it, gives the model a plain 0/1 attention mask, and computes the sequence
 evaluation e_phi with :func:`rlhf_ext.segment.evaluate_sequences` — the same function the TRL trainer calls — which
-OpenRLHF's own ``PairWiseLoss`` then turns into the BT loss of Eq. 3.
+OpenRLHF's own ``PairWiseLoss`` then turns into the BT loss of paper 003 Eq. 3.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ class SegmentRewardDataset(RewardDataset):
 
 # ------------------------------------------------------------------------------------------------ the trainer
 class SegmentRewardModelTrainer(RewardModelTrainer):
-    """OpenRLHF ``RewardModelTrainer`` whose chosen/rejected "rewards" are segment sequence evaluations (Eq. 4)."""
+    """OpenRLHF ``RewardModelTrainer`` whose chosen/rejected "rewards" are segment sequence evaluations
+    (paper 003 Eq. 4)."""
 
     def __init__(self, model, strategy, *args, **kwargs):
         super().__init__(model, strategy, *args, **kwargs)

@@ -64,7 +64,7 @@ class TaskContext:
     test: Any
     init_policy: str  # the policy starts here: the previous snapshot, or the SFT model for task 0
     previous_policy: str | None  # frozen pi_{t-1} for the KL term; None for task 0
-    reference_policy: str  # the SFT model: DPO reference (Eq. 6) and reward-model initialisation
+    reference_policy: str  # the SFT model: DPO reference (paper 000 Eq. 6) and reward-model initialisation
     tokenizer_path: str
     kl_coef: float
     seed: int

@@ -18,7 +18,7 @@ from rlhf_ext.config import TrainSection
 @dataclass
 class ContinualModelSection:
     """``sft_model``: the SFT checkpoint every task's policy descends from (path, hub id or ``builtin:tiny-sft``).
-    It is also the DPO reference model (Eq. 6) and the initialisation of per-task reward models."""
+    It is also the DPO reference model (paper 000 Eq. 6) and the initialisation of per-task reward models."""
 
     sft_model: str = "builtin:tiny-sft"
     tokenizer: str | None = None
@@ -57,10 +57,10 @@ class TaskSequenceSection:
 
 @dataclass
 class ContinualSection:
-    """The KL to the previous task's policy (Eq. 7).
+    """The KL to the previous task's policy (paper 000 Eq. 7).
 
-    ``kl_coef``: its weight for every transition (0 = sequential fine-tuning, no regulariser; Eq. 7's unit weight by
-    default). ``kl_coef_schedule``: optional per-transition weights, one per task after the first
+    ``kl_coef``: its weight for every transition (0 = sequential fine-tuning, no regulariser; paper 000 Eq. 7's unit
+    weight by default). ``kl_coef_schedule``: optional per-transition weights, one per task after the first
     (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
     Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
     ``estimator``: k1 / k2 / k3 (see :mod:`rlhf_ext.algos.continual_kl`).
@@ -92,7 +92,7 @@ class ContinualSection:
 
 @dataclass
 class DPOSection:
-    """DPO settings (Eq. 6). ``beta``: TRL's default 0.1 (paper 000 does not report it)."""
+    """DPO settings (paper 000 Eq. 6). ``beta``: TRL's default 0.1 (paper 000 does not report it)."""
 
     beta: float = 0.1
     loss_type: str = "sigmoid"

@@ -41,7 +41,7 @@ def score_and_select(
     settings: SelectionSettings,
     generator: torch.Generator,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (Eq. 9).
+    """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9).
 
     Returns the pair rows (one dict per kept prompt, in prompt order) and statistics of the scored samples.
     """

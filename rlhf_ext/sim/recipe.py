@@ -229,7 +229,7 @@ class OnlineDPOSection:
     prompts_per_iteration: int = 64
     num_samples: int = 4
     beta: float = 0.1
-    length_penalty: float = 0.0  # lambda of paper 004's Eq. 9, per character: responses ranked by r - lambda * len
+    length_penalty: float = 0.0  # lambda of paper 004 Eq. 9, per character: responses ranked by r - lambda * len
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
 
 

@@ -1,9 +1,9 @@
-"""Continual DPO on TRL: ``ContinualDPOConfig`` + ``ContinualDPOTrainer`` (paper 000, section 4 and Eq. 6-7).
+"""Continual DPO on TRL: ``ContinualDPOConfig`` + ``ContinualDPOTrainer`` (paper 000, section 4, Eq. 6-7).
 
 ``ContinualDPOTrainer`` is TRL's ``DPOTrainer`` with one extra term: the KL between the policy being trained on the
 current task and the frozen policy from the end of the previous task, on the current batch's completion tokens,
 
-    loss = DPO loss (Eq. 6, reference = the SFT model)  +  c * kl_to_previous(logp, prev_logp, completion mask)
+    loss = DPO loss (paper 000 Eq. 6, reference = SFT model)  +  c * kl_to_previous(logp, prev_logp, completion mask)
 
 where ``logp`` are the per-token log-probabilities the stock trainer already computes in its policy forward pass
 (captured, not recomputed), and ``prev_logp`` come from one extra forward pass of the previous-task model under
@@ -12,9 +12,9 @@ the reference model (DeepSpeed / FSDP / plain ``prepare_model(evaluation_mode=Tr
 previous-task model the loss *is* ``DPOTrainer``'s (the override returns straight away). The KL is logged as
 ``continual/kl_to_previous`` (the unweighted masked mean, so runs with different ``c`` are comparable).
 
-The KL is the plain regulariser of Eq. 7 (:func:`rlhf_ext.continual.kl_to_previous`); CPPO's sample-wise weights need
-rollout rewards and are not used by DPO. On offline pairs the k1/k2/k3 values are penalties on the dataset's tokens,
-not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
+The KL is the plain regulariser of paper 000 Eq. 7 (:func:`rlhf_ext.continual.kl_to_previous`); CPPO's sample-wise
+weights need rollout rewards and are not used by DPO. On offline pairs the k1/k2/k3 values are penalties on the
+dataset's tokens, not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
 
 Example::
 
@@ -22,8 +22,8 @@ Example::
 
     trainer = ContinualDPOTrainer(
         model="runs/seq/task_00/policy",          # start task 1 from the task-0 snapshot
-        ref_model=sft_model,                      # DPO reference: the SFT model (Eq. 6)
-        prev_model="runs/seq/task_00/policy",     # frozen pi_{t-1} for the KL term (Eq. 7)
+        ref_model=sft_model,                      # DPO reference: the SFT model (paper 000 Eq. 6)
+        prev_model="runs/seq/task_00/policy",     # frozen pi_{t-1} for the KL term (paper 000 Eq. 7)
         args=ContinualDPOConfig(output_dir="out", continual_kl_coef=1.0, continual_kl_estimator="k3"),
         train_dataset=task1["train"],
         processing_class=tokenizer,
@@ -55,10 +55,11 @@ KL_METRIC = "continual/kl_to_previous"
 
 @dataclass
 class ContinualDPOConfig(DPOConfig):
-    """``DPOConfig`` plus the weight and estimator of the KL to the previous task's policy (Eq. 7).
+    """``DPOConfig`` plus the weight and estimator of the KL to the previous task's policy (paper 000 Eq. 7).
 
     Args:
-        continual_kl_coef: weight ``c`` of the KL term (>= 0). Eq. 7 adds the KL with unit weight (default 1.0);
+        continual_kl_coef: weight ``c`` of the KL term (>= 0). Paper 000 Eq. 7 adds the KL with unit weight (default
+            1.0);
             0 switches the term off (plain DPO; no extra forward pass). Section 4: set it low or to 0 for a
             transition where preferences shift sharply.
         continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` (default ``k3``); see :mod:`rlhf_ext.algos.continual_kl`.

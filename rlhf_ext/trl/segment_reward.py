@@ -8,8 +8,8 @@
 2. **Loss.** ``compute_loss`` reads the score head's output at *every* position (captured from the same forward pass
    the stock trainer runs, no extra compute), splits each response into segments at tokens whose SFT entropy
    exceeds ``entropy_cutoff``, takes each segment's reward at its last token, aggregates them with the soft-max of
-   Eq. 4 and applies the Bradley-Terry loss of Eq. 3. With ``entropy_cutoff=inf`` this is exactly the stock bandit
-   loss.
+   paper 003 Eq. 4 and applies the Bradley-Terry loss of paper 003 Eq. 3. With ``entropy_cutoff=inf`` this is exactly
+   the stock bandit loss.
 
 Example::
 
@@ -58,7 +58,7 @@ class SegmentRewardConfig(RewardConfig):
     Args:
         entropy_cutoff: c_ent in nats; a token starts a segment when the SFT entropy of its distribution exceeds it.
             ``inf`` = bandit (sequence-level) model, ``0`` = token-level model (Appendix C). Default 2.0.
-        aggregation: ``softmax`` (Eq. 4, default), ``sum`` or ``mean`` (Table 4).
+        aggregation: ``softmax`` (paper 003 Eq. 4, default), ``sum`` or ``mean`` (Table 4).
         tau: soft-max temperature (default 0.5).
         sft_model_name_or_path: the SFT checkpoint used for segmentation. Defaults to the reward model's own
             initial checkpoint when ``model`` is given as a path (the paper initialises the RM from the SFT model).
@@ -68,7 +68,7 @@ class SegmentRewardConfig(RewardConfig):
 
     entropy_cutoff: float = field(default=DEFAULT_ENTROPY_CUTOFF, metadata={"help": "Entropy cutoff c_ent (nats)."})
     aggregation: str = field(default="softmax", metadata={"help": "softmax | sum | mean"})
-    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of Eq. 4."})
+    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of paper 003 Eq. 4."})
     sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
     entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
     segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
@@ -101,7 +101,7 @@ class SegmentPreferenceCollator:
 
 
 class SegmentRewardTrainer(RewardTrainer):
-    """TRL ``RewardTrainer`` with the segment-level loss of paper 003 (Eq. 3-4). See the module docstring."""
+    """TRL ``RewardTrainer`` with the segment-level loss of paper 003 (paper 003 Eq. 3-4). See the module docstring."""
 
     _tag_names = ["trl", "reward-trainer", "rlhf-ext", "segment-reward"]
 
