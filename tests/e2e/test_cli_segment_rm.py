@@ -59,7 +59,17 @@ def test_train_segment_rm_cli_writes_checkpoint_metrics_and_report(trained_rm):
     out, output = trained_rm
     assert "segment reward model trained" in output and str(out) in output
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["engine"] == "trl" and 0.0 <= metrics["eval"]["eval_accuracy"] <= 1.0
+    assert metrics["engine"] == "trl"
+    # the trainer's held-out accuracy and margin are those of the saved model's sequence evaluations e_phi on the 32
+    # eval pairs, recomputed through the inference scorer (separate tokenisation, entropies and forward passes)
+    from rlhf_ext.runtime.rewards import SegmentSequenceReward
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    pairs = resolve_dataset("builtin:toy-keyphrase")["test"].select(range(32))
+    e_phi, prompts = SegmentSequenceReward(str(out)), list(pairs["prompt"])
+    chosen, rejected = e_phi(prompts, list(pairs["chosen"])), e_phi(prompts, list(pairs["rejected"]))
+    assert metrics["eval"]["eval_accuracy"] == pytest.approx((chosen > rejected).double().mean().item(), abs=1e-6)
+    assert metrics["eval"]["eval_margin"] == pytest.approx((chosen - rejected).double().mean().item(), rel=1e-4)
     html = (out / "segment_report.html").read_text()
     assert html.count('class="seg"') > 8 and "reward" in html
     assert (out / "segment_config.json").exists() and (out / "model.safetensors").exists()

@@ -32,6 +32,7 @@ def recipe_file(tmp_path, tiny_sft_path):
 
 def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     from rlhf_ext.cli import main
+    from rlhf_ext.sim.compare import result_path
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = tmp_path / "run"
@@ -41,7 +42,18 @@ def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     rows = {r["method"]: r for r in summary["methods"]}
     assert list(rows) == ["sft", "best_of_n", "dpo", "online_dpo_sync"]
     assert rows["sft"]["kl"] == 0.0 and rows["sft"]["per_seed"][0]["num_comparisons"] == 32
-    assert all(0.0 <= r["win_rate"] <= 1.0 for r in rows.values())
+    for method, row in rows.items():
+        # the reported win rate is that of the method's evaluation row: its pool judgements (binary, no ties) counted
+        result = json.loads(result_path(run, method, 0).read_text())
+        assert result["ties"] == 0 and result["wins"] + result["losses"] == result["num_comparisons"] == 32, method
+        assert result["win_rate"] == pytest.approx(result["wins"] / 32, abs=1e-12), method
+        assert row["win_rate"] == row["per_seed"][0]["win_rate"] == result["win_rate"], method  # one seed: its value
+        # its standard error is clustered by prompt (16 prompts x 2 samples; per-prompt means m_i in {0, 1/2, 1}):
+        # 16 * 15 * se^2 = sum_i (m_i - p)^2 = wins / 2 - split / 4 - 16 p^2, `split` = prompts won once of twice
+        wins, p = result["wins"], result["win_rate"]
+        split = 4 * (wins / 2 - 16 * p**2 - 16 * 15 * result["stderr"] ** 2)
+        assert split == pytest.approx(round(split), abs=1e-6), (method, split)
+        assert 0 <= round(split) <= min(wins, 32 - wins) and (wins - round(split)) % 2 == 0, (method, split)
     assert rows["best_of_n"]["kl"] == pytest.approx(1.3863 - 0.75, abs=1e-3)  # log 4 - 3/4
     assert rows["dpo"]["kl"] != 0.0  # DPO moved the policy
     sync_run = json.loads((run / "seed-0" / "online_dpo_sync" / "summary.json").read_text())

@@ -124,7 +124,7 @@ def test_trl_and_openrlhf_paths_give_the_same_loss(seg_rm, tmp_path, tiny_sft_pa
 
 
 @pytest.mark.slow
-def test_openrlhf_train_rm_runs_end_to_end_on_cpu(tmp_path, tiny_sft_path, prepared):
+def test_openrlhf_train_rm_runs_end_to_end_on_cpu(tmp_path, tiny_sft_path, prepared, toy_data):
     """OpenRLHF's unmodified train_rm (DeepSpeed ZeRO-2, gloo) with our subclasses, in a fresh process."""
     data_dir = tmp_path / "data"
     prepared.save_to_disk(str(data_dir))
@@ -146,9 +146,16 @@ def test_openrlhf_train_rm_runs_end_to_end_on_cpu(tmp_path, tiny_sft_path, prepa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "acc=" in proc.stderr + proc.stdout
     from rlhf_ext.runtime.segment_data import load_segment_settings
-    from rlhf_ext.runtime.token_scores import preference_accuracy
+    from rlhf_ext.runtime.token_scores import SegmentScorer, preference_accuracy
 
     settings = load_segment_settings(out)
     assert settings["entropy_cutoff"] == 2.0 and settings["sft_model_name_or_path"] == tiny_sft_path
     metrics = preference_accuracy(str(out), prepared, 2.0)
-    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_segments_per_response"] > 1
+    # the same 8 pairs scored one response at a time through the segment viewer (its own tokenisation, SFT
+    # entropies and forward passes; the settings recorded with the checkpoint): e_phi and the segment counts agree
+    scorer = SegmentScorer(str(out))
+    rows = toy_data["train"].select(range(8))
+    views = [[scorer.score(row["prompt"], row[k]) for k in ("chosen", "rejected")] for row in rows]
+    assert metrics["eval_accuracy"] == pytest.approx(sum(c.evaluation > r.evaluation for c, r in views) / 8)
+    segments = sum(len(v.segments) for pair in views for v in pair) / 16
+    assert metrics["eval_segments_per_response"] == pytest.approx(segments) and segments > 1

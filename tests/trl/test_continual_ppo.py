@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+import torch
+
 from rlhf_ext.config import load_recipe
 from rlhf_ext.pipelines.continual import run_continual
 from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
@@ -17,7 +20,23 @@ SMALL = [
 ]  # fmt: skip
 
 
-def test_continual_ppo_applies_the_kl_to_the_previous_task_only_after_the_first(tmp_path, cache_dir, tiny_sft_path):
+def test_continual_ppo_applies_the_kl_to_the_previous_task_only_after_the_first(
+    tmp_path, cache_dir, tiny_sft_path, monkeypatch
+):
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    # keep the tensors every Eq. 7 term was computed from (the trainer logs only the reduced value)
+    calls = []
+    compute_loss = SegmentPPOTrainer.compute_loss
+
+    def recording_compute_loss(self, model, inputs, *args, **kwargs):
+        loss = compute_loss(self, model, inputs, *args, **kwargs)
+        if self.prev_model is not None and "prev_per_token_logps" in inputs:
+            keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "prev_per_token_logps")
+            calls.append({k: inputs[k].detach().clone() for k in keys} | {"logp": self._last_policy_logps.detach()})
+        return loss
+
+    monkeypatch.setattr(SegmentPPOTrainer, "compute_loss", recording_compute_loss)
     out = tmp_path / "cppo"
     recipe = load_recipe(ContinualRecipe, recipe_path("continual_ppo_tiny"), [*SMALL, f"output_dir={out}"])
     summary = run_continual(recipe)
@@ -29,4 +48,26 @@ def test_continual_ppo_applies_the_kl_to_the_previous_task_only_after_the_first(
     first = json.loads((out / "task_00" / "result.json").read_text())["metrics"]["kl_to_previous"]
     second = json.loads((out / "task_01" / "result.json").read_text())["metrics"]["kl_to_previous"]
     assert first == []  # task 0 has no predecessor: plain PPO, no frozen copy
-    assert second and all(k >= 0 for k in second)  # the Eq. 7 term ran against task 0's snapshot
+    # the Eq. 7 term ran once per step of task 1 and its logged value is the k3 estimate of the tensors it saw:
+    # the masked token mean of r - 1 - log r, log r = prev_logp - logp (recomputed here in float64)
+    assert len(second) == len(calls) == 2
+    for logged, call in zip(second, calls):
+        mask = call["completion_mask"].bool()
+        log_r = call["prev_per_token_logps"].double() - call["logp"].double()
+        k3 = (log_r.exp() - 1 - log_r)[mask].mean().item()
+        assert logged == pytest.approx(k3, rel=1e-4, abs=1e-7)
+    # task 1 starts from task 0's snapshot: zero at the first step, positive once the policy has moved
+    assert second[0] == pytest.approx(0.0, abs=1e-6) and second[1] > 0
+    # the frozen policy is task 0's snapshot: its log-probs of the sampled tokens, recomputed from the saved weights
+    from transformers import AutoModelForCausalLM
+
+    snapshot = AutoModelForCausalLM.from_pretrained(out / "task_00" / "policy", dtype=torch.float32).eval()
+    for call in calls:
+        ids = torch.cat([call["prompt_ids"], call["completion_ids"]], 1)
+        c = call["completion_ids"].shape[1]
+        with torch.no_grad():
+            attention = torch.cat([call["prompt_mask"], call["completion_mask"]], 1)
+            logits = snapshot(input_ids=ids, attention_mask=attention).logits[:, -c - 1 : -1].float()
+        logp = logits.log_softmax(-1).gather(-1, call["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        mask = call["completion_mask"].bool()
+        torch.testing.assert_close(call["prev_per_token_logps"][mask], logp[mask], atol=1e-4, rtol=1e-4)
