@@ -1,4 +1,5 @@
-"""Shared argument handling for the launch scripts (``--config FILE`` + ``key.sub=value`` overrides)."""
+"""Shared argument handling for the launch scripts: ``--config FILE`` plus overrides, ``key.sub=value`` or TRL-style
+``--key value`` (a recipe's fields can be named flat when the name is unique: ``--entropy_cutoff 1.5``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ def parse_recipe(recipe_cls: type, description: str, argv: list[str] | None = No
     parser.add_argument("--engine", choices=["trl", "openrlhf"], default=None, help="override the recipe's engine")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed
     args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}; overrides look like key.sub=value")
     try:
         recipe = load_recipe(recipe_cls, recipe_path(args.config), overrides)
     except RecipeError as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import types
 import typing
@@ -30,10 +31,17 @@ class RecipeError(ValueError):
     """A recipe (YAML file or override) is invalid. The message names the key and the fix."""
 
 
+#: Recipe keys that were renamed (old dotted key -> new dotted key). An old key is an error naming the new one, so a
+#: recipe written for an older rlhf-ext never loses a setting silently.
+RENAMED_KEYS: dict[str, str] = {}
+
+
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " | ".join(repr(m.value) for m in tp)
     if origin in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in get_args(tp))
     if origin in (list, tuple, dict):
@@ -50,11 +58,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise RecipeError(f"'{path}' must be a mapping of {tp.__name__} fields, got {type(value).__name__}")
         return _build(tp, value, path)
-    if origin is Literal:
-        choices = get_args(tp)
+    if origin is Literal or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        choices = get_args(tp) if origin is Literal else tuple(m.value for m in tp)
         if value not in choices:
             raise RecipeError(f"'{path}' must be one of {', '.join(map(repr, choices))}; got {value!r}")
-        return value
+        return getattr(value, "value", value)  # enum members are stored as their plain strings (YAML-safe)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None:
@@ -158,6 +166,8 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields and path in RENAMED_KEYS:
+            raise RecipeError(f"'{path}' was renamed to '{RENAMED_KEYS[path]}'; use the new key")
         if key not in fields:
             close = (
                 difflib.get_close_matches(str(key), list(fields), n=1)
@@ -184,9 +194,48 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise RecipeError(f"{where}{e}") from e
 
 
+def _section_leaves(cls: type) -> dict[str, list[str]]:
+    """``{leaf field name: [section, ...]}`` over the dataclass sections of recipe class ``cls``."""
+    hints = get_type_hints(cls)
+    leaves: dict[str, list[str]] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            for sub in dataclasses.fields(hints[f.name]):
+                leaves.setdefault(sub.name, []).append(f.name)
+    return leaves
+
+
+def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """TrlParser-style flat keys: a top-level key that is not a field of ``cls`` but names exactly one section's field
+    (``entropy_cutoff: 1.5`` for ``segment.entropy_cutoff``) moves into that section. Ambiguous keys are errors."""
+    top = {f.name for f in dataclasses.fields(cls)}
+    leaves = _section_leaves(cls)
+    out: dict[str, Any] = {}
+    moved: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        sections = leaves.get(key, []) if key not in top else []
+        if len(sections) > 1:
+            choices = ", ".join(f"{s}.{key}" for s in sections)
+            raise RecipeError(f"key '{key}' is ambiguous here; write one of {choices}")
+        if sections:
+            moved.setdefault(sections[0], {})[key] = value
+        else:
+            out[key] = value
+    for section, values in moved.items():
+        nested = out.setdefault(section, {})
+        if not isinstance(nested, dict):
+            raise RecipeError(f"'{section}' must be a mapping; got {nested!r}")
+        for key, value in values.items():
+            if key in nested and nested[key] != value:
+                raise RecipeError(f"'{key}' is given twice, flat and as '{section}.{key}', with different values")
+            nested[key] = value
+    return out
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None) -> T:
-    """Build recipe dataclass ``cls`` from a plain mapping, validating every key and value."""
-    return _build(cls, dict(data or {}))
+    """Build recipe dataclass ``cls`` from a plain mapping (nested sections, or flat TrlParser-style keys that name
+    one section's field), validating every key and value."""
+    return _build(cls, route_flat_keys(cls, dict(data or {})))
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -211,12 +260,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def normalize_overrides(items: typing.Iterable[str]) -> list[str]:
+    """Command-line overrides in either style as ``key=value``: ``key.sub=value``, ``--key.sub value`` or
+    ``--key.sub=value`` (TRL / HfArgumentParser style); a ``--flag`` with no value is ``flag=true``."""
+    items, out, i = list(items), [], 0
+    while i < len(items):
+        item = items[i]
+        if item.startswith("--") and "=" not in item:
+            has_value = i + 1 < len(items) and not items[i + 1].startswith("--")
+            out.append(f"{item[2:]}={items[i + 1] if has_value else 'true'}")
+            i += 2 if has_value else 1
+            continue
+        out.append(item[2:] if item.startswith("--") else item)
+        i += 1
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with ``key.sub=value`` overrides applied (sections are created as needed)."""
+    """Return a copy of ``data`` with overrides applied (``key.sub=value`` or ``--key.sub value``; sections are created
+    as needed)."""
     import copy
 
     out = copy.deepcopy(data)
-    for item in overrides:
+    for item in normalize_overrides(overrides):
         keys, value = parse_override(item)
         node = out
         for k in keys[:-1]:

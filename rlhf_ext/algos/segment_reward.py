@@ -17,7 +17,8 @@ Conventions (all functions):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,6 +68,46 @@ def check_aggregation(kind: str) -> str:
     if kind not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {kind!r}")
     return kind
+
+
+@dataclass
+class SegmentRewardKnobs:
+    """The knobs of paper 003's segment reward model, declared once: the TRL config
+    (:class:`rlhf_ext.trl.SegmentRewardConfig`), the recipes' ``segment:`` section and OpenRLHF's ``--ext.*`` flags of
+    ``rlhf_ext.openrlhf.train_rm`` are made from these fields (same names, same defaults).
+
+    Args:
+        entropy_cutoff: ``c_ent`` in nats (paper 003 section 2.1): a response token starts a new segment when the SFT
+            model's predictive entropy at it exceeds the cutoff. Paper default 2.0 (Table 7); ``inf`` = one segment
+            per response (the bandit reward model), ``0`` = one segment per token.
+        aggregation: how segment rewards become the sequence evaluation ``e_phi`` that the Bradley-Terry loss
+            compares (paper 003 Eq. 3-4): ``softmax`` (Eq. 4, the paper's choice), ``sum`` or ``mean`` (Table 4).
+        tau: temperature of the soft-max aggregation of paper 003 Eq. 4. Paper default 0.5.
+    """
+
+    entropy_cutoff: float = field(default=DEFAULT_ENTROPY_CUTOFF, metadata={"help": "c_ent in nats (paper 003: 2.0)."})
+    aggregation: Aggregation = field(
+        default=Aggregation.SOFTMAX.value, metadata={"help": "softmax (paper 003 Eq. 4) | sum | mean"}
+    )
+    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of paper 003 Eq. 4 (0.5)."})
+
+    def __post_init__(self) -> None:
+        self.check_segment_knobs()
+
+    def check_segment_knobs(self) -> None:
+        """Validate the knobs in place (called by every config that embeds them)."""
+        self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
+        self.tau = check_tau(self.tau)
+        check_aggregation(self.aggregation)
+
+
+def knob_defaults(*knob_classes: type) -> dict[str, Any]:
+    """``{field name: default}`` of knob dataclasses (for command-line flag tables such as OpenRLHF's ``--ext.*``)."""
+    out: dict[str, Any] = {}
+    for cls in knob_classes:
+        for f in fields(cls):
+            out[f.name] = f.default_factory() if callable(f.default_factory) else f.default
+    return out
 
 
 @torch.no_grad()

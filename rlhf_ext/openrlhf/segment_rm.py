@@ -27,12 +27,9 @@ from typing import Any
 import torch
 
 from rlhf_ext.algos.segment_reward import (
-    DEFAULT_ENTROPY_CUTOFF,
-    DEFAULT_TAU,
-    check_aggregation,
-    check_cutoff,
-    check_tau,
+    SegmentRewardKnobs,
     evaluate_sequences,
+    knob_defaults,
 )
 from rlhf_ext.openrlhf.cli_runner import (
     flag_value,
@@ -54,9 +51,7 @@ with import_shims():
 
 #: ``--ext.*`` options and their defaults (paper 003 Table 7).
 EXT_DEFAULTS: dict[str, Any] = {
-    "entropy_cutoff": DEFAULT_ENTROPY_CUTOFF,
-    "aggregation": "softmax",
-    "tau": DEFAULT_TAU,
+    **knob_defaults(SegmentRewardKnobs),
     "sft_model": None,  # default: --model.model_name_or_path (the RM starts from the SFT model)
     "entropy_batch_size": 8,
     "max_prompt_length": None,
@@ -71,9 +66,8 @@ def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
     ext = dict(ext)
-    ext["entropy_cutoff"] = check_cutoff(float(ext["entropy_cutoff"]))
-    ext["tau"] = check_tau(float(ext["tau"]))
-    check_aggregation(ext["aggregation"])
+    knobs = SegmentRewardKnobs(float(ext["entropy_cutoff"]), ext["aggregation"], float(ext["tau"]))
+    ext.update(entropy_cutoff=knobs.entropy_cutoff, aggregation=knobs.aggregation, tau=knobs.tau)
     ext["entropy_batch_size"] = int(ext["entropy_batch_size"])
     if ext["max_prompt_length"] is not None:
         ext["max_prompt_length"] = int(ext["max_prompt_length"])

@@ -12,11 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlhf_ext.algos.segment_reward import (
-    DEFAULT_ENTROPY_CUTOFF,
-    DEFAULT_TAU,
-    check_aggregation,
-    check_cutoff,
-    check_tau,
+    SegmentRewardKnobs,
 )
 from rlhf_ext.config import TrainSection
 
@@ -54,19 +50,11 @@ class PreferenceDataSection:
 
 
 @dataclass
-class SegmentSection:
-    """Paper 003 segment settings (Table 7 defaults). ``entropy_cutoff: inf`` is the bandit model, ``0`` the token
-    model."""
+class SegmentSection(SegmentRewardKnobs):
+    """Paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`, same names and defaults as the
+    TRL config and OpenRLHF's ``--ext.*``) plus the batch size of the one-time entropy pass."""
 
-    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF
-    aggregation: Literal["softmax", "sum", "mean"] = "softmax"
-    tau: float = DEFAULT_TAU
     entropy_batch_size: int = 8
-
-    def __post_init__(self):
-        check_cutoff(self.entropy_cutoff)
-        check_tau(self.tau)
-        check_aggregation(self.aggregation)
 
 
 @dataclass

@@ -33,11 +33,7 @@ import torch
 from trl import RewardConfig, RewardTrainer
 
 from rlhf_ext.algos.segment_reward import (
-    DEFAULT_ENTROPY_CUTOFF,
-    DEFAULT_TAU,
-    check_aggregation,
-    check_cutoff,
-    check_tau,
+    SegmentRewardKnobs,
     evaluate_sequences,
     segment_bt_loss,
 )
@@ -52,32 +48,24 @@ from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
-class SegmentRewardConfig(RewardConfig):
-    """``RewardConfig`` plus the segment settings of paper 003 (defaults from Table 7).
+class SegmentRewardConfig(RewardConfig, SegmentRewardKnobs):
+    """``RewardConfig`` plus paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
+    ``entropy_cutoff`` 2.0, ``aggregation`` softmax, ``tau`` 0.5) and:
 
     Args:
-        entropy_cutoff: c_ent in nats; a token starts a segment when the SFT entropy of its distribution exceeds it.
-            ``inf`` = bandit (sequence-level) model, ``0`` = token-level model (Appendix C). Default 2.0.
-        aggregation: ``softmax`` (paper 003 Eq. 4, default), ``sum`` or ``mean`` (Table 4).
-        tau: soft-max temperature (default 0.5).
         sft_model_name_or_path: the SFT checkpoint used for segmentation. Defaults to the reward model's own
             initial checkpoint when ``model`` is given as a path (the paper initialises the RM from the SFT model).
         entropy_batch_size: batch size of the one-time entropy pass.
         segment_cache_dir: where to cache the segmented dataset (``None``: no cache).
     """
 
-    entropy_cutoff: float = field(default=DEFAULT_ENTROPY_CUTOFF, metadata={"help": "Entropy cutoff c_ent (nats)."})
-    aggregation: str = field(default="softmax", metadata={"help": "softmax | sum | mean"})
-    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of paper 003 Eq. 4."})
     sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
     entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
     segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
 
     def __post_init__(self):
         super().__post_init__()
-        self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
-        self.tau = check_tau(self.tau)
-        check_aggregation(self.aggregation)
+        self.check_segment_knobs()
 
     def segment_settings(self) -> dict[str, Any]:
         """What PPO needs to reuse this reward model's segmentation (saved as ``segment_config.json``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -117,3 +118,39 @@ def test_every_train_section_validates_the_shared_optimisation_keys(recipe_cls, 
     for override, message in bad.items():
         with pytest.raises(RecipeError, match=f"'{section}': {message}"):
             load_recipe(cls, None, [f"{section}.{override}", f"{section}.batch_size=16"])
+
+
+def test_trl_style_flat_yaml_and_flag_overrides_equal_the_nested_recipe(tmp_path):
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text("entropy_cutoff: 1.5\ntau: 0.25\nsft_model: builtin:tiny\nengine: trl\n")
+    nested.write_text("segment:\n  entropy_cutoff: 1.5\n  tau: 0.25\nmodel:\n  sft_model: builtin:tiny\nengine: trl\n")
+    overrides = ["--aggregation", "mean", "--train.epochs=2", "--train.resume"]
+    a = load_recipe(SegmentRMRecipe, flat, overrides)
+    b = load_recipe(SegmentRMRecipe, nested, ["segment.aggregation=mean", "train.epochs=2", "train.resume=true"])
+    assert a == b and a.segment.aggregation == "mean" and a.train.resume is True and a.segment.tau == 0.25
+
+
+def test_flat_keys_that_are_ambiguous_or_contradict_the_section_are_refused():
+    with pytest.raises(RecipeError, match="'tau' is given twice, flat and as 'segment.tau'"):
+        from_dict(SegmentRMRecipe, {"tau": 0.3, "segment": {"tau": 0.5}})
+    with pytest.raises(RecipeError, match=r"key 'max_length' is ambiguous here; write one of data.max_length"):
+        from_dict(_TwoSections, {"max_length": 3})
+
+
+def test_a_renamed_key_names_its_new_name(monkeypatch):
+    from rlhf_ext import config
+
+    monkeypatch.setitem(config.RENAMED_KEYS, "segment.cutoff", "segment.entropy_cutoff")
+    with pytest.raises(RecipeError, match="'segment.cutoff' was renamed to 'segment.entropy_cutoff'"):
+        from_dict(SegmentRMRecipe, {"segment": {"cutoff": 1.0}})
+
+
+@dataclasses.dataclass
+class _Sized:
+    max_length: int = 1
+
+
+@dataclasses.dataclass
+class _TwoSections:
+    data: _Sized = dataclasses.field(default_factory=_Sized)
+    model: _Sized = dataclasses.field(default_factory=_Sized)
