@@ -191,7 +191,7 @@ def forgetting(
                         f"data.tasks={source}",
                         f"data.seed={seed}",
                         f"seed={seed}",
-                        f"continual.kl_coef={coef}",
+                        f"continual.continual_kl_coef={coef}",
                         f"output_dir={work}/run{len(runs)}",
                         "plots=false",
                         *overrides,

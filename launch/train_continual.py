@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML file or packaged recipe name")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. continual.kl_coef=0.5")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. continual.continual_kl_coef=0.5")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(ContinualRecipe, recipe_path(args.config), args.overrides)

@@ -33,7 +33,11 @@ class RecipeError(ValueError):
 
 #: Recipe keys that were renamed (old dotted key -> new dotted key). An old key is an error naming the new one, so a
 #: recipe written for an older rlhf-ext never loses a setting silently.
-RENAMED_KEYS: dict[str, str] = {}
+RENAMED_KEYS: dict[str, str] = {
+    "continual.kl_coef": "continual.continual_kl_coef",
+    "continual.estimator": "continual.continual_kl_estimator",
+    "continual.kl_coef_schedule": "continual.continual_kl_coef_schedule",
+}
 
 
 def _type_name(tp: Any) -> str:

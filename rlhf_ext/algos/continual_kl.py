@@ -41,12 +41,15 @@ All functions are pure ``torch``, vectorised over ``[B, T]``, and used unchanged
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import Tensor
 
 from rlhf_ext.algos.ppo import K3_MAX_LOG_RATIO, SAMPLE_KL_ESTIMATORS, KLEstimator, kl_estimate
 
 __all__ = [
     "DEFAULT_KL_COEF",
+    "ContinualKnobs",
     "K3_MAX_LOG_RATIO",
     "KL_ESTIMATORS",
     "KLEstimator",
@@ -63,6 +66,32 @@ KL_ESTIMATORS: tuple[str, ...] = SAMPLE_KL_ESTIMATORS
 
 #: Default weight of the KL-to-previous-task term: paper 000 Eq. 7 adds the KL with unit weight.
 DEFAULT_KL_COEF = 1.0
+
+
+@dataclass
+class ContinualKnobs:
+    """The knobs of paper 000's regulariser toward the previous task's policy (Eq. 7), declared once: the TRL configs
+    (``ContinualDPOConfig``, ``SegmentPPOConfig``), the continual recipe's ``continual:`` section and OpenRLHF's
+    ``--ext.continual_*`` flags use these names and defaults.
+
+    Args:
+        continual_kl_coef: weight ``c`` of ``KL(pi_theta || pi_{t-1})`` (>= 0). Paper 000 Eq. 7 adds the KL with unit
+            weight: default 1.0. 0 switches the term off (sequential fine-tuning, no frozen-model forward). Section 4:
+            set it low or to 0 for a transition where preferences shift sharply.
+        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` on the sampled tokens (default ``k3``: non-negative and
+            unbiased on the policy's own samples; :func:`rlhf_ext.algos.ppo.kl_estimate`).
+    """
+
+    continual_kl_coef: float = field(default=DEFAULT_KL_COEF, metadata={"help": "c of paper 000 Eq. 7 (1.0)."})
+    continual_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 (k3)."})
+
+    def __post_init__(self) -> None:
+        self.check_continual_knobs()
+
+    def check_continual_knobs(self) -> None:
+        """Validate the knobs in place (called by every config that embeds them)."""
+        self.continual_kl_coef = check_kl_coef(self.continual_kl_coef, "continual_kl_coef")
+        check_estimator(self.continual_kl_estimator)
 
 
 def check_estimator(estimator: str) -> str:

@@ -1,4 +1,5 @@
-"""The string-valued enums of :mod:`rlhf_ext.algos` share one base class, :class:`StrEnum`.
+"""The string-valued enums of :mod:`rlhf_ext.algos` share one base class, :class:`StrEnum`; :func:`knob_defaults`
+reads the defaults of the knob dataclasses (for command-line flag tables).
 
 Every option that used to be a ``Literal[...]`` plus a tuple of allowed strings (granularity, interpolation,
 normalizer kind, advantage estimator, KL estimator, selection rule, aggregation) is a ``StrEnum`` subclass. A member
@@ -10,7 +11,9 @@ the old tuple constants are derived from the enums (``GRANULARITIES = Granularit
 
 from __future__ import annotations
 
+from dataclasses import fields
 from enum import Enum
+from typing import Any
 
 
 class StrEnum(str, Enum):
@@ -26,3 +29,12 @@ class StrEnum(str, Enum):
     def values(cls) -> tuple[str, ...]:
         """The members' string values, in definition order."""
         return tuple(member.value for member in cls)
+
+
+def knob_defaults(*knob_classes: type) -> dict[str, Any]:
+    """``{field name: default}`` of knob dataclasses (for command-line flag tables such as OpenRLHF's ``--ext.*``)."""
+    out: dict[str, Any] = {}
+    for cls in knob_classes:
+        for f in fields(cls):
+            out[f.name] = f.default_factory() if callable(f.default_factory) else f.default
+    return out

@@ -17,8 +17,8 @@ Conventions (all functions):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -99,15 +99,6 @@ class SegmentRewardKnobs:
         self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
         self.tau = check_tau(self.tau)
         check_aggregation(self.aggregation)
-
-
-def knob_defaults(*knob_classes: type) -> dict[str, Any]:
-    """``{field name: default}`` of knob dataclasses (for command-line flag tables such as OpenRLHF's ``--ext.*``)."""
-    out: dict[str, Any] = {}
-    for cls in knob_classes:
-        for f in fields(cls):
-            out[f.name] = f.default_factory() if callable(f.default_factory) else f.default
-    return out
 
 
 @torch.no_grad()

@@ -15,11 +15,15 @@ from typing import Any
 
 
 def split_ext_args(
-    argv: Sequence[str], defaults: dict[str, Any], validate: Callable[[dict[str, Any]], dict[str, Any]]
+    argv: Sequence[str],
+    defaults: dict[str, Any],
+    validate: Callable[[dict[str, Any]], dict[str, Any]],
+    renamed: dict[str, str] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
 
-    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``).
+    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A key in
+    ``renamed`` (old -> new) is refused with its new name.
     """
     argv = list(argv)
     rest: list[str] = []
@@ -37,6 +41,8 @@ def split_ext_args(
                 raise SystemExit(f"--ext.{key} needs a value")
             value = argv[i]
             i += 1
+        if key not in defaults and key in (renamed or {}):
+            raise SystemExit(f"--ext.{key} was renamed to --ext.{renamed[key]}")
         if key not in defaults:
             raise SystemExit(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in defaults)}")
         ext[key] = value

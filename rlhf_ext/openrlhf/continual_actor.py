@@ -7,16 +7,16 @@ Three pieces, smallest first:
   OpenRLHF's own ``aggregate_loss`` using the same normalisation as the policy loss (token-mean over the optimizer
   step's global token count, or sequence-mean), so the term is invariant to data-parallel sharding exactly like the
   PPO loss. With ``c = 0`` and no CPPO weights the loss is ``PolicyLoss``'s, unchanged. Optionally
-  (``retention="cppo"``) CPPO's sample-wise weights scale each sample's advantages (alpha) and its KL term (beta);
-  see :mod:`rlhf_ext.algos.cppo_weights` for what exactly that is and where it comes from.
+  (``continual_retention="cppo"``) CPPO's sample-wise weights scale each sample's advantages (alpha) and its KL term
+  (beta); see :mod:`rlhf_ext.algos.cppo_weights` for what exactly that is and where it comes from.
 * :class:`ContinualActorPPOTrainer` — ``ActorPPOTrainer`` whose ``training_step`` first computes the previous-task
   policy's log-probabilities of the micro-batch under ``no_grad`` (one extra frozen forward pass), then runs the
   stock ``training_step`` with those bound to the loss. The KL is logged as ``prev_task_kl``. The previous-task
   model is an OpenRLHF ``Actor`` loaded like the EMA model (:func:`load_previous_task_actor`).
 * :class:`ContinualPolicyModelActor` — the Ray policy actor that builds a :class:`ContinualActorPPOTrainer`;
   :func:`use_continual_actor` makes ``openrlhf.cli.train_ppo_ray`` use it. Settings come from
-  ``args.ext.continual`` (``--ext.continual.previous_model PATH --ext.continual.kl_coef 1.0
-  --ext.continual.estimator k3 --ext.continual.retention kl``), see :class:`ContinualActorSettings`.
+  ``--ext.continual_previous_model PATH --ext.continual_kl_coef 1.0 --ext.continual_kl_estimator k3
+  --ext.continual_retention kl``, see :class:`ContinualActorSettings`.
 
 Importing this module imports OpenRLHF inside :func:`rlhf_ext.openrlhf.compat.import_shims` (stand-ins for
 flash-attn / vLLM when those packages are missing, removed again afterwards), so it imports on a CPU machine.
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 
-from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, per_token_kl
+from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, ContinualKnobs, check_estimator, check_kl_coef, per_token_kl
 from rlhf_ext.algos.cppo_weights import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
 from rlhf_ext.openrlhf.compat import import_shims  # re-exported for callers importing more OpenRLHF modules
 
@@ -45,36 +45,33 @@ PREV_TASK_KL_KEY = "prev_task_kl"
 
 
 @dataclass
-class ContinualActorSettings:
-    """Settings of the continual actor (``args.ext.continual.*`` on the OpenRLHF command line).
+class ContinualActorSettings(ContinualKnobs):
+    """Settings of the continual actor: paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`,
+    flags ``--ext.continual_kl_coef`` / ``--ext.continual_kl_estimator``) plus:
 
     Args:
-        previous_model: checkpoint of the policy at the end of the previous task (``None``: first task, no term).
-        kl_coef: weight ``c`` of the KL term (paper 000 Eq. 7's unit weight by default; 0 switches it off).
-        estimator: ``k1`` / ``k2`` / ``k3``.
-        retention: ``kl`` — the plain paper 000 Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta weights.
-        cppo: thresholds and weight values for ``retention="cppo"``.
+        continual_previous_model: checkpoint of the policy at the end of the previous task (``None``: first task, no
+            term; ``--ext.continual_previous_model``).
+        continual_retention: ``kl`` — the plain paper 000 Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta
+            weights (``--ext.continual_retention``).
+        cppo: thresholds and weight values for ``continual_retention="cppo"``.
     """
 
-    previous_model: str | None = None
-    kl_coef: float = DEFAULT_KL_COEF
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    retention: Literal["kl", "cppo"] = "kl"
+    continual_previous_model: str | None = None
+    continual_retention: Literal["kl", "cppo"] = "kl"
     cppo: CPPOWeightSettings = field(default_factory=CPPOWeightSettings)
 
     def __post_init__(self):
-        self.kl_coef = check_kl_coef(self.kl_coef, "ext.continual.kl_coef")
-        check_estimator(self.estimator)
-        if self.retention not in ("kl", "cppo"):
-            raise ValueError(f"ext.continual.retention must be 'kl' or 'cppo'; got {self.retention!r}")
+        self.check_continual_knobs()
+        if self.continual_retention not in ("kl", "cppo"):
+            raise ValueError(f"ext.continual_retention must be 'kl' or 'cppo'; got {self.continual_retention!r}")
 
     @classmethod
     def from_args(cls, args: Any) -> ContinualActorSettings:
-        """Read ``args.ext.continual`` (a namespace, as OpenRLHF's hierarchised flags are); defaults when absent."""
-        ns = getattr(getattr(args, "ext", None), "continual", None)
-        if ns is None:
-            return cls()
-        values = {k: v for k, v in vars(ns).items() if v is not None}
+        """Read the ``--ext.continual_*`` flags (``args.ext``, as OpenRLHF hierarchises them); defaults when absent."""
+        ext = getattr(args, "ext", None)
+        names = [f.name for f in fields(cls)]
+        values = {k: getattr(ext, k) for k in names if getattr(ext, k, None) is not None}
         cppo = values.pop("cppo", None)
         if cppo is not None and not isinstance(cppo, CPPOWeightSettings):
             cppo = CPPOWeightSettings(**(cppo if isinstance(cppo, dict) else vars(cppo)))
@@ -92,18 +89,18 @@ class ContinualPolicyLoss(PolicyLoss):
     """
 
     def __init__(
-        self, *args: Any, prev_task_kl_coef: float = DEFAULT_KL_COEF, prev_task_kl_estimator: str = "k3", **kwargs: Any
+        self, *args: Any, continual_kl_coef: float = DEFAULT_KL_COEF, continual_kl_estimator: str = "k3", **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.prev_task_kl_coef = check_kl_coef(prev_task_kl_coef, "prev_task_kl_coef")
-        self.prev_task_kl_estimator = check_estimator(prev_task_kl_estimator)
+        self.continual_kl_coef = check_kl_coef(continual_kl_coef, "continual_kl_coef")
+        self.continual_kl_estimator = check_estimator(continual_kl_estimator)
         self.last_prev_task_kl: torch.Tensor | None = None
         self._extra: dict[str, Any] = {}
 
     @classmethod
     def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
         """A continual loss with every setting of an existing ``PolicyLoss`` (e.g. the one ``ActorPPOTrainer`` built
-        from the command line) plus ``prev_task_kl_coef`` / ``prev_task_kl_estimator``."""
+        from the command line) plus ``continual_kl_coef`` / ``continual_kl_estimator``."""
         new = cls(
             clip_eps_low=loss.clip_eps_low,
             clip_eps_high=loss.clip_eps_high,
@@ -159,7 +156,7 @@ class ContinualPolicyLoss(PolicyLoss):
             global_batch_size=global_batch_size,
         )
         self.last_prev_task_kl = None
-        if prev_log_probs is None or self.prev_task_kl_coef == 0:
+        if prev_log_probs is None or self.continual_kl_coef == 0:
             return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
 
         def aggregate(per_token: torch.Tensor) -> torch.Tensor:
@@ -172,13 +169,13 @@ class ContinualPolicyLoss(PolicyLoss):
                 global_batch_size=global_batch_size,
             )
 
-        kl_tokens = per_token_kl(log_probs, prev_log_probs.detach(), self.prev_task_kl_estimator)
+        kl_tokens = per_token_kl(log_probs, prev_log_probs.detach(), self.continual_kl_estimator)
         kl = aggregate(kl_tokens)
         if retention_weights is not None:
             term = aggregate(kl_tokens * retention_weights.to(kl_tokens.dtype).unsqueeze(-1))
         else:
             term = kl
-        loss = loss + self.prev_task_kl_coef * term
+        loss = loss + self.continual_kl_coef * term
         self.last_prev_task_kl = kl.detach()
         info = self._extra.get("info")
         if info is not None:
@@ -210,7 +207,7 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
 
     Extra keyword arguments (everything else is ``ActorPPOTrainer``'s):
         prev_model: a frozen OpenRLHF ``Actor`` of the previous task's policy; default: loaded from
-            ``settings.previous_model`` with :func:`load_previous_task_actor` (``None`` when that is unset).
+            ``settings.continual_previous_model`` with :func:`load_previous_task_actor` (``None`` when that is unset).
         settings: :class:`ContinualActorSettings`; default: read from ``strategy.args.ext.continual``.
     """
 
@@ -226,11 +223,11 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
         self.continual = settings if settings is not None else ContinualActorSettings.from_args(strategy.args)
         self.actor_loss_fn = ContinualPolicyLoss.from_policy_loss(
             self.actor_loss_fn,
-            prev_task_kl_coef=self.continual.kl_coef,
-            prev_task_kl_estimator=self.continual.estimator,
+            continual_kl_coef=self.continual.continual_kl_coef,
+            continual_kl_estimator=self.continual.continual_kl_estimator,
         )
-        if prev_model is None and self.continual.previous_model:
-            prev_model = load_previous_task_actor(strategy, self.continual.previous_model)
+        if prev_model is None and self.continual.continual_previous_model:
+            prev_model = load_previous_task_actor(strategy, self.continual.continual_previous_model)
         if prev_model is not None:
             prev_model.requires_grad_(False)
             prev_model.eval()
@@ -261,15 +258,15 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
         return batch_stats(rewards, logp)
 
     def ppo_train(self, kl_ctl: float):
-        if self.continual.retention == "cppo":  # thresholds from the whole rollout batch, as in the CPPO code
+        if self.continual.continual_retention == "cppo":  # thresholds from the whole rollout batch, as in the CPPO code
             self.cppo_stats = self.cppo_batch_stats(self.replay_buffer.items)
         return super().ppo_train(kl_ctl)
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info: dict | None = None):
         extra: dict[str, Any] = {}
-        if self.prev_model is not None and self.continual.kl_coef > 0:
+        if self.prev_model is not None and self.continual.continual_kl_coef > 0:
             extra["prev_log_probs"] = self.previous_task_log_probs(experience)
-        if self.continual.retention == "cppo":
+        if self.continual.continual_retention == "cppo":
             weights = cppo_sample_weights(
                 experience.rewards.float().reshape(-1),
                 mean_log_prob(experience.action_log_probs, experience.action_mask),
@@ -316,5 +313,5 @@ def use_continual_actor() -> None:
 
     The CLI runs as ``__main__`` (``runpy``) and imports ``PolicyModelActor`` from ``openrlhf.trainer.ray.ppo_actor``
     when it starts, so the class is replaced there (:mod:`rlhf_ext.openrlhf.train_ppo_ray` calls this when
-    ``--ext.continual.previous_model`` is given)."""
+    ``--ext.continual_previous_model`` is given)."""
     _ppo_actor.PolicyModelActor = ContinualPolicyModelActor

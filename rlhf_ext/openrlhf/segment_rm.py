@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.segment_reward import (
     SegmentRewardKnobs,
     evaluate_sequences,
-    knob_defaults,
 )
 from rlhf_ext.openrlhf.cli_runner import (
     flag_value,

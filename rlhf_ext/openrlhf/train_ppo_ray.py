@@ -7,7 +7,7 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
         --actor.model_name_or_path SFT --reward.model_name_or_path SEGMENT_RM --data.prompt_dataset prompts.jsonl \\
         ...any OpenRLHF flag... \\
         --ext.granularity segment --ext.normalizer normalizer.json          # paper 003 (dense segment rewards)
-        --ext.continual.previous_model PREV --ext.continual.kl_coef 1.0      # paper 000, Eq. 7 (CPPO-style KL)
+        --ext.continual_previous_model PREV --ext.continual_kl_coef 1.0      # paper 000 Eq. 7 (CPPO-style KL)
         --train.async_enable --train.async_queue_size 1                      # paper 001 (OpenRLHF's own flag)
 
 ``--ext`` flags (:data:`EXT_DEFAULTS`):
@@ -17,9 +17,9 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
   model's ``segment_config.json``), ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file),
   ``reward_model_id``. ``bandit`` runs the same subclasses with the scalar reward at the last token: identical to
   stock OpenRLHF (tested), which makes it the control arm of paper 003's Table 1.
-* continual RLHF — ``continual.previous_model``, ``continual.kl_coef``, ``continual.estimator``,
-  ``continual.retention`` (:class:`~rlhf_ext.openrlhf.continual_actor.ContinualActorSettings`); the policy actor
-  becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual.*`` flag is
+* continual RLHF — ``continual_previous_model``, ``continual_kl_coef``, ``continual_kl_estimator``,
+  ``continual_retention`` (:class:`~rlhf_ext.openrlhf.continual_actor.ContinualActorSettings`); the policy actor
+  becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual_*`` flag is
   given (the first task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
 * ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
   CUDA is available, else HF with a one-line notice).
@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from rlhf_ext.algos.continual_kl import check_estimator, check_kl_coef
+from rlhf_ext.algos.continual_kl import ContinualKnobs, check_estimator, check_kl_coef
+from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
 
@@ -58,10 +59,16 @@ EXT_DEFAULTS: dict[str, Any] = {
     "normalizer": None,
     "reward_model_id": None,
     "rollout_engine": "auto",
-    "continual.previous_model": None,
-    "continual.kl_coef": None,
-    "continual.estimator": None,
-    "continual.retention": None,
+    # paper 000: ContinualKnobs + the previous task's model + retention (ContinualActorSettings). None = not given: the
+    # continual actor is used only when one of them is given, with the knobs' defaults for the others
+    **dict.fromkeys([*knob_defaults(ContinualKnobs), "continual_previous_model", "continual_retention"]),
+}
+#: ``--ext.*`` flags that were renamed: an old flag is refused with the new name.
+RENAMED_EXT_FLAGS: dict[str, str] = {
+    "continual.previous_model": "continual_previous_model",
+    "continual.kl_coef": "continual_kl_coef",
+    "continual.estimator": "continual_kl_estimator",
+    "continual.retention": "continual_retention",
 }
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
 WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
@@ -75,12 +82,12 @@ def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
     from rlhf_ext.openrlhf.segment_ppo import validate_segment_ext
 
     ext = validate_segment_ext(ext)
-    if ext["continual.kl_coef"] is not None:
-        ext["continual.kl_coef"] = check_kl_coef(float(ext["continual.kl_coef"]), "--ext.continual.kl_coef")
-    if ext["continual.estimator"] is not None:
-        check_estimator(ext["continual.estimator"])
-    if ext["continual.retention"] not in (None, "kl", "cppo"):
-        raise ExtArgsError("--ext.continual.retention must be kl or cppo")
+    if ext["continual_kl_coef"] is not None:
+        ext["continual_kl_coef"] = check_kl_coef(float(ext["continual_kl_coef"]), "--ext.continual_kl_coef")
+    if ext["continual_kl_estimator"] is not None:
+        check_estimator(ext["continual_kl_estimator"])
+    if ext["continual_retention"] not in (None, "kl", "cppo"):
+        raise ExtArgsError("--ext.continual_retention must be kl or cppo")
     if ext["rollout_engine"] not in ROLLOUT_ENGINES:
         raise ExtArgsError(f"--ext.rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}")
     return ext
@@ -88,11 +95,11 @@ def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict)."""
-    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext, renamed=RENAMED_EXT_FLAGS)
 
 
 def nest(ext: dict[str, Any]) -> SimpleNamespace:
-    """``{"a": 1, "continual.kl_coef": 2}`` -> ``namespace(a=1, continual=namespace(kl_coef=2))``, by OpenRLHF's own
+    """``{"a": 1, "b.c": 2}`` -> ``namespace(a=1, b=namespace(c=2))``, by OpenRLHF's own
     hierarchiser (as its dotted flags are nested)."""
     from rlhf_ext.openrlhf.compat import import_shims
 
@@ -178,7 +185,7 @@ def worker_settings(ext: Any, methods: bool = True) -> dict[str, Any]:
     """What :func:`setup_worker` installs in each Ray worker (passed through an environment variable)."""
     return {
         "segment": methods,
-        "continual": methods and any(v is not None for v in vars(ext.continual).values()),
+        "continual": methods and any(getattr(ext, k) is not None for k in EXT_DEFAULTS if k.startswith("continual_")),
         "rollout_engine": ext.rollout_engine,
     }
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_kl_coef
+from rlhf_ext.algos.continual_kl import ContinualKnobs, check_kl_coef
 from rlhf_ext.config import TrainSection
 
 
@@ -56,38 +56,36 @@ class TaskSequenceSection:
 
 
 @dataclass
-class ContinualSection:
-    """The KL to the previous task's policy (paper 000 Eq. 7).
-
-    ``kl_coef``: its weight for every transition (0 = sequential fine-tuning, no regulariser; paper 000 Eq. 7's unit
-    weight by default). ``kl_coef_schedule``: optional per-transition weights, one per task after the first
+class ContinualSection(ContinualKnobs):
+    """The KL to the previous task's policy (paper 000 Eq. 7): :class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`
+    (``continual_kl_coef`` for every transition, 1.0; ``continual_kl_estimator``, k3) plus
+    ``continual_kl_coef_schedule``: optional per-transition weights, one per task after the first
     (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
     Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
-    ``estimator``: k1 / k2 / k3 (see :mod:`rlhf_ext.algos.continual_kl`).
     """
 
-    kl_coef: float = DEFAULT_KL_COEF
-    kl_coef_schedule: list[float] | None = None
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    continual_kl_coef_schedule: list[float] | None = None
 
     def __post_init__(self):
-        self.kl_coef = check_kl_coef(self.kl_coef, "continual.kl_coef")
-        if self.kl_coef_schedule is not None:
-            self.kl_coef_schedule = [
-                check_kl_coef(c, f"continual.kl_coef_schedule[{i}]") for i, c in enumerate(self.kl_coef_schedule)
+        self.check_continual_knobs()
+        if self.continual_kl_coef_schedule is not None:
+            self.continual_kl_coef_schedule = [
+                check_kl_coef(c, f"continual.continual_kl_coef_schedule[{i}]")
+                for i, c in enumerate(self.continual_kl_coef_schedule)
             ]
 
     def coef_for_task(self, index: int, num_tasks: int) -> float:
         """The KL weight used while training task ``index`` (0 for the first task, which has no predecessor)."""
-        if self.kl_coef_schedule is not None and len(self.kl_coef_schedule) != num_tasks - 1:
+        schedule = self.continual_kl_coef_schedule
+        if schedule is not None and len(schedule) != num_tasks - 1:
             raise ValueError(
-                f"continual.kl_coef_schedule has {len(self.kl_coef_schedule)} entries but the sequence has "
+                f"continual.continual_kl_coef_schedule has {len(schedule)} entries but the sequence has "
                 f"{num_tasks} tasks, i.e. {num_tasks - 1} transitions; give one weight per transition "
-                "(into task 1 .. K-1), or remove it to use continual.kl_coef everywhere"
+                "(into task 1 .. K-1), or remove it to use continual.continual_kl_coef everywhere"
             )
         if index == 0:
             return 0.0
-        return self.kl_coef if self.kl_coef_schedule is None else self.kl_coef_schedule[index - 1]
+        return self.continual_kl_coef if schedule is None else schedule[index - 1]
 
 
 @dataclass
@@ -107,8 +105,8 @@ class PPOSection:
     """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
     with ``SegmentPPOTrainer`` against that task's reward model (``reward_model.enabled`` must be true; the paper
     trains one per task), bandit rewards normalized by the last-token statistics of the task's preference pairs, a
-    KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.kl_coef`` x KL to the previous task's
-    policy in the loss."""
+    KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL to the previous
+    task's policy in the loss."""
 
     steps_per_task: int = 16
     batch_size: int = 16

@@ -56,7 +56,7 @@ class DPOPolicyStage:
             loss_type=[r.dpo.loss_type],
             max_length=r.data.max_length,
             continual_kl_coef=task.kl_coef,
-            continual_kl_estimator=r.continual.estimator,
+            continual_kl_estimator=r.continual.continual_kl_estimator,
             **r.train.trl_args,
         )
         trainer = ContinualDPOTrainer(
@@ -166,7 +166,7 @@ class PPOPolicyStage:
             reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
             kl_coef=ppo.kl_coef, advantage_estimator=ppo.advantage_estimator,
             prev_policy_path=task.previous_policy if task.kl_coef > 0 else None,
-            prev_kl_coef=task.kl_coef, prev_kl_estimator=r.continual.estimator,
+            prev_kl_coef=task.kl_coef, prev_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
         trainer = SegmentPPOTrainer(
             model=task.init_policy,

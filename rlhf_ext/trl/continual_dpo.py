@@ -39,14 +39,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from trl import DPOConfig, DPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
-from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, check_estimator, check_kl_coef, kl_to_previous
+from rlhf_ext.algos.continual_kl import ContinualKnobs, kl_to_previous
 
 #: Batch keys that are not model inputs (same set as TRL's ``DPOTrainer._compute_loss``).
 _NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
@@ -54,24 +54,14 @@ KL_METRIC = "continual/kl_to_previous"
 
 
 @dataclass
-class ContinualDPOConfig(DPOConfig):
-    """``DPOConfig`` plus the weight and estimator of the KL to the previous task's policy (paper 000 Eq. 7).
-
-    Args:
-        continual_kl_coef: weight ``c`` of the KL term (>= 0). Paper 000 Eq. 7 adds the KL with unit weight (default
-            1.0);
-            0 switches the term off (plain DPO; no extra forward pass). Section 4: set it low or to 0 for a
-            transition where preferences shift sharply.
-        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` (default ``k3``); see :mod:`rlhf_ext.algos.continual_kl`.
-    """
-
-    continual_kl_coef: float = field(default=DEFAULT_KL_COEF, metadata={"help": "Weight of KL(pi || pi_prev_task)."})
-    continual_kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 | k2 | k3."})
+class ContinualDPOConfig(DPOConfig, ContinualKnobs):
+    """``DPOConfig`` plus paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`:
+    ``continual_kl_coef`` 1.0 = Eq. 7's unit weight, 0 = plain DPO with no extra forward pass;
+    ``continual_kl_estimator`` k3)."""
 
     def __post_init__(self):
         super().__post_init__()
-        self.continual_kl_coef = check_kl_coef(self.continual_kl_coef, "continual_kl_coef")
-        check_estimator(self.continual_kl_estimator)
+        self.check_continual_knobs()
 
 
 class _FirstForwardLogProbs:

@@ -35,10 +35,10 @@ def _same(a, b):
 def test_weight_zero_or_no_previous_policy_equals_stock_policy_loss(loss_kwargs):
     log_probs, old, prev, adv, mask = _batch()
     stock = PolicyLoss(**loss_kwargs)(log_probs, old, adv, action_mask=mask)
-    zero = oc.ContinualPolicyLoss(prev_task_kl_coef=0.0, **loss_kwargs)
+    zero = oc.ContinualPolicyLoss(continual_kl_coef=0.0, **loss_kwargs)
     _same(zero(log_probs, old, adv, action_mask=mask, prev_log_probs=prev), stock)
     assert zero.last_prev_task_kl is None
-    no_prev = oc.ContinualPolicyLoss(prev_task_kl_coef=1.0, **loss_kwargs)
+    no_prev = oc.ContinualPolicyLoss(continual_kl_coef=1.0, **loss_kwargs)
     _same(no_prev(log_probs, old, adv, action_mask=mask), stock)
 
 
@@ -46,7 +46,7 @@ def test_adds_exactly_c_times_kl_token_mean():
     log_probs, old, prev, adv, mask = _batch()
     c = 0.3
     stock = PolicyLoss()(log_probs, old, adv, action_mask=mask)[0]
-    loss = oc.ContinualPolicyLoss(prev_task_kl_coef=c)(log_probs, old, adv, action_mask=mask, prev_log_probs=prev)[0]
+    loss = oc.ContinualPolicyLoss(continual_kl_coef=c)(log_probs, old, adv, action_mask=mask, prev_log_probs=prev)[0]
     kl = kl_to_previous(log_probs, prev, mask, "k3")
     assert (loss - stock).item() == pytest.approx(c * kl.item(), rel=1e-6)
     # gradients: the extra term contributes exactly c * grad KL (prev is a constant)
@@ -66,7 +66,7 @@ def test_kl_uses_the_policy_losss_normalisation():
         (False, (kl_tok.sum(-1) / mask.sum(-1)).sum() / 8.0 * 2),
     ):
         stock = PolicyLoss(token_level_loss=token_level)(log_probs, old, adv, action_mask=mask, **info)[0]
-        cont = oc.ContinualPolicyLoss(prev_task_kl_coef=1.0, prev_task_kl_estimator="k2", token_level_loss=token_level)
+        cont = oc.ContinualPolicyLoss(continual_kl_coef=1.0, continual_kl_estimator="k2", token_level_loss=token_level)
         loss = cont(log_probs, old, adv, action_mask=mask, prev_log_probs=prev, **info)[0]
         assert (loss - stock).item() == pytest.approx(expected.item(), rel=1e-5)
         assert cont.last_prev_task_kl.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -77,7 +77,7 @@ def test_cppo_weights_scale_each_samples_policy_loss_and_kl():
     alpha, beta = torch.tensor([2.0, 0.5, 1.0]), torch.tensor([0.2, 2.0, 1.0])
     n = mask.sum().float()
     for dual_clip in (None, 3.0):
-        cont = oc.ContinualPolicyLoss(prev_task_kl_coef=0.7, dual_clip=dual_clip)
+        cont = oc.ContinualPolicyLoss(continual_kl_coef=0.7, dual_clip=dual_clip)
         loss = cont(
             log_probs,
             old,
@@ -111,7 +111,7 @@ def test_from_policy_loss_keeps_every_setting():
         is_correction_level="token",
         is_correction_threshold=(0.4, 4.0),
     )
-    cont = oc.ContinualPolicyLoss.from_policy_loss(stock, prev_task_kl_coef=0.0)
+    cont = oc.ContinualPolicyLoss.from_policy_loss(stock, continual_kl_coef=0.0)
     for name in (
         "clip_eps_low",
         "clip_eps_high",
@@ -124,8 +124,8 @@ def test_from_policy_loss_keeps_every_setting():
         "is_correction_threshold",
     ):
         assert getattr(cont, name) == getattr(stock, name), name
-    with pytest.raises(ValueError, match="prev_task_kl_coef must be a finite number >= 0"):
-        oc.ContinualPolicyLoss(prev_task_kl_coef=-1.0)
+    with pytest.raises(ValueError, match="continual_kl_coef must be a finite number >= 0"):
+        oc.ContinualPolicyLoss(continual_kl_coef=-1.0)
 
 
 # -------------------------------------------------------------------------------------------- actor training step
@@ -238,7 +238,7 @@ def test_training_step_weight_zero_equals_stock(tiny_sft_path, cpu_openrlhf):
         oc.ContinualActorPPOTrainer,
         _actor(tiny_sft_path),
         prev_model=_actor(tiny_sft_path, perturb_seed=1),
-        settings=oc.ContinualActorSettings(kl_coef=0.0),
+        settings=oc.ContinualActorSettings(continual_kl_coef=0.0),
     )
     exp = _experience(stock.actor)
     stock_loss, _ = _step(stock, exp)
@@ -255,7 +255,7 @@ def test_training_step_adds_c_times_kl_to_the_previous_task_actor(tiny_sft_path,
         oc.ContinualActorPPOTrainer,
         _actor(tiny_sft_path),
         prev_model=prev,
-        settings=oc.ContinualActorSettings(kl_coef=c, estimator="k3"),
+        settings=oc.ContinualActorSettings(continual_kl_coef=c, continual_kl_estimator="k3"),
     )
     exp = _experience(stock.actor)
     stock_loss, _ = _step(stock, exp)
@@ -273,7 +273,7 @@ def test_training_step_adds_c_times_kl_to_the_previous_task_actor(tiny_sft_path,
         oc.ContinualActorPPOTrainer,
         _actor(tiny_sft_path),
         prev_model=_actor(tiny_sft_path),
-        settings=oc.ContinualActorSettings(kl_coef=c),
+        settings=oc.ContinualActorSettings(continual_kl_coef=c),
     )
     same_loss, status = _step(same, exp)
     assert status["metrics"][oc.PREV_TASK_KL_KEY].item() == 0.0  # identical policies: exactly zero
@@ -282,7 +282,7 @@ def test_training_step_adds_c_times_kl_to_the_previous_task_actor(tiny_sft_path,
 
 def test_training_step_with_cppo_weights(tiny_sft_path, cpu_openrlhf):
     prev = _actor(tiny_sft_path, perturb_seed=1)
-    settings = oc.ContinualActorSettings(kl_coef=0.5, retention="cppo")
+    settings = oc.ContinualActorSettings(continual_kl_coef=0.5, continual_retention="cppo")
     cont = _trainer(oc.ContinualActorPPOTrainer, _actor(tiny_sft_path), prev_model=prev, settings=settings)
     exp = _experience(cont.actor)
     exp.rewards = torch.tensor([4.0, -4.0, 0.1])  # far above / below the rollout batch's reward band
@@ -301,7 +301,7 @@ def test_training_step_with_cppo_weights(tiny_sft_path, cpu_openrlhf):
     with torch.no_grad():
         logp = cont.actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
         prev_logp = prev(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
-    expected = oc.ContinualPolicyLoss(prev_task_kl_coef=0.5)(
+    expected = oc.ContinualPolicyLoss(continual_kl_coef=0.5)(
         logp,
         exp.action_log_probs,
         exp.advantages,
@@ -318,13 +318,18 @@ def test_training_step_with_cppo_weights(tiny_sft_path, cpu_openrlhf):
 
 def test_settings_from_openrlhf_args():
     ns = types.SimpleNamespace(
-        ext=types.SimpleNamespace(continual=types.SimpleNamespace(previous_model="/ckpt", kl_coef=0.2, retention=None))
+        ext=types.SimpleNamespace(continual_previous_model="/ckpt", continual_kl_coef=0.2, continual_retention=None)
     )
     s = oc.ContinualActorSettings.from_args(ns)
-    assert (s.previous_model, s.kl_coef, s.estimator, s.retention) == ("/ckpt", 0.2, "k3", "kl")
-    assert oc.ContinualActorSettings.from_args(types.SimpleNamespace()).previous_model is None
+    assert (s.continual_previous_model, s.continual_kl_coef, s.continual_kl_estimator, s.continual_retention) == (
+        "/ckpt",
+        0.2,
+        "k3",
+        "kl",
+    )
+    assert oc.ContinualActorSettings.from_args(types.SimpleNamespace()).continual_previous_model is None
     with pytest.raises(ValueError, match="retention must be 'kl' or 'cppo'"):
-        oc.ContinualActorSettings(retention="ewc")
+        oc.ContinualActorSettings(continual_retention="ewc")
 
 
 def test_ray_policy_actor_builds_the_continual_trainer(monkeypatch):

@@ -71,7 +71,7 @@ def segment_task0(ray_env):
         "--config", "segment_ppo_tiny", f"model.sft_model={sft}", f"model.reward_model={rm}",
         f"train.output_dir={out}", "train.max_steps=2", "train.batch_size=8", "train.micro_batch_size=4",
         "train.bf16=true", "data.max_completion_length=24", "data.max_calibration_pairs=64",
-        "train.openrlhf_args={actor.num_gpus_per_node: 2, ref.num_gpus_per_node: 2, ext.continual.kl_coef: 1.0, "
+        "train.openrlhf_args={actor.num_gpus_per_node: 2, ref.num_gpus_per_node: 2, ext.continual_kl_coef: 1.0, "
         "actor.adam.lr: 0.01, actor.lr_warmup_ratio: 0, train.seed: 7}",
     ]  # fmt: skip
     steps, _ = run_logged(cmd, root / "task0.log", timeout=400)
@@ -89,7 +89,7 @@ def segment_task1(ray_env, segment_task0):
         out, (str(prev), rm), prompts,
         "--algo.advantage.estimator", "reinforce", "--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2",
         "--ref.num_gpus_per_node", "2", "--train.async_enable", "--train.async_queue_size", "1",
-        "--ext.granularity", "segment", "--ext.continual.previous_model", str(prev), "--ext.continual.kl_coef", "1.0",
+        "--ext.granularity", "segment", "--ext.continual_previous_model", str(prev), "--ext.continual_kl_coef", "1.0",
     )  # fmt: skip
     return out, steps
 

@@ -104,8 +104,9 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
         (["--reward.stop_properly_penalty_coef", "0.5"], "--reward.stop_properly_penalty_coef acts on"),
         (["--ds.packing_samples"], "do not support --ds.packing_samples"),
         (["--ext.granularity", "segmnt"], "--ext.granularity must be one of"),
-        (["--ext.continual.kl_coeff", "1"], "unknown option --ext.continual.kl_coeff"),
-        (["--ext.continual.kl_coef", "-1"], "--ext.continual.kl_coef"),
+        (["--ext.continual_kl_coeff", "1"], "unknown option --ext.continual_kl_coeff"),
+        (["--ext.continual.kl_coef", "1"], "--ext.continual.kl_coef was renamed to --ext.continual_kl_coef"),
+        (["--ext.continual_kl_coef", "-1"], "--ext.continual_kl_coef"),
     ],
 )
 def test_driver_refuses_before_ray_starts(flags, message):

@@ -19,7 +19,7 @@ OVERRIDES = [
     "train.micro_batch_size=4",
     "train.max_steps=2",
     "train.logging_steps=1",
-    "continual.kl_coef=0.5",
+    "continual.continual_kl_coef=0.5",
 ]
 
 

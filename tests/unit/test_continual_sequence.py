@@ -43,7 +43,7 @@ def _recipe(tmp_path, **overrides):
         "output_dir": str(tmp_path / "run"),
         "plots": False,
         "model": {"sft_model": "/models/sft"},
-        "continual": {"kl_coef": 0.5},
+        "continual": {"continual_kl_coef": 0.5},
     }
     for key, value in overrides.items():
         section, _, name = key.partition("__")
@@ -56,7 +56,7 @@ def _recipe(tmp_path, **overrides):
 
 def test_snapshots_and_kl_weights_are_wired_task_to_task(tmp_path, tasks):
     stage = RecordingStage()
-    recipe = _recipe(tmp_path, plots=True, continual__kl_coef_schedule=[0.25, 0.0])
+    recipe = _recipe(tmp_path, plots=True, continual__continual_kl_coef_schedule=[0.25, 0.0])
     summary = ContinualRunner(recipe, tasks, policy_stage=stage).run()
     run = tmp_path / "run"
     assert summary["plots"] == {"performance": str(run / "performance.png")}
@@ -110,8 +110,8 @@ def test_stop_after_runs_a_prefix(tmp_path, tasks):
 
 def test_resuming_with_a_different_recipe_or_sequence_is_refused(tmp_path, tasks):
     ContinualRunner(_recipe(tmp_path), tasks, policy_stage=RecordingStage(fail_on=2)).run(stop_after=1)
-    with pytest.raises(TaskSequenceError, match=r"different recipe \(changed: continual.kl_coef\)"):
-        ContinualRunner(_recipe(tmp_path, continual__kl_coef=0.1), tasks, policy_stage=RecordingStage()).run()
+    with pytest.raises(TaskSequenceError, match=r"different recipe \(changed: continual.continual_kl_coef\)"):
+        ContinualRunner(_recipe(tmp_path, continual__continual_kl_coef=0.1), tasks, policy_stage=RecordingStage()).run()
     with pytest.raises(TaskSequenceError, match="different task sequence"):
         ContinualRunner(_recipe(tmp_path), list(reversed(tasks)), policy_stage=RecordingStage()).run()
     with pytest.raises(TaskSequenceError, match="resume is false"):
@@ -130,7 +130,7 @@ def test_finished_task_without_snapshot_is_reported(tmp_path, tasks):
 def test_schedule_length_is_checked_before_any_training(tmp_path, tasks):
     stage = RecordingStage()
     with pytest.raises(ValueError, match="kl_coef_schedule has 1 entries but the sequence has 3 tasks"):
-        ContinualRunner(_recipe(tmp_path, continual__kl_coef_schedule=[1.0]), tasks, policy_stage=stage)
+        ContinualRunner(_recipe(tmp_path, continual__continual_kl_coef_schedule=[1.0]), tasks, policy_stage=stage)
     assert stage.calls == []
 
 
@@ -168,14 +168,19 @@ def test_sources_builtin_and_missing_paths_without_importing_datagen(tmp_path):
 def test_recipe_validation_names_the_key(tmp_path):
     from rlhf_ext.config import RecipeError, load_recipe
 
-    with pytest.raises(RecipeError, match="continual.kl_coef must be a finite number >= 0"):
-        load_recipe(ContinualRecipe, None, ["continual.kl_coef=-1"])
-    with pytest.raises(RecipeError, match=r"unknown key 'continual.kl_coeff' \(did you mean 'continual.kl_coef'\?\)"):
-        load_recipe(ContinualRecipe, None, ["continual.kl_coeff=1"])
+    with pytest.raises(RecipeError, match="continual_kl_coef must be a finite number >= 0"):
+        load_recipe(ContinualRecipe, None, ["continual.continual_kl_coef=-1"])
+    with pytest.raises(
+        RecipeError,
+        match=r"unknown key 'continual.continual_kl_coeff' \(did you mean 'continual.continual_kl_coef'\?\)",
+    ):
+        load_recipe(ContinualRecipe, None, ["continual.continual_kl_coeff=1"])
+    with pytest.raises(RecipeError, match="'continual.kl_coef' was renamed to 'continual.continual_kl_coef'"):
+        load_recipe(ContinualRecipe, None, ["continual.kl_coef=1"])
     with pytest.raises(RecipeError, match="'algorithm' must be one of 'dpo', 'ppo'; got 'grpo'"):
         load_recipe(ContinualRecipe, None, ["algorithm=grpo"])
     with pytest.raises(RecipeError, match="estimator"):
-        load_recipe(ContinualRecipe, None, ["continual.estimator=k5"])
+        load_recipe(ContinualRecipe, None, ["continual.continual_kl_estimator=k5"])
 
 
 def test_launch_script_reports_recipe_errors(capsys):
@@ -186,8 +191,8 @@ def test_launch_script_reports_recipe_errors(capsys):
     spec = importlib.util.spec_from_file_location("train_continual", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--config", "continual_dpo_tiny", "continual.kl_coef=-2", "--local_rank=0"]) == 2
-    assert "continual.kl_coef must be a finite number >= 0" in capsys.readouterr().err
+    assert module.main(["--config", "continual_dpo_tiny", "continual.continual_kl_coef=-2", "--local_rank=0"]) == 2
+    assert "continual_kl_coef must be a finite number >= 0" in capsys.readouterr().err
     assert module.main(["--config", "no_such_recipe"]) == 2
     assert "neither a file nor a packaged recipe" in capsys.readouterr().err
 
@@ -212,8 +217,8 @@ def test_exponent_notation_without_a_dot_is_a_number():
     """YAML 1.1 reads ``1e-3`` as a string; recipes accept it for float fields (``train.learning_rate=1e-3``)."""
     from rlhf_ext.config import RecipeError, load_recipe
 
-    recipe = load_recipe(ContinualRecipe, None, ["train.learning_rate=1e-3", "continual.kl_coef=2E-1"])
-    assert recipe.train.learning_rate == 1e-3 and recipe.continual.kl_coef == 0.2
+    recipe = load_recipe(ContinualRecipe, None, ["train.learning_rate=1e-3", "continual.continual_kl_coef=2E-1"])
+    assert recipe.train.learning_rate == 1e-3 and recipe.continual.continual_kl_coef == 0.2
     with pytest.raises(RecipeError, match="'train.learning_rate' must be a number; got 'fast'"):
         load_recipe(ContinualRecipe, None, ["train.learning_rate=fast"])
 
