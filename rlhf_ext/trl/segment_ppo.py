@@ -6,10 +6,20 @@ replaces the reward and advantage computation of each rollout batch:
 
 1. one reference (SFT) forward gives the reference log-probs *and* the entropies used for segmentation;
 2. one reward-model forward gives token scores; :func:`rlhf_ext.segment.dense_segment_rewards` turns them into
-   normalized, interpolated per-token rewards (the same function OpenRLHF's experience maker calls);
+   normalized, interpolated per-token rewards (the same function OpenRLHF's experience maker calls). Instead of a
+   segment reward model, GRPO's ``reward_funcs`` (callables, reward-model ids or models) may give one reward per
+   response, used as a bandit reward on its last token exactly as GRPO computes it;
 3. per-token reward ``r_t = dense_t - kl_coef * KL_t`` with the KL of the policy that sampled (k1 by default);
 4. advantages by GAE with a critic (initialised from the reward model, clipped value loss, value clip 0.25 for dense
    rewards) or critic-free REINFORCE (reward-to-go minus a leave-one-out baseline), whitened over the batch.
+
+Old log-probs: like ``GRPOTrainer``, an on-policy step (every use of a rollout batch comes before the next optimizer
+step — GRPO's test ``gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0``, e.g. the usual
+``num_iterations=1``, ``steps_per_generation=gradient_accumulation_steps`` — with no asynchronous rollouts and no vLLM
+importance sampling) runs no extra policy forward for them. With the REINFORCE
+estimators and one loss call per rollout batch (``steps_per_generation == 1``) the KL reward and the advantages are
+finished inside the loss from the policy log-probs its own forward computes (at the weights that sampled); GAE,
+off-policy and multi-micro-batch rollouts compute the old log-probs with a no-grad forward at rollout time.
 
 The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo"``) with GRPO's own KL term off
 (``beta = 0``: the KL is in the reward, as in PPO-RLHF). TRL samples at least two responses per prompt
@@ -44,6 +54,7 @@ class SegmentPPOConfig(GRPOConfig):
 
     Args:
         reward_model_path: the (segment) reward model; its ``segment_config.json`` supplies cutoff/aggregation/tau.
+            Leave it unset when the trainer gets GRPO's ``reward_funcs`` (a sequence-level reward) instead.
         granularity: ``segment`` (paper), ``token``, ``bandit``, ``bandit_as_segment``, ``segment_as_bandit``.
         interpolation: ``even_split`` (paper), ``repeat``, ``segment_end``.
         entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
@@ -142,40 +153,100 @@ def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask
 
 
 class SegmentPPOTrainer(GRPOTrainer):
-    """PPO with dense segment-level rewards (paper 003, Eq. 5 and Algorithm 1) on top of TRL's ``GRPOTrainer``."""
+    """PPO with dense segment-level rewards (paper 003, Eq. 5 and Algorithm 1) on top of TRL's ``GRPOTrainer``.
+
+    Takes ``GRPOTrainer``'s arguments in its order — ``(model, reward_funcs, args, train_dataset, eval_dataset,
+    processing_class, reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
+    rollout_func, environment_factory)`` — plus keyword-only ones:
+
+    Args:
+        reward_funcs: GRPO's reward functions (callables, reward-model ids or sequence-classification models), summed
+            with ``args.reward_weights`` into one reward per response exactly as GRPO does; it becomes a bandit
+            reward on the response's last token (``granularity`` and the normalizer apply to segment reward models
+            only). Give this *or* a segment reward model, not both.
+        reward_model: the segment reward model (default: ``args.reward_model_path``).
+        ref_model: the reference (SFT) policy (default: the policy's checkpoint).
+        critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
+        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards).
+        prev_model: the previous task's policy for the continual KL term (default: ``args.prev_policy_path``).
+    """
 
     _tag_names = ["trl", "rlhf-ext", "segment-ppo"]
 
     def __init__(
         self,
         model,
-        args: SegmentPPOConfig,
+        reward_funcs=None,
+        args: SegmentPPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+        *,
         reward_model=None,
         ref_model=None,
         critic=None,
         normalizer: LocationNormalizer | None = None,
         calibration_dataset=None,
         prev_model=None,
-        **kwargs,
     ):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = SegmentPPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SegmentPPO")
         if not isinstance(args, SegmentPPOConfig):
             raise TypeError(f"args must be a SegmentPPOConfig, got {type(args).__name__}")
+        if isinstance(reward_funcs, list) and not reward_funcs:
+            reward_funcs = None
+        has_segment_rm = reward_model is not None or args.reward_model_path is not None
+        if reward_funcs is not None and has_segment_rm:
+            raise ValueError(
+                "SegmentPPOTrainer got both reward_funcs= and a segment reward model (SegmentPPOConfig."
+                "reward_model_path / reward_model=): pass only one — drop reward_funcs to train on segment rewards, "
+                "or unset reward_model_path/reward_model to train on the reward functions' sequence reward"
+            )
+        # GRPO's reward sources (reward_funcs, or an environment's reward) give a sequence-level reward
+        self.uses_reward_funcs = reward_funcs is not None or (not has_segment_rm and environment_factory is not None)
+        if not self.uses_reward_funcs and not has_segment_rm:
+            raise ValueError(
+                "SegmentPPOTrainer needs a reward: set SegmentPPOConfig.reward_model_path (or reward_model=) for "
+                "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
+            )
+        if self.uses_reward_funcs and (
+            normalizer is not None or args.normalizer_path is not None or calibration_dataset is not None
+        ):
+            raise ValueError(
+                "the location-aware normalizer calibrates a segment reward model's scores; reward_funcs rewards are "
+                "used as returned: drop normalizer / normalizer_path / calibration_dataset"
+            )
         async_rollout = None
         if args.async_generation:
+            if rollout_func is not None:
+                raise ValueError("async_generation=True supplies its own rollout_func; pass one or the other")
             from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
 
-            async_rollout = kwargs["rollout_func"] = OneStepAsyncRollout(generator_threads=args.generation_threads)
+            async_rollout = rollout_func = OneStepAsyncRollout(generator_threads=args.generation_threads)
         super().__init__(
-            model=model,
-            reward_funcs=[segment_reward],
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
+            model,
+            reward_funcs if reward_funcs is not None else ([] if self.uses_reward_funcs else [segment_reward]),
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            tools,
+            rollout_func,
+            environment_factory,
         )
         self.async_rollout = async_rollout
         if async_rollout is not None:
@@ -185,13 +256,18 @@ class SegmentPPOTrainer(GRPOTrainer):
         from rlhf_ext.runtime.calibration import fit_normalizer, model_id
         from rlhf_ext.runtime.segment_data import load_segment_settings
 
-        if reward_model is None:
-            if args.reward_model_path is None:
-                raise ValueError("pass reward_model= or set SegmentPPOConfig.reward_model_path")
+        # on-policy REINFORCE steps finish the advantages from the loss's own policy forward (see the module doc)
+        self._reuse_policy_logps = True
+        self._loss_inputs: dict | None = None
+        self._rewards_per_func: torch.Tensor | None = None
+        self.reward_model = None
+        rm_source = None
+        if not self.uses_reward_funcs and reward_model is None:
             reward_model = AutoModelForSequenceClassification.from_pretrained(
                 args.reward_model_path, num_labels=1, dtype=self.model.dtype
             )
-        rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
+        if reward_model is not None:
+            rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
         settings: dict[str, Any] = {}
         if args.reward_model_path is not None:
             try:
@@ -206,26 +282,30 @@ class SegmentPPOTrainer(GRPOTrainer):
         self.entropy_cutoff = (
             args.entropy_cutoff if args.entropy_cutoff is not None else settings.get("entropy_cutoff", 2.0)
         )
-        if args.granularity in ("segment", "bandit_as_segment") and math.isinf(self.entropy_cutoff):
+        if (
+            reward_model is not None
+            and args.granularity in ("segment", "bandit_as_segment")
+            and math.isinf(self.entropy_cutoff)
+        ):
             raise ValueError(
                 f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
                 "entropy_cutoff (e.g. 2.0) or granularity='bandit'"
             )
         self.aggregation = args.aggregation or settings.get("aggregation", "softmax")
         self.seg_tau = args.tau if args.tau is not None else settings.get("tau", 0.5)
-        self._check_tokenizers(reward_model)
+        from trl.trainer.utils import get_config_model_id
+
+        policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
         # the reference (SFT) model: log-probs for the KL reward and entropies for segmentation, one forward
         if ref_model is None:
-            from trl.trainer.utils import get_config_model_id
-
-            ref_model = AutoModelForCausalLM.from_pretrained(
-                get_config_model_id(self.accelerator.unwrap_model(self.model).config), dtype=self.model.dtype
-            )
+            ref_model = AutoModelForCausalLM.from_pretrained(policy_id, dtype=self.model.dtype)
         self._add_fused_head(ref_model)
         self.segment_ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
-        self.reward_model = self.accelerator.prepare_model(reward_model.eval(), evaluation_mode=True)
-        self._reward_capture = TokenScoreCapture(self.reward_model)
+        if reward_model is not None:
+            self._check_tokenizers(reward_model)
+            self.reward_model = self.accelerator.prepare_model(reward_model.eval(), evaluation_mode=True)
+            self._reward_capture = TokenScoreCapture(self.reward_model)
 
         if normalizer is None and args.normalizer_path is not None:
             normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source))
@@ -244,7 +324,7 @@ class SegmentPPOTrainer(GRPOTrainer):
                 reward_model_id=model_id(rm_source),
                 max_pairs=args.calibration_max_pairs,
             )
-        if normalizer is None and args.normalizer_kind != "none":
+        if normalizer is None and args.normalizer_kind != "none" and not self.uses_reward_funcs:
             warnings.warn(
                 "SegmentPPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
                 "normalized (Table 2's 'no normalization', which the paper found breaks training)",
@@ -269,7 +349,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         if args.advantage_estimator == "gae":
             if critic is None:
                 critic = AutoModelForSequenceClassification.from_pretrained(
-                    args.critic_model_path or args.reward_model_path or rm_source, num_labels=1, dtype=torch.float32
+                    args.critic_model_path or rm_source or policy_id, num_labels=1, dtype=torch.float32
                 )
             optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95))
             self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
@@ -278,12 +358,20 @@ class SegmentPPOTrainer(GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """Bypass GRPO's text-level reward functions: rewards are computed per token in the rollout (zeros here)."""
-        return torch.zeros(len(prompts), 1, device=self.accelerator.device)
+        """GRPO's reward functions when given (kept for the rollout); otherwise bypassed: segment rewards are
+        computed per token in the rollout (zeros here)."""
+        if not self.uses_reward_funcs:
+            return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        """GRPO's log-prob computation; the policy's differentiable log-probs are kept for the Eq. 7 term."""
+        """GRPO's log-prob computation. Inside the loss, the policy's log-probs finish a rollout whose advantages
+        were left to the loss, and its differentiable log-probs are kept for the Eq. 7 term."""
         out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if self._loss_inputs is not None:
+            inputs, self._loss_inputs = self._loss_inputs, None
+            self._finish_advantages(inputs, out[0].detach())
         if self._in_policy_loss:
             self._last_policy_logps = out[0]
         return out
@@ -313,6 +401,32 @@ class SegmentPPOTrainer(GRPOTrainer):
         scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
         return scores[:, -completion_len - 1 : -1]
 
+    def _sequence_rewards(self, n: int) -> torch.Tensor:
+        """``[n]`` this process's rows of GRPO's reward: the weighted sum of the reward functions (NaN = unscored,
+        as 0), computed by :meth:`_calculate_rewards` during this rollout."""
+        per_func, self._rewards_per_func = self._rewards_per_func, None
+        if per_func is None:
+            raise RuntimeError("no reward-function output for this rollout")
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        start = self.accelerator.process_index * n
+        return rewards[start : start + n]
+
+    def _finishes_in_loss(self, out: dict, mode: str) -> bool:
+        """Whether this rollout's old log-probs are the loss forward's own (detached) policy log-probs, so the KL
+        reward and advantages are finished in the loss instead of after an extra no-grad policy forward.
+
+        Needs: GRPO found the step on-policy (it computed no ``old_per_token_logps``), no asynchronous behaviour
+        policy, a critic-free estimator, and one loss call for the whole rollout batch (advantages are whitened over
+        it), i.e. ``steps_per_generation == 1`` in training (evaluation never splits its batch).
+        """
+        return (
+            self._reuse_policy_logps
+            and "old_per_token_logps" not in out
+            and not (self.args.async_generation and mode == "train")
+            and self.critic is None
+            and (mode == "eval" or self.args.steps_per_generation == 1)
+        )
+
     # ------------------------------------------------------------------------------------------- the rollout
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)  # generation; GRPO's reward/advantages are replaced
@@ -325,15 +439,20 @@ class SegmentPPOTrainer(GRPOTrainer):
         c = completion_ids.size(1)
         mask = completion_mask.bool() if "tool_mask" not in out else (completion_mask * out["tool_mask"]).bool()
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        finish_in_loss = self._finishes_in_loss(out, mode)
         with torch.no_grad():
             old_logps = out.get("old_per_token_logps")
             if old_logps is None and self.args.async_generation and mode == "train":
                 old_logps = out["sampling_per_token_logps"]  # the behaviour policy, one version behind
-            if old_logps is None:
+            if old_logps is None and not finish_in_loss:
                 old_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, c, batch_size=batch_size
                 )
-            needs_entropy = args.granularity in ("segment", "bandit_as_segment", "segment_as_bandit")
+            needs_entropy = not self.uses_reward_funcs and args.granularity in (
+                "segment",
+                "bandit_as_segment",
+                "segment_as_bandit",
+            )
             ref_logps, ref_entropy, _ = self._get_per_token_logps_and_entropies(
                 self.segment_ref_model,
                 input_ids,
@@ -346,65 +465,93 @@ class SegmentPPOTrainer(GRPOTrainer):
                 out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
                 )
-            scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
-            dense = dense_segment_rewards(
-                scores,
-                mask,
-                ref_entropy,
-                normalizer=self.normalizer,
-                granularity=args.granularity,
-                interpolation=args.interpolation,
-                entropy_cutoff=self.entropy_cutoff,
-                aggregation=self.aggregation,
-                tau=self.seg_tau,
-            )
-            kl = torch.where(mask, per_token_kl(old_logps, ref_logps, args.kl_estimator), 0.0)
-            values = None
-            if self.critic is not None:
-                values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
-            _, advantages, returns = ppo_advantages(
-                dense.rewards,
-                kl,
-                mask,
-                args.kl_coef,
-                values,
-                args.advantage_estimator,
-                args.gamma,
-                args.lam,
-                self.num_generations,
-                args.whiten_advantages,
-                tuple(args.reward_clip_range) if args.reward_clip_range else None,
-            )
-            if values is not None:
-                out["old_values"], out["returns"] = values, returns
-        out["advantages"] = advantages
-        out["old_per_token_logps"] = old_logps
+            if self.uses_reward_funcs:  # one reward per response, on its last token (bandit)
+                scores = self._sequence_rewards(completion_ids.size(0))[:, None].expand(-1, c).float()
+                dense = dense_segment_rewards(scores, mask, granularity="bandit")
+            else:
+                scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
+                dense = dense_segment_rewards(
+                    scores,
+                    mask,
+                    ref_entropy,
+                    normalizer=self.normalizer,
+                    granularity=args.granularity,
+                    interpolation=args.interpolation,
+                    entropy_cutoff=self.entropy_cutoff,
+                    aggregation=self.aggregation,
+                    tau=self.seg_tau,
+                )
+            clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
+            if finish_in_loss:
+                # the per-row part now (group baseline before GRPO shuffles the rows, reward clip); the KL term,
+                # reward-to-go and whitening in the loss (_finish_advantages) from the loss forward's log-probs
+                shaped, _, _ = ppo_advantages(
+                    dense.rewards, torch.zeros_like(ref_logps), mask, 0.0, None, args.advantage_estimator,
+                    args.gamma, args.lam, self.num_generations, False, clip_range,
+                )  # fmt: skip
+                out.pop("advantages")  # GRPO's sequence advantages; ours are set in the loss
+                out["ppo_shaped_rewards"], out["ppo_ref_logps"] = shaped, ref_logps
+                out["ppo_sequence_reward"] = dense.sequence_reward
+            else:
+                kl = torch.where(mask, per_token_kl(old_logps, ref_logps, args.kl_estimator), 0.0)
+                values = None
+                if self.critic is not None:
+                    values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
+                _, advantages, returns = ppo_advantages(
+                    dense.rewards, kl, mask, args.kl_coef, values, args.advantage_estimator, args.gamma, args.lam,
+                    self.num_generations, args.whiten_advantages, clip_range,
+                )  # fmt: skip
+                if values is not None:
+                    out["old_values"], out["returns"] = values, returns
+                out["advantages"] = advantages
+                out["old_per_token_logps"] = old_logps
 
         gather = self.accelerator.gather
         metrics = self._metrics[mode]
-        total_reward = dense.sequence_reward - args.kl_coef * kl.sum(dim=1)
-        # GRPO logged a placeholder reward (no reward functions); replace it with the real one
+        # GRPO logged its own reward (a placeholder, or the reward functions' without the KL); ours includes the KL
         for key in ("reward", "reward_std"):
             if metrics.get(key):
                 metrics[key].pop()
-        metrics["reward"].append(gather(total_reward).mean().item())
-        metrics["reward_std"].append(gather(total_reward).std().item() if total_reward.numel() > 1 else 0.0)
+        if not finish_in_loss:
+            self._log_reward(mode, dense.sequence_reward, kl)
         metrics["segment/score"].append(gather(dense.sequence_reward).mean().item())
         metrics["segment/raw_last_score"].append(
             gather(scores.gather(1, (mask.long().cumsum(1).argmax(1, keepdim=True)))).mean().item()
         )
-        metrics["segment/kl"].append(gather(kl.sum(dim=1)).mean().item())
         metrics["segment/segments_per_response"].append(gather(dense.segments.counts.float()).mean().item())
         metrics["segment/response_length"].append(gather(mask.sum(dim=1).float()).mean().item())
         return out
 
+    def _log_reward(self, mode: str, sequence_reward: torch.Tensor, kl: torch.Tensor) -> None:
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        total_reward = sequence_reward - self.args.kl_coef * kl.sum(dim=1)
+        metrics["reward"].append(gather(total_reward).mean().item())
+        metrics["reward_std"].append(gather(total_reward).std().item() if total_reward.numel() > 1 else 0.0)
+        metrics["segment/kl"].append(gather(kl.sum(dim=1)).mean().item())
+
+    @torch.no_grad()
+    def _finish_advantages(self, inputs: dict, policy_logps: torch.Tensor) -> None:
+        """The rest of :func:`ppo_advantages` for a rollout left to the loss: KL of the sampling policy (the loss
+        forward's log-probs, same weights), ``r_t = shaped_t - kl_coef * KL_t``, reward-to-go, whitening."""
+        args = self.args
+        mask = inputs["completion_mask"]
+        mask = (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
+        kl = torch.where(mask, per_token_kl(policy_logps, inputs.pop("ppo_ref_logps"), args.kl_estimator), 0.0)
+        _, inputs["advantages"], _ = ppo_advantages(
+            inputs.pop("ppo_shaped_rewards"), kl, mask, args.kl_coef, None, "reinforce", args.gamma, args.lam, 1,
+            args.whiten_advantages, None,
+        )  # fmt: skip
+        self._log_reward("train" if self.model.training else "eval", inputs.pop("ppo_sequence_reward"), kl)
+
     # ------------------------------------------------------------------------------------------------ losses
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._last_policy_logps, self._in_policy_loss = None, self.prev_model is not None
+        self._loss_inputs = inputs if "ppo_shaped_rewards" in inputs else None
         try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
-            self._in_policy_loss = False
+            self._in_policy_loss, self._loss_inputs = False, None
         if self.prev_model is not None and "prev_per_token_logps" in inputs:
             from rlhf_ext.algos.continual_kl import kl_to_previous
 

@@ -201,3 +201,161 @@ def test_one_step_async_rollouts_are_exactly_one_version_old(tmp_path, tiny_sft_
     assert not [t for t in threading.enumerate() if t.name.startswith("rlhf-ext-ppo-generator")]
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 4 and all(math.isfinite(h["reward"]) for h in logs)
+
+
+def _count_policy_forwards(trainer) -> dict:
+    """Count the policy's forward calls outside ``generate`` (log-prob forwards: old log-probs, the loss)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    counts = {"forwards": 0, "generate_calls": 0, "in_generate": False}
+
+    def pre_hook(module, args):
+        if not counts["in_generate"]:
+            counts["forwards"] += 1
+
+    generate = model.generate
+
+    def counted_generate(*args, **kwargs):
+        counts["generate_calls"] += 1
+        counts["in_generate"] = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            counts["in_generate"] = False
+
+    model.register_forward_pre_hook(pre_hook)
+    model.generate = counted_generate
+    return counts
+
+
+def _even_token_reward(completion_ids, **kwargs):
+    """A plain reward function: the fraction of even token ids in each completion."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline"])
+def test_on_policy_reinforce_runs_no_extra_policy_forward(tmp_path, tiny_sft_path, tiny_base_path, toy_tok,
+                                                          segment_rm, prompts, estimator):  # fmt: skip
+    """On-policy REINFORCE: one policy forward per step outside generation (the loss's), as stock GRPO with beta > 0
+    (whose reference forward runs on its own model); the old log-probs' no-grad forward changes nothing."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    steps, common = 2, dict(max_completion_length=16, learning_rate=1e-3, loss_type="bnpo")
+    runs = {}
+    for reuse in (True, False):
+        args = _config(tmp_path / str(reuse), segment_rm, advantage_estimator=estimator, normalizer_kind="none",
+                       max_steps=steps, **common)  # fmt: skip
+        ref = AutoModelForCausalLM.from_pretrained(tiny_base_path)  # a different reference: KL != 0
+        trainer = SegmentPPOTrainer(tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
+                                    ref_model=ref)  # fmt: skip
+        trainer._reuse_policy_logps = reuse  # False: the extra no-grad old-log-prob forward of every rollout
+        counts = _count_policy_forwards(trainer)
+        trainer.train()
+        runs[reuse] = (counts, trainer)
+    grpo_args = GRPOConfig(
+        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=8, num_generations=2, max_steps=steps,
+        beta=0.04, scale_rewards="none", bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        gradient_checkpointing=False, disable_tqdm=True, seed=0, logging_steps=1, **common,
+    )  # fmt: skip
+    grpo = GRPOTrainer(tiny_sft_path, _even_token_reward, grpo_args, train_dataset=prompts, processing_class=toy_tok)
+    assert grpo.ref_model is not None  # beta > 0 pays a reference forward, on its own model
+    grpo_counts = _count_policy_forwards(grpo)
+    grpo.train()
+
+    assert grpo_counts["generate_calls"] == runs[True][0]["generate_calls"] == steps
+    assert grpo_counts["forwards"] == steps  # the loss forward only
+    assert runs[True][0]["forwards"] == grpo_counts["forwards"]
+    assert runs[False][0]["forwards"] == 2 * steps  # what every step cost before
+    # the same numbers with and without the extra forward: each step's loss and metrics, the weights after both steps
+    on, off = runs[True][1], runs[False][1]
+    assert on.state.log_history[0]["segment/kl"] != 0.0
+    for log_on, log_off in zip(on.state.log_history[:steps], off.state.log_history[:steps], strict=True):
+        for key in ("loss", "reward", "reward_std", "segment/kl", "segment/score", "grad_norm"):
+            assert log_on[key] == pytest.approx(log_off[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(on.model.parameters(), off.model.parameters()):  # Adam: within a tenth of one step (lr 1e-3)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_advantages_finished_in_the_loss_equal_the_rollouts(tmp_path, tiny_sft_path, tiny_base_path, toy_tok,
+                                                            segment_rm, prompts):  # fmt: skip
+    """Same batch, with and without the old-log-prob forward: the same advantages, loss and gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce_baseline", normalizer_kind="none",
+                   max_completion_length=16)  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(tiny_base_path)
+    trainer = SegmentPPOTrainer(tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
+                                ref_model=ref)  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); we call compute_loss directly
+    rows = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
+    results = {}
+    for reuse in (True, False):
+        trainer._reuse_policy_logps = reuse
+        torch.manual_seed(0)
+        batch = trainer._generate_and_score_completions(rows)
+        assert ("advantages" in batch) is not reuse and ("old_per_token_logps" in batch) is not reuse
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+        metrics = {k: trainer._metrics["train"][k][-1] for k in ("reward", "segment/kl")}
+        results[reuse] = (batch["completion_ids"], batch["advantages"], loss.item(), grads, metrics)
+    ids_on, adv_on, loss_on, grad_on, m_on = results[True]
+    ids_off, adv_off, loss_off, grad_off, m_off = results[False]
+    assert torch.equal(ids_on, ids_off)
+    torch.testing.assert_close(adv_on, adv_off, rtol=1e-5, atol=1e-5)
+    assert loss_on == pytest.approx(loss_off, abs=1e-6)
+    torch.testing.assert_close(grad_on, grad_off, rtol=1e-4, atol=1e-7)
+    assert grad_on.abs().sum() > 0 and m_on == pytest.approx(m_off, rel=1e-5) and m_on["segment/kl"] != 0.0
+    # off-policy rollouts (GRPO computed old log-probs) and several loss calls per rollout keep the old forward
+    trainer._reuse_policy_logps = True
+    assert trainer._finishes_in_loss({}, "train")
+    assert not trainer._finishes_in_loss({"old_per_token_logps": adv_off}, "train")
+    trainer.args.steps_per_generation = 2
+    assert not trainer._finishes_in_loss({}, "train") and trainer._finishes_in_loss({}, "eval")
+
+
+def test_grpo_positional_arguments_and_reward_funcs(tmp_path, tiny_sft_path, toy_tok, prompts):
+    """GRPO's order (model, reward_funcs, args, train_dataset, eval_dataset, processing_class); a reward function is
+    the sequence-level reward: one step trains and the logged reward is the function's mean output."""
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    outputs: list[float] = []
+
+    def even_reward(completion_ids, **kwargs):
+        out = _even_token_reward(completion_ids)
+        outputs.extend(out)
+        return out
+
+    args = _config(tmp_path, None, advantage_estimator="reinforce", kl_coef=0.0, max_completion_length=16)
+    trainer = SegmentPPOTrainer(tiny_sft_path, even_reward, args, prompts, None, toy_tok)
+    assert trainer.reward_funcs == [even_reward] and trainer.reward_model is None
+    assert trainer.processing_class is toy_tok and trainer.train_dataset is prompts
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 1 and len(outputs) == 8
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    log = trainer.state.log_history[0]
+    mean = sum(outputs) / len(outputs)
+    assert log["reward"] == pytest.approx(mean, abs=1e-6)
+    assert log["rewards/even_reward/mean"] == pytest.approx(mean, abs=1e-6)
+    assert log["segment/score"] == pytest.approx(mean, abs=1e-6)
+    assert log["segment/segments_per_response"] == 1.0  # a bandit reward
+
+
+def test_reward_funcs_and_a_segment_reward_model_is_one_clear_error(tmp_path, tiny_sft_path, toy_tok, segment_rm,
+                                                                     prompts):  # fmt: skip
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce")
+    with pytest.raises(ValueError, match="both reward_funcs= and a segment reward model") as err:
+        SegmentPPOTrainer(tiny_sft_path, _even_token_reward, args, prompts, processing_class=toy_tok)
+    message = str(err.value)
+    assert "\n" not in message and "reward_model_path" in message and "drop reward_funcs" in message
+    with pytest.raises(ValueError, match="needs a reward"):
+        SegmentPPOTrainer(tiny_sft_path, args=_config(tmp_path, None), train_dataset=prompts, processing_class=toy_tok)
