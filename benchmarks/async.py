@@ -133,7 +133,9 @@ def online_run(
         seed=seed,
     )
     load_before, cpu_before, t0 = load(), cpu_seconds(), time.perf_counter()
-    summary = IterativeDPOTrainer(sft, args=args, prompts=prompts, reward_fn=reward).train()
+    trainer = IterativeDPOTrainer(sft, reward, args=args, train_dataset=prompts)
+    trainer.train()
+    summary = trainer.summary
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu_before
     shutil.rmtree(out, ignore_errors=True)
     return {**summary["runner"], "load_before": load_before, "load_after": load(), "cpu_per_wall": cpu / wall}

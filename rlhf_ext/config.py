@@ -37,6 +37,8 @@ RENAMED_KEYS: dict[str, str] = {
     "continual.kl_coef": "continual.continual_kl_coef",
     "continual.estimator": "continual.continual_kl_estimator",
     "continual.kl_coef_schedule": "continual.continual_kl_coef_schedule",
+    "training.advantage_estimator": "ppo.advantage_estimator",  # the demo recipe
+    "reward_model.segment_cutoff": "reward_model.entropy_cutoff",  # the sim compare recipe
 }
 
 

@@ -18,11 +18,16 @@ unless ``--force``, and refuses a directory started with other settings):
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.rundir import RunDir
 
 STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
@@ -58,7 +63,6 @@ class DemoTraining:
     ppo_steps: int = 20
     ppo_batch_size: int = 16
     ppo_learning_rate: float = 3e-4
-    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "reinforce_baseline"
     max_completion_length: int = 112
     seed: int = 0
 
@@ -71,6 +75,10 @@ class DemoRecipe:
     data: DemoData = field(default_factory=DemoData)
     model: DemoModel = field(default_factory=DemoModel)
     training: DemoTraining = field(default_factory=DemoTraining)
+    #: the papers' knobs, the same dataclasses (names, defaults) as the TRL configs and the recipes
+    segment: SegmentRewardKnobs = field(default_factory=SegmentRewardKnobs)
+    dense: DenseRewardKnobs = field(default_factory=DenseRewardKnobs)
+    ppo: PPOKnobs = field(default_factory=lambda: PPOKnobs(advantage_estimator="reinforce_baseline"))
 
 
 class DemoPipeline:
@@ -184,7 +192,7 @@ class DemoPipeline:
             [f"model.sft_model={results['sft']['path']}", f"data.train={data_dir}", "data.max_length=160",
              f"train.output_dir={out_dir}", f"train.epochs={t.rm_epochs}", "train.batch_size=16",
              "train.micro_batch_size=16", f"train.learning_rate={t.rm_learning_rate}", f"train.seed={t.seed}",
-             "train.logging_steps=10", *extra],
+             "train.logging_steps=10", *_overrides("segment", self.recipe.segment, SegmentRewardKnobs), *extra],
         )  # fmt: skip
 
     def ppo_recipe(self, results, out_dir: Path, reward_model: str, normalizer: str | None, *extra: str):
@@ -206,7 +214,8 @@ class DemoPipeline:
              f"model.normalizer={normalizer if normalizer else 'null'}", f"data.prompts={prompts_dir}",
              f"data.calibration={results['labels']['path'] if normalizer is None else 'null'}",
              "data.calibration_split=train", f"data.max_completion_length={t.max_completion_length}",
-             f"ppo.advantage_estimator={t.advantage_estimator}", f"train.output_dir={out_dir}",
+             *_overrides("segment", self.recipe.dense, DenseRewardKnobs), *_overrides("ppo", self.recipe.ppo, PPOKnobs),
+             f"train.output_dir={out_dir}",
              f"train.max_steps={t.ppo_steps}", f"train.batch_size={t.ppo_batch_size}",
              f"train.micro_batch_size={t.ppo_batch_size}", f"train.learning_rate={t.ppo_learning_rate}",
              "train.critic_learning_rate=1e-4", f"train.seed={t.seed}", *extra],
@@ -232,6 +241,9 @@ class DemoPipeline:
             AutoModelForCausalLM.from_pretrained(sft),
             AutoTokenizer.from_pretrained(sft),
             load_from_disk(results["labels"]["path"]),
+            kind=self.recipe.dense.normalizer_kind,
+            basis=self.recipe.dense.normalizer_basis,
+            granularity=self.recipe.dense.granularity,
             entropy_cutoff=settings["entropy_cutoff"],
             reward_model_id=model_id(rm),
         )
@@ -269,3 +281,10 @@ class DemoPipeline:
         _, _, test = self._stage_split()
         prompts = list(test["prompt"][:4])
         return write_report(self.out, results, prompts, self.recipe.training.max_completion_length)
+
+
+def _overrides(section: str, knobs: Any, knob_class: type) -> list[str]:
+    """``section.name=value`` overrides for the fields of ``knob_class`` (strings bare, other values as JSON, which
+    YAML reads back)."""
+    items = knob_values(knobs, knob_class).items()
+    return [f"{section}.{name}={v if isinstance(v, str) else json.dumps(v)}" for name, v in items]

@@ -38,3 +38,9 @@ def knob_defaults(*knob_classes: type) -> dict[str, Any]:
         for f in fields(cls):
             out[f.name] = f.default_factory() if callable(f.default_factory) else f.default
     return out
+
+
+def knob_values(obj: Any, knob_class: type) -> dict[str, Any]:
+    """``{field name: value}`` of ``obj`` for the fields of knob dataclass ``knob_class`` (a recipe section or config
+    that embeds it), to pass the knobs on under the same names."""
+    return {f.name: getattr(obj, f.name) for f in fields(knob_class)}

@@ -9,6 +9,7 @@ are vectorised over the batch; the backward recursions of GAE and reward-to-go r
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -397,3 +398,55 @@ def ppo_advantages(
     if whiten:
         advantages = masked_whiten(advantages, mask)
     return rewards, advantages, returns
+
+
+@dataclass
+class PPOKnobs:
+    """PPO knobs shared by the engines, declared once (paper 003 Table 8 and OpenRLHF 0.11.2's defaults):
+    ``SegmentPPOConfig``, the recipes' ``ppo:`` sections and the OpenRLHF command line the recipes generate use these
+    names and defaults.
+
+    Args:
+        kl_coef: ``beta`` of the per-token KL penalty to the reference (SFT) model in the reward (paper 003 Eq. 5;
+            Table 8: 0.01).
+        kl_estimator: ``k1`` (OpenRLHF's reward penalty), ``k2`` or ``k3`` (:func:`kl_estimate`).
+        advantage_estimator: ``gae`` (critic), ``reinforce`` (reward-to-go) or ``reinforce_baseline`` (minus the
+            prompt group's mean reward); see :data:`ADVANTAGE_ESTIMATORS`.
+        gamma, lam: discount and GAE lambda (OpenRLHF: 1.0, 0.95).
+        value_clip: critic value clip (paper 003 Appendix C: 0.25 with dense rewards, 0.2 with bandit rewards).
+        reward_clip_range: per-token reward clip before the KL penalty (OpenRLHF's ``--reward.clip_range``, +-10).
+        whiten_advantages: standardise advantages over the rollout batch (OpenRLHF does).
+    """
+
+    kl_coef: float = field(default=0.01, metadata={"help": "beta of paper 003 Eq. 5 (0.01)"})
+    kl_estimator: KLEstimator = field(default=KLEstimator.K1.value, metadata={"help": "k1 | k2 | k3"})
+    advantage_estimator: AdvantageEstimator = field(
+        default=AdvantageEstimator.GAE.value, metadata={"help": "gae | reinforce | reinforce_baseline"}
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    value_clip: float | None = field(default=0.25, metadata={"help": "Value clip (0.25 dense, 0.2 bandit)."})
+    reward_clip_range: list[float] | None = field(
+        default_factory=lambda: [-10.0, 10.0], metadata={"help": "Per-token reward clip [low, high] (+-10)."}
+    )
+    whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
+
+    def __post_init__(self) -> None:
+        self.check_ppo_knobs()
+
+    def check_ppo_knobs(self) -> None:
+        """Validate the knobs (called by every config that embeds them)."""
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in SAMPLE_KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_estimator must be one of {', '.join(SAMPLE_KL_ESTIMATORS)}; got {self.kl_estimator!r}"
+            )
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {', '.join(ESTIMATORS)}; got {self.advantage_estimator!r}"
+            )
+        if self.reward_clip_range is not None and (
+            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] >= self.reward_clip_range[1]
+        ):
+            raise ValueError(f"reward_clip_range must be [low, high] with low < high; got {self.reward_clip_range}")

@@ -24,12 +24,13 @@ every token r, ``segment_end`` puts r on the segment's last token and 0 elsewher
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerKind
 from rlhf_ext.algos.names import StrEnum
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
@@ -200,3 +201,40 @@ def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tenso
     segments = segment_ids(segment_boundaries(entropy, action_mask, cutoff), action_mask)
     rewards = gather_segment_rewards(token_scores.float(), segments)
     return segments.locations[segments.mask], rewards[segments.mask]
+
+
+@dataclass
+class DenseRewardKnobs:
+    """The knobs of paper 003's dense rewards for PPO (Tables 1-3), declared once: ``SegmentPPOConfig``, the segment
+    PPO recipe's ``segment:`` section and OpenRLHF's ``--ext.*`` flags use these names and defaults.
+
+    Args:
+        granularity: the action definition (paper 003 Table 1): ``segment`` (the paper's), ``token``, ``bandit``
+            (stock sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``.
+        interpolation: how a segment's reward is spread over its tokens (paper 003 Table 3): ``even_split`` (the
+            paper's), ``repeat``, ``segment_end``.
+        normalizer_kind: the reward normalizer (paper 003 Eq. 6 and Table 2): ``regression`` (location-aware, the
+            paper's), ``global``, ``last``, ``none``.
+        normalizer_basis: the regression's location feature: ``linear`` (``p``, the paper's) or ``log`` (``log p``).
+    """
+
+    granularity: Granularity = field(default=Granularity.SEGMENT.value, metadata={"help": "paper 003 Table 1"})
+    interpolation: Interpolation = field(default=Interpolation.EVEN_SPLIT.value, metadata={"help": "paper 003 Table 3"})
+    normalizer_kind: NormalizerKind = field(
+        default=NormalizerKind.REGRESSION.value, metadata={"help": "Eq. 6 / Table 2"}
+    )
+    normalizer_basis: Literal["linear", "log"] = field(default="linear", metadata={"help": "linear (paper) | log"})
+
+    def __post_init__(self) -> None:
+        self.check_dense_reward_knobs()
+
+    def check_dense_reward_knobs(self) -> None:
+        """Validate the knobs (called by every config that embeds them)."""
+        for name, allowed in (
+            ("granularity", GRANULARITIES),
+            ("interpolation", INTERPOLATIONS),
+            ("normalizer_kind", NORMALIZER_KINDS),
+            ("normalizer_basis", ("linear", "log")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

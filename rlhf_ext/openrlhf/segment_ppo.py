@@ -26,7 +26,7 @@ import torch
 
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.algos.ppo import ESTIMATORS, group_mean_baseline, last_token_index
-from rlhf_ext.algos.segment_dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, dense_segment_rewards
 from rlhf_ext.algos.segment_reward import check_cutoff, check_tau, token_entropy
 from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.runtime.calibration import load_normalizer
@@ -45,10 +45,10 @@ WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout e
 def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
     """Check and convert the segment ``--ext.*`` values (strings from the command line)."""
     ext = dict(ext)
-    if ext["granularity"] not in GRANULARITIES:
-        raise ValueError(f"--ext.granularity must be one of {', '.join(GRANULARITIES)}; got {ext['granularity']!r}")
-    if ext["interpolation"] not in INTERPOLATIONS:
-        raise ValueError(f"--ext.interpolation must be one of {', '.join(INTERPOLATIONS)}")
+    try:
+        DenseRewardKnobs(granularity=ext["granularity"], interpolation=ext["interpolation"])
+    except ValueError as e:
+        raise ValueError(f"--ext.{e}") from None
     if ext["entropy_cutoff"] is not None:
         ext["entropy_cutoff"] = check_cutoff(float(ext["entropy_cutoff"]))
     if ext["tau"] is not None:

@@ -47,15 +47,16 @@ from typing import Any
 from rlhf_ext.algos.continual_kl import ContinualKnobs, check_estimator, check_kl_coef
 from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
 
 #: ``--ext.*`` flags and their defaults (``None``: the reward model's recorded setting / unset).
 EXT_DEFAULTS: dict[str, Any] = {
-    "granularity": "segment",
-    "interpolation": "even_split",
-    "entropy_cutoff": None,
-    "aggregation": None,
-    "tau": None,
+    # paper 003's dense rewards (DenseRewardKnobs; the normalizer comes fitted, as --ext.normalizer FILE)
+    **{k: v for k, v in knob_defaults(DenseRewardKnobs).items() if not k.startswith("normalizer_")},
+    # paper 003's segmentation (SegmentRewardKnobs); None = the reward model's recorded setting
+    **dict.fromkeys(knob_defaults(SegmentRewardKnobs)),
     "normalizer": None,
     "reward_model_id": None,
     "rollout_engine": "auto",

@@ -165,8 +165,8 @@ class PPOPolicyStage:
             report_to="none", save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
             reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
             kl_coef=ppo.kl_coef, advantage_estimator=ppo.advantage_estimator,
-            prev_policy_path=task.previous_policy if task.kl_coef > 0 else None,
-            prev_kl_coef=task.kl_coef, prev_kl_estimator=r.continual.continual_kl_estimator,
+            continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
+            continual_kl_coef=task.kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
         trainer = SegmentPPOTrainer(
             model=task.init_policy,

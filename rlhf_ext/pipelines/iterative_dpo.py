@@ -1,8 +1,10 @@
-"""The online-DPO recipe: one typed config that YAML files map onto 1:1 (papers 004 and 001).
+"""The online-DPO recipe (papers 004 and 001).
 
 ``recipes/online_dpo_tiny.yaml`` (CPU, seconds) and ``recipes/online_dpo_paper.yaml`` (paper 004's settings) are
-instances of :class:`OnlineDPORecipe`. :func:`run_online_dpo` runs one with the TRL adapter
-(:class:`rlhf_ext.trl.IterativeDPOTrainer`); OpenRLHF has no iterative or online DPO.
+instances of :class:`OnlineDPORecipe`, one typed config that YAML files map onto 1:1. :func:`run_online_dpo` runs one
+with the TRL adapter, :class:`rlhf_ext.trl.IterativeDPOTrainer` (a streaming ``trl.DPOTrainer``), whose ``train()``
+runs per-iteration mode through :func:`rlhf_ext.runtime.iterations.run_iterations` (paper 004's Algorithm 2, step by
+step, written once) and per-batch mode (paper 001) as one streaming DPO run. OpenRLHF has no iterative or online DPO.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class OnlineDPORecipe:
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
-    """Run an :class:`OnlineDPORecipe` with TRL; returns the trainer's summary."""
+    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``)."""
     return train_with_trl(recipe)
 
 
@@ -218,7 +220,7 @@ def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:
 
 
 def train_with_trl(recipe) -> dict[str, Any]:
-    """Run an :class:`~rlhf_ext.pipelines.iterative_dpo.OnlineDPORecipe`; returns the trainer's summary."""
+    """Run an :class:`~rlhf_ext.pipelines.iterative_dpo.OnlineDPORecipe`; returns the run's summary."""
     from transformers import AutoTokenizer
 
     from rlhf_ext.pipelines.builtins import resolve_model
@@ -230,18 +232,18 @@ def train_with_trl(recipe) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.policy.tokenizer or sft))
     train_prompts, eval_prompts = load_prompt_splits(recipe.data)
     r = recipe.reward
-    reward = dict(reward_fn=load_reward(r.function)) if r.function else dict(reward_model=None)
-    if r.model is not None:
-        reward = dict(
-            reward_fn=load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
-        )
+    if r.function is not None:
+        reward = load_reward(r.function)
+    else:
+        reward = load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
     trainer = IterativeDPOTrainer(
-        model=sft,
+        sft,
+        reward,
         args=args,
-        prompts=train_prompts,
-        eval_prompts=eval_prompts,
+        train_dataset=train_prompts,
+        eval_dataset=eval_prompts,
         processing_class=tokenizer,
         gold_fn=load_reward(r.gold) if r.gold else None,
-        **reward,
     )
-    return trainer.train()
+    trainer.train()  # Algorithm 2 (rlhf_ext.runtime.iterations.run_iterations) or per-batch online DPO
+    return trainer.summary

@@ -11,6 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import check_cutoff, check_tau
 from rlhf_ext.config import TrainSection
 
@@ -41,18 +44,18 @@ class PPODataSection:
 
 
 @dataclass
-class PPOSegmentSection:
-    """Table 1-3 switches. ``entropy_cutoff``/``aggregation``/``tau`` null = the reward model's recorded values."""
+class PPOSegmentSection(DenseRewardKnobs):
+    """Paper 003's Table 1-3 switches (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`, the same names and
+    defaults as ``SegmentPPOConfig``) plus the reward model's segmentation, ``entropy_cutoff`` / ``aggregation`` /
+    ``tau`` (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`); null = the values the reward model was trained
+    with (its ``segment_config.json``)."""
 
-    granularity: Literal["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"] = "segment"
-    interpolation: Literal["even_split", "repeat", "segment_end"] = "even_split"
-    normalizer_kind: Literal["none", "global", "last", "regression"] = "regression"
-    normalizer_basis: Literal["linear", "log"] = "linear"
     entropy_cutoff: float | None = None
     aggregation: Literal["softmax", "sum", "mean"] | None = None
     tau: float | None = None
 
     def __post_init__(self):
+        self.check_dense_reward_knobs()
         if self.entropy_cutoff is not None:
             check_cutoff(self.entropy_cutoff)
         if self.tau is not None:
@@ -60,25 +63,18 @@ class PPOSegmentSection:
 
 
 @dataclass
-class PPOAlgoSection:
-    """PPO settings (Table 8 / OpenRLHF defaults)."""
+class PPOAlgoSection(PPOKnobs):
+    """PPO settings: :class:`~rlhf_ext.algos.ppo.PPOKnobs` (paper 003 Table 8 / OpenRLHF defaults, the same names as
+    ``SegmentPPOConfig``) plus the clip, sampling and rollout settings."""
 
-    kl_coef: float = 0.01
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "gae"
-    gamma: float = 1.0
-    lam: float = 0.95
     clip_eps: float = 0.2
-    value_clip: float | None = 0.25
     num_generations: int = 2
     temperature: float = 1.0
     top_p: float = 1.0
-    whiten_advantages: bool = True
     async_generation: bool = False  # TRL engine: one-step off-policy rollouts (paper 001); OpenRLHF: train.async_enable
 
     def __post_init__(self):
-        if self.kl_coef < 0:
-            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}")
+        self.check_ppo_knobs()
         if self.num_generations < 1:
             raise ValueError(f"ppo.num_generations must be >= 1, got {self.num_generations}")
 
@@ -137,23 +133,14 @@ def trl_config(recipe):
         reward_model_path=recipe.model.reward_model,
         critic_model_path=recipe.model.critic_model,
         normalizer_path=recipe.model.normalizer,
-        granularity=seg.granularity,
-        interpolation=seg.interpolation,
         entropy_cutoff=seg.entropy_cutoff,
         aggregation=seg.aggregation,
         tau=seg.tau,
-        normalizer_kind=seg.normalizer_kind,
-        normalizer_basis=seg.normalizer_basis,
         calibration_max_pairs=recipe.data.max_calibration_pairs,
-        kl_coef=ppo.kl_coef,
-        kl_estimator=ppo.kl_estimator,
-        advantage_estimator=ppo.advantage_estimator,
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-        value_clip=ppo.value_clip,
         critic_learning_rate=t.critic_learning_rate,
-        whiten_advantages=ppo.whiten_advantages,
         async_generation=ppo.async_generation,
+        **knob_values(seg, DenseRewardKnobs),
+        **knob_values(ppo, PPOKnobs),
     )
     return make_config(SegmentPPOConfig, kwargs, t.trl_args)
 
@@ -267,6 +254,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
         "--actor.eps_clip", repr(ppo.clip_eps),
         "--algo.kl.init_coef", repr(ppo.kl_coef),
         "--algo.kl.estimator", ppo.kl_estimator,
+        *(["--reward.clip_range", *map(repr, ppo.reward_clip_range)] if ppo.reward_clip_range else []),
         "--algo.advantage.estimator", ppo.advantage_estimator,
         "--algo.advantage.gamma", repr(ppo.gamma),
         "--algo.advantage.lambd", repr(ppo.lam),

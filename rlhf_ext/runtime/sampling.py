@@ -88,7 +88,7 @@ class Samples:
         return [t for row in self.texts for t in row]
 
     def num_chars(self) -> Tensor:
-        """``[P, n]`` response lengths in characters (the unit of the paper's Eq. 9)."""
+        """``[P, n]`` response lengths in characters (the unit of paper 004 Eq. 9)."""
         return torch.tensor([[len(t) for t in row] for row in self.texts], dtype=torch.float32)
 
 

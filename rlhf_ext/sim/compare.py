@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.config import RecipeError, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
@@ -231,6 +233,9 @@ class SimRun:
             self.feedback(seed)
             feedback = str(self.feedback_dir(seed))
             self.progress(f"seed {seed}: training the {kind} reward model")
+            knobs = knob_values(cfg, SegmentRewardKnobs)  # paper 003's; the bandit model is the one at cutoff inf
+            if kind == "bandit":
+                knobs["entropy_cutoff"] = math.inf
             with atomic_directory(out) as tmp:
                 recipe = SegmentRMRecipe(
                     engine="trl",
@@ -238,7 +243,7 @@ class SimRun:
                     data=PreferenceDataSection(
                         train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
                     ),
-                    segment=SegmentSection(entropy_cutoff=math.inf if kind == "bandit" else cfg.segment_cutoff),
+                    segment=SegmentSection(**knobs),
                     train=RMTrainSection(
                         output_dir=str(tmp),
                         epochs=cfg.epochs,

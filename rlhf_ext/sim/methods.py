@@ -198,6 +198,8 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
 
 
 def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
+    from rlhf_ext.algos.names import knob_values
+    from rlhf_ext.algos.ppo import PPOKnobs
     from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
@@ -229,11 +231,9 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
                 ),
                 segment=PPOSegmentSection(granularity=granularity),
                 ppo=PPOAlgoSection(
-                    kl_coef=cfg.kl_coef,
-                    advantage_estimator=cfg.advantage_estimator,
+                    **knob_values(cfg, PPOKnobs),
                     num_generations=cfg.num_generations,
                     temperature=run.recipe.generation.temperature,
-                    value_clip=0.2 if granularity == "bandit" else 0.25,  # paper 003, Appendix C
                 ),
                 train=PPOTrainSection(
                     output_dir=str(tmp),
@@ -338,14 +338,15 @@ def sim_online_dpo(
         )
     splits = run.splits()
     trainer = IterativeDPOTrainer(
-        model=run.sft_model(),
+        run.sft_model(),
+        run.reward_model(seed, "bandit"),
         args=args,
-        prompts=list(splits["unlabeled"]["prompt"]),
-        reward_model=run.reward_model(seed, "bandit"),
+        train_dataset=list(splits["unlabeled"]["prompt"]),
         processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
         gold_fn=run.gold,
     )
-    summary = trainer.train()
+    trainer.train()
+    summary = trainer.summary
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.sim.annotators import PoolConfig
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
@@ -117,15 +119,15 @@ class FeedbackSection:
 
 
 @dataclass
-class RewardModelSection:
+class RewardModelSection(SegmentRewardKnobs):
     """Surrogate reward models (paper 002 Eq. 2), trained from the SFT model with :class:`SegmentRewardTrainer`:
     the bandit model at ``entropy_cutoff: inf`` (best-of-n, expert iteration, Quark, bandit PPO, online DPO) and the
-    segment model at ``segment_cutoff`` (segment PPO, paper 003)."""
+    segment model with paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
+    ``entropy_cutoff`` 2.0, ``aggregation``, ``tau``) for segment PPO."""
 
     epochs: float = 2.0
     batch_size: int = 16
     learning_rate: float = 1e-3
-    segment_cutoff: float = 2.0
 
 
 @dataclass
@@ -206,18 +208,18 @@ class DPOSection:
 
 
 @dataclass
-class PPOSection:
+class PPOSection(PPOKnobs):
     """One PPO run (:class:`SegmentPPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned separately as
-    AlpacaFarm tuned its KL coefficient per setting): rollouts per step ``batch_size`` (= prompts x
-    ``num_generations``), KL penalty in the reward (AlpacaFarm's simulated PPO used 0.002; paper 003 0.01)."""
+    AlpacaFarm tuned its KL coefficient per setting): the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: KL penalty
+    ``kl_coef`` in the reward — AlpacaFarm's simulated PPO used 0.002, paper 003 0.01 —, ``advantage_estimator``,
+    ``value_clip`` — 0.2 for bandit and 0.25 for dense rewards, paper 003 Appendix C — ...) plus rollouts per step
+    ``batch_size`` (= prompts x ``num_generations``)."""
 
     max_steps: int = 24
     batch_size: int = 16
     num_generations: int = 2
     learning_rate: float = 3e-4
     critic_learning_rate: float = 1e-4
-    kl_coef: float = 0.01
-    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "gae"
     max_completion_length: int = 128
 
 
@@ -267,7 +269,7 @@ class SimCompareRecipe:
     reward_conditioning: RewardConditioningSection = field(default_factory=RewardConditioningSection)
     quark: QuarkSection = field(default_factory=QuarkSection)
     dpo: DPOSection = field(default_factory=DPOSection)
-    bandit_ppo: PPOSection = field(default_factory=PPOSection)
+    bandit_ppo: PPOSection = field(default_factory=lambda: PPOSection(value_clip=0.2))  # paper 003, Appendix C
     segment_ppo: PPOSection = field(default_factory=PPOSection)
     online_dpo: OnlineDPOSection = field(default_factory=OnlineDPOSection)
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)

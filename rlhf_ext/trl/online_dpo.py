@@ -1,58 +1,71 @@
-"""Iterative best/worst-of-n online DPO (paper 004, Algorithm 2) and one-step asynchronous online DPO (paper 001).
+"""A streaming ``trl.DPOTrainer`` for iterative best/worst-of-n online DPO (paper 004) and one-step asynchronous
+online DPO (paper 001).
 
-``IterativeDPOTrainer`` drives TRL's stable ``DPOTrainer``; it does not replace it. Two schedules:
+:class:`IterativeDPOTrainer` *is* a ``DPOTrainer``: it takes TRL's arguments in GRPO / OnlineDPO order (``model``,
+``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is this trainer's own
+``DPOTrainer`` training loop, fed with preference pairs as they are collected:
 
-**iterative** (paper 004, section 3.3) — for iteration ``k = 0 .. num_iterations-1``, with ``pi_0`` the SFT model:
+**per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
+``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
+SFT reference ``pi_0`` (``reference="sft"``, the authors' choice) or ``pi_t`` (``"previous"``), saved as
+``pi_{t+1}``. The steps of one iteration are methods (Algorithm 2's numbering):
 
-1. *collect*: take this iteration's prompts, sample ``n`` responses per prompt from ``pi_k`` split across the
-   temperatures (default 8 at [0.7, 1.0]), score them with the reward, pick one pair per prompt with
-   :func:`~rlhf_ext.online.select_pairs` (best vs worst of the length-penalised reward, Eq. 9) and write the pairs
-   to the on-disk store as iteration ``k``'s dataset (atomically);
-2. *train*: run ``DPOTrainer`` from ``pi_k`` on the pairs of iterations ``0..k`` (``pair_data="accumulate"``, the
-   paper's "historical + new") or of iteration ``k`` only (``"latest"``), against the reference ``pi_0``
-   (``reference="sft"``, the authors' choice) or ``pi_k`` (``reference="previous"``, what some public iterative-DPO
-   scripts do); save ``pi_{k+1}`` (atomically);
-3. *evaluate* ``pi_{k+1}``: the reward's mean score of its samples on the evaluation prompts (and ``gold_fn`` if
-   given).
+1. :meth:`~IterativeDPOTrainer.iteration_prompts` — the iteration's prompts;
+2. :meth:`~IterativeDPOTrainer.sample_responses` — ``n`` responses per prompt from ``pi_t`` at the temperatures;
+3. :meth:`~IterativeDPOTrainer.score_responses` — the reward of every response;
+4. :meth:`~IterativeDPOTrainer.select_pairs` — best vs worst of ``r - lambda * |a|`` (Eq. 9), ties dropped;
+5. :meth:`~IterativeDPOTrainer.store_pairs` — the iteration's pairs, written atomically, exactly once;
+6. :meth:`~IterativeDPOTrainer.train_iteration` — the DPO run ``pi_t -> pi_{t+1}``;
+7. :meth:`~IterativeDPOTrainer.evaluate_policy` — the reward of ``pi_{t+1}``'s samples on the evaluation prompts.
 
-Every step writes its result before the next starts and is skipped when its result exists, so a killed run resumes
-at the last completed step: an iteration's pairs are collected exactly once (none lost, none duplicated), a
-half-finished DPO run continues from its last ``DPOTrainer`` checkpoint (``save_steps``). With the same seed a
-resumed run produces the same pairs in the same order as an uninterrupted one. An iteration where every prompt's
-responses tie yields no pairs: a warning, and ``pi_{k+1} = pi_k`` without training.
+The loop over iterations, step by step, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written once:
+:meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on its
+own, as a TRL trainer does.
 
-**online** (paper 001, sections 3.5 and 4.2) — one DPO update per generated batch. A generator thread samples
-``num_samples`` responses (2, or K for best/worst-of-K) for ``per_device_train_batch_size *
-gradient_accumulation_steps`` prompts, scores and selects pairs (topping up with further prompts when some tie),
-while the learner — ``DPOTrainer``'s own training loop, fed through :class:`~rlhf_ext.online.OneStepAsyncRunner` —
-trains on the previous batch; new weights go to the generator after each optimizer step. ``async_generation=False``
-is the synchronous on-policy baseline through the same code. As in section 4.2, reward scoring belongs to the
-generation side. Each trained batch's pairs are written to the store; a killed run resumes from the last
-``DPOTrainer`` checkpoint and regenerates the batches after it.
+**per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
+stream: a generator thread (or process) samples ``num_samples`` responses (2, or K for best/worst-of-K) for
+``per_device_train_batch_size * gradient_accumulation_steps`` prompts, scores them and selects pairs (topping up
+with further prompts when some tie) while the training loop trains on the previous batch
+(:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go to the generator after each optimizer step.
+``async_generation=False`` is the synchronous on-policy baseline through the same code. Reward scoring belongs to
+the generation side (section 4.2).
+
+Resuming: the run directory (``output_dir``) remembers the settings it was started with (``run.json``, a
+:class:`~rlhf_ext.runtime.rundir.RunDir`), the policy after each iteration (``state.json``) and each iteration's pairs
+(``pairs/iter_XXX``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`). Every step is skipped when its result
+exists, so a killed run resumes at the last completed step: an iteration's pairs are collected exactly once, a
+half-finished DPO run continues from its last checkpoint (``save_steps``), and with the same seed a resumed run
+produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's responses tie yields
+no pairs: a warning, and ``pi_{t+1} = pi_t`` without training. In per-batch mode each trained batch's pairs are
+stored, and a killed run resumes from the last checkpoint and regenerates the batches after it.
 
 Example::
 
     from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
 
     trainer = IterativeDPOTrainer(
-        model="my-sft-checkpoint",
+        "my-sft-checkpoint",
+        reward_funcs="my-reward-model",            # or a callable (prompts, responses) -> one score per response
         args=IterativeDPOConfig(output_dir="runs/idpo", num_iterations=3, num_samples=8, beta=0.1,
                                 learning_rate=5e-7, num_train_epochs=2),
-        prompts=prompt_dataset,                    # a "prompt" column (text or chat messages)
-        reward_model="my-reward-model",            # or reward_fn=lambda prompts, responses: scores
+        train_dataset=prompt_dataset,              # a "prompt" column (text or chat messages), or a list
     )
-    summary = trainer.train()
+    out = trainer.train()      # TrainOutput: global_step = DPO optimizer steps run, training_loss, metrics
+    trainer.summary            # pairs and evaluation of every iteration (also output_dir/summary.json)
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import gc
 import json
 import logging
 import math
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,21 +73,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
 from rlhf_ext.algos.pair_selection import SELECTION_RULES, check_num_samples
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, stable_hash
+from rlhf_ext.runtime.iterations import run_iterations
 from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, SelectionSettings, score_and_select
 from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score
-from rlhf_ext.runtime.sampling import is_conversation, make_sampler, split_temperatures
+from rlhf_ext.runtime.rundir import RunDir
+from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
 
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 STATE_FILE = "state.json"
+RUN_KIND = "iterative-dpo"
 
 
 @dataclass
@@ -190,9 +207,10 @@ class IterativeDPOConfig(DPOConfig):
         return {k: getattr(self, k) for k in keys}
 
 
-def _prompt_list(prompts, prompt_key: str) -> list[Any]:
+# ------------------------------------------------------------------------------------------------------ inputs
+def _prompt_list(prompts, prompt_key: str, name: str = "train_dataset") -> list[Any]:
     if prompts is None:
-        raise ValueError("`prompts` is required: a dataset with a prompt column, or a list of prompts")
+        raise ValueError(f"`{name}` is required: a dataset with a {prompt_key!r} column, or a list of prompts")
     if hasattr(prompts, "column_names"):
         if prompt_key not in prompts.column_names:
             raise ValueError(
@@ -202,16 +220,83 @@ def _prompt_list(prompts, prompt_key: str) -> list[Any]:
         prompts = prompts[prompt_key]
     prompts = list(prompts)
     if not prompts:
-        raise ValueError("the prompt set is empty")
+        raise ValueError(f"the prompt set ({name}) is empty")
     for i, p in enumerate(prompts):
         if not (isinstance(p, str) or is_conversation(p)):
             raise ValueError(f"prompt {i} is neither text nor a list of chat messages: {p!r}")
     return prompts
 
 
+def _prompt_dataset(given, prompts: list[Any], prompt_key: str):
+    """The prompts as the ``train_dataset`` the ``DPOTrainer`` base holds (its DPO runs get pair datasets)."""
+    from datasets import Dataset
+
+    if hasattr(given, "select_columns"):
+        return given.select_columns([prompt_key])
+    try:
+        return Dataset.from_dict({prompt_key: prompts})
+    except Exception:  # text and chat prompts mixed: Arrow wants one type per column
+        return Dataset.from_dict({"prompt_index": list(range(len(prompts)))})
+
+
+def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
+    """The value of a renamed keyword: ``value`` (with a DeprecationWarning) or ``current``; both is an error."""
+    if value is None:
+        return current
+    if current is not None:
+        raise ValueError(f"pass {new}= only; {old}= is its deprecated name")
+    warnings.warn(
+        f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return value
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module)
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
+
+
+def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardFn:
+    """One ``(prompts, responses) -> scores`` function from TRL-style ``reward_funcs``: a callable, a reward-model
+    path / hub id (:func:`~rlhf_ext.runtime.rewards.load_reward`), a loaded sequence-classification model, or a
+    list holding one of those."""
+    if isinstance(reward_funcs, list | tuple):
+        if len(reward_funcs) != 1:
+            raise ValueError(
+                f"IterativeDPOTrainer ranks responses by one reward, got {len(reward_funcs)} in reward_funcs; "
+                "combine them into one callable (prompts, responses) -> scores, e.g. their weighted sum"
+            )
+        reward_funcs = reward_funcs[0]
+    if isinstance(reward_funcs, str | os.PathLike):
+        return load_reward(str(reward_funcs), batch_size=batch_size)
+    if _is_model(reward_funcs):
+        return SequenceClassifierReward(reward_funcs, tokenizer=processing_class, batch_size=batch_size)
+    if callable(reward_funcs):
+        return reward_funcs
+    raise TypeError(
+        "reward_funcs must be a callable (prompts, responses) -> one score per response, a reward-model path or "
+        f"hub id, or a loaded reward model; got {type(reward_funcs).__name__}"
+    )
+
+
+class _Scores:
+    """A reward function that returns scores computed before (step 3), for the selection of step 4."""
+
+    def __init__(self, rewards: torch.Tensor):
+        self.rewards = rewards
+
+    def __call__(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
+        return self.rewards.flatten()
+
+
 @contextlib.contextmanager
 def _quiet_datasets():
-    """Silence ``datasets`` progress bars for the small per-batch maps of the online mode."""
+    """Silence ``datasets`` progress bars for the small per-batch maps of the per-batch mode."""
     from datasets.utils import logging as ds_logging
 
     enabled = ds_logging.is_progress_bar_enabled()
@@ -223,17 +308,17 @@ def _quiet_datasets():
             ds_logging.enable_progress_bar()
 
 
+# ---------------------------------------------------------------------------------------------- per-batch stream
 class _StreamLoader:
-    """What the online-mode ``DPOTrainer`` iterates as its train dataloader: ``gradient_accumulation_steps``
-    collated micro-batches per runner batch, so one optimizer step consumes exactly one generated batch."""
+    """The train dataloader of the per-batch DPO run: ``gradient_accumulation_steps`` collated micro-batches per
+    runner batch, so one optimizer step consumes exactly one generated batch."""
 
-    def __init__(self, owner: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
-        self.owner, self.runner, self.first = owner, runner, first
+    def __init__(self, trainer: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
+        self.trainer, self.runner, self.first = trainer, runner, first
         self.total, self.offset = total, offset
-        self.trainer: DPOTrainer | None = None
 
     def __len__(self) -> int:
-        return self.total * self.owner.args.gradient_accumulation_steps
+        return self.total * self.trainer.args.gradient_accumulation_steps
 
     def __iter__(self):
         batch = self.first
@@ -245,9 +330,9 @@ class _StreamLoader:
 
     def _micro_batches(self, batch: Batch):
         trainer = self.trainer
-        self.owner._record_online_batch(batch, self.offset)
+        trainer._record_online_batch(batch, self.offset)
         with _quiet_datasets():
-            data = self.owner._dpo_dataset(batch.data)
+            data = trainer._dpo_dataset(batch.data)
             examples = list(trainer._prepare_dataset(data, trainer.processing_class, trainer.args, "online"))
         ga = trainer.args.gradient_accumulation_steps
         if len(examples) < ga:
@@ -258,18 +343,6 @@ class _StreamLoader:
         bounds = [round(i * len(examples) / ga) for i in range(ga + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
             yield trainer.data_collator(examples[lo:hi])
-
-
-class _StreamingDPOTrainer(DPOTrainer):
-    """``DPOTrainer`` whose train dataloader is a :class:`_StreamLoader` (online mode)."""
-
-    def __init__(self, *args, stream: _StreamLoader, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._stream = stream
-        stream.trainer = self
-
-    def get_train_dataloader(self):
-        return self._stream
 
 
 class _PublishWeights(TrainerCallback):
@@ -287,135 +360,237 @@ class _PublishWeights(TrainerCallback):
         self.runner.publish(self.snapshot)
 
 
-class IterativeDPOTrainer:
-    """Iterative best/worst-of-n online DPO on TRL's ``DPOTrainer`` (see the module docstring).
+# ------------------------------------------------------------------------------------------------------ trainer
+class IterativeDPOTrainer(DPOTrainer):
+    """``trl.DPOTrainer`` that trains on preference pairs as they are collected (see the module docstring).
 
     Args:
-        model: the SFT checkpoint path (``pi_0``), or a causal LM (saved to ``output_dir/policies/policy_000``).
+        model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once to
+            ``output_dir/policies/policy_000``; pass ``processing_class`` with it).
+        reward_funcs: the reward ranking the sampled responses: a callable ``(prompts, responses) -> scores`` (one
+            per response; any scorer, e.g. the simulator's annotators), a reward-model checkpoint or hub id
+            (sequence classification or rlhf-ext segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`), a
+            loaded sequence-classification model, or a list holding one of those.
         args: :class:`IterativeDPOConfig`.
-        prompts: a ``datasets.Dataset`` with a ``prompt_key`` column, or a list of prompts (text or chat messages).
-        eval_prompts: held-out prompts for the evaluation after each iteration (default: the first
-            ``eval_num_prompts`` training prompts).
-        reward_fn: ``(prompts, responses) -> tensor[N]`` — any scorer (e.g. the simulator's annotators).
-        reward_model: instead of ``reward_fn``: a reward-model checkpoint (sequence classification or rlhf-ext
-            segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`) or an instantiated
-            sequence-classification model.
+        train_dataset: the prompts: a ``datasets.Dataset`` with a ``prompt_key`` column (other columns, e.g. a
+            preference dataset's responses, are ignored) or a list of prompts (text or chat messages).
+        eval_dataset: held-out prompts for the evaluation of each policy (default: the first ``eval_num_prompts``
+            training prompts).
         processing_class: the tokenizer (default: loaded from ``model``).
-        ref_model: path of the SFT reference (default: ``model``).
+        callbacks: ``transformers`` callbacks, added to every DPO run.
+        optimizers: must stay ``(None, None)``: every DPO run loads its policy from disk, so the optimizer is built
+            per run from ``args`` (``optim``, ``learning_rate``, ``lr_scheduler_type`` ...).
+        peft_config: a ``peft.PeftConfig``: each iteration trains an adapter on ``pi_t`` and saves the merged
+            ``pi_{t+1}`` (per-iteration mode only).
+        ref_model: path of the SFT reference (default: ``model``), or a causal LM (saved once).
         gold_fn: an extra scorer reported at evaluation only (e.g. a gold reward).
-        callbacks: ``transformers`` callbacks added to every inner ``DPOTrainer``.
         prompt_key: the prompt column of dataset inputs.
+        prompts, eval_prompts, reward_fn, reward_model: deprecated names of ``train_dataset``, ``eval_dataset`` and
+            ``reward_funcs`` (a callable / a checkpoint or model); removed in the next release.
+
+    Attributes:
+        summary: after :meth:`train`, what it returned before it was a ``Trainer``: per-iteration pairs and
+            evaluations (``iterations``, ``eval``, ``final_policy``, ``skipped_iterations``) or, per-batch, the
+            runner's statistics (``runner``, ``updates``, ``resumed_from_update``); also ``output_dir/summary.json``.
+        model: as in ``DPOTrainer``: the policy of the current (or last) DPO run; before :meth:`train`, and after a
+            call that trained nothing, ``pi_0``. The final policy's checkpoint is ``summary["final_policy"]``.
     """
+
+    _tag_names = ["trl", "dpo", "online-dpo", "rlhf-ext"]
+    _name = "Iterative DPO"
 
     def __init__(
         self,
         model,
+        reward_funcs=None,
         args: IterativeDPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config=None,
+        *,
+        ref_model=None,
+        gold_fn: RewardFn | None = None,
+        prompt_key: str = "prompt",
         prompts=None,
         eval_prompts=None,
         reward_fn: RewardFn | None = None,
         reward_model=None,
-        processing_class=None,
-        ref_model: str | None = None,
-        gold_fn: RewardFn | None = None,
-        callbacks: list | None = None,
-        prompt_key: str = "prompt",
     ):
         from accelerate import PartialState
         from transformers import AutoTokenizer
 
-        self.args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
-        if not isinstance(self.args, IterativeDPOConfig):
-            raise TypeError(f"args must be an IterativeDPOConfig, got {type(self.args).__name__}")
-        self.state = PartialState()
-        self.root = Path(self.args.output_dir)
-        self.prompts = _prompt_list(prompts, prompt_key)
-        self.eval_prompts = _prompt_list(eval_prompts, prompt_key) if eval_prompts is not None else self.prompts
-        if self.args.eval_num_prompts is not None:
-            self.eval_prompts = self.eval_prompts[: self.args.eval_num_prompts]
-        if (reward_fn is None) == (reward_model is None):
-            raise ValueError("pass exactly one of reward_fn= (a callable) or reward_model= (a checkpoint or model)")
+        if isinstance(reward_funcs, TrainingArguments):
+            raise TypeError(
+                "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
+                "pass the config as args="
+            )
+        train_dataset = _deprecated("prompts", prompts, "train_dataset", train_dataset)
+        eval_dataset = _deprecated("eval_prompts", eval_prompts, "eval_dataset", eval_dataset)
+        if reward_fn is not None and not callable(reward_fn):
+            raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
+        given = [r for r in (reward_funcs, reward_fn, reward_model) if r is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "pass exactly one reward: reward_funcs= (a callable (prompts, responses) -> scores, a reward-model "
+                "path or hub id, or a loaded reward model)"
+            )
+        reward_funcs = _deprecated("reward_fn", reward_fn, "reward_funcs", reward_funcs)
+        reward_funcs = _deprecated("reward_model", reward_model, "reward_funcs", reward_funcs)
+
+        args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
+        if not isinstance(args, IterativeDPOConfig):
+            raise TypeError(f"args must be an IterativeDPOConfig, got {type(args).__name__}")
+        if tuple(optimizers) != (None, None):
+            raise ValueError(
+                "optimizers= is not supported: every DPO run loads its policy from disk and builds its optimizer "
+                "from args (optim, learning_rate, lr_scheduler_type, ...)"
+            )
+        if peft_config is not None and args.online_mode == "online":
+            raise ValueError(
+                "peft_config works with online_mode='iterative' only (per-batch mode publishes full weights)"
+            )
+        self._dist = PartialState()
+        self._run_args = args
+        self.root = Path(args.output_dir)
+        self.prompts = _prompt_list(train_dataset, prompt_key)
+        self.eval_prompts = (
+            _prompt_list(eval_dataset, prompt_key, "eval_dataset") if eval_dataset is not None else self.prompts
+        )
+        if args.eval_num_prompts is not None:
+            self.eval_prompts = self.eval_prompts[: args.eval_num_prompts]
         if processing_class is None:
             if not isinstance(model, str | Path):
                 raise ValueError("pass processing_class= (the tokenizer) when the model is already instantiated")
             processing_class = AutoTokenizer.from_pretrained(str(model))
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        self.tokenizer = processing_class
-        if isinstance(model, str | Path):
-            self.sft_path = str(model)
-        else:  # an instantiated pi_0: every iteration reloads policies from disk, so it is saved once, atomically
-            self.sft_path = str(self.root / "policies" / "policy_000")
-            if not (Path(self.sft_path) / "config.json").exists() and self.state.is_main_process:
-                with atomic_directory(self.sft_path) as tmp:
-                    model.save_pretrained(tmp)
-                    processing_class.save_pretrained(tmp)
-            self.state.wait_for_everyone()
-        self.ref_path = str(ref_model) if ref_model is not None else self.sft_path
-        if reward_fn is not None:
-            if not callable(reward_fn):
-                raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
-            self.reward_fn = reward_fn
-        elif isinstance(reward_model, str | Path):
-            self.reward_fn = load_reward(str(reward_model), batch_size=self.args.reward_batch_size)
-        else:
-            self.reward_fn = SequenceClassifierReward(
-                reward_model, tokenizer=processing_class, batch_size=self.args.reward_batch_size
-            )
+        # every DPO run and every sampler loads its policy from disk: instantiated models are saved once, atomically
+        self.sft_path = self._as_path(model, "policy_000", processing_class)
+        self.ref_path = self._as_path(ref_model, "reference", processing_class) if ref_model is not None else None
+        self.ref_path = self.ref_path or self.sft_path
+        self.reward_fn = _reward_function(reward_funcs, processing_class, args.reward_batch_size)
         self.gold_fn = gold_fn
-        self.callbacks = list(callbacks or [])
         self.store = PairStore(self.root / "pairs")
+        self.summary: dict[str, Any] | None = None
+        self.runner_stats: RunnerStats | None = None
+        self._user_callbacks = list(callbacks or [])
+        self._peft_config = peft_config
         self._sampler = None
-        self.runner_stats = None
+        self._stream: _StreamLoader | None = None
+        self._steps_run, self._loss_sum = 0, 0.0
+        base_ref = None
+        if not isinstance(model, str | Path):  # DPOTrainer would load its reference from the model's config name
+            base_ref = self._load_model(self.ref_path)
+        super().__init__(
+            model=str(model) if isinstance(model, Path) else model,
+            ref_model=base_ref,
+            args=args,
+            train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key),
+            processing_class=processing_class,
+            callbacks=callbacks,
+            peft_config=copy.deepcopy(peft_config),
+        )
 
-    # ------------------------------------------------------------------------------------------------- run state
+    def _as_path(self, model, name: str, processing_class) -> str:
+        if isinstance(model, str | Path):
+            return str(model)
+        if not _is_model(model):
+            raise TypeError(f"expected a checkpoint path or a causal LM, got {type(model).__name__}")
+        path = self.root / "policies" / name
+        if not (path / "config.json").exists() and self._dist.is_main_process:
+            with atomic_directory(path) as tmp:
+                model.save_pretrained(tmp)
+                processing_class.save_pretrained(tmp)
+        self._dist.wait_for_everyone()
+        return str(path)
+
+    # ---------------------------------------------------------------------------------- DPOTrainer overrides
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if "chosen" not in (dataset.column_names or []):
+            return dataset  # the prompts: pairs are tokenised per DPO run, as they are collected
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        if "chosen" not in (dataset.column_names or []):
+            return dataset
+        return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def get_train_dataloader(self):
+        return self._stream if self._stream is not None else super().get_train_dataloader()
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
+        """Run (or resume) the schedule in ``args.online_mode``.
+
+        Per-iteration mode runs, for ``t = 0 .. num_iterations-1``, steps 1-5 (:meth:`collect`), 6
+        (:meth:`train_iteration`) and 7 (:meth:`evaluate_policy`), after evaluating ``pi_0``. Resuming is automatic
+        (``args.resume``), so ``resume_from_checkpoint`` is only accepted as ``None`` / ``True``.
+
+        Returns:
+            ``TrainOutput``: ``global_step`` = DPO optimizer steps this call ran (over all DPO runs; steps restored
+            from checkpoints are not counted), ``training_loss`` = their mean loss, ``metrics`` (also logged). The
+            per-iteration details are in :attr:`summary`.
+        """
+        if resume_from_checkpoint not in (None, True) or trial is not None or kwargs:
+            raise ValueError(
+                "IterativeDPOTrainer.train() resumes from args.output_dir on its own (args.resume); it takes no "
+                f"resume_from_checkpoint path, trial or {', '.join(kwargs) or 'other'} arguments"
+            )
+        start = time.perf_counter()
+        self._steps_run, self._loss_sum = 0, 0.0
+        if self.args.online_mode == "online":
+            self.open_run()
+            summary = self._train_online()
+        else:
+            summary = run_iterations(self)  # paper 004's Algorithm 2, steps 1-7, over this trainer's step methods
+        return self._train_output(summary, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------------ run directory
+    def open_run(self) -> RunDir:
+        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it.
+
+        Raises:
+            FileExistsError: a run exists and ``args.resume`` is false.
+            RunSettingsChanged: (a ``ValueError``) the run there was started with other settings.
+        """
+        settings = {**self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
+        run_file = self.root / RUN_FILE
+        old = json.loads(run_file.read_text()) if run_file.exists() else None
+        if old is not None and not self.args.resume:
+            raise FileExistsError(
+                f"{self.root} already holds a run; delete it, choose another output_dir, or set resume=True"
+            )
+        # a run.json from before RunDir: {"settings", "sft", "prompts"}; the same run is taken over, not refused
+        legacy = {"settings": self.args.settings(), "sft": self.sft_path, "prompts": settings["prompts"]}
+        legacy = old is not None and "fingerprint" not in old and old == json.loads(json.dumps(legacy))
+        run = None
+        if self._dist.is_main_process:
+            run = RunDir(self.root, settings, kind=RUN_KIND, force=legacy)
+        elif old is not None and not legacy:
+            run = RunDir(self.root, settings, kind=RUN_KIND)  # read-only here: the same run, or the same error
+        self._dist.wait_for_everyone()
+        return run or RunDir(self.root, settings, kind=RUN_KIND)
+
+    _check_run_dir = open_run
+
     def _read_state(self) -> dict[str, Any]:
         path = self.root / STATE_FILE
         return json.loads(path.read_text()) if path.exists() else {"policies": {"0": self.sft_path}, "skipped": []}
 
     def _write_state(self, state: dict[str, Any]) -> None:
-        if self.state.is_main_process:
+        if self._dist.is_main_process:
             atomic_write_json(self.root / STATE_FILE, state)
-        self.state.wait_for_everyone()
+        self._dist.wait_for_everyone()
 
-    def policy_path(self, k: int) -> str | None:
-        """Checkpoint of ``pi_k`` (``pi_0`` = SFT), or None if it does not exist yet."""
-        return self._read_state()["policies"].get(str(k))
+    def policy_path(self, t: int) -> str | None:
+        """Checkpoint of ``pi_t`` (``pi_0`` = SFT), or None if it does not exist yet."""
+        return self._read_state()["policies"].get(str(t))
 
-    def _check_run_dir(self) -> None:
-        run = {"settings": self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
-        path = self.root / RUN_FILE
-        if path.exists():
-            if not self.args.resume:
-                raise FileExistsError(
-                    f"{self.root} already holds a run; delete it, choose another output_dir, or set resume=True"
-                )
-            old = json.loads(path.read_text())
-            if old != json.loads(json.dumps(run)):
-                changed = sorted(
-                    k for k in run["settings"] if old.get("settings", {}).get(k) != run["settings"][k]
-                ) or [k for k in ("sft", "prompts") if old.get(k) != run[k]]
-                raise ValueError(
-                    f"{self.root} holds a run with different settings ({', '.join(changed)}); resuming would mix "
-                    "its pairs with new ones. Use another output_dir or restore the settings."
-                )
-        elif self.state.is_main_process:
-            atomic_write_json(path, run)
-        self.state.wait_for_everyone()
-
-    # ------------------------------------------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------------------------------------ helpers
     def _seed(self, *parts: Any) -> int:
         return int(stable_hash(self.args.seed, *parts), 16) % (2**31 - 1)
-
-    def iteration_prompts(self, k: int) -> tuple[list[Any], list[int]]:
-        """(prompts, their indices in the prompt set) of iteration ``k``: a fixed shuffled order, consecutive
-        slices of ``prompts_per_iteration``, wrapping around."""
-        total = len(self.prompts)
-        m = self.args.prompts_per_iteration or max(1, total // self.args.num_iterations)
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(self._seed("order")))
-        positions = (k * m + torch.arange(m)) % total
-        ids = order[positions].tolist()
-        return [self.prompts[i] for i in ids], ids
 
     def sampler_spec(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
@@ -423,7 +598,7 @@ class IterativeDPOTrainer:
         return dict(
             backend=a.generation_backend,
             policy=self.sft_path,
-            tokenizer=self.tokenizer,
+            tokenizer=self.processing_class,
             max_new_tokens=a.max_new_tokens,
             temperatures=a.temperatures,
             batch_size=a.generation_batch_size,
@@ -459,106 +634,186 @@ class IterativeDPOTrainer:
     def _dpo_args(self, output_dir: Path, **overrides: Any) -> IterativeDPOConfig:
         return dataclasses.replace(self.args, output_dir=str(output_dir), **overrides)
 
-    def _load_causal_lm(self, path: str):
+    def _load_model(self, path: str):
         from trl.trainer.utils import create_model_from_path
 
-        return create_model_from_path(path, **dict(self.args.model_init_kwargs or {}))
+        return create_model_from_path(path, **dict(self._run_args.model_init_kwargs or {}))
 
-    def _save_policy(self, trainer: DPOTrainer, dest: Path) -> None:
-        """Save ``trainer``'s model to ``dest`` atomically (all ranks take part; the main process renames)."""
-        partial = dest.with_name(f".{dest.name}.partial")
-        if self.state.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-        self.state.wait_for_everyone()
-        trainer.save_model(str(partial))
-        if self.state.is_main_process:
-            self.tokenizer.save_pretrained(str(partial))
-            os.replace(partial, dest)
-        self.state.wait_for_everyone()
+    def _load_causal_lm(self, path: str):
+        """The reference model of a DPO run (loaded once per run)."""
+        return self._load_model(path)
 
-    # ------------------------------------------------------------------------------------------------ iterative
-    def collect(self, k: int) -> dict[str, Any]:
-        """Step 1 of iteration ``k``: sample from ``pi_k``, score, select, store (skipped if already stored)."""
-        if not self.store.has(k) and self.state.is_main_process:
-            policy = self.policy_path(k)
-            prompts, ids = self.iteration_prompts(k)
-            sampler = self.sampler()
-            sampler.load_policy(policy)
-            with torch_threads(self.args.generation_threads):
-                samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", k))
-            sampler.release()
-            rows, stats = score_and_select(
-                prompts,
-                ids,
-                samples,
-                self.reward_fn,
-                SelectionSettings.from_args(self.args),
-                torch.Generator().manual_seed(self._seed("select", k)),
-            )
-            for r in rows:
-                r.update(iteration=k, policy=k)
-            if not rows:
-                warnings.warn(
-                    f"iteration {k}: every prompt's {self.args.num_samples} responses tied under the reward "
-                    "(equal scores or identical text), so no preference pairs were collected",
-                    stacklevel=2,
-                )
-            self.store.write(k, rows, {**stats, "policy": policy})
-            logger.info("iteration %d: %d pairs (%d prompts dropped)", k, len(rows), stats["dropped"])
-        self.state.wait_for_everyone()
-        return self.store.summary(k)
+    def _release_dpo_run(self, keep_model: bool = False) -> None:
+        """Drop the last DPO run's optimizer (and models) so the next step does not hold them in memory."""
+        self.optimizer = self.lr_scheduler = None
+        handler = getattr(self, "callback_handler", None)
+        if handler is not None:
+            handler.optimizer = handler.lr_scheduler = None
+        if not keep_model:
+            self.model = self.model_wrapped = self.ref_model = None
+            if handler is not None:
+                handler.model = None
+        if getattr(self, "accelerator", None) is not None:
+            self.accelerator.free_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
-    def train_iteration(self, k: int) -> str:
-        """Step 2 of iteration ``k``: DPO from ``pi_k`` on the stored pairs -> ``pi_{k+1}`` (skipped if it exists)."""
-        state = self._read_state()
-        if str(k + 1) in state["policies"]:
-            return state["policies"][str(k + 1)]
-        start = state["policies"][str(k)]
-        rows = self.store.training_pairs(k, self.args.pair_data)
-        if not rows:
-            warnings.warn(
-                f"iteration {k}: no preference pairs to train on; skipping DPO (policy {k + 1} = policy {k})",
-                stacklevel=2,
-            )
-            state["policies"][str(k + 1)] = start
-            state["skipped"].append(k)
-            self._write_state(state)
-            return start
+    def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, setup=None) -> TrainOutput:
+        """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference
+        at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
+        ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
         from rlhf_ext.trl.args import last_checkpoint
 
-        work = self.root / "iterations" / f"iter_{k:03d}"
-        ref = self._load_causal_lm(self.ref_path if self.args.reference == "sft" else start)
-        trainer = DPOTrainer(
-            model=start,
-            ref_model=ref,
-            args=self._dpo_args(work, seed=self.args.seed + k),
-            train_dataset=self._dpo_dataset(rows),
-            processing_class=self.tokenizer,
-            callbacks=self.callbacks,
+        self._release_dpo_run()
+        ref = self._load_causal_lm(ref_path)
+        last = last_checkpoint(args.output_dir)
+        try:
+            super().__init__(
+                model=model,
+                ref_model=ref,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=self.processing_class,
+                callbacks=list(self._user_callbacks),
+                peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
+            )
+            if setup is not None:
+                setup()
+            with torch_threads(self._run_args.training_threads):
+                out = super().train(resume_from_checkpoint=last)
+        finally:
+            self.args = self._run_args
+        done_before = int(Path(last).name.split("-")[-1]) if last else 0
+        self._steps_run += out.global_step - done_before
+        self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
+        return out
+
+    def _save_policy(self, dest: Path) -> None:
+        """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames).
+        A PEFT adapter is merged into its base model first, so every policy is a plain checkpoint."""
+        partial = dest.with_name(f".{dest.name}.partial")
+        if self._dist.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        self._dist.wait_for_everyone()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if _is_peft(unwrapped):
+            if self._dist.is_main_process:
+                unwrapped.merge_and_unload().save_pretrained(str(partial))
+        else:
+            self.save_model(str(partial))
+        if self._dist.is_main_process:
+            self.processing_class.save_pretrained(str(partial))
+            os.replace(partial, dest)
+        self._dist.wait_for_everyone()
+
+    # ---------------------------------------------------------------------------- Algorithm 2, one iteration
+    def iteration_prompts(self, t: int) -> tuple[list[Any], list[int]]:
+        """Step 1: (prompts, their indices in the prompt set) of iteration ``t``: a fixed shuffled order,
+        consecutive slices of ``prompts_per_iteration`` (default ``len(prompts) // num_iterations``), wrapping."""
+        total = len(self.prompts)
+        m = self.args.prompts_per_iteration or max(1, total // self.args.num_iterations)
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(self._seed("order")))
+        positions = (t * m + torch.arange(m)) % total
+        ids = order[positions].tolist()
+        return [self.prompts[i] for i in ids], ids
+
+    def should_collect(self, t: int) -> bool:
+        """Whether this process collects iteration ``t``'s pairs: the main process, once per run."""
+        return self._dist.is_main_process and not self.store.has(t)
+
+    def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
+        """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
+        sampler = self.sampler()
+        sampler.load_policy(self.policy_path(t))
+        with torch_threads(self.args.generation_threads):
+            samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", t))
+        sampler.release()
+        return samples
+
+    def score_responses(self, prompts: list[Any], samples: Samples) -> torch.Tensor:
+        """Step 3: the reward of every response, ``[len(prompts), num_samples]``."""
+        n = len(samples.temperatures)
+        flat_prompts = [p for p in prompts for _ in range(n)]
+        return score(self.reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
+
+    def select_pairs(
+        self, t: int, prompts: list[Any], ids: list[int], samples: Samples, rewards: torch.Tensor
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
+        whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
+        rows, stats = score_and_select(
+            prompts,
+            ids,
+            samples,
+            _Scores(rewards),
+            SelectionSettings.from_args(self.args),
+            torch.Generator().manual_seed(self._seed("select", t)),
         )
-        last = last_checkpoint(work)
-        with torch_threads(self.args.training_threads):
-            trainer.train(resume_from_checkpoint=last)
-        dest = self.root / "policies" / f"policy_{k + 1:03d}"
-        self._save_policy(trainer, dest)
-        if self.state.is_main_process:
+        for r in rows:
+            r.update(iteration=t, policy=t)
+        return rows, {**stats, "policy": self.policy_path(t)}
+
+    def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+        """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
+        if not rows:
+            warnings.warn(
+                f"iteration {t}: every prompt's {self.args.num_samples} responses tied under the reward "
+                "(equal scores or identical text), so no preference pairs were collected",
+                stacklevel=2,
+            )
+        self.store.write(t, rows, stats)
+        logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
+
+    def pairs_summary(self, t: int) -> dict[str, Any]:
+        """What iteration ``t``'s collection measured (waits for the main process to store it)."""
+        self._dist.wait_for_everyone()
+        return self.store.summary(t)
+
+    def train_iteration(self, t: int) -> str:
+        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
+        (skipped if it exists). Returns the path of ``pi_{t+1}``."""
+        state = self._read_state()
+        if str(t + 1) in state["policies"]:
+            return state["policies"][str(t + 1)]
+        start = state["policies"][str(t)]
+        rows = self.store.training_pairs(t, self.args.pair_data)
+        if not rows:
+            warnings.warn(
+                f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})",
+                stacklevel=2,
+            )
+            state["policies"][str(t + 1)] = start
+            state["skipped"].append(t)
+            self._write_state(state)
+            return start
+        work = self.root / "iterations" / f"iter_{t:03d}"
+        self._run_dpo(
+            model=start,
+            ref_path=self.ref_path if self.args.reference == "sft" else start,
+            args=self._dpo_args(work, seed=self.args.seed + t),
+            train_dataset=self._dpo_dataset(rows),
+        )
+        dest = self.root / "policies" / f"policy_{t + 1:03d}"
+        self._save_policy(dest)
+        if self._dist.is_main_process:
             for ckpt in work.glob("checkpoint-*"):
                 shutil.rmtree(ckpt, ignore_errors=True)
-        state["policies"][str(k + 1)] = str(dest)
+        state["policies"][str(t + 1)] = str(dest)
         self._write_state(state)
-        del trainer, ref
+        self._release_dpo_run(keep_model=True)
         return str(dest)
 
-    def evaluate(self, k: int) -> dict[str, Any]:
-        """Mean reward (and ``gold_fn``) of ``pi_k``'s samples on the evaluation prompts (cached on disk)."""
-        return self._evaluate_policy(self.policy_path(k), f"policy_{k:03d}", {"policy": k})
+    def evaluate_policy(self, t: int) -> dict[str, Any]:
+        """Step 7: mean reward (and ``gold_fn``) of ``pi_t``'s samples on the evaluation prompts (cached on disk)."""
+        return self._evaluate_policy(self.policy_path(t), f"policy_{t:03d}", {"policy": t})
 
     def _evaluate_policy(self, path: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Sample ``eval_samples_per_prompt`` responses per evaluation prompt from the checkpoint at ``path`` and
         score them; written to ``output_dir/eval/{name}.json``. Every policy is evaluated on the same prompts with
         the same sampling seed (common random numbers), so differences between policies are not prompt noise."""
         out = self.root / "eval" / f"{name}.json"
-        if not out.exists() and self.state.is_main_process:
+        if not out.exists() and self._dist.is_main_process:
             a = self.args
             sampler = self.sampler()
             sampler.load_policy(path)
@@ -585,21 +840,30 @@ class IterativeDPOTrainer:
             if self.gold_fn is not None:
                 metrics["mean_gold"] = float(score(self.gold_fn, flat_prompts, samples.flat()).mean())
             atomic_write_json(out, metrics)
-        self.state.wait_for_everyone()
+        self._dist.wait_for_everyone()
         return json.loads(out.read_text())
 
-    def train(self) -> dict[str, Any]:
-        """Run (or resume) the schedule; returns a summary that is also written to ``output_dir/summary.json``."""
-        self._check_run_dir()
-        if self.args.online_mode == "online":
-            return self._train_online()
-        evals = [self.evaluate(0)]
-        iterations = []
-        for k in range(self.args.num_iterations):
-            pairs = self.collect(k)
-            self.train_iteration(k)
-            evals.append(self.evaluate(k + 1))
-            iterations.append({"iteration": k, "pairs": pairs, "eval": evals[-1]})
+    # -------------------------------------------------------------------------------------------- reporting
+    def log_iteration(self, t: int, pairs: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+        """Log iteration ``t``'s pairs and the evaluation of ``pi_{t+1}`` through the Trainer's loggers; returns
+        the summary's record of the iteration."""
+        logs = {
+            "iteration": t,
+            "pairs/num_pairs": pairs["num_pairs"],
+            "pairs/dropped": pairs["dropped"],
+            "pairs/mean_reward": pairs["mean_reward"],
+            **self._eval_logs(evaluation),
+        }
+        self.log(logs)
+        return {"iteration": t, "pairs": pairs, "eval": evaluation}
+
+    @staticmethod
+    def _eval_logs(evaluation: dict[str, Any]) -> dict[str, float]:
+        keys = ("mean_reward", "mean_gold", "mean_length_chars", "truncated_fraction")
+        return {f"policy_eval/{k}": evaluation[k] for k in keys if k in evaluation}
+
+    def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
+        """The per-iteration run's summary (:attr:`summary`), written to ``output_dir/summary.json``."""
         state = self._read_state()
         summary = {
             "mode": "iterative",
@@ -609,16 +873,35 @@ class IterativeDPOTrainer:
             "eval": evals,
             "iterations": iterations,
         }
-        if self.state.is_main_process:
+        if self._dist.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
+        self.summary = summary
         return summary
 
-    # --------------------------------------------------------------------------------------------------- online
+    def _train_output(self, summary: dict[str, Any], runtime: float) -> TrainOutput:
+        steps = self._steps_run
+        loss = self._loss_sum / steps if steps else 0.0
+        metrics: dict[str, float] = {"train_runtime": round(runtime, 4), "train_loss": loss, "dpo_steps": steps}
+        final = summary["eval"][-1]
+        metrics.update({f"final_{k}": final[k] for k in ("mean_reward", "mean_gold") if k in final})
+        metrics["initial_mean_reward"] = summary["eval"][0]["mean_reward"]
+        if summary["mode"] == "iterative":
+            metrics["iterations"] = len(summary["iterations"])
+            metrics["skipped_iterations"] = len(summary["skipped_iterations"])
+            metrics["num_pairs"] = sum(it["pairs"]["num_pairs"] for it in summary["iterations"])
+        else:
+            metrics["updates"] = summary["updates"]
+            metrics["resumed_from_update"] = summary["resumed_from_update"]
+        self.summary = summary
+        self.log(dict(metrics))
+        return TrainOutput(steps, loss, metrics)
+
+    # ----------------------------------------------------------------------------------------------- per-batch
     def _record_online_batch(self, batch: Batch, offset: int) -> None:
-        """Write a batch's pairs to the store as the learner takes it (index = the update it feeds)."""
+        """Write a batch's pairs to the store as the training loop takes it (index = the update it feeds)."""
         index = offset + batch.index
         rows = [{**r, "update": index, "policy_version": offset + batch.version} for r in batch.data]
-        if self.state.is_main_process:
+        if self._dist.is_main_process:
             self.store.write(
                 index, rows, {"policy_version": offset + batch.version, "generate_seconds": batch.generate_seconds}
             )
@@ -627,13 +910,13 @@ class IterativeDPOTrainer:
         from rlhf_ext.trl.args import last_checkpoint
 
         a = self.args
-        if self.state.num_processes > 1 and a.generation_backend == "vllm":
+        if self._dist.num_processes > 1 and a.generation_backend == "vllm":
             raise ValueError("online mode with vLLM runs on one process; launch a single process")
         pairs_per_update = a.per_device_train_batch_size * a.gradient_accumulation_steps
         total = (
             a.max_steps
             if a.max_steps > 0
-            else max(1, len(self.prompts) // (pairs_per_update * self.state.num_processes))
+            else max(1, len(self.prompts) // (pairs_per_update * self._dist.num_processes))
         )
         work = self.root / "online"
         dest = self.root / "policies" / "online_final"
@@ -642,29 +925,30 @@ class IterativeDPOTrainer:
         last = last_checkpoint(work)
         offset = int(Path(last).name.split("-")[-1]) if last else 0
         # batches generated after the last checkpoint belong to updates that were lost: they are generated again
-        if self.state.is_main_process:
+        if self._dist.is_main_process:
             for it in self.store.completed():
                 if it >= offset:
                     shutil.rmtree(self.store.path(it))
-        self.state.wait_for_everyone()
-        evals = [self.evaluate(0)]
-        if self.state.is_main_process:
+        self._dist.wait_for_everyone()
+        evals = [self.evaluate_policy(0)]
+        if self._dist.is_main_process:
             shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
-        self.state.wait_for_everyone()
+        self._dist.wait_for_everyone()
         if offset < total:
             stats = self._run_online(total, offset, last, work, dest)
         else:  # killed after the last update's checkpoint, before the final policy was saved
             stats = RunnerStats()
-            if self.state.is_main_process:
+            if self._dist.is_main_process:
                 with atomic_directory(dest) as tmp:
-                    self._load_causal_lm(last).save_pretrained(tmp)
-                    self.tokenizer.save_pretrained(tmp)
-            self.state.wait_for_everyone()
+                    self._load_model(last).save_pretrained(tmp)
+                    self.processing_class.save_pretrained(tmp)
+            self._dist.wait_for_everyone()
         self.runner_stats = stats
         state = self._read_state()
         state["policies"]["final"] = str(dest)
         self._write_state(state)
         final_eval = self._evaluate_policy(str(dest), "online_final", {"policy": "final"})
+        self.log({"update": total, **self._eval_logs(final_eval)})
         summary = {
             "mode": "online",
             "async_generation": a.async_generation,
@@ -675,16 +959,17 @@ class IterativeDPOTrainer:
             "runner": stats.as_dict(),
             "eval": [*evals, final_eval],
         }
-        if self.state.is_main_process:
+        if self._dist.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
         return summary
 
     def _run_online(self, total: int, offset: int, last: str | None, work: Path, dest: Path) -> RunnerStats:
-        """Updates ``offset .. total-1``: ``DPOTrainer``'s loop as the learner, fed by a :class:`OneStepAsyncRunner`
-        whose generator holds its own copy of the policy; saves the final policy to ``dest``."""
+        """Updates ``offset .. total-1``: one DPO run of this trainer whose train dataloader is a
+        :class:`OneStepAsyncRunner`'s batches (the generator holds its own copy of the policy); saves the final
+        policy to ``dest``."""
         a = self.args
         generator = OnlinePairGenerator(
-            prompts=self.prompts[self.state.process_index :: self.state.num_processes],
+            prompts=self.prompts[self._dist.process_index :: self._dist.num_processes],
             pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
             num_samples=a.num_samples,
             max_fill_rounds=a.max_fill_rounds,
@@ -701,27 +986,32 @@ class IterativeDPOTrainer:
             sync=not a.async_generation,
             generator_threads=a.generation_threads,
             process=a.generator_process,
-            name=f"rlhf-ext-generator-{self.state.process_index}",
+            name=f"rlhf-ext-generator-{self._dist.process_index}",
         )
-        with runner, torch_threads(a.training_threads):
-            first = runner.next_batch()
-            trainer = _StreamingDPOTrainer(
-                model=self.sft_path,
-                ref_model=self._load_causal_lm(self.ref_path),
-                args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
-                train_dataset=self._dpo_dataset(first.data),
-                processing_class=self.tokenizer,
-                callbacks=self.callbacks,
-                stream=_StreamLoader(self, runner, first, total, offset),
-            )
-            plugin = trainer.accelerator.state.deepspeed_plugin
+
+        def setup() -> None:
+            plugin = self.accelerator.state.deepspeed_plugin
             if plugin is not None and plugin.zero_stage == 3:
                 raise ValueError(
-                    "online mode publishes the policy's full weights to the generator after every step, which ZeRO-3 "
-                    "shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
+                    "online mode publishes the policy's full weights to the generator after every step, which "
+                    "ZeRO-3 shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
                 )
-            model_fn = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
-            trainer.add_callback(_PublishWeights(runner, model_fn, to_cpu=a.generator_process))
-            trainer.train(resume_from_checkpoint=last)
-        self._save_policy(trainer, dest)
+            model_fn = lambda: self.accelerator.unwrap_model(self.model)  # noqa: E731
+            self.add_callback(_PublishWeights(runner, model_fn, to_cpu=a.generator_process))
+
+        with runner, torch_threads(a.training_threads):
+            first = runner.next_batch()
+            self._stream = _StreamLoader(self, runner, first, total, offset)
+            try:
+                self._run_dpo(
+                    model=self.sft_path,
+                    ref_path=self.ref_path,
+                    args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
+                    train_dataset=self._dpo_dataset(first.data),
+                    setup=setup,
+                )
+            finally:
+                self._stream = None
+        self._save_policy(dest)
+        self._release_dpo_run(keep_model=True)
         return runner.stats

@@ -40,71 +40,48 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer
-from rlhf_ext.algos.ppo import ESTIMATORS, clipped_value_loss, per_token_kl, ppo_advantages
-from rlhf_ext.algos.segment_dense import GRANULARITIES, INTERPOLATIONS, dense_segment_rewards
+from rlhf_ext.algos.continual_kl import ContinualKnobs
+from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.ppo import PPOKnobs, clipped_value_loss, per_token_kl, ppo_advantages
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, dense_segment_rewards
 from rlhf_ext.algos.segment_reward import check_cutoff
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
-class SegmentPPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus segment-PPO settings; defaults from paper 003 Table 8 / OpenRLHF.
+class SegmentPPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
+    """``GRPOConfig`` plus the knobs of paper 003's dense rewards
+    (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`: granularity, interpolation, normalizer kind/basis), PPO
+    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: kl_coef 0.01, kl_estimator, advantage_estimator, gamma, lam, value_clip,
+    reward_clip_range, whiten_advantages) and paper 000's continual KL
+    (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`), and:
 
     Args:
         reward_model_path: the (segment) reward model; its ``segment_config.json`` supplies cutoff/aggregation/tau.
             Leave it unset when the trainer gets GRPO's ``reward_funcs`` (a sequence-level reward) instead.
-        granularity: ``segment`` (paper), ``token``, ``bandit``, ``bandit_as_segment``, ``segment_as_bandit``.
-        interpolation: ``even_split`` (paper), ``repeat``, ``segment_end``.
         entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
         normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
             (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
-        kl_coef: beta of Eq. 5 (0.01); kl_estimator: k1 (OpenRLHF's reward penalty), k2, k3.
-        advantage_estimator: ``gae`` (critic), ``reinforce`` (critic-free reward-to-go) or ``reinforce_baseline``
-            (minus the prompt group's mean sequence reward) — OpenRLHF's estimators, computed as it does
-            (:func:`rlhf_ext.algos.ppo.ppo_advantages`).
-        reward_clip_range: per-token reward clip, OpenRLHF's ``--reward.clip_range`` (default ±10 in both).
-        gamma, lam: GAE discount and lambda (OpenRLHF defaults 1.0, 0.95).
-        value_clip: critic clip range (0.25 for dense rewards, 0.2 for bandit; Appendix C).
         critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
-        whiten_advantages: standardise advantages over the rollout batch.
         async_generation, generation_threads: one-step asynchronous off-policy rollouts (paper 001, Appendix D;
             :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout`): batch t+1 is generated with theta_t while the
             trainer trains on batch t, and the PPO ratio uses the behaviour policy's log-probs.
-        prev_policy_path, prev_kl_coef, prev_kl_estimator: continual RLHF (paper 000, Eq. 7, CPPO-style): the loss
-            gains ``prev_kl_coef * KL(pi_theta || pi_prev)`` on the batch's response tokens, with ``pi_prev`` the
-            frozen policy from the end of the previous task (one extra no-grad forward per rollout). 0 = plain PPO.
+        continual_previous_model: continual RLHF (paper 000 Eq. 7, CPPO-style): the frozen policy from the end of
+            the previous task (or pass ``prev_model=`` to the trainer); the loss gains
+            ``continual_kl_coef * KL(pi_theta || pi_prev)`` on the batch's response tokens (one extra no-grad forward
+            per rollout). Unset = plain PPO.
     """
 
     reward_model_path: str | None = field(default=None, metadata={"help": "Segment reward model checkpoint."})
-    granularity: str = field(default="segment", metadata={"help": "|".join(GRANULARITIES)})
-    interpolation: str = field(default="even_split", metadata={"help": "|".join(INTERPOLATIONS)})
     entropy_cutoff: float | None = field(default=None, metadata={"help": "c_ent; None = the reward model's."})
     aggregation: str | None = field(default=None, metadata={"help": "For segment_as_bandit; None = the RM's."})
     tau: float | None = field(default=None, metadata={"help": "Soft-max temperature; None = the RM's."})
     normalizer_path: str | None = field(default=None, metadata={"help": "Saved LocationNormalizer JSON."})
-    normalizer_kind: str = field(default="regression", metadata={"help": "|".join(NORMALIZER_KINDS)})
-    normalizer_basis: str = field(default="linear", metadata={"help": "linear | log"})
     calibration_max_pairs: int | None = field(default=512, metadata={"help": "Pairs used to fit the normalizer."})
-    kl_coef: float = field(default=0.01, metadata={"help": "KL penalty in the reward (Eq. 5)."})
-    kl_estimator: str = field(default="k1", metadata={"help": "k1 | k2 | k3"})
-    advantage_estimator: str = field(default="gae", metadata={"help": "gae | reinforce | reinforce_baseline"})
-    reward_clip_range: list[float] | None = field(
-        default_factory=lambda: [-10.0, 10.0],
-        metadata={
-            "help": "Clip each token's reward to [low, high] before the KL penalty (OpenRLHF's --reward.clip_range)."
-        },
-    )
-    gamma: float = field(default=1.0, metadata={"help": "Discount."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    value_clip: float | None = field(default=0.25, metadata={"help": "Value clip (0.25 dense, 0.2 bandit)."})
     critic_model_path: str | None = field(default=None, metadata={"help": "Critic init (default: reward model)."})
     critic_learning_rate: float = field(default=9e-6, metadata={"help": "Critic learning rate (Table 8)."})
-    whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
-    prev_policy_path: str | None = field(default=None, metadata={"help": "Frozen previous-task policy (CPPO)."})
-    prev_kl_coef: float = field(default=0.0, metadata={"help": "c of Eq. 7 (paper 000): weight of KL to prev."})
-    prev_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 for the KL to the previous task."})
+    continual_previous_model: str | None = field(default=None, metadata={"help": "Frozen previous-task policy."})
     async_generation: bool = field(default=False, metadata={"help": "One-step off-policy rollouts (paper 001)."})
     generation_threads: int | None = field(default=None, metadata={"help": "Torch threads of the async generator."})
 
@@ -117,26 +94,11 @@ class SegmentPPOConfig(GRPOConfig):
             self.loss_type = "bnpo"
         self.scale_rewards = "none"
         super().__post_init__()
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {self.granularity!r}")
-        if self.interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}; got {self.interpolation!r}")
-        if self.normalizer_kind not in NORMALIZER_KINDS:
-            raise ValueError(f"normalizer_kind must be one of {', '.join(NORMALIZER_KINDS)}")
-        if self.advantage_estimator not in ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {', '.join(ESTIMATORS)}; got {self.advantage_estimator!r}"
-            )
-        if self.reward_clip_range is not None and (
-            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] >= self.reward_clip_range[1]
-        ):
-            raise ValueError(f"reward_clip_range must be [low, high] with low < high; got {self.reward_clip_range}")
+        self.check_dense_reward_knobs()
+        self.check_ppo_knobs()
+        self.check_continual_knobs()
         if self.entropy_cutoff is not None:
             self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.prev_kl_coef < 0:
-            raise ValueError(f"prev_kl_coef must be >= 0, got {self.prev_kl_coef}")
 
 
 def segment_reward(prompts, completions, **kwargs):
@@ -168,7 +130,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         ref_model: the reference (SFT) policy (default: the policy's checkpoint).
         critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
         normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards).
-        prev_model: the previous task's policy for the continual KL term (default: ``args.prev_policy_path``).
+        prev_model: the previous task's policy for the continual KL term (default: ``args.continual_previous_model``).
     """
 
     _tag_names = ["trl", "rlhf-ext", "segment-ppo"]
@@ -332,14 +294,11 @@ class SegmentPPOTrainer(GRPOTrainer):
             )
         self.normalizer = normalizer or LocationNormalizer(kind="none")
 
+        # paper 000 Eq. 7: the KL to the previous task's policy, when one is given (the first task has none) and c > 0
         self.prev_model = None
-        if args.prev_kl_coef > 0:
+        if args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None):
             if prev_model is None:
-                if args.prev_policy_path is None:
-                    raise ValueError(
-                        "prev_kl_coef > 0 needs the previous task's policy: prev_policy_path= or prev_model="
-                    )
-                prev_model = AutoModelForCausalLM.from_pretrained(args.prev_policy_path, dtype=self.model.dtype)
+                prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=self.model.dtype)
             self._add_fused_head(prev_model)
             self.prev_model = self.accelerator.prepare_model(prev_model.eval(), evaluation_mode=True)
         self._last_policy_logps: torch.Tensor | None = None
@@ -557,11 +516,11 @@ class SegmentPPOTrainer(GRPOTrainer):
 
             mask = inputs["completion_mask"].bool()
             kl = kl_to_previous(
-                self._last_policy_logps, inputs["prev_per_token_logps"], mask, self.args.prev_kl_estimator
+                self._last_policy_logps, inputs["prev_per_token_logps"], mask, self.args.continual_kl_estimator
             )
             mode = "train" if self.model.training else "eval"
             scale = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            loss = loss + self.args.prev_kl_coef * kl / scale
+            loss = loss + self.args.continual_kl_coef * kl / scale
             self._metrics[mode]["continual/kl_to_previous"].append(self.accelerator.gather(kl.detach()).mean().item())
         if self.critic is not None and "returns" in inputs and self.model.training:
             self._critic_step(inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
+from transformers.trainer_utils import TrainOutput
+from trl import DPOTrainer
 
 from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
 from rlhf_ext.trl.args import CPU_RUN
@@ -84,6 +87,133 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+class CountSteps(TrainerCallback):
+    """Count the optimizer steps of every DPO run and record what goes through the Trainer's loggers."""
+
+    def __init__(self):
+        self.steps, self.logs = 0, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+# ---------------------------------------------------------------------------------------------- TRL interface
+def test_is_a_dpo_trainer_built_with_trls_arguments_in_grpo_order(tmp_path, tiny_sft_path, prompts):
+    train, test = prompts
+    args = make_args(tmp_path)
+    trainer = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test)
+    assert isinstance(trainer, DPOTrainer) and trainer.args is args
+    assert trainer.reward_fn is keyphrase_gold_reward
+    assert trainer.prompts == list(train["prompt"]) and list(trainer.train_dataset["prompt"]) == trainer.prompts
+    assert trainer.eval_prompts == list(test["prompt"])[: args.eval_num_prompts]
+    assert isinstance(trainer.model, torch.nn.Module) and trainer.processing_class is not None
+    # the old order (model, args, prompts, ...) would put the config where the reward goes
+    with pytest.raises(TypeError, match="argument order"):
+        IterativeDPOTrainer(tiny_sft_path, args, train_dataset=train)
+    with pytest.raises(ValueError, match="optimizers"):
+        IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, optimizers=(object(), None))
+
+
+def test_reward_funcs_takes_a_callable_a_path_a_loaded_model_or_a_list_of_one(
+    tmp_path, tiny_sft_path, toy_tok, prompts
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_ext.runtime.rewards import SequenceClassifierReward
+
+    train, _ = prompts
+    args = make_args(tmp_path)
+
+    def build(reward, **kw):
+        return IterativeDPOTrainer(tiny_sft_path, reward, args=args, train_dataset=train, **kw)
+
+    assert build(keyphrase_gold_reward).reward_fn is keyphrase_gold_reward
+    assert build([keyphrase_gold_reward]).reward_fn is keyphrase_gold_reward
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_sft_path, num_labels=1)
+    rm_dir = tmp_path / "rm"
+    rm.save_pretrained(rm_dir)
+    toy_tok.save_pretrained(rm_dir)
+    loaded, from_path = build([rm], processing_class=toy_tok).reward_fn, build(str(rm_dir)).reward_fn
+    assert isinstance(loaded, SequenceClassifierReward) and isinstance(from_path, SequenceClassifierReward)
+    texts = (["Tell me about cats.", "Tell me about dogs."], ["They purr.", "They bark."])
+    assert torch.allclose(loaded(*texts), from_path(*texts), atol=1e-5) and loaded(*texts).shape == (2,)
+    with pytest.raises(ValueError, match="one reward, got 2"):
+        build([keyphrase_gold_reward, keyphrase_gold_reward])
+    with pytest.raises(TypeError, match="reward_funcs must be"):
+        build(3)
+    with pytest.raises(ValueError, match="exactly one"):
+        build(keyphrase_gold_reward, reward_fn=keyphrase_gold_reward)
+
+
+def test_deprecated_keywords_warn_and_still_work(tmp_path, tiny_sft_path, prompts):
+    train, test = prompts
+    args = make_args(tmp_path)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = IterativeDPOTrainer(
+            tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
+        )
+    messages = " | ".join(str(w.message) for w in caught)
+    for name, new in (("prompts", "train_dataset"), ("eval_prompts", "eval_dataset"), ("reward_fn", "reward_funcs")):
+        assert f"({name}=...) is deprecated" in messages and f"use {new}=" in messages
+    new = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test)
+    assert (old.prompts, old.eval_prompts, old.reward_fn) == (new.prompts, new.eval_prompts, new.reward_fn)
+    evaluation = old.evaluate_policy(0)  # samples the eval prompts and scores them with the reward
+    assert evaluation["num_samples"] == args.eval_num_prompts and evaluation["policy"] == 0
+    with pytest.warns(DeprecationWarning, match="use reward_funcs="):
+        by_name = IterativeDPOTrainer(tiny_sft_path, args=args, train_dataset=train, reward_model=str(tiny_sft_path))
+    assert callable(by_name.reward_fn)
+    with pytest.raises(ValueError, match="pass train_dataset= only"):
+        IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, prompts=train)
+
+
+def test_train_returns_a_train_output_with_the_dpo_steps_it_ran(tmp_path, tiny_sft_path, prompts):
+    train, test = prompts
+    counter = CountSteps()
+    args = make_args(tmp_path)  # 2 iterations, accumulated pairs, batch 4, 1 epoch
+    trainer = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test, callbacks=[counter])
+    out = trainer.train()
+    assert isinstance(out, TrainOutput)
+    counts = [it["pairs"]["num_pairs"] for it in trainer.summary["iterations"]]
+    expected = sum(math.ceil(sum(counts[: t + 1]) / 4) for t in range(2))
+    assert expected > 0 and out.global_step == counter.steps == expected
+    assert out.metrics["dpo_steps"] == expected and out.metrics["num_pairs"] == sum(counts)
+    assert out.metrics["iterations"] == 2 and math.isfinite(out.training_loss) and out.training_loss > 0
+    assert out.metrics["final_mean_reward"] == trainer.summary["eval"][-1]["mean_reward"]
+    # the iterations' metrics go through the Trainer's loggers (callbacks' on_log), not print
+    logged = [x for x in counter.logs if "pairs/num_pairs" in x]
+    assert [x["iteration"] for x in logged] == [0, 1] and [x["pairs/num_pairs"] for x in logged] == counts
+    assert [x["policy_eval/mean_reward"] for x in logged] == [e["mean_reward"] for e in trainer.summary["eval"][1:]]
+    assert any(x.get("dpo_steps") == expected for x in counter.logs)
+    # the finished run again: every step is on disk, no DPO step runs
+    again = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test)
+    out = again.train()
+    assert out.global_step == 0 and out.metrics["dpo_steps"] == 0
+    assert again.summary == json.loads(json.dumps(trainer.summary))
+
+
+def test_peft_config_trains_an_adapter_per_iteration_and_saves_merged_policies(tmp_path, tiny_sft_path, prompts):
+    peft = pytest.importorskip("peft")
+    train, test = prompts
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_args(tmp_path, learning_rate=1e-3)
+    trainer = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test, peft_config=lora)
+    assert trainer.train().global_step > 0
+    final = Path(trainer.summary["final_policy"])
+    assert final.name == "policy_002" and not (final / "adapter_config.json").exists()
+    a, b = _weights(str(final)), _weights(tiny_sft_path)
+    assert a.keys() == b.keys()
+    assert {n for n in a if not torch.equal(a[n], b[n])} == {
+        f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"
+    }
+    with pytest.raises(ValueError, match="online_mode='iterative' only"):
+        IterativeDPOTrainer(
+            tiny_sft_path, keyphrase_gold_reward, make_args(tmp_path, online_mode="online"), train, peft_config=lora
+        )
+
+
 # --------------------------------------------------------------------------------------------- learnable toy
 def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, tiny_sft_path, prompts, monkeypatch):
     train, test = prompts
@@ -110,9 +240,15 @@ def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, 
         eval_samples_per_prompt=8,
     )
     trainer = IterativeDPOTrainer(
-        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward, callbacks=[sizes]
+        tiny_sft_path,
+        args=args,
+        train_dataset=train,
+        eval_dataset=test,
+        reward_funcs=keyphrase_gold_reward,
+        callbacks=[sizes],
     )
-    summary = trainer.train()
+    trainer.train()
+    summary = trainer.summary
     evals = [e["mean_reward"] for e in summary["eval"]]
     collected = [it["pairs"]["mean_reward"] for it in summary["iterations"]]
     # held-out samples of pi_0 .. pi_3 (same prompts, same seed) and the n samples each iteration collects
@@ -144,9 +280,15 @@ def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_p
     def run(out, reward_fn=keyphrase_gold_reward, callbacks=(), **kw):
         args = make_args(out, **common, **kw)
         t = IterativeDPOTrainer(
-            tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=reward_fn, callbacks=list(callbacks)
+            tiny_sft_path,
+            args=args,
+            train_dataset=train,
+            eval_dataset=test,
+            reward_funcs=reward_fn,
+            callbacks=list(callbacks),
         )
-        return t.train()
+        t.train()
+        return t.summary
 
     sizes = RecordData()
     full = run(tmp_path / "full", callbacks=[sizes])
@@ -190,30 +332,47 @@ def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_p
 def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, prompts):
     train, _ = prompts
     trainer = IterativeDPOTrainer(
-        tiny_sft_path, args=make_args(tmp_path), prompts=train, reward_fn=lambda p, r: torch.zeros(len(r))
+        tiny_sft_path, args=make_args(tmp_path), train_dataset=train, reward_funcs=lambda p, r: torch.zeros(len(r))
     )
     trainer._check_run_dir()
     other = IterativeDPOTrainer(
-        tiny_sft_path, args=make_args(tmp_path, num_samples=6), prompts=train, reward_fn=keyphrase_gold_reward
+        tiny_sft_path, args=make_args(tmp_path, num_samples=6), train_dataset=train, reward_funcs=keyphrase_gold_reward
     )
     with pytest.raises(ValueError, match="num_samples"):
         other.train()
     fresh = IterativeDPOTrainer(
-        tiny_sft_path, args=make_args(tmp_path, resume=False), prompts=train, reward_fn=keyphrase_gold_reward
+        tiny_sft_path, args=make_args(tmp_path, resume=False), train_dataset=train, reward_funcs=keyphrase_gold_reward
     )
     with pytest.raises(FileExistsError, match="resume=True"):
         fresh.train()
+
+
+def test_a_run_file_written_before_rundir_is_taken_over_when_its_settings_match(tmp_path, tiny_sft_path, prompts):
+    from rlhf_ext.runtime.io import stable_hash
+
+    train, _ = prompts
+    trainer = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, make_args(tmp_path), train)
+    legacy = {"settings": trainer.args.settings(), "sft": tiny_sft_path, "prompts": stable_hash(trainer.prompts)}
+    (tmp_path / "run.json").write_text(json.dumps(legacy))
+    trainer.open_run()
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["kind"] == "iterative-dpo" and run["settings"]["num_samples"] == 4
+    assert run["settings"]["sft"] == tiny_sft_path and run["settings"]["prompts"] == legacy["prompts"]
+    (tmp_path / "run.json").write_text(json.dumps({**legacy, "sft": "another-model"}))
+    with pytest.raises(ValueError, match="different settings"):
+        trainer.open_run()
 
 
 # ------------------------------------------------------------------------------------------------- bad input
 def test_all_ties_warn_and_skip_training(tmp_path, tiny_sft_path, prompts):
     train, _ = prompts
     trainer = IterativeDPOTrainer(
-        tiny_sft_path, args=make_args(tmp_path), prompts=train, reward_fn=lambda p, r: torch.zeros(len(r))
+        tiny_sft_path, args=make_args(tmp_path), train_dataset=train, reward_funcs=lambda p, r: torch.zeros(len(r))
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = trainer.train()
+        trainer.train()
+    summary = trainer.summary
     messages = [str(w.message) for w in caught]
     assert sum("tied" in m for m in messages) == 2 and sum("skipping DPO" in m for m in messages) == 2
     assert summary["skipped_iterations"] == [0, 1]
@@ -229,12 +388,18 @@ def test_an_instantiated_sft_model_is_saved_once_as_policy_0(tmp_path, tiny_sft_
     model = AutoModelForCausalLM.from_pretrained(tiny_sft_path)
     args = make_args(tmp_path, num_iterations=1)
     with pytest.raises(ValueError, match="processing_class"):
-        IterativeDPOTrainer(model, args=args, prompts=prompts[0], reward_fn=keyphrase_gold_reward)
+        IterativeDPOTrainer(model, args=args, train_dataset=prompts[0], reward_funcs=keyphrase_gold_reward)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = IterativeDPOTrainer(
-            model, args=args, prompts=prompts[0], processing_class=toy_tok, reward_fn=lambda p, r: torch.zeros(len(r))
-        ).train()
+        trainer = IterativeDPOTrainer(
+            model,
+            args=args,
+            train_dataset=prompts[0],
+            processing_class=toy_tok,
+            reward_funcs=lambda p, r: torch.zeros(len(r)),
+        )
+        trainer.train()
+    summary = trainer.summary
     assert any("skipping DPO" in str(w.message) for w in caught)
     saved = tmp_path / "policies/policy_000"
     assert summary["final_policy"] == str(saved) and (saved / "tokenizer_config.json").is_file()
@@ -254,14 +419,14 @@ def test_bad_configuration_and_inputs_are_clear_errors(tmp_path, tiny_sft_path, 
         make_args(tmp_path, length_penalty=-0.1)
     args = make_args(tmp_path)
     with pytest.raises(ValueError, match="exactly one"):
-        IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train)
+        IterativeDPOTrainer(tiny_sft_path, args=args, train_dataset=train)
     with pytest.raises(ValueError, match="no 'question' column"):
         IterativeDPOTrainer(
-            tiny_sft_path, args=args, prompts=train, reward_fn=keyphrase_gold_reward, prompt_key="question"
+            tiny_sft_path, args=args, train_dataset=train, reward_funcs=keyphrase_gold_reward, prompt_key="question"
         )
     with pytest.raises(ValueError, match="empty"):
-        IterativeDPOTrainer(tiny_sft_path, args=args, prompts=[], reward_fn=keyphrase_gold_reward)
-    wrong = IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train, reward_fn=lambda p, r: [0.0])
+        IterativeDPOTrainer(tiny_sft_path, args=args, train_dataset=[], reward_funcs=keyphrase_gold_reward)
+    wrong = IterativeDPOTrainer(tiny_sft_path, args=args, train_dataset=train, reward_funcs=lambda p, r: [0.0])
     with pytest.raises(ValueError, match="one score per"):
         wrong.train()
 
@@ -279,9 +444,11 @@ def test_online_mode_trains_one_update_per_generated_batch(tmp_path, tiny_sft_pa
         max_steps=4,
         gradient_accumulation_steps=2,
     )
-    summary = IterativeDPOTrainer(
-        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
-    ).train()
+    trainer = IterativeDPOTrainer(
+        tiny_sft_path, args=args, train_dataset=train, eval_dataset=test, reward_funcs=keyphrase_gold_reward
+    )
+    trainer.train()
+    summary = trainer.summary
     runner = summary["runner"]
     if async_generation:
         assert runner["staleness"] == {0: 1, 1: 3}
@@ -305,12 +472,13 @@ def test_online_mode_resumes_from_the_last_checkpoint(tmp_path, tiny_sft_path, p
         t = IterativeDPOTrainer(
             tiny_sft_path,
             args=args,
-            prompts=train,
-            eval_prompts=test,
-            reward_fn=keyphrase_gold_reward,
+            train_dataset=train,
+            eval_dataset=test,
+            reward_funcs=keyphrase_gold_reward,
             callbacks=list(callbacks),
         )
-        return t.train()
+        t.train()
+        return t.summary
 
     with pytest.raises(Crash):
         run([CrashAt("online", 3)])
@@ -332,18 +500,22 @@ def test_online_mode_generator_failure_reaches_the_caller_and_a_finished_run_is_
 
     train, test = prompts
     args = make_args(tmp_path / "ties", online_mode="online", max_steps=2, max_fill_rounds=1)
-    tied = IterativeDPOTrainer(tiny_sft_path, args=args, prompts=train, reward_fn=lambda p, r: torch.zeros(len(r)))
+    tied = IterativeDPOTrainer(
+        tiny_sft_path, args=args, train_dataset=train, reward_funcs=lambda p, r: torch.zeros(len(r))
+    )
     with pytest.raises(AsyncRunnerError, match="responses tied") as info:
         tied.train()
     assert isinstance(info.value.__cause__, RuntimeError)
 
     args = make_args(tmp_path / "done", online_mode="online", max_steps=2)
     first = IterativeDPOTrainer(
-        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=keyphrase_gold_reward
+        tiny_sft_path, args=args, train_dataset=train, eval_dataset=test, reward_funcs=keyphrase_gold_reward
     )
-    summary = first.train()
+    first.train()
+    summary = first.summary
     calls = []
     again = IterativeDPOTrainer(
-        tiny_sft_path, args=args, prompts=train, eval_prompts=test, reward_fn=lambda p, r: calls.append(1)
+        tiny_sft_path, args=args, train_dataset=train, eval_dataset=test, reward_funcs=lambda p, r: calls.append(1)
     )
-    assert again.train() == json.loads(json.dumps(summary)) and not calls
+    again.train()
+    assert again.summary == json.loads(json.dumps(summary)) and not calls

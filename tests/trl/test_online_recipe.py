@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from rlhf_ext.cli import main, recipe_path
@@ -79,3 +80,55 @@ def test_launcher_runs_the_async_recipe(tmp_path, tiny_sft_path):
     )
     assert summary["mode"] == "online" and summary["runner"]["staleness"] == {0: 1, 1: 2}
     assert Path(summary["final_policy"], "model.safetensors").is_file()
+
+
+def test_run_iterations_runs_the_same_steps_as_train(tmp_path, tiny_sft_path):
+    """The pipeline's Algorithm 2 loop and ``IterativeDPOTrainer.train()`` give the same pairs, evaluations and
+    weights, and a run made by one is finished (nothing redone) by the other."""
+    from safetensors.torch import load_file
+
+    from rlhf_ext.runtime.iterations import run_iterations
+    from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
+    from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.zoo.toy import keyphrase_gold_reward, toy_preference_dataset
+
+    prompts = toy_preference_dataset(n_train=32, n_test=8, seed=0)["train"]
+
+    def trainer(out, **kw):
+        args = IterativeDPOConfig(
+            output_dir=str(out),
+            num_iterations=2,
+            prompts_per_iteration=8,
+            num_samples=4,
+            max_new_tokens=48,
+            learning_rate=1e-4,
+            num_train_epochs=1,
+            per_device_train_batch_size=4,
+            lr_scheduler_type="constant",
+            max_length=160,
+            eval_num_prompts=4,
+            eval_samples_per_prompt=1,
+            seed=0,
+            **CPU_RUN,
+            logging_steps=100,
+            **kw,
+        )
+        return IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, prompts)
+
+    looped = run_iterations(trainer(tmp_path / "loop"))
+    trained = trainer(tmp_path / "train")
+    out = trained.train()
+    assert out.global_step > 0
+
+    def pairs(root):
+        return [p.read_text() for p in sorted((root / "pairs").glob("iter_*/pairs.jsonl"))]
+
+    assert pairs(tmp_path / "loop") == pairs(tmp_path / "train") and len(pairs(tmp_path / "loop")) == 2
+    assert [e["mean_reward"] for e in looped["eval"]] == [e["mean_reward"] for e in trained.summary["eval"]]
+    a = load_file(str(Path(looped["final_policy"], "model.safetensors")))
+    b = load_file(str(Path(trained.summary["final_policy"], "model.safetensors")))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run_iterations(trainer(tmp_path / "train")) == json.loads(json.dumps(trained.summary))
+    assert trainer(tmp_path / "loop").train().global_step == 0
+    with pytest.raises(ValueError, match="per-batch"):
+        run_iterations(trainer(tmp_path / "online", online_mode="online"))

@@ -162,8 +162,8 @@ def test_cppo_term_adds_exactly_c_times_kl_to_previous(tmp_path, tiny_sft_path, 
     from rlhf_ext.continual import kl_to_previous
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
 
-    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce", normalizer_kind="none", prev_kl_coef=2.0,
-                   prev_kl_estimator="k3")  # fmt: skip
+    args = _config(tmp_path, segment_rm, advantage_estimator="reinforce", normalizer_kind="none", continual_kl_coef=2.0,
+                   continual_kl_estimator="k3")  # fmt: skip
     prev = AutoModelForCausalLM.from_pretrained(tiny_base_path)  # a different policy: KL > 0
     trainer = SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
                                 prev_model=prev)  # fmt: skip
@@ -175,7 +175,7 @@ def test_cppo_term_adds_exactly_c_times_kl_to_previous(tmp_path, tiny_sft_path, 
         with_kl = trainer.compute_loss(trainer.model, dict(batch)).item()
         logps = trainer._last_policy_logps
         kl = kl_to_previous(logps, batch["prev_per_token_logps"], batch["completion_mask"].bool(), "k3").item()
-        trainer.args.prev_kl_coef = 0.0
+        trainer.args.continual_kl_coef = 0.0
         plain = trainer.compute_loss(trainer.model, dict(batch)).item()
     assert kl > 0.01
     assert with_kl == pytest.approx(plain + 2.0 * kl, rel=1e-5, abs=1e-6)
