@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(
         SimCompareRecipe,
         recipe_path(args.config),
-        [f"output_dir={args.out}", "eval.judge=gold", f"online_dpo.iterations={ITERATIONS}", *args.overrides],
+        [f"output_dir={args.out}", "eval.judge=gold", f"online_dpo.num_iterations={ITERATIONS}", *args.overrides],
     )
     run = SimRun(recipe, progress=lambda m: print(m, file=sys.stderr, flush=True))
     run.check_directory()

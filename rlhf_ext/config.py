@@ -39,6 +39,10 @@ RENAMED_KEYS: dict[str, str] = {
     "continual.kl_coef_schedule": "continual.continual_kl_coef_schedule",
     "training.advantage_estimator": "ppo.advantage_estimator",  # the demo recipe
     "reward_model.segment_cutoff": "reward_model.entropy_cutoff",  # the sim compare recipe
+    "online.mode": "online.online_mode",  # the online-DPO recipe
+    "online.iterations": "online.num_iterations",
+    "online.selection": "online.selection_rule",
+    "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -186,3 +186,61 @@ def select_pairs(
         reward_margin=rewards[idx, chosen[idx]] - rewards[idx, rejected[idx]],
         dropped=int(p - idx.numel()),
     )
+
+
+@dataclass
+class OnlineDPOKnobs:
+    """The knobs of iterative best/worst-of-n online DPO (paper 004, Algorithm 2 and Eq. 9) and of its one-step
+    asynchronous per-batch variant (paper 001), declared once: ``IterativeDPOConfig``, the online-DPO recipe's
+    ``online:`` section and the simulator use these names and defaults.
+
+    Args:
+        online_mode: ``iterative`` (paper 004's Algorithm 2: collect an iteration's pairs, then train on them) or
+            ``online`` (one DPO update per generated batch, paper 001).
+        async_generation: ``online`` mode: generate batch ``t+1`` with ``theta_t`` while training on batch ``t``
+            (paper 001's one-step off-policy; queue size 1), or wait for each update (on-policy).
+        num_iterations: iterations of Algorithm 2 (paper 004: 3).
+        prompts_per_iteration: prompts per iteration (paper 004: 20k); ``None`` = all prompts split evenly.
+        num_samples: ``n`` responses per prompt (>= 2; paper 004: 8 or 16; paper 001: 2, or K = 4).
+        temperatures: ``n`` is split evenly across these (paper 004: 0.7 and 1.0).
+        selection_rule: ``max_min`` (best vs worst, paper 004), ``max_random`` or ``random`` (:class:`SelectionRule`).
+        length_penalty: ``lambda`` of paper 004 Eq. 9, ``r(x, a) - lambda * |a|`` (the concise variant: 0.001).
+        length_unit: ``chars`` (paper 004) or ``tokens`` for ``|a|``.
+        tie_tolerance: pairs whose scores differ by at most this are dropped.
+        pair_data: ``accumulate`` (train on all pairs so far, paper 004's "historical + new") or ``latest``.
+    """
+
+    online_mode: str = field(default="iterative", metadata={"help": "iterative (paper 004) | online (paper 001)"})
+    async_generation: bool = field(default=True, metadata={"help": "Online mode: one-step async (paper 001)."})
+    num_iterations: int = field(default=3, metadata={"help": "Iterations of Algorithm 2 (3)."})
+    prompts_per_iteration: int | None = field(default=None, metadata={"help": "Prompts per iteration."})
+    num_samples: int = field(default=8, metadata={"help": "Responses sampled per prompt (n = 8)."})
+    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0], metadata={"help": "Sampling temps."})
+    selection_rule: SelectionRule = field(default=SelectionRule.MAX_MIN.value, metadata={"help": "max_min (paper)"})
+    length_penalty: float = field(default=0.0, metadata={"help": "lambda of paper 004 Eq. 9."})
+    length_unit: str = field(default="chars", metadata={"help": "chars | tokens"})
+    tie_tolerance: float = field(default=0.0, metadata={"help": "Score gap at or below which a pair is a tie."})
+    pair_data: str = field(default="accumulate", metadata={"help": "accumulate | latest"})
+
+    def __post_init__(self) -> None:
+        self.check_online_dpo_knobs()
+
+    def check_online_dpo_knobs(self, prefix: str = "") -> None:
+        """Validate the knobs (called by every config that embeds them; ``prefix`` names its section in errors)."""
+        check_num_samples(self.num_samples, f"{prefix}num_samples")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}")
+        if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
+            raise ValueError(f"prompts_per_iteration must be >= 1, got {self.prompts_per_iteration}")
+        if not self.temperatures or any(not t > 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be positive numbers, got {self.temperatures}")
+        for name, allowed in (
+            ("online_mode", ("iterative", "online")),
+            ("selection_rule", SELECTION_RULES),
+            ("length_unit", ("chars", "tokens")),
+            ("pair_data", ("accumulate", "latest")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not math.isfinite(self.length_penalty) or self.length_penalty < 0:
+            raise ValueError(f"length_penalty (lambda of paper 004 Eq. 9) must be >= 0, got {self.length_penalty}")

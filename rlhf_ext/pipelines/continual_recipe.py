@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlhf_ext.algos.continual_kl import ContinualKnobs, check_kl_coef
+from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.config import TrainSection
 
 
@@ -101,23 +102,23 @@ class DPOSection:
 
 
 @dataclass
-class PPOSection:
+class PPOSection(PPOKnobs):
     """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
     with ``SegmentPPOTrainer`` against that task's reward model (``reward_model.enabled`` must be true; the paper
     trains one per task), bandit rewards normalized by the last-token statistics of the task's preference pairs, a
     KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL to the previous
-    task's policy in the loss."""
+    task's policy in the loss. The PPO knobs are :class:`~rlhf_ext.algos.ppo.PPOKnobs` (the same names and defaults as
+    ``SegmentPPOConfig``)."""
 
     steps_per_task: int = 16
     batch_size: int = 16
     learning_rate: float = 3e-4
-    kl_coef: float = 0.01
-    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline"] = "reinforce_baseline"
     num_generations: int = 2
     max_completion_length: int = 64
     eval_prompts: int = 32
 
     def __post_init__(self):
+        self.check_ppo_knobs()
         if self.steps_per_task < 1 or self.batch_size < 1:
             raise ValueError("ppo.steps_per_task and ppo.batch_size must be >= 1")
 
@@ -168,6 +169,6 @@ class ContinualRecipe:
     data: TaskSequenceSection = field(default_factory=TaskSequenceSection)
     continual: ContinualSection = field(default_factory=ContinualSection)
     dpo: DPOSection = field(default_factory=DPOSection)
-    ppo: PPOSection = field(default_factory=PPOSection)
+    ppo: PPOSection = field(default_factory=lambda: PPOSection(advantage_estimator="reinforce_baseline"))
     train: StageTrainSection = field(default_factory=StageTrainSection)
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from trl.trainer.utils import create_model_from_path
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
 
 
@@ -164,7 +166,7 @@ class PPOPolicyStage:
             learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
             report_to="none", save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
             reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
-            kl_coef=ppo.kl_coef, advantage_estimator=ppo.advantage_estimator,
+            **knob_values(ppo, PPOKnobs),
             continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
             continual_kl_coef=task.kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip

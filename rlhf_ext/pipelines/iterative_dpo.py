@@ -9,11 +9,11 @@ step, written once) and per-batch mode (paper 001) as one streaming DPO run. Ope
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlhf_ext.algos.pair_selection import check_num_samples
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.config import TrainSection
 
 
@@ -64,28 +64,18 @@ class PromptSection:
 
 
 @dataclass
-class OnlineSection:
-    """Papers 004 / 001 knobs (defaults: the papers'). ``mode: iterative`` is Algorithm 2; ``mode: online`` is one
-    DPO update per generated batch with ``async_generation`` one step off-policy (paper 001) or synchronous;
+class OnlineSection(OnlineDPOKnobs):
+    """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, the same names and defaults as
+    ``IterativeDPOConfig``: ``online_mode: iterative`` is Algorithm 2, ``online_mode: online`` one DPO update per
+    generated batch with ``async_generation`` one step off-policy, paper 001) plus sampling and process settings;
     ``generator_process`` runs the generator in its own process instead of a thread (no interpreter-lock
     contention; HF generation, picklable reward)."""
 
-    mode: Literal["iterative", "online"] = "iterative"
-    async_generation: bool = True
     generator_process: bool = False
-    iterations: int = 3
-    prompts_per_iteration: int | None = None
-    num_samples: int = 8
-    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
     max_new_tokens: int = 256
     max_prompt_length: int | None = None
     top_p: float = 1.0
     top_k: int = 0
-    selection: Literal["max_min", "max_random", "random"] = "max_min"
-    length_penalty: float = 0.0
-    length_unit: Literal["chars", "tokens"] = "chars"
-    tie_tolerance: float = 0.0
-    pair_data: Literal["accumulate", "latest"] = "accumulate"
     generation_backend: Literal["auto", "hf", "vllm"] = "auto"
     generation_batch_size: int = 64
     eval_samples_per_prompt: int = 2
@@ -96,13 +86,7 @@ class OnlineSection:
     vllm_gpu_memory_utilization: float = 0.3
 
     def __post_init__(self):
-        check_num_samples(self.num_samples, "online.num_samples")
-        if self.iterations < 1:
-            raise ValueError(f"online.iterations must be >= 1, got {self.iterations}")
-        if self.length_penalty < 0 or not math.isfinite(self.length_penalty):
-            raise ValueError(f"online.length_penalty must be >= 0, got {self.length_penalty}")
-        if not self.temperatures or any(t <= 0 for t in self.temperatures):
-            raise ValueError(f"online.temperatures must be positive numbers, got {self.temperatures}")
+        self.check_online_dpo_knobs(prefix="online.")
 
 
 @dataclass
@@ -159,22 +143,12 @@ def trl_config(recipe):
         max_length=t.max_length,
         resume=t.resume,
         reference=recipe.policy.reference,
-        online_mode=o.mode,
-        async_generation=o.async_generation,
         generator_process=o.generator_process,
-        num_iterations=o.iterations,
-        prompts_per_iteration=o.prompts_per_iteration,
-        num_samples=o.num_samples,
-        temperatures=list(o.temperatures),
+        **knob_values(o, OnlineDPOKnobs),
         max_new_tokens=o.max_new_tokens,
         max_prompt_length=o.max_prompt_length,
         top_p=o.top_p,
         top_k=o.top_k,
-        selection_rule=o.selection,
-        length_penalty=o.length_penalty,
-        length_unit=o.length_unit,
-        tie_tolerance=o.tie_tolerance,
-        pair_data=o.pair_data,
         generation_backend=o.generation_backend,
         generation_batch_size=o.generation_batch_size,
         reward_batch_size=recipe.reward.batch_size,

@@ -78,7 +78,7 @@ class GoldScorer:
         length_weight: ``w_len``, utility per 100 characters (0 for the gold reward; annotator variants use it).
 
     Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (with the default ``style``), so it
-    plugs into :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_fn=`` / ``gold_fn=``) and
+    plugs into :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and
     :func:`rlhf_ext.sim.best_of_n`.
     """
 

@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
+from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.runtime.io import atomic_directory, stable_hash
 
 if TYPE_CHECKING:
@@ -198,8 +201,6 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
 
 
 def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
-    from rlhf_ext.algos.names import knob_values
-    from rlhf_ext.algos.ppo import PPOKnobs
     from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
@@ -324,11 +325,7 @@ def sim_online_dpo(
         c = cfg or r.online_dpo
         args = IterativeDPOConfig(
             **common,
-            num_iterations=c.iterations,
-            prompts_per_iteration=c.prompts_per_iteration,
-            num_samples=c.num_samples,
-            length_penalty=c.length_penalty,
-            length_unit="chars",
+            **knob_values(c, OnlineDPOKnobs),
             beta=c.beta,
             num_train_epochs=c.train.epochs,
             per_device_train_batch_size=c.train.batch_size,

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.sim.annotators import PoolConfig
@@ -224,14 +225,12 @@ class PPOSection(PPOKnobs):
 
 
 @dataclass
-class OnlineDPOSection:
-    """Iterative best/worst-of-n online DPO (paper 004) with the bandit surrogate RM as the online reward."""
+class OnlineDPOSection(OnlineDPOKnobs):
+    """Iterative best/worst-of-n online DPO (paper 004) with the bandit surrogate RM as the online reward: the knobs
+    of :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs` (the same names as ``IterativeDPOConfig``) plus the DPO
+    ``beta`` and the inner DPO runs' ``train`` settings."""
 
-    iterations: int = 2
-    prompts_per_iteration: int = 64
-    num_samples: int = 4
     beta: float = 0.1
-    length_penalty: float = 0.0  # lambda of paper 004 Eq. 9, per character: responses ranked by r - lambda * len
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
 
 
@@ -271,7 +270,9 @@ class SimCompareRecipe:
     dpo: DPOSection = field(default_factory=DPOSection)
     bandit_ppo: PPOSection = field(default_factory=lambda: PPOSection(value_clip=0.2))  # paper 003, Appendix C
     segment_ppo: PPOSection = field(default_factory=PPOSection)
-    online_dpo: OnlineDPOSection = field(default_factory=OnlineDPOSection)
+    online_dpo: OnlineDPOSection = field(
+        default_factory=lambda: OnlineDPOSection(num_iterations=2, prompts_per_iteration=64, num_samples=4)
+    )
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
 
     def __post_init__(self):

@@ -62,7 +62,6 @@ import dataclasses
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -77,7 +76,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
-from rlhf_ext.algos.pair_selection import SELECTION_RULES, check_num_samples
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, stable_hash
 from rlhf_ext.runtime.iterations import run_iterations
@@ -95,30 +94,19 @@ RUN_KIND = "iterative-dpo"
 
 
 @dataclass
-class IterativeDPOConfig(DPOConfig):
+class IterativeDPOConfig(DPOConfig, OnlineDPOKnobs):
     """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
-    settings. Defaults follow paper 004 (n = 8, temperatures 0.7 / 1.0, best vs worst, SFT reference,
-    accumulated pairs) and paper 001 (queue size 1, one-step off-policy).
+    settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
+    ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,
+    ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate) and:
 
     Args:
-        num_iterations: iterations of Algorithm 2 (paper: 3).
-        prompts_per_iteration: prompts per iteration (paper: 20k); default ``len(prompts) // num_iterations``.
-            Prompts are shuffled once with ``seed`` and taken in order, wrapping around if they run out.
-        num_samples: ``n`` responses per prompt (>= 2; paper 004: 8 or 16; paper 001: 2, or K = 4).
-        temperatures: ``n`` is split evenly across these (paper: [0.7, 1.0]).
         max_new_tokens, max_prompt_length, top_p, top_k: sampling limits (paper: no top-p / top-k).
-        selection_rule: ``max_min`` (best vs worst), ``max_random`` or ``random``.
-        length_penalty: ``lambda`` of Eq. 9 (paper's concise variant: 0.001 per character).
-        length_unit: ``chars`` (paper) or ``tokens`` for ``|a|`` in Eq. 9.
-        tie_tolerance: pairs whose scores differ by at most this are dropped.
-        pair_data: ``accumulate`` (train on all pairs so far; paper) or ``latest``.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
         generation_batch_size: sequences per HF ``generate`` call.
         reward_batch_size: sequences per reward-model forward.
         eval_num_prompts / eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
-        online_mode: ``iterative`` (Algorithm 2) or ``online`` (one update per generated batch, paper 001).
-        async_generation: online mode: one-step asynchronous (default) or synchronous on-policy.
         generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
             thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
             function must be picklable).
@@ -128,19 +116,10 @@ class IterativeDPOConfig(DPOConfig):
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
-    num_iterations: int = field(default=3, metadata={"help": "Iterations of Algorithm 2."})
-    prompts_per_iteration: int | None = field(default=None, metadata={"help": "Prompts per iteration."})
-    num_samples: int = field(default=8, metadata={"help": "Responses sampled per prompt (n)."})
-    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0], metadata={"help": "Sampling temps."})
     max_new_tokens: int = field(default=256, metadata={"help": "Maximum response length in tokens."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Prompts are cut from the left."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (1.0 = off)."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
-    selection_rule: str = field(default="max_min", metadata={"help": "max_min | max_random | random"})
-    length_penalty: float = field(default=0.0, metadata={"help": "lambda of Eq. 9."})
-    length_unit: str = field(default="chars", metadata={"help": "chars | tokens"})
-    tie_tolerance: float = field(default=0.0, metadata={"help": "Score gap at or below which a pair is a tie."})
-    pair_data: str = field(default="accumulate", metadata={"help": "accumulate | latest"})
     reference: str = field(default="sft", metadata={"help": "sft | previous"})
     generation_backend: str = field(default="auto", metadata={"help": "auto | hf | vllm"})
     generation_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call."})
@@ -148,8 +127,6 @@ class IterativeDPOConfig(DPOConfig):
     eval_num_prompts: int | None = field(default=64, metadata={"help": "Evaluation prompts (None: all)."})
     eval_samples_per_prompt: int = field(default=2, metadata={"help": "Samples per evaluation prompt."})
     eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation sampling temperature."})
-    online_mode: str = field(default="iterative", metadata={"help": "iterative | online"})
-    async_generation: bool = field(default=True, metadata={"help": "Online mode: one-step async generation."})
     generator_process: bool = field(default=False, metadata={"help": "Online mode: generate in a separate process."})
     max_fill_rounds: int = field(default=4, metadata={"help": "Online mode: rounds to replace tied prompts."})
     generation_threads: int | None = field(default=None, metadata={"help": "CPU threads for generation."})
@@ -160,25 +137,11 @@ class IterativeDPOConfig(DPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_num_samples(self.num_samples)
+        self.check_online_dpo_knobs()
         split_temperatures(self.num_samples, self.temperatures)
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}")
-        if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
-            raise ValueError(f"prompts_per_iteration must be >= 1, got {self.prompts_per_iteration}")
-        choices = {
-            "selection_rule": SELECTION_RULES,
-            "length_unit": ("chars", "tokens"),
-            "pair_data": ("accumulate", "latest"),
-            "reference": ("sft", "previous"),
-            "generation_backend": ("auto", "hf", "vllm"),
-            "online_mode": ("iterative", "online"),
-        }
-        for name, allowed in choices.items():
+        for name, allowed in (("reference", ("sft", "previous")), ("generation_backend", ("auto", "hf", "vllm"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if not math.isfinite(self.length_penalty) or self.length_penalty < 0:
-            raise ValueError(f"length_penalty (lambda of Eq. 9) must be >= 0, got {self.length_penalty}")
         if self.eval_samples_per_prompt < 1 or self.eval_temperature <= 0:
             raise ValueError("eval_samples_per_prompt must be >= 1 and eval_temperature > 0")
         if self.max_new_tokens < 1:

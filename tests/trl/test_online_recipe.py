@@ -17,7 +17,7 @@ from rlhf_ext.pipelines.iterative_dpo import trl_config as recipe_to_config
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "train_online_dpo.py"
 SMALL = [
-    "online.iterations=1",
+    "online.num_iterations=1",
     "online.prompts_per_iteration=8",
     "online.num_samples=4",
     "online.max_new_tokens=48",
@@ -53,8 +53,10 @@ def test_recipe_errors_name_the_key(tmp_path):
         load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_samples=1"])
     with pytest.raises(RecipeError, match="exactly one of reward.model"):
         load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["reward.model=runs/rm"])
-    with pytest.raises(RecipeError, match="'online.selection' must be one of"):
-        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.selection=best"])
+    with pytest.raises(RecipeError, match="'online.selection_rule' must be one of"):
+        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.selection_rule=best"])
+    with pytest.raises(RecipeError, match="'online.selection' was renamed to 'online.selection_rule'"):
+        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.selection=max_min"])
 
 
 def test_cli_runs_the_tiny_recipe(tmp_path, tiny_sft_path):

@@ -1,0 +1,85 @@
+"""One vocabulary: every paper knob is declared once (a dataclass in rlhf_ext.algos) and every engine config, recipe
+section and command line that exposes it inherits the same name and the same default."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from rlhf_ext.algos.continual_kl import ContinualKnobs
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
+from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+
+KNOBS = (SegmentRewardKnobs, DenseRewardKnobs, PPOKnobs, ContinualKnobs, OnlineDPOKnobs)
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _users():
+    from rlhf_ext.pipelines.continual_recipe import ContinualSection
+    from rlhf_ext.pipelines.continual_recipe import PPOSection as ContinualPPOSection
+    from rlhf_ext.pipelines.iterative_dpo import OnlineSection
+    from rlhf_ext.pipelines.segment_ppo import PPOAlgoSection, PPOSegmentSection
+    from rlhf_ext.pipelines.segment_rm import SegmentSection
+    from rlhf_ext.sim.recipe import OnlineDPOSection, PPOSection, RewardModelSection
+    from rlhf_ext.trl import ContinualDPOConfig, IterativeDPOConfig, SegmentPPOConfig, SegmentRewardConfig
+
+    return [
+        (SegmentRewardKnobs, SegmentRewardConfig), (SegmentRewardKnobs, SegmentSection),
+        (SegmentRewardKnobs, RewardModelSection), (DenseRewardKnobs, SegmentPPOConfig),
+        (DenseRewardKnobs, PPOSegmentSection), (PPOKnobs, SegmentPPOConfig), (PPOKnobs, PPOAlgoSection),
+        (PPOKnobs, PPOSection), (ContinualKnobs, ContinualDPOConfig), (ContinualKnobs, SegmentPPOConfig),
+        (ContinualKnobs, ContinualSection), (OnlineDPOKnobs, IterativeDPOConfig), (OnlineDPOKnobs, OnlineSection),
+        (OnlineDPOKnobs, OnlineDPOSection), (PPOKnobs, ContinualPPOSection),
+    ]  # fmt: skip
+
+
+def test_every_user_inherits_each_knob_with_its_one_default():
+    for knobs, user in _users():
+        assert issubclass(user, knobs), (user, knobs)
+        fields = {f.name: f for f in dataclasses.fields(user)}
+        for f in dataclasses.fields(knobs):
+            assert _default(fields[f.name]) == _default(f), f"{user.__name__}.{f.name} has another default"
+
+
+def test_knob_names_are_unique_across_methods_so_flat_keys_are_unambiguous():
+    names = [(k.__name__, f.name) for k in KNOBS for f in dataclasses.fields(k)]
+    for (ka, a), (kb, b) in itertools.combinations(names, 2):
+        assert a != b, f"{ka}.{a} and {kb}.{b} share a name"
+
+
+def test_trl_command_line_takes_the_knob_names():
+    from transformers import HfArgumentParser
+
+    from rlhf_ext.trl import SegmentPPOConfig
+
+    (args,) = HfArgumentParser(SegmentPPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--bf16", "false", "--continual_kl_coef", "0.5", "--granularity", "token",
+         "--advantage_estimator", "reinforce", "--interpolation", "repeat"]
+    )  # fmt: skip
+    assert (args.continual_kl_coef, args.granularity, args.advantage_estimator, args.interpolation) == (
+        0.5,
+        "token",
+        "reinforce",
+        "repeat",
+    )
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        SegmentPPOConfig(output_dir="/tmp/x", bf16=False, granularity="segmnt")
+
+
+def test_openrlhf_ext_flags_are_generated_from_the_knobs():
+    from rlhf_ext.openrlhf import segment_rm, train_ppo_ray
+
+    for f in dataclasses.fields(SegmentRewardKnobs):
+        assert segment_rm.EXT_DEFAULTS[f.name] == _default(f)
+        assert f.name in train_ppo_ray.EXT_DEFAULTS  # PPO: None = the reward model's recorded value
+    for name in ("granularity", "interpolation"):
+        assert train_ppo_ray.EXT_DEFAULTS[name] == _default(DenseRewardKnobs.__dataclass_fields__[name])
+    for f in dataclasses.fields(ContinualKnobs):
+        assert f.name in train_ppo_ray.EXT_DEFAULTS
