@@ -217,11 +217,14 @@ def _section_leaves(cls: type) -> dict[str, list[str]]:
 
 def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """TrlParser-style flat keys: a top-level key that is not a field of ``cls`` but names exactly one section's field
-    (``entropy_cutoff: 1.5`` for ``segment.entropy_cutoff``) moves into that section. Ambiguous keys are errors."""
+    (``entropy_cutoff: 1.5`` for ``segment.entropy_cutoff``) moves into that section; ambiguous keys are errors. When
+    ``cls.engine_config_fields()`` exists (the TRL config's field names), any other such key that names a field of
+    the TRL config (``per_device_train_batch_size: 4``) goes to ``train.trl_args``, as TrlParser would set it."""
     top = {f.name for f in dataclasses.fields(cls)}
     leaves = _section_leaves(cls)
     out: dict[str, Any] = {}
     moved: dict[str, dict[str, Any]] = {}
+    engine_fields: set[str] | None = None
     for key, value in data.items():
         sections = leaves.get(key, []) if key not in top else []
         if len(sections) > 1:
@@ -229,8 +232,14 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
             raise RecipeError(f"key '{key}' is ambiguous here; write one of {choices}")
         if sections:
             moved.setdefault(sections[0], {})[key] = value
-        else:
-            out[key] = value
+            continue
+        if key not in top and hasattr(cls, "engine_config_fields"):  # a field of the engine's own config (TRL's)
+            engine_fields = cls.engine_config_fields() if engine_fields is None else engine_fields
+            if key in engine_fields:
+                train = out.setdefault("train", data.get("train", {}))
+                train.setdefault("trl_args", {})[key] = value
+                continue
+        out[key] = value
     for section, values in moved.items():
         nested = out.setdefault(section, {})
         if not isinstance(nested, dict):

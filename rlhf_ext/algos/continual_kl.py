@@ -71,7 +71,7 @@ DEFAULT_KL_COEF = 1.0
 @dataclass
 class ContinualKnobs:
     """The knobs of paper 000's regulariser toward the previous task's policy (Eq. 7), declared once: the TRL configs
-    (``ContinualDPOConfig``, ``SegmentPPOConfig``), the continual recipe's ``continual:`` section and OpenRLHF's
+    (``ContinualDPOConfig``, ``DensePPOConfig``), the continual recipe's ``continual:`` section and OpenRLHF's
     ``--ext.continual_*`` flags use these names and defaults.
 
     Args:

@@ -403,7 +403,7 @@ def ppo_advantages(
 @dataclass
 class PPOKnobs:
     """PPO knobs shared by the engines, declared once (paper 003 Table 8 and OpenRLHF 0.11.2's defaults):
-    ``SegmentPPOConfig``, the recipes' ``ppo:`` sections and the OpenRLHF command line the recipes generate use these
+    ``DensePPOConfig``, the recipes' ``ppo:`` sections and the OpenRLHF command line the recipes generate use these
     names and defaults.
 
     Args:

@@ -205,7 +205,7 @@ def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tenso
 
 @dataclass
 class DenseRewardKnobs:
-    """The knobs of paper 003's dense rewards for PPO (Tables 1-3), declared once: ``SegmentPPOConfig``, the segment
+    """The knobs of paper 003's dense rewards for PPO (Tables 1-3), declared once: ``DensePPOConfig``, the segment
     PPO recipe's ``segment:`` section and OpenRLHF's ``--ext.*`` flags use these names and defaults.
 
     Args:

@@ -104,11 +104,11 @@ class DPOSection:
 @dataclass
 class PPOSection(PPOKnobs):
     """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
-    with ``SegmentPPOTrainer`` against that task's reward model (``reward_model.enabled`` must be true; the paper
-    trains one per task), bandit rewards normalized by the last-token statistics of the task's preference pairs, a
-    KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL to the previous
-    task's policy in the loss. The PPO knobs are :class:`~rlhf_ext.algos.ppo.PPOKnobs` (the same names and defaults as
-    ``SegmentPPOConfig``)."""
+    with ``DensePPOTrainer`` (bandit granularity) against that task's reward model (``reward_model.enabled`` must be
+    true; the paper trains one per task), bandit rewards normalized by the last-token statistics of the task's
+    preference pairs, a KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL
+    to the previous task's policy in the loss. The PPO knobs are :class:`~rlhf_ext.algos.ppo.PPOKnobs` (the same names
+    and defaults as ``DensePPOConfig``)."""
 
     steps_per_task: int = 16
     batch_size: int = 16

@@ -153,14 +153,14 @@ class PPOPolicyStage:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer
+        from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer
 
         r, ppo = self.recipe, self.recipe.ppo
         if not task.reward_model_dirs:
             raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "ppo_trainer"
-        args = SegmentPPOConfig(
+        args = DensePPOConfig(
             output_dir=str(work), max_steps=ppo.steps_per_task, per_device_train_batch_size=ppo.batch_size,
             num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
             learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
@@ -170,7 +170,7 @@ class PPOPolicyStage:
             continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
             continual_kl_coef=task.kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
-        trainer = SegmentPPOTrainer(
+        trainer = DensePPOTrainer(
             model=task.init_policy,
             args=args,
             train_dataset=Dataset.from_dict({"prompt": list(task.train["prompt"])}),

@@ -9,7 +9,7 @@ step, written once) and per-batch mode (paper 001) as one streaming DPO run. Ope
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.names import knob_values
@@ -123,6 +123,13 @@ class OnlineDPORecipe:
     data: PromptSection = field(default_factory=PromptSection)
     online: OnlineSection = field(default_factory=OnlineSection)
     train: DPOTrainSection = field(default_factory=DPOTrainSection)
+
+    @classmethod
+    def engine_config_fields(cls) -> set[str]:
+        """Field names of the TRL config this recipe builds (flat TrlParser-style keys go to ``train.trl_args``)."""
+        from rlhf_ext.trl.online_dpo import IterativeDPOConfig
+
+        return {f.name for f in fields(IterativeDPOConfig)}
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:

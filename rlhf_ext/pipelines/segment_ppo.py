@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.names import knob_values
@@ -46,7 +46,7 @@ class PPODataSection:
 @dataclass
 class PPOSegmentSection(DenseRewardKnobs):
     """Paper 003's Table 1-3 switches (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`, the same names and
-    defaults as ``SegmentPPOConfig``) plus the reward model's segmentation, ``entropy_cutoff`` / ``aggregation`` /
+    defaults as ``DensePPOConfig``) plus the reward model's segmentation, ``entropy_cutoff`` / ``aggregation`` /
     ``tau`` (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`); null = the values the reward model was trained
     with (its ``segment_config.json``)."""
 
@@ -65,7 +65,7 @@ class PPOSegmentSection(DenseRewardKnobs):
 @dataclass
 class PPOAlgoSection(PPOKnobs):
     """PPO settings: :class:`~rlhf_ext.algos.ppo.PPOKnobs` (paper 003 Table 8 / OpenRLHF defaults, the same names as
-    ``SegmentPPOConfig``) plus the clip, sampling and rollout settings."""
+    ``DensePPOConfig``) plus the clip, sampling and rollout settings."""
 
     clip_eps: float = 0.2
     num_generations: int = 2
@@ -106,6 +106,13 @@ class SegmentPPORecipe:
     segment: PPOSegmentSection = field(default_factory=PPOSegmentSection)
     ppo: PPOAlgoSection = field(default_factory=PPOAlgoSection)
     train: PPOTrainSection = field(default_factory=PPOTrainSection)
+
+    @classmethod
+    def engine_config_fields(cls) -> set[str]:
+        """Field names of the TRL config this recipe builds (flat TrlParser-style keys go to ``train.trl_args``)."""
+        from rlhf_ext.trl.segment_ppo import DensePPOConfig
+
+        return {f.name for f in fields(DensePPOConfig)}
 
 
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.segment_reward import (
@@ -86,6 +86,13 @@ class SegmentRMRecipe:
     data: PreferenceDataSection = field(default_factory=PreferenceDataSection)
     segment: SegmentSection = field(default_factory=SegmentSection)
     train: RMTrainSection = field(default_factory=RMTrainSection)
+
+    @classmethod
+    def engine_config_fields(cls) -> set[str]:
+        """Field names of the TRL config this recipe builds (flat TrlParser-style keys go to ``train.trl_args``)."""
+        from rlhf_ext.trl.segment_reward import SegmentRewardConfig
+
+        return {f.name for f in fields(SegmentRewardConfig)}
 
 
 def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):

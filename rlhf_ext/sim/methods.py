@@ -3,7 +3,7 @@
 Each method is one function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy
 starting from the run's SFT model, using the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration,
 binary FeedME, binary reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's
-``DPOTrainer`` (DPO), :class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.segment_ppo.SegmentPPOTrainer`
+``DPOTrainer`` (DPO), :class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.DensePPOTrainer`
 (bandit and segment PPO) and :class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO, synchronous and asynchronous).
 ``run`` is a :class:`rlhf_ext.sim.compare.SimRun`: it owns the shared artefacts (splits, SFT model, per-seed simulated
 feedback and surrogate reward models) and writes every result atomically, so finished work is reused on rerun.
@@ -259,8 +259,8 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
 
 def bandit_ppo(run: SimRun, seed: int) -> PolicySpec:
     """PPO (AlpacaFarm 3.4, App. A.2 Eq. 3 / B.1): maximise the surrogate (bandit) reward with a KL penalty to the SFT
-    model, value model initialised from the reward model. :class:`SegmentPPOTrainer` with ``granularity: bandit`` and
-    a reward model trained at ``entropy_cutoff: inf``."""
+    model, value model initialised from the reward model. :class:`~rlhf_ext.trl.DensePPOTrainer` with
+    ``granularity: bandit`` and a reward model trained at ``entropy_cutoff: inf``."""
     return _ppo(run, seed, "bandit", "bandit")
 
 

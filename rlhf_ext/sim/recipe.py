@@ -210,11 +210,11 @@ class DPOSection:
 
 @dataclass
 class PPOSection(PPOKnobs):
-    """One PPO run (:class:`SegmentPPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned separately as
-    AlpacaFarm tuned its KL coefficient per setting): the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: KL penalty
-    ``kl_coef`` in the reward — AlpacaFarm's simulated PPO used 0.002, paper 003 0.01 —, ``advantage_estimator``,
-    ``value_clip`` — 0.2 for bandit and 0.25 for dense rewards, paper 003 Appendix C — ...) plus rollouts per step
-    ``batch_size`` (= prompts x ``num_generations``)."""
+    """One PPO run (:class:`~rlhf_ext.trl.DensePPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned
+    separately as AlpacaFarm tuned its KL coefficient per setting): the PPO knobs
+    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: KL penalty ``kl_coef`` in the reward — AlpacaFarm's simulated PPO used
+    0.002, paper 003 0.01 —, ``advantage_estimator``, ``value_clip`` — 0.2 for bandit and 0.25 for dense rewards, paper
+    003 Appendix C — ...) plus rollouts per step ``batch_size`` (= prompts x ``num_generations``)."""
 
     max_steps: int = 24
     batch_size: int = 16

@@ -6,7 +6,7 @@ Importing this package imports ``trl`` (about 5 s); ``import rlhf_ext`` alone do
 from rlhf_ext.trl.continual_dpo import ContinualDPOConfig, ContinualDPOTrainer
 from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
 from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
-from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer
+from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer, SegmentPPOConfig, SegmentPPOTrainer
 from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
 __all__ = [
@@ -14,6 +14,8 @@ __all__ = [
     "ContinualDPOTrainer",
     "IterativeDPOConfig",
     "IterativeDPOTrainer",
+    "DensePPOConfig",
+    "DensePPOTrainer",
     "SegmentPPOConfig",
     "SegmentPPOTrainer",
     "KLRegularizedSFTTrainer",

@@ -8,9 +8,9 @@ old (``sync=True``: zero — the on-policy baseline through the same code).
 
 The generator walks its own copy of the trainer's data loader (same sampler, same seed), so it samples exactly the
 prompts the trainer will ask for next; every call checks that. The behaviour policy's log-probabilities of the sampled
-tokens are returned as ``logprobs`` (GRPO's ``sampling_per_token_logps``), which :class:`SegmentPPOTrainer` uses as
-the PPO "old" log-probs, so the clipped ratio is ``pi_theta / pi_behaviour`` (off-policy PPO as in paper 001) and the
-KL penalty is that of the policy that sampled.
+tokens are returned as ``logprobs`` (GRPO's ``sampling_per_token_logps``), which :class:`~rlhf_ext.trl.DensePPOTrainer`
+uses as the PPO "old" log-probs, so the clipped ratio is ``pi_theta / pi_behaviour`` (off-policy PPO as in paper 001)
+and the KL penalty is that of the policy that sampled.
 
 Requirements (checked): one generation per optimizer step (``steps_per_generation == gradient_accumulation_steps``,
 ``num_iterations == 1``), HF ``generate`` (not vLLM), a single process.

@@ -1,7 +1,7 @@
-"""Segment-level PPO on TRL 1.16: ``SegmentPPOConfig`` + ``SegmentPPOTrainer`` (paper 003, section 2.3).
+"""Segment-level PPO on TRL 1.16: ``DensePPOConfig`` + ``DensePPOTrainer`` (paper 003, section 2.3).
 
 TRL 1.16 has no PPO trainer; ``GRPOTrainer`` is the closest maintained one (generation, vLLM support, a clipped
-policy-gradient loss that accepts per-token advantages ``[B, T]``). ``SegmentPPOTrainer`` keeps all of that and
+policy-gradient loss that accepts per-token advantages ``[B, T]``). ``DensePPOTrainer`` keeps all of that and
 replaces the reward and advantage computation of each rollout batch:
 
 1. one reference (SFT) forward gives the reference log-probs *and* the entropies used for segmentation;
@@ -50,7 +50,7 @@ from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
-class SegmentPPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
+class DensePPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
     """``GRPOConfig`` plus the knobs of paper 003's dense rewards
     (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`: granularity, interpolation, normalizer kind/basis), PPO
     (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: kl_coef 0.01, kl_estimator, advantage_estimator, gamma, lam, value_clip,
@@ -87,7 +87,7 @@ class SegmentPPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
 
     def __post_init__(self):
         if self.beta != 0.0:
-            raise ValueError("SegmentPPOConfig puts the KL penalty in the reward: set kl_coef, not beta")
+            raise ValueError("DensePPOConfig puts the KL penalty in the reward: set kl_coef, not beta")
         if self.num_generations is None or self.num_generations == 8:  # GRPO's group default; PPO needs no groups
             self.num_generations = 2
         if self.loss_type == "dapo":  # GRPO's default; PPO averages over the tokens of the micro-batch
@@ -102,9 +102,9 @@ class SegmentPPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
 
 
 def segment_reward(prompts, completions, **kwargs):
-    """The reward-function slot GRPO requires. SegmentPPOTrainer computes rewards per *token* from the exact token
+    """The reward-function slot GRPO requires. DensePPOTrainer computes rewards per *token* from the exact token
     ids inside its rollout (``_calculate_rewards`` is bypassed), so this is never called."""
-    raise RuntimeError("segment rewards are computed by SegmentPPOTrainer from token ids, not as a reward function")
+    raise RuntimeError("segment rewards are computed by DensePPOTrainer from token ids, not as a reward function")
 
 
 def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask) -> torch.Tensor:
@@ -114,8 +114,10 @@ def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask
     return capture.pop().float()
 
 
-class SegmentPPOTrainer(GRPOTrainer):
-    """PPO with dense segment-level rewards (paper 003, Eq. 5 and Algorithm 1) on top of TRL's ``GRPOTrainer``.
+class DensePPOTrainer(GRPOTrainer):
+    """PPO with dense per-token rewards on top of TRL's ``GRPOTrainer``: a reward model's rewards at any granularity
+    (paper 003 Table 1) — ``segment`` is paper 003's segment-level PPO (Eq. 5, Algorithm 1; also importable as
+    :class:`SegmentPPOTrainer`), ``bandit`` is stock sequence-level PPO, as are GRPO-style ``reward_funcs``.
 
     Takes ``GRPOTrainer``'s arguments in its order — ``(model, reward_funcs, args, train_dataset, eval_dataset,
     processing_class, reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
@@ -139,7 +141,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         self,
         model,
         reward_funcs=None,
-        args: SegmentPPOConfig | None = None,
+        args: DensePPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
@@ -161,15 +163,15 @@ class SegmentPPOTrainer(GRPOTrainer):
     ):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = SegmentPPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SegmentPPO")
-        if not isinstance(args, SegmentPPOConfig):
-            raise TypeError(f"args must be a SegmentPPOConfig, got {type(args).__name__}")
+            args = DensePPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SegmentPPO")
+        if not isinstance(args, DensePPOConfig):
+            raise TypeError(f"args must be a DensePPOConfig, got {type(args).__name__}")
         if isinstance(reward_funcs, list) and not reward_funcs:
             reward_funcs = None
         has_segment_rm = reward_model is not None or args.reward_model_path is not None
         if reward_funcs is not None and has_segment_rm:
             raise ValueError(
-                "SegmentPPOTrainer got both reward_funcs= and a segment reward model (SegmentPPOConfig."
+                "DensePPOTrainer got both reward_funcs= and a segment reward model (DensePPOConfig."
                 "reward_model_path / reward_model=): pass only one — drop reward_funcs to train on segment rewards, "
                 "or unset reward_model_path/reward_model to train on the reward functions' sequence reward"
             )
@@ -177,7 +179,7 @@ class SegmentPPOTrainer(GRPOTrainer):
         self.uses_reward_funcs = reward_funcs is not None or (not has_segment_rm and environment_factory is not None)
         if not self.uses_reward_funcs and not has_segment_rm:
             raise ValueError(
-                "SegmentPPOTrainer needs a reward: set SegmentPPOConfig.reward_model_path (or reward_model=) for "
+                "DensePPOTrainer needs a reward: set DensePPOConfig.reward_model_path (or reward_model=) for "
                 "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
             )
         if self.uses_reward_funcs and (
@@ -288,7 +290,7 @@ class SegmentPPOTrainer(GRPOTrainer):
             )
         if normalizer is None and args.normalizer_kind != "none" and not self.uses_reward_funcs:
             warnings.warn(
-                "SegmentPPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
+                "DensePPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
                 "normalized (Table 2's 'no normalization', which the paper found breaks training)",
                 stacklevel=2,
             )
@@ -557,3 +559,9 @@ class SegmentPPOTrainer(GRPOTrainer):
             save_normalizer(self.normalizer, os.path.join(output_dir, "normalizer.json"))
             if self.critic is not None:
                 self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, "critic"))
+
+
+#: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` with its default
+#: ``granularity="segment"``. Both names are public; use the general one where the rewards are not segment-level.
+SegmentPPOConfig = DensePPOConfig
+SegmentPPOTrainer = DensePPOTrainer

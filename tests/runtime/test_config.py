@@ -154,3 +154,20 @@ class _Sized:
 class _TwoSections:
     data: _Sized = dataclasses.field(default_factory=_Sized)
     model: _Sized = dataclasses.field(default_factory=_Sized)
+
+
+def test_a_trl_users_flat_yaml_runs_as_a_recipe(tmp_path):
+    """TrlParser style: TRL's own fields (flat) go to train.trl_args, the paper knobs to their section, overrides are
+    TRL-style flags; the TRL config built from the recipe carries all of them."""
+    from rlhf_ext.pipelines.segment_rm import trl_config
+
+    path = tmp_path / "trl_style.yaml"
+    path.write_text("per_device_train_batch_size: 4\nentropy_cutoff: 1.5\nlearning_rate: 1.0e-4\nbf16: false\n")
+    recipe = load_recipe(SegmentRMRecipe, path, ["--gradient_accumulation_steps", "3", "--tau", "0.25"])
+    assert recipe.train.trl_args == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3}
+    assert (recipe.segment.entropy_cutoff, recipe.segment.tau, recipe.train.learning_rate) == (1.5, 0.25, 1e-4)
+    args = trl_config(recipe)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+    assert (args.entropy_cutoff, args.tau, args.learning_rate) == (1.5, 0.25, 1e-4)
+    with pytest.raises(RecipeError, match="unknown key 'per_device_train_batchsize'"):
+        load_recipe(SegmentRMRecipe, path, ["--per_device_train_batchsize", "4"])
