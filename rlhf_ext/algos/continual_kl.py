@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from rlhf_ext.algos.names import post_init_next
 from rlhf_ext.algos.ppo import K3_MAX_LOG_RATIO, SAMPLE_KL_ESTIMATORS, KLEstimator, kl_estimate
 
 __all__ = [
@@ -86,6 +87,7 @@ class ContinualKnobs:
     continual_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 (k3)."})
 
     def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_continual_knobs()
 
     def check_continual_knobs(self) -> None:

@@ -44,3 +44,12 @@ def knob_values(obj: Any, knob_class: type) -> dict[str, Any]:
     """``{field name: value}`` of ``obj`` for the fields of knob dataclass ``knob_class`` (a recipe section or config
     that embeds it), to pass the knobs on under the same names."""
     return {f.name: getattr(obj, f.name) for f in fields(knob_class)}
+
+
+def post_init_next(obj: Any, cls: type) -> None:
+    """Run the next ``__post_init__`` after ``cls`` in ``obj``'s MRO, if any: knob dataclasses are listed *before*
+    TRL's config class in a config's bases (so TRL's fields come first and ``Config("out_dir")`` still means
+    ``output_dir``), and this keeps TRL's own ``__post_init__`` running."""
+    parent = getattr(super(cls, obj), "__post_init__", None)
+    if parent is not None:
+        parent()

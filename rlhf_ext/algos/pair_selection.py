@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhf_ext.algos.names import StrEnum
+from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
 class SelectionRule(StrEnum):
@@ -223,6 +223,7 @@ class OnlineDPOKnobs:
     pair_data: str = field(default="accumulate", metadata={"help": "accumulate | latest"})
 
     def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_online_dpo_knobs()
 
     def check_online_dpo_knobs(self, prefix: str = "") -> None:

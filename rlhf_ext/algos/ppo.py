@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhf_ext.algos.names import StrEnum
+from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
 # ------------------------------------------------------------------------------------------------------------- KL
@@ -432,6 +432,7 @@ class PPOKnobs:
     whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
 
     def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_ppo_knobs()
 
     def check_ppo_knobs(self) -> None:

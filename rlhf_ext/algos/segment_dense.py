@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerKind
-from rlhf_ext.algos.names import StrEnum
+from rlhf_ext.algos.names import StrEnum, post_init_next
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
@@ -226,6 +226,7 @@ class DenseRewardKnobs:
     normalizer_basis: Literal["linear", "log"] = field(default="linear", metadata={"help": "linear (paper) | log"})
 
     def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_dense_reward_knobs()
 
     def check_dense_reward_knobs(self) -> None:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlhf_ext.algos.names import StrEnum
+from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
 class Aggregation(StrEnum):
@@ -92,6 +92,7 @@ class SegmentRewardKnobs:
     tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of paper 003 Eq. 4 (0.5)."})
 
     def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_segment_knobs()
 
     def check_segment_knobs(self) -> None:

@@ -54,14 +54,11 @@ KL_METRIC = "continual/kl_to_previous"
 
 
 @dataclass
-class ContinualDPOConfig(DPOConfig, ContinualKnobs):
+class ContinualDPOConfig(ContinualKnobs, DPOConfig):
     """``DPOConfig`` plus paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`:
     ``continual_kl_coef`` 1.0 = Eq. 7's unit weight, 0 = plain DPO with no extra forward pass;
-    ``continual_kl_estimator`` k3)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.check_continual_knobs()
+    ``continual_kl_estimator`` k3). The knobs are listed before ``DPOConfig`` so that TRL's fields come first
+    (``ContinualDPOConfig("out")`` sets ``output_dir``, as ``DPOConfig("out")`` does)."""
 
 
 class _FirstForwardLogProbs:

@@ -94,7 +94,7 @@ RUN_KIND = "iterative-dpo"
 
 
 @dataclass
-class IterativeDPOConfig(DPOConfig, OnlineDPOKnobs):
+class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
     """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
     settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
     ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,
@@ -137,7 +137,6 @@ class IterativeDPOConfig(DPOConfig, OnlineDPOKnobs):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_online_dpo_knobs()
         split_temperatures(self.num_samples, self.temperatures)
         for name, allowed in (("reference", ("sft", "previous")), ("generation_backend", ("auto", "hf", "vllm"))):
             if getattr(self, name) not in allowed:

@@ -50,7 +50,7 @@ from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
-class DensePPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
+class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, GRPOConfig):
     """``GRPOConfig`` plus the knobs of paper 003's dense rewards
     (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`: granularity, interpolation, normalizer kind/basis), PPO
     (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: kl_coef 0.01, kl_estimator, advantage_estimator, gamma, lam, value_clip,
@@ -94,9 +94,6 @@ class DensePPOConfig(GRPOConfig, DenseRewardKnobs, PPOKnobs, ContinualKnobs):
             self.loss_type = "bnpo"
         self.scale_rewards = "none"
         super().__post_init__()
-        self.check_dense_reward_knobs()
-        self.check_ppo_knobs()
-        self.check_continual_knobs()
         if self.entropy_cutoff is not None:
             self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
 

@@ -48,7 +48,7 @@ from rlhf_ext.runtime.token_scores import TokenScoreCapture
 
 
 @dataclass
-class SegmentRewardConfig(RewardConfig, SegmentRewardKnobs):
+class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
     """``RewardConfig`` plus paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
     ``entropy_cutoff`` 2.0, ``aggregation`` softmax, ``tau`` 0.5) and:
 
@@ -62,10 +62,6 @@ class SegmentRewardConfig(RewardConfig, SegmentRewardKnobs):
     sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
     entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
     segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.check_segment_knobs()
 
     def segment_settings(self) -> dict[str, Any]:
         """What PPO needs to reuse this reward model's segmentation (saved as ``segment_config.json``)."""

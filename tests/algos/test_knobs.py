@@ -83,3 +83,18 @@ def test_openrlhf_ext_flags_are_generated_from_the_knobs():
         assert train_ppo_ray.EXT_DEFAULTS[name] == _default(DenseRewardKnobs.__dataclass_fields__[name])
     for f in dataclasses.fields(ContinualKnobs):
         assert f.name in train_ppo_ray.EXT_DEFAULTS
+
+
+def test_trl_configs_keep_output_dir_first_and_run_trl_and_knob_checks():
+    """The knobs sit before TRL's class in the bases, so ``Config("out")`` is ``output_dir`` (TRL's convention) and
+    both TRL's ``__post_init__`` and the knob checks run."""
+    from rlhf_ext.trl import ContinualDPOConfig, DensePPOConfig, IterativeDPOConfig, SegmentRewardConfig
+
+    for config in (DensePPOConfig, SegmentRewardConfig, ContinualDPOConfig, IterativeDPOConfig):
+        args = config("/tmp/rlhf-ext-out", bf16=False)
+        assert args.output_dir == "/tmp/rlhf-ext-out"
+        assert type(args.lr_scheduler_type).__name__ == "SchedulerType"  # set by TrainingArguments.__post_init__
+    with pytest.raises(ValueError, match="continual_kl_coef must be a finite number >= 0"):
+        ContinualDPOConfig("/tmp/rlhf-ext-out", bf16=False, continual_kl_coef=-1.0)
+    with pytest.raises(ValueError, match="tau must be a finite number > 0"):
+        SegmentRewardConfig("/tmp/rlhf-ext-out", bf16=False, tau=0.0)
