@@ -43,7 +43,7 @@ from trl import GRPOConfig, GRPOTrainer
 from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.algos.ppo import PPOKnobs, clipped_value_loss, per_token_kl, ppo_advantages
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs, dense_segment_rewards
+from rlhf_ext.algos.segment_dense import SEGMENTED_GRANULARITIES, DenseRewardKnobs, dense_segment_rewards
 from rlhf_ext.algos.segment_reward import check_cutoff
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
@@ -258,10 +258,12 @@ class DensePPOTrainer(GRPOTrainer):
 
         policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
-        # the reference (SFT) model: log-probs for the KL reward and entropies for segmentation, one forward
+        # the reference (SFT) model: log-probs for the KL reward and, when the granularity segments responses,
+        # entropies for the segmentation, in one forward (the fused head computes entropies only then)
+        self.needs_reference_entropy = not self.uses_reward_funcs and args.granularity in SEGMENTED_GRANULARITIES
         if ref_model is None:
             ref_model = AutoModelForCausalLM.from_pretrained(policy_id, dtype=self.model.dtype)
-        self._add_fused_head(ref_model)
+        self._add_fused_head(ref_model, entropy=self.needs_reference_entropy)
         self.segment_ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
         if reward_model is not None:
             self._check_tokenizers(reward_model)
@@ -334,14 +336,14 @@ class DensePPOTrainer(GRPOTrainer):
             self._last_policy_logps = out[0]
         return out
 
-    def _add_fused_head(self, model) -> None:
+    def _add_fused_head(self, model, entropy: bool = False) -> None:
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(
             model,
             temperature=self.temperature,
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-            outputs=("log_probs", "entropy"),
+            outputs=("log_probs", "entropy") if entropy else ("log_probs",),
         )
 
     def _check_tokenizers(self, reward_model) -> None:
@@ -406,18 +408,13 @@ class DensePPOTrainer(GRPOTrainer):
                 old_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, c, batch_size=batch_size
                 )
-            needs_entropy = not self.uses_reward_funcs and args.granularity in (
-                "segment",
-                "bandit_as_segment",
-                "segment_as_bandit",
-            )
             ref_logps, ref_entropy, _ = self._get_per_token_logps_and_entropies(
                 self.segment_ref_model,
                 input_ids,
                 attention_mask,
                 c,
                 batch_size=batch_size,
-                compute_entropy=needs_entropy,
+                compute_entropy=self.needs_reference_entropy,
             )
             if self.prev_model is not None:
                 out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
