@@ -76,6 +76,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
+from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, stable_hash
@@ -147,26 +148,18 @@ class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def settings(self) -> dict[str, Any]:
-        """What makes two runs' pairs comparable (checked when a run is resumed)."""
+        """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
+        settings. A resumed run with any of them changed is refused, naming the changed keys (a rerun with a new
+        ``beta`` or ``learning_rate`` must not exit 0 after zero steps with the old results)."""
         keys = [
-            "num_iterations",
-            "prompts_per_iteration",
-            "num_samples",
-            "temperatures",
-            "max_new_tokens",
-            "max_prompt_length",
-            "top_p",
-            "top_k",
-            "selection_rule",
-            "length_penalty",
-            "length_unit",
-            "tie_tolerance",
-            "pair_data",
-            "reference",
-            "online_mode",
-            "seed",
-        ]
-        return {k: getattr(self, k) for k in keys}
+            "max_new_tokens", "max_prompt_length", "top_p", "top_k", "reference", "seed",
+            # the inner DPO runs
+            "beta", "loss_type", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+            "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+            "max_length", "max_grad_norm",
+        ]  # fmt: skip
+        out = {**knob_values(self, OnlineDPOKnobs), **{k: getattr(self, k) for k in keys}}
+        return json.loads(json.dumps(out, default=str))  # enums (lr_scheduler_type) as their strings
 
 
 # ------------------------------------------------------------------------------------------------------ inputs

@@ -340,6 +340,10 @@ def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, pr
     )
     with pytest.raises(ValueError, match="num_samples"):
         other.train()
+    for changed in ({"beta": 0.5}, {"learning_rate": 1e-2}):  # the inner DPO runs' settings count too
+        rerun = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, make_args(tmp_path, **changed), train)
+        with pytest.raises(ValueError, match=rf"changed: {next(iter(changed))}: "):
+            rerun.train()
     fresh = IterativeDPOTrainer(
         tiny_sft_path, args=make_args(tmp_path, resume=False), train_dataset=train, reward_funcs=keyphrase_gold_reward
     )
