@@ -33,6 +33,8 @@ def _fail(message: str) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rlhf-ext")
+@click.option("--local_rank", "--local-rank", type=int, default=None, hidden=True, expose_value=False,
+              help="Set by `deepspeed --module rlhf_ext.cli ...`; the rank is read from the environment.")  # fmt: skip
 def main() -> None:
     """rlhf-ext: segment rewards, online DPO, async and continual RLHF for TRL and OpenRLHF."""
 

@@ -177,7 +177,6 @@ class ContinualDataset(collections.abc.Sequence):
                 # load it back
                 dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
         atomic_write_json(path / METADATA_FILE, meta)
-        _umask_modes(path / STAGES_DIR, path / METADATA_FILE)
         self.metadata = meta
         return path
 
@@ -220,7 +219,6 @@ class ContinualDataset(collections.abc.Sequence):
                     else:
                         dd[split].to_parquet(str(target))
             atomic_write_json(tmp / METADATA_FILE, self.metadata)
-        _umask_modes(out_dir, out_dir / METADATA_FILE)
         return out_dir
 
     def to_jsonl(self, out_dir: str | Path) -> Path:
@@ -258,14 +256,6 @@ class ContinualDataset(collections.abc.Sequence):
         for info, dd in zip(meta["stages"], stages):
             info["train"], info["test"] = len(dd["train"]), len(dd["test"])
         return ContinualDataset(stages, meta)
-
-
-def _umask_modes(*paths: Path) -> None:
-    """Give files/directories made by the atomic writers (mkstemp/mkdtemp: 0600/0700) the usual umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in paths:
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _stage_dirname(info: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ import dataclasses
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,13 +377,18 @@ class ContinualRunner:
 def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Path) -> dict[str, str] | None:
     """Write ``performance.png``: (a) training loss over steps, (b) each task's test performance at every snapshot,
     (c) normalised backward transfer over time (Fig. 10); dashed lines mark task switches. Needs matplotlib (the
-    ``plots`` extra); returns ``None`` without it."""
+    ``trl`` extra); without it, warns once in one line and returns ``None`` (the run itself is unaffected)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        warnings.warn(
+            "plots: true but matplotlib is not installed, so no performance.png; pip install matplotlib "
+            "(or rlhf-ext[trl]), or set plots: false",
+            stacklevel=2,
+        )
         return None
     steps = [max(int((r.get("metrics") or {}).get("steps") or 0), 1) for r in results]
     ends = [sum(steps[: t + 1]) for t in range(len(steps))]

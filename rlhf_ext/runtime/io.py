@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -19,12 +18,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RLHF_EXT_CACHE", Path.home() / ".cache" / "rlhf_ext"))
 
 
+def current_umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old file or the complete new one."""
+    """Write ``text`` to ``path`` so that readers see either the old file or the complete new one. The file gets the
+    permissions ``open`` would give it (``0o666`` minus the umask), not ``mkstemp``'s private ``0o600``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -50,11 +58,13 @@ def _json_default(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory next to ``path``; on success it is renamed to ``path`` (replacing it)."""
+    """Yield a temporary directory next to ``path``; on success it is renamed to ``path`` (replacing it). The
+    directory gets ``0o777`` minus the umask (``mkdtemp`` makes it private, ``0o700``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        tmp.chmod(0o777 & ~current_umask())
         yield tmp
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -70,15 +80,13 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def file_lock(path: str | Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing), shared across processes and ranks."""
+    """An exclusive lock on ``path`` (created if missing), shared across processes and ranks (``filelock``)."""
+    from filelock import FileLock
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    with FileLock(str(path)):
+        yield
 
 
 def stable_hash(*parts: Any, length: int = 16) -> str:

@@ -19,3 +19,11 @@ def test_demo_rerun_with_changed_settings_is_refused_in_one_line(tmp_path):
     assert len(error) == 1 and "different settings" in error[0] and "--force" in error[0], result.output
     assert "Traceback" not in result.output
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing ran, nothing was overwritten
+
+
+def test_deepspeed_launchers_local_rank_argument_is_accepted():
+    """`deepspeed --module rlhf_ext.cli ...` inserts `--local_rank=N` before the command; it used to fail with
+    "No such option '--local_rank'"."""
+    for args in (["--local_rank=1", "recipe", "list"], ["--local-rank", "0", "recipe", "list"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and "segment_rm_tiny" in result.output, result.output

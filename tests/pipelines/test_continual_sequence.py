@@ -243,3 +243,21 @@ def test_generated_sequences_go_through_datagen_lazily(tmp_path, tasks, monkeypa
     assert len(runner.tasks[0]["train"]) == 2
     ContinualRunner(recipe, tmp_path, policy_stage=RecordingStage())
     assert seen[-1] == str(tmp_path)
+
+
+def test_plots_without_matplotlib_warn_in_one_line(tmp_path, monkeypatch):
+    import builtins
+
+    from rlhf_ext.pipelines.continual import plot_run
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.warns(UserWarning, match="matplotlib is not installed, so no performance.png"):
+        assert plot_run({}, [], tmp_path) is None
+    assert not (tmp_path / "performance.png").exists()
