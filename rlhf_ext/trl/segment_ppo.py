@@ -467,6 +467,13 @@ class DensePPOTrainer(GRPOTrainer):
         for key in ("reward", "reward_std"):
             if metrics.get(key):
                 metrics[key].pop()
+        if not self.uses_reward_funcs:  # GRPO's stats of its placeholder reward function (zeros) are not ours
+            for name in self.reward_func_names:
+                for stat in ("mean", "std"):
+                    metrics.pop(f"rewards/{name}/{stat}", None)
+            if metrics.get("frac_reward_zero_std"):  # the true fraction: prompt groups whose rewards are all equal
+                groups = gather(dense.sequence_reward).view(-1, self.num_generations)
+                metrics["frac_reward_zero_std"][-1] = (groups.std(dim=1) == 0).float().mean().item()
         if not finish_in_loss:
             self._log_reward(mode, dense.sequence_reward, kl)
         metrics["segment/score"].append(gather(dense.sequence_reward).mean().item())

@@ -73,6 +73,21 @@ def test_rollout_produces_dense_per_token_advantages(tmp_path, tiny_sft_path, to
     assert math.isfinite(metrics["segment/kl"][-1])
 
 
+def test_no_grpo_placeholder_metrics_are_logged(tmp_path, tiny_sft_path, toy_tok, segment_rm, prompts):
+    """GRPO's statistics of its placeholder reward function were logged every step (`rewards/segment_reward/mean`
+    always 0, `frac_reward_zero_std` always 1); with a segment reward model the groups' rewards differ, so the true
+    fraction of zero-std groups is 0."""
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, normalizer_kind="none", advantage_estimator="reinforce")
+    trainer = SegmentPPOTrainer(model=tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
+    trainer.model.train()
+    trainer._generate_and_score_completions([{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)])
+    metrics = trainer._metrics["train"]
+    assert not [k for k in metrics if k.startswith("rewards/segment_reward/")]
+    assert metrics["frac_reward_zero_std"] == [0.0]
+
+
 def test_ppo_raises_the_reward_models_score_while_kl_stays_finite(tmp_path, tiny_sft_path, toy_tok, toy_data,
                                                                   segment_rm, prompts):  # fmt: skip
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
