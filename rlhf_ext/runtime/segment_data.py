@@ -360,12 +360,17 @@ def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> No
     """Record next to a reward-model checkpoint how it segments text (cutoff, aggregation, tau, SFT model)."""
     import json
     import math
+    import os
 
     from rlhf_ext.runtime.io import atomic_write_text
 
     settings = dict(settings)
     if isinstance(settings.get("entropy_cutoff"), float) and math.isinf(settings["entropy_cutoff"]):
         settings["entropy_cutoff"] = "inf"  # JSON has no infinity
+    sft = settings.get("sft_model_name_or_path")
+    if sft and Path(sft).exists():  # a local SFT checkpoint: absolute (any working directory) and relative to the RM
+        settings["sft_model_name_or_path"] = str(Path(sft).resolve())  # directory (the two moved or copied together)
+        settings["sft_model_relative_path"] = os.path.relpath(Path(sft).resolve(), Path(model_dir).resolve())
     atomic_write_text(Path(model_dir) / SEGMENT_CONFIG_NAME, json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
@@ -381,4 +386,7 @@ def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
         )
     settings = json.loads(path.read_text())
     settings["entropy_cutoff"] = float(settings["entropy_cutoff"])
+    sft, relative = settings.get("sft_model_name_or_path"), settings.pop("sft_model_relative_path", None)
+    if sft and relative and not Path(sft).exists() and (Path(model_dir) / relative).exists():
+        settings["sft_model_name_or_path"] = str((Path(model_dir) / relative).resolve())  # moved together
     return settings

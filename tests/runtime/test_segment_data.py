@@ -153,3 +153,26 @@ def test_gpt2_bpe_pair_and_bandit_reward_equal_hf_pooling(gpt2_tok):
     with torch.no_grad():
         pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
     torch.testing.assert_close(ev.values, pooled, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_settings_survive_a_new_working_directory_and_a_move(tmp_path, monkeypatch):
+    """`segment_config.json` used to record the SFT model as given (`runs/demo/sft`, relative to the working
+    directory), so `rlhf-ext segment show` failed from another directory or after the run was moved."""
+    import shutil
+
+    from rlhf_ext.runtime.segment_data import load_segment_settings, save_segment_settings
+
+    run = tmp_path / "runs" / "demo"
+    (run / "sft").mkdir(parents=True)
+    (run / "rm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    save_segment_settings(run / "rm", {"entropy_cutoff": 2.0, "sft_model_name_or_path": "runs/demo/sft"})
+    monkeypatch.chdir(run / "rm")  # another working directory
+    assert load_segment_settings(run / "rm")["sft_model_name_or_path"] == str((run / "sft").resolve())
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(run), str(moved))  # the RM and its SFT model moved together
+    settings = load_segment_settings(moved / "rm")
+    assert settings["sft_model_name_or_path"] == str((moved / "sft").resolve())
+    assert "sft_model_relative_path" not in settings
+    save_segment_settings(moved / "rm", {"entropy_cutoff": 2.0, "sft_model_name_or_path": "org/hub-model"})
+    assert load_segment_settings(moved / "rm")["sft_model_name_or_path"] == "org/hub-model"  # hub ids unchanged
