@@ -251,6 +251,19 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _route_override(cls: type, item: str) -> str:
+    """``key=value`` with a flat ``key`` that names one section's field -> ``section.key=value`` (other items as given;
+    flat TRL-config fields are routed by :func:`route_flat_keys` afterwards)."""
+    key, eq, value = item.partition("=")
+    if not eq or "." in key or key in {f.name for f in dataclasses.fields(cls)}:
+        return item
+    sections = _section_leaves(cls).get(key, [])
+    if len(sections) > 1:
+        choices = ", ".join(f"{s}.{key}" for s in sections)
+        raise RecipeError(f"override '{key}' is ambiguous here; write one of {choices}")
+    return f"{sections[0]}.{item}" if sections else item
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None) -> T:
     """Build recipe dataclass ``cls`` from a plain mapping (nested sections, or flat TrlParser-style keys that name
     one section's field), validating every key and value."""
@@ -336,9 +349,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def load_recipe(cls: type[T], path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> T:
     """Load recipe dataclass ``cls`` from a YAML file (or its defaults when ``path`` is None) plus overrides."""
-    data = read_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides)
     try:
+        # flat keys of the file and of the overrides are routed separately, so an override (flat or dotted) replaces
+        # the file's value instead of contradicting it
+        data = route_flat_keys(cls, read_yaml(path) if path is not None else {})
+        data = apply_overrides(data, [_route_override(cls, item) for item in normalize_overrides(overrides)])
         return from_dict(cls, data)
     except RecipeError as e:
         where = f"{path}: " if path is not None else ""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
-from rlhf_ext.algos.segment_reward import check_cutoff, check_tau
+from rlhf_ext.algos.segment_reward import Aggregation, check_cutoff, check_tau
 from rlhf_ext.config import TrainSection
 
 
@@ -51,7 +51,7 @@ class PPOSegmentSection(DenseRewardKnobs):
     with (its ``segment_config.json``)."""
 
     entropy_cutoff: float | None = None
-    aggregation: Literal["softmax", "sum", "mean"] | None = None
+    aggregation: Aggregation | None = None
     tau: float | None = None
 
     def __post_init__(self):

@@ -107,12 +107,14 @@ class ContinualDPOTrainer(DPOTrainer):
 
     _tag_names = ["trl", "dpo", "rlhf-ext", "continual-dpo"]
 
-    def __init__(self, model, ref_model=None, prev_model=None, args: ContinualDPOConfig | None = None, **kwargs):
+    def __init__(self, model, ref_model=None, args: ContinualDPOConfig | None = None, *rest, prev_model=None, **kwargs):
+        """``DPOTrainer``'s arguments in its order (``model, ref_model, args, data_collator, train_dataset, ...``);
+        ``prev_model`` (the previous task's frozen policy) is keyword-only."""
         if args is None:
             args = ContinualDPOConfig(output_dir="continual-dpo")
         if not isinstance(args, ContinualDPOConfig):
             raise TypeError(f"args must be a ContinualDPOConfig, got {type(args).__name__}")
-        super().__init__(model, ref_model=ref_model, args=args, **kwargs)
+        super().__init__(model, ref_model, args, *rest, **kwargs)
         self.prev_model = self._prepare_frozen(prev_model) if prev_model is not None else None
         self._policy_log_probs = _FirstForwardLogProbs(self.accelerator.unwrap_model(self.model))
 

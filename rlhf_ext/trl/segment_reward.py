@@ -93,13 +93,17 @@ class SegmentRewardTrainer(RewardTrainer):
         self,
         model,
         args: SegmentRewardConfig | None = None,
+        data_collator=None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        *rest,
         sft_model=None,
-        data_collator=None,
         **kwargs,
     ):
+        """``RewardTrainer``'s arguments in its order (``model, args, data_collator, train_dataset, eval_dataset,
+        processing_class, compute_metrics, callbacks, ...``); ``sft_model`` (the segmenting SFT model, default
+        ``args.sft_model_name_or_path``) is keyword-only."""
         if args is None:
             args = SegmentRewardConfig(output_dir="segment-reward-model")
         if not isinstance(args, SegmentRewardConfig):
@@ -134,15 +138,7 @@ class SegmentRewardTrainer(RewardTrainer):
             eval_dataset = prepare_segment_dataset(eval_dataset, **prepare)
         if data_collator is None:
             data_collator = SegmentPreferenceCollator(processing_class.pad_token_id, args.pad_to_multiple_of)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
         self._capture = TokenScoreCapture(self.model)
 
     def _set_signature_columns_if_needed(self):

@@ -98,3 +98,21 @@ def test_trl_configs_keep_output_dir_first_and_run_trl_and_knob_checks():
         ContinualDPOConfig("/tmp/rlhf-ext-out", bf16=False, continual_kl_coef=-1.0)
     with pytest.raises(ValueError, match="tau must be a finite number > 0"):
         SegmentRewardConfig("/tmp/rlhf-ext-out", bf16=False, tau=0.0)
+
+
+def test_trainers_take_their_trl_parents_positional_order():
+    """Positional arguments mean what they mean for the TRL parent (our extras are keyword-only)."""
+    import inspect
+
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer
+
+    from rlhf_ext.trl import ContinualDPOTrainer, DensePPOTrainer, IterativeDPOTrainer, SegmentRewardTrainer
+
+    def positional(cls, n):
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD,)
+        return [p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind in kinds][1 : n + 1]
+
+    assert positional(SegmentRewardTrainer, 6) == positional(RewardTrainer, 6)
+    assert positional(ContinualDPOTrainer, 3) == positional(DPOTrainer, 3)
+    assert positional(DensePPOTrainer, 10) == positional(GRPOTrainer, 10)
+    assert positional(IterativeDPOTrainer, 2) == ["model", "reward_funcs"]

@@ -171,3 +171,13 @@ def test_a_trl_users_flat_yaml_runs_as_a_recipe(tmp_path):
     assert (args.entropy_cutoff, args.tau, args.learning_rate) == (1.5, 0.25, 1e-4)
     with pytest.raises(RecipeError, match="unknown key 'per_device_train_batchsize'"):
         load_recipe(SegmentRMRecipe, path, ["--per_device_train_batchsize", "4"])
+
+
+def test_a_flat_override_replaces_the_recipe_files_nested_value():
+    """`rlhf-ext train segment-rm --config segment_rm_tiny --entropy_cutoff 1.5` (found running the installed wheel)
+    used to fail with "given twice ... with different values"; an override wins, flat or dotted."""
+    flat = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_tiny"), ["--entropy_cutoff", "1.5", "tau=0.25"])
+    dotted = load_recipe(
+        SegmentRMRecipe, recipe_path("segment_rm_tiny"), ["segment.entropy_cutoff=1.5", "segment.tau=0.25"]
+    )
+    assert flat == dotted and (flat.segment.entropy_cutoff, flat.segment.tau) == (1.5, 0.25)
