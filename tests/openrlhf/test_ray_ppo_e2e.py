@@ -60,8 +60,8 @@ def bandit_runs(ray_env):
 @pytest.fixture(scope="module")
 def segment_task0(ray_env):
     """The recipe path a user starts from: ``python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf
-    --config segment_ppo_tiny`` (normalizer fitted by the launcher, GAE critic from the segment RM, 2 samples per prompt),
-    here with two policy ranks under ZeRO-2 and as the first task of a continual sequence."""
+    --config segment_ppo_tiny`` (normalizer fitted by the launcher, GAE critic from the segment RM, 2 samples per
+    prompt), here with two policy ranks under ZeRO-2 and as the first task of a continual sequence."""
     from tests.helpers.openrlhf_runs import run_logged
 
     root, (sft, rm), _ = ray_env
