@@ -5,38 +5,179 @@
     rlhf-ext train continual --config FILE [key.sub=value ...]
     rlhf-ext recipe list | rlhf-ext recipe copy NAME DEST
     rlhf-ext segment show --model RM_DIR --prompt TEXT --response TEXT [--html OUT]
+    rlhf-ext serve rm --model RM_DIR [--port 5000]
     rlhf-ext demo
 
-Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is instant.
+Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is instant. Every command group is a
+:class:`UserErrorGroup`: a user's mistake (:data:`USER_ERRORS`: a recipe error, a hub id while offline, a missing
+optional package, a missing path, a full disk ...) is one ``error: ...`` line naming the fix, exit code 2; a programming
+error keeps its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 
-from rlhf_ext.config import RecipeError
+from rlhf_ext.config import OPTIONAL_PACKAGES, HubOfflineError, MissingOptionalPackage, hub_offline
 from rlhf_ext.datagen.cli import data
 from rlhf_ext.recipes import recipe_dir, recipe_names, recipe_path
 from rlhf_ext.sim.cli import sim as sim_group
 
 
 def _fail(message: str) -> None:
+    """Report a command's own check (not an exception) like a user error: one line, exit code 2."""
     click.secho(f"error: {message}", fg="red", err=True)
     sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# --------------------------------------------------------------------------------------------------- user errors
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (``__cause__``, else an unsuppressed
+    ``__context__``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _loaded_type(module: str, name: str) -> type | None:
+    """Class ``module.name`` if ``module`` was imported (an exception of a never-imported module cannot occur, so
+    matching never imports a heavy library)."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
+
+
+def _hub_repo_id(exc: BaseException) -> str | None:
+    """The hub id a ``huggingface_hub`` download failed for (the ``repo_id`` argument of the failing call)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        value = tb.tb_frame.f_locals.get("repo_id")
+        if isinstance(value, str):
+            return value
+        tb = tb.tb_next
+    return None
+
+
+def _hub_offline_message(exc: BaseException) -> str | None:
+    """A model or tokenizer named by hub id while the hub is switched off (HF_HUB_OFFLINE=1)."""
+    hub_errors = tuple(
+        t
+        for t in (
+            _loaded_type("huggingface_hub.errors", n) for n in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+        )
+        if t is not None
+    )
+    for e in _chain(exc):
+        if isinstance(e, HubOfflineError):
+            return str(e)
+        if hub_errors and isinstance(e, hub_errors) and hub_offline():
+            return str(HubOfflineError(_hub_repo_id(e) or "the hub model"))
+    return None
+
+
+def _missing_package_message(exc: BaseException) -> str | None:
+    """An optional package (:data:`rlhf_ext.config.OPTIONAL_PACKAGES`) is not installed; another missing module is
+    a programming or installation error and keeps its traceback."""
+    if isinstance(exc, MissingOptionalPackage):
+        return str(exc)
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in OPTIONAL_PACKAGES:
+        return str(MissingOptionalPackage(exc.name.split(".")[0]))
+    return None
+
+
+def _os_error_message(exc: BaseException) -> str | None:
+    """A path the user gave does not exist, or the disk is full."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return (
+            f"no space left on device{where}: free some space or point the output directory at another disk, then "
+            "rerun the same command (finished stages and cached samples are kept)"
+        )
+    if isinstance(exc, FileNotFoundError):
+        if exc.errno is None:  # raised by rlhf-ext with its own message
+            return str(exc)
+        return f"'{exc.filename}' does not exist: check the path (a relative path is relative to {os.getcwd()})"
+    return None
+
+
+#: The exceptions rlhf-ext raises for a user's mistake, by (module, class name); each message names the fix.
+USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
+    ("rlhf_ext.config", "RecipeError"),
+    ("rlhf_ext.runtime.rundir", "RunSettingsChanged"),
+    ("rlhf_ext.zoo.builtins", "BuiltinNotBuiltError"),
+    ("rlhf_ext.pipelines.continual", "TaskSequenceError"),
+    ("rlhf_ext.runtime.segment_data", "DatasetFormatError"),
+    ("rlhf_ext.algos.location_norm", "NormalizerError"),
+    ("rlhf_ext.datagen.cache", "CacheLockedError"),
+    ("rlhf_ext.datagen.backends", "BackendUnavailable"),
+)
+
+
+def _typed_message(exc: BaseException) -> str | None:
+    """The message of one of :data:`USER_ERROR_TYPES`."""
+    for module, name in USER_ERROR_TYPES:
+        cls = _loaded_type(module, name)
+        if cls is not None and isinstance(exc, cls):
+            return str(exc)
+    return None
+
+
+#: Matchers tried in order; the first message wins. An exception none of them matches is a programming error.
+USER_ERRORS: tuple[Callable[[BaseException], str | None], ...] = (
+    _hub_offline_message,
+    _missing_package_message,
+    _typed_message,
+    _os_error_message,
+)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """One line that names the user's error and its fix, or None when ``exc`` is not a user error."""
+    for matcher in USER_ERRORS:
+        message = matcher(exc)
+        if message:
+            return " ".join(message.split())
+    return None
+
+
+class UserErrorGroup(click.Group):
+    """A command group that reports user errors (:func:`user_error_message`) as one ``error: ...`` line on stderr
+    with exit code 2; any other exception keeps its traceback. Its sub-groups are UserErrorGroups too."""
+
+    group_class = type
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise  # click's own outcomes (usage errors, exit codes), reported by click
+        except Exception as e:
+            message = user_error_message(e)
+            if message is None:
+                raise
+            click.secho(f"error: {message}", fg="red", err=True)
+            raise click.exceptions.Exit(2) from None
+
+
+@click.group(cls=UserErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rlhf-ext")
 @click.option("--local_rank", "--local-rank", type=int, default=None, hidden=True, expose_value=False,
               help="Set by `deepspeed --module rlhf_ext.cli ...`; the rank is read from the environment.")  # fmt: skip
 def main() -> None:
     """rlhf-ext: segment rewards, online DPO, async and continual RLHF for TRL and OpenRLHF."""
+    from rlhf_ext.runtime.log import configure_cli_output
+
+    configure_cli_output()  # log lines on stderr at INFO (RLHF_EXT_VERBOSITY), no progress bars when piped
 
 
 main.add_command(data)
@@ -58,10 +199,7 @@ def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str,
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm
 
-    try:
-        recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
-    except RecipeError as e:
-        _fail(str(e))
+    recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
     if engine is not None:
         recipe.engine = engine
     summary = run_segment_rm(recipe)
@@ -79,6 +217,8 @@ def print_rm_summary(summary: dict) -> None:
     if "eval_accuracy" in ev:
         segs = ev.get("eval_segments_per_response", 0.0)
         click.echo(f"  held-out acc.:   {ev['eval_accuracy']:.3f}  (segments/response {segs:.2f})")
+    elif "eval_skipped" in summary:
+        click.echo(f"  held-out acc.:   {summary['eval_skipped']}")
     if "report" in summary:
         click.echo(f"  segment report:  {summary['report']['html']}")
         click.echo(f"                   {summary['report']['text']}")
@@ -90,14 +230,11 @@ def print_rm_summary(summary: dict) -> None:
 def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
     """Continual RLHF over a task sequence with the KL to the previous task's policy (paper 000)."""
     from rlhf_ext.config import load_recipe
-    from rlhf_ext.pipelines.continual import TaskSequenceError, format_summary, run_continual
+    from rlhf_ext.pipelines.continual import format_summary, run_continual
     from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 
-    try:
-        recipe = load_recipe(ContinualRecipe, recipe_path(config_path), overrides)
-        summary = run_continual(recipe)
-    except (RecipeError, TaskSequenceError) as e:
-        _fail(str(e))
+    recipe = load_recipe(ContinualRecipe, recipe_path(config_path), overrides)
+    summary = run_continual(recipe)
     click.echo("")
     click.echo(format_summary(summary))
 
@@ -111,10 +248,7 @@ def train_segment_ppo(config_path: str, engine: str | None, overrides: tuple[str
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
-    try:
-        recipe = load_recipe(SegmentPPORecipe, recipe_path(config_path), overrides)
-    except RecipeError as e:
-        _fail(str(e))
+    recipe = load_recipe(SegmentPPORecipe, recipe_path(config_path), overrides)
     if engine is not None:
         recipe.engine = engine
     print_ppo_summary(run_segment_ppo(recipe))
@@ -145,10 +279,7 @@ def train_online_dpo(config_path: str, overrides: tuple[str, ...]) -> None:
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe, run_online_dpo
 
-    try:
-        recipe = load_recipe(OnlineDPORecipe, recipe_path(config_path), overrides)
-    except RecipeError as e:
-        _fail(str(e))
+    recipe = load_recipe(OnlineDPORecipe, recipe_path(config_path), overrides)
     _print_online_summary(run_online_dpo(recipe))
 
 
@@ -188,10 +319,7 @@ def recipe_list() -> None:
 @click.argument("dest", type=click.Path())
 def recipe_copy(name: str, dest: str) -> None:
     """Copy packaged recipe NAME to DEST (a file or a directory)."""
-    try:
-        src = recipe_path(name)
-    except RecipeError as e:
-        _fail(str(e))
+    src = recipe_path(name)
     target = Path(dest)
     if target.is_dir():
         target = target / src.name
@@ -237,6 +365,18 @@ def segment() -> None:
     """Inspect segment reward models."""
 
 
+def _finite_or_null(value):
+    """``value`` with every non-finite float (NaN, +-inf) replaced by ``None``, in nested lists and dicts: strict
+    JSON has no NaN or Infinity (``json.dumps`` would write them as bare words no JSON parser accepts)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 @segment.command("show")
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True), help="Segment reward model dir.")
 @click.option("--prompt", default="", help="Prompt text.")
@@ -244,7 +384,7 @@ def segment() -> None:
 @click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
 @click.option("--cutoff", type=float, default=None, help="Entropy cutoff (default: the training value).")
 @click.option("--html", "html_path", type=click.Path(), default=None, help="Also write a coloured HTML view here.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (NaN and inf are written as null).")
 def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json) -> None:
     """Split RESPONSE into segments and print each segment's reward (paper Figure 3)."""
     from rlhf_ext.pipelines.builtins import resolve_model
@@ -259,7 +399,7 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
         _fail(str(e))
     view = scorer.score(prompt or None, response)
     if as_json:
-        click.echo(json.dumps(view.__dict__, indent=2))
+        click.echo(json.dumps(_finite_or_null(view.__dict__), indent=2, allow_nan=False))
     else:
         click.echo(view.as_text())
     if html_path:
@@ -267,8 +407,40 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
         click.echo(f"html: {html_path}", err=as_json)
 
 
+@segment.command("import-normalizer")
+@click.argument("param_json", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model-type", required=True, help="param.json's model type key, e.g. rlhflow_llama_3_sft_8b_v2.")
+@click.option("--dataset", required=True, help="Reward-fit dataset key, e.g. preference700k_60000.")
+@click.option("--method", "segment_method", required=True, help="Segmentation method key, e.g. peak.")
+@click.option("--aggregation", required=True, help="Aggregation key, e.g. avg.")
+@click.option("--cutoff", type=float, required=True, help="Entropy cutoff (matched numerically: 2 finds '2.0').")
+@click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Normalizer JSON.")
+@click.option("--reward-model", default=None, help="The reward model it belongs to (PPO refuses it for another).")
+@click.option("--std-floor", type=float, default=None, help="Clamp Std(p) below at this value where it is <= 0.")
+@click.option("--max-segments", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Most segments a response has (p >= 1/N); the public PPO generates <= 1024 tokens.")  # fmt: skip
+def segment_import_normalizer(
+    param_json, model_type, dataset, segment_method, aggregation, cutoff, out_path, reward_model, std_floor,
+    max_segments,
+) -> None:  # fmt: skip
+    """Import one of paper 003's released normalizers from its public code's PARAM_JSON (Mean(p) = a ln p + c,
+    Std(p) = b ln p + d) as a LocationNormalizer file for `model.normalizer`."""
+    from rlhf_ext.runtime.calibration import import_reference_normalizer, model_id, save_normalizer
+
+    norm = import_reference_normalizer(
+        param_json, model_type, dataset, segment_method, aggregation, cutoff,
+        reward_model=model_id(reward_model) if reward_model else None, std_floor=std_floor, max_segments=max_segments,
+    )  # fmt: skip
+    save_normalizer(norm, out_path)
+    clamp = f", clamped at >= {norm.std_floor:g}" if norm.std_floor is not None else ""
+    click.echo(f"imported {norm.source}")
+    click.echo(f"  Mean(p) = {norm.w_mu:g} * ln(p) + {norm.b_mu:g}")
+    click.echo(f"  Std(p)  = {norm.w_sigma:g} * ln(p) + {norm.b_sigma:g}{clamp}")
+    click.echo(f"  saved:  {out_path}")
+
+
 # ---------------------------------------------------------------------------------------------------------- demo
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", default="demo", show_default=True, help="Demo recipe (file or packaged name).")
 @click.option("--out", default=None, help="Output directory (default: the recipe's, runs/demo).")
 @click.option("--force", is_flag=True, help="Redo every stage instead of reusing finished ones.")
@@ -279,16 +451,8 @@ def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, .
     from rlhf_ext.config import load_recipe
     from rlhf_ext.demo import DemoPipeline, DemoRecipe
 
-    try:
-        recipe = load_recipe(DemoRecipe, recipe_path(config_path), (*((f"out={out}",) if out else ()), *overrides))
-    except RecipeError as e:
-        _fail(str(e))
-    from rlhf_ext.runtime.rundir import RunSettingsChanged
-
-    try:
-        results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
-    except RunSettingsChanged as e:
-        _fail(str(e))
+    recipe = load_recipe(DemoRecipe, recipe_path(config_path), (*((f"out={out}",) if out else ()), *overrides))
+    results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
     ev = results["eval"]["ppo_vs_sft"]
     click.echo("")
     click.secho(f"demo finished in {results['total_seconds']:.0f} s", fg="green", bold=True)
@@ -299,6 +463,48 @@ def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, .
     click.echo(f"  KL(PPO || SFT):      {ev['kl']:.3f} nats")
     click.echo(f"  report:              {results['report']['html']}")
     click.echo(f"  metrics:             {results['report']['metrics']}")
+
+
+# --------------------------------------------------------------------------------------------------------- serve
+@main.group()
+def serve() -> None:
+    """Serve models over HTTP."""
+
+
+@serve.command("rm")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True), help="Segment reward model dir.")
+@click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=int, default=5000, show_default=True, help="Port (0: a free one).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Pairs scored per forward pass.")  # fmt: skip
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="How long a batch waits for more requests.")  # fmt: skip
+@click.option("--max-request-pairs", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Pairs per request (413 above).")  # fmt: skip
+@click.option("--workers", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests handled at once (more wait).")  # fmt: skip
+@click.option("--max-len", "max_length", type=click.IntRange(min=2), default=None,
+              help="Tokens per prompt + response (default: the model's context).")  # fmt: skip
+def serve_rm(model_dir, sft_model, host, port, max_batch_size, max_wait_ms, max_request_pairs, workers,
+             max_length) -> None:  # fmt: skip
+    """Serve a segment reward model's e_phi (paper 003 Eq. 4) in OpenRLHF's remote-reward protocol: POST
+    /get_reward {"query": [...], "prompts": [...]} -> {"rewards": [...]}; GET /health. For OpenRLHF:
+    --reward.remote_url http://HOST:PORT/get_reward; for TRL: rlhf_ext.trl.remote_reward.remote_reward_func(URL)."""
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.pipelines.serve_rm import ServeSettings, serve_reward_model
+
+    settings = ServeSettings(host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                             max_request_pairs=max_request_pairs, workers=workers, max_length=max_length)  # fmt: skip
+    try:
+        serve_reward_model(model_dir, settings, sft_model=resolve_model(sft_model) if sft_model else None,
+                           echo=lambda m: click.echo(m, err=True))  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        _fail(f"{host}:{port} is in use: pick another --port (0: any free one) or stop the server holding it")
 
 
 if __name__ == "__main__":

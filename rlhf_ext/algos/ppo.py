@@ -8,6 +8,7 @@ are vectorised over the batch; the backward recursions of GAE and reward-to-go r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -400,6 +401,27 @@ def ppo_advantages(
     return rewards, advantages, returns
 
 
+def check_unit_interval(name: str, value: float) -> float:
+    """``value`` if it lies in ``[0, 1]`` (a discount or a GAE lambda); ``ValueError`` naming ``name`` otherwise."""
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} must be in [0, 1]; got {value}")
+    return value
+
+
+def check_positive(name: str, value: float) -> float:
+    """``value`` if it is a finite number > 0 (a clip width, a temperature); ``ValueError`` naming ``name``
+    otherwise."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0; got {value}")
+    return value
+
+
+def check_clip_eps(value: float, name: str = "clip_eps") -> float:
+    """The PPO ratio clip ``epsilon`` (paper 003 Appendix C: 0.2): a finite number > 0. A value <= 0 would clip the
+    ratio to an empty or inverted band and train silently on a meaningless objective."""
+    return check_positive(name, value)
+
+
 @dataclass
 class PPOKnobs:
     """PPO knobs shared by the engines, declared once (paper 003 Table 8 and OpenRLHF 0.11.2's defaults):
@@ -412,8 +434,9 @@ class PPOKnobs:
         kl_estimator: ``k1`` (OpenRLHF's reward penalty), ``k2`` or ``k3`` (:func:`kl_estimate`).
         advantage_estimator: ``gae`` (critic), ``reinforce`` (reward-to-go) or ``reinforce_baseline`` (minus the
             prompt group's mean reward); see :data:`ADVANTAGE_ESTIMATORS`.
-        gamma, lam: discount and GAE lambda (OpenRLHF: 1.0, 0.95).
-        value_clip: critic value clip (paper 003 Appendix C: 0.25 with dense rewards, 0.2 with bandit rewards).
+        gamma, lam: discount and GAE lambda in [0, 1] (OpenRLHF: 1.0, 0.95).
+        value_clip: critic value clip > 0, or ``None`` for no clip (paper 003 Appendix C: 0.25 with dense rewards,
+            0.2 with bandit rewards).
         reward_clip_range: per-token reward clip before the KL penalty (OpenRLHF's ``--reward.clip_range``, +-10).
         whiten_advantages: standardise advantages over the rollout batch (OpenRLHF does).
     """
@@ -436,9 +459,13 @@ class PPOKnobs:
         self.check_ppo_knobs()
 
     def check_ppo_knobs(self) -> None:
-        """Validate the knobs (called by every config that embeds them)."""
-        if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        """Validate the knobs (called by every config that embeds them); each error names the knob and its range."""
+        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be >= 0 and finite; got {self.kl_coef}")
+        check_unit_interval("gamma", self.gamma)
+        check_unit_interval("lam", self.lam)
+        if self.value_clip is not None and not (self.value_clip > 0 and math.isfinite(self.value_clip)):
+            raise ValueError(f"value_clip must be a finite number > 0, or null for no clip; got {self.value_clip}")
         if self.kl_estimator not in SAMPLE_KL_ESTIMATORS:
             raise ValueError(
                 f"kl_estimator must be one of {', '.join(SAMPLE_KL_ESTIMATORS)}; got {self.kl_estimator!r}"
@@ -448,6 +475,6 @@ class PPOKnobs:
                 f"advantage_estimator must be one of {', '.join(ESTIMATORS)}; got {self.advantage_estimator!r}"
             )
         if self.reward_clip_range is not None and (
-            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] >= self.reward_clip_range[1]
+            len(self.reward_clip_range) != 2 or not self.reward_clip_range[0] < self.reward_clip_range[1]
         ):
             raise ValueError(f"reward_clip_range must be [low, high] with low < high; got {self.reward_clip_range}")

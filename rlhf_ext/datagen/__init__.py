@@ -9,7 +9,7 @@ Quick start::
     for stage in load_continual_dataset("runs/pp"):   # one DatasetDict (train/test) per time step
         ...
 
-Engine-free: nothing here imports trl, openrlhf, deepspeed, ray or vllm; ``datasets``, ``aiohttp`` and
+Engine-free: nothing here imports trl, openrlhf, deepspeed, ray or vllm; ``datasets``, ``openai`` and
 ``transformers`` are imported only by the functions that need them.
 """
 

@@ -1,20 +1,23 @@
 """The append-only sample cache that makes generation resumable (one JSON line per finished sample).
 
-Every finished sample (or a sample skipped for a reason that retrying cannot fix) is one line of
+Every finished sample (or a sample whose answer cannot be used) is one line of
 ``<output>/.cache/samples.jsonl``, keyed by a hash of the task, the sample index and the seed (plus the generation
 settings that change a sample's text). The line is written with a single ``write`` on an ``O_APPEND`` descriptor as
 soon as the sample is done, so a ``kill -9`` loses only the requests in flight: the kernel keeps what was written.
 ``fsync`` runs at most every ``fsync_interval`` seconds and when the cache closes, which bounds what a power cut can
 lose. On open, a torn last line (a process killed in the middle of a write) is cut off, and duplicate keys keep their
 first record, so a rerun resumes without duplicates. An exclusive non-blocking lock stops two runs from writing one
-cache at once.
+cache at once. A failed request is never a record; records that older versions wrote for HTTP 4xx answers (``skipped``
+/ ``request_rejected``) are ignored on open, so those samples are generated again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ CACHE_DIR = ".cache"
 SAMPLES_FILE = "samples.jsonl"
 RUNS_FILE = "runs.jsonl"
 LOCK_FILE = "lock"
+#: skip reasons that are not final answers (written by older versions for failed requests): ignored when loading
+NOT_FINAL_REASONS = frozenset({"request_rejected"})
 
 
 class CacheLockedError(RuntimeError):
@@ -39,6 +44,7 @@ class SampleCache:
         self.records: dict[str, dict[str, Any]] = {}
         self.repaired_bytes = 0
         self.corrupt_lines = 0
+        self.ignored_records = 0
         self._fd: int | None = None
         self._lock_fd: int | None = None
         self._last_sync = 0.0
@@ -90,6 +96,7 @@ class SampleCache:
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
+        kept = []
         for line in data[:end].splitlines():
             if not line.strip():
                 continue
@@ -98,8 +105,32 @@ class SampleCache:
                 key = record["key"]
             except (ValueError, KeyError, TypeError):
                 self.corrupt_lines += 1
+                kept.append(line)
                 continue
+            if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
+                self.ignored_records += 1
+                continue
+            kept.append(line)
             self.records.setdefault(key, record)
+        if self.ignored_records:  # drop them from the file too (their details may quote what a server echoed back)
+            self._rewrite(b"".join(line + b"\n" for line in kept))
+
+    def _rewrite(self, data: bytes) -> None:
+        """Replace the samples file atomically with ``data`` (the permissions ``open`` would give it)."""
+        from rlhf_ext.runtime.io import current_umask
+
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.directory)
+        try:
+            os.fchmod(fd, 0o666 & ~current_umask())
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
     def __contains__(self, key: str) -> bool:
         return key in self.records

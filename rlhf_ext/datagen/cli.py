@@ -3,13 +3,15 @@
     rlhf-ext data configs
     rlhf-ext data generate CONFIG -o OUT [--backend offline|hf|openai] [--model M] [--api-base URL]
                                          [--max-concurrency N] [--num-samples N] [--dry-run] [key.sub=value ...]
+                                         [--format plain|conversational] [--format auto|aif-gen|rlhf-ext]
+    rlhf-ext data import SOURCE -o OUT [--format auto|aif-gen|rlhf-ext] [--name NAME]
     rlhf-ext data validate DATASET [--judge rule|llm] [--embedding-model minilm|PATH] [-o report.json]
     rlhf-ext data preview DATASET [--stage NAME|INDEX] [-n 3]
     rlhf-ext data sample DATASET -o OUT [--keep-ratio-train R] [--keep-test N] ...
     rlhf-ext data transform preference_swap DATASET -o OUT [-p 0.1]
     rlhf-ext data transform split DATASET -o OUT [--test-ratio 0.15]
     rlhf-ext data merge DATASET... -o OUT
-    rlhf-ext data export DATASET -o DIR [--format jsonl|parquet]
+    rlhf-ext data export DATASET -o DIR [--format jsonl|parquet|aif-gen] [--overwrite]
 
 Heavy libraries are imported inside the commands.
 """
@@ -57,6 +59,43 @@ def _backend_overrides(backend, model, api_base, max_concurrency, seed, fmt) -> 
     return [f"{k}={v}" for k, v in pairs if v is not None]
 
 
+#: The most samples ``data generate --dry-run`` plans (one job each, about 3 s for this many on 2 CPU cores); the
+#: sample count is known from the config in O(stages), so a larger request is refused at once instead of hanging.
+DRY_RUN_MAX_SAMPLES = 200_000
+
+
+def _check_dry_run_size(config: str, overrides: list[str], num_samples: int | None) -> None:
+    """Refuse a dry run whose plan would take minutes (a RecipeError: one line with the fix)."""
+    from rlhf_ext.datagen.drift import build_schedule
+    from rlhf_ext.datagen.schema import load_task_config
+
+    spec = load_task_config(config, overrides)
+    if num_samples is not None:
+        spec = spec.with_num_samples(num_samples)
+    total = sum(stage.num_samples for stage in build_schedule(spec))
+    if total > DRY_RUN_MAX_SAMPLES:
+        raise RecipeError(
+            f"--dry-run lists the plan sample by sample; {total:,} samples is more than {DRY_RUN_MAX_SAMPLES:,}: "
+            "dry-run with a smaller --num-samples (the plan's stages and templates do not depend on it)"
+        )
+
+
+OUTPUT_FORMATS = ("plain", "conversational")
+CONFIG_FORMATS = ("auto", "aif-gen", "rlhf-ext")
+
+
+def _split_formats(values: tuple[str, ...]) -> tuple[str | None, str]:
+    """``data generate --format`` values as (output format or None, config format): each axis at most once."""
+    output = sorted({v for v in values if v in OUTPUT_FORMATS})
+    config = sorted({v for v in values if v in CONFIG_FORMATS})
+    if len(output) > 1 or len(config) > 1:
+        _fail(
+            "--format takes at most one output format (plain|conversational) and one config format "
+            f"(auto|aif-gen|rlhf-ext); got {', '.join(values)}"
+        )
+    return (output[0] if output else None), (config[0] if config else "auto")
+
+
 @click.group("data", context_settings={"help_option_names": ["-h", "--help"]})
 def data() -> None:
     """Synthetic continual preference data (paper 000, AIF-GEN): generate, validate, preview, transform."""
@@ -73,6 +112,13 @@ def configs() -> None:
         click.echo(f"{name:34s} {first}")
 
 
+def _failure_lines(stats: dict) -> list[str]:
+    """One line per failure reason of a generation run: count and the server's message (already redacted)."""
+    counts = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("retry_later:")}
+    errors = stats.get("errors") or {}
+    return [f"  failed:   {reason} x{n}: {errors.get(reason, '(no message)')}" for reason, n in sorted(counts.items())]
+
+
 # --------------------------------------------------------------------------------------------------- generate
 @data.command("generate", context_settings={"ignore_unknown_options": True})
 @click.argument("config")
@@ -83,7 +129,14 @@ def configs() -> None:
 @click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once (default 256).")
 @click.option("--num-samples", type=int, default=None, help="Samples per task (run a config small).")
 @click.option("--seed", type=int, default=None, help="Override the config seed.")
-@click.option("--format", "fmt", type=click.Choice(["plain", "conversational"]), default=None)
+@click.option(
+    "--format",
+    "formats",
+    type=click.Choice([*OUTPUT_FORMATS, *CONFIG_FORMATS]),
+    multiple=True,
+    help="Output format (plain | conversational) and/or config format (auto, the default: AIF-Gen's task_specs "
+    "configs are detected | aif-gen | rlhf-ext); repeat to give both.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan and the rendered templates; contact no backend.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @click.option("--push-to-hub", "hub_repo", default=None, help="Also upload to this hub dataset repo (needs HF_TOKEN).")
@@ -97,7 +150,7 @@ def generate(
     max_concurrency,
     num_samples,
     seed,
-    fmt,
+    formats,
     dry_run,
     progress,
     hub_repo,
@@ -105,13 +158,23 @@ def generate(
 ) -> None:
     """Generate (or resume) a continual preference dataset from CONFIG (a YAML file or packaged config name).
 
-    Rerunning the same command resumes: finished samples come from OUTPUT/.cache.
+    Rerunning the same command resumes: finished samples come from OUTPUT/.cache. AIF-Gen's task configs
+    (task_specs) are read as they are; model, temperature and token limits come from the options and overrides.
     """
     from rlhf_ext.datagen.backends import BackendUnavailable
     from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
     from rlhf_ext.datagen.generate import generate_dataset, plan_generation
+    from rlhf_ext.datagen.schema import load_task_config
 
+    fmt, config_format = _split_formats(formats)
+    if config_format != "auto":  # auto: load_task_config itself detects AIF-Gen's task_specs
+        try:
+            config = load_task_config(config, (), config_format)
+        except RecipeError as e:
+            _fail(str(e))
     all_overrides = [*_backend_overrides(backend, model, api_base, max_concurrency, seed, fmt), *overrides]
+    if dry_run:
+        _check_dry_run_size(config, all_overrides, num_samples)
     try:
         plan = plan_generation(config, all_overrides, num_samples)
     except RecipeError as e:
@@ -134,17 +197,34 @@ def generate(
     except KeyboardInterrupt:
         _fail(f"interrupted; finished samples are cached in {Path(output) / CACHE_DIR}: rerun the command to resume")
     stats = ds.run_stats or {}
-    click.secho(f"wrote {len(ds)} stages to {output}", fg="green", bold=True)
-    click.echo(
-        f"  samples: {ds.metadata['stats'].get('generated', 0)}/{ds.metadata['stats']['planned']} "
+    totals = ds.metadata["stats"]
+    usable = totals.get("generated", 0)
+    summary = (
+        f"  samples: {usable}/{totals['planned']} "
         f"(this run: {stats.get('generated', 0)} new, {stats.get('reused', 0)} from cache, "
         f"{stats.get('elapsed_s', 0):.1f} s)"
     )
-    skipped = {k: v for k, v in stats.items() if k.startswith(("skipped:", "retry_later:"))}
+    skipped = {k: v for k, v in stats.items() if k.startswith("skipped:")}  # cached: the answers were unusable
+    failures = _failure_lines(stats)
+    if usable == 0 and totals["planned"] > 0:  # nothing usable: say why and fail
+        click.echo(summary, err=True)
+        if skipped:
+            click.echo("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())), err=True)
+        for line in failures:
+            click.echo(line, err=True)
+        why = "every request failed (see above)" if failures else "no answer could be used (see skipped above)"
+        _fail(
+            f"no usable samples in {output}: {why}. Failed samples are not cached: fix the server or the config and "
+            "rerun the same command"
+        )
+    click.secho(f"wrote {len(ds)} stages to {output}", fg="green", bold=True)
+    click.echo(summary)
     if skipped:
         click.echo("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
-    if ds.metadata["stats"].get("missing"):
-        click.echo(f"  missing:  {ds.metadata['stats']['missing']} (failed this run; rerun the command to retry them)")
+    for line in failures:
+        click.secho(line, fg="yellow", err=True)
+    if totals.get("missing"):
+        click.echo(f"  missing:  {totals['missing']} (failed this run; rerun the command to retry them)")
     if hub_repo:
         try:
             ds.push_to_hub(hub_repo)
@@ -355,9 +435,50 @@ def merge_cmd(datasets, output) -> None:
 @data.command("export")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Directory to write.")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
-def export(dataset, output, fmt) -> None:
-    """Write every stage's splits as JSONL or parquet files (plus the metadata)."""
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "parquet", "aif-gen"]),
+    default="jsonl",
+    show_default=True,
+    help="aif-gen: one data.json in AIF-Gen's dataset format (one task per stage; plain text).",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Write into a non-empty directory, replacing only the files the export writes (nothing else is deleted).",
+)
+def export(dataset, output, fmt, overwrite) -> None:
+    """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
+    or empty directory."""
     ds = _load(dataset)
-    ds.export(output, fmt)
-    click.echo(f"exported {len(ds)} stages as {fmt} to {output}")
+    try:
+        ds.export(output, fmt, overwrite=overwrite)
+    except ValueError as e:  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
+        _fail(str(e))
+    where = Path(output) / ds.export_files(fmt)[0] if fmt == "aif-gen" else output
+    click.echo(f"exported {len(ds)} stages as {fmt} to {where}")
+
+
+# ----------------------------------------------------------------------------------------------------- import
+@data.command("import")
+@click.argument("source")
+@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Dataset directory to write.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(list(CONFIG_FORMATS)),
+    default="auto",
+    show_default=True,
+    help="aif-gen: AIF-Gen's dataset JSON file; rlhf-ext: a continual dataset directory; auto: either.",
+)
+@click.option("--name", default=None, help="Dataset name (default: the file's stem).")
+def import_cmd(source, output, fmt, name) -> None:
+    """Read SOURCE (AIF-Gen's dataset JSON, e.g. its published continual datasets) into a continual dataset."""
+    from rlhf_ext.datagen.aif_gen import import_dataset
+
+    try:
+        ds = import_dataset(source, fmt, name)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    _save(ds, output)

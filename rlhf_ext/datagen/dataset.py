@@ -6,6 +6,11 @@ On disk (``ContinualDataset.save``)::
     OUT/continual_dataset.json     metadata: config, seeds, drift (type, modes, schedule), per-stage counts
     OUT/stages/000-<name>/         DatasetDict.save_to_disk (train/ and test/), one per stage, in order
     OUT/.cache/                    generation cache (only for generated datasets; see rlhf_ext.datagen.cache)
+    OUT/.continual_dataset.lock    held while the dataset is saved (and while a killed save is cleaned up)
+
+A save writes the stages into a temporary sibling and swaps it in, then writes the metadata; the metadata travels
+inside the new ``stages/`` too (``stages/.continual_dataset.json``) until it is in place, so a kill at any point leaves
+either the old or the new dataset once the next save or load has finished what was interrupted.
 
 Columns (every stage, both splits): ``prompt``, ``chosen``, ``rejected`` — plain strings, or in the
 ``conversational`` format message lists (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``) — plus
@@ -21,18 +26,25 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import copy
+import errno
 import json
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rlhf_ext.datagen.drift import derive_seed, stage_dirname
-from rlhf_ext.runtime.io import atomic_directory, atomic_write_json
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock, recover_directory
 
 METADATA_FILE = "continual_dataset.json"
 STAGES_DIR = "stages"
+LOCK_FILE = ".continual_dataset.lock"
+#: the metadata of a save whose ``stages/`` is in place but whose top-level metadata may not be yet
+PENDING_METADATA = f"{STAGES_DIR}/.{METADATA_FILE}"
+EXPORT_FORMATS = ("jsonl", "parquet", "aif-gen")
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
 
@@ -130,6 +142,8 @@ class ContinualDataset(collections.abc.Sequence):
     def __init__(self, stages: list, metadata: dict[str, Any]):
         #: counts and timing of the generation run that produced this object (``generate_dataset`` only)
         self.run_stats: dict[str, Any] | None = None
+        #: the directory this dataset was loaded from or saved to (``None``: only in memory)
+        self.path: Path | None = None
         if len(stages) != len(metadata.get("stages", [])):
             raise ValueError(f"{len(stages)} stages but metadata describes {len(metadata.get('stages', []))}")
         self.stages = list(stages)
@@ -164,20 +178,26 @@ class ContinualDataset(collections.abc.Sequence):
 
     # ------------------------------------------------------------------------------------------------ disk
     def save(self, path: str | Path) -> Path:
-        """Write ``stages/`` (atomically replaced as a whole) and then ``continual_dataset.json``."""
+        """Write ``stages/`` (atomically replaced as a whole) and then ``continual_dataset.json``, under the dataset's
+        lock; what a killed earlier save left (a temporary copy of the stages, an unfinished swap) is finished or
+        deleted first."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         meta = copy.deepcopy(self.metadata)
         meta["format_version"] = FORMAT_VERSION
-        with _quiet_datasets(), atomic_directory(path / STAGES_DIR) as tmp:
-            for info, dd in zip(meta["stages"], self.stages):
-                info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
-                info["train"], info["test"] = len(dd["train"]), len(dd["test"])
-                # one shard per split: datasets writes no shard for an empty split unless asked, and then cannot
-                # load it back
-                dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
-        atomic_write_json(path / METADATA_FILE, meta)
+        with file_lock(path / LOCK_FILE):
+            _recover(path)
+            with _quiet_datasets(), atomic_directory(path / STAGES_DIR) as tmp:
+                for info, dd in zip(meta["stages"], self.stages):
+                    info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
+                    info["train"], info["test"] = len(dd["train"]), len(dd["test"])
+                    # one shard per split: datasets writes no shard for an empty split unless asked, and then cannot
+                    # load it back
+                    dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
+                atomic_write_json(tmp / Path(PENDING_METADATA).name, meta)
+            _publish_metadata(path)
         self.metadata = meta
+        self.path = path
         return path
 
     @classmethod
@@ -185,13 +205,22 @@ class ContinualDataset(collections.abc.Sequence):
         from datasets import load_from_disk
 
         path = Path(path)
-        meta_path = path / METADATA_FILE
+        _recover_if_needed(path)
+        # a save that is finishing (or a killed one this process could not finish): the metadata of its stages
+        meta_path = path / PENDING_METADATA
+        if not meta_path.is_file():
+            meta_path = path / METADATA_FILE
         if not meta_path.is_file():
             hint = ""
+            if path.is_file():
+                hint = (
+                    " (it is a file, a continual dataset is a directory; to read AIF-Gen's dataset JSON: "
+                    f"`rlhf-ext data import {path} -o DIR`)"
+                )
             if (path / ".cache").is_dir():
                 hint = " (a generation cache exists: the run did not finish; rerun `rlhf-ext data generate` to resume)"
             raise FileNotFoundError(f"{path} is not a continual dataset: {METADATA_FILE} is missing{hint}")
-        meta = json.loads(meta_path.read_text())
+        meta = _read_metadata(meta_path)
         stages = []
         for info in meta["stages"]:
             stage_dir = path / info["dir"]
@@ -201,31 +230,129 @@ class ContinualDataset(collections.abc.Sequence):
                     "write was interrupted: regenerate or restore it"
                 )
             stages.append(load_from_disk(str(stage_dir)))
-        return cls(stages, meta)
+        ds = cls(stages, meta)
+        ds.path = path
+        return ds
 
-    def export(self, out_dir: str | Path, fmt: str = "jsonl") -> Path:
-        """Write ``<out_dir>/<stage dir>/{train,test}.<jsonl|parquet>`` and the metadata (atomically, as a whole)."""
-        if fmt not in ("jsonl", "parquet"):
-            raise ValueError(f"unknown export format {fmt!r}; choose jsonl or parquet")
+    def export(self, out_dir: str | Path, fmt: str = "jsonl", overwrite: bool = False) -> Path:
+        """Write ``<out_dir>/<stage dir>/{train,test}.<jsonl|parquet>`` and ``<out_dir>/continual_dataset.json``, or
+        for ``fmt="aif-gen"`` only ``<out_dir>/data.json`` in AIF-Gen's dataset JSON (:meth:`to_aif_gen`).
+
+        Nothing the export does not write is ever deleted. A new or empty ``out_dir`` appears complete or not at all
+        (written to a temporary sibling, then renamed). A non-empty one is refused unless ``overwrite``, which
+        replaces only the files the export writes (each atomically; the metadata last) and keeps everything else.
+
+        Raises:
+            ExportDestinationError: ``out_dir`` is not empty (without ``overwrite``), is not a directory, or is or
+                contains the dataset being exported.
+            ValueError: ``aif-gen`` only: a stage AIF-Gen's format cannot hold (see :meth:`to_aif_gen`).
+        """
+        if fmt not in EXPORT_FORMATS:
+            raise ValueError(f"unknown export format {fmt!r}; choose {' or '.join(EXPORT_FORMATS)}")
         out_dir = Path(out_dir)
-        with _quiet_datasets(), atomic_directory(out_dir) as tmp:
+        if out_dir.is_symlink():  # write into the directory it points to (the final rename would replace the link)
+            out_dir = out_dir.resolve()
+        self._check_export_destination(out_dir, overwrite)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+        try:
+            written = self._write_export(staging, fmt)
+            try:
+                os.replace(staging, out_dir)  # new or empty: the whole export at once (refused by the OS if not empty)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                if not overwrite:
+                    raise ExportDestinationError(
+                        f"{out_dir} stopped being empty while the export was written; nothing was changed there"
+                    ) from None
+                for rel in written:  # the metadata is last in `written`: a complete export shows it
+                    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staging / rel, out_dir / rel)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return out_dir
+
+    def export_files(self, fmt: str = "jsonl") -> list[str]:
+        """The paths, relative to the export directory, of the files :meth:`export` writes (the metadata last)."""
+        if fmt == "aif-gen":
+            from rlhf_ext.datagen.aif_gen import EXPORT_FILE
+
+            return [EXPORT_FILE]
+        rels = [f"{_stage_dirname(info)}/{split}.{fmt}" for info in self.metadata["stages"] for split in SPLITS]
+        return [*rels, METADATA_FILE]
+
+    def _write_export(self, root: Path, fmt: str) -> list[str]:
+        """Write the export's files into the empty directory ``root``; returns them (:meth:`export_files`)."""
+        if fmt == "aif-gen":
+            self.to_aif_gen(root / self.export_files(fmt)[0])
+            return self.export_files(fmt)
+        with _quiet_datasets():
             for info, dd in zip(self.metadata["stages"], self.stages):
-                d = tmp / _stage_dirname(info)
-                d.mkdir(parents=True)
+                (root / _stage_dirname(info)).mkdir(parents=True)
                 for split in SPLITS:
-                    target = d / f"{split}.{fmt}"
+                    target = root / _stage_dirname(info) / f"{split}.{fmt}"
                     if fmt == "jsonl":
                         dd[split].to_json(str(target), lines=True, force_ascii=False)
                     else:
                         dd[split].to_parquet(str(target))
-            atomic_write_json(tmp / METADATA_FILE, self.metadata)
-        return out_dir
+        atomic_write_json(root / METADATA_FILE, self.metadata)
+        return self.export_files(fmt)
 
-    def to_jsonl(self, out_dir: str | Path) -> Path:
-        return self.export(out_dir, "jsonl")
+    def _check_export_destination(self, out_dir: Path, overwrite: bool) -> None:
+        """Raise :class:`ExportDestinationError` for a destination the export could lose data in."""
+        target = out_dir.resolve()
+        if self.path is not None:
+            source = Path(self.path).resolve()
+            if target == source or target in source.parents:
+                raise ExportDestinationError(
+                    f"{out_dir} is or contains the dataset being exported ({self.path}); export to another directory"
+                )
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ExportDestinationError(f"{out_dir} exists and is not a directory; export to a directory")
+        if out_dir.is_dir() and not overwrite:
+            entries = sorted(p.name for p in out_dir.iterdir())
+            if entries:
+                shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+                raise ExportDestinationError(
+                    f"{out_dir} is not empty ({shown}); export to a new or empty directory, or pass --overwrite "
+                    "(Python: overwrite=True) to replace only the files the export writes"
+                )
 
-    def to_parquet(self, out_dir: str | Path) -> Path:
-        return self.export(out_dir, "parquet")
+    @classmethod
+    def from_aif_gen(cls, source: str | Path | dict[str, Any], name: str | None = None) -> ContinualDataset:
+        """A dataset from AIF-Gen's dataset JSON (a file path or its loaded value): one stage per entry of its
+        ``datasets``, its ``train``/``test`` lists as the splits (see :mod:`rlhf_ext.datagen.aif_gen`).
+
+        Raises:
+            ValueError: the JSON is not AIF-Gen's dataset format (one line naming the offending key).
+        """
+        from rlhf_ext.datagen.aif_gen import dataset_from_aif_gen, read_json
+
+        if isinstance(source, dict):
+            return dataset_from_aif_gen(source, name or "aif-gen")
+        data = read_json(source)
+        try:
+            return dataset_from_aif_gen(data, name or Path(source).stem, source=str(source))
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_aif_gen(self, path: str | Path) -> Path:
+        """Write the dataset as AIF-Gen's dataset JSON file ``path`` (what ``ContinualAlignmentDataset.from_json``
+        reads): one entry per stage with its task and its ``train``/``test`` samples (plain text).
+
+        Raises:
+            ValueError: a stage mixes tasks (a Lipschitz blend), is empty, or its task is not in the metadata.
+        """
+        from rlhf_ext.datagen.aif_gen import write_aif_gen_json
+
+        return write_aif_gen_json(self, path)
+
+    def to_jsonl(self, out_dir: str | Path, overwrite: bool = False) -> Path:
+        return self.export(out_dir, "jsonl", overwrite)
+
+    def to_parquet(self, out_dir: str | Path, overwrite: bool = False) -> Path:
+        return self.export(out_dir, "parquet", overwrite)
 
     def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True) -> None:
         """Upload every stage as a config of ``repo_id`` (config name = stage directory) plus the metadata file.
@@ -260,6 +387,57 @@ class ContinualDataset(collections.abc.Sequence):
 
 def _stage_dirname(info: dict[str, Any]) -> str:
     return stage_dirname(info["index"], info["name"])
+
+
+class ExportDestinationError(ValueError):
+    """An export destination that would lose data: not empty (without ``overwrite``), not a directory, or the dataset
+    itself (or a directory containing it)."""
+
+
+def _read_metadata(meta_path: Path) -> dict[str, Any]:
+    """The metadata in ``meta_path``; ``ValueError`` (one line) when it is not JSON or not rlhf-ext metadata, with the
+    import command when it is AIF-Gen's dataset JSON."""
+    from rlhf_ext.datagen.aif_gen import is_aif_gen_dataset, read_json
+
+    meta = read_json(meta_path)
+    if isinstance(meta, dict) and isinstance(meta.get("stages"), list):
+        return meta
+    if is_aif_gen_dataset(meta):
+        raise ValueError(
+            f"{meta_path} is AIF-Gen's dataset JSON, not rlhf-ext metadata: import it with "
+            f"`rlhf-ext data import {meta_path} -o DIR`"
+        )
+    raise ValueError(f"{meta_path} is not rlhf-ext continual-dataset metadata (it has no 'stages' list)")
+
+
+def _publish_metadata(path: Path) -> None:
+    """Put the metadata that came with the new ``stages/`` in place (the last step of a save)."""
+    pending = path / PENDING_METADATA
+    atomic_write_json(path / METADATA_FILE, json.loads(pending.read_text()))
+    pending.unlink()
+
+
+def _recover(path: Path) -> None:
+    """Finish or clean up what a killed save left in ``path`` (call under the dataset's lock)."""
+    recover_directory(path / STAGES_DIR)
+    if (path / PENDING_METADATA).is_file():
+        _publish_metadata(path)
+
+
+def _needs_recovery(path: Path) -> bool:
+    """Whether a save left something in ``path``: hidden siblings of ``stages/`` or metadata not yet in place."""
+    return (path / PENDING_METADATA).is_file() or (path.is_dir() and any(path.glob(f".{STAGES_DIR}.*-*")))
+
+
+def _recover_if_needed(path: Path) -> None:
+    """On load: finish what a killed save left, when there is something and the lock is free at once (a save in
+    progress finishes it itself; a read-only copy is read as it is)."""
+    if not _needs_recovery(path):
+        return
+    from filelock import Timeout
+
+    with contextlib.suppress(Timeout, OSError), file_lock(path / LOCK_FILE, timeout=0):
+        _recover(path)
 
 
 # ---------------------------------------------------------------------------------------------------- transforms

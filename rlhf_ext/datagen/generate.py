@@ -9,11 +9,12 @@ Per sample (paper Algorithm 2 and Figure 3), with every random choice drawn from
    style axes) and lets the judge order them.
 3. The record goes to the append-only cache the moment it is finished.
 
-Samples whose answers cannot be used (unparseable pair or judge answer, a judge tie, a truncated or empty answer, a
-request the backend refuses) are **skipped for good**: counted, cached as skipped and not retried. Samples whose
-requests failed after all retries (HTTP 5xx, timeouts) are skipped **for this run**: counted and retried by the next
-run of the same command. If the server becomes unreachable the run stops with :class:`BackendUnavailable`; every
-finished sample is already in the cache.
+Samples whose answers cannot be used (unparseable pair or judge answer, a judge tie, a truncated or empty answer) are
+**skipped for good**: counted, cached as skipped and not retried. Only an answer is final: samples whose requests
+failed (HTTP 4xx/5xx after the backend's retries, timeouts, dropped connections, malformed bodies) are skipped **for
+this run**: counted under ``retry_later:<reason>``, never cached, and attempted again by the next run of the same
+command; ``run_stats["errors"]`` keeps one redacted line of the server's message per reason. If the server becomes
+unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
 
 After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format
 and the seeded train/test split applied there) and saved. The dataset (``stages/`` and ``continual_dataset.json``)
@@ -41,7 +42,6 @@ from rlhf_ext.datagen.backends import (
     BackendUnavailable,
     ChatCompletion,
     ChatRequest,
-    RequestRejected,
     make_backend,
 )
 from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
@@ -271,14 +271,13 @@ class _Runner:
         return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
 
     async def sample(self, job: SampleJob) -> dict[str, Any]:
-        """Generate one sample; returns its cache record (``status`` ok or skipped)."""
+        """Generate one sample; returns its cache record (``status`` ok or skipped). A failed request raises
+        :class:`BackendError` (never a record: only answers are cached)."""
         try:
             sample, info = await self._generate(job)
             info["model"] = self.backend.describe().get("model")
         except _Skip as s:
-            return _record(job, status="skipped", reason=s.reason, detail=str(s)[:200])
-        except RequestRejected as e:
-            return _record(job, status="skipped", reason="request_rejected", detail=str(e)[:200])
+            return _record(job, status="skipped", reason=s.reason, detail=self.backend.redact(str(s))[:200])
         return _record(job, status="ok", sample=sample, info=info)
 
     async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -349,9 +348,18 @@ def _progress_bar(total: int, initial: int, desc: str, enabled: bool | None):
 
 
 async def _run_jobs(
-    runner: _Runner, pending: list[SampleJob], cache: SampleCache, bar, counts: Counter, max_concurrency: int
+    runner: _Runner,
+    pending: list[SampleJob],
+    cache: SampleCache,
+    bar,
+    counts: Counter,
+    max_concurrency: int,
+    errors: dict[str, str] | None = None,
 ) -> None:
+    """Run ``pending`` with ``max_concurrency`` workers; ``counts`` gets the outcomes and ``errors`` the first
+    (redacted, one-line) message of each failure reason."""
     jobs = iter(pending)
+    errors = {} if errors is None else errors
 
     async def worker() -> None:
         for job in jobs:  # one shared iterator: every job is taken exactly once
@@ -359,8 +367,9 @@ async def _run_jobs(
                 record = await runner.sample(job)
             except BackendUnavailable:
                 raise
-            except BackendError as e:
+            except BackendError as e:  # not cached: the next run attempts the sample again
                 counts[f"retry_later:{e.reason}"] += 1
+                errors.setdefault(e.reason, " ".join(runner.backend.redact(str(e)).split())[:300])
                 bar.update(1)
                 continue
             cache.append(record)
@@ -460,23 +469,24 @@ async def agenerate_dataset(
     runner = _Runner(plan, backend, bank)
     out = Path(output_dir)
     counts: Counter = Counter()
+    errors: dict[str, str] = {}
     started = time.monotonic()
     generating = 0.0
     with SampleCache(out / CACHE_DIR) as cache:
-        pending = [job for job in plan.jobs if job.key not in cache]
+        pending = [job for job in plan.jobs if job.key not in cache]  # failures were never cached: tried again
         reused = len(plan.jobs) - len(pending)
         if pending:
             with _progress_bar(len(plan.jobs), reused, config.name, progress) as bar:
                 await backend.start()
                 try:
                     t0 = time.monotonic()
-                    await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency)
+                    await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency, errors)
                     generating = time.monotonic() - t0
                 except BackendUnavailable as e:
                     done = sum(1 for job in plan.jobs if job.key in cache)
                     raise BackendUnavailable(
-                        f"{e}\n{done}/{len(plan.jobs)} samples are finished and cached in {cache.directory}; "
-                        "rerun the same command to resume"
+                        f"{backend.redact(str(e))}\n{done}/{len(plan.jobs)} samples are finished and cached in "
+                        f"{cache.directory}; rerun the same command to resume"
                     ) from e
                 finally:
                     await backend.close()
@@ -494,6 +504,8 @@ async def agenerate_dataset(
             "attempted": len(pending),
             **{k: v for k, v in sorted(counts.items())},
         }
+        if errors:
+            run["errors"] = dict(sorted(errors.items()))
         if hasattr(backend, "stats"):
             run["backend"] = dict(backend.stats)
         cache.log_run(run)
@@ -521,7 +533,9 @@ def generate_dataset(
         progress: show a progress bar with rate and ETA (default: when stderr is a terminal).
 
     Returns:
-        The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing.
+        The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing, including
+        ``retry_later:<reason>`` counts of failed samples (not cached; the next run tries them again) and ``errors``:
+        one redacted line of the server's message per reason.
 
     Raises:
         RecipeError: invalid config (names the key). BackendUnavailable: the backend cannot serve requests (finished

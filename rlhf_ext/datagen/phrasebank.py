@@ -25,6 +25,15 @@ sentences never contain a key phrase (checked when a bank is loaded), so the rub
 Preference drift between tasks of one family therefore *reverses* which phrases are rewarded (ELI5 -> expert),
 which is what makes forgetting measurable; drift across families adds a new feature to learn.
 
+**Preference styles** for free-form preferences the bank has no style for (e.g. AIF-Gen's "Make the headline
+polarizing"): the style name ``pref:<slug>`` (:func:`preference_style_name`; the slug is the preference's first
+content words, e.g. ``pref:headline-polarizing``) defines a family of two styles, ``pref:<slug>`` and
+``pref:<slug>:contrary``, whose key phrases are fixed templates around the slug's words (:func:`preference_styles`;
+e.g. ``"written with headline polarizing firmly in mind"`` vs. ``"written with no regard for headline polarizing at
+all"``). Every bank resolves such names on first use, so a dataset generated with them previews, validates and
+scores in any process. A derived pair is checked against the bank's own phrases and neutral text (not against other
+derived pairs): a clash raises :class:`ValueError` naming the phrase; set the task's ``style:`` explicitly then.
+
 :func:`rubric_for` and :func:`gold_score` are the programmatic interface a simulator's gold scorer uses; each
 generated row carries its ``style`` column.
 """
@@ -34,6 +43,7 @@ from __future__ import annotations
 import functools
 import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,6 +52,82 @@ from rlhf_ext.config import RecipeError, from_dict, read_yaml
 
 DEFAULT_BANK = "phrase_bank.yaml"
 Stance = Literal["follow", "violate", "unstated"]
+
+#: Prefix of the derived style of a free-form preference; ``PREFERENCE_STYLE_PREFIX + slug + CONTRARY_SUFFIX`` is its
+#: competitor.
+PREFERENCE_STYLE_PREFIX = "pref:"
+CONTRARY_SUFFIX = ":contrary"
+#: Content words of a preference that make its derived style's slug (at most this many, in order).
+PREFERENCE_SLUG_WORDS = 6
+#: Words dropped from a preference before it becomes a slug (they carry no preference content).
+_STOP_WORDS_TEXT = (
+    "a an the and or but came come of to in on at by for from with as if is are be been "
+    "it its this that these those make made makes please your you should would must "
+    "can could so very more most than then into"
+)
+_SLUG_STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+#: Key-phrase templates of a derived style (``{kw}``: the slug's words). Every template has words before and after
+#: ``{kw}``, so no phrase of one slug can contain a phrase of another slug at a word boundary of the template.
+_FOLLOW_TEMPLATES = (
+    "leaning fully into {kw} throughout",
+    "written with {kw} firmly in mind",
+    "this stays faithful to {kw} as asked",
+    "every line here serves {kw} well",
+    "keeping {kw} front and centre",
+    "shaped by {kw} from start to finish",
+)
+_CONTRARY_TEMPLATES = (
+    "steering well clear of {kw} here",
+    "written with no regard for {kw} at all",
+    "this sets aside {kw} entirely",
+    "not a single line here serves {kw} at all",
+    "keeping {kw} out of the picture",
+    "ignoring {kw} from beginning to end",
+)
+
+
+def preference_style_name(preference: str) -> str:
+    """The derived style ``pref:<slug>`` of a free-form preference: its first :data:`PREFERENCE_SLUG_WORDS` lower-case
+    alphanumeric words that are not stop words, joined by ``-`` (all words when every word is a stop word).
+
+    Example: ``"Make the headline polarizing"`` -> ``"pref:headline-polarizing"``.
+
+    Raises:
+        ValueError: the preference has no alphanumeric word.
+    """
+    words = re.findall(r"[a-z0-9]+", preference.lower())
+    if not words:
+        raise ValueError(f"preference {preference!r} has no words to derive a phrase-bank style from")
+    content = [w for w in words if w not in _SLUG_STOP_WORDS] or words
+    return PREFERENCE_STYLE_PREFIX + "-".join(content[:PREFERENCE_SLUG_WORDS])
+
+
+def _preference_slug(name: str) -> str | None:
+    """The slug of a derived style name (``pref:<slug>`` or ``pref:<slug>:contrary``), None for other names."""
+    if not name.startswith(PREFERENCE_STYLE_PREFIX):
+        return None
+    slug = name[len(PREFERENCE_STYLE_PREFIX) :]
+    slug = slug[: -len(CONTRARY_SUFFIX)] if slug.endswith(CONTRARY_SUFFIX) else slug
+    return slug if re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug) else None
+
+
+def preference_styles(name: str) -> dict[str, StyleEntry]:
+    """The family of the derived style ``name``: ``{pref:<slug>: ..., pref:<slug>:contrary: ...}``, one family named
+    after the slug, each style with one key phrase per template (see the module docstring).
+
+    Raises:
+        KeyError: ``name`` is not a derived style name.
+    """
+    slug = _preference_slug(name)
+    if slug is None:
+        raise KeyError(name)
+    kw = slug.replace("-", " ")
+    base = PREFERENCE_STYLE_PREFIX + slug
+    family = f"preference {kw}"
+    return {
+        base: StyleEntry(family=family, phrases=[t.format(kw=kw) for t in _FOLLOW_TEMPLATES]),
+        base + CONTRARY_SUFFIX: StyleEntry(family=family, phrases=[t.format(kw=kw) for t in _CONTRARY_TEMPLATES]),
+    }
 
 
 @dataclass
@@ -98,23 +184,46 @@ class PhraseBank:
                 f"every style family needs at least two styles (the rejected response uses a competitor); "
                 f"families with one style: {', '.join(lonely)}"
             )
-        phrases = [(p, s) for s, e in self.styles.items() for p in e.phrases]
-        for p, s in phrases:
-            for q, t in phrases:
-                if p != q and p in q:
-                    raise ValueError(f"key phrase {p!r} ({s}) is contained in key phrase {q!r} ({t})")
+        derived = [s for s in self.styles if _preference_slug(s) is not None]
+        if derived:
+            raise ValueError(
+                f"style names starting with {PREFERENCE_STYLE_PREFIX!r} are reserved for derived preference styles: "
+                f"{', '.join(derived)}"
+            )
         seen: dict[str, str] = {}
-        for p, s in phrases:
+        for p, s in self._phrases(self.styles):
             if p in seen:
                 raise ValueError(f"key phrase {p!r} appears in styles {seen[p]} and {s}")
             seen[p] = s
+        _check_phrases(self._phrases(self.styles), self._phrases(self.styles), self._neutral_texts())
+        self.styles = StyleTable(self.styles, self)
+
+    @staticmethod
+    def _phrases(styles: dict[str, StyleEntry]) -> list[tuple[str, str]]:
+        return [(p, s) for s, e in styles.items() for p in e.phrases]
+
+    def _neutral_texts(self) -> list[str]:
         neutral = list(self.connectors) + [x for v in self.aux.values() for x in v]
         for o in self.objectives.values():
             neutral += o.prompt_templates + o.content_sentences
-        for text in neutral:
-            for p, s in phrases:
-                if p in text.lower():
-                    raise ValueError(f"neutral text {text!r} contains the key phrase {p!r} of style {s}")
+        return neutral
+
+    def derive_styles(self, name: str) -> dict[str, StyleEntry]:
+        """The derived family of ``name`` (:func:`preference_styles`), checked against this bank's own (not derived)
+        key phrases and neutral text.
+
+        Raises:
+            KeyError: ``name`` is not a derived style name. ValueError: a derived key phrase clashes with the bank.
+        """
+        family = preference_styles(name)
+        own = self._phrases({s: e for s, e in self.styles.items() if _preference_slug(s) is None})
+        new = self._phrases(family)
+        try:
+            _check_phrases(new, own + new, self._neutral_texts())
+            _check_phrases(own, new, [])
+        except ValueError as e:
+            raise ValueError(f"derived style {name!r}: {e}; set the task's style: explicitly") from None
+        return family
 
     def family(self, style: str) -> list[str]:
         """The styles competing with ``style`` (same family, excluding ``style``)."""
@@ -122,8 +231,13 @@ class PhraseBank:
         return [s for s, e in self.styles.items() if e.family == fam and s != style]
 
     def style(self, name: str) -> StyleEntry:
+        """The style ``name``: one of the bank's or a derived preference style (``pref:<slug>``, see the module
+        docstring)."""
         if name not in self.styles:
-            raise KeyError(f"unknown style {name!r}; the phrase bank has: {', '.join(sorted(self.styles))}")
+            raise KeyError(
+                f"unknown style {name!r}; the phrase bank has: {', '.join(sorted(self.styles))} (or a derived style "
+                f"{PREFERENCE_STYLE_PREFIX}<words> for a free-form preference)"
+            )
         return self.styles[name]
 
     def infer_style(self, preference: str) -> str | None:
@@ -142,6 +256,43 @@ class PhraseBank:
                 if any(t in text for t in entry.triggers):
                     return kind
         return None
+
+
+def _check_phrases(phrases: list[tuple[str, str]], others: list[tuple[str, str]], neutral: list[str]) -> None:
+    """Raise ``ValueError`` when a key phrase of ``phrases`` is contained in another phrase of ``others``, appears in
+    two styles, or occurs in a neutral text (``(phrase, style)`` pairs)."""
+    for p, s in phrases:
+        for q, t in others:
+            if p == q and s != t:
+                raise ValueError(f"key phrase {p!r} appears in styles {s} and {t}")
+            if p != q and p in q:
+                raise ValueError(f"key phrase {p!r} ({s}) is contained in key phrase {q!r} ({t})")
+        for text in neutral:
+            if p in text.lower():
+                raise ValueError(f"neutral text {text!r} contains the key phrase {p!r} of style {s}")
+
+
+class StyleTable(dict):
+    """The bank's styles by name; a derived preference style (``pref:<slug>[:contrary]``) is added, with its
+    competitor, on first lookup, so ``name in bank.styles`` and ``bank.styles[name]`` hold for every such name."""
+
+    def __init__(self, styles: Iterable = (), bank: PhraseBank | None = None):
+        super().__init__(styles)
+        self._bank = bank  # None (a copy made by dataclasses.asdict): a plain mapping
+
+    def __reduce__(self):  # copy and pickle give a plain dict
+        return dict, (dict(self),)
+
+    def __contains__(self, name: object) -> bool:
+        derivable = self._bank is not None and isinstance(name, str) and _preference_slug(name) is not None
+        return super().__contains__(name) or derivable
+
+    def __missing__(self, name: str) -> StyleEntry:
+        if self._bank is None:
+            raise KeyError(name)
+        family = self._bank.derive_styles(name)  # KeyError for names that are not derived styles
+        self.update(family)
+        return family[name]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ Example (the structure of every packaged config under ``rlhf_ext/datagen/configs
           seed_words_per_prompt: 2
           preference_inclusion_prob: 0.4
 
+AIF-Gen's own task configs (``task_specs: [{num_samples, alignment_task: {objective, preference, domain}}]``) load
+as they are: :func:`load_task_config` detects ``task_specs`` (or is told ``config_format="aif-gen"``) and maps them
+onto this schema with :func:`rlhf_ext.datagen.aif_gen.config_to_rlhf_ext` (one piecewise stage per task, built-in
+seed vocabularies for components given without words, a derived phrase-bank style for free-form preferences).
+
 Defaults are the paper's (section 6.1 and Appendix D): temperature 0.99, 1024 prompt tokens, 2048 response tokens,
 128 judge tokens, ``max_concurrency`` 256, two seed words per prompt, three auxiliary styles per response, preference
 inclusion probability 0.4, test ratio 0.15.
@@ -366,24 +371,41 @@ def config_path(name_or_path: str | Path) -> Path:
 
 
 def load_task_config(
-    source: str | Path | dict[str, Any] | DatagenConfig, overrides: typing.Iterable[str] = ()
+    source: str | Path | dict[str, Any] | DatagenConfig,
+    overrides: typing.Iterable[str] = (),
+    config_format: Literal["auto", "aif-gen", "rlhf-ext"] = "auto",
 ) -> DatagenConfig:
     """Load and validate a task config from a YAML path, a packaged config name or a mapping.
 
-    ``overrides`` are ``key.sub=value`` strings (``generation.backend=openai``). Errors are
-    :class:`rlhf_ext.config.RecipeError` naming the file and key.
+    ``config_format``: ``rlhf-ext`` (this module's schema), ``aif-gen`` (AIF-Gen's ``task_specs`` configs, mapped by
+    :func:`rlhf_ext.datagen.aif_gen.config_to_rlhf_ext`) or ``auto`` (``aif-gen`` when the mapping has
+    ``task_specs``). ``overrides`` are ``key.sub=value`` strings (``generation.backend=openai``) on the rlhf-ext keys,
+    applied after an AIF-Gen config is mapped. Errors are :class:`rlhf_ext.config.RecipeError` naming the file and key.
     """
+    from rlhf_ext.datagen.aif_gen import CONFIG_FORMATS, config_to_rlhf_ext, detect_config_format
+
+    if config_format not in CONFIG_FORMATS:
+        raise RecipeError(f"unknown config format {config_format!r}; choose {', '.join(CONFIG_FORMATS)}")
     if isinstance(source, DatagenConfig):
         if not overrides:
             return source
         source = source.to_dict()
     where = ""
+    name = "aif-gen"
     if isinstance(source, dict):
         data = source
     else:
         path = config_path(source)
         where = f"{path}: "
+        name = path.stem
         data = read_yaml(path)
+    if config_format == "auto":
+        config_format = detect_config_format(data)
+    if config_format == "aif-gen":
+        try:
+            data = config_to_rlhf_ext(data, name)
+        except RecipeError as e:
+            raise RecipeError(f"{where}{e}") from None
     data = apply_overrides(data, overrides)
     try:
         return from_dict(DatagenConfig, data)

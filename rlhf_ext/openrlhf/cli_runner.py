@@ -7,11 +7,14 @@ them over as ``args.ext`` by wrapping OpenRLHF's config hierarchiser, then execu
 
 from __future__ import annotations
 
+import logging
 import runpy
 import sys
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def split_ext_args(
@@ -119,8 +122,8 @@ def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: i
             f"not a multiple of train.micro_batch_size {micro_batch_size}"
         )
     if micro != micro_batch_size:
-        print(
-            f"rlhf-ext: train.micro_batch_size {micro_batch_size} x {world_size} processes exceeds train.batch_size "
-            f"{batch_size}; using micro batch {micro} per process"
-        )
+        logger.warning(
+            "train.micro_batch_size %d x %d processes exceeds train.batch_size %d; using micro batch %d per process",
+            micro_batch_size, world_size, batch_size, micro,
+        )  # fmt: skip
     return micro

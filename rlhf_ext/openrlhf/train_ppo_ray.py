@@ -38,6 +38,7 @@ defined on dense rewards, and ``--ds.packing_samples`` are refused by :func:`che
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -50,6 +51,8 @@ from rlhf_ext.algos.ppo import ESTIMATORS
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
+
+logger = logging.getLogger("rlhf_ext.openrlhf.train_ppo_ray")  # by name: `python -m` runs it as __main__
 
 #: ``--ext.*`` flags and their defaults (``None``: the reward model's recorded setting / unset).
 EXT_DEFAULTS: dict[str, Any] = {
@@ -120,7 +123,7 @@ def resolve_rollout_engine(requested: str, cuda: bool | None = None) -> str:
         return requested
     if cuda:
         return "vllm"
-    print("rlhf-ext: no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)", file=sys.stderr)
+    logger.info("no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)")
     return "hf"
 
 
@@ -232,7 +235,7 @@ def prepare(args: Any, ext: dict[str, Any], methods: bool = True) -> Any:
     if args.ext.rollout_engine == "hf":
         changed = cpu_settings(args)
         if changed:
-            print(f"rlhf-ext: HF rollout engine: using {', '.join(changed)}", file=sys.stderr)
+            logger.info("HF rollout engine: using %s", ", ".join(changed))
     settings = worker_settings(args.ext, methods)
     if not ray.is_initialized():
         env_vars = {
@@ -290,4 +293,7 @@ def main(argv: Sequence[str] | None = None, methods: bool = True) -> None:
 
 
 if __name__ == "__main__":
+    from rlhf_ext.runtime.log import configure_cli_output
+
+    configure_cli_output()
     main()

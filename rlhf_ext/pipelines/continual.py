@@ -217,6 +217,9 @@ class ContinualRunner:
         self.num_tasks = len(self.tasks)
         for t in range(self.num_tasks):  # validate the per-transition weights before any training
             recipe.continual.coef_for_task(t, self.num_tasks)
+        #: the package's own stages load ``model.sft_model``: check it before the run file is written (injected
+        #: stages load what they like)
+        self._check_models = policy_stage is None
         if policy_stage is None:
             policy_stage, default_rm = build_stages(recipe)
             reward_stage = reward_stage if reward_stage is not None else default_rm
@@ -274,8 +277,10 @@ class ContinualRunner:
     # -- the loop ------------------------------------------------------------------------------------------------
     def context(self, t: int) -> TaskContext:
         from rlhf_ext.pipelines.builtins import resolve_model
+        from rlhf_ext.zoo.builtins import is_builtin
 
-        sft = resolve_model(self.recipe.model.sft_model)
+        spec = self.recipe.model.sft_model  # a path was checked by run() (for the package's own stages)
+        sft = resolve_model(spec) if is_builtin(spec) else spec
         previous = str(self.out / self.names[t - 1] / "policy") if t > 0 else None
         return TaskContext(
             index=t,
@@ -294,6 +299,11 @@ class ContinualRunner:
 
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
+        from rlhf_ext.zoo.builtins import check_model_source
+
+        for spec in (self.recipe.model.sft_model, self.recipe.model.tokenizer) if self._check_models else ():
+            if spec is not None:  # fail before the run file is written
+                check_model_source(spec)
         self.run_dir = self._open_run()
         test_sets = [task["test"] for task in self.tasks]
         if self.reward_stage is not None:
@@ -376,8 +386,11 @@ class ContinualRunner:
 # ----------------------------------------------------------------------------------------------------------- plots
 def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Path) -> dict[str, str] | None:
     """Write ``performance.png``: (a) training loss over steps, (b) each task's test performance at every snapshot,
-    (c) normalised backward transfer over time (Fig. 10); dashed lines mark task switches. Needs matplotlib (the
-    ``trl`` extra); without it, warns once in one line and returns ``None`` (the run itself is unaffected)."""
+    (c) backward transfer over time (Fig. 10); dashed lines mark task switches. Panel (c) follows the text summary
+    (:func:`format_summary`): normalised, ``(R[k,T] - R[k,k]) / R[k,k]``, when the summary has a normalised backward
+    transfer; when that is n/a (some ``R[k,k] <= 0``, e.g. reward-model scores) the raw ``R[k,T] - R[k,k]``, titled
+    so; with one task, "n/a". Needs matplotlib (the ``trl`` extra); without it, warns once in one line and returns
+    ``None`` (the run itself is unaffected)."""
     try:
         import matplotlib
 
@@ -390,6 +403,8 @@ def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Pa
             stacklevel=2,
         )
         return None
+    from rlhf_ext.algos.forgetting import backward_transfer_curve
+
     steps = [max(int((r.get("metrics") or {}).get("steps") or 0), 1) for r in results]
     ends = [sum(steps[: t + 1]) for t in range(len(steps))]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -413,14 +428,24 @@ def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Pa
             axis.axvline(x, color="grey", linestyle="--", linewidth=0.8)
         axis.legend(fontsize=8)
     ax = axes[2]
-    curve = (summary.get("metrics") or {}).get("backward_transfer_curve")
-    if curve:
+    # the summary's rule: normalised backward transfer is given (not n/a) only when every R[k,k] > 0
+    normalised = (summary.get("metrics") or {}).get("backward_transfer") is not None
+    if len(matrix) < 2:
+        ax.text(0.5, 0.5, "n/a: one task, no later snapshot to compare with", ha="center", transform=ax.transAxes)
+        ax.set(title="backward transfer: n/a", xlabel="snapshot (task index)")
+    else:
+        curve = backward_transfer_curve(matrix, normalized=normalised)
         ax.plot(curve["checkpoint"], curve["mean"], marker="o", color="C0", label="mean")
         ax.fill_between(curve["checkpoint"], curve["min"], curve["max"], color="C0", alpha=0.2, label="min / max")
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.legend(fontsize=8)
         ax.set_xticks(curve["checkpoint"])
-    ax.set(title="normalised backward transfer", xlabel="snapshot (task index)", ylabel="(R[k,T] - R[k,k]) / R[k,k]")
+        if normalised:
+            ax.set(title="normalised backward transfer", ylabel="(R[k,T] - R[k,k]) / R[k,k]")
+        else:
+            ax.set(title="backward transfer, unnormalised\n(normalised is n/a: some R[k,k] <= 0)",
+                   ylabel="R[k,T] - R[k,k]")  # fmt: skip
+        ax.set(xlabel="snapshot (task index)")
     fig.tight_layout()
     path = out / "performance.png"
     tmp = out / ".performance.png.tmp.png"

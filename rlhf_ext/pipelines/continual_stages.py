@@ -14,6 +14,7 @@ from trl.trainer.utils import create_model_from_path
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.trl.args import activation_checkpointing, check_report_to, make_config
 from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
 
 
@@ -22,6 +23,23 @@ def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
     from rlhf_ext.trl.args import training_kwargs
 
     return {**training_kwargs(train, output_dir, seed), "save_strategy": "no", "disable_tqdm": True}
+
+
+def _report_to(recipe) -> str | list[str]:
+    """The run's ``report_to`` (``train.trl_args.report_to``, as a flat ``--report_to`` sets it): every stage of
+    the runner reports there unless its own ``trl_args`` say otherwise."""
+    return recipe.train.trl_args.get("report_to", "none")
+
+
+def _train(trainer, task, stage: str):
+    """``trainer.train()`` with its TensorBoard events kept in ``task_dir/runs/<stage>`` (the trainer's own
+    ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step."""
+    from rlhf_ext.trl.args import keep_tensorboard_logs
+    from rlhf_ext.trl.console import use_console_output
+
+    keep_tensorboard_logs(trainer, task.task_dir / "runs" / stage)
+    use_console_output(trainer, name=f"task {task.index} {stage}")
+    return trainer.train()
 
 
 def _save_atomically(trainer, dest: Path) -> None:
@@ -52,15 +70,15 @@ class DPOPolicyStage:
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "trainer"
-        args = ContinualDPOConfig(
+        kwargs = dict(
             **_training_kwargs(r.train, task.seed, str(work)),
             beta=r.dpo.beta,
             loss_type=[r.dpo.loss_type],
             max_length=r.data.max_length,
             continual_kl_coef=task.kl_coef,
             continual_kl_estimator=r.continual.continual_kl_estimator,
-            **r.train.trl_args,
         )
+        args = make_config(ContinualDPOConfig, kwargs, r.train.trl_args)
         trainer = ContinualDPOTrainer(
             model=task.init_policy,
             ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
@@ -69,7 +87,7 @@ class DPOPolicyStage:
             train_dataset=task.train,
             processing_class=tokenizer,
         )
-        result = trainer.train()
+        result = _train(trainer, task, self.name)
         _save_atomically(trainer, task.policy_dir)
         evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
         shutil.rmtree(work, ignore_errors=True)
@@ -103,12 +121,12 @@ class RewardModelStage:
         rm = self.recipe.reward_model
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "rm_trainer"
-        args = SegmentRewardConfig(
+        kwargs = dict(
             **_training_kwargs(rm.train, task.seed, str(work)),
             max_length=self.recipe.data.max_length,
             entropy_cutoff=float("inf"),
-            **rm.train.trl_args,
         )
+        args = make_config(SegmentRewardConfig, kwargs, {"report_to": _report_to(self.recipe), **rm.train.trl_args})
         prepare = dict(
             tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=self.recipe.data.max_length
         )
@@ -118,7 +136,7 @@ class RewardModelStage:
             train_dataset=prepare_segment_dataset(task.train, **prepare),
             processing_class=tokenizer,
         )
-        trainer.train()
+        _train(trainer, task, "reward_model")
         _save_atomically(trainer, task.reward_model_dir)
         scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
         shutil.rmtree(work, ignore_errors=True)
@@ -160,11 +178,13 @@ class PPOPolicyStage:
             raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "ppo_trainer"
+        check_report_to(_report_to(r))
         args = DensePPOConfig(
             output_dir=str(work), max_steps=ppo.steps_per_task, per_device_train_batch_size=ppo.batch_size,
             num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
             learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
-            report_to="none", save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_steps=1,
+            report_to=_report_to(r), save_strategy="no", **activation_checkpointing(False), disable_tqdm=True,
+            logging_steps=1,
             reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
             **knob_values(ppo, PPOKnobs),
             continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
@@ -178,7 +198,7 @@ class PPOPolicyStage:
             ref_model=AutoModelForCausalLM.from_pretrained(task.reference_policy),  # KL penalty to the SFT model
             calibration_dataset=task.train,
         )
-        result = trainer.train()
+        result = _train(trainer, task, self.name)
         _save_atomically(trainer, task.policy_dir)
         scores = [
             self.score(task.policy_dir, tokenizer, rm_dir, ds, task.seed)

@@ -205,6 +205,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.online_dpo import IterativeDPOTrainer
     from rlhf_ext.zoo.builtins import resolve_reward as load_reward
 
@@ -226,5 +227,6 @@ def train_with_trl(recipe) -> dict[str, Any]:
         processing_class=tokenizer,
         gold_fn=load_reward(r.gold) if r.gold else None,
     )
+    use_console_output(trainer)
     trainer.train()  # Algorithm 2 (rlhf_ext.runtime.iterations.run_iterations) or per-batch online DPO
     return trainer.summary

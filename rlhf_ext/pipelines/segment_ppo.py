@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.names import knob_values
-from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, check_positive
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import Aggregation, check_cutoff, check_tau
 from rlhf_ext.config import TrainSection
@@ -75,6 +75,10 @@ class PPOAlgoSection(PPOKnobs):
 
     def __post_init__(self):
         self.check_ppo_knobs()
+        check_clip_eps(self.clip_eps)
+        check_positive("temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.num_generations < 1:
             raise ValueError(f"ppo.num_generations must be >= 1, got {self.num_generations}")
 
@@ -190,6 +194,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
     from rlhf_ext.zoo.builtins import resolve_dataset
 
@@ -208,6 +213,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
         processing_class=tokenizer,
         calibration_dataset=calibration,
     )
+    use_console_output(trainer)
     last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
@@ -227,6 +233,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
     import torch
 
     from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+    from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags
     from rlhf_ext.runtime.calibration import model_id
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
@@ -302,6 +309,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
         argv += ["--actor.gradient_checkpointing_enable"]
     if ppo.async_generation:
         argv += ["--train.async_enable", "--train.async_queue_size", "1"]
+    argv += openrlhf_logger_flags(t.trl_args.get("report_to"), t.output_dir)
     return argv + flags_from_mapping(t.openrlhf_args)
 
 

@@ -95,6 +95,13 @@ class SegmentRMRecipe:
         return {f.name for f in fields(SegmentRewardConfig)}
 
 
+#: Why a segment reward-model run has no held-out accuracy, and the fix (the summary's ``eval_skipped``).
+NO_EVAL_SPLIT = (
+    "not measured: {source} has no '{split}' split, so the model was trained without evaluation; give a held-out "
+    "set with data.eval (a file or dataset) or data.eval_split (a split of {source})"
+)
+
+
 def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):
     """(train, eval-or-None) ``datasets.Dataset`` for a recipe's data section, with columns checked up front."""
     from rlhf_ext.runtime.segment_data import check_preference_columns
@@ -176,10 +183,12 @@ def trl_config(recipe):
 def train_with_trl(recipe) -> dict[str, Any]:
     """Run a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` with TRL; returns paths and final eval metrics."""
     from transformers import AutoTokenizer
+    from transformers.trainer_utils import IntervalStrategy
 
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.segment_reward import SegmentRewardTrainer
 
     args = trl_config(recipe)
@@ -203,6 +212,8 @@ def train_with_trl(recipe) -> dict[str, Any]:
     )
     train_prepared = prepare_segment_dataset(train_ds, **prepare)
     eval_prepared = prepare_segment_dataset(eval_ds, **prepare) if eval_ds is not None else None
+    if eval_prepared is None:  # no held-out split (e.g. one .jsonl file): train without evaluation and say so in
+        args.eval_strategy = IntervalStrategy.NO  # the summary, with the fix (data.eval / data.eval_split)
     args.sft_model_name_or_path = sft_path
     trainer = SegmentRewardTrainer(
         model=sft_path,
@@ -211,16 +222,56 @@ def train_with_trl(recipe) -> dict[str, Any]:
         eval_dataset=eval_prepared,
         processing_class=tokenizer,
     )
+    use_console_output(trainer)
     last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
     metrics = trainer.evaluate() if eval_prepared is not None else {}
     summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
+    if eval_prepared is None:
+        summary["eval_skipped"] = NO_EVAL_SPLIT.format(source=recipe.data.train, split=recipe.data.eval_split)
     if trainer.accelerator.is_main_process:
         if eval_ds is not None:
             summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
         atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
     return summary
+
+
+def openrlhf_logger_flags(report_to: str | list[str] | None, output_dir: str) -> list[str]:
+    """OpenRLHF 0.11.2's logger flags for TRL's ``report_to`` (the one key both engines read, from
+    ``train.trl_args``, where a flat ``--report_to`` puts it).
+
+    ``tensorboard`` -> ``--logger.tensorboard_dir OUTPUT_DIR/runs`` (events in ``runs/<run name>``, as TRL's are in
+    ``runs/<time>_<host>``). ``wandb`` -> ``--logger.wandb.key``: OpenRLHF logs to wandb exactly when that flag is
+    set and calls ``wandb.login(key)`` only when wandb has no key yet, so the flag gets a placeholder and wandb reads
+    the real key from ``WANDB_API_KEY`` or ``wandb login`` (it never lands in the run's logged config);
+    ``WANDB_PROJECT`` sets ``--logger.wandb.project``. With both, OpenRLHF logs to wandb only.
+    """
+    from rlhf_ext.config import RecipeError, report_integrations
+    from rlhf_ext.trl.args import check_report_to
+
+    names = report_integrations(report_to)
+    if "all" in names:
+        names = ["tensorboard", "wandb"]
+    unsupported = sorted(set(names) - {"tensorboard", "wandb"})
+    if unsupported:
+        raise RecipeError(
+            f"report_to: the OpenRLHF engine logs to tensorboard or wandb only, not {', '.join(unsupported)}; "
+            "use engine: trl for other integrations"
+        )
+    check_report_to(names)
+    flags: list[str] = []
+    if "tensorboard" in names:
+        flags += ["--logger.tensorboard_dir", os.path.join(output_dir, "runs")]
+    if "wandb" in names:
+        flags += ["--logger.wandb.key", OPENRLHF_WANDB_KEY_PLACEHOLDER]
+        if os.environ.get("WANDB_PROJECT"):
+            flags += ["--logger.wandb.project", os.environ["WANDB_PROJECT"]]
+    return flags
+
+
+#: The value of OpenRLHF's ``--logger.wandb.key`` (its on-switch for wandb): wandb itself reads the real key.
+OPENRLHF_WANDB_KEY_PLACEHOLDER = "from-wandb-login-or-WANDB_API_KEY"
 
 
 def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
@@ -267,6 +318,7 @@ def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
         argv += ["--ckpt.load_enable"]
     if t.gradient_checkpointing:
         argv += ["--model.gradient_checkpointing_enable"]
+    argv += openrlhf_logger_flags(t.trl_args.get("report_to"), t.output_dir)
     return argv + flags_from_mapping(t.openrlhf_args)
 
 

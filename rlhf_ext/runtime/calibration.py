@@ -1,4 +1,5 @@
-"""Fit a :class:`LocationNormalizer` on a calibration set (paper 003, section 2.3; Algorithm 1 line 16).
+"""Fit a :class:`LocationNormalizer` on a calibration set (paper 003, section 2.3; Algorithm 1 line 16), save and
+load it, or import one of paper 003's released normalizers (its public code's ``param.json``).
 
 The calibration set is the preference data's chosen *and* rejected responses. Each is segmented with the SFT model,
 scored by the reward model, and every segment contributes one (location p, reward) point. For the bandit
@@ -8,11 +9,13 @@ granularities each response contributes its sequence reward at p = 1, so one fun
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlhf_ext.algos.location_norm import LocationNormalizer, NormalizerError
+from rlhf_ext.algos.location_norm import REFERENCE_MAX_SEGMENTS, LocationNormalizer, NormalizerError
 from rlhf_ext.algos.segment_dense import dense_segment_rewards
 from rlhf_ext.runtime.io import atomic_write_json
 from rlhf_ext.runtime.segment_data import collate_segment_pairs, prepare_segment_dataset
@@ -32,7 +35,7 @@ def fit_normalizer(
     tokenizer,
     dataset,
     kind: str = "regression",
-    basis: str = "linear",
+    basis: str | None = "linear",
     granularity: str = "segment",
     entropy_cutoff: float = 2.0,
     aggregation: str = "softmax",
@@ -41,6 +44,7 @@ def fit_normalizer(
     max_length: int | None = None,
     batch_size: int = 16,
     max_pairs: int | None = None,
+    method: str = "ols",
 ) -> LocationNormalizer:
     """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses.
 
@@ -50,6 +54,8 @@ def fit_normalizer(
         dataset: preference rows (prompt/chosen/rejected) or a prepared segment dataset.
         granularity, entropy_cutoff, aggregation, tau: as used in PPO (:func:`dense_segment_rewards`).
         reward_model_id: recorded in the normalizer so PPO can refuse it for another reward model.
+        kind, basis, method: :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public
+            code's fit).
     """
     if max_pairs is not None:
         dataset = dataset.select(range(min(max_pairs, len(dataset))))
@@ -78,7 +84,12 @@ def fit_normalizer(
             locations.append(dense.segments.locations[dense.segments.mask])
             rewards.append(dense.raw_seg_rewards[dense.segments.mask])
     return LocationNormalizer.fit(
-        torch.cat(locations), torch.cat(rewards), kind=kind, basis=basis, reward_model=reward_model_id
+        torch.cat(locations),
+        torch.cat(rewards),
+        kind=kind,
+        basis=basis,
+        reward_model=reward_model_id,
+        method=method,
     )
 
 
@@ -92,8 +103,9 @@ def load_normalizer(path: str | Path, reward_model: str | None = None) -> Locati
     path = Path(path)
     if not path.is_file():
         raise NormalizerError(
-            f"normalizer file {path} does not exist; fit one with `rlhf-ext segment fit-normalizer` or set "
-            "the recipe's normalizer.path to null to fit it on the calibration data"
+            f"normalizer file {path} does not exist; set the recipe's model.normalizer to an existing file (`rlhf-ext "
+            "train segment-ppo` saves the one it fits as OUTPUT_DIR/normalizer.json), or to null to fit it on "
+            "data.calibration"
         )
     try:
         data = json.loads(path.read_text())
@@ -106,3 +118,123 @@ def load_normalizer(path: str | Path, reward_model: str | None = None) -> Locati
             "statistics differ between reward models, so refit it on this model's calibration rewards"
         )
     return norm
+
+
+# ----------------------------------------------------------------------------------- released normalizers (param.json)
+#: The nesting of paper 003's released ``denserlhf/trainer/ppo_utils/param.json``, outermost first; its PPO looks
+#: an entry up by ``--model_type``, ``--reward_fit_dataset``, ``--segment_method``, ``--agg_func`` and
+#: ``--entropy_threshold``.
+REFERENCE_KEY_LEVELS: tuple[str, ...] = ("model_type", "dataset", "method", "aggregation", "cutoff")
+
+
+@dataclass(frozen=True)
+class ReferenceEntry:
+    """One fitted normalizer of a ``param.json``: its five keys as written and its ``[a, b, c, d]``."""
+
+    model_type: str
+    dataset: str
+    method: str
+    aggregation: str
+    cutoff: str
+    params: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        """``model_type/dataset/method/aggregation/cutoff``."""
+        return "/".join((self.model_type, self.dataset, self.method, self.aggregation, self.cutoff))
+
+    def cutoff_value(self) -> float:
+        """The cutoff key as a number (the public code converts numeric keys to float before its look-up)."""
+        return float(self.cutoff)
+
+
+def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
+    """Every entry of a released ``param.json``, in file order.
+
+    Raises:
+        NormalizerError: the file is missing, not JSON, not nested as :data:`REFERENCE_KEY_LEVELS`, or has a cutoff
+            key that is not a number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise NormalizerError(f"param.json file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise NormalizerError(f"{path} is not JSON: {e}") from e
+    entries: list[ReferenceEntry] = []
+
+    def walk(node, keys: tuple[str, ...]) -> None:
+        if len(keys) == len(REFERENCE_KEY_LEVELS):
+            if not isinstance(node, list):
+                raise NormalizerError(f"{path}: entry {'/'.join(keys)} must be a list [a, b, c, d]; got {node!r}")
+            entries.append(ReferenceEntry(*keys, params=tuple(node)))
+            return
+        level = REFERENCE_KEY_LEVELS[len(keys)]
+        if not isinstance(node, dict):
+            where = "/".join(keys) or "the top level"
+            raise NormalizerError(
+                f"{path}: {where} must map {level} keys to entries (nesting: {' -> '.join(REFERENCE_KEY_LEVELS)})"
+            )
+        for key, child in node.items():
+            if level == "cutoff":
+                try:
+                    float(key)
+                except ValueError:
+                    raise NormalizerError(f"{path}: cutoff key {key!r} of {'/'.join(keys)} is not a number") from None
+            walk(child, (*keys, key))
+
+    walk(data, ())
+    return entries
+
+
+def import_reference_normalizer(
+    path: str | Path,
+    model_type: str,
+    dataset: str,
+    method: str,
+    aggregation: str,
+    cutoff: float,
+    *,
+    reward_model: str | None = None,
+    std_floor: float | None = None,
+    max_segments: int = REFERENCE_MAX_SEGMENTS,
+) -> LocationNormalizer:
+    """The released normalizer ``model_type/dataset/method/aggregation/cutoff`` of a ``param.json`` (paper 003's
+    public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``).
+
+    The cutoff matches numerically (``2`` finds the key ``"2.0"``). Unlike the public code, which silently uses no
+    normalization (mean 0, std 1) for a missing entry, a missing entry is an error listing the file's entries.
+
+    Args:
+        reward_model, std_floor, max_segments: see :meth:`LocationNormalizer.from_reference_params`.
+
+    Raises:
+        NormalizerError: no (or more than one) such entry, a malformed file, or a Std that is not positive on
+            ``[1 / max_segments, 1]`` without ``std_floor``.
+    """
+    path = Path(path)
+    entries = read_reference_params(path)
+    wanted = (model_type, dataset, method, aggregation)
+    matches = [
+        e
+        for e in entries
+        if (e.model_type, e.dataset, e.method, e.aggregation) == wanted and math.isclose(e.cutoff_value(), cutoff)
+    ]
+    requested = "/".join((*wanted, f"{cutoff:g}"))
+    if not matches:
+        raise NormalizerError(
+            f"{path} has no entry {requested}; its entries ({'/'.join(REFERENCE_KEY_LEVELS)}): "
+            + ", ".join(e.name for e in entries)
+        )
+    if len(matches) > 1:
+        raise NormalizerError(
+            f"{path} has {len(matches)} entries for {requested}: {', '.join(e.name for e in matches)}"
+        )
+    return LocationNormalizer.from_reference_params(
+        matches[0].params,
+        source=f"{path.name} entry {matches[0].name}",
+        reward_model=reward_model,
+        std_floor=std_floor,
+        max_segments=max_segments,
+    )

@@ -1,13 +1,18 @@
-"""Small engine-free helpers: atomic file writes, a cross-process file lock, stable hashing."""
+"""Small engine-free helpers: atomic file and directory writes (and the recovery of a killed one), a cross-process
+file lock, stable hashing, and the fault-injection hook of the kill-recovery tests."""
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import glob
 import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,36 +61,146 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
+#: The environment variable of :func:`fault_point` (a test hook: kill-recovery tests set it; nothing else should).
+FAULT_ENV = "RLHF_EXT_FAULT_AT"
+
+# the hidden siblings ``.<name>.<kind>-*`` of a directory being written: an unfinished temporary copy, a complete new
+# version waiting to be swapped in, and the old version set aside during the swap
+_TMP, _NEW, _OLD = "tmp", "new", "old"
+
+
+def fault_point(point: str) -> None:
+    """Test hook: kill this process with SIGKILL here when ``$RLHF_EXT_FAULT_AT`` matches ``point``.
+
+    The value is an ``fnmatch`` pattern (``committed:policy_*``); the first point reached that matches kills the
+    process, as ``kill -9`` would at that moment. Kill-recovery tests use it to stop a real command at an exact point
+    of a write; with the variable unset (always, outside those tests) this does nothing. Every directory written with
+    :func:`atomic_directory` passes three points, named after the directory: ``written:<name>`` (the new version
+    complete in its temporary directory), ``swapping:<name>`` (the old version set aside, the new one not in place
+    yet; only when replacing) and ``committed:<name>`` (the new version in place, the old one not deleted yet);
+    :func:`commit_directory` passes the last two.
+    """
+    pattern = os.environ.get(FAULT_ENV)
+    if pattern and fnmatch.fnmatchcase(point, pattern):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _siblings(path: Path, kind: str) -> list[Path]:
+    """The hidden ``.<name>.<kind>-*`` siblings of ``path``, oldest first."""
+    found = path.parent.glob(f".{glob.escape(path.name)}.{kind}-*")
+    return sorted(found, key=lambda p: p.lstat().st_mtime_ns)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _swap_in(ready: Path, path: Path) -> None:
+    """Rename the complete directory ``ready`` to ``path``; an existing ``path`` is renamed aside first and deleted
+    once the new version is in place (rename-aside, rename, delete-aside)."""
+    aside = None
+    if os.path.lexists(path):
+        aside = _sibling(path, _OLD)
+        os.replace(path, aside)
+        fault_point(f"swapping:{path.name}")
+    try:
+        os.replace(ready, path)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, path)  # the old version back where it was
+        _remove(ready)
+        raise
+    fault_point(f"committed:{path.name}")
+    if aside is not None:
+        _remove(aside)
+
+
+def commit_directory(src: str | Path, path: str | Path) -> None:
+    """Make the complete directory ``src`` visible as ``path``, replacing any directory there.
+
+    ``src`` is first renamed to ``.<name>.new-*`` (from then on it counts as complete), an existing ``path`` is renamed
+    aside to ``.<name>.old-*``, the new version renamed into place and the old one deleted. Readers see the old or
+    the new version, never a mixture; a kill at any point leaves a state that :func:`recover_directory` finishes.
+    ``src`` must be on the same filesystem as ``path`` (a sibling, as :func:`atomic_directory` makes it).
+    """
+    path = Path(path)
+    ready = _sibling(path, _NEW)
+    os.replace(src, ready)
+    _swap_in(ready, path)
+
+
+def recover_directory(path: str | Path) -> bool:
+    """Finish what a killed :func:`atomic_directory` / :func:`commit_directory` left next to ``path``.
+
+    A complete new version waiting to be swapped in (``.<name>.new-*``) is swapped in; an old version set aside
+    (``.<name>.old-*``) is deleted, or put back when ``path`` is missing and no new version waits; unfinished
+    temporary copies (``.<name>.tmp-*``) are deleted. Call it only where no other process writes ``path`` at the same
+    time (under the writer's lock, or in a run directory one process owns): a live writer's temporary copy looks
+    exactly like a dead one's. Returns whether anything was left over.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return False
+    stale, ready, aside = _siblings(path, _TMP), _siblings(path, _NEW), _siblings(path, _OLD)
+    for leftover in stale:
+        _remove(leftover)
+    if ready:  # killed during the swap (or just before it): the new version is complete, so it goes in
+        *outdated, newest = ready
+        for leftover in outdated:
+            _remove(leftover)
+        _swap_in(newest, path)
+    elif aside and not os.path.lexists(path):  # an old version set aside and nothing to replace it: put it back
+        *aside, newest = aside
+        os.replace(newest, path)
+    for leftover in aside:
+        _remove(leftover)
+    return bool(stale or ready or aside)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory next to ``path``; on success it is renamed to ``path`` (replacing it). The
-    directory gets ``0o777`` minus the umask (``mkdtemp`` makes it private, ``0o700``)."""
+    """Yield a temporary directory next to ``path`` (``.<name>.tmp-*``); when the block finishes, it replaces ``path``
+    (:func:`commit_directory`: readers see the old or the complete new directory). The directory gets ``0o777``
+    minus the umask (``mkdtemp`` makes it private, ``0o700``). A failed block deletes the temporary directory; what
+    a killed one leaves is cleaned up by :func:`recover_directory`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_TMP}-", dir=path.parent))
     try:
         tmp.chmod(0o777 & ~current_umask())
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        fault_point(f"written:{path.name}")
+        commit_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def temporary_sibling(path: str | Path, suffix: str = "") -> Path:
+    """A fixed-name temporary path next to ``path`` (``.<name>.tmp-<suffix>``), for writers whose processes must
+    agree on one name (every rank of a distributed save); :func:`recover_directory` deletes it when a writer was
+    killed."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{_TMP}-{suffix}")
+
+
 @contextlib.contextmanager
-def file_lock(path: str | Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (created if missing), shared across processes and ranks (``filelock``)."""
+def file_lock(path: str | Path, timeout: float = -1) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if missing), shared across processes and ranks (``filelock``).
+    ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out."""
     from filelock import FileLock
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path)):
+    with FileLock(str(path), timeout=timeout):
         yield
 
 

@@ -97,9 +97,7 @@ class SegmentSequenceReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
-        from rlhf_ext.algos.segment_reward import evaluate_sequences
-        from rlhf_ext.runtime.segment_data import pad_sequences, sft_token_entropy, tokenize_pair
-        from rlhf_ext.runtime.token_scores import token_scores
+        from rlhf_ext.runtime.segment_data import pad_sequences, tokenize_pair
 
         tok = self.scorer.tokenizer
         rows = []
@@ -115,12 +113,7 @@ class SegmentSequenceReward:
             mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(self.device)
             action = [[0] * row["prompt_len"] + [1] * (len(s) - row["prompt_len"]) for row, s in zip(chunk, seqs)]
             action_mask = pad_sequences(action, 0, "right", torch.long).bool().to(self.device)
-            entropy = sft_token_entropy(self.scorer.sft_model, ids, mask)
-            scores = token_scores(self.scorer.reward_model, ids, mask)
-            ev = evaluate_sequences(
-                scores, entropy, action_mask, self.scorer.cutoff, self.scorer.aggregation, self.scorer.tau
-            )
-            out.append(ev.values.float().cpu())
+            out.append(self.scorer.evaluate(ids, mask, action_mask).values.float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
 

@@ -8,11 +8,15 @@ Samplers (paper 004, Algorithm 2 step 4: "sample n responses at two temperatures
 Both return :class:`Samples` with the ``[P][n]`` response texts in a fixed layout (for each prompt, the responses of
 the first temperature, then the second ...), and load new policy weights with ``load_weights(state_dict)`` (used by
 the asynchronous runner) or ``load_policy(path)`` (a saved iterate).
+
+Seeding: a draw with ``seed=`` is reproducible. The HF sampler then draws every token with its own
+``torch.Generator`` (:class:`SeededTokenSampler`), never with the process-wide RNG, so a seeded draw in a generator
+thread neither depends on nor disturbs what the training thread does with the global RNG. Per-batch generation
+seeds each batch with :func:`sampling_seed` ``(run seed, batch index, ...)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 from collections.abc import Sequence
@@ -23,7 +27,57 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_ext.runtime.io import stable_hash
+
 DEFAULT_TEMPERATURES = (0.7, 1.0)
+
+
+def sampling_seed(seed: int, *position: Any) -> int:
+    """The seed of one draw of a run seeded with ``seed``, at ``position`` (e.g. ``"online", batch_index,
+    fill_round``): the same in every run with that seed, on every process, and different for every position."""
+    return int(stable_hash(seed, *position), 16) % (2**31 - 1)
+
+
+class SeededTokenSampler:
+    """A ``generate`` logits processor that draws each next token itself, with its own ``torch.Generator``.
+
+    It applies the sampling warpers in transformers' order (temperature, top-k, top-p; the same classes, so the
+    sampling distribution is transformers' own), draws one token per row from it with ``generator`` and leaves only
+    that token finite, so greedy decoding (``do_sample=False``) emits exactly the drawn token. transformers' own
+    sampling draws from the process-wide RNG, which a generator thread shares with the training thread: neither
+    run is then reproducible. With this processor the draw depends on ``generator`` only and the global RNG is not
+    touched. Given a generator seeded like the global RNG, it draws the same tokens as ``do_sample=True``.
+
+    Use :meth:`generate_kwargs` for the ``generate`` arguments. ``token_logprobs`` collects, per generated position,
+    the ``[B]`` log-probability of the drawn token under the sampling distribution (what ``output_scores`` gives in
+    sampling mode).
+    """
+
+    def __init__(self, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        warpers = []
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.generator = generator
+        self.token_logprobs: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        warped = self.warpers(input_ids, scores)
+        token = torch.multinomial(torch.softmax(warped, dim=-1), num_samples=1, generator=self.generator)
+        self.token_logprobs.append(warped.log_softmax(dim=-1).gather(1, token).squeeze(1))
+        return torch.full_like(warped, -math.inf).scatter(1, token, 0.0)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The ``generate`` keyword arguments that sample through this processor."""
+        from transformers import LogitsProcessorList
+
+        return {"do_sample": False, "logits_processor": LogitsProcessorList([self])}
 
 
 def split_temperatures(n: int, temperatures: Sequence[float]) -> list[tuple[float, int]]:
@@ -187,21 +241,26 @@ class HFSampler:
     ) -> Samples:
         """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's).
 
-        With ``seed`` the draw is reproducible and the global RNG is left untouched (main thread only; the
-        asynchronous generator thread passes no seed).
+        With ``seed`` the draw is reproducible: every token is drawn with a ``torch.Generator`` seeded with ``seed``
+        (:class:`SeededTokenSampler`), so the draw is the same in any thread and the global RNG is left untouched.
+        Without, transformers samples from the global RNG.
         """
         if self.model is None:
             raise RuntimeError("the sampler has no model loaded; call load_policy(path) first")
         groups = split_temperatures(n, temperatures or self.temperatures)
         encoded = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
-        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
-        with rng if seed is not None else contextlib.nullcontext():
-            if seed is not None:
-                torch.manual_seed(seed)
-            per_temp = [(t, c, *self._generate(encoded, c, t)) for t, c in groups]
+        generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        per_temp = [(t, c, *self._generate(encoded, c, t, generator)) for t, c in groups]
         return _assemble(per_temp, len(encoded))
 
-    def _generate(self, encoded: list[list[int]], copies: int, temperature: float):
+    def _sampling_kwargs(self, temperature: float, generator: torch.Generator | None) -> dict[str, Any]:
+        """``generate`` arguments drawing at ``temperature`` (and the sampler's top-k / top-p) with ``generator``,
+        or with transformers' sampling from the global RNG when ``generator`` is None."""
+        if generator is None:
+            return {"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return SeededTokenSampler(generator, temperature, self.top_k, self.top_p).generate_kwargs()
+
+    def _generate(self, encoded: list[list[int]], copies: int, temperature: float, generator: torch.Generator | None):
         seqs = [ids for ids in encoded for _ in range(copies)]
         texts: list[str] = []
         lengths, truncated = [], []
@@ -216,10 +275,7 @@ class HFSampler:
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                do_sample=True,
-                temperature=temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
+                **self._sampling_kwargs(temperature, generator),
                 max_new_tokens=self.max_new_tokens,
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_ids,

@@ -1,19 +1,34 @@
-"""Per-token scores from any sequence-classification reward model, and segment views of single responses.
+"""Per-token scores from any sequence-classification reward model, the segment evaluation e_phi of a loaded segment
+reward model, and segment views of single responses.
 
 A sequence-classification model applies its ``score`` head at every position and then keeps the last real token.
 :class:`TokenScoreCapture` keeps the full ``[B, T]`` output of that head from the model's normal forward pass (a
 forward hook), so segment rewards cost no extra forward and work through DDP, DeepSpeed and PEFT wrappers.
+:func:`segment_evaluation` turns those scores into e_phi (paper 003 Eq. 4), which is what a segment reward model
+means by "the score of a response" -- not the last-token output its ``forward`` returns.
 """
 
 from __future__ import annotations
 
 import html
+import inspect
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from rlhf_ext.algos.segment_reward import evaluate_sequences
-from rlhf_ext.runtime.segment_data import load_segment_settings, sft_token_entropy
+from rlhf_ext.algos.segment_reward import (
+    SequenceEvaluation,
+    aggregate_segments,
+    evaluate_sequences,
+    first_response_tokens,
+    gather_segment_rewards,
+    segment_ids,
+)
+from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
 
 
 def find_score_head(model) -> torch.nn.Module:
@@ -52,16 +67,107 @@ class TokenScoreCapture:
         self.handle.remove()
 
 
+def _forward_extras(model, attention_mask: torch.Tensor) -> dict[str, Any]:
+    """``position_ids`` (correct under left padding) and ``use_cache=False`` for a model whose ``forward`` takes them
+    (Hugging Face models); OpenRLHF's reward model derives its positions from the mask and takes neither."""
+    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    params = inspect.signature(inner.forward).parameters
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return {k: v for k, v in (("position_ids", position_ids), ("use_cache", False)) if k in params}
+
+
 @torch.no_grad()
 def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` reward-model scores at every position of a batch (one forward pass)."""
     capture = TokenScoreCapture(model)
     try:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, **_forward_extras(model, attention_mask))
         return capture.pop().float()
     finally:
         capture.remove()
+
+
+def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The recorded segment settings: ``settings`` (a reward-model directory or the mapping read from one), else the
+    ``segment_config.json`` of the directory ``model`` was loaded from (``config._name_or_path``), else ``{}``."""
+    if isinstance(settings, Mapping):
+        return dict(settings)
+    if settings is not None:
+        return load_segment_settings(settings)
+    inner = getattr(model, "module", model)
+    source = getattr(getattr(inner, "config", None), "_name_or_path", None)
+    if source and (Path(source) / SEGMENT_CONFIG_NAME).is_file():
+        return load_segment_settings(source)
+    return {}
+
+
+@torch.no_grad()
+def segment_evaluation(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    sft_model=None,
+    entropy: torch.Tensor | None = None,
+    segment_ends: torch.Tensor | None = None,
+    settings: str | os.PathLike | Mapping[str, Any] | None = None,
+    entropy_cutoff: float | None = None,
+    aggregation: str | None = None,
+    tau: float | None = None,
+) -> SequenceEvaluation:
+    """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4).
+
+    A segment reward model loaded with plain ``AutoModelForSequenceClassification`` (or OpenRLHF's
+    ``get_llm_for_sequence_regression``) returns its score at the *last* token only. Its trained meaning is
+    ``e_phi = tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations)
+    over the segment rewards ``r_seg`` = the model's score at each segment's last token, with segments started where
+    the SFT model's entropy exceeds the cutoff. This function computes it with the same code the TRL and OpenRLHF
+    trainers, :class:`SegmentScorer` and the ``segment`` reward use, so all of them agree.
+
+    Args:
+        model: the reward model (a sequence-classification model with a per-position score head, possibly wrapped
+            by DDP, DeepSpeed or PEFT), on the device of ``input_ids``.
+        input_ids, attention_mask: ``[B, T]`` prompt + response tokens (right or left padded).
+        response_mask: ``[B, T]`` bool, true at response tokens.
+        sft_model, entropy, segment_ends: where the segments come from, in this order of precedence:
+            ``segment_ends`` (``[B, T]`` bool, true at the last token of each segment), ``entropy`` (``[B, T]``
+            SFT entropies in nats aligned to the sampled token, as :func:`~rlhf_ext.runtime.segment_data.
+            sft_token_entropy` returns them), or ``sft_model`` (the causal LM the reward model was trained with,
+            run here to get those entropies).
+        settings: a reward-model directory or its ``segment_config.json`` mapping; default: the directory
+            ``model`` was loaded from, when it has one.
+        entropy_cutoff, aggregation, tau: override the recorded settings.
+
+    Returns:
+        :class:`~rlhf_ext.segment.SequenceEvaluation`: ``values`` ``[B]`` (e_phi), ``seg_rewards`` ``[B, S]`` and
+        ``segments``.
+    """
+    recorded = _segment_settings(model, settings)
+    aggregation = aggregation or recorded.get("aggregation")
+    tau = recorded.get("tau") if tau is None else tau
+    cutoff = recorded.get("entropy_cutoff") if entropy_cutoff is None else entropy_cutoff
+    if aggregation is None or tau is None or (cutoff is None and segment_ends is None):
+        raise ValueError(
+            "segment_evaluation needs the reward model's segment settings: pass settings=<reward model directory> "
+            "(its segment_config.json), or entropy_cutoff=, aggregation= and tau="
+        )
+    scores = token_scores(model, input_ids, attention_mask)
+    response_mask = response_mask.bool()
+    if segment_ends is not None:
+        after_end = torch.zeros_like(response_mask)
+        after_end[:, 1:] = segment_ends.bool()[:, :-1]
+        segments = segment_ids(response_mask & (first_response_tokens(response_mask) | after_end), response_mask)
+        seg_rewards = gather_segment_rewards(scores, segments)
+        values = aggregate_segments(seg_rewards, segments.mask, aggregation, float(tau))
+        return SequenceEvaluation(values=values, seg_rewards=seg_rewards, segments=segments)
+    if entropy is None:
+        if sft_model is None:
+            raise ValueError("segment_evaluation needs sft_model=, entropy= or segment_ends= to find the segments")
+        entropy = sft_token_entropy(sft_model, input_ids, attention_mask)
+    return evaluate_sequences(scores, entropy.float(), response_mask, float(cutoff), aggregation, float(tau))
 
 
 @torch.no_grad()
@@ -91,8 +197,10 @@ def preference_accuracy(
     for start in range(0, len(prepared_rows), batch_size):
         rows = prepared_rows.select(range(start, min(start + batch_size, len(prepared_rows))))
         batch = collate_segment_pairs(list(rows), pad)
-        scores = token_scores(model, batch["input_ids"], batch["attention_mask"])
-        ev = evaluate_sequences(scores, batch["entropy"], batch["action_mask"], entropy_cutoff, aggregation, tau)
+        ev = segment_evaluation(
+            model, batch["input_ids"], batch["attention_mask"], batch["action_mask"], entropy=batch["entropy"],
+            entropy_cutoff=entropy_cutoff, aggregation=aggregation, tau=tau,
+        )  # fmt: skip
         chosen, rejected = ev.values.chunk(2)
         correct += int((chosen > rejected).sum())
         segments += float(ev.segments.counts.float().sum())
@@ -121,7 +229,8 @@ class SegmentScorer:
     Args:
         reward_model: path of a reward-model checkpoint written by rlhf-ext (TRL or OpenRLHF engine).
         sft_model: the SFT checkpoint used for segmentation (default: the one recorded with the reward model).
-        entropy_cutoff, aggregation, tau: default to the recorded training settings.
+        entropy_cutoff, aggregation, tau: default to the recorded training settings (all four of these and
+            ``sft_model`` are needed for a model without rlhf-ext's ``segment_config.json``).
     """
 
     def __init__(
@@ -134,7 +243,17 @@ class SegmentScorer:
     ):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-        settings = load_segment_settings(reward_model)
+        given = {"entropy_cutoff": entropy_cutoff, "aggregation": aggregation, "tau": tau, "sft_model": sft_model}
+        if (Path(reward_model) / SEGMENT_CONFIG_NAME).is_file():
+            settings = load_segment_settings(reward_model)
+        elif any(v is None for v in given.values()):
+            raise FileNotFoundError(
+                f"'{reward_model}' is not a segment reward model: it has no {SEGMENT_CONFIG_NAME} (written by "
+                "`rlhf-ext train segment-rm`); give the output directory of a segment reward-model run, or pass "
+                "entropy_cutoff, aggregation, tau and sft_model for another sequence-classification model"
+            )
+        else:
+            settings = {}
         self.cutoff = settings["entropy_cutoff"] if entropy_cutoff is None else float(entropy_cutoff)
         self.aggregation = aggregation or settings["aggregation"]
         self.tau = settings["tau"] if tau is None else float(tau)
@@ -147,6 +266,13 @@ class SegmentScorer:
         ).eval()
         self.sft_model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
 
+    def evaluate(self, input_ids, attention_mask, response_mask, entropy=None) -> SequenceEvaluation:
+        """:func:`segment_evaluation` of a batch with this scorer's models and settings."""
+        return segment_evaluation(
+            self.reward_model, input_ids, attention_mask, response_mask, sft_model=self.sft_model, entropy=entropy,
+            entropy_cutoff=self.cutoff, aggregation=self.aggregation, tau=self.tau,
+        )  # fmt: skip
+
     def score(self, prompt, response) -> SegmentView:
         """Segment and score one response. ``prompt``/``response``: text, or chat messages (prompt may be None)."""
         from rlhf_ext.runtime.segment_data import tokenize_pair
@@ -158,8 +284,7 @@ class SegmentScorer:
         action = torch.zeros_like(ids, dtype=torch.bool)
         action[:, row["prompt_len"] :] = True
         ent = sft_token_entropy(self.sft_model, ids, mask)
-        scores = token_scores(self.reward_model, ids, mask)
-        ev = evaluate_sequences(scores, ent, action, self.cutoff, self.aggregation, self.tau)
+        ev = self.evaluate(ids, mask, action, entropy=ent)
         seg = ev.segments
         n = int(seg.counts[0])
         texts, starts = [], []

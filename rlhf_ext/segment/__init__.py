@@ -1,6 +1,7 @@
 """Segment-level rewards (paper 003): entropy segmentation, soft-max aggregation and the segment BT loss.
 
 Pure ``torch`` functions, vectorised over the batch; the TRL and OpenRLHF adapters only move tensors in and out.
+:func:`segment_evaluation` computes e_phi (Eq. 4) from a reward model that is already loaded.
 """
 
 from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerError
@@ -27,6 +28,7 @@ from rlhf_ext.algos.segment_reward import (
     segment_ids,
     token_entropy,
 )
+from rlhf_ext.runtime.token_scores import segment_evaluation
 
 __all__ = [
     "AGGREGATIONS",
@@ -49,6 +51,7 @@ __all__ = [
     "gather_segment_rewards",
     "segment_boundaries",
     "segment_bt_loss",
+    "segment_evaluation",
     "segment_ids",
     "token_entropy",
 ]

@@ -17,6 +17,15 @@ Here an annotator is anything that returns ``P(a preferred over b)`` for a batch
 * :class:`LLMAnnotator` — an LLM judge through the dataset generator's backends (``openai``: any OpenAI-compatible
   server), with :class:`rlhf_ext.datagen.LLMJudge`'s prompt, strict A/B parsing and randomised presentation order
   (Appendix C.1); an unparseable answer counts as a tie (1/2).
+* :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAnnotator` — AlpacaFarm's own annotators, loaded as shipped from a
+  pool's ``configs.yaml`` and templates (:meth:`AnnotatorPool.from_alpaca_farm`; ``annotator_pool_v0`` has 13), with
+  AlpacaFarm's per-example annotator choice.
+
+**Draws.** Identical responses are a draw without asking any annotator (as AlpacaEval scores them 1.5), and an
+annotator may answer a draw (:meth:`AnnotatorPool.outcome` gives 1/2 for both; an annotator says which of its 1/2
+probabilities are draws with an optional ``probability_with_ties`` method — a deterministic :class:`BTAnnotator` on
+equal utilities, an AlpacaFarm annotator's explicit tie answer). Binary labels (:meth:`AnnotatorPool.prefer`,
+``relabel``) still settle a draw with the pair's fair coin.
 
 Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (a SHA-256 digest gives three uniforms per
 pair: which annotator, the Bernoulli draw, the training flip), so labels are reproducible regardless of batch order,
@@ -46,7 +55,11 @@ TRAIN_FLIP_PROB = 0.25
 
 @runtime_checkable
 class Annotator(Protocol):
-    """A simulated annotator: ``probability(prompts, a, b, styles) -> [N]`` = ``P(a preferred over b)``."""
+    """A simulated annotator: ``probability(prompts, a, b, styles) -> [N]`` = ``P(a preferred over b)``.
+
+    Optionally ``probability_with_ties(prompts, a, b, styles) -> ([N] probability, [N] bool)`` also says where the
+    annotator answered a draw (its probability there is 1/2); without it an annotator never answers a draw.
+    """
 
     name: str
 
@@ -84,6 +97,14 @@ class BTAnnotator:
         if self.temperature == 0:
             return torch.where(diff > 0, 1.0, torch.where(diff < 0, 0.0, 0.5))
         return torch.sigmoid(diff / self.temperature)
+
+    def probability_with_ties(
+        self, prompts: list[Any], a: list[str], b: list[str], styles: list[str | None]
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`probability` and ``[N]`` bool draws: a deterministic chooser (temperature 0) answers a draw on equal
+        utilities; a stochastic one never does (its 1/2 is a coin)."""
+        p = self.probability(prompts, a, b, styles)
+        return p, (p == 0.5) if self.temperature == 0 else torch.zeros(p.shape, dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -218,12 +239,22 @@ class Decisions:
         annotator: ``[N]`` long, index of the annotator that labelled each pair (``pool.names[i]``).
         probability: ``[N]`` float, that annotator's ``P(a > b)`` before any training flip.
         flipped: ``[N]`` bool, the training noise flipped the annotator's choice (always False with ``train=False``).
+        tie: ``[N]`` bool, the pair is a draw: identical responses (no annotator asked), or the annotator answered a
+            draw and (``train=True``) the training noise did not replace that answer (AlpacaFarm replaces a label by
+            a fair coin with probability ``2 * flip_prob``). ``prefer_a`` holds the pair's coin there.
     """
 
     prefer_a: Tensor
     annotator: Tensor
     probability: Tensor
     flipped: Tensor
+    tie: Tensor
+
+    @property
+    def outcome(self) -> Tensor:
+        """``[N]`` float: 1 where ``a`` wins, 0 where ``b`` wins, 1/2 for a draw (AlpacaEval's ``preference - 1``
+        mirrored: a draw counts half a win)."""
+        return torch.where(self.tie, 0.5, self.prefer_a.float())
 
 
 @dataclass
@@ -292,6 +323,9 @@ class AnnotatorPool:
         flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); evaluation labels never are.
         seed: seeds every draw (annotator choice, Bernoulli draw, flip).
         gold: the gold scorer used by :meth:`agreement` (default: ``GoldScorer()`` with the pool's default style).
+        assign: which annotator labels each pair, ``assign(prompts, a, b) -> [N]`` long indices (default: uniform,
+            from the pair's digest; AlpacaFarm's pools choose per instruction, see
+            :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
 
     Example::
 
@@ -307,6 +341,7 @@ class AnnotatorPool:
         flip_prob: float = TRAIN_FLIP_PROB,
         seed: int = 0,
         gold: GoldScorer | None = None,
+        assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
     ):
         annotators = list(annotators)
         if not annotators:
@@ -323,6 +358,7 @@ class AnnotatorPool:
         self.flip_prob = float(flip_prob)
         self.seed = int(seed)
         self.gold = gold if gold is not None else GoldScorer()
+        self.assign = assign
 
     @property
     def names(self) -> list[str]:
@@ -393,6 +429,32 @@ class AnnotatorPool:
         ]
         return cls(annotators, flip_prob, seed, gold)
 
+    @classmethod
+    def from_alpaca_farm(
+        cls,
+        pool: str = "annotator_pool_v0",
+        *,
+        api_base: str = "http://localhost:8000/v1",
+        models: Sequence[str] = (),
+        api_key_env: str = "OPENAI_API_KEY",
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        gold: GoldScorer | None = None,
+        backend_factory: Callable[[str], Any] | None = None,
+    ) -> AnnotatorPool:
+        """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool name of
+        the installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>``, or a directory holding a
+        ``configs.yaml`` of that shape; every annotator talks to the OpenAI-compatible server at ``api_base``
+        (``models``: one served model for all, or ``config_model=served`` pairs; empty: the configs' model names).
+        ``flip_prob`` is AlpacaFarm's ``p_label_flip`` (0.25 for training labels)."""
+        from rlhf_ext.sim.alpaca_farm_pool import AlpacaFarmAssignment, alpaca_farm_annotators
+
+        annotators = alpaca_farm_annotators(
+            pool, backend_factory, models=models, seed=seed, api_base=api_base, api_key_env=api_key_env
+        )
+        assign = AlpacaFarmAssignment([a.name for a in annotators], seed)
+        return cls(annotators, flip_prob, seed, gold, assign=assign)
+
     # ---------------------------------------------------------------------------------------------- decisions
     def _check(self, prompts, a, b, styles) -> tuple[list, list, list, list]:
         prompts, a, b = list(prompts), list(a), list(b)
@@ -400,15 +462,22 @@ class AnnotatorPool:
             raise ValueError(f"got {len(prompts)} prompts, {len(a)} responses a and {len(b)} responses b; must match")
         return prompts, a, b, self.gold.resolve_styles(prompts, styles)
 
-    def _annotator_probabilities(self, index: Tensor, prompts, a, b, styles) -> Tensor:
-        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair (each annotator sees only its pairs)."""
-        p = torch.empty(len(a), dtype=torch.float64)
+    def _annotator_probabilities(self, index: Tensor, prompts, a, b, styles, asked: Tensor) -> tuple[Tensor, Tensor]:
+        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair and ``[N]`` bool: it answered a draw. Each
+        annotator sees only its pairs, and only those where ``asked`` (elsewhere: 1/2, no draw)."""
+        p = torch.full((len(a),), 0.5, dtype=torch.float64)
+        tie = torch.zeros(len(a), dtype=torch.bool)
         for k, annotator in enumerate(self.annotators):
-            rows = (index == k).nonzero().flatten().tolist()
+            rows = ((index == k) & asked).nonzero().flatten().tolist()
             if rows:
                 sub = [[xs[i] for i in rows] for xs in (prompts, a, b, styles)]
-                p[rows] = annotator.probability(*sub).double().cpu()
-        return p
+                if hasattr(annotator, "probability_with_ties"):
+                    prob, draws = annotator.probability_with_ties(*sub)
+                    tie[rows] = torch.as_tensor(draws, dtype=torch.bool).cpu()
+                else:
+                    prob = annotator.probability(*sub)
+                p[rows] = prob.double().cpu()
+        return p, tie
 
     def decide(
         self,
@@ -419,16 +488,23 @@ class AnnotatorPool:
         *,
         train: bool,
     ) -> Decisions:
-        """Label ``N`` pairs and say who labelled them and whether the training noise flipped them."""
+        """Label ``N`` pairs and say who labelled them, whether the training noise flipped them and which are draws
+        (identical responses are never sent to an annotator)."""
         prompts, a, b, styles = self._check(prompts, responses_a, responses_b, styles)
         u, a_first = pair_uniforms(self.seed, prompts, a, b)
-        index = (u[:, 0] * len(self.annotators)).long().clamp_max(len(self.annotators) - 1)
-        prob = self._annotator_probabilities(index, prompts, a, b, styles)
+        if self.assign is not None:
+            index = torch.as_tensor(self.assign(prompts, a, b), dtype=torch.long).flatten()
+        else:
+            index = (u[:, 0] * len(self.annotators)).long().clamp_max(len(self.annotators) - 1)
+        identical = torch.tensor([x == y for x, y in zip(a, b)], dtype=torch.bool)
+        prob, answered_tie = self._annotator_probabilities(index, prompts, a, b, styles, asked=~identical)
         p_canonical = torch.where(a_first, prob, 1.0 - prob)  # P(canonical first response wins)
         first_wins = u[:, 1] < p_canonical
         prefer_a = torch.where(a_first, first_wins, ~first_wins)
         flipped = (u[:, 2] < self.flip_prob) if train else torch.zeros_like(prefer_a)
-        return Decisions(prefer_a ^ flipped, index, prob.float(), flipped)
+        noised = (u[:, 2] < 2 * self.flip_prob) if train else torch.zeros_like(prefer_a)
+        tie = identical | (answered_tie & ~noised)
+        return Decisions(prefer_a ^ flipped, index, prob.float(), flipped, tie)
 
     def prefer(
         self,
@@ -441,6 +517,18 @@ class AnnotatorPool:
     ) -> Tensor:
         """``[N]`` bool: True where response ``a`` is preferred. ``train=True`` adds the training flips."""
         return self.decide(prompts, responses_a, responses_b, styles, train=train).prefer_a
+
+    def outcome(
+        self,
+        prompts: Sequence[Any],
+        responses_a: Sequence[str],
+        responses_b: Sequence[str],
+        styles: Sequence[str | None] | str | None = None,
+        *,
+        train: bool,
+    ) -> Tensor:
+        """``[N]`` float: 1 where ``a`` wins, 0 where ``b`` wins, 1/2 for a draw (see :class:`Decisions`)."""
+        return self.decide(prompts, responses_a, responses_b, styles, train=train).outcome
 
     def probability(
         self,
@@ -560,8 +648,11 @@ class AnnotatorPool:
 @dataclass
 class PoolConfig:
     """A pool in a recipe: ``backend: gold`` (gold-scorer variants; ``annotators`` empty = the default six),
-    ``reward_model`` (``reward_models`` paths, ``temperatures``) or ``llm`` (``api_base``/``models`` of an
-    OpenAI-compatible server and the ``preference`` text)."""
+    ``reward_model`` (``reward_models`` paths, ``temperatures``), ``llm`` (``api_base``/``models`` of an
+    OpenAI-compatible server and the ``preference`` text) or ``alpaca_farm`` (AlpacaFarm's annotators as shipped:
+    ``alpaca_farm_pool`` = ``annotator_pool_v0``, ``alpaca_eval:<evaluator>`` or a directory with a ``configs.yaml``,
+    run against ``api_base``; ``models``: one served model for all annotators, ``config_model=served`` pairs, or
+    empty for the configs' own model names)."""
 
     backend: str = "gold"
     flip_prob: float = TRAIN_FLIP_PROB
@@ -572,10 +663,11 @@ class PoolConfig:
     models: list[str] = field(default_factory=list)
     api_key_env: str = "OPENAI_API_KEY"
     preference: str = "The response follows the requested style."
+    alpaca_farm_pool: str = "annotator_pool_v0"
 
     def __post_init__(self):
-        if self.backend not in ("gold", "reward_model", "llm"):
-            raise ValueError(f"pool.backend must be gold, reward_model or llm; got {self.backend!r}")
+        if self.backend not in ("gold", "reward_model", "llm", "alpaca_farm"):
+            raise ValueError(f"pool.backend must be gold, reward_model, llm or alpaca_farm; got {self.backend!r}")
         if not 0.0 <= self.flip_prob <= 0.5:
             raise ValueError(f"pool.flip_prob must be in [0, 0.5], got {self.flip_prob}")
         if self.backend == "reward_model" and not self.reward_models:
@@ -594,6 +686,16 @@ class PoolConfig:
             temps = self.temperatures or 1.0
             return AnnotatorPool.from_reward_models(
                 self.reward_models, temps, flip_prob=self.flip_prob, seed=seed, gold=gold, sft_model=sft_model
+            )
+        if self.backend == "alpaca_farm":
+            return AnnotatorPool.from_alpaca_farm(
+                self.alpaca_farm_pool,
+                api_base=self.api_base,
+                models=self.models,
+                api_key_env=self.api_key_env,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                gold=gold,
             )
         from rlhf_ext.datagen.backends import OpenAIBackend
 

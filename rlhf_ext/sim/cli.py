@@ -8,16 +8,7 @@ Heavy libraries are imported inside the commands.
 
 from __future__ import annotations
 
-import sys
-
 import click
-
-from rlhf_ext.config import RecipeError
-
-
-def _fail(message: str) -> None:
-    click.secho(f"error: {message}", fg="red", err=True)
-    sys.exit(2)
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -59,20 +50,20 @@ def compare(config_path, methods, seeds, out, report_only, overrides) -> None:
         extra.append(f"methods=[{','.join(_csv(methods))}]")
     if seeds is not None:
         extra.append(f"seeds=[{','.join(str(s) for s in _csv(seeds, int))}]")
-    try:
-        recipe = load_recipe(SimCompareRecipe, recipe_path(config_path), extra)
-    except RecipeError as e:
-        _fail(str(e))
+    # a user's error (RecipeError, a model that cannot load ...) is reported in one line by `rlhf-ext`'s command
+    # group (rlhf_ext.cli.UserErrorGroup), which runs this command
+    recipe = load_recipe(SimCompareRecipe, recipe_path(config_path), extra)
     if report_only:
         from pathlib import Path
 
         summary = summarise(recipe)
         summary["reports"] = write_reports(summary, Path(recipe.output_dir))
     else:
-        try:
-            summary = run_compare(recipe, progress=lambda m: click.echo(m, err=True))
-        except RecipeError as e:
-            _fail(str(e))
+        if recipe.model.base is not None:  # a model that cannot load fails before the output directory records it
+            from rlhf_ext.zoo.builtins import check_model_source
+
+            check_model_source(recipe.model.base)
+        summary = run_compare(recipe, progress=lambda m: click.echo(m, err=True))
     click.echo(markdown_table(summary))
     click.echo("")
     for name, path in summary["reports"].items():

@@ -24,6 +24,7 @@ change between runs of one directory)::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from rlhf_ext.config import RecipeError, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
+
+logger = logging.getLogger(__name__)
 
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
 #: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
@@ -71,11 +74,11 @@ def recipe_fingerprint(recipe: SimCompareRecipe) -> str:
 class SimRun:
     """The artefacts of one comparison directory, each built on first use and reused afterwards."""
 
-    def __init__(self, recipe: SimCompareRecipe, progress: Progress = print):
+    def __init__(self, recipe: SimCompareRecipe, progress: Progress | None = None):
         self.recipe = recipe
         self.root = Path(recipe.output_dir)
         self.data_dir = self.root / "data"
-        self.progress = progress
+        self.progress = progress or logger.info
         self._splits = None
         self._gold = None
         self._reward_fns: dict[int, Any] = {}
@@ -324,14 +327,16 @@ def result_path(root: Path, method: str, seed: int) -> Path:
     return root / RESULTS_DIR / f"{result_stage(method, seed)}.json"
 
 
-def run_compare(recipe: SimCompareRecipe, progress: Progress = print) -> dict[str, Any]:
+def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> dict[str, Any]:
     """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write the summary.
+    ``progress`` receives one line per step of the run (default: the ``rlhf_ext.sim.compare`` logger at ``INFO``).
 
     Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
     """
     from rlhf_ext.runtime.async_runner import torch_threads
     from rlhf_ext.sim.methods import METHOD_FUNCTIONS
 
+    progress = progress or logger.info
     run = SimRun(recipe, progress)
     run_dir = run.check_directory()
     start = time.time()

@@ -6,6 +6,14 @@ without the training noise). :func:`win_rate` measures it for any causal LM (a c
 alongside it the quantities AlpacaFarm's analysis uses: average response length (section 5.2: LPF methods make
 outputs longer), the gold reward, and the KL divergence to the reference.
 
+Draws count half a win, as in AlpacaEval (``win_rate = mean(preference) - 1`` with a draw coded 1.5): a comparison
+of identical responses is a draw without asking an annotator, and so is an annotator's explicit draw answer (see
+:meth:`rlhf_ext.sim.annotators.AnnotatorPool.outcome`); the gold judge's equal rewards are draws too. The win rate is
+``(wins + ties / 2) / comparisons``, reported with the tie rate ``ties / comparisons``, and its standard error is that
+of the outcomes ``{1, 1/2, 0}`` themselves: a draw adds ``(1/2 - mean)^2`` to the variance, where settling it by a coin
+would add 1/4 on average. With one sample per prompt it is AlpacaEval's ``standard_error`` (the sample standard
+deviation over ``sqrt(n)``); with ``k`` samples per prompt the per-prompt means are the units (clustered s.e.).
+
 Policies are objects with ``sample(prompts, n, seed) -> Samples`` (the ``[P][n]`` layout of
 :class:`rlhf_ext.runtime.sampling.Samples`) and, for the KL, ``logprobs(prompts, responses, truncated) -> [N]``:
 
@@ -223,10 +231,11 @@ class WinRate:
     Attributes:
         win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
         wins / ties / losses: counts of comparisons.
+        tie_rate: ``ties / num_comparisons``.
         num_prompts / samples_per_prompt / num_comparisons: sample sizes.
         judge: ``pool`` (evaluation annotators, no flips) or ``gold``.
         avg_length_chars / avg_length_tokens / truncated_fraction: of the policy's responses.
-        ref_avg_length_chars: of the reference's responses.
+        ref_avg_length_chars / ref_avg_length_tokens: of the reference's responses.
         gold_mean / gold_stderr / ref_gold_mean: gold reward of the policy's / reference's responses.
         kl / kl_stderr / kl_method: KL(policy || reference) in nats (see the module docstring); NaN if not computed.
     """
@@ -236,6 +245,7 @@ class WinRate:
     wins: int
     ties: int
     losses: int
+    tie_rate: float
     num_prompts: int
     samples_per_prompt: int
     num_comparisons: int
@@ -244,6 +254,7 @@ class WinRate:
     avg_length_tokens: float
     truncated_fraction: float
     ref_avg_length_chars: float
+    ref_avg_length_tokens: float
     gold_mean: float
     gold_stderr: float
     ref_gold_mean: float
@@ -288,8 +299,9 @@ def win_rate(
             (``max_new_tokens``, ``temperature`` ...). ``policy`` may be ``reference`` itself (independent samples).
         prompts: ``P`` held-out prompts.
         styles: the task style of each prompt (or one for all; ``None``: the toy task / the scorers' defaults).
-        judge: an :class:`AnnotatorPool` used in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``),
-            or a :class:`GoldScorer` / ``"gold"`` (higher gold reward wins; equal = tie).
+        judge: an :class:`AnnotatorPool` used in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``;
+            identical responses and the annotator's draw answers are ties), or a :class:`GoldScorer` / ``"gold"``
+            (higher gold reward wins; equal = tie).
         gold: the scorer for the gold-reward columns (default ``GoldScorer()``).
         samples_per_prompt: ``k`` responses of each policy per prompt; comparison ``j`` pits policy sample ``j``
             against reference sample ``j`` (``P * k`` comparisons; the standard error is clustered by prompt).
@@ -325,7 +337,7 @@ def win_rate(
             raise ValueError(f"judge must be 'pool', 'gold', an AnnotatorPool or a GoldScorer; got {judge!r}")
         judge = AnnotatorPool.default(seed=seed) if judge == "pool" else gold
     if isinstance(judge, AnnotatorPool):
-        outcome = judge.prefer(flat_prompts, mine, theirs, flat_styles, train=False).double()
+        outcome = judge.outcome(flat_prompts, mine, theirs, flat_styles, train=False).double()
         judge_name = "pool"
     elif isinstance(judge, GoldScorer):
         g = judge.score(flat_prompts + flat_prompts, mine + theirs, flat_styles + flat_styles).double()
@@ -359,6 +371,7 @@ def win_rate(
         wins=int((outcome == 1).sum()),
         ties=int((outcome == 0.5).sum()),
         losses=int((outcome == 0).sum()),
+        tie_rate=float((outcome == 0.5).double().mean()),
         num_prompts=len(prompts),
         samples_per_prompt=k,
         num_comparisons=outcome.numel(),
@@ -367,6 +380,7 @@ def win_rate(
         avg_length_tokens=float(samples.num_tokens.float().mean()),
         truncated_fraction=float(samples.truncated.float().mean()),
         ref_avg_length_chars=float(reference_samples.num_chars().mean()),
+        ref_avg_length_tokens=float(reference_samples.num_tokens.float().mean()),
         gold_mean=float(gold_mine.double().mean()),
         gold_stderr=_cluster_stderr(gold_mine),
         ref_gold_mean=float(gold_ref.double().mean()),

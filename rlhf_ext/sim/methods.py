@@ -159,6 +159,7 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
     from trl import DPOConfig, DPOTrainer
 
     from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.trl.console import use_console_output
 
     cfg, out = cfg or run.recipe.dpo, run.seed_dir(seed) / name
     if not (out / "config.json").exists():
@@ -191,6 +192,7 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
                 train_dataset=Dataset.from_list(rows),
                 processing_class=tokenizer,
             )
+            use_console_output(trainer)
             trainer.train()
             trainer.save_model(str(tmp))
             tokenizer.save_pretrained(str(tmp))
@@ -288,6 +290,7 @@ def sim_online_dpo(
     from transformers import AutoTokenizer
 
     from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
 
     name = name or {"iterative": "online_dpo", "async": "online_dpo_async", "sync": "online_dpo_sync"}[mode]
@@ -342,6 +345,7 @@ def sim_online_dpo(
         processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
         gold_fn=run.gold,
     )
+    use_console_output(trainer)
     trainer.train()
     summary = trainer.summary
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}

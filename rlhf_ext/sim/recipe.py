@@ -113,7 +113,10 @@ class SFTSection(TrainSettings):
 @dataclass
 class FeedbackSection:
     """Simulated human feedback on the PREF split: ``pairs: sft_samples`` draws two SFT responses per PREF prompt and
-    lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own chosen/rejected pairs."""
+    lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own chosen/rejected pairs. The annotators
+    are chosen by ``pool.backend``: ``gold`` (gold-scorer variants), ``reward_model``, ``llm`` (one LLM judge per
+    served model) or ``alpaca_farm`` (AlpacaFarm's own pool as shipped, ``pool.alpaca_farm_pool: annotator_pool_v0``,
+    against the OpenAI-compatible server ``pool.api_base``); see :class:`~rlhf_ext.sim.annotators.PoolConfig`."""
 
     pairs: Literal["sft_samples", "dataset"] = "sft_samples"
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -143,8 +146,9 @@ class GenerationSection:
 @dataclass
 class EvalSection:
     """Win rate against the SFT model on the held-out prompts (section 3.3). ``judge: pool`` is ``p_eval`` (the
-    feedback pool without flips), ``gold`` the gold scorer (ties 1/2). ``temperature`` 1.0 keeps the KL estimate
-    of the policy itself (AlpacaFarm sampled API models at 0.7)."""
+    feedback pool without flips; identical responses and the annotators' draw answers are ties, 1/2), ``gold`` the
+    gold scorer (ties 1/2). ``temperature`` 1.0 keeps the KL estimate of the policy itself (AlpacaFarm sampled API
+    models at 0.7)."""
 
     samples_per_prompt: int = 2
     temperature: float = 1.0

@@ -6,22 +6,40 @@ its config with :func:`make_config`, so the batch arithmetic, CPU defaults and e
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
+import shutil
+import uuid
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
 
 #: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32 on the
 #: CPU, no logging integrations, no checkpoints, no gradient checkpointing, no progress bars. Recipes go through
 #: :func:`training_kwargs` instead.
+def activation_checkpointing(enabled: bool) -> dict[str, bool]:
+    """The ``TrainingArguments`` keyword that turns activation (gradient) checkpointing on or off: transformers 5.2x
+    renamed ``gradient_checkpointing`` to ``activation_checkpointing`` and warns (FutureWarning) on the old name;
+    5.15 knows only the old one."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
+
+
 CPU_RUN: dict[str, Any] = dict(
     bf16=False,
     use_cpu=True,
     report_to="none",
     save_strategy="no",
-    gradient_checkpointing=False,
+    **activation_checkpointing(False),
     disable_tqdm=True,
 )
 
@@ -61,7 +79,7 @@ def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None 
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         bf16=train.bf16,
-        gradient_checkpointing=train.gradient_checkpointing,
+        **activation_checkpointing(train.gradient_checkpointing),
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
     )
@@ -72,19 +90,110 @@ def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None 
     return kwargs
 
 
+#: The module each ``report_to`` integration of transformers needs (checked before a trainer is built, so a missing
+#: package is one line naming the install command instead of a RuntimeError from inside the Trainer).
+REPORT_TO_MODULES: dict[str, str] = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "comet_ml": "comet_ml",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "trackio": "trackio",
+    "swanlab": "swanlab",
+}
+
+
+def check_report_to(report_to: str | list[str] | None) -> None:
+    """Raise :class:`rlhf_ext.config.MissingOptionalPackage` when an integration ``report_to`` names is not
+    installed (``"all"`` reports to whatever is installed, so it is never an error)."""
+    import importlib.util
+
+    from rlhf_ext.config import MissingOptionalPackage, report_integrations
+
+    for name in report_integrations(report_to):
+        module = REPORT_TO_MODULES.get(name)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise MissingOptionalPackage(module, f"report_to={name}")
+
+
+def keep_tensorboard_logs(trainer, logging_dir: str | os.PathLike) -> None:
+    """Write ``trainer``'s TensorBoard events to ``logging_dir`` (when it reports to TensorBoard).
+
+    transformers 5 has no ``logging_dir`` argument: its callback writes to ``output_dir/runs/<time>_<host>``. Stages
+    whose ``output_dir`` is a scratch directory deleted after training (the continual runner's, the SFT routine's)
+    call this to keep the events in the run's output directory.
+    """
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback):
+            callback.logging_dir = str(logging_dir)
+
+
 def make_config(config_cls: type[T], kwargs: dict[str, Any], trl_args: dict[str, Any] | None = None) -> T:
-    """``config_cls(**kwargs)`` with the recipe's ``train.trl_args`` applied last; bad keys name the fix."""
+    """``config_cls(**kwargs)`` with the recipe's ``train.trl_args`` applied last (``report_to`` among them); bad
+    keys name the fix, a ``report_to`` integration that is not installed names its package."""
     from rlhf_ext.config import RecipeError
 
     kwargs = {**kwargs, **(trl_args or {})}
+    check_report_to(kwargs.get("report_to"))
     try:
         return config_cls(**kwargs)
     except TypeError as e:
         raise RecipeError(f"train.trl_args: {e} (keys must be {config_cls.__name__} fields)") from e
 
 
-def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str | None:
-    """The newest ``checkpoint-*`` directory under ``output_dir`` to resume from (``None``: start fresh)."""
-    from transformers.trainer_utils import get_last_checkpoint
+#: The file transformers' ``Trainer`` writes last into a ``checkpoint-N`` directory (after the weights, optimizer,
+#: scheduler and RNG states): a checkpoint without it, or with a truncated one, was interrupted while being written.
+TRAINER_STATE_FILE = "trainer_state.json"
 
-    return get_last_checkpoint(str(output_dir)) if resume and os.path.isdir(output_dir) else None
+
+def checkpoint_is_complete(path: str | os.PathLike) -> bool:
+    """Whether the ``checkpoint-N`` directory ``path`` was written to the end: its ``trainer_state.json`` (written
+    last) is a complete JSON object with a ``global_step``."""
+    try:
+        state = json.loads(Path(path, TRAINER_STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "global_step" in state
+
+
+def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str | None:
+    """The newest complete ``checkpoint-N`` directory under ``output_dir`` to resume from (``None``: start fresh).
+
+    A checkpoint written only in part (a kill while the Trainer saved it: no ``trainer_state.json``, or a truncated
+    one) is never resumed from. One numbered above the newest complete checkpoint is the write the previous run was
+    killed in: it is removed (the resumed run writes it again). An incomplete one numbered below a complete one is
+    not that write and is left alone. ``resume=False`` returns ``None`` and touches nothing.
+    """
+    if not resume or not os.path.isdir(output_dir):
+        return None
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    pattern = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
+    found: dict[int, Path] = {}
+    for entry in os.scandir(output_dir):
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found[int(match[1])] = Path(entry.path)
+    complete = [step for step, path in found.items() if checkpoint_is_complete(path)]
+    newest = max(complete, default=-1)
+    for step, path in sorted(found.items()):
+        if step > newest:
+            _discard_partial_checkpoint(path)
+    return str(found[newest]) if complete else None
+
+
+def _discard_partial_checkpoint(path: Path) -> None:
+    """Remove a checkpoint whose write was interrupted: renamed aside first (one rename, so when every rank of a
+    distributed run calls :func:`last_checkpoint`, exactly one takes it), then deleted."""
+    from rlhf_ext.runtime.io import temporary_sibling
+
+    aside = temporary_sibling(path, f"partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # another rank took it
+        return
+    logger.warning("removed %s: its write was interrupted (no complete %s)", path, TRAINER_STATE_FILE)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -12,6 +12,11 @@ tokens are returned as ``logprobs`` (GRPO's ``sampling_per_token_logps``), which
 uses as the PPO "old" log-probs, so the clipped ratio is ``pi_theta / pi_behaviour`` (off-policy PPO as in paper 001)
 and the KL penalty is that of the policy that sampled.
 
+Rollout batch ``t`` (counted from the run's first step, so a resumed run continues the sequence) is sampled with its
+own generator seeded with :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(args.seed, "rollout", t)``
+(:class:`~rlhf_ext.runtime.sampling.SeededTokenSampler`): the generator thread never draws from the global RNG the
+trainer uses, so two runs with the same seed sample the same responses.
+
 Requirements (checked): one generation per optimizer step (``steps_per_generation == gradient_accumulation_steps``,
 ``num_iterations == 1``), HF ``generate`` (not vLLM), a single process.
 """
@@ -25,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from rlhf_ext.runtime.async_runner import OneStepAsyncRunner, torch_threads
+from rlhf_ext.runtime.sampling import SeededTokenSampler, sampling_seed
 
 
 class _PublishAfterStep(TrainerCallback):
@@ -60,6 +66,7 @@ class OneStepAsyncRollout:
         self.last_version: int | None = None
         self._prompt_batches = None
         self._model = None
+        self._first_step = 0
 
     # ------------------------------------------------------------------------------------------------ set-up
     def attach(self, trainer) -> None:
@@ -82,6 +89,7 @@ class OneStepAsyncRollout:
         trainer = self.trainer
         self._model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).eval()
         self._prompt_batches = iter(trainer.get_train_dataloader())
+        self._first_step = trainer.state.global_step
         remaining = max(trainer.state.max_steps - trainer.state.global_step, 1)
         self.runner = OneStepAsyncRunner(
             self._generate,
@@ -117,21 +125,18 @@ class OneStepAsyncRollout:
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
         args = trainer.args
+        generator = torch.Generator(device).manual_seed(sampling_seed(args.seed, "rollout", self._first_step + index))
+        sampler = SeededTokenSampler(generator, args.temperature, args.top_k or 0, args.top_p)
         with torch_threads(self.generator_threads):
             out = self._model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
-                do_sample=True,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k or 0,
+                **sampler.generate_kwargs(),
                 max_new_tokens=args.max_completion_length,
                 pad_token_id=pad,
-                output_scores=True,
-                return_dict_in_generate=True,
             )
-        gen = out.sequences[:, width:]  # [B, C]
-        logps = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+        gen = out[:, width:]  # [B, C]
+        logps = torch.stack(sampler.token_logprobs, dim=1).float()  # the behaviour policy's, of the sampled tokens
         eos = set(trainer.eos_token_ids)
         completion_ids, logprobs = [], []
         for row_ids, row_lp in zip(gen.tolist(), logps.tolist()):

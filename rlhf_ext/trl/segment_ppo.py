@@ -27,12 +27,15 @@ The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo
 
 Limits: the separate critic is trained with its own optimizer and supports single-process and DDP runs
 (``torchrun``/``accelerate launch``); with DeepSpeed use ``advantage_estimator="reinforce"`` or the OpenRLHF engine.
+Each ``checkpoint-N`` holds the critic (``critic/``) and its optimizer state (``critic/training_state.pt``); a resumed
+run restores both, so it trains exactly as an uninterrupted one.
 Segment entropies are those of the reference model at the sampling temperature (1.0 in the paper).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +45,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.location_norm import LocationNormalizer
-from rlhf_ext.algos.ppo import PPOKnobs, clipped_value_loss, per_token_kl, ppo_advantages
+from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, clipped_value_loss, per_token_kl, ppo_advantages
 from rlhf_ext.algos.segment_dense import SEGMENTED_GRANULARITIES, DenseRewardKnobs, dense_segment_rewards
 from rlhf_ext.algos.segment_reward import check_cutoff
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
@@ -94,8 +97,17 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, GRPOConfig):
             self.loss_type = "bnpo"
         self.scale_rewards = "none"
         super().__post_init__()
+        check_clip_eps(self.epsilon, "epsilon")
+        if self.epsilon_high is not None:
+            check_clip_eps(self.epsilon_high, "epsilon_high")
         if self.entropy_cutoff is not None:
             self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
+
+
+#: Where a checkpoint keeps the critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
+#: optimizer state and micro-step count.
+CRITIC_DIR = "critic"
+CRITIC_STATE_FILE = "training_state.pt"
 
 
 def segment_reward(prompts, completions, **kwargs):
@@ -555,11 +567,51 @@ class DensePPOTrainer(GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            import os
-
             save_normalizer(self.normalizer, os.path.join(output_dir, "normalizer.json"))
             if self.critic is not None:
-                self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, "critic"))
+                self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, CRITIC_DIR))
+
+    # ----------------------------------------------------------------------------------- checkpoint / resume
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The policy's optimizer and scheduler (``Trainer``), and the critic's optimizer state and micro-step count
+        next to the critic's weights (``critic/``, written by :meth:`save_model` for the same checkpoint)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.critic is not None and self.args.should_save:
+            critic_dir = os.path.join(output_dir, CRITIC_DIR)
+            os.makedirs(critic_dir, exist_ok=True)
+            state = {"optimizer": self.critic_optimizer.state_dict(), "micro_steps": self._critic_micro_steps}
+            torch.save(state, os.path.join(critic_dir, CRITIC_STATE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """On resume, the policy's optimizer and scheduler (``Trainer``), then the critic: its weights and its
+        optimizer state from ``checkpoint/critic`` (otherwise the critic would restart from its initial weights)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.critic is not None:
+            self._load_critic(checkpoint)
+
+    def _load_critic(self, checkpoint: str) -> None:
+        critic_dir = os.path.join(checkpoint, CRITIC_DIR)
+        if not os.path.isfile(os.path.join(critic_dir, "config.json")):
+            raise ValueError(
+                f"cannot resume the GAE critic from {checkpoint}: it has no {CRITIC_DIR}/ (was it saved by a run "
+                "without a critic, e.g. advantage_estimator='reinforce'?); resume with the checkpoint's settings or "
+                "start in a new output_dir"
+            )
+        critic = self.accelerator.unwrap_model(self.critic)
+        saved = type(critic).from_pretrained(critic_dir, dtype=next(critic.parameters()).dtype)
+        critic.load_state_dict(saved.state_dict())
+        del saved
+        state_file = os.path.join(critic_dir, CRITIC_STATE_FILE)
+        if not os.path.isfile(state_file):
+            warnings.warn(
+                f"{checkpoint} has the critic's weights but not its optimizer state ({CRITIC_DIR}/{CRITIC_STATE_FILE}: "
+                "saved with save_only_model, or by an older rlhf-ext); the critic's optimizer starts afresh",
+                stacklevel=2,
+            )
+            return
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        self.critic_optimizer.load_state_dict(state["optimizer"])
+        self._critic_micro_steps = state["micro_steps"]
 
 
 #: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` with its default

@@ -5,6 +5,9 @@
 1. **Data.** Before TRL sees the dataset it is tokenised (prompt and responses separately, so the response mask is
    exact) and the frozen SFT model's entropy of every response token is added as a column — the paper's one-time
    segmentation preprocessing, cached on disk (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`).
+   Pairs that carry no preference — an empty chosen or rejected response, or two identical ones (after
+   tokenisation and truncation) — are dropped with a warning that counts them (:func:`drop_uninformative_pairs`); a
+   dataset with no usable pair left is a :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError`.
 2. **Loss.** ``compute_loss`` reads the score head's output at *every* position (captured from the same forward pass
    the stock trainer runs, no extra compute), splits each response into segments at tokens whose SFT entropy
    exceeds ``entropy_cutoff``, takes each segment's reward at its last token, aggregates them with the soft-max of
@@ -26,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +45,17 @@ from rlhf_ext.algos.segment_reward import (
 from rlhf_ext.runtime.segment_data import (
     ENTROPY_COLUMNS,
     TOKENIZED_COLUMNS,
+    DatasetFormatError,
     collate_segment_pairs,
     prepare_segment_dataset,
     save_segment_settings,
 )
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
+
+logger = logging.getLogger(__name__)
+
+#: Why :func:`pair_defect` finds a pair useless, as the warning and the error word it.
+PAIR_DEFECTS = {"empty": "an empty chosen or rejected response", "identical": "identical chosen and rejected responses"}
 
 
 @dataclass
@@ -71,6 +82,44 @@ class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
             "tau": self.tau,
             "sft_model_name_or_path": self.sft_model_name_or_path,
         }
+
+
+def pair_defect(
+    chosen_ids: list[int], rejected_ids: list[int], prompt_len: int, eos_token_id: int | None
+) -> str | None:
+    """Why a tokenised preference pair carries no preference: ``"empty"`` (a response with no token besides its
+    closing EOS), ``"identical"`` (the same token ids on both sides), or ``None`` for a usable pair."""
+    for ids in (chosen_ids, rejected_ids):
+        response = ids[prompt_len:]
+        if response and response[-1] == eos_token_id:
+            response = response[:-1]
+        if not response:
+            return "empty"
+    return "identical" if chosen_ids == rejected_ids else None
+
+
+def drop_uninformative_pairs(dataset, eos_token_id: int | None, name: str = "train_dataset"):
+    """``dataset`` (tokenised: :data:`~rlhf_ext.runtime.segment_data.TOKENIZED_COLUMNS`) without the pairs
+    :func:`pair_defect` rejects. Such pairs only add noise: a Bradley-Terry loss on two equal rewards pushes nothing
+    apart, and a dataset made of them trains a reward model at chance. Dropping some logs one warning that counts
+    them; dropping all raises :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError` (``name`` says which
+    dataset)."""
+    rows = dataset.select_columns(list(TOKENIZED_COLUMNS))
+    defects = [pair_defect(r["chosen_ids"], r["rejected_ids"], r["prompt_len"], eos_token_id) for r in rows]
+    counts = Counter(d for d in defects if d is not None)
+    if not counts:
+        return dataset
+    dropped = sum(counts.values())
+    reasons = ", ".join(f"{n} with {PAIR_DEFECTS[d]}" for d, n in sorted(counts.items()))
+    if dropped == len(defects):
+        raise DatasetFormatError(
+            f"{name}: none of its {dropped} preference pairs is usable ({reasons}); check the chosen / rejected "
+            "columns (recipe keys data.chosen_key / data.rejected_key) and max_length"
+        )
+    logger.warning(
+        "%s: dropped %d of %d preference pairs that carry no preference (%s)", name, dropped, len(defects), reasons
+    )
+    return dataset.select([i for i, d in enumerate(defects) if d is None])
 
 
 class SegmentPreferenceCollator:
@@ -131,11 +180,17 @@ class SegmentRewardTrainer(RewardTrainer):
             entropy_batch_size=args.entropy_batch_size,
             cache_dir=args.segment_cache_dir,
         )
-        train_dataset = prepare_segment_dataset(train_dataset, **prepare)
+        eos = processing_class.eos_token_id
+        train_dataset = drop_uninformative_pairs(prepare_segment_dataset(train_dataset, **prepare), eos)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare_segment_dataset(v, **prepare) for k, v in eval_dataset.items()}
+            eval_dataset = {
+                k: drop_uninformative_pairs(prepare_segment_dataset(v, **prepare), eos, f"eval_dataset[{k!r}]")
+                for k, v in eval_dataset.items()
+            }
         elif eval_dataset is not None:
-            eval_dataset = prepare_segment_dataset(eval_dataset, **prepare)
+            eval_dataset = drop_uninformative_pairs(
+                prepare_segment_dataset(eval_dataset, **prepare), eos, "eval_dataset"
+            )
         if data_collator is None:
             data_collator = SegmentPreferenceCollator(processing_class.pad_token_id, args.pad_to_multiple_of)
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)

@@ -29,6 +29,7 @@ def fine_tune(
     kl_coef: float = 0.0,
     ref_model: Any = None,
     disable_tqdm: bool = False,
+    report_to: str | list[str] = "none",
 ) -> str:
     """Fine-tune ``model`` (a checkpoint path or a loaded model) on ``rows`` and write model + tokenizer to ``out``.
 
@@ -39,6 +40,7 @@ def fine_tune(
         max_steps: ``None`` trains for ``epochs``; ``0`` saves the initial model unchanged.
         warmup_steps: transformers 5 semantics: an integer is a number of steps, a float < 1 a ratio.
         kl_coef, ref_model: Quark's KL penalty to ``ref_model`` (a path or a model) per completion token.
+        report_to: TRL's logging integrations; TensorBoard events are saved with the model, in ``out/runs``.
 
     Returns:
         ``str(out)``.
@@ -48,7 +50,8 @@ def fine_tune(
     from trl import SFTTrainer
 
     from rlhf_ext.runtime.io import atomic_directory
-    from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.trl.args import CPU_RUN, check_report_to, keep_tensorboard_logs
+    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
 
     out = Path(out)
@@ -59,6 +62,7 @@ def fine_tune(
         model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     if tokenizer is None:
         raise ValueError("fine_tune: pass tokenizer= with a loaded model")
+    check_report_to(report_to)
     with atomic_directory(out) as tmp:
         if max_steps != 0:
             args = KLSFTConfig(
@@ -74,7 +78,7 @@ def fine_tune(
                 completion_only_loss=True,
                 seed=seed,
                 logging_steps=logging_steps,
-                **{**CPU_RUN, "disable_tqdm": disable_tqdm},
+                **{**CPU_RUN, "disable_tqdm": disable_tqdm, "report_to": report_to},
             )
             common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
             if kl_coef > 0:
@@ -82,9 +86,12 @@ def fine_tune(
                     raise ValueError("fine_tune: kl_coef > 0 needs ref_model=")
                 if isinstance(ref_model, (str, Path)):
                     ref_model = AutoModelForCausalLM.from_pretrained(ref_model, dtype=torch.float32)
-                KLRegularizedSFTTrainer(**common, ref_model=ref_model).train()
+                trainer = KLRegularizedSFTTrainer(**common, ref_model=ref_model)
             else:
-                SFTTrainer(**common).train()
+                trainer = SFTTrainer(**common)
+            keep_tensorboard_logs(trainer, tmp / "runs" / "sft")  # the trainer's output_dir is deleted below
+            use_console_output(trainer)
+            trainer.train()
             shutil.rmtree(tmp / "trainer", ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

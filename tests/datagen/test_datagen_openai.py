@@ -179,15 +179,22 @@ def test_unreachable_server_and_unknown_model_fail_clearly(tmp_path):
         generate_dataset(config(n=1), tmp_path / "b", backend=backend(server, model="other"))
 
 
-def test_rejected_requests_are_skipped_for_good(tmp_path):
+def test_rejected_requests_are_not_retried_and_not_cached(tmp_path):
+    # (issue 15: an HTTP 400 used to be cached as a permanent skip; only answers are final now)
     def fault(body, attempt):
         return "reject" if kind(body) == "pair" and bucket(body, 3) == 0 else None
 
+    out = tmp_path / "out"
     with FakeChatServer(fault=fault) as server:
-        ds = generate_dataset(config(n=9, mode="pair"), tmp_path / "out", backend=backend(server), progress=False)
-    rejected = ds.run_stats["skipped:request_rejected"]
-    assert rejected == server.actions["reject"] > 0  # HTTP 400 is not retried
-    assert ds.metadata["stats"]["skipped"] == rejected and ds.metadata["stats"]["missing"] == 0
+        ds = generate_dataset(config(n=9, mode="pair"), out, backend=backend(server), progress=False)
+    rejected = ds.run_stats["retry_later:rejected"]
+    assert rejected == server.actions["reject"] > 0  # HTTP 400 is not retried within the run ...
+    assert ds.metadata["stats"]["skipped"] == 0 and ds.metadata["stats"]["missing"] == rejected  # ... nor cached
+    assert ds.run_stats["errors"] == {"rejected": "HTTP 400: injected bad request"}
+    assert len(samples_by_id(out)) == 18 - rejected
+    with FakeChatServer() as server:  # the next run asks again
+        again = generate_dataset(config(n=9, mode="pair"), out, backend=backend(server), progress=False)
+    assert again.run_stats["attempted"] == rejected and again.metadata["stats"]["generated"] == 18
 
 
 def test_losing_the_server_stops_the_run_and_a_rerun_resumes(tmp_path):

@@ -181,7 +181,8 @@ def test_datagen_and_the_cli_stay_light():
         "import sys, rlhf_ext, rlhf_ext.cli\n"
         "from rlhf_ext.datagen import plan_generation\n"
         "plan_generation('continual-mixed', num_samples=2)\n"
-        "heavy = ('trl', 'openrlhf', 'deepspeed', 'ray', 'vllm', 'torch', 'transformers', 'datasets', 'aiohttp')\n"
+        "heavy = ('trl', 'openrlhf', 'deepspeed', 'ray', 'vllm', 'torch', 'transformers', 'datasets', 'aiohttp',\n"
+        "         'openai', 'httpx', 'httpx2')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -183,18 +183,19 @@ def test_recipe_validation_names_the_key(tmp_path):
         load_recipe(ContinualRecipe, None, ["continual.continual_kl_estimator=k5"])
 
 
-def test_launch_script_reports_recipe_errors(capsys):
-    import importlib.util
-    from pathlib import Path
+def test_launch_module_reports_recipe_errors(capsys):
+    """``python -m rlhf_ext.launch.train_continual`` (deepspeed's ``--local_rank`` included): one line, exit 2."""
+    from rlhf_ext.launch import launch
 
-    path = Path(__file__).resolve().parents[2] / "launch" / "train_continual.py"
-    spec = importlib.util.spec_from_file_location("train_continual", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--config", "continual_dpo_tiny", "continual.continual_kl_coef=-2", "--local_rank=0"]) == 2
-    assert "continual_kl_coef must be a finite number >= 0" in capsys.readouterr().err
-    assert module.main(["--config", "no_such_recipe"]) == 2
-    assert "neither a file nor a packaged recipe" in capsys.readouterr().err
+    for argv, message in [
+        (["--config", "continual_dpo_tiny", "continual.continual_kl_coef=-2", "--local_rank=0"],
+         "continual_kl_coef must be a finite number >= 0"),
+        (["--config", "no_such_recipe"], "neither a file nor a packaged recipe"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            launch("train_continual", argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_reward_models_are_trained_for_every_task_first_and_resumed(tmp_path, tasks):

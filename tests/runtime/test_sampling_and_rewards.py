@@ -51,9 +51,9 @@ def test_hf_sampler_layout_temperatures_and_seed(tiny_sft_path, toy_tok):
     generate = sampler.model.generate
 
     def recording_generate(**kw):
-        calls.append(
-            {k: kw[k] for k in ("temperature", "top_k", "top_p", "do_sample")} | {"rows": len(kw["input_ids"])}
-        )
+        (token_sampler,) = kw["logits_processor"]  # a seeded draw samples with its own generator
+        warpers = [(type(w).__name__, getattr(w, "temperature", None)) for w in token_sampler.warpers]
+        calls.append({"warpers": warpers, "do_sample": kw["do_sample"], "rows": len(kw["input_ids"])})
         return generate(**kw)
 
     sampler.model.generate = recording_generate
@@ -64,10 +64,12 @@ def test_hf_sampler_layout_temperatures_and_seed(tiny_sft_path, toy_tok):
     assert out.temperatures == [0.7, 0.7, 0.7, 1.0, 1.0]
     assert out.num_tokens.shape == (2, 5) and (out.num_tokens <= 24).all() and (out.num_tokens >= 1).all()
     assert torch.equal(out.truncated, out.num_tokens.eq(24) & out.truncated)
-    # 3 copies x 2 prompts at 0.7 (batches of 4 sequences), then 2 x 2 at 1.0; no top-k / top-p (paper 004)
-    assert [c["temperature"] for c in calls] == [0.7, 0.7, 1.0]
+    # 3 copies x 2 prompts at 0.7 (batches of 4 sequences), then 2 x 2 at 1.0; no top-k / top-p (paper 004); the
+    # token sampler draws, greedy decoding emits its token
+    temperature_07 = [("TemperatureLogitsWarper", 0.7)]
+    assert [c["warpers"] for c in calls] == [temperature_07, temperature_07, []]
     assert [c["rows"] for c in calls] == [4, 2, 4]
-    assert all(c["top_k"] == 0 and c["top_p"] == 1.0 and c["do_sample"] for c in calls)
+    assert not any(c["do_sample"] for c in calls)
     again = sampler.sample(PROMPTS, 5, seed=7)
     assert again.texts == out.texts and torch.equal(again.num_tokens, out.num_tokens)
     assert out.num_chars().tolist() == [[float(len(t)) for t in row] for row in out.texts]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from rlhf_ext.config import RecipeError, load_recipe
 from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
 from rlhf_ext.pipelines.iterative_dpo import trl_config as recipe_to_config
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "launch" / "train_online_dpo.py"
 SMALL = [
     "online.num_iterations=1",
     "online.prompts_per_iteration=8",
@@ -73,14 +71,16 @@ def test_cli_runs_the_tiny_recipe(tmp_path, tiny_sft_path):
 
 
 def test_launcher_runs_the_async_recipe(tmp_path, tiny_sft_path):
-    spec = importlib.util.spec_from_file_location("train_online_dpo", LAUNCHER)
-    launcher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launcher)
+    """``python -m rlhf_ext.launch.train_online_dpo`` runs the async recipe and exits 0 (summary in summary.json)."""
+    from rlhf_ext.launch import launch
+
     out = tmp_path / "async"
-    summary = launcher.main(
-        ["--config", "online_dpo_async_tiny", f"train.output_dir={out}", "train.max_steps=3", *SMALL[3:]]
-    )
-    assert summary["mode"] == "online" and summary["runner"]["staleness"] == {0: 1, 1: 2}
+    with pytest.raises(SystemExit) as exit_info:
+        launch("train_online_dpo", ["--config", "online_dpo_async_tiny", f"train.output_dir={out}", "train.max_steps=3",
+                                    *SMALL[3:]])  # fmt: skip
+    assert exit_info.value.code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "online" and summary["runner"]["staleness"] == {"0": 1, "1": 2}  # JSON keys
     assert Path(summary["final_policy"], "model.safetensors").is_file()
 
 

@@ -1,0 +1,171 @@
+"""rlhf-ext's library logger: ``logging.getLogger("rlhf_ext")``, with one logger per module underneath it.
+
+Library modules log through ``logger = logging.getLogger(__name__)`` and never print, never add handlers and never
+touch the root logger. As in transformers there is no ``NullHandler``: in a program that configured nothing, warnings
+reach stderr through Python's last-resort handler and info lines are dropped. A host application controls rlhf-ext's
+output like any library's::
+
+    logging.getLogger("rlhf_ext").setLevel(logging.WARNING)      # warnings and errors only
+    logging.basicConfig(level=logging.INFO)                       # or: rlhf-ext's info lines through the root logger
+
+The ``rlhf-ext`` command line (and ``python -m rlhf_ext.openrlhf.train_ppo_ray``) calls :func:`configure_cli_output`,
+which installs one stream handler on the ``rlhf_ext`` logger at ``INFO`` unless the host application configured
+logging already; ``RLHF_EXT_VERBOSITY=debug|info|warning|error`` sets the level (like ``TRANSFORMERS_VERBOSITY``).
+A script that wants the command line's output calls :func:`enable_console_logging`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import TextIO
+
+#: The name of the library's top logger; every module logger (``rlhf_ext.x.y``) propagates to it.
+LIBRARY_LOGGER = "rlhf_ext"
+#: The environment variable that sets the library logger's level under the command line.
+VERBOSITY_ENV = "RLHF_EXT_VERBOSITY"
+VERBOSITY_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+#: Environment variables that turn off the progress bars of the Hugging Face libraries (their bars redraw a line
+#: with ``\r``, which a pipe or a log file records as one ever-growing line).
+HF_PROGRESS_BAR_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+logger = logging.getLogger(__name__)
+
+
+def library_logger() -> logging.Logger:
+    """The ``rlhf_ext`` logger (the parent of every module logger of the package)."""
+    return logging.getLogger(LIBRARY_LOGGER)
+
+
+def parse_verbosity(value: str | int) -> int:
+    """A logging level from ``debug|info|warning|error`` (any case) or a level number.
+
+    Raises:
+        ValueError: an unknown name, naming the accepted ones.
+    """
+    if isinstance(value, int):
+        return value
+    level = VERBOSITY_LEVELS.get(value.strip().lower())
+    if level is None:
+        raise ValueError(f"unknown verbosity {value!r}: use one of {', '.join(VERBOSITY_LEVELS)}")
+    return level
+
+
+def verbosity_from_env() -> int | None:
+    """The level ``RLHF_EXT_VERBOSITY`` asks for, or ``None`` when it is unset or empty. An unknown value is
+    reported (one warning) and ignored."""
+    value = os.environ.get(VERBOSITY_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_verbosity(value)
+    except ValueError as error:
+        logger.warning("%s: %s; ignored", VERBOSITY_ENV, error)
+        return None
+
+
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` is an interactive terminal (progress bars are drawn only there)."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class ConsoleFormatter(logging.Formatter):
+    """Info and debug lines as they are; warnings and errors prefixed with their level (``warning: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.WARNING:
+            return f"{record.levelname.lower()}: {text}"
+        return text
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is at the time of each record (so it survives
+    redirections such as click's test runner), above any tqdm progress bar drawn on it."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(ConsoleFormatter())
+
+    @property
+    def stream(self) -> TextIO:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # StreamHandler.__init__ assigns it; the current stderr wins
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm = sys.modules.get("tqdm")
+        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):  # no bar is on screen
+            super().emit(record)
+            return
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):  # clears the bars, writes, redraws them
+            super().emit(record)
+
+
+def _console_handler(log: logging.Logger) -> ConsoleHandler | None:
+    return next((h for h in log.handlers if isinstance(h, ConsoleHandler)), None)
+
+
+def enable_console_logging(level: str | int | None = None) -> logging.Handler:
+    """Show rlhf-ext's log lines on stderr, as the command line does: one :class:`ConsoleHandler` on the
+    ``rlhf_ext`` logger (added once; a second call only changes the level). For scripts and notebooks.
+
+    Args:
+        level: ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``.
+
+    Returns:
+        The handler (remove it with ``logging.getLogger("rlhf_ext").removeHandler(handler)``).
+    """
+    log = library_logger()
+    handler = _console_handler(log)
+    if handler is None:
+        handler = ConsoleHandler()
+        log.addHandler(handler)
+    if level is not None:
+        log.setLevel(parse_verbosity(level))
+    else:
+        log.setLevel(verbosity_from_env() or logging.INFO)
+    return handler
+
+
+def host_configured_logging() -> bool:
+    """Whether the program configured logging for rlhf-ext already: a handler on the ``rlhf_ext`` logger or on the
+    root logger, or a level set on the ``rlhf_ext`` logger."""
+    log = library_logger()
+    return bool(log.handlers or log.level != logging.NOTSET or logging.getLogger().handlers)
+
+
+def configure_cli_output() -> None:
+    """The command line's terminal set-up, called once by each entry point before any work.
+
+    * Logging: unless :func:`host_configured_logging`, :func:`enable_console_logging` (``INFO``, or
+      ``RLHF_EXT_VERBOSITY``); when the host did configure it, only an explicit ``RLHF_EXT_VERBOSITY`` applies.
+    * Progress bars: when stderr is not a terminal (piped, redirected to a file), the Hugging Face libraries' bars
+      are turned off (:data:`HF_PROGRESS_BAR_SWITCHES`, unless the environment sets them), so a log has no ``\\r``.
+    """
+    # TRL 1.16 reads ``model.is_gradient_checkpointing``, which transformers >= 5.2x deprecates with a FutureWarning a
+    # user cannot act on (rlhf-ext itself passes the new ``activation_checkpointing`` name): not on the CLI's terminal
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    if host_configured_logging():
+        level = verbosity_from_env()
+        if level is not None:
+            library_logger().setLevel(level)
+    else:
+        enable_console_logging()
+    if not stderr_is_terminal():
+        for name in HF_PROGRESS_BAR_SWITCHES:
+            os.environ.setdefault(name, "1")
+        if "datasets" in sys.modules:  # imported already: its switch was read at import time
+            from datasets.utils.logging import disable_progress_bar
+
+            disable_progress_bar()

@@ -1,0 +1,139 @@
+"""rlhf-ext's library logger: module loggers under ``rlhf_ext``, the host application in charge of what is shown,
+and the command line's stream handler (``RLHF_EXT_VERBOSITY``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_ext.runtime.log import (
+    LIBRARY_LOGGER,
+    ConsoleHandler,
+    enable_console_logging,
+    parse_verbosity,
+)
+
+NO_CUDA_NOTICE = "no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)"
+
+
+@pytest.fixture()
+def library_logger():
+    """The ``rlhf_ext`` logger, its level and handlers restored after the test."""
+    log = logging.getLogger(LIBRARY_LOGGER)
+    level, handlers = log.level, list(log.handlers)
+    yield log
+    log.setLevel(level)
+    log.handlers[:] = handlers
+
+
+def _library_call() -> str:
+    """A library call that logs one info line (the OpenRLHF driver's rollout-engine notice) and returns a value."""
+    from rlhf_ext.openrlhf.train_ppo_ray import resolve_rollout_engine
+
+    return resolve_rollout_engine("auto", cuda=False)
+
+
+def test_a_host_application_decides_what_is_shown(library_logger, caplog):
+    caplog.set_level(logging.DEBUG)  # the root handler takes everything: only the rlhf_ext level filters
+    library_logger.setLevel(logging.WARNING)
+    assert _library_call() == "hf"
+    assert [r for r in caplog.records if r.name.startswith("rlhf_ext")] == []
+
+    library_logger.setLevel(logging.INFO)
+    assert _library_call() == "hf"
+    shown = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert shown == [("rlhf_ext.openrlhf.train_ppo_ray", logging.INFO, NO_CUDA_NOTICE)]
+
+
+def test_module_loggers_sit_under_the_library_logger():
+    from rlhf_ext import demo
+    from rlhf_ext.openrlhf import cli_runner, train_ppo_ray
+    from rlhf_ext.sim import compare
+
+    library = logging.getLogger(LIBRARY_LOGGER)
+    for module in (demo, cli_runner, train_ppo_ray, compare):
+        assert module.logger.name == module.__name__
+        parent = module.logger.parent
+        while parent is not None and parent is not library:
+            parent = parent.parent
+        assert parent is library
+
+
+def test_micro_batch_notice_is_a_warning(caplog):
+    """Was a print() on stdout, which a host application could neither silence nor redirect."""
+    from rlhf_ext.openrlhf.cli_runner import per_device_micro_batch
+
+    with caplog.at_level(logging.WARNING, logger=LIBRARY_LOGGER):
+        assert per_device_micro_batch(16, 16, 2) == 8
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.micro_batch_size 16 x 2 processes exceeds train.batch_size 16; using micro batch 8 per process"
+    ]
+
+
+def test_console_handler_writes_to_the_current_stderr(library_logger, capsys):
+    handler = enable_console_logging("info")
+    assert enable_console_logging("warning") is handler and library_logger.handlers.count(handler) == 1
+    assert library_logger.level == logging.WARNING
+    library_logger.setLevel(logging.INFO)
+    logging.getLogger("rlhf_ext.some.module").info("rm step 1/2  loss 0.69")
+    logging.getLogger("rlhf_ext.some.module").warning("the eval set is empty")
+    assert capsys.readouterr() == ("", "rm step 1/2  loss 0.69\nwarning: the eval set is empty\n")
+    assert isinstance(handler, ConsoleHandler)
+
+
+@pytest.mark.parametrize(("name", "level"), [("debug", 10), ("INFO", 20), (" warning ", 30), ("error", 40), (25, 25)])
+def test_parse_verbosity(name, level):
+    assert parse_verbosity(name) == level
+
+
+def test_parse_verbosity_names_the_choices():
+    with pytest.raises(ValueError, match="unknown verbosity 'loud': use one of debug, info, warning, error"):
+        parse_verbosity("loud")
+
+
+CLI_SETUP = (
+    "import logging, os, sys\n"
+    "from rlhf_ext.runtime.log import configure_cli_output\n"
+    "{before}\n"
+    "configure_cli_output()\n"
+    "from rlhf_ext.openrlhf.train_ppo_ray import resolve_rollout_engine\n"
+    "resolve_rollout_engine('auto', cuda=False)\n"
+    "print(os.environ.get('HF_DATASETS_DISABLE_PROGRESS_BARS'), len(logging.getLogger('rlhf_ext').handlers))\n"
+)
+
+
+def _cli_process(verbosity: str | None = None, before: str = "") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RLHF_EXT_VERBOSITY", "HF_DATASETS_DISABLE_PROGRESS_BARS")}
+    if verbosity is not None:
+        env["RLHF_EXT_VERBOSITY"] = verbosity
+    code = CLI_SETUP.format(before=before)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+
+
+def test_the_command_line_shows_info_lines_by_default():
+    proc = _cli_process()
+    assert proc.stderr == NO_CUDA_NOTICE + "\n"
+    assert proc.stdout == "1 1\n"  # stderr piped: the datasets progress bars are off; one handler
+
+
+@pytest.mark.parametrize(
+    ("verbosity", "stderr"),
+    [("warning", ""), ("DEBUG", NO_CUDA_NOTICE + "\n"),
+     ("loud", "warning: RLHF_EXT_VERBOSITY: unknown verbosity 'loud': use one of debug, info, warning, error; "
+              "ignored\n" + NO_CUDA_NOTICE + "\n")],
+)  # fmt: skip
+def test_rlhf_ext_verbosity(verbosity, stderr):
+    assert _cli_process(verbosity).stderr == stderr
+
+
+def test_the_command_line_leaves_a_configured_host_alone():
+    """A host that configured logging (here: the root logger at WARNING) gets no second handler and no info line;
+    an explicit RLHF_EXT_VERBOSITY still sets the library's level."""
+    proc = _cli_process(before="logging.basicConfig(level=logging.WARNING, format='host: %(message)s')")
+    assert proc.stderr == "" and proc.stdout == "1 0\n"
+    proc = _cli_process("info", before="logging.basicConfig(level=logging.WARNING, format='host: %(message)s')")
+    assert proc.stderr == f"host: {NO_CUDA_NOTICE}\n" and proc.stdout == "1 0\n"
