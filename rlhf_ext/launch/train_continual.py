@@ -1,7 +1,7 @@
 """Continual RLHF over a task sequence (paper 000): ``rlhf-ext train continual``.
 
-    python -m rlhf_ext.launch.train_continual --config continual_dpo_tiny [key=value ...]
-    deepspeed --module rlhf_ext.launch.train_continual --config my.yaml train.trl_args='{deepspeed: ds_zero2.json}'
+python -m rlhf_ext.launch.train_continual --config continual_dpo_tiny [key=value ...]
+deepspeed --module rlhf_ext.launch.train_continual --config my.yaml train.trl_args='{deepspeed: ds_zero2.json}'
 """
 
 from rlhf_ext.launch import launch
