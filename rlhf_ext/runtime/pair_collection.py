@@ -15,7 +15,7 @@ import torch
 
 from rlhf_ext.algos.pair_selection import select_pairs
 from rlhf_ext.runtime.rewards import RewardFn, score
-from rlhf_ext.runtime.sampling import make_sampler
+from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,29 @@ def score_and_select(
     return rows, stats
 
 
+@dataclass(frozen=True)
+class OnlineBatchPairs:
+    """One per-batch online DPO batch: its pair rows and the generator's prompt cursor after it (the position in the
+    shuffled prompt order where the next batch's prompts start; stored with the batch, so a resumed run continues
+    there)."""
+
+    rows: list[dict[str, Any]]
+    cursor: int
+
+
 class OnlinePairGenerator:
     """The generator side of online DPO (paper 001): for each batch, sample ``num_samples`` responses for as many
     prompts as pairs are still needed, score them, select pairs; prompts whose responses tie are replaced by the
     next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process (the
     sampler is then built there on first use; ``reward_fn`` must be picklable).
 
-    Prompts are taken in a fixed shuffled order (``seed``), wrapping around.
+    Prompts are taken in a fixed shuffled order (``seed``), wrapping around, from position ``cursor`` on. Each
+    sampling round draws with its own seed, :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(seed, "online",
+    update index, round)`` (and the selection's tie-breaking with ``update index``), where the update index is
+    ``first_index`` + the runner's batch index, so a run repeats exactly whatever the generator thread and the
+    training thread do with the global RNG. A resumed run passes the update it resumes at as ``first_index`` and the
+    cursor stored with the last trained batch (:attr:`OnlineBatchPairs.cursor`) as ``cursor``: its batches are then
+    the uninterrupted run's.
     """
 
     def __init__(
@@ -113,6 +129,8 @@ class OnlinePairGenerator:
         sampler_spec: dict[str, Any],
         seed: int,
         sampler=None,
+        first_index: int = 0,
+        cursor: int = 0,
     ):
         self.prompts = prompts
         self.pairs_per_update = pairs_per_update
@@ -121,8 +139,10 @@ class OnlinePairGenerator:
         self.selection = selection
         self.reward_fn = reward_fn
         self.sampler_spec = sampler_spec
+        self.seed = seed
         self.order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))
-        self.cursor = 0
+        self.first_index = first_index
+        self.cursor = cursor
         self._sampler = sampler
         if sampler is not None:
             sampler.load_policy(sampler_spec["policy"])
@@ -152,19 +172,23 @@ class OnlinePairGenerator:
         ids = self.order[pos].tolist()
         return [self.prompts[i] for i in ids], ids
 
-    def generate(self, index: int, version: int) -> list[dict[str, Any]]:
+    def generate(self, index: int, version: int) -> OnlineBatchPairs:
+        """The pairs of the runner's batch ``index`` (update ``first_index + index``), sampled with the weights
+        loaded last (policy ``version``), and the prompt cursor after them."""
+        update = self.first_index + index
         rows: list[dict[str, Any]] = []
-        for _ in range(self.max_fill_rounds + 1):
+        for fill_round in range(self.max_fill_rounds + 1):
             prompts, ids = self._take(self.pairs_per_update - len(rows))
-            samples = self.sampler.sample(prompts, self.num_samples)
+            seed = sampling_seed(self.seed, "online", update, fill_round)
+            samples = self.sampler.sample(prompts, self.num_samples, seed=seed)
             new, _ = score_and_select(
-                prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(index)
+                prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(update)
             )
             rows.extend(new)
             if len(rows) == self.pairs_per_update:
-                return rows
+                return OnlineBatchPairs(rows, self.cursor)
         raise RuntimeError(
-            f"online batch {index}: only {len(rows)} of {self.pairs_per_update} prompts gave a preference pair after "
+            f"online batch {update}: only {len(rows)} of {self.pairs_per_update} prompts gave a preference pair after "
             f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.num_samples} responses tied). Use a "
             "reward with finer resolution, more samples per prompt (num_samples), or a larger max_fill_rounds."
         )

@@ -34,10 +34,20 @@ Resuming: the run directory (``output_dir``) remembers the settings it was start
 :class:`~rlhf_ext.runtime.rundir.RunDir`), the policy after each iteration (``state.json``) and each iteration's pairs
 (``pairs/iter_XXX``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`). Every step is skipped when its result
 exists, so a killed run resumes at the last completed step: an iteration's pairs are collected exactly once, a
-half-finished DPO run continues from its last checkpoint (``save_steps``), and with the same seed a resumed run
-produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's responses tie yields
-no pairs: a warning, and ``pi_{t+1} = pi_t`` without training. In per-batch mode each trained batch's pairs are
-stored, and a killed run resumes from the last checkpoint and regenerates the batches after it.
+half-finished DPO run continues from its last complete checkpoint (``save_steps``; one whose write was interrupted is
+removed), a policy saved before ``state.json`` recorded it is recorded instead of trained again, and with the same
+seed a resumed run produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's
+responses tie yields no pairs: a warning, and ``pi_{t+1} = pi_t`` without training.
+
+In per-batch mode each trained batch's pairs are stored with the generator's prompt cursor after it, and a killed run
+resumes from the last checkpoint (``save_steps``) and regenerates the batches after it: the prompt order is seeded
+once per run, the cursor continues from the last trained batch's, and every batch is sampled with the seed of its
+global update index. Synchronous (``async_generation=False``) resumed runs therefore store the same pairs and end
+with the same weights as uninterrupted ones. Asynchronous runs differ in one known, intended way: the first batch
+after a resume is generated with the checkpoint's weights (``theta_k``, on-policy; no older weights exist any more),
+where the uninterrupted run generated it with ``theta_{k-1}``, so its pairs and every later update differ from the
+uninterrupted run's (its stored ``policy_version`` is one higher). A resume is still deterministic: two resumes from
+the same checkpoint store the same pairs and end with the same weights.
 
 Example::
 
@@ -79,9 +89,21 @@ from trl import DPOConfig, DPOTrainer
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
-from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, stable_hash
+from rlhf_ext.runtime.io import (
+    atomic_directory,
+    atomic_write_json,
+    commit_directory,
+    recover_directory,
+    stable_hash,
+    temporary_sibling,
+)
 from rlhf_ext.runtime.iterations import run_iterations
-from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, SelectionSettings, score_and_select
+from rlhf_ext.runtime.pair_collection import (
+    OnlineBatchPairs,
+    OnlinePairGenerator,
+    SelectionSettings,
+    score_and_select,
+)
 from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score
 from rlhf_ext.runtime.rundir import RunDir
@@ -287,12 +309,12 @@ class _StreamLoader:
         trainer = self.trainer
         trainer._record_online_batch(batch, self.offset)
         with _quiet_datasets():
-            data = trainer._dpo_dataset(batch.data)
+            data = trainer._dpo_dataset(batch.data.rows)
             examples = list(trainer._prepare_dataset(data, trainer.processing_class, trainer.args, "online"))
         ga = trainer.args.gradient_accumulation_steps
         if len(examples) < ga:
             raise ValueError(
-                f"online batch {batch.index} kept {len(examples)} pairs after tokenisation, fewer than "
+                f"online batch {self.offset + batch.index} kept {len(examples)} pairs after tokenisation, fewer than "
                 f"gradient_accumulation_steps={ga}: prompts longer than max_length are dropped; raise max_length"
             )
         bounds = [round(i * len(examples) / ga) for i in range(ga + 1)]
@@ -349,6 +371,14 @@ class IterativeDPOTrainer(DPOTrainer):
             runner's statistics (``runner``, ``updates``, ``resumed_from_update``); also ``output_dir/summary.json``.
         model: as in ``DPOTrainer``: the policy of the current (or last) DPO run; before :meth:`train`, and after a
             call that trained nothing, ``pi_0``. The final policy's checkpoint is ``summary["final_policy"]``.
+
+    Resuming a per-batch run (``online_mode="online"``) killed after checkpoint ``k``: synchronous runs end with the
+    uninterrupted run's pairs and weights, bit for bit (same prompt order, prompt cursor stored with every batch,
+    batch seeds from the global update index). The one known difference is asynchronous runs'
+    (``async_generation=True``), by design: the first batch after the resume, ``k``, is generated with the
+    checkpoint's weights ``theta_k`` (stored ``policy_version`` ``k``; the uninterrupted run used ``theta_{k-1}``,
+    which a resumed run no longer has), so from update ``k`` on its pairs and weights differ from the uninterrupted
+    run's; two resumes from the same checkpoint are still identical.
     """
 
     _tag_names = ["trl", "dpo", "online-dpo", "rlhf-ext"]
@@ -619,7 +649,9 @@ class IterativeDPOTrainer(DPOTrainer):
         at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
         ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
         from rlhf_ext.trl.args import last_checkpoint
+        from rlhf_ext.trl.console import console_callback_of, use_console_output
 
+        console = console_callback_of(self)  # use_console_output(trainer) lasts over every DPO run
         self._release_dpo_run()
         ref = self._load_causal_lm(ref_path)
         last = last_checkpoint(args.output_dir)
@@ -633,6 +665,8 @@ class IterativeDPOTrainer(DPOTrainer):
                 callbacks=list(self._user_callbacks),
                 peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
             )
+            if console is not None:
+                use_console_output(self, callback=console)
             if setup is not None:
                 setup()
             with torch_threads(self._run_args.training_threads):
@@ -645,9 +679,10 @@ class IterativeDPOTrainer(DPOTrainer):
         return out
 
     def _save_policy(self, dest: Path) -> None:
-        """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames).
-        A PEFT adapter is merged into its base model first, so every policy is a plain checkpoint."""
-        partial = dest.with_name(f".{dest.name}.partial")
+        """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames it
+        into place, replacing an existing ``dest``). A PEFT adapter is merged into its base model first, so every
+        policy is a plain checkpoint."""
+        partial = temporary_sibling(dest, "partial")  # one name every rank agrees on
         if self._dist.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         self._dist.wait_for_everyone()
@@ -659,7 +694,7 @@ class IterativeDPOTrainer(DPOTrainer):
             self.save_model(str(partial))
         if self._dist.is_main_process:
             self.processing_class.save_pretrained(str(partial))
-            os.replace(partial, dest)
+            commit_directory(partial, dest)
         self._dist.wait_for_everyone()
 
     # ---------------------------------------------------------------------------- Algorithm 2, one iteration
@@ -674,8 +709,12 @@ class IterativeDPOTrainer(DPOTrainer):
         return [self.prompts[i] for i in ids], ids
 
     def should_collect(self, t: int) -> bool:
-        """Whether this process collects iteration ``t``'s pairs: the main process, once per run."""
-        return self._dist.is_main_process and not self.store.has(t)
+        """Whether this process collects iteration ``t``'s pairs: the main process, once per run (a write of them
+        that a kill interrupted is finished or cleaned up first)."""
+        if not self._dist.is_main_process:
+            return False
+        recover_directory(self.store.path(t))
+        return not self.store.has(t)
 
     def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
         """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
@@ -727,7 +766,11 @@ class IterativeDPOTrainer(DPOTrainer):
 
     def train_iteration(self, t: int) -> str:
         """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
-        (skipped if it exists). Returns the path of ``pi_{t+1}``."""
+        (skipped if it exists). Returns the path of ``pi_{t+1}``.
+
+        ``pi_{t+1}`` is saved atomically before ``state.json`` records it; a run killed in between left the complete
+        policy, which the rerun records instead of training it again (same pairs, settings and seed: the same
+        weights)."""
         state = self._read_state()
         if str(t + 1) in state["policies"]:
             return state["policies"][str(t + 1)]
@@ -743,20 +786,24 @@ class IterativeDPOTrainer(DPOTrainer):
             self._write_state(state)
             return start
         work = self.root / "iterations" / f"iter_{t:03d}"
-        self._run_dpo(
-            model=start,
-            ref_path=self.ref_path if self.args.reference == "sft" else start,
-            args=self._dpo_args(work, seed=self.args.seed + t),
-            train_dataset=self._dpo_dataset(rows),
-        )
         dest = self.root / "policies" / f"policy_{t + 1:03d}"
-        self._save_policy(dest)
+        if self._dist.is_main_process:
+            recover_directory(dest)  # a save of pi_{t+1} that a kill interrupted: finished or cleaned up
+        self._dist.wait_for_everyone()
+        if not dest.is_dir():  # (else: saved by a run killed before state.json recorded it)
+            self._run_dpo(
+                model=start,
+                ref_path=self.ref_path if self.args.reference == "sft" else start,
+                args=self._dpo_args(work, seed=self.args.seed + t),
+                train_dataset=self._dpo_dataset(rows),
+            )
+            self._save_policy(dest)
+            self._release_dpo_run(keep_model=True)
         if self._dist.is_main_process:
             for ckpt in work.glob("checkpoint-*"):
                 shutil.rmtree(ckpt, ignore_errors=True)
         state["policies"][str(t + 1)] = str(dest)
         self._write_state(state)
-        self._release_dpo_run(keep_model=True)
         return str(dest)
 
     def evaluate_policy(self, t: int) -> dict[str, Any]:
@@ -852,14 +899,35 @@ class IterativeDPOTrainer(DPOTrainer):
         return TrainOutput(steps, loss, metrics)
 
     # ----------------------------------------------------------------------------------------------- per-batch
-    def _record_online_batch(self, batch: Batch, offset: int) -> None:
-        """Write a batch's pairs to the store as the training loop takes it (index = the update it feeds)."""
+    def _record_online_batch(self, batch: Batch[OnlineBatchPairs], offset: int) -> None:
+        """Write a batch's pairs to the store as the training loop takes it (index = the update it feeds), with
+        every process's prompt cursor after it (``prompt_cursors``, one per rank: where a resumed run continues)."""
+        from accelerate.utils import gather_object
+
         index = offset + batch.index
-        rows = [{**r, "update": index, "policy_version": offset + batch.version} for r in batch.data]
+        cursors = [int(c) for c in gather_object([batch.data.cursor])]
+        rows = [{**r, "update": index, "policy_version": offset + batch.version} for r in batch.data.rows]
         if self._dist.is_main_process:
-            self.store.write(
-                index, rows, {"policy_version": offset + batch.version, "generate_seconds": batch.generate_seconds}
+            stats = {
+                "policy_version": offset + batch.version,
+                "generate_seconds": batch.generate_seconds,
+                "prompt_cursors": cursors,
+            }
+            self.store.write(index, rows, stats)
+
+    def _resume_cursor(self, offset: int) -> int:
+        """This process's prompt cursor after update ``offset - 1`` (0 at the start of a run), from the stored
+        batch of that update."""
+        if offset == 0:
+            return 0
+        cursors = self.store.summary(offset - 1).get("prompt_cursors")
+        if cursors is None or len(cursors) != self._dist.num_processes:
+            raise ValueError(
+                f"{self.store.path(offset - 1)} holds no prompt cursor for {self._dist.num_processes} process(es) "
+                "(written by an older rlhf-ext or another number of processes), so the run cannot resume from "
+                f"checkpoint-{offset} with the uninterrupted run's prompts; start it again in a new output_dir"
             )
+        return int(cursors[self._dist.process_index])
 
     def _train_online(self) -> dict[str, Any]:
         from rlhf_ext.trl.args import last_checkpoint
@@ -887,6 +955,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dist.wait_for_everyone()
         evals = [self.evaluate_policy(0)]
         if self._dist.is_main_process:
+            recover_directory(dest)
             shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
         self._dist.wait_for_everyone()
         if offset < total:
@@ -931,8 +1000,10 @@ class IterativeDPOTrainer(DPOTrainer):
             selection=SelectionSettings.from_args(a),
             reward_fn=self.reward_fn,
             sampler_spec={**self.sampler_spec(), "policy": last or self.sft_path},
-            seed=self._seed("order", offset),
+            seed=self._seed("order", 0),  # one prompt order per run, whatever update it resumes at
             sampler=None if a.generator_process else self.sampler(),
+            first_index=offset,
+            cursor=self._resume_cursor(offset),
         )
         runner = OneStepAsyncRunner(
             generator.generate,
@@ -962,7 +1033,7 @@ class IterativeDPOTrainer(DPOTrainer):
                     model=self.sft_path,
                     ref_path=self.ref_path,
                     args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
-                    train_dataset=self._dpo_dataset(first.data),
+                    train_dataset=self._dpo_dataset(first.data.rows),
                     setup=setup,
                 )
             finally:
