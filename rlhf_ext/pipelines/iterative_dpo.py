@@ -171,33 +171,39 @@ def trl_config(recipe):
 
 
 def load_prompt_splits(data) -> tuple[list[Any], list[Any] | None]:
-    """(train prompts, eval prompts or None) for a recipe's ``data`` section, columns checked up front."""
+    """(train prompts, eval prompts or None) for a recipe's ``data`` section, columns and prompts checked up front
+    (a missing split or column, or empty prompts, is a :class:`DatasetFormatError` naming the fix)."""
+    from rlhf_ext.runtime.segment_data import DatasetFormatError
     from rlhf_ext.zoo.builtins import resolve_dataset
 
-    def pick(source: str, split: str, limit: int | None, what: str):
-        dd = resolve_dataset(source)
+    def pick(dd, source: str, split: str, limit: int | None, what: str):
         if split not in dd:
-            raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
+            raise DatasetFormatError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
         ds = dd[split]
         if data.prompt_key not in ds.column_names:
-            raise ValueError(
+            raise DatasetFormatError(
                 f"data.{what} ({source}) has no prompt column {data.prompt_key!r}; "
                 f"columns: {', '.join(ds.column_names)}"
             )
         prompts = ds[data.prompt_key]
         prompts = prompts[:limit] if limit is not None else prompts
+        empty = [i for i, p in enumerate(prompts) if isinstance(p, str) and not p.strip()]
+        if empty:  # generation from zero prompt tokens fails deep inside transformers (IndexError)
+            raise DatasetFormatError(
+                f"data.{what} ({source}, split {split!r}): {len(empty)} of {len(prompts)} prompts are empty (rows "
+                f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}); drop those rows or fill "
+                f"their {data.prompt_key!r} column"
+            )
         if data.as_chat:
             prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         return prompts
 
-    train = pick(data.train, data.train_split, data.max_train_prompts, "train")
-    try:
-        evals = pick(data.eval or data.train, data.eval_split, data.max_eval_prompts, "eval")
-    except ValueError:
-        if data.eval is not None:
-            raise
-        evals = None  # the training source has no eval split and none was configured
-    return train, evals
+    train_data = resolve_dataset(data.train)
+    train = pick(train_data, data.train, data.train_split, data.max_train_prompts, "train")
+    eval_data = train_data if data.eval is None else resolve_dataset(data.eval)
+    if data.eval is None and data.eval_split not in eval_data:
+        return train, None  # the training source has no eval split and none was configured
+    return train, pick(eval_data, data.eval or data.train, data.eval_split, data.max_eval_prompts, "eval")
 
 
 def train_with_trl(recipe) -> dict[str, Any]:

@@ -267,6 +267,24 @@ def test_an_empty_data_file_and_a_directory_as_config_are_named(tmp_path):
     assert len(typo.stderr.splitlines()) == 1
 
 
+def test_zero_length_prompts_are_named_before_generation(tmp_path):
+    """Online DPO on prompts that are empty strings failed inside transformers' generate (IndexError: index -1 is out
+    of bounds for dimension 1 with size 0); now one line naming the rows, before anything is written."""
+    import json
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["", "Q: tides?", "  ", "Q: moon?"]))
+    out = tmp_path / "dpo"
+    result = CliRunner().invoke(main, ["train", "online-dpo", "--config", "online_dpo_tiny", f"data.train={data}",
+                                       f"train.output_dir={out}"])  # fmt: skip
+    assert_user_error(
+        result.exit_code, result.stderr,
+        f"data.train ({data}, split 'train'): 2 of 4 prompts are empty (rows 0, 2); drop those rows or fill their "
+        "'prompt' column",
+    )  # fmt: skip
+    assert not out.exists()
+
+
 def test_a_missing_normalizer_names_a_real_command(tmp_path):
     from rlhf_ext.algos.location_norm import NormalizerError
     from rlhf_ext.runtime.calibration import load_normalizer
