@@ -26,7 +26,8 @@ step() {  # step NAME COMMAND... : run from $WORK/user, log to $WORK/logs/NAME.l
         tail -n 25 "$WORK/logs/$name.log" | sed 's/^/      /'
         exit 1
     fi
-    printf 'ok    %-24s %4ds  %s\n' "$name" $((SECONDS - t0)) "$(grep -E "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | cut -c1-90)"
+    printf 'ok    %-24s %4ds  %s\n' "$name" $((SECONDS - t0)) \
+        "$(grep -E "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-90)"
 }
 
 echo "wheel smoke in $WORK"
@@ -73,7 +74,7 @@ echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in 
     || { tail -n 20 "$WORK/logs/install-openrlhf.log"; exit 1; }
 EXPECT="held-out acc" step segment-rm-openrlhf rlhf-ext train segment-rm --config segment_rm_tiny --engine openrlhf \
     train.output_dir=runs/rm-openrlhf train.max_steps=4
-step ray-start ray start --head --num-cpus 2 --include-dashboard=true --dashboard-host 127.0.0.1 --disable-usage-stats
+EXPECT="Ray runtime started" step ray-start ray start --head --num-cpus 2 --include-dashboard=true --dashboard-host 127.0.0.1 --disable-usage-stats
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 EXPECT="succeeded" step ray-job-submit ray job submit --address http://127.0.0.1:8265 -- python -m \
     rlhf_ext.launch.train_segment_rm --config segment_rm_tiny train.output_dir="$WORK/user/runs/rm-ray" train.max_steps=4
