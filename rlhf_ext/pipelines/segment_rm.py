@@ -226,7 +226,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
-    metrics = trainer.evaluate() if eval_prepared is not None else {}
+    metrics = (final_evaluation(trainer) or trainer.evaluate()) if eval_prepared is not None else {}
     summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
     if eval_prepared is None:
         summary["eval_skipped"] = NO_EVAL_SPLIT.format(source=recipe.data.train, split=recipe.data.eval_split)
@@ -235,6 +235,16 @@ def train_with_trl(recipe) -> dict[str, Any]:
             summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
         atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
     return summary
+
+
+def final_evaluation(trainer) -> dict[str, float] | None:
+    """The evaluation the trainer already logged at its last step (``eval_strategy`` epoch or steps), as
+    ``trainer.evaluate()`` returns it, so the held-out set is not scored twice; ``None`` when there is none."""
+    state = trainer.state
+    for entry in reversed(state.log_history):
+        if "eval_loss" in entry:
+            return {k: v for k, v in entry.items() if k != "step"} if entry.get("step") == state.global_step else None
+    return None
 
 
 def openrlhf_logger_flags(report_to: str | list[str] | None, output_dir: str) -> list[str]:

@@ -46,7 +46,7 @@ def test_piped_segment_rm_run_prints_one_compact_line_per_logging_step(tmp_path,
     )
     assert steps == [str(s) for s in range(LOGGING_STEPS, STEPS + 1, LOGGING_STEPS)]  # 2, 4, 6
     evals = re.findall(r"^rm eval  loss .*$", stderr, re.MULTILINE)
-    assert len(evals) == 2  # the end of the epoch, then run_segment_rm's final evaluation
+    assert len(evals) == 1  # the end of the epoch; run_segment_rm reuses it instead of evaluating again
     final = json.loads((out / "metrics.json").read_text())["eval"]
     assert f"accuracy {format_number(final['eval_accuracy'])}" in evals[-1]
     assert len(re.findall(rf"^rm finished in {number} s  train loss {number}$", stderr, re.MULTILINE)) == 1
