@@ -13,11 +13,9 @@ cache at once. A failed request is never a record; records that older versions w
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,20 +115,9 @@ class SampleCache:
 
     def _rewrite(self, data: bytes) -> None:
         """Replace the samples file atomically with ``data`` (the permissions ``open`` would give it)."""
-        from rlhf_ext.runtime.io import current_umask
+        from rlhf_ext.runtime.io import atomic_write_bytes
 
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.directory)
-        try:
-            os.fchmod(fd, 0o666 & ~current_umask())
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(self.path, data)
 
     def __contains__(self, key: str) -> bool:
         return key in self.records
