@@ -490,7 +490,7 @@ def serve_rm(model_dir, sft_model, host, port, max_batch_size, max_wait_ms, max_
              max_length) -> None:  # fmt: skip
     """Serve a segment reward model's e_phi (paper 003 Eq. 4) in OpenRLHF's remote-reward protocol: POST
     /get_reward {"query": [...], "prompts": [...]} -> {"rewards": [...]}; GET /health. For OpenRLHF:
-    --reward.remote_url http://HOST:PORT/get_reward; for TRL: rlhf_ext.trl.remote_reward.remote_reward_func(URL)."""
+    --reward.remote_url http://HOST:PORT/get_reward; for TRL: rlhf_ext.trl.remote_reward.RemoteSegmentReward(URL)."""
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.pipelines.serve_rm import ServeSettings, serve_reward_model
 

@@ -5,7 +5,7 @@ A segment reward model scores a response by ``e_phi(x, y) = tau * logsumexp(r_se
 (paper 003 Eq. 4; ``"sum"`` / ``"mean"`` for the ablations), the segments starting where the SFT model's entropy
 exceeds the recorded cutoff -- not by the last-token output a plain reward-model server returns. This server computes
 e_phi with :func:`rlhf_ext.runtime.token_scores.segment_evaluation` (the code the trainers use), so OpenRLHF PPO/GRPO
-(``--reward.remote_url http://HOST:PORT/get_reward``) and TRL (``reward_funcs=[remote_reward_func(url)]``, see
+(``--reward.remote_url http://HOST:PORT/get_reward``) and TRL (``reward_funcs=[RemoteSegmentReward(url)]``, see
 :mod:`rlhf_ext.trl.remote_reward`) can train against a segment reward model as a scalar reward.
 
 Routes:

@@ -3,9 +3,9 @@
 Example::
 
     from trl import GRPOConfig, GRPOTrainer
-    from rlhf_ext.trl.remote_reward import remote_reward_func
+    from rlhf_ext.trl.remote_reward import RemoteSegmentReward
 
-    trainer = GRPOTrainer(model=policy, reward_funcs=[remote_reward_func("http://127.0.0.1:5000")], ...)
+    trainer = GRPOTrainer(model=policy, reward_funcs=[RemoteSegmentReward("http://127.0.0.1:5000")], ...)
 
 The function has the signature of TRL's ``reward_funcs`` callables (``prompts``, ``completions``, keyword columns)
 and returns one float per completion: the segment evaluation ``e_phi`` (paper 003 Eq. 4) of each (prompt,
@@ -41,7 +41,18 @@ def _post_json(url: str, payload: dict[str, Any], timeout: float) -> dict:
 
 class RemoteSegmentReward:
     """A TRL reward function (``reward_funcs`` entry) scoring completions with the segment reward model served at
-    ``url``; a picklable object, named ``name`` for TRL's logs. Built by :func:`remote_reward_func`."""
+    ``url``; a picklable object, named ``name`` for TRL's logs.
+
+    Args:
+        url: the server (``http://HOST:PORT``, or the full ``.../get_reward`` route).
+        batch_size: pairs per HTTP request (the server's ``--max-request-pairs`` must be at least this).
+        timeout: seconds per request.
+        retries, retry_wait_s: attempts per request on a connection error or a 5xx answer, and the pause between
+            them (as OpenRLHF's client: 5 attempts, 1 s apart). A 4xx answer raises :class:`RemoteRewardError` at once.
+        name: the function's ``__name__``, which TRL logs the reward under (``rewards/<name>/mean``).
+
+    The client connects directly, ignoring ``HTTP(S)_PROXY`` (as OpenRLHF's aiohttp client does).
+    """
 
     def __init__(
         self,
@@ -88,28 +99,3 @@ class RemoteSegmentReward:
             answer = self._post({"prompts": list(prompts[chunk]), "responses": list(completions[chunk])})
             rewards.extend(float(r) for r in answer["rewards"])
         return rewards
-
-
-def remote_reward_func(
-    url: str,
-    *,
-    batch_size: int = 64,
-    timeout: float = 180.0,
-    retries: int = 5,
-    retry_wait_s: float = 1.0,
-    name: str = "segment_rm",
-) -> RemoteSegmentReward:
-    """A TRL reward function scoring completions with the segment reward model served at ``url``.
-
-    Args:
-        url: the server (``http://HOST:PORT``, or the full ``.../get_reward`` route).
-        batch_size: pairs per HTTP request (the server's ``--max-request-pairs`` must be at least this).
-        timeout: seconds per request.
-        retries, retry_wait_s: attempts per request on a connection error or a 5xx answer, and the pause between
-            them (as OpenRLHF's client: 5 attempts, 1 s apart). A 4xx answer raises :class:`RemoteRewardError` at once.
-        name: the function's ``__name__``, which TRL logs the reward under (``rewards/<name>/mean``).
-
-    The client connects directly, ignoring ``HTTP(S)_PROXY`` (as OpenRLHF's aiohttp client does).
-    """
-    return RemoteSegmentReward(url, batch_size=batch_size, timeout=timeout, retries=retries,
-                               retry_wait_s=retry_wait_s, name=name)  # fmt: skip

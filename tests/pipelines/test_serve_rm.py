@@ -141,31 +141,31 @@ def test_openrlhf_query_is_split_after_the_prompt_or_its_decoded_form():
 def test_trl_reward_function_gives_in_process_e_phi(server, scorer):
     from trl.trainer.utils import get_callable_name, is_async_callable
 
-    from rlhf_ext.trl.remote_reward import remote_reward_func
+    from rlhf_ext.trl.remote_reward import RemoteSegmentReward
 
     pairs = distinct_pairs(7, seed=2)
-    reward = remote_reward_func(server.url, batch_size=3)  # 3 requests: 3 + 3 + 1 pairs
+    reward = RemoteSegmentReward(server.url, batch_size=3)  # 3 requests: 3 + 3 + 1 pairs
     values = reward(prompts=[p for p, _ in pairs], completions=[r for _, r in pairs], trainer_state=None, topic=[0] * 7)
     assert values == pytest.approx(in_process(scorer, pairs), abs=TOLERANCE)
     assert get_callable_name(reward) == "segment_rm" and not is_async_callable(reward)
 
 
 def test_trl_reward_function_renders_conversations_with_the_rm_chat_template(server, scorer):
-    from rlhf_ext.trl.remote_reward import remote_reward_func
+    from rlhf_ext.trl.remote_reward import RemoteSegmentReward
 
     prompts = [[{"role": "user", "content": "What should I know about owls?"}],
                [{"role": "user", "content": "What should I know about tides?"}]]  # fmt: skip
     completions = [[{"role": "assistant", "content": " Owls hunt at night. The facts about owls are settled."}],
                    [{"role": "assistant", "content": " Tides follow the moon."}]]  # fmt: skip
-    values = remote_reward_func(server.url)(prompts=prompts, completions=completions)
+    values = RemoteSegmentReward(server.url)(prompts=prompts, completions=completions)
     expected = [scorer.score(p, c).evaluation for p, c in zip(prompts, completions)]
     assert values == pytest.approx(expected, abs=TOLERANCE)
 
 
 def test_trl_reward_function_raises_the_servers_refusal(server):
-    from rlhf_ext.trl.remote_reward import RemoteRewardError, remote_reward_func
+    from rlhf_ext.trl.remote_reward import RemoteRewardError, RemoteSegmentReward
 
-    reward = remote_reward_func(server.url, batch_size=100)  # the test server takes 64 pairs per request
+    reward = RemoteSegmentReward(server.url, batch_size=100)  # the test server takes 64 pairs per request
     with pytest.raises(RemoteRewardError) as refused:
         reward(prompts=["Q:"] * 65, completions=[" A."] * 65)
     assert str(refused.value) == (

@@ -14,9 +14,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 from trl import DPOTrainer
 
-from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
-from rlhf_ext.trl.args import CPU_RUN
+from rlhf_ext.trl import IterativeDPOTrainer
 from rlhf_ext.zoo.toy import keyphrase_gold_reward
+from tests.helpers.online_dpo_args import make_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,30 +27,6 @@ def prompts():
 
     ds = toy_preference_dataset(n_train=128, n_test=32, seed=0)
     return ds["train"], ds["test"]
-
-
-def make_args(out: Path, **kw) -> IterativeDPOConfig:
-    base = dict(
-        output_dir=str(out),
-        num_iterations=2,
-        prompts_per_iteration=8,
-        num_samples=4,
-        max_new_tokens=64,
-        learning_rate=1e-4,
-        num_train_epochs=1,
-        per_device_train_batch_size=4,
-        beta=0.1,
-        lr_scheduler_type="constant",
-        **CPU_RUN,
-        logging_steps=100,
-        eval_num_prompts=4,
-        eval_samples_per_prompt=1,
-        eval_temperature=0.7,
-        max_length=160,
-        seed=0,
-    )
-    base.update(kw)
-    return IterativeDPOConfig(**base)
 
 
 class Crash(Exception):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
-from rlhf_ext.trl.args import CPU_RUN
+from rlhf_ext.trl import IterativeDPOTrainer
 from rlhf_ext.zoo.toy import keyphrase_gold_reward
+from tests.helpers.online_dpo_args import make_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,26 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def run_online(out: Path, sft_path: str, prompts) -> dict:
     """A short one-step asynchronous online DPO run; returns its summary."""
     train, test = prompts
-    args = IterativeDPOConfig(
-        output_dir=str(out),
-        online_mode="online",
-        async_generation=True,
-        generation_threads=1,
-        max_steps=3,
-        num_samples=4,
-        max_new_tokens=48,
-        per_device_train_batch_size=4,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        beta=0.1,
-        max_length=128,
-        eval_num_prompts=4,
-        eval_samples_per_prompt=1,
-        eval_temperature=0.7,
-        logging_steps=100,
-        seed=0,
-        **CPU_RUN,
-    )
+    args = make_args(out, online_mode="online", async_generation=True, generation_threads=1, max_steps=3,
+                     max_new_tokens=48, max_length=128)  # fmt: skip
     trainer = IterativeDPOTrainer(
         sft_path, args=args, train_dataset=train, eval_dataset=test, reward_funcs=keyphrase_gold_reward
     )
