@@ -217,9 +217,6 @@ class ContinualRunner:
         self.num_tasks = len(self.tasks)
         for t in range(self.num_tasks):  # validate the per-transition weights before any training
             recipe.continual.coef_for_task(t, self.num_tasks)
-        #: the package's own stages load ``model.sft_model``: check it before the run file is written (injected
-        #: stages load what they like)
-        self._check_models = policy_stage is None
         if policy_stage is None:
             policy_stage, default_rm = build_stages(recipe)
             reward_stage = reward_stage if reward_stage is not None else default_rm
@@ -277,10 +274,8 @@ class ContinualRunner:
     # -- the loop ------------------------------------------------------------------------------------------------
     def context(self, t: int) -> TaskContext:
         from rlhf_ext.pipelines.builtins import resolve_model
-        from rlhf_ext.zoo.builtins import is_builtin
 
-        spec = self.recipe.model.sft_model  # a path was checked by run() (for the package's own stages)
-        sft = resolve_model(spec) if is_builtin(spec) else spec
+        sft = resolve_model(self.recipe.model.sft_model)
         previous = str(self.out / self.names[t - 1] / "policy") if t > 0 else None
         return TaskContext(
             index=t,
@@ -301,8 +296,8 @@ class ContinualRunner:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
         from rlhf_ext.zoo.builtins import check_model_source
 
-        for spec in (self.recipe.model.sft_model, self.recipe.model.tokenizer) if self._check_models else ():
-            if spec is not None:  # fail before the run file is written
+        for spec in (self.recipe.model.sft_model, self.recipe.model.tokenizer):  # fail before the run file is written
+            if spec is not None:
                 check_model_source(spec)
         self.run_dir = self._open_run()
         test_sets = [task["test"] for task in self.tasks]
