@@ -14,13 +14,14 @@ Two checks on the per-seed results of ``rlhf-ext sim compare`` (``sim_compare.js
 Usage::
 
     python benchmarks/sim_fidelity.py [--results benchmarks/results/sim_compare.json] [--out benchmarks/results]
-    python benchmarks/sim_fidelity.py --run [--config sim_compare] [--methods sft,dpo] [--seeds 0,1,2]
+    python benchmarks/sim_fidelity.py --run [--config sim_compare] [--budget full] [--methods sft,dpo] [--seeds 0,1,2]
+    python benchmarks/sim_fidelity.py --before benchmarks/results/sim_compare_before.json   # before -> after table
 
 The default reads an existing results file (no training). ``--run`` first trains and evaluates the comparison with
 :func:`rlhf_ext.sim.compare.run_compare` (the function behind ``rlhf-ext sim compare``; finished (method, seed)
-results in the recipe's ``output_dir`` are reused), then analyses its summary. The comparison has no training-budget
-setting of its own (each method's steps are set in the recipe's sections): running it under other budgets is future
-work, and until then budgets are changed through the recipe (``--config`` or ``key=value`` overrides).
+results in the recipe's ``output_dir`` are reused), then analyses its summary; ``--budget full`` runs the recipe's
+night-long budget (its ``budgets: full`` overrides). ``--before`` adds the correlations of an earlier results file
+(e.g. before a change to the simulator) next to the current ones.
 
 Writes ``OUT/sim_fidelity.json`` and ``OUT/sim_fidelity.md`` and prints the markdown.
 """
@@ -171,6 +172,21 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {label} | {_fmt(s['value'])} | {_fmt(s['bootstrap_2.5'])} | {_fmt(s['bootstrap_97.5'])} | "
             f"{s['fraction_positive']:.3f} |"
         )
+    if "before" in report:
+        before = report["before"]["alpacafarm"]["statistics"]
+        lines += [
+            "",
+            f"Before -> after (before: {report['before']['source']}):",
+            "",
+            "| statistic | before | before 95% bootstrap | after | after 95% bootstrap |",
+            "|---|---|---|---|---|",
+        ]
+        for name, label in (("spearman", "Spearman rho"), ("kendall_tau_b", "Kendall tau-b")):
+            x, y = before[name], af["statistics"][name]
+            lines.append(
+                f"| {label} | {_fmt(x['value'])} | {_fmt(x['bootstrap_2.5'])}..{_fmt(x['bootstrap_97.5'])} | "
+                f"{_fmt(y['value'])} | {_fmt(y['bootstrap_2.5'])}..{_fmt(y['bootstrap_97.5'])} |"
+            )
     lines += [
         "",
         f"{len(af['methods'])} shared methods (our bandit_ppo = AlpacaFarm's PPO); bootstrap: each method's seeds "
@@ -204,19 +220,20 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_comparison(config: str, methods: str | None, seeds: str | None, overrides: list[str]) -> dict[str, Any]:
+def run_comparison(
+    config: str, methods: str | None, seeds: str | None, overrides: list[str], budget: str | None = None
+) -> dict[str, Any]:
     """Train and evaluate the comparison (:func:`rlhf_ext.sim.compare.run_compare`) and return its summary."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.recipes import recipe_path
     from rlhf_ext.sim.compare import run_compare
-    from rlhf_ext.sim.recipe import SimCompareRecipe
+    from rlhf_ext.sim.recipe import load_compare_recipe
 
     extra = list(overrides)
     if methods is not None:
         extra.append(f"methods=[{methods}]")
     if seeds is not None:
         extra.append(f"seeds=[{seeds}]")
-    recipe = load_recipe(SimCompareRecipe, recipe_path(config), extra)
+    recipe = load_compare_recipe(recipe_path(config), extra, budget)
     return run_compare(recipe, progress=lambda m: print(m, file=sys.stderr))
 
 
@@ -228,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="sim_compare", help="with --run: recipe YAML or packaged recipe name")
     parser.add_argument("--methods", default=None, help="with --run: comma-separated subset of the methods")
     parser.add_argument("--seeds", default=None, help="with --run: comma-separated seeds")
+    parser.add_argument("--budget", default=None, help="with --run: a named budget of the recipe (e.g. full)")
+    parser.add_argument("--before", default=None, help="an earlier sim_compare.json to compare correlations with")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--bootstrap-seed", type=int, default=0, help="RNG seed of the bootstrap")
     parser.add_argument("overrides", nargs="*", help="with --run: recipe overrides key=value")
@@ -238,8 +257,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rlhf_ext.sim.compare import ALPACAFARM_SIM_WINRATE
 
     if args.run:
-        summary = run_comparison(args.config, args.methods, args.seeds, args.overrides)
-        source = f"rlhf_ext.sim.compare.run_compare, recipe {args.config}"
+        summary = run_comparison(args.config, args.methods, args.seeds, args.overrides, args.budget)
+        source = f"rlhf_ext.sim.compare.run_compare, recipe {args.config}" + (
+            f", budget {args.budget}" * bool(args.budget)
+        )
     else:
         summary = json.loads(Path(args.results).read_text())
         source = args.results
@@ -249,6 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "alpacafarm": alpacafarm_table(win_rates, ALPACAFARM_SIM_WINRATE, args.resamples, args.bootstrap_seed),
         "ppo": ppo_table(win_rates),
     }
+    if args.before:
+        before = per_seed_win_rates(json.loads(Path(args.before).read_text()))
+        report["before"] = {
+            "source": args.before,
+            "alpacafarm": alpacafarm_table(before, ALPACAFARM_SIM_WINRATE, args.resamples, args.bootstrap_seed),
+        }
     from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 
     text = markdown(report)

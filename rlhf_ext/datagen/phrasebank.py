@@ -59,13 +59,14 @@ PREFERENCE_STYLE_PREFIX = "pref:"
 CONTRARY_SUFFIX = ":contrary"
 #: Content words of a preference that make its derived style's slug (at most this many, in order).
 PREFERENCE_SLUG_WORDS = 6
-#: Words dropped from a preference before it becomes a slug (they carry no preference content).
+#: Words that carry no content: dropped from a preference before it becomes a slug; a gold bigram of two of them
+#: earns no partial credit (rlhf_ext.sim.gold).
 _STOP_WORDS_TEXT = (
     "a an the and or but came come of to in on at by for from with as if is are be been "
     "it its this that these those make made makes please your you should would must "
     "can could so very more most than then into"
 )
-_SLUG_STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 #: Key-phrase templates of a derived style (``{kw}``: the slug's words). Every template has words before and after
 #: ``{kw}``, so no phrase of one slug can contain a phrase of another slug at a word boundary of the template.
 _FOLLOW_TEMPLATES = (
@@ -98,7 +99,7 @@ def preference_style_name(preference: str) -> str:
     words = re.findall(r"[a-z0-9]+", preference.lower())
     if not words:
         raise ValueError(f"preference {preference!r} has no words to derive a phrase-bank style from")
-    content = [w for w in words if w not in _SLUG_STOP_WORDS] or words
+    content = [w for w in words if w not in STOP_WORDS] or words
     return PREFERENCE_STYLE_PREFIX + "-".join(content[:PREFERENCE_SLUG_WORDS])
 
 
@@ -195,14 +196,16 @@ class PhraseBank:
             if p in seen:
                 raise ValueError(f"key phrase {p!r} appears in styles {seen[p]} and {s}")
             seen[p] = s
-        _check_phrases(self._phrases(self.styles), self._phrases(self.styles), self._neutral_texts())
+        _check_phrases(self._phrases(self.styles), self._phrases(self.styles), self.neutral_texts())
         self.styles = StyleTable(self.styles, self)
 
     @staticmethod
     def _phrases(styles: dict[str, StyleEntry]) -> list[tuple[str, str]]:
         return [(p, s) for s, e in styles.items() for p in e.phrases]
 
-    def _neutral_texts(self) -> list[str]:
+    def neutral_texts(self) -> list[str]:
+        """Every text that carries no preference: connectors, auxiliary-style sentences, prompt templates, content
+        sentences."""
         neutral = list(self.connectors) + [x for v in self.aux.values() for x in v]
         for o in self.objectives.values():
             neutral += o.prompt_templates + o.content_sentences
@@ -219,7 +222,7 @@ class PhraseBank:
         own = self._phrases({s: e for s, e in self.styles.items() if _preference_slug(s) is None})
         new = self._phrases(family)
         try:
-            _check_phrases(new, own + new, self._neutral_texts())
+            _check_phrases(new, own + new, self.neutral_texts())
             _check_phrases(own, new, [])
         except ValueError as e:
             raise ValueError(f"derived style {name!r}: {e}; set the task's style: explicitly") from None

@@ -46,7 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlhf_ext.sim.gold import GoldScorer, StyleSpec
+from rlhf_ext.sim.gold import GoldScorer, PhraseCredit, StyleSpec
 
 UtilityFn = Callable[[list[Any], list[str], list[str | None]], Tensor]
 #: AlpacaFarm's intra-annotator noise for training labels (section 3.2, Appendix C.1).
@@ -138,14 +138,17 @@ DEFAULT_ANNOTATORS: tuple[AnnotatorSpec, ...] = (
 )
 
 
-def gold_annotator(spec: AnnotatorSpec, style: StyleSpec = None, bank=None) -> BTAnnotator:
-    """The :class:`BTAnnotator` of a gold-scorer variant."""
+def gold_annotator(
+    spec: AnnotatorSpec, style: StyleSpec = None, bank=None, phrase_credit: PhraseCredit = "partial"
+) -> BTAnnotator:
+    """The :class:`BTAnnotator` of a gold-scorer variant (the gold's ``phrase_credit``, the spec's weights)."""
     scorer = GoldScorer(
         style,
         bank=bank,
         positive_weight=spec.positive_weight,
         negative_weight=spec.negative_weight,
         length_weight=spec.length_weight,
+        phrase_credit=phrase_credit,
     )
     return BTAnnotator(spec.name, scorer.score, spec.temperature)
 
@@ -377,9 +380,11 @@ class AnnotatorPool:
         seed: int = 0,
         bank=None,
         specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS,
+        phrase_credit: PhraseCredit = "partial",
     ) -> AnnotatorPool:
-        """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``)."""
-        return cls([gold_annotator(s, style, bank) for s in specs], flip_prob, seed, gold=GoldScorer(style, bank=bank))
+        """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``), all with the gold's ``phrase_credit``."""
+        gold = GoldScorer(style, bank=bank, phrase_credit=phrase_credit)
+        return cls([gold_annotator(s, style, bank, phrase_credit) for s in specs], flip_prob, seed, gold=gold)
 
     @classmethod
     def gold_only(cls, style: StyleSpec = None, *, flip_prob: float = 0.0, seed: int = 0, bank=None) -> AnnotatorPool:
@@ -675,12 +680,18 @@ class PoolConfig:
         if self.backend == "llm" and not self.models:
             raise ValueError("pool.backend llm needs pool.models (served model names, one annotator each)")
 
-    def build(self, style: StyleSpec = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
-        """The :class:`AnnotatorPool` this config describes (the gold scorer of ``style`` reports agreement)."""
-        gold = GoldScorer(style)
+    def build(self, gold: GoldScorer | None = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
+        """The :class:`AnnotatorPool` this config describes; ``gold`` (default ``GoldScorer()``) reports agreement, and
+        the ``gold`` backend's annotators are variants of it (its style and phrase credit, the specs' weights)."""
+        gold = gold if gold is not None else GoldScorer()
         if self.backend == "gold":
             return AnnotatorPool.default(
-                style, flip_prob=self.flip_prob, seed=seed, specs=self.annotators or DEFAULT_ANNOTATORS
+                gold.style,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                bank=gold.bank,
+                specs=self.annotators or DEFAULT_ANNOTATORS,
+                phrase_credit=gold.phrase_credit,
             )
         if self.backend == "reward_model":
             temps = self.temperatures or 1.0

@@ -32,16 +32,16 @@ def sim() -> None:
 @click.option("--seeds", default=None, help="Comma-separated seeds replacing the recipe's (e.g. 0,1,2).")
 @click.option("--out", "out", default=None, help="Output directory (overrides output_dir).")
 @click.option("--report-only", is_flag=True, help="Only rewrite the table/JSON/plots from finished results.")
+@click.option("--budget", default=None, help="A named budget of the recipe's budgets: section (e.g. full).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def compare(config_path, methods, seeds, out, report_only, overrides) -> None:
+def compare(config_path, methods, seeds, out, report_only, budget, overrides) -> None:
     """Train and evaluate the recipe's methods for every seed; write a table (mean ± s.e.), plots and JSON.
 
     Each finished (method, seed) is written to OUT/results/ at once and skipped when the command is rerun.
     """
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.recipes import recipe_path
     from rlhf_ext.sim.compare import markdown_table, run_compare, summarise, write_reports
-    from rlhf_ext.sim.recipe import SimCompareRecipe
+    from rlhf_ext.sim.recipe import load_compare_recipe
 
     extra = list(overrides)
     if out is not None:
@@ -52,7 +52,7 @@ def compare(config_path, methods, seeds, out, report_only, overrides) -> None:
         extra.append(f"seeds=[{','.join(str(s) for s in _csv(seeds, int))}]")
     # a user's error (RecipeError, a model that cannot load ...) is reported in one line by `rlhf-ext`'s command
     # group (rlhf_ext.cli.UserErrorGroup), which runs this command
-    recipe = load_recipe(SimCompareRecipe, recipe_path(config_path), extra)
+    recipe = load_compare_recipe(recipe_path(config_path), extra, budget)
     if report_only:
         from pathlib import Path
 

@@ -54,8 +54,10 @@ ALPACAFARM_SIM_WINRATE: dict[str, float] = {
     "dpo": 46.8,
     "bandit_ppo": 46.8,
 }
+#: Entropy cutoffs of the bandit and token reward models (the segment model uses the recipe's ``entropy_cutoff``).
+RM_CUTOFFS = {"bandit": math.inf, "token": 0.0}
 #: Keys of the recipe that may change between runs of one output directory.
-FREE_KEYS = ("output_dir", "seeds", "methods", "threads")
+FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "budgets")
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
 RESULTS_DIR = "results"
 
@@ -69,6 +71,21 @@ def recipe_settings(recipe: SimCompareRecipe) -> dict[str, Any]:
 
 def recipe_fingerprint(recipe: SimCompareRecipe) -> str:
     return fingerprint(recipe_settings(recipe))
+
+
+def order_by_gold(gold, pairs):
+    """``pairs`` (a ``Dataset`` with ``prompt``, ``chosen``, ``rejected``, ``style``) with ``chosen`` the response of
+    higher gold reward and gold ties dropped, and the fraction of pairs that tied."""
+    cols = pairs.to_dict()
+    n = len(pairs)
+    scores = gold.score(cols["prompt"] * 2, cols["chosen"] + cols["rejected"], cols["style"] * 2)
+    swap, tied = (scores[:n] < scores[n:]).tolist(), (scores[:n] == scores[n:]).tolist()
+    rows = [
+        {**r, "chosen": r["rejected"], "rejected": r["chosen"]} if sw else r
+        for r, sw, t in zip(pairs.to_list(), swap, tied)
+        if not t
+    ]
+    return type(pairs).from_list(rows, features=pairs.features), sum(tied) / max(n, 1)
 
 
 class SimRun:
@@ -127,7 +144,9 @@ class SimRun:
 
             style_of = {r["prompt"]: r["style"] for split in self.splits().values() for r in split}
             styles = set(style_of.values())
-            self._gold = GoldScorer(styles.pop() if len(styles) == 1 else style_of)
+            self._gold = GoldScorer(
+                styles.pop() if len(styles) == 1 else style_of, phrase_credit=self.recipe.task.phrase_credit
+            )
         return self._gold
 
     def base_model(self) -> str:
@@ -166,7 +185,7 @@ class SimRun:
 
     def pool(self, seed: int):
         if seed not in self._pools:
-            self._pools[seed] = self.recipe.feedback.pool.build(self.gold.style, seed=seed, sft_model=self.sft_model())
+            self._pools[seed] = self.recipe.feedback.pool.build(self.gold, seed=seed, sft_model=self.sft_model())
         return self._pools[seed]
 
     def policy(self, path: str, prompt_prefix: str = "", temperature: float | None = None):
@@ -181,25 +200,37 @@ class SimRun:
             batch_size=g.batch_size,
         )
 
+    def sft_pairs(self, prompts: list[Any], styles: list[Any], seed: int):
+        """Two SFT samples per prompt as ``(prompt, chosen, rejected, style)`` rows, unordered (AlpacaFarm's pairs)."""
+        from datasets import Dataset
+
+        samples = self.policy(self.sft_model()).sample(prompts, 2, seed=seed)
+        return Dataset.from_list(
+            [
+                {"prompt": p, "chosen": s[0], "rejected": s[1], "style": st}
+                for p, s, st in zip(prompts, samples.texts, styles)
+            ]
+        )
+
     def feedback(self, seed: int):
         """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips),
-        ``test`` = the held-out gold-ordered pairs. Writes the pool's agreement report next to it."""
-        from datasets import Dataset, DatasetDict, load_from_disk
+        ``test`` = held-out pairs of the same kind ordered by the gold reward (gold ties dropped): with
+        ``pairs: sft_samples`` two SFT samples per held-out prompt, with ``pairs: dataset`` the dataset's own pairs.
+        Writes the pool's agreement report and the tie rates next to it."""
+        from datasets import DatasetDict, load_from_disk
 
         out = self.feedback_dir(seed)
         if not (out / "dataset_dict.json").exists():
-            pref = self.splits()["pref"]
+            pref, held_out = self.splits()["pref"], self.splits()["rm_eval"]
             if self.recipe.feedback.pairs == "sft_samples":
-                self.progress(f"seed {seed}: sampling {2 * len(pref)} SFT responses for simulated feedback")
-                samples = self.policy(self.sft_model()).sample(pref["prompt"], 2, seed=10_000 + seed)
-                pairs = Dataset.from_list(
-                    [
-                        {"prompt": r["prompt"], "chosen": s[0], "rejected": s[1], "style": r["style"]}
-                        for r, s in zip(pref, samples.texts)
-                    ]
+                self.progress(f"seed {seed}: sampling {2 * (len(pref) + len(held_out))} SFT responses for feedback")
+                pairs = self.sft_pairs(pref["prompt"], pref["style"], seed=10_000 + seed)
+                test, test_tied = order_by_gold(
+                    self.gold, self.sft_pairs(held_out["prompt"], held_out["style"], 40_000 + seed)
                 )
             else:
                 pairs = pref
+                test, test_tied = order_by_gold(self.gold, held_out)
             pool = self.pool(seed)
             labelled = pool.relabel(pairs, train=True)
             cols = pairs.to_dict()
@@ -211,16 +242,19 @@ class SimRun:
                 "pairs": n,
                 "gold_tied_fraction": float((~decided).float().mean()),
                 "labels_agreeing_with_gold": float((gold[:n] > gold[n:])[decided].float().mean()),
+                "heldout_pairs": len(test),
+                "heldout_gold_tied_fraction": test_tied,
             }
             with atomic_directory(out) as tmp:
-                DatasetDict(train=labelled, test=self.splits()["rm_eval"]).save_to_disk(str(tmp))
+                DatasetDict(train=labelled, test=test).save_to_disk(str(tmp))
                 atomic_write_json(tmp / "agreement.json", {"report": report.as_dict(), "labels": quality})
                 atomic_write_text(tmp / "agreement.md", report.as_markdown() + "\n")
         return load_from_disk(str(out))
 
     def reward_model(self, seed: int, kind: str) -> str:
-        """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf) or ``segment`` (the segment cutoff), trained
-        with the segment reward-model recipe (TRL ``SegmentRewardTrainer``) from the SFT model."""
+        """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf), ``segment`` (the recipe's cutoff) or ``token``
+        (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
+        from the SFT model on the same simulated feedback."""
         from rlhf_ext.pipelines.segment_rm import (
             ModelSection,
             PreferenceDataSection,
@@ -236,9 +270,9 @@ class SimRun:
             self.feedback(seed)
             feedback = str(self.feedback_dir(seed))
             self.progress(f"seed {seed}: training the {kind} reward model")
-            knobs = knob_values(cfg, SegmentRewardKnobs)  # paper 003's; the bandit model is the one at cutoff inf
-            if kind == "bandit":
-                knobs["entropy_cutoff"] = math.inf
+            knobs = knob_values(cfg, SegmentRewardKnobs)  # paper 003's; bandit and token differ only in the cutoff
+            if kind in RM_CUTOFFS:
+                knobs["entropy_cutoff"] = RM_CUTOFFS[kind]
             with atomic_directory(out) as tmp:
                 recipe = SegmentRMRecipe(
                     engine="trl",
@@ -361,6 +395,8 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
                     "prompt_prefix": spec.prompt_prefix,
                     "best_of_n": spec.best_of_n,
                     "info": spec.info,
+                    "labels": spec.labels,
+                    "samples": spec.samples,
                     "train_seconds": t1 - t0,
                     "eval_seconds": t2 - t1,
                 }
@@ -404,6 +440,8 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
             {k: r[k] for k in ("seed", "win_rate", "stderr", "gold_mean", "kl", "avg_length_chars", "num_comparisons")}
             for r in per_seed
         ]
+        row["labels"] = per_seed[0].get("labels")
+        row["samples"] = per_seed[0].get("samples")
         row["alpacafarm_sim_winrate"] = ALPACAFARM_SIM_WINRATE.get(method)
         rows.append(row)
     first = next((json.loads(p.read_text()) for p in sorted((root / RESULTS_DIR).rglob("seed-*.json"))), None)
@@ -414,7 +452,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
             feedback[str(seed)] = json.loads(path.read_text())
     rms = {}
     for seed in recipe.seeds:
-        for kind in ("bandit", "segment"):
+        for kind in ("bandit", "segment", "token"):
             path = root / f"seed-{seed}" / f"rm_{kind}" / "metrics.json"
             if path.exists():
                 ev = json.loads(path.read_text()).get("eval", {})
@@ -441,12 +479,16 @@ def _fmt(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
     return m if se is None or math.isnan(se) else f"{m} ± {se:.{digits}f}"
 
 
+def _count(value: int | None) -> str:
+    return "–" if value is None else str(value)
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """The comparison as a Markdown table (mean ± s.e. over seeds)."""
     lines = [
-        "| method | win rate vs SFT | gold reward | KL to SFT (nats) | length (chars) | seeds | train s | "
-        "AlpacaFarm sim. win rate vs Davinci003 (%) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | win rate vs SFT | gold reward | KL to SFT (nats) | length (chars) | seeds | labels | samples | "
+        "train s | AlpacaFarm sim. win rate vs Davinci003 (%) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["methods"]:
         af = r["alpacafarm_sim_winrate"]
@@ -454,16 +496,50 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"| {r['method']} | {_fmt(r['win_rate'], r['win_rate_se'])} | "
             f"{_fmt(r['gold_mean'], r['gold_mean_se'], 2, signed=True)} | {_fmt(r['kl'], r['kl_se'], 2)} | "
             f"{_fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | {len(r['seeds'])} | "
-            f"{r['train_seconds']:.0f} | {'–' if af is None else f'{af:.1f}'} |"
+            f"{_count(r.get('labels'))} | {_count(r.get('samples'))} | {r['train_seconds']:.0f} | "
+            f"{'–' if af is None else f'{af:.1f}'} |"
         )
     s = summary["sample_sizes"]
     lines.append("")
     lines.append(
         f"Win rate: fraction of {s['comparisons_per_seed']} comparisons per seed ({s['eval_prompts']} held-out "
         f"prompts x {s['samples_per_prompt']} samples) in which the evaluation annotators prefer the method's "
-        "response to the SFT model's (ties 1/2); mean ± standard error over seeds."
+        "response to the SFT model's (ties 1/2); mean ± standard error over seeds. Budget beyond the shared SFT "
+        "model: labels = simulated preference labels used (directly or through a surrogate reward model), samples = "
+        "responses generated while training, train s = wall-clock seconds."
     )
+    lines += feedback_lines(summary)
     return "\n".join(lines)
+
+
+def feedback_lines(summary: dict[str, Any]) -> list[str]:
+    """The feedback's quality in words: gold tie rates of the pairs, label agreement with gold, and the surrogate
+    reward models' held-out accuracy (mean over seeds)."""
+
+    def mean(values: list[float]) -> float:
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else float("nan")
+
+    fb = [f["labels"] for f in summary.get("feedback", {}).values() if "labels" in f]
+    if not fb:
+        return []
+    pairs = summary["recipe"]["feedback"]["pairs"]
+    kind = "two SFT samples per prompt" if pairs == "sft_samples" else "the dataset's pairs"
+    out = [
+        "",
+        f"Feedback ({kind}, {len(fb)} seed(s)): {fb[0]['pairs']} labelled pairs; gold ties "
+        f"{mean([f['gold_tied_fraction'] for f in fb]):.1%} of training pairs and "
+        f"{mean([f.get('heldout_gold_tied_fraction') for f in fb]):.1%} of held-out pairs; training labels agree "
+        f"with gold on {mean([f['labels_agreeing_with_gold'] for f in fb]):.1%} of untied pairs.",
+    ]
+    accs = summary.get("reward_model_heldout_accuracy", {})
+    if accs:
+        parts = [f"{k} {mean(list(v.values())):.3f}" for k, v in accs.items()]
+        out.append(
+            f"Surrogate reward models, accuracy on held-out gold-ordered pairs of the same kind (gold ties dropped): "
+            f"{', '.join(parts)}."
+        )
+    return out
 
 
 def write_reports(summary: dict[str, Any], root: Path) -> dict[str, str]:

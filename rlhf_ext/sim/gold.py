@@ -14,14 +14,27 @@ few multi-token **key phrases** and nowhere else:
 The gold reward of response ``y`` under style ``s`` is::
 
     gold(y, s) = w_pos * P(y, s) - w_neg * N(y, s) + w_len * len(y) / 100
+    P(y, s) = sum_{q positive} credit(q, y),   N(y, s) = sum_{q negative} credit(q, y)
 
-where ``P`` / ``N`` count the **distinct** positive / negative key phrases that occur in ``y`` (case-insensitive
-substring match), ``len`` is in characters, and the defaults are ``w_pos = w_neg = 1``, ``w_len = 0``. Content
+where ``len`` is in characters and the defaults are ``w_pos = w_neg = 1``, ``w_len = 0``. The **credit** of key phrase
+``q`` in ``y`` is set by ``phrase_credit``:
+
+* ``"partial"`` (default): the fraction of ``q``'s *distinctive* word bigrams that occur in ``y`` (within a clause;
+  distinctive = in no other key phrase of the bank, in none of its neutral texts — content sentences, connectors,
+  prompt templates — and not two stop words such as "and the"). The whole phrase earns 1, "dropping bars about
+  the town" earns 3/5 of "dropping bars about the ballot box", an unrelated sentence 0. This is what gives the
+  simulator's gold **real gradations**: a small policy that half-learns a style's phrases is partly right, so two
+  samples of one SFT model rarely tie (AlpacaFarm's feedback protocol compares exactly such pairs, paper 002 section
+  3.2).
+* ``"exact"``: 1 if ``q`` occurs verbatim (case-insensitive substring), else 0; ``P`` / ``N`` count the **distinct**
+  positive / negative key phrases.
+
+Both agree on a response made of whole key phrases and neutral text (each whole phrase earns exactly 1). Content
 sentences, connectors, fillers and the prompt earn nothing; **repeating a key phrase earns nothing more** (paper 003,
 Figure 3 bottom: a reward model that pays for repetition is being hacked, so the gold reward must not). This differs
 on purpose from :func:`rlhf_ext.datagen.phrasebank.gold_score` / :meth:`Rubric.score`, which count *occurrences*
 (they describe how the generator built a pair, where repetition is incidental); the rubric — which phrases are
-positive and negative — is the same. For the toy task, ``P >= 1`` is exactly
+positive and negative — is the same. For the toy task, ``P >= 1`` under exact credit is exactly
 :func:`rlhf_ext.zoo.toy.has_key_phrase` up to letter case.
 
 The annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with other weights.
@@ -31,13 +44,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 TOY_STYLE = "toy"
 StyleSpec = str | None | Mapping[str, str]
+
+
+def toy_neutral_texts() -> list[str]:
+    """The toy task's texts that carry no preference: filler subjects and predicates and the phrase's frame."""
+    from rlhf_ext.zoo.toy import PREDICATES, SUBJECTS, TOPICS
+
+    return [*SUBJECTS, *PREDICATES, *TOPICS, "The facts about are"]
 
 
 def toy_rubric():
@@ -52,19 +72,62 @@ def toy_rubric():
     )
 
 
-class _Matcher:
-    """One regex pass per response: the set of distinct positive and negative phrases it contains."""
+_WORD = re.compile(r"[a-z0-9']+")
+_CLAUSE = re.compile(r"[.!?;:,\n]+")
+PhraseCredit = Literal["partial", "exact"]
 
-    def __init__(self, rubric):
+
+def word_bigrams(text: str) -> set[tuple[str, str]]:
+    """The word bigrams of ``text`` (lower-cased, within clauses: no bigram spans punctuation)."""
+    out: set[tuple[str, str]] = set()
+    for clause in _CLAUSE.split(text.lower()):
+        words = _WORD.findall(clause)
+        out.update(zip(words, words[1:]))
+    return out
+
+
+class _Matcher:
+    """Per response: the summed credit of the positive and the negative key phrases (see the module docstring).
+
+    ``neutral`` are texts that carry no preference (their bigrams are not distinctive); ``all_phrases`` every key
+    phrase of the bank (a bigram shared by two phrases is not distinctive of either)."""
+
+    def __init__(self, rubric, credit: PhraseCredit, neutral: Sequence[str] = (), all_phrases: Sequence[str] = ()):
         self.rubric = rubric
+        self.credit = credit
         self.positive = frozenset(rubric.positive)
         self.negative = frozenset(rubric.negative)
         phrases = sorted(self.positive | self.negative, key=len, reverse=True)  # longest first: no partial matches
         self.regex = re.compile("|".join(re.escape(p) for p in phrases))
+        shared: dict[tuple[str, str], int] = {}
+        for p in set(all_phrases) | self.positive | self.negative:
+            for b in word_bigrams(p):
+                shared[b] = shared.get(b, 0) + 1
+        from rlhf_ext.datagen.phrasebank import STOP_WORDS
 
-    def distinct(self, text: str) -> tuple[int, int]:
-        found = set(self.regex.findall(text.lower()))
-        return len(found & self.positive), len(found & self.negative)
+        common = set().union(*(word_bigrams(t) for t in neutral)) if neutral else set()
+
+        def distinctive(b: tuple[str, str]) -> bool:
+            return shared[b] == 1 and b not in common and not (b[0] in STOP_WORDS and b[1] in STOP_WORDS)
+
+        #: phrase -> its distinctive bigrams (empty: the phrase is credited by exact match only)
+        self.bigrams = {p: {b for b in word_bigrams(p) if distinctive(b)} for p in phrases}
+
+    def _phrase_credit(self, phrase: str, found: set[str], bigrams: set[tuple[str, str]]) -> float:
+        if phrase in found:
+            return 1.0
+        own = self.bigrams[phrase]
+        return len(own & bigrams) / len(own) if self.credit == "partial" and own else 0.0
+
+    def credits(self, text: str) -> tuple[float, float]:
+        low = text.lower()
+        found = set(self.regex.findall(low))
+        if self.credit == "exact":
+            return float(len(found & self.positive)), float(len(found & self.negative))
+        bigrams = word_bigrams(low)
+        pos = sum(self._phrase_credit(p, found, bigrams) for p in self.positive)
+        neg = sum(self._phrase_credit(p, found, bigrams) for p in self.negative)
+        return pos, neg
 
 
 class GoldScorer:
@@ -76,6 +139,8 @@ class GoldScorer:
         bank: the phrase bank (default: the packaged one); use the bank the dataset was generated with.
         positive_weight / negative_weight: ``w_pos`` / ``w_neg`` (>= 0).
         length_weight: ``w_len``, utility per 100 characters (0 for the gold reward; annotator variants use it).
+        phrase_credit: ``"partial"`` (default: distinctive-bigram credit, graded) or ``"exact"`` (verbatim phrases
+            only); see the module docstring.
 
     Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (with the default ``style``), so it
     plugs into :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and
@@ -90,6 +155,7 @@ class GoldScorer:
         positive_weight: float = 1.0,
         negative_weight: float = 1.0,
         length_weight: float = 0.0,
+        phrase_credit: PhraseCredit = "partial",
     ):
         if positive_weight < 0 or negative_weight < 0:
             raise ValueError(
@@ -101,6 +167,9 @@ class GoldScorer:
         self.positive_weight = float(positive_weight)
         self.negative_weight = float(negative_weight)
         self.length_weight = float(length_weight)
+        if phrase_credit not in ("partial", "exact"):
+            raise ValueError(f"phrase_credit must be 'partial' or 'exact', got {phrase_credit!r}")
+        self.phrase_credit = phrase_credit
         self._matchers: dict[str, _Matcher] = {}
         if isinstance(style, str):
             self.matcher(style)  # fail early on an unknown style
@@ -108,25 +177,29 @@ class GoldScorer:
     def __repr__(self) -> str:
         return (
             f"GoldScorer(style={self.style!r}, positive_weight={self.positive_weight}, "
-            f"negative_weight={self.negative_weight}, length_weight={self.length_weight})"
+            f"negative_weight={self.negative_weight}, length_weight={self.length_weight}, "
+            f"phrase_credit={self.phrase_credit!r})"
         )
 
     def matcher(self, style: str | None) -> _Matcher:
         key = TOY_STYLE if style in (None, TOY_STYLE) else style
         if key not in self._matchers:
             if key == TOY_STYLE:
-                rubric = toy_rubric()
+                rubric, neutral, all_phrases = toy_rubric(), toy_neutral_texts(), ()
             else:
-                from rlhf_ext.datagen.phrasebank import rubric_for
+                from rlhf_ext.datagen.phrasebank import load_phrase_bank, rubric_for
 
+                bank = self.bank if self.bank is not None else load_phrase_bank()
                 try:
-                    rubric = rubric_for(key, self.bank)
+                    rubric = rubric_for(key, bank)
                 except KeyError as e:
                     raise ValueError(
                         f"{e.args[0]}; the gold scorer needs a phrase-bank style (the dataset's 'style' column) or "
                         f"None/'{TOY_STYLE}' for the toy task"
                     ) from None
-            self._matchers[key] = _Matcher(rubric)
+                neutral = bank.neutral_texts()
+                all_phrases = [p for s in bank.styles for p in bank.style(s).phrases]
+            self._matchers[key] = _Matcher(rubric, self.phrase_credit, neutral, all_phrases)
         return self._matchers[key]
 
     def rubric(self, style: str | None):
@@ -154,11 +227,12 @@ class GoldScorer:
         return styles
 
     def counts(self, responses: Sequence[str], styles: Sequence[str | None]) -> tuple[Tensor, Tensor]:
-        """``([N], [N])`` long: distinct positive and negative key phrases in each response."""
+        """``([N], [N])`` float: the summed credit of the positive and of the negative key phrases in each response
+        (with ``phrase_credit="exact"``: the number of distinct positive / negative key phrases)."""
         if len(styles) != len(responses):
             raise ValueError(f"got {len(styles)} styles for {len(responses)} responses")
-        pairs = [self.matcher(s).distinct(_text(r)) for r, s in zip(responses, styles)]
-        t = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+        pairs = [self.matcher(s).credits(_text(r)) for r, s in zip(responses, styles)]
+        t = torch.tensor(pairs, dtype=torch.float32).view(-1, 2)
         return t[:, 0], t[:, 1]
 
     def score(
@@ -177,7 +251,7 @@ class GoldScorer:
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts for {len(responses)} responses; pass one prompt per response")
         pos, neg = self.counts(responses, self.resolve_styles(prompts, styles))
-        out = self.positive_weight * pos.float() - self.negative_weight * neg.float()
+        out = self.positive_weight * pos - self.negative_weight * neg
         if self.length_weight:
             lengths = torch.tensor([len(_text(r)) for r in responses], dtype=torch.float32)
             out = out + self.length_weight * lengths / 100.0

@@ -32,12 +32,18 @@ if TYPE_CHECKING:
 @dataclass
 class PolicySpec:
     """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix``, or, with ``best_of_n``, the
-    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics."""
+    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics.
+
+    The method's training budget beyond the shared SFT model: ``labels``, the simulated preference labels it learned
+    from (directly or through a surrogate reward model), and ``samples``, the responses it generated while training
+    (best-of-n's ``n`` samples per response are drawn at inference and not counted here)."""
 
     path: str
     prompt_prefix: str = ""
     best_of_n: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    labels: int = 0
+    samples: int = 0
 
 
 def _seed(*parts: Any) -> int:
@@ -69,6 +75,11 @@ def fine_tune(
     )  # fmt: skip
 
 
+def _num_labels(run: SimRun, seed: int) -> int:
+    """The simulated preference labels of ``seed`` (every surrogate reward model is trained on all of them)."""
+    return len(run.feedback(seed)["train"])
+
+
 def _pairs(run: SimRun, seed: int) -> list[dict[str, Any]]:
     return run.feedback(seed)["train"].select_columns(["prompt", "chosen", "rejected"]).to_list()
 
@@ -84,7 +95,7 @@ def best_of_n(run: SimRun, seed: int) -> PolicySpec:
     """Best-of-n sampling (AlpacaFarm 3.4, App. A.2): at inference, draw n i.i.d. responses from the SFT model and
     return the one with the highest surrogate reward (AlpacaFarm: n = 1024)."""
     run.reward_model(seed, "bandit")
-    return PolicySpec(run.sft_model(), best_of_n=run.recipe.best_of_n.n)
+    return PolicySpec(run.sft_model(), best_of_n=run.recipe.best_of_n.n, labels=_num_labels(run, seed))
 
 
 def expert_iteration(run: SimRun, seed: int) -> PolicySpec:
@@ -100,7 +111,12 @@ def expert_iteration(run: SimRun, seed: int) -> PolicySpec:
         best = bon.sample(prompts, 1, seed=_seed("expert_iteration", seed)).flat()
         rows = [{"prompt": p, "completion": y} for p, y in zip(prompts, best)]
         fine_tune(run, run.sft_model(), rows, cfg.train, out, seed)
-    return PolicySpec(str(out), info={"n": cfg.n, "prompts": len(prompts)})
+    return PolicySpec(
+        str(out),
+        info={"n": cfg.n, "prompts": len(prompts)},
+        labels=_num_labels(run, seed),
+        samples=cfg.n * len(prompts),
+    )
 
 
 def feedme(run: SimRun, seed: int) -> PolicySpec:
@@ -108,7 +124,7 @@ def feedme(run: SimRun, seed: int) -> PolicySpec:
     response of each simulated pairwise comparison."""
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in _pairs(run, seed)]
     path = fine_tune(run, run.sft_model(), rows, run.recipe.feedme.train, run.seed_dir(seed) / "feedme", seed)
-    return PolicySpec(path, info={"pairs": len(rows)})
+    return PolicySpec(path, labels=len(rows))
 
 
 def reward_conditioning(run: SimRun, seed: int) -> PolicySpec:
@@ -120,7 +136,7 @@ def reward_conditioning(run: SimRun, seed: int) -> PolicySpec:
         rows.append({"prompt": cfg.good_token + r["prompt"], "completion": r["chosen"]})
         rows.append({"prompt": cfg.bad_token + r["prompt"], "completion": r["rejected"]})
     path = fine_tune(run, run.sft_model(), rows, cfg.train, run.seed_dir(seed) / "reward_conditioning", seed)
-    return PolicySpec(path, prompt_prefix=cfg.good_token, info={"examples": len(rows)})
+    return PolicySpec(path, prompt_prefix=cfg.good_token, info={"examples": len(rows)}, labels=len(rows) // 2)
 
 
 def quark(run: SimRun, seed: int) -> PolicySpec:
@@ -147,7 +163,8 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
             fine_tune(run, policy, rows, cfg.train, out, seed, kl_coef=cfg.kl_coef, ref=run.sft_model())
             stats.append({"round": r, "mean_reward": float(rewards.mean()), "top_mean": float(rewards[keep].mean())})
         policy = str(out)
-    return PolicySpec(policy, info={"rounds": stats})
+    samples = cfg.rounds * cfg.prompts_per_round * cfg.samples_per_prompt
+    return PolicySpec(policy, info={"rounds": stats}, labels=_num_labels(run, seed), samples=samples)
 
 
 def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "dpo") -> PolicySpec:
@@ -199,10 +216,12 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
             import shutil
 
             shutil.rmtree(tmp / "trainer", ignore_errors=True)
-    return PolicySpec(str(out))
+    return PolicySpec(str(out), labels=cfg.max_pairs or _num_labels(run, seed))
 
 
-def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
+def _ppo(run: SimRun, seed: int, granularity: str) -> PolicySpec:
+    """PPO from the SFT model on the surrogate reward model of ``granularity`` (``run.reward_model(seed,
+    granularity)``) with the recipe's one ``ppo`` section."""
     from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
@@ -214,10 +233,10 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
     )
     from rlhf_ext.runtime.io import atomic_write_json
 
-    cfg, out = getattr(run.recipe, f"{granularity}_ppo"), run.seed_dir(seed) / f"{granularity}_ppo"
+    cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{granularity}_ppo"
     summary_file = out / "ppo_metrics.json"
     if not summary_file.exists():
-        rm = run.reward_model(seed, rm_kind)
+        rm = run.reward_model(seed, granularity)
         feedback = str(run.feedback_dir(seed))
         with atomic_directory(out) as tmp:
             recipe = SegmentPPORecipe(
@@ -256,20 +275,31 @@ def _ppo(run: SimRun, seed: int, granularity: str, rm_kind: str) -> PolicySpec:
     import json
 
     curve = json.loads(summary_file.read_text()).get("curve", [])
-    return PolicySpec(str(out), info={"curve": curve[-1:] if curve else []})
+    return PolicySpec(
+        str(out),
+        info={"curve": curve[-1:] if curve else []},
+        labels=_num_labels(run, seed),
+        samples=cfg.max_steps * cfg.batch_size,
+    )
 
 
 def bandit_ppo(run: SimRun, seed: int) -> PolicySpec:
     """PPO (AlpacaFarm 3.4, App. A.2 Eq. 3 / B.1): maximise the surrogate (bandit) reward with a KL penalty to the SFT
     model, value model initialised from the reward model. :class:`~rlhf_ext.trl.DensePPOTrainer` with
     ``granularity: bandit`` and a reward model trained at ``entropy_cutoff: inf``."""
-    return _ppo(run, seed, "bandit", "bandit")
+    return _ppo(run, seed, "bandit")
 
 
 def segment_ppo(run: SimRun, seed: int) -> PolicySpec:
     """Segment-level PPO (paper 003): dense rewards from a segment reward model (entropy cutoff 2.0), normalised by
     location and spread evenly over each segment's tokens; otherwise as bandit PPO."""
-    return _ppo(run, seed, "segment", "segment")
+    return _ppo(run, seed, "segment")
+
+
+def token_ppo(run: SimRun, seed: int) -> PolicySpec:
+    """Token-level PPO (paper 003's token-level baseline, Table 1): the reward model at entropy cutoff 0 makes every
+    token its own segment, each token's reward normalised by location; otherwise as segment PPO."""
+    return _ppo(run, seed, "token")
 
 
 def sim_online_dpo(
@@ -351,7 +381,11 @@ def sim_online_dpo(
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]
-    return PolicySpec(summary["final_policy"], info=info)
+    if mode == "iterative":
+        samples = c.num_iterations * c.prompts_per_iteration * c.num_samples
+    else:
+        samples = c.updates * c.batch_size * c.num_samples
+    return PolicySpec(summary["final_policy"], info=info, labels=_num_labels(run, seed), samples=samples)
 
 
 def online_dpo(run: SimRun, seed: int) -> PolicySpec:
@@ -382,6 +416,7 @@ METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
     "dpo": dpo,
     "bandit_ppo": bandit_ppo,
     "segment_ppo": segment_ppo,
+    "token_ppo": token_ppo,
     "online_dpo": online_dpo,
     "online_dpo_async": online_dpo_async,
     "online_dpo_sync": online_dpo_sync,

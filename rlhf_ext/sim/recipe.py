@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
@@ -28,6 +29,7 @@ METHODS: tuple[str, ...] = (
     "dpo",
     "bandit_ppo",
     "segment_ppo",
+    "token_ppo",
     "online_dpo",
     "online_dpo_async",
     "online_dpo_sync",
@@ -65,6 +67,8 @@ class TaskSection:
     SFT / preference (PREF) / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; its test split gives the
     held-out evaluation prompts (at most ``max_eval_prompts``) and the gold-ordered pairs on which reward-model
     accuracy is measured. ``prompt_suffix`` is appended to datagen prompts (separates prompt and response).
+    ``phrase_credit``: how the gold reward (and the gold-variant annotators) credit key phrases
+    (:class:`~rlhf_ext.sim.GoldScorer`): ``partial`` (graded: a phrase's share of distinctive bigrams) or ``exact``.
     """
 
     source: str = "continual-piecewise-preference"
@@ -76,6 +80,7 @@ class TaskSection:
     max_eval_prompts: int = 64
     prompt_suffix: str = "\n"
     max_length: int = 256
+    phrase_credit: Literal["partial", "exact"] = "partial"
 
     def __post_init__(self):
         if self.sft_fraction <= 0 or self.pref_fraction <= 0 or self.sft_fraction + self.pref_fraction >= 1:
@@ -214,16 +219,17 @@ class DPOSection:
 
 @dataclass
 class PPOSection(PPOKnobs):
-    """One PPO run (:class:`~rlhf_ext.trl.DensePPOTrainer`; sections ``bandit_ppo`` and ``segment_ppo``, tuned
-    separately as AlpacaFarm tuned its KL coefficient per setting): the PPO knobs
-    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: KL penalty ``kl_coef`` in the reward — AlpacaFarm's simulated PPO used
-    0.002, paper 003 0.01 —, ``advantage_estimator``, ``value_clip`` — 0.2 for bandit and 0.25 for dense rewards, paper
-    003 Appendix C — ...) plus rollouts per step ``batch_size`` (= prompts x ``num_generations``)."""
+    """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`), one setting for the three action spaces of paper 003's
+    Table 1 — ``bandit_ppo`` (one reward per response, the reward model at entropy cutoff inf: AlpacaFarm's PPO),
+    ``segment_ppo`` (dense rewards of the segment reward model) and ``token_ppo`` (every token a segment, cutoff 0) —
+    so that they compare under the same budget: the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: ``kl_coef``,
+    ``advantage_estimator``, ``value_clip`` ...) plus ``max_steps`` PPO steps of ``batch_size`` rollouts
+    (= prompts x ``num_generations``)."""
 
-    max_steps: int = 24
+    max_steps: int = 96
     batch_size: int = 16
     num_generations: int = 2
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     critic_learning_rate: float = 1e-4
     max_completion_length: int = 128
 
@@ -272,14 +278,18 @@ class SimCompareRecipe:
     reward_conditioning: RewardConditioningSection = field(default_factory=RewardConditioningSection)
     quark: QuarkSection = field(default_factory=QuarkSection)
     dpo: DPOSection = field(default_factory=DPOSection)
-    bandit_ppo: PPOSection = field(default_factory=lambda: PPOSection(value_clip=0.2))  # paper 003, Appendix C
-    segment_ppo: PPOSection = field(default_factory=PPOSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
     online_dpo: OnlineDPOSection = field(
         default_factory=lambda: OnlineDPOSection(num_iterations=2, prompts_per_iteration=64, num_samples=4)
     )
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
+    #: named budgets: ``--budget NAME`` applies ``budgets[NAME]`` (a list of ``key=value`` overrides) over the file
+    budgets: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        for name, items in self.budgets.items():
+            if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
+                raise ValueError(f"budgets.{name} must be a list of key=value overrides, got {items!r}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -287,3 +297,19 @@ class SimCompareRecipe:
             raise ValueError("methods must list at least one method")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be a non-empty list of distinct integers, got {self.seeds}")
+
+
+def load_compare_recipe(
+    path: str | Path | None, overrides: list[str] = (), budget: str | None = None
+) -> SimCompareRecipe:
+    """The recipe at ``path`` with ``overrides``; with ``budget``, the recipe's ``budgets[budget]`` overrides are
+    applied first (``overrides`` still win), e.g. ``budget="full"`` for the night-long setting."""
+    from rlhf_ext.config import RecipeError, load_recipe
+
+    recipe = load_recipe(SimCompareRecipe, path, overrides)
+    if budget is None:
+        return recipe
+    if budget not in recipe.budgets:
+        known = ", ".join(sorted(recipe.budgets)) or "none"
+        raise RecipeError(f"unknown budget {budget!r}; the recipe defines: {known} (its budgets: section)")
+    return load_recipe(SimCompareRecipe, path, [*recipe.budgets[budget], *overrides])

@@ -62,6 +62,13 @@ def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     assert summary["reward_model_heldout_accuracy"]["bandit"]["0"] is not None
     feedback = summary["feedback"]["0"]
     assert feedback["labels"]["pairs"] == 56 and feedback["report"]["flip_prob"] == 0.25
+    # the budget stated per method: labels used (dpo.max_pairs of the 56) and responses generated while training
+    assert [(rows[m]["labels"], rows[m]["samples"]) for m in rows] == [(0, 0), (56, 0), (48, 0), (56, 2 * 4 * 2)]
+    # AlpacaFarm's protocol by default: held-out pairs are two SFT samples per test prompt, gold-ordered, ties dropped
+    held_out = feedback["labels"]["heldout_pairs"]
+    assert held_out == round(20 * (1 - feedback["labels"]["heldout_gold_tied_fraction"]))
+    assert "labels | samples" in (run / "sim_compare.md").read_text()
+    assert "held-out pairs" in (run / "sim_compare.md").read_text()
     for name in ("sim_compare.md", "sim_compare_winrate.png", "sim_compare_tradeoff.png"):
         assert (run / name).stat().st_size > 0
     assert "| best_of_n |" in res.output

@@ -83,3 +83,77 @@ def test_callable_as_reward_function_and_chat_responses():
     assert g(["p"], [f"{POS[2]}."]).tolist() == [1.0]
     chat = [{"role": "assistant", "content": f"{POS[2]}."}]
     assert g.score(["p"], [chat]).tolist() == [1.0]
+
+
+def test_partial_credit_hand_computed():
+    # "dropping bars about the ballot box": its 5 bigrams are distinctive; a fragment with 3 of them earns 3/5.
+    g = GoldScorer("rapper")
+    assert "dropping bars about the ballot box" in POS
+    fragment = "Then dropping bars about the town. The end."  # (dropping bars), (bars about), (about the)
+    assert g.score(["p"], [fragment]).item() == pytest.approx(3 / 5)
+    # a fragment of a competing (negative) phrase costs its share: "forsooth the realm is" = 3 of 5 bigrams
+    assert g.score(["p"], ["forsooth the realm is quiet."]).item() == pytest.approx(-3 / 5)
+    # bigrams across punctuation do not count: "dropping. bars about" keeps only (bars about)
+    assert g.score(["p"], ["dropping. bars about nothing"]).item() == pytest.approx(1 / 5)
+    # generic bigrams of two stop words earn nothing ("and the" is in "the beat drops and the people rise")
+    assert g.score(["p"], ["and the"]).item() == 0.0
+    # exact credit pays only whole phrases; both pay 1 for a whole phrase
+    exact = GoldScorer("rapper", phrase_credit="exact")
+    assert exact.score(["p"], [fragment]).tolist() == [0.0]
+    whole = f"So {POS[1]}. And {NEG[2]} and the rest."
+    assert g.score(["p"], [whole]).tolist() == exact.score(["p"], [whole]).tolist() == [0.0]
+    with pytest.raises(ValueError, match="phrase_credit"):
+        GoldScorer("rapper", phrase_credit="fuzzy")
+
+
+def test_partial_credit_ignores_neutral_text_and_shared_bigrams():
+    from rlhf_ext.datagen import load_phrase_bank
+
+    bank = load_phrase_bank()
+    g = GoldScorer("rapper")
+    neutral = bank.neutral_texts()
+    assert g.score(["p"] * len(neutral), neutral).abs().max().item() == 0.0  # no neutral text earns credit
+    # every distinctive bigram belongs to exactly one phrase of the bank: a whole phrase credits only itself
+    for style in ("rapper", "formal", "shakespeare"):
+        for phrase in bank.style(style).phrases:
+            pos, neg = g.counts([phrase], ["rapper"])
+            assert (pos.item(), neg.item()) == ((1.0, 0.0) if style == "rapper" else (0.0, 1.0))
+
+
+def test_partial_credit_is_exact_credit_on_generated_responses(tmp_path):
+    # responses made of whole key phrases and neutral text score the same under both credits
+    from rlhf_ext.datagen import generate_dataset, load_continual_dataset
+
+    generate_dataset("continual-piecewise-preference", tmp_path / "d", num_samples=30, overrides=["drift.cycles=1"])
+    partial, exact = GoldScorer(), GoldScorer(phrase_credit="exact")
+    for stage in load_continual_dataset(tmp_path / "d"):
+        cols = stage["train"].to_dict()
+        texts, styles = cols["chosen"] + cols["rejected"], cols["style"] * 2
+        assert torch.equal(
+            partial.score(cols["prompt"] * 2, texts, styles), exact.score(cols["prompt"] * 2, texts, styles)
+        )
+
+
+def test_partial_credit_grades_recombined_phrases():
+    # random recombinations of phrase words (what a small SFT model produces): exact credit ties most pairs at 0,
+    # partial credit almost never ties, and it is monotone: adding a distinctive bigram never lowers P
+    import random
+
+    rng = random.Random(0)
+
+    def fragment() -> str:  # 2 to 4 consecutive words of a random key phrase
+        words = rng.choice(POS + NEG).split()
+        n = rng.randint(2, 4)
+        start = rng.randrange(len(words) - n + 1)
+        return " ".join(words[start : start + n])
+
+    texts = [". ".join(fragment() for _ in range(3)) + "." for _ in range(400)]
+    partial, exact = GoldScorer("rapper"), GoldScorer("rapper", phrase_credit="exact")
+    p = partial.score(["p"] * 400, texts).view(200, 2)
+    e = exact.score(["p"] * 400, texts).view(200, 2)
+    assert (e[:, 0] == e[:, 1]).float().mean() > 0.9
+    assert (p[:, 0] == p[:, 1]).float().mean() < 0.2
+    for t in texts[:50]:
+        pos, _ = partial.counts([t], ["rapper"])
+        more, _ = partial.counts([t + " " + POS[0]], ["rapper"])
+        assert more.item() >= pos.item() and more.item() >= 1.0

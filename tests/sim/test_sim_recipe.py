@@ -22,7 +22,25 @@ def test_packaged_recipe_lists_every_method_and_three_seeds():
     r = packaged()
     assert r.methods == list(METHODS) and r.seeds == [0, 1, 2]
     assert r.feedback.pool.flip_prob == 0.25 and r.eval.judge == "pool"
-    assert r.bandit_ppo.learning_rate != r.segment_ppo.learning_rate  # tuned separately
+    assert r.feedback.pairs == "sft_samples" and r.task.phrase_credit == "partial"  # AlpacaFarm's protocol, graded gold
+    assert {"bandit_ppo", "segment_ppo", "token_ppo"} <= set(r.methods)  # one `ppo` section: the same budget
+
+
+def test_named_budget_applies_its_overrides_under_the_command_line():
+    from rlhf_ext.recipes import recipe_path
+    from rlhf_ext.sim.recipe import load_compare_recipe
+
+    path = recipe_path("sim_compare")
+    default, full = load_compare_recipe(path), load_compare_recipe(path, budget="full")
+    assert full.output_dir != default.output_dir  # a full run never mixes with the default run's results
+    assert full.task.num_samples > default.task.num_samples and full.ppo.max_steps > default.ppo.max_steps
+    assert recipe_fingerprint(full) != recipe_fingerprint(default)
+    # the command line still wins over the budget
+    assert load_compare_recipe(path, ["ppo.max_steps=3"], budget="full").ppo.max_steps == 3
+    with pytest.raises(RecipeError, match="unknown budget 'huge'; the recipe defines: full"):
+        load_compare_recipe(path, budget="huge")
+    with pytest.raises(RecipeError, match="budgets.x must be a list of key=value overrides"):
+        load_compare_recipe(path, ["budgets={x: [3]}"])
 
 
 def test_recipe_errors_name_the_key():

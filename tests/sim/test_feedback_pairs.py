@@ -1,0 +1,48 @@
+"""The simulated feedback's held-out pairs: ordered by gold, ties dropped, and the tie rate reported."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+
+from rlhf_ext.datagen import rubric_for
+from rlhf_ext.sim import GoldScorer
+from rlhf_ext.sim.compare import feedback_lines, order_by_gold
+
+POS, NEG = rubric_for("rapper").positive, rubric_for("rapper").negative
+
+
+def test_order_by_gold_swaps_losers_and_drops_ties():
+    rows = [
+        {"prompt": "p0", "chosen": f"{POS[0]}.", "rejected": "plain.", "style": "rapper"},  # kept as is
+        {"prompt": "p1", "chosen": f"{NEG[0]}.", "rejected": "plain.", "style": "rapper"},  # swapped
+        {"prompt": "p2", "chosen": "plain one.", "rejected": "plain two.", "style": "rapper"},  # tie: dropped
+        {"prompt": "p3", "chosen": "dropping bars about it.", "rejected": f"{POS[1]}.", "style": "rapper"},  # swapped
+    ]
+    ordered, tied = order_by_gold(GoldScorer("rapper"), Dataset.from_list(rows))
+    assert tied == pytest.approx(1 / 4)
+    assert ordered["prompt"] == ["p0", "p1", "p3"]
+    assert ordered["chosen"] == [f"{POS[0]}.", "plain.", f"{POS[1]}."]
+    assert ordered["rejected"] == ["plain.", f"{NEG[0]}.", "dropping bars about it."]
+    # under exact credit the partial phrase is worth nothing: the last pair is still ordered, by the whole phrase
+    _, tied_exact = order_by_gold(GoldScorer("rapper", phrase_credit="exact"), Dataset.from_list(rows))
+    assert tied_exact == pytest.approx(1 / 4)
+
+
+def test_feedback_lines_report_tie_rates_agreement_and_rm_accuracy():
+    summary = {
+        "recipe": {"feedback": {"pairs": "sft_samples"}},
+        "feedback": {
+            "0": {"labels": {"pairs": 100, "gold_tied_fraction": 0.02, "heldout_gold_tied_fraction": 0.01,
+                             "labels_agreeing_with_gold": 0.66}},
+            "1": {"labels": {"pairs": 100, "gold_tied_fraction": 0.04, "heldout_gold_tied_fraction": 0.03,
+                             "labels_agreeing_with_gold": 0.64}},
+        },
+        "reward_model_heldout_accuracy": {"bandit": {"0": 0.7, "1": 0.8}, "segment": {"0": 0.6, "1": 0.9}},
+    }  # fmt: skip
+    text = "\n".join(feedback_lines(summary))
+    assert "two SFT samples per prompt, 2 seed(s)): 100 labelled pairs" in text
+    assert "gold ties 3.0% of training pairs and 2.0% of held-out pairs" in text
+    assert "agree with gold on 65.0% of untied pairs" in text
+    assert "bandit 0.750, segment 0.750" in text
+    assert feedback_lines({"recipe": {"feedback": {"pairs": "dataset"}}, "feedback": {}}) == []
