@@ -119,6 +119,18 @@ class SegmentPPORecipe:
         return {f.name for f in fields(DensePPOConfig)}
 
 
+#: What the summary's PPO curve records per logging step (response length in tokens).
+CURVE_KEYS = (
+    "step",
+    "reward",
+    "segment/kl",
+    "segment/score",
+    "segment/raw_last_score",
+    "segment/response_length",
+    "segment/segments_per_response",
+)
+
+
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
     """Train with the recipe's engine; returns a summary (paths, reward/KL curve)."""
     return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
@@ -218,7 +230,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
     curve = [
-        {k: h[k] for k in ("step", "reward", "segment/kl", "segment/score", "segment/raw_last_score") if k in h}
+        {k: h[k] for k in CURVE_KEYS if k in h}
         for h in trainer.state.log_history
         if "reward" in h
     ]

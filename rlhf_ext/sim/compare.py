@@ -57,7 +57,7 @@ ALPACAFARM_SIM_WINRATE: dict[str, float] = {
 #: Entropy cutoffs of the bandit and token reward models (the segment model uses the recipe's ``entropy_cutoff``).
 RM_CUTOFFS = {"bandit": math.inf, "token": 0.0}
 #: Keys of the recipe that may change between runs of one output directory.
-FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "budgets")
+FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets")
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
 RESULTS_DIR = "results"
 
@@ -365,49 +365,101 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
     """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write the summary.
     ``progress`` receives one line per step of the run (default: the ``rlhf_ext.sim.compare`` logger at ``INFO``).
 
+    With ``recipe.workers > 1`` the seeds run in that many processes at once (each with ``recipe.threads`` torch
+    threads) after the shared artefacts (task splits, base and SFT models) are built here; every (method, seed) gives
+    the same result either way. Workers write their progress lines to standard error, prefixed with their seed.
+
     Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
     """
     from rlhf_ext.runtime.async_runner import torch_threads
-    from rlhf_ext.sim.methods import METHOD_FUNCTIONS
 
     progress = progress or logger.info
     run = SimRun(recipe, progress)
     run_dir = run.check_directory()
     start = time.time()
-    with torch_threads(recipe.threads):
-        for seed in recipe.seeds:
-            for method in recipe.methods:
-                if run_dir.done(result_stage(method, seed)):
-                    progress(f"[{method} seed {seed}] done earlier, skipped")
-                    continue
-                progress(f"[{method} seed {seed}] training")
-                t0 = time.time()
-                spec = METHOD_FUNCTIONS[method](run, seed)
-                t1 = time.time()
-                progress(f"[{method} seed {seed}] evaluating ({t1 - t0:.0f} s of training)")
-                metrics = run.evaluate(seed, spec)
-                t2 = time.time()
-                result = {
-                    "method": method,
-                    "seed": seed,
-                    **metrics,
-                    "policy_path": spec.path,
-                    "prompt_prefix": spec.prompt_prefix,
-                    "best_of_n": spec.best_of_n,
-                    "info": spec.info,
-                    "labels": spec.labels,
-                    "samples": spec.samples,
-                    "train_seconds": t1 - t0,
-                    "eval_seconds": t2 - t1,
-                }
-                run_dir.mark_done(result_stage(method, seed), result)
-                progress(
-                    f"[{method} seed {seed}] win rate {metrics['win_rate']:.3f} ± {metrics['stderr']:.3f}, "
-                    f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
-                )
+    pending = [s for s in recipe.seeds if not all(run_dir.done(result_stage(m, s)) for m in recipe.methods)]
+    if recipe.workers > 1 and len(pending) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with torch_threads(recipe.threads):
+            run.sft_model()  # built once, before the workers share it
+        context = multiprocessing.get_context("spawn")
+        workers = min(recipe.workers, len(pending))
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_die_with_parent) as pool:
+            for seed in pending:
+                progress(f"[seed {seed}] started in a worker process")
+            for seed, future in [(s, pool.submit(_run_seed_in_worker, recipe, s)) for s in pending]:
+                future.result()
+                progress(f"[seed {seed}] finished")
+    else:
+        with torch_threads(recipe.threads):
+            for seed in recipe.seeds:
+                run_seed(run, run_dir, seed, progress)
     summary = summarise(recipe, wall_seconds=time.time() - start)
     summary["reports"] = write_reports(summary, run.root)
     return summary
+
+
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux, ask the kernel to end this worker when the parent process dies (a ``kill`` of the
+    command must not leave workers training in the background); elsewhere a no-op."""
+    import contextlib
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _run_seed_in_worker(recipe: SimCompareRecipe, seed: int) -> None:
+    import sys
+
+    from rlhf_ext.runtime.async_runner import torch_threads
+
+    def progress(message: str) -> None:
+        print(f"[worker seed {seed}] {message}", file=sys.stderr, flush=True)
+
+    run = SimRun(recipe, progress)
+    with torch_threads(recipe.threads):
+        run_seed(run, run.check_directory(), seed, progress)
+
+
+def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> None:
+    """Train and evaluate every method of ``run.recipe`` for ``seed`` that has no result yet."""
+    from rlhf_ext.sim.methods import METHOD_FUNCTIONS
+
+    for method in run.recipe.methods:
+        if run_dir.done(result_stage(method, seed)):
+            progress(f"[{method} seed {seed}] done earlier, skipped")
+            continue
+        progress(f"[{method} seed {seed}] training")
+        t0 = time.time()
+        spec = METHOD_FUNCTIONS[method](run, seed)
+        t1 = time.time()
+        progress(f"[{method} seed {seed}] evaluating ({t1 - t0:.0f} s of training)")
+        metrics = run.evaluate(seed, spec)
+        t2 = time.time()
+        result = {
+            "method": method,
+            "seed": seed,
+            **metrics,
+            "policy_path": spec.path,
+            "prompt_prefix": spec.prompt_prefix,
+            "best_of_n": spec.best_of_n,
+            "info": spec.info,
+            "labels": spec.labels,
+            "samples": spec.samples,
+            "train_seconds": t1 - t0,
+            "eval_seconds": t2 - t1,
+        }
+        run_dir.mark_done(result_stage(method, seed), result)
+        progress(
+            f"[{method} seed {seed}] win rate {metrics['win_rate']:.3f} ± {metrics['stderr']:.3f}, "
+            f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
+        )
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:

@@ -277,7 +277,7 @@ def _ppo(run: SimRun, seed: int, granularity: str) -> PolicySpec:
     curve = json.loads(summary_file.read_text()).get("curve", [])
     return PolicySpec(
         str(out),
-        info={"curve": curve[-1:] if curve else []},
+        info={"curve": curve},
         labels=_num_labels(run, seed),
         samples=cfg.max_steps * cfg.batch_size,
     )

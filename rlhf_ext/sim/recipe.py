@@ -265,6 +265,7 @@ class SimCompareRecipe:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     threads: int | None = 1
+    workers: int = 1
     task: TaskSection = field(default_factory=TaskSection)
     model: ModelSection = field(default_factory=ModelSection)
     sft: SFTSection = field(default_factory=SFTSection)
@@ -287,6 +288,8 @@ class SimCompareRecipe:
     budgets: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1 (processes running seeds at once), got {self.workers}")
         for name, items in self.budgets.items():
             if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
                 raise ValueError(f"budgets.{name} must be a list of key=value overrides, got {items!r}")

@@ -87,3 +87,65 @@ def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     assert changed.exit_code == 2 and "dpo" in changed.output and "different settings" in changed.output
     bad = CliRunner().invoke(main, ["sim", "compare", "--config", str(recipe_file), "--methods", "sft,ppo"])
     assert bad.exit_code == 2 and "unknown method(s) ppo" in bad.output
+
+
+@pytest.mark.slow
+def test_seeds_in_worker_processes_give_the_same_results(recipe_file, tmp_path, monkeypatch):
+    # workers: 2 runs the two seeds in two spawned processes; every (method, seed) must equal the sequential run's
+    from rlhf_ext.cli import main
+    from rlhf_ext.sim.compare import result_path
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    methods = "sft,best_of_n,dpo"
+    results = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers-{workers}"
+        res = CliRunner().invoke(
+            main,
+            ["sim", "compare", "--config", str(recipe_file), "--methods", methods, "--seeds", "0,1", "--out", str(out),
+             f"workers={workers}"],
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        results[workers] = {
+            (m, s): json.loads(result_path(out, m, s).read_text()) for m in methods.split(",") for s in (0, 1)
+        }
+    keys = ("win_rate", "stderr", "gold_mean", "kl", "avg_length_chars", "labels", "samples")
+    for key, one in results[1].items():
+        assert {k: one[k] for k in keys} == {k: results[2][key][k] for k in keys}, key
+    assert results[1][("dpo", 0)]["win_rate"] != results[1][("dpo", 1)]["win_rate"]  # the seeds differ
+
+
+@pytest.mark.slow
+def test_killing_the_command_ends_its_worker_processes(recipe_file, tmp_path):
+    # `kill PID` of a `sim compare` with workers must not leave its workers training in the background
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    cmd = [sys.executable, "-m", "rlhf_ext.cli", "sim", "compare", "--config", str(recipe_file), "--seeds", "0,1",
+           "--out", str(tmp_path / "killed"), "workers=2"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    try:
+        deadline, workers = time.time() + 240, []
+        while time.time() < deadline and len(workers) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            time.sleep(0.5)
+        assert len(workers) == 2
+        out = tmp_path / "killed"
+        while time.time() < deadline and not ((out / "seed-0").exists() and (out / "seed-1").exists()):
+            time.sleep(0.5)  # both workers are past their initializer: they have started on their seed
+        assert (out / "seed-0").exists() and (out / "seed-1").exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        proc.kill()
+        for c in psutil.Process().children(recursive=True):
+            c.kill()

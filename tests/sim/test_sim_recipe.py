@@ -78,3 +78,12 @@ def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
         "win_rate_se"])  # fmt: skip
     table = markdown_table(summary)
     assert "| dpo | 0.600 ± 0.100 | +1.20 ± 0.20 |" in table and "46.8" in table
+
+
+def test_cli_budget_option_reaches_the_recipe():
+    from click.testing import CliRunner
+
+    from rlhf_ext.cli import main
+
+    res = CliRunner().invoke(main, ["sim", "compare", "--config", "sim_compare", "--budget", "huge"])
+    assert res.exit_code == 2 and "unknown budget 'huge'; the recipe defines: full" in res.output
