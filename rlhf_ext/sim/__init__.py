@@ -1,7 +1,8 @@
 """The AlpacaFarm-style simulator (paper 002): gold rewards, simulated annotators, win rates, method comparison.
 
-* :class:`GoldScorer` — the programmatic gold reward of the offline generator's tasks and the toy task: distinct
-  key phrases of the preferred style minus distinct key phrases of competing styles (repetition earns nothing).
+* :class:`GoldScorer` — the programmatic gold reward of the offline generator's tasks and the toy task: the credit of
+  the preferred style's key phrases minus that of competing styles' (partial credit: a phrase's share of its
+  distinctive bigrams, graded; repetition earns nothing).
 * :class:`AnnotatorPool` — simulated pairwise preferences ``p_sim``: a pool of annotators (gold-scorer variants,
   reward models or LLM judges), one per pair, with 25% flips on training labels; ``relabel`` turns any preference
   dataset into simulated human feedback; ``agreement`` reports inter-annotator and gold agreement.

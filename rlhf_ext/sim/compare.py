@@ -7,14 +7,14 @@ evaluated by its win rate against the SFT model on held-out prompts, judged by `
 with the gold reward, response length and KL to the SFT model alongside. All of it is repeated for several seeds
 and summarised as mean ± standard error over seeds.
 
-Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds`` may
-change between runs of one directory)::
+Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds`` and the
+other :data:`FREE_KEYS` may change between runs of one directory)::
 
     recipe.json                  the settings (the recipe less --methods/--seeds) and their fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
     base/, sft/                  the initial model and the SFT model                      shared by all seeds
     seed-<s>/feedback/           simulated feedback (train) + gold-ordered held-out pairs (test), agreement.json
-    seed-<s>/rm_bandit/, rm_segment/   surrogate reward models (cutoff inf / segment cutoff)
+    seed-<s>/rm_bandit/, rm_segment/, rm_token/   surrogate reward models (cutoff inf / segment cutoff / 0)
     seed-<s>/<method>/           the method's checkpoint
     seed-<s>/reference_samples.json    the SFT model's evaluation samples (shared by all methods of the seed)
     results/<method>/seed-<s>.json     one finished (method, seed): win rate, s.e., KL, length, gold, times
@@ -490,6 +490,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
             row[key], row[f"{key}_se"] = _mean_se([r[key] for r in per_seed])
         row["per_seed"] = [
             {k: r[k] for k in ("seed", "win_rate", "stderr", "gold_mean", "kl", "avg_length_chars", "num_comparisons")}
+            | ({"curve": r["info"]["curve"]} if "curve" in r.get("info", {}) else {})
             for r in per_seed
         ]
         row["labels"] = per_seed[0].get("labels")

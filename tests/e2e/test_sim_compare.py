@@ -118,6 +118,7 @@ def test_seeds_in_worker_processes_give_the_same_results(recipe_file, tmp_path, 
 @pytest.mark.slow
 def test_killing_the_command_ends_its_worker_processes(recipe_file, tmp_path):
     # `kill PID` of a `sim compare` with workers must not leave its workers training in the background
+    import contextlib
     import os
     import signal
     import subprocess
@@ -130,8 +131,9 @@ def test_killing_the_command_ends_its_worker_processes(recipe_file, tmp_path):
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
+    workers = []
     try:
-        deadline, workers = time.time() + 240, []
+        deadline = time.time() + 240
         while time.time() < deadline and len(workers) < 2:
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
@@ -145,7 +147,8 @@ def test_killing_the_command_ends_its_worker_processes(recipe_file, tmp_path):
         proc.wait()
         gone, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, [p.pid for p in alive]
-    finally:
+    finally:  # never leave a worker behind, even when the test fails
         proc.kill()
-        for c in psutil.Process().children(recursive=True):
-            c.kill()
+        for c in [*workers, *psutil.Process().children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                c.kill()
