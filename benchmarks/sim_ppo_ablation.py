@@ -13,9 +13,9 @@ Usage::
         --variant "segment_ppo lr 5e-5: segment_ppo ppo.learning_rate=5e-5" \\
         --variant "segment_ppo kl 0.5: segment_ppo ppo.kl_coef=0.5"
 
-Each ``--variant`` is ``"NAME: METHOD OVERRIDE..."``. Writes ``OUT/sim_ppo_ablation.json`` / ``.md`` (per variant:
-win rate ± s.e., gold, KL, length, and the PPO curve's first and last segments per response, response length, dense
-score and KL) and prints the markdown.
+Each ``--variant`` is ``"NAME: METHOD OVERRIDE..."``; its run goes to ``--work``/NAME. Writes
+``OUT/sim_ppo_ablation.json`` / ``.md`` (per variant: win rate ± s.e., gold, KL, length, and the PPO curve's first and
+last segments per response, response length, dense score and KL) and prints the markdown.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_variant(source: Path, out: Path, seed: int, name: str, method: str, over
     from rlhf_ext.sim.methods import METHOD_FUNCTIONS
     from rlhf_ext.sim.recipe import SimCompareRecipe
 
-    dest = out / "runs" / name.replace(" ", "_").replace(":", "")
+    dest = out / "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     prepare(source, dest, seed)
     settings = json.loads((source / "recipe.json").read_text())["settings"]  # the comparison's exact settings
     data = apply_overrides(settings, normalize_overrides([f"output_dir={dest}", *overrides]))
@@ -104,13 +104,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", required=True, help='"NAME: METHOD OVERRIDE..."')
     parser.add_argument("--out", default="benchmarks/results", help="folder of sim_ppo_ablation.json / .md")
+    parser.add_argument("--work", default="runs/sim_ppo_ablation", help="folder of the variants' runs (checkpoints)")
     args = parser.parse_args(argv)
     source, out = Path(args.source), Path(args.out)
     rows = []
     for spec in args.variant:
         name, _, rest = spec.partition(":")
         method, *overrides = rest.split()
-        rows.append(run_variant(source, out / "sim_ppo_ablation_runs", args.seed, name.strip(), method, overrides))
+        rows.append(run_variant(source, Path(args.work), args.seed, name.strip(), method, overrides))
     from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 
     text = markdown(rows, str(source))

@@ -229,11 +229,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     last = last_checkpoint(args.output_dir, recipe.train.resume)
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
-    curve = [
-        {k: h[k] for k in CURVE_KEYS if k in h}
-        for h in trainer.state.log_history
-        if "reward" in h
-    ]
+    curve = [{k: h[k] for k in CURVE_KEYS if k in h} for h in trainer.state.log_history if "reward" in h]
     summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
     if trainer.accelerator.is_main_process:
         atomic_write_json(os.path.join(args.output_dir, "ppo_metrics.json"), summary)
