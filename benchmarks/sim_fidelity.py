@@ -8,8 +8,8 @@ Two checks on the per-seed results of ``rlhf-ext sim compare`` (``sim_compare.js
    have (our ``bandit_ppo`` is AlpacaFarm's PPO), with a bootstrap over seeds (each method's seeds resampled with
    replacement, fixed RNG seed): the 2.5/97.5 percentiles and the fraction of resamples with a positive correlation.
 2. Paper 003's Table 1 order of PPO action spaces (AlpacaEval 2.0 LC win rate: segment > token > bandit) under the
-   comparison's budget: mean win rate ± s.e. over seeds of ``segment_ppo``, ``token_ppo`` (when present; the
-   simulator has no token-level method yet) and ``bandit_ppo``, and whether our order agrees.
+   comparison's budget: mean win rate ± s.e. over seeds of ``segment_ppo``, ``token_ppo`` and ``bandit_ppo`` (those
+   present in the results; the three share one PPO setting), and whether our order agrees.
 
 Usage::
 
