@@ -570,8 +570,7 @@ def feedback_lines(summary: dict[str, Any]) -> list[str]:
     reward models' held-out accuracy (mean over seeds)."""
 
     def mean(values: list[float]) -> float:
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else float("nan")
+        return _mean_se(values)[0]
 
     fb = [f["labels"] for f in summary.get("feedback", {}).values() if "labels" in f]
     if not fb:

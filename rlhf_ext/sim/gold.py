@@ -113,21 +113,18 @@ class _Matcher:
         #: phrase -> its distinctive bigrams (empty: the phrase is credited by exact match only)
         self.bigrams = {p: {b for b in word_bigrams(p) if distinctive(b)} for p in phrases}
 
-    def _phrase_credit(self, phrase: str, found: set[str], bigrams: set[tuple[str, str]]) -> float:
-        if phrase in found:
-            return 1.0
-        own = self.bigrams[phrase]
-        return len(own & bigrams) / len(own) if self.credit == "partial" and own else 0.0
-
     def credits(self, text: str) -> tuple[float, float]:
         low = text.lower()
-        found = set(self.regex.findall(low))
         if self.credit == "exact":
+            found = set(self.regex.findall(low))
             return float(len(found & self.positive)), float(len(found & self.negative))
         bigrams = word_bigrams(low)
-        pos = sum(self._phrase_credit(p, found, bigrams) for p in self.positive)
-        neg = sum(self._phrase_credit(p, found, bigrams) for p in self.negative)
-        return pos, neg
+
+        def credit(phrase: str) -> float:  # a phrase present verbatim has all its bigrams: credit 1
+            own = self.bigrams[phrase]
+            return len(own & bigrams) / len(own) if own else float(phrase in low)
+
+        return sum(credit(p) for p in self.positive), sum(credit(p) for p in self.negative)
 
 
 class GoldScorer:
