@@ -85,7 +85,8 @@ def order_by_gold(gold, pairs):
         for r, sw, t in zip(pairs.to_list(), swap, tied)
         if not t
     ]
-    return type(pairs).from_list(rows, features=pairs.features), sum(tied) / max(n, 1)
+    columns = {k: [r[k] for r in rows] for k in pairs.column_names}  # (from_list cannot make an empty dataset)
+    return type(pairs).from_dict(columns, features=pairs.features), sum(tied) / max(n, 1)
 
 
 class SimRun:

@@ -27,6 +27,12 @@ def test_order_by_gold_swaps_losers_and_drops_ties():
     # under exact credit the partial phrase is worth nothing: the last pair is still ordered, by the whole phrase
     _, tied_exact = order_by_gold(GoldScorer("rapper", phrase_credit="exact"), Dataset.from_list(rows))
     assert tied_exact == pytest.approx(1 / 4)
+    # a fragment against plain text: ordered by partial credit, a tie (dropped) under exact credit
+    fragment = [{"prompt": "p4", "chosen": "plain.", "rejected": "dropping bars about it.", "style": "rapper"}]
+    ordered, tied = order_by_gold(GoldScorer("rapper"), Dataset.from_list(fragment))
+    assert (tied, ordered["chosen"]) == (0.0, ["dropping bars about it."])
+    ordered, tied = order_by_gold(GoldScorer("rapper", phrase_credit="exact"), Dataset.from_list(fragment))
+    assert (tied, len(ordered)) == (1.0, 0)
 
 
 def test_feedback_lines_report_tie_rates_agreement_and_rm_accuracy():
