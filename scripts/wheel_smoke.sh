@@ -57,8 +57,10 @@ EXPECT="policy" step online-dpo rlhf-ext train online-dpo --config online_dpo_ti
 EXPECT="forgetting|transfer" step continual-dpo rlhf-ext train continual --config continual_dpo_tiny output_dir=runs/continual
 EXPECT="^ +[0-9]+ " step torchrun-2-processes torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo \
     --config segment_ppo_tiny train.output_dir=runs/ppo-ddp train.max_steps=2 train.micro_batch_size=8
+# every sim compare method on the packaged task, two seeds in two spawned worker processes of the installed package
+EXPECT="^\| token_ppo \|" step sim-compare-smoke rlhf-ext sim compare --config sim_compare --budget smoke --out runs/sim
 # what a person reads, piped: no FutureWarning, no \r-joined progress bars, no raw metric dicts
-for log in demo zoo-build segment-rm segment-ppo online-dpo continual-dpo; do
+for log in demo zoo-build segment-rm segment-ppo online-dpo continual-dpo sim-compare-smoke; do
     f="$WORK/logs/$log.log"
     if grep -q "FutureWarning" "$f" || grep -q $'\r' "$f" || grep -qE "^\{'(loss|train_runtime)'" "$f"; then
         echo "FAIL  $log.log has a FutureWarning, a \\r progress bar or a raw metrics dict:"
@@ -66,7 +68,7 @@ for log in demo zoo-build segment-rm segment-ppo online-dpo continual-dpo; do
         exit 1
     fi
 done
-echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in $(cat "$WORK"/logs/{demo,zoo-build,segment-rm,segment-ppo,online-dpo,continual-dpo}.log | wc -l) lines)"
+echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in $(cat "$WORK"/logs/{demo,zoo-build,segment-rm,segment-ppo,online-dpo,continual-dpo,sim-compare-smoke}.log | wc -l) lines)"
 
 # 2. the OpenRLHF engine on CPU: the README's two install lines
 "$V/python" -m pip install -q "rlhf-ext[trl,openrlhf-cpu] @ file://$WHEEL" >"$WORK/logs/install-openrlhf.log" 2>&1 \

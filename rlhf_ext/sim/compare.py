@@ -232,6 +232,13 @@ class SimRun:
             else:
                 pairs = pref
                 test, test_tied = order_by_gold(self.gold, held_out)
+            if len(test) == 0:
+                credit = self.recipe.task.phrase_credit
+                raise RecipeError(
+                    f"all {len(held_out)} held-out feedback pairs tie under the gold reward (the SFT model's samples "
+                    "carry no key-phrase credit), so no reward model can be evaluated; train the SFT model longer "
+                    "(sft.max_steps)" + (" or use task.phrase_credit: partial" if credit == "exact" else "")
+                )
             pool = self.pool(seed)
             labelled = pool.relabel(pairs, train=True)
             cols = pairs.to_dict()

@@ -52,3 +52,27 @@ def test_feedback_lines_report_tie_rates_agreement_and_rm_accuracy():
     assert "agree with gold on 65.0% of untied pairs" in text
     assert "bandit 0.750, segment 0.750" in text
     assert feedback_lines({"recipe": {"feedback": {"pairs": "dataset"}}, "feedback": {}}) == []
+
+
+def test_feedback_whose_held_out_pairs_all_tie_is_one_clear_error(tmp_path, monkeypatch):
+    # an SFT model whose samples earn no credit makes every held-out pair a gold tie: no reward-model evaluation set
+    from rlhf_ext.config import RecipeError, load_recipe
+    from rlhf_ext.sim.compare import SimRun
+    from rlhf_ext.sim.recipe import SimCompareRecipe
+
+    recipe = load_recipe(SimCompareRecipe, None, [f"output_dir={tmp_path}", "task.source=toy", "task.num_samples=40",
+                                                  "task.max_eval_prompts=8"])  # fmt: skip
+    run = SimRun(recipe)
+
+    def plain_pairs(prompts, styles, seed):
+        rows = [
+            {"prompt": p, "chosen": "plain one.", "rejected": "plain two.", "style": s} for p, s in zip(prompts, styles)
+        ]
+        return Dataset.from_list(rows)
+
+    monkeypatch.setattr(run, "sft_pairs", plain_pairs)
+    with pytest.raises(
+        RecipeError, match=r"all \d+ held-out feedback pairs tie under the gold reward .*\(sft\.max_steps\)"
+    ):
+        run.feedback(0)
+    assert not run.feedback_dir(0).exists()  # nothing half-written
