@@ -394,7 +394,10 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
             run.sft_model()  # built once, before the workers share it
         context = multiprocessing.get_context("spawn")
         workers = min(recipe.workers, len(pending))
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_die_with_parent) as pool:
+        import warnings
+
+        init = {"initializer": _init_worker, "initargs": (list(warnings.filters),)}
+        with ProcessPoolExecutor(workers, mp_context=context, **init) as pool:
             for seed in pending:
                 progress(f"[seed {seed}] started in a worker process")
             for seed, future in [(s, pool.submit(_run_seed_in_worker, recipe, s)) for s in pending]:
@@ -409,14 +412,17 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
     return summary
 
 
-def _die_with_parent() -> None:
-    """Worker initializer: on Linux, ask the kernel to end this worker when the parent process dies (a ``kill`` of the
-    command must not leave workers training in the background); elsewhere a no-op."""
+def _init_worker(warning_filters: list) -> None:
+    """Worker initializer: the parent's warning filters (a spawned process starts with Python's defaults, so the
+    command line's filters would not reach it), and, on Linux, end this worker when the parent process dies (a
+    ``kill`` of the command must not leave workers training in the background)."""
     import contextlib
     import ctypes
     import signal
     import sys
+    import warnings
 
+    warnings.filters[:] = warning_filters
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
