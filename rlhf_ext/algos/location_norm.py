@@ -8,8 +8,14 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
   (``basis="log"``, the feature of paper 003's public code). Two fit methods:
 
   - ``method="ols"`` (default): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by ordinary
-    least squares in closed form (``std_link="log"``: the std is positive by construction). This is rlhf-ext's own
-    variant, *not* the public code's fit: locations seen once have no sample std and are left out of the std fit.
+    least squares in closed form (``std_link="log"``: the std is positive by construction), fitted on the interior
+    locations ``p < 1``; the last segment (``p = 1``) gets its own sample mean and std (``mu_last``, ``sigma_last``).
+    This is rlhf-ext's own variant, *not* the public code's fit: locations seen once have no sample std and are left
+    out of the std fit, and the last segment is not a point of the line. The last segment is where a soft-max
+    aggregated reward model puts its verdict (its EOS score sits far above the interior ones), and it is one location
+    among hundreds in D_norm: on a line through all of them it stays several standard deviations above 0, a constant
+    bonus for ending a segment. With its own statistics every location is centred, p = 1 included; at p = 1 the
+    normalizer is the classical bandit one (Appendix E).
   - ``method="huber"``: the public code's fit exactly (its ``useful_code/plot_logfit_function_sklearn.py`` on the
     statistics of ``reward-bench/rewardbench/calc_train_reward_mean_std.py``): locations bucketed to 3 decimals,
     per-bucket mean and *population* std (a location seen once has std 0 and is kept), then ``Mean(p)`` and ``Std(p)``
@@ -19,7 +25,7 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
 
 * ``global``: one mean and std over all segment rewards (Table 2 "Global Statistics of All").
 * ``last``: mean and std of each response's last segment reward, i.e. the points at p = 1 (Table 2 "Statistics of the
-  Last Rewards", the classical bandit normalizer).
+  Last Rewards", the classical bandit normalizer), used at every location.
 * ``none``: identity.
 
 Degenerate calibration data never divides by zero: too few points, a single location or zero variance fall back to
@@ -214,6 +220,11 @@ class LocationNormalizer:
     ``std_floor`` when that is set); ``x = p`` or ``ln p`` (``basis``).
 
     ``global``/``last`` are the special case ``w_mu = w_sigma = 0``; ``none`` has ``b_mu = 0, b_sigma = 0``.
+    ``mu_last`` / ``sigma_last`` (set by the ``ols`` regression fit): the last segment's (p = 1) own mean and std,
+    which replace the line there. ``segments_per_token`` / ``above_cutoff_share``: the calibration responses'
+    segments per response token and share of response tokens above the entropy cutoff under the SFT model (the
+    reference of :class:`~rlhf_ext.algos.segment_dense.SegmentationMonitor`; set by
+    :func:`rlhf_ext.runtime.calibration.fit_normalizer`).
     Build one with :meth:`fit` or :meth:`from_reference_params`; persist with
     :func:`rlhf_ext.runtime.calibration.save_normalizer` / ``load_normalizer``. ``source`` names where an imported
     normalizer came from; ``r2_log_std`` / ``r2_std`` are the R^2 of the std fit (log link / identity link).
@@ -236,6 +247,10 @@ class LocationNormalizer:
     std_floor: float | None = None
     r2_std: float | None = None
     source: str | None = None
+    mu_last: float | None = None
+    sigma_last: float | None = None
+    segments_per_token: float | None = None
+    above_cutoff_share: float | None = None
 
     def __post_init__(self):
         if self.kind not in NORMALIZER_KINDS:
@@ -254,6 +269,12 @@ class LocationNormalizer:
                 raise NormalizerError("std_floor applies to std_link='identity' only (a log-link Std is positive)")
             if not (math.isfinite(self.std_floor) and self.std_floor > 0):
                 raise NormalizerError(f"std_floor must be a positive number; got {self.std_floor!r}")
+        if (self.mu_last is None) != (self.sigma_last is None):
+            raise NormalizerError("mu_last and sigma_last are set together (the last segment's own statistics)")
+        if self.mu_last is not None and self.std_link != StdLink.LOG:
+            raise NormalizerError("mu_last/sigma_last belong to the ols fit (std_link='log')")
+        if self.sigma_last is not None and not (math.isfinite(self.sigma_last) and self.sigma_last > 0):
+            raise NormalizerError(f"sigma_last must be a positive number; got {self.sigma_last!r}")
 
     # ------------------------------------------------------------------------------------------------ fitting
     @classmethod
@@ -309,7 +330,13 @@ class LocationNormalizer:
             return cls._scalar(positions, rewards, base, None)
         if method == FitMethod.HUBER:
             return cls._fit_huber(positions, rewards, base, std_floor)
-        # regression on D_norm = {(p, mu_p, sigma_p)}
+        # the last segment's own statistics, then the regression on D_norm = {(p, mu_p, sigma_p)} over p < 1
+        last = positions == 1.0
+        mu_last = sigma_last = None
+        if int(last.sum()) >= 2 and int((~last).sum()) >= min_points:
+            mu_last = float(rewards[last].mean())
+            sigma_last = max(float(rewards[last].std()), STD_FLOOR)
+            positions, rewards = positions[~last], rewards[~last]
         locs, inverse, counts = torch.unique(positions, return_inverse=True, return_counts=True)
         if locs.numel() < 2:
             return cls._scalar(positions, rewards, base, "a single location in the calibration data")
@@ -339,6 +366,8 @@ class LocationNormalizer:
             r2_mean=r2_mu,
             r2_log_std=r2_s,
             fallback=fallback,
+            mu_last=mu_last,
+            sigma_last=sigma_last,
             **base,
         )
 
@@ -491,9 +520,10 @@ class LocationNormalizer:
         return p if self.basis == "linear" else p.clamp_min(1e-12).log()
 
     def mean(self, p: Tensor) -> Tensor:
-        """Mean(p) (paper 003 Eq. 6), same shape as ``p``."""
+        """Mean(p) (paper 003 Eq. 6), same shape as ``p`` (``mu_last`` at p = 1 when set)."""
         p = torch.as_tensor(p, dtype=torch.float32)
-        return self.w_mu * self._x(p) + self.b_mu
+        line = self.w_mu * self._x(p) + self.b_mu
+        return line if self.mu_last is None else torch.where(p == 1.0, self.mu_last, line)
 
     def std(self, p: Tensor) -> Tensor:
         """Std(p) (paper 003 Eq. 6), same shape as ``p``: ``exp(line)`` never below :data:`STD_FLOOR` (log link), or
@@ -505,7 +535,8 @@ class LocationNormalizer:
         p = torch.as_tensor(p, dtype=torch.float32)
         line = self.w_sigma * self._x(p) + self.b_sigma
         if self.std_link == StdLink.LOG:
-            return torch.exp(line).clamp_min(STD_FLOOR)
+            std = torch.exp(line).clamp_min(STD_FLOOR)
+            return std if self.sigma_last is None else torch.where(p == 1.0, self.sigma_last, std)
         if self.std_floor is not None:
             return line.clamp_min(self.std_floor)
         nonpositive = line <= 0

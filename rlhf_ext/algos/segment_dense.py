@@ -9,6 +9,9 @@ interpolates them onto tokens.
 
 ================== ====================================================================================================
 ``segment``        segments at entropy > cutoff; normalized segment rewards; interpolated (the paper's method)
+``chunk``          segments of ``chunk_size`` tokens, whatever the text; otherwise as ``segment``. The positions at
+                   which rewards are read, and their number for a given length, are not something the policy can
+                   change by what it writes (see below)
 ``token``          every response token is a segment (cutoff 0); normalized per-token rewards
 ``bandit``         one reward per response: the score at its last token, normalized at p = 1, on the last token
 ``bandit_as_segment``  Table 1 (A): a *bandit* reward model read at segment ends — computed exactly like ``segment``;
@@ -19,6 +22,14 @@ interpolates them onto tokens.
 
 ``interpolation`` (Table 3): ``even_split`` gives every token of a segment r/|segment| (the paper), ``repeat`` gives
 every token r, ``segment_end`` puts r on the segment's last token and 0 elsewhere ("no interpolation").
+
+**Segmentation as a reward lever.** With ``segment``, the boundaries fall where the frozen SFT model's entropy of the
+*sampled* text exceeds the cutoff, and the return sums one normalized reward per segment. The policy writes that text,
+so it chooses how many segments a response has and at which prefixes the reward model is read: a policy that learns
+text on which every token is a boundary, at prefixes the reward model scores above the calibration mean, is paid per
+boundary (measured in rlhf-ext's simulator: ``docs/segment_ppo_evidence.md``). ``chunk`` reads the reward model at
+fixed positions (every ``chunk_size``-th response token and the last one), so for a given response the summed reward
+does not depend on anything the policy's text does to the SFT model's entropies; ``token`` is its extreme (size 1).
 """
 
 from __future__ import annotations
@@ -57,20 +68,27 @@ class Granularity(StrEnum):
     """Action definition of the dense reward (paper 003 Table 1; see the module docstring)."""
 
     SEGMENT = "segment"
+    CHUNK = "chunk"
     TOKEN = "token"
     BANDIT = "bandit"
     BANDIT_AS_SEGMENT = "bandit_as_segment"
     SEGMENT_AS_BANDIT = "segment_as_bandit"
 
+    @property
+    def needs_entropy(self) -> bool:
+        """Segments at the reference model's entropies (and so needs them)."""
+        return self in (Granularity.SEGMENT, Granularity.BANDIT_AS_SEGMENT, Granularity.SEGMENT_AS_BANDIT)
+
+    @property
+    def is_bandit(self) -> bool:
+        """One reward per response, on its last token."""
+        return self in (Granularity.BANDIT, Granularity.SEGMENT_AS_BANDIT)
+
 
 INTERPOLATIONS: tuple[str, ...] = Interpolation.values()
 GRANULARITIES: tuple[str, ...] = Granularity.values()
-#: Granularities that segment the response at the reference model's entropies (and so need them).
-SEGMENTED_GRANULARITIES: tuple[str, ...] = (
-    Granularity.SEGMENT.value,
-    Granularity.BANDIT_AS_SEGMENT.value,
-    Granularity.SEGMENT_AS_BANDIT.value,
-)
+#: ``chunk``'s segment length in tokens when none is given.
+DEFAULT_CHUNK_SIZE = 4
 
 
 class RewardValueError(ValueError):
@@ -99,6 +117,21 @@ def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpola
     elif kind == Interpolation.SEGMENT_END:
         inside = segments.ends
     return torch.where(inside, per_token, torch.zeros_like(per_token))
+
+
+def fixed_boundaries(action_mask: Tensor, chunk_size: int) -> Tensor:
+    """``[B, T]`` bool: response tokens whose index within the response is a multiple of ``chunk_size`` (the starts of
+    fixed-length segments; the ``chunk`` granularity).
+
+    Args:
+        action_mask: ``[B, T]`` bool, true at response tokens (one contiguous run per row).
+        chunk_size: segment length in tokens, >= 1.
+    """
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    action_mask = action_mask.bool()
+    index = action_mask.long().cumsum(dim=1) - 1  # 0-based index of each response token
+    return action_mask & (index.remainder(chunk_size) == 0)
 
 
 def check_finite_scores(token_scores: Tensor, action_mask: Tensor) -> None:
@@ -141,6 +174,7 @@ def dense_segment_rewards(
     entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
     aggregation: Aggregation | str = "softmax",
     tau: float = DEFAULT_TAU,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> DenseRewards:
     """Per-token PPO rewards from a reward model's token scores (paper 003, Algorithm 1 lines 23-27).
 
@@ -155,14 +189,16 @@ def dense_segment_rewards(
         interpolation: see :func:`interpolate_rewards` (only for segment granularities).
         entropy_cutoff: c_ent for the segment granularities.
         aggregation, tau: sequence evaluation for ``segment_as_bandit``.
+        chunk_size: segment length in tokens for ``chunk``.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
+    granularity = Granularity(granularity)
     action_mask = action_mask.bool()
     check_finite_scores(token_scores, action_mask)
     normalizer = normalizer or LocationNormalizer()
     token_scores = token_scores.float()
-    if granularity in SEGMENTED_GRANULARITIES:
+    if granularity.needs_entropy:
         if entropy is None:
             if logits is None:
                 raise ValueError(f"granularity '{granularity}' needs the reference model's entropy (or its logits)")
@@ -175,11 +211,13 @@ def dense_segment_rewards(
         cutoff = math.inf if granularity == Granularity.BANDIT else 0.0
     if granularity == Granularity.TOKEN:
         starts = action_mask  # every response token is its own segment, whatever the entropies are
+    elif granularity == Granularity.CHUNK:
+        starts = fixed_boundaries(action_mask, chunk_size)
     else:
         starts = segment_boundaries(entropy, action_mask, cutoff)
     segments = segment_ids(starts, action_mask)
     raw = gather_segment_rewards(token_scores, segments)
-    if granularity in (Granularity.BANDIT, Granularity.SEGMENT_AS_BANDIT):
+    if granularity.is_bandit:
         if granularity == Granularity.SEGMENT_AS_BANDIT:
             seq = aggregate_segments(raw, segments.mask, aggregation, tau)
         else:
@@ -196,6 +234,64 @@ def dense_segment_rewards(
     return DenseRewards(rewards, normalized, raw, segments, rewards.sum(dim=1))
 
 
+class SegmentationRates(NamedTuple):
+    """How a batch of responses is segmented: ``segments_per_token`` (segments / response tokens) and
+    ``above_cutoff_share`` (share of response tokens whose reference entropy exceeds the cutoff; NaN without
+    entropies). Under a policy that games entropy segmentation both climb towards 1."""
+
+    segments_per_token: float
+    above_cutoff_share: float
+
+
+def segmentation_rates(counts: Tensor, action_mask: Tensor, entropy: Tensor | None, cutoff: float) -> SegmentationRates:
+    """:class:`SegmentationRates` of a batch: ``counts`` ``[B]`` segments per response, ``action_mask`` ``[B, T]``,
+    ``entropy`` ``[B, T]`` (or None), ``cutoff`` c_ent. Ratios of batch sums (a token-weighted mean)."""
+    action_mask = action_mask.bool()
+    tokens = max(int(action_mask.sum()), 1)
+    above = float("nan") if entropy is None else int((action_mask & (entropy > cutoff)).sum()) / tokens
+    return SegmentationRates(int(counts.sum()) / tokens, above)
+
+
+class SegmentationMonitor:
+    """Reward-hacking monitor of dense PPO: compares each rollout batch's :class:`SegmentationRates` with the SFT
+    model's on the calibration responses (``reference``) and returns a one-line warning, once per run, when either
+    rate passes ``threshold`` times the reference (the policy is writing text the SFT model segments far more
+    finely than its own: paper 003's segment rewards then pay per boundary)."""
+
+    def __init__(self, reference: SegmentationRates | None, threshold: float = 1.5):
+        self.reference = reference
+        self.threshold = threshold
+        self.warned = False
+
+    def ratios(self, rates: SegmentationRates) -> dict[str, float]:
+        """``{rate name: batch / reference}`` for the rates with a positive finite reference."""
+        if self.reference is None:
+            return {}
+        out = {}
+        for name, ref, now in zip(rates._fields, self.reference, rates):
+            if ref is not None and math.isfinite(ref) and ref > 0 and math.isfinite(now):
+                out[name] = now / ref
+        return out
+
+    def check(self, rates: SegmentationRates, step: int | None = None) -> str | None:
+        """The warning for this batch (the first time a ratio passes the threshold), else None."""
+        ratios = self.ratios(rates)
+        over = {k: v for k, v in ratios.items() if v > self.threshold}
+        if self.warned or not over:
+            return None
+        self.warned = True
+        at = f" at step {step}" if step is not None else ""
+        parts = ", ".join(
+            f"{k} {getattr(rates, k):.3f} = {v:.2f}x the SFT model's {getattr(self.reference, k):.3f}"
+            for k, v in over.items()
+        )
+        return (
+            f"reward hacking suspected{at}: {parts} on the calibration responses; the policy may be buying segment "
+            "rewards with boundaries (see docs/segment_ppo_evidence.md): use granularity 'chunk', or lower the "
+            "learning rate / raise kl_coef"
+        )
+
+
 def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tensor, cutoff: float):
     """(locations ``[N]``, segment rewards ``[N]``) of every segment in a batch, for :meth:`LocationNormalizer.fit`."""
     segments = segment_ids(segment_boundaries(entropy, action_mask, cutoff), action_mask)
@@ -209,8 +305,10 @@ class DenseRewardKnobs:
     PPO recipe's ``segment:`` section and OpenRLHF's ``--ext.*`` flags use these names and defaults.
 
     Args:
-        granularity: the action definition (paper 003 Table 1): ``segment`` (the paper's), ``token``, ``bandit``
-            (stock sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``.
+        granularity: the action definition (paper 003 Table 1): ``segment`` (the paper's), ``chunk`` (fixed-length
+            segments: the reward positions are not a lever for the policy), ``token``, ``bandit`` (stock
+            sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``.
+        chunk_size: tokens per segment for ``granularity="chunk"``.
         interpolation: how a segment's reward is spread over its tokens (paper 003 Table 3): ``even_split`` (the
             paper's), ``repeat``, ``segment_end``.
         normalizer_kind: the reward normalizer (paper 003 Eq. 6 and Table 2): ``regression`` (location-aware, the
@@ -224,6 +322,7 @@ class DenseRewardKnobs:
         default=NormalizerKind.REGRESSION.value, metadata={"help": "Eq. 6 / Table 2"}
     )
     normalizer_basis: Literal["linear", "log"] = field(default="linear", metadata={"help": "linear (paper) | log"})
+    chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Tokens per segment for chunk"})
 
     def __post_init__(self) -> None:
         post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
@@ -239,3 +338,5 @@ class DenseRewardKnobs:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not (isinstance(self.chunk_size, int) and not isinstance(self.chunk_size, bool) and self.chunk_size >= 1):
+            raise ValueError(f"chunk_size must be a positive integer; got {self.chunk_size!r}")

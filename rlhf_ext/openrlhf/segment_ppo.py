@@ -18,6 +18,8 @@ as the scalar reward, which is exactly stock OpenRLHF (tested end to end through
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from typing import Any
 
@@ -26,7 +28,14 @@ import torch
 
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.algos.ppo import ESTIMATORS, group_mean_baseline, last_token_index
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs, dense_segment_rewards
+from rlhf_ext.algos.segment_dense import (
+    DenseRewardKnobs,
+    Granularity,
+    SegmentationMonitor,
+    SegmentationRates,
+    dense_segment_rewards,
+    segmentation_rates,
+)
 from rlhf_ext.algos.segment_reward import check_cutoff, check_tau, token_entropy
 from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.runtime.calibration import load_normalizer
@@ -46,7 +55,10 @@ def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
     """Check and convert the segment ``--ext.*`` values (strings from the command line)."""
     ext = dict(ext)
     try:
-        DenseRewardKnobs(granularity=ext["granularity"], interpolation=ext["interpolation"])
+        ext["chunk_size"] = int(ext["chunk_size"])
+        DenseRewardKnobs(
+            granularity=ext["granularity"], interpolation=ext["interpolation"], chunk_size=ext["chunk_size"]
+        )
     except ValueError as e:
         raise ValueError(f"--ext.{e}") from None
     if ext["entropy_cutoff"] is not None:
@@ -173,6 +185,10 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             if ext["normalizer"]
             else LocationNormalizer()
         )
+        reference = None
+        if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
+            reference = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
+        self.monitor = SegmentationMonitor(reference)
         if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
                 f"dense segment rewards need --algo.advantage.estimator {' | '.join(ESTIMATORS)} (got "
@@ -256,7 +272,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
                 exp.rewards = scores.float()
                 exp.info["reward"] = exp.rewards
             return
-        needs_entropy = self.ext["granularity"] in ("segment", "bandit_as_segment", "segment_as_bandit")
+        needs_entropy = Granularity(self.ext["granularity"]).needs_entropy
         if needs_entropy and entropies is None:
             raise ValueError(
                 "segment rewards need the reference model's entropies: enable the reference model "
@@ -282,11 +298,27 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
                 entropy_cutoff=self.entropy_cutoff,
                 aggregation=self.aggregation,
                 tau=self.tau,
+                chunk_size=self.ext["chunk_size"],
             )
             setattr(exp.kl, DENSE_ATTR, dense.rewards)
             exp.rewards = torch.zeros(scores.shape[0], dtype=torch.float32)
             exp.info["reward"] = dense.sequence_reward
             exp.info["segments_per_response"] = dense.segments.counts.float()
+            self._monitor_segmentation(exp, dense.segments.counts, action_mask, entropies[i] if entropies else None)
+
+    def _monitor_segmentation(self, exp, counts: torch.Tensor, action_mask: torch.Tensor, entropy) -> None:
+        """The reward-hacking monitor (:class:`SegmentationMonitor`): the batch's segments per token and share of
+        tokens above the cutoff, and their ratios to the SFT model's, in ``info`` (one value per sample, the batch's
+        token-weighted rate, so OpenRLHF's mean logs it); a one-line warning the first time either passes 1.5x."""
+        rates = segmentation_rates(counts, action_mask, entropy, self.entropy_cutoff)
+        size = counts.shape[0]
+        ratios = {f"{name}_vs_sft": ratio for name, ratio in self.monitor.ratios(rates).items()}
+        for name, value in {**rates._asdict(), **ratios}.items():
+            if math.isfinite(value):
+                exp.info[name] = torch.full((size,), value, dtype=torch.float32)
+        message = self.monitor.check(rates, self._batches)
+        if message is not None:
+            logging.getLogger("rlhf_ext").warning(message)
 
 
 # ----------------------------------------------------------------------------------------------- installation

@@ -291,6 +291,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
         "--critic.num_gpus_per_node", str(max(gpus, 1)),
         "--ext.granularity", seg.granularity,
         "--ext.interpolation", seg.interpolation,
+        "--ext.chunk_size", str(seg.chunk_size),
         "--ext.reward_model_id", model_id(recipe.model.reward_model),
     ]  # fmt: skip
     if gpus:  # one node: every model and the vLLM engines share the GPUs
@@ -361,6 +362,7 @@ def prepare_openrlhf_run(recipe) -> tuple[list[str], dict[str, Any]]:
             entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else settings["entropy_cutoff"],
             aggregation=seg.aggregation or settings["aggregation"],
             tau=seg.tau if seg.tau is not None else settings["tau"],
+            chunk_size=seg.chunk_size,
             reward_model_id=model_id(recipe.model.reward_model),
             max_pairs=recipe.data.max_calibration_pairs,
         )

@@ -8,6 +8,7 @@ granularities each response contributes its sequence reward at p = 1, so one fun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rlhf_ext.algos.location_norm import REFERENCE_MAX_SEGMENTS, LocationNormalizer, NormalizerError
-from rlhf_ext.algos.segment_dense import dense_segment_rewards
+from rlhf_ext.algos.segment_dense import DEFAULT_CHUNK_SIZE, Granularity, dense_segment_rewards
 from rlhf_ext.runtime.io import atomic_write_json
 from rlhf_ext.runtime.segment_data import collate_segment_pairs, prepare_segment_dataset
 from rlhf_ext.runtime.token_scores import token_scores
@@ -40,6 +41,7 @@ def fit_normalizer(
     entropy_cutoff: float = 2.0,
     aggregation: str = "softmax",
     tau: float = 0.5,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     reward_model_id: str | None = None,
     max_length: int | None = None,
     batch_size: int = 16,
@@ -52,7 +54,7 @@ def fit_normalizer(
         reward_model: sequence-classification reward model (instance).
         sft_model: the SFT causal LM used for segmentation (instance).
         dataset: preference rows (prompt/chosen/rejected) or a prepared segment dataset.
-        granularity, entropy_cutoff, aggregation, tau: as used in PPO (:func:`dense_segment_rewards`).
+        granularity, entropy_cutoff, aggregation, tau, chunk_size: as used in PPO (:func:`dense_segment_rewards`).
         reward_model_id: recorded in the normalizer so PPO can refuse it for another reward model.
         kind, basis, method: :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public
             code's fit).
@@ -63,6 +65,7 @@ def fit_normalizer(
     reward_model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     locations, rewards = [], []
+    segments = tokens = above = 0
     for start in range(0, len(prepared), batch_size):
         rows = list(prepared.select(range(start, min(start + batch_size, len(prepared)))))
         batch = collate_segment_pairs(rows, pad)
@@ -76,14 +79,19 @@ def fit_normalizer(
             entropy_cutoff=entropy_cutoff,
             aggregation=aggregation,
             tau=tau,
+            chunk_size=chunk_size,
         )
-        if granularity in ("bandit", "segment_as_bandit"):
+        mask = batch["action_mask"].bool()
+        segments += int(dense.segments.counts.sum())
+        tokens += int(mask.sum())
+        above += int((mask & (batch["entropy"] > entropy_cutoff)).sum())
+        if Granularity(granularity).is_bandit:
             locations.append(torch.ones(len(rows) * 2))
             rewards.append(dense.raw_seg_rewards[:, 0])
         else:
             locations.append(dense.segments.locations[dense.segments.mask])
             rewards.append(dense.raw_seg_rewards[dense.segments.mask])
-    return LocationNormalizer.fit(
+    normalizer = LocationNormalizer.fit(
         torch.cat(locations),
         torch.cat(rewards),
         kind=kind,
@@ -91,6 +99,8 @@ def fit_normalizer(
         reward_model=reward_model_id,
         method=method,
     )
+    tokens = max(tokens, 1)  # the monitor's reference: how the SFT model segments the calibration responses
+    return dataclasses.replace(normalizer, segments_per_token=segments / tokens, above_cutoff_share=above / tokens)
 
 
 def save_normalizer(normalizer: LocationNormalizer, path: str | Path) -> None:

@@ -2,6 +2,7 @@
 
     rlhf-ext sim compare --config recipes/sim_compare.yaml [--methods sft,dpo] [--seeds 0,1] [--out DIR]
                          [--report-only] [key.sub=value ...]
+    rlhf-ext sim tune --config recipes/sim_compare.yaml [--out DIR] [key.sub=value ...]
 
 Heavy libraries are imported inside the commands.
 """
@@ -68,3 +69,24 @@ def compare(config_path, methods, seeds, out, report_only, budget, overrides) ->
     click.echo("")
     for name, path in summary["reports"].items():
         click.echo(f"{name}: {path}")
+
+
+@sim.command("tune", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.option("--out", "out", default=None, help="Output directory (overrides output_dir).")
+@click.option("--budget", default=None, help="A named budget of the recipe's budgets: section (e.g. smoke).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def tune(config_path, out, budget, overrides) -> None:
+    """Give every method of the recipe's tuning: section the same grid, trained on the tuning seeds and picked by
+    the length-controlled win rate on validation prompts; print the table and the picked method_overrides.
+
+    Results go to OUT/tuning/ (tuning.json, tuning.md); finished points are skipped when the command is rerun.
+    """
+    from rlhf_ext.recipes import recipe_path
+    from rlhf_ext.sim.recipe import load_compare_recipe
+    from rlhf_ext.sim.tune import run_tuning, tuning_markdown
+
+    extra = list(overrides) + ([f"output_dir={out}"] if out is not None else [])
+    recipe = load_compare_recipe(recipe_path(config_path), extra, budget)
+    summary = run_tuning(recipe, progress=lambda m: click.echo(m, err=True))
+    click.echo(tuning_markdown(summary))

@@ -23,6 +23,7 @@ other :data:`FREE_KEYS` may change between runs of one directory)::
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ import torch
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import RecipeError, to_dict
+from rlhf_ext.config import RecipeError, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
@@ -56,8 +57,10 @@ ALPACAFARM_SIM_WINRATE: dict[str, float] = {
 }
 #: Entropy cutoffs of the bandit and token reward models (the segment model uses the recipe's ``entropy_cutoff``).
 RM_CUTOFFS = {"bandit": math.inf, "token": 0.0}
+#: The surrogate reward models a seed can have (``segment`` at the recipe's cutoff).
+RM_KINDS = ("bandit", "segment", "token")
 #: Keys of the recipe that may change between runs of one output directory.
-FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets")
+FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets", "tuning")
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
 RESULTS_DIR = "results"
 
@@ -316,7 +319,9 @@ class SimRun:
         """The SFT model's evaluation samples of ``seed`` (drawn once, shared by every method's comparison)."""
         from rlhf_ext.runtime.sampling import Samples
 
-        path = self.seed_dir(seed) / "reference_samples.json"
+        split = self.recipe.eval.split
+        name = "reference_samples.json" if split == "eval" else f"reference_samples_{split}.json"
+        path = self.seed_dir(seed) / name
         if not path.exists():
             ev = self.recipe.eval
             s = self.policy(self.sft_model(), temperature=ev.temperature).sample(
@@ -332,8 +337,34 @@ class SimRun:
             d["temperatures"],
         )
 
+    def eval_split(self):
+        """The prompts (and styles) the win rate is measured on: the ``eval`` split, or with ``eval.split:
+        validation`` the next ``task.max_eval_prompts`` rows of the test split (disjoint from ``eval``)."""
+        splits = self.splits()
+        if self.recipe.eval.split == "eval":
+            return splits["eval"]
+        n = self.recipe.task.max_eval_prompts
+        test = splits["rm_eval"]
+        if len(test) < 2 * n:
+            raise RecipeError(
+                f"eval.split=validation needs {2 * n} test prompts (task.max_eval_prompts={n} for eval, then {n} for "
+                f"validation) but the task has {len(test)}; raise task.num_samples or lower task.max_eval_prompts"
+            )
+        return test.select(range(n, 2 * n))
+
     def eval_prompts(self) -> list[Any]:
-        return list(self.splits()["eval"]["prompt"])
+        return list(self.eval_split()["prompt"])
+
+    def for_method(self, method: str) -> SimRun:
+        """This run as ``method`` sees it: the recipe with ``method_overrides[method]`` applied (shared caches)."""
+        overrides = self.recipe.method_overrides.get(method)
+        if not overrides:
+            return self
+        from rlhf_ext.config import apply_overrides
+
+        view = copy.copy(self)
+        view.recipe = from_dict(SimCompareRecipe, apply_overrides(to_dict(self.recipe), overrides))
+        return view
 
     # ------------------------------------------------------------------------------------------------ evaluate
     def evaluate(self, seed: int, spec) -> dict[str, Any]:
@@ -345,18 +376,25 @@ class SimRun:
         if spec.best_of_n:
             policy = BestOfNPolicy(policy, self.reward_fn(seed), spec.best_of_n)
         reference = self.policy(self.sft_model(), temperature=ev.temperature)
+        prompts = self.eval_prompts()
+        samples = policy.sample(prompts, ev.samples_per_prompt, seed=20_000 + seed)
         result = win_rate(
             policy,
             reference,
             self.eval_prompts(),
-            styles=list(self.splits()["eval"]["style"]),
+            styles=list(self.eval_split()["style"]),
             judge=self.pool(seed) if ev.judge == "pool" else self.gold,
             gold=self.gold,
             samples_per_prompt=ev.samples_per_prompt,
             seed=20_000 + seed,
             reference_samples=self.reference_samples(seed),
+            samples=samples,
         )
-        return result.as_dict()
+        flat_prompts = [p for p in prompts for _ in range(ev.samples_per_prompt)]
+        segmentation = reference.segmentation(
+            flat_prompts, samples.flat(), samples.truncated.flatten(), self.recipe.reward_model.entropy_cutoff
+        )  # the SFT model's segmentation of the policy's evaluation samples (the reward-hacking monitor's view)
+        return {**result.as_dict(), **segmentation}
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -387,29 +425,50 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
     start = time.time()
     pending = [s for s in recipe.seeds if not all(run_dir.done(result_stage(m, s)) for m in recipe.methods)]
     if recipe.workers > 1 and len(pending) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        from rlhf_ext.runtime.async_runner import torch_threads
 
         with torch_threads(recipe.threads):
             run.sft_model()  # built once, before the workers share it
-        context = multiprocessing.get_context("spawn")
-        workers = min(recipe.workers, len(pending))
-        import warnings
-
-        init = {"initializer": _init_worker, "initargs": (list(warnings.filters),)}
-        with ProcessPoolExecutor(workers, mp_context=context, **init) as pool:
-            for seed in pending:
-                progress(f"[seed {seed}] started in a worker process")
-            for seed, future in [(s, pool.submit(_run_seed_in_worker, recipe, s)) for s in pending]:
-                future.result()
-                progress(f"[seed {seed}] finished")
+        jobs = [from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]}) for s in pending]
     else:
-        with torch_threads(recipe.threads):
-            for seed in recipe.seeds:
-                run_seed(run, run_dir, seed, progress)
+        jobs = [recipe]
+    run_jobs(jobs, recipe.workers, recipe.threads, progress)
     summary = summarise(recipe, wall_seconds=time.time() - start)
     summary["reports"] = write_reports(summary, run.root)
     return summary
+
+
+def run_jobs(jobs: list[SimCompareRecipe], workers: int, threads: int | None, progress: Progress) -> None:
+    """Run every (method, seed) of each recipe in ``jobs`` that has no result yet: here, or with ``workers > 1`` and
+    several jobs in that many spawned processes (each with ``threads`` torch threads). Workers write their progress
+    lines to standard error, prefixed with the job's seeds; every result is the same either way."""
+    from rlhf_ext.runtime.async_runner import torch_threads
+
+    if workers <= 1 or len(jobs) <= 1:
+        with torch_threads(threads):
+            for job in jobs:
+                run = SimRun(job, progress)
+                run_dir = run.check_directory()
+                for seed in job.seeds:
+                    run_seed(run, run_dir, seed, progress)
+        return
+    import multiprocessing
+    import warnings
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    init = {"initializer": _init_worker, "initargs": (list(warnings.filters),)}
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, **init) as pool:
+        futures = [(job, pool.submit(_run_job_in_worker, job)) for job in jobs]
+        for job, _ in futures:
+            progress(f"[{_job_name(job)}] started in a worker process")
+        for job, future in futures:
+            future.result()
+            progress(f"[{_job_name(job)}] finished")
+
+
+def _job_name(job: SimCompareRecipe) -> str:
+    return f"seed {','.join(map(str, job.seeds))}"
 
 
 def _init_worker(warning_filters: list) -> None:
@@ -428,17 +487,13 @@ def _init_worker(warning_filters: list) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _run_seed_in_worker(recipe: SimCompareRecipe, seed: int) -> None:
+def _run_job_in_worker(job: SimCompareRecipe) -> None:
     import sys
 
-    from rlhf_ext.runtime.async_runner import torch_threads
-
     def progress(message: str) -> None:
-        print(f"[worker seed {seed}] {message}", file=sys.stderr, flush=True)
+        print(f"[worker {_job_name(job)}] {message}", file=sys.stderr, flush=True)
 
-    run = SimRun(recipe, progress)
-    with torch_threads(recipe.threads):
-        run_seed(run, run.check_directory(), seed, progress)
+    run_jobs([job], 1, job.threads, progress)
 
 
 def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> None:
@@ -451,7 +506,7 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
             continue
         progress(f"[{method} seed {seed}] training")
         t0 = time.time()
-        spec = METHOD_FUNCTIONS[method](run, seed)
+        spec = METHOD_FUNCTIONS[method](run.for_method(method), seed)
         t1 = time.time()
         progress(f"[{method} seed {seed}] evaluating ({t1 - t0:.0f} s of training)")
         metrics = run.evaluate(seed, spec)
@@ -476,7 +531,7 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
         )
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
+def mean_se(values: list[float]) -> tuple[float, float]:
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return float("nan"), float("nan")
@@ -485,6 +540,13 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
         return mean, float("nan")
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
     return mean, math.sqrt(var / len(vals))
+
+
+#: Per-seed result keys averaged over seeds in the summary (mean ± s.e.).
+SUMMARY_KEYS = (
+    "win_rate", "lc_win_rate", "gold_mean", "kl", "avg_length_chars", "segments_per_response", "tokens_per_response",
+    "above_cutoff_share", "train_seconds", "eval_seconds",
+)  # fmt: skip
 
 
 def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> dict[str, Any]:
@@ -500,10 +562,10 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
         if not per_seed:
             continue
         row: dict[str, Any] = {"method": method, "seeds": [r["seed"] for r in per_seed]}
-        for key in ("win_rate", "gold_mean", "kl", "avg_length_chars", "train_seconds", "eval_seconds"):
-            row[key], row[f"{key}_se"] = _mean_se([r[key] for r in per_seed])
+        for key in SUMMARY_KEYS:
+            row[key], row[f"{key}_se"] = mean_se([r.get(key) for r in per_seed])
         row["per_seed"] = [
-            {k: r[k] for k in ("seed", "win_rate", "stderr", "gold_mean", "kl", "avg_length_chars", "num_comparisons")}
+            {k: r.get(k) for k in ("seed", "stderr", "lc_stderr", "num_comparisons", *SUMMARY_KEYS)}
             | ({"curve": r["info"]["curve"]} if "curve" in r.get("info", {}) else {})
             for r in per_seed
         ]
@@ -519,7 +581,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
             feedback[str(seed)] = json.loads(path.read_text())
     rms = {}
     for seed in recipe.seeds:
-        for kind in ("bandit", "segment", "token"):
+        for kind in RM_KINDS:
             path = root / f"seed-{seed}" / f"rm_{kind}" / "metrics.json"
             if path.exists():
                 ev = json.loads(path.read_text()).get("eval", {})
@@ -539,7 +601,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
     }
 
 
-def _fmt(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
+def fmt(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
     if mean is None or math.isnan(mean):
         return "–"
     m = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
@@ -553,16 +615,20 @@ def _count(value: int | None) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """The comparison as a Markdown table (mean ± s.e. over seeds)."""
     lines = [
-        "| method | win rate vs SFT | gold reward | KL to SFT (nats) | length (chars) | seeds | labels | samples | "
-        "train s | AlpacaFarm sim. win rate vs Davinci003 (%) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | win rate vs SFT | LC win rate | gold reward | KL to SFT (nats) | length (chars) | segments / "
+        "response | tokens / response | seeds | labels | samples | train s | AlpacaFarm sim. win rate vs Davinci003 "
+        "(%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["methods"]:
         af = r["alpacafarm_sim_winrate"]
         lines.append(
-            f"| {r['method']} | {_fmt(r['win_rate'], r['win_rate_se'])} | "
-            f"{_fmt(r['gold_mean'], r['gold_mean_se'], 2, signed=True)} | {_fmt(r['kl'], r['kl_se'], 2)} | "
-            f"{_fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | {len(r['seeds'])} | "
+            f"| {r['method']} | {fmt(r['win_rate'], r['win_rate_se'])} | "
+            f"{fmt(r.get('lc_win_rate'), r.get('lc_win_rate_se'))} | "
+            f"{fmt(r['gold_mean'], r['gold_mean_se'], 2, signed=True)} | {fmt(r['kl'], r['kl_se'], 2)} | "
+            f"{fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | "
+            f"{fmt(r.get('segments_per_response'), r.get('segments_per_response_se'), 1)} | "
+            f"{fmt(r.get('tokens_per_response'), r.get('tokens_per_response_se'), 1)} | {len(r['seeds'])} | "
             f"{_count(r.get('labels'))} | {_count(r.get('samples'))} | {r['train_seconds']:.0f} | "
             f"{'–' if af is None else f'{af:.1f}'} |"
         )
@@ -571,7 +637,10 @@ def markdown_table(summary: dict[str, Any]) -> str:
     lines.append(
         f"Win rate: fraction of {s['comparisons_per_seed']} comparisons per seed ({s['eval_prompts']} held-out "
         f"prompts x {s['samples_per_prompt']} samples) in which the evaluation annotators prefer the method's "
-        "response to the SFT model's (ties 1/2); mean ± standard error over seeds. Budget beyond the shared SFT "
+        "response to the SFT model's (ties 1/2); mean ± standard error over seeds. LC win rate: length-controlled "
+        "(AlpacaEval 2.0's GLM on the length difference, read off at zero difference). Segments / response: how the "
+        "SFT model's entropies segment the method's evaluation responses at the segment reward model's cutoff "
+        "(the reward-hacking monitor's view); tokens / response: their length in tokens. Budget beyond the shared SFT "
         "model: labels = simulated preference labels used (directly or through a surrogate reward model), samples = "
         "responses generated while training, train s = wall-clock seconds."
     )
@@ -584,7 +653,7 @@ def feedback_lines(summary: dict[str, Any]) -> list[str]:
     reward models' held-out accuracy (mean over seeds)."""
 
     def mean(values: list[float]) -> float:
-        return _mean_se(values)[0]
+        return mean_se(values)[0]
 
     fb = [f["labels"] for f in summary.get("feedback", {}).values() if "labels" in f]
     if not fb:

@@ -136,6 +136,40 @@ class HFPolicy:
     def logprobs(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor) -> Tensor:
         """``[N]`` float32 ``log pi(y | x)`` summed over response tokens (EOS included unless ``truncated``), with
         logits divided by the policy's sampling temperature."""
+        out = [
+            torch.where(response, logp, 0.0).sum(1)
+            for logp, _, response in self._response_forward(prompts, responses, truncated)
+        ]
+        return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def segmentation(
+        self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor, cutoff: float
+    ) -> dict[str, float]:
+        """How this model's entropies segment ``responses`` at ``cutoff`` (paper 003's entropy segmentation, at the
+        sampling temperature): mean ``segments_per_response``, ``tokens_per_response`` and ``above_cutoff_share``
+        (share of response tokens whose entropy exceeds the cutoff). Applied with the SFT model to a policy's samples,
+        it shows whether the policy writes text the SFT model segments more finely than its own."""
+        from rlhf_ext.algos.segment_reward import segment_boundaries, segment_ids
+
+        segments, tokens, above = 0, 0, 0
+        for _, entropy, response in self._response_forward(prompts, responses, truncated):
+            segments += int(segment_ids(segment_boundaries(entropy, response, cutoff), response).counts.sum())
+            tokens += int(response.sum())
+            above += int((response & (entropy > cutoff)).sum())
+        n = max(len(responses), 1)
+        return {
+            "segments_per_response": segments / n,
+            "tokens_per_response": tokens / n,
+            "above_cutoff_share": above / max(tokens, 1),
+        }
+
+    def _response_forward(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor):
+        """Per batch of ``logprob_batch_size``: ``([B, T] log-prob of each token, [B, T] entropy of the distribution it
+        was drawn from, [B, T] bool response tokens)``, responses tokenised the way the trainers tokenise them."""
+        from rlhf_ext.algos.segment_reward import token_entropy
+        from rlhf_ext.runtime.segment_data import pad_sequences
+
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -148,24 +182,20 @@ class HFPolicy:
                 r_ids = r_ids + [eos]
             seqs.append(p_ids + r_ids)
             starts.append(len(p_ids))
-        out = []
         for lo in range(0, len(seqs), self.logprob_batch_size):
             chunk, first = seqs[lo : lo + self.logprob_batch_size], starts[lo : lo + self.logprob_batch_size]
-            out.append(self._chunk_logprobs(chunk, first, pad))
-        return torch.cat(out) if out else torch.zeros(0)
-
-    def _chunk_logprobs(self, seqs: list[list[int]], starts: list[int], pad: int) -> Tensor:
-        from rlhf_ext.runtime.segment_data import pad_sequences
-
-        ids = pad_sequences(seqs, pad, "right", torch.long).to(self.device)
-        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
-        attention = (pos < lengths.unsqueeze(1)).long()
-        logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
-        logp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        target = pos[:, 1:]  # logits at t predict token t + 1
-        response = (target >= torch.tensor(starts, device=self.device).unsqueeze(1)) & (target < lengths.unsqueeze(1))
-        return torch.where(response, logp, 0.0).sum(1).cpu()
+            ids = pad_sequences(chunk, pad, "right", torch.long).to(self.device)
+            lengths = torch.tensor([len(s) for s in chunk], device=self.device)
+            pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+            attention = (pos < lengths.unsqueeze(1)).long()
+            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
+            logits = logits / self.temperature
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            target = pos[:, 1:]  # logits at t predict token t + 1
+            response = (target >= torch.tensor(first, device=self.device).unsqueeze(1)) & (
+                target < lengths.unsqueeze(1)
+            )
+            yield logp.cpu(), token_entropy(logits, shift=False).cpu(), response.cpu()
 
 
 class BestOfNPolicy:
@@ -230,6 +260,8 @@ class WinRate:
 
     Attributes:
         win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
+        lc_win_rate / lc_stderr / lc_length_coef: the length-controlled win rate (AlpacaEval 2.0's GLM read off at zero
+            length difference, :func:`length_controlled_win_rate`), its standard error and the length coefficient.
         wins / ties / losses: counts of comparisons.
         tie_rate: ``ties / num_comparisons``.
         num_prompts / samples_per_prompt / num_comparisons: sample sizes.
@@ -242,6 +274,9 @@ class WinRate:
 
     win_rate: float
     stderr: float
+    lc_win_rate: float
+    lc_stderr: float
+    lc_length_coef: float
     wins: int
     ties: int
     losses: int
@@ -268,6 +303,68 @@ class WinRate:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LengthControlled:
+    """Result of :func:`length_controlled_win_rate`: the win rate read off at zero length difference, its standard
+    error (delta method, cluster-robust by prompt) and the fitted coefficient of the length feature."""
+
+    win_rate: float
+    stderr: float
+    length_coef: float
+
+
+def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
+    """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
+
+    A logistic regression of the outcome on the normalised length difference,
+    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))``, fitted by maximum likelihood with the
+    outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), then
+    read off at zero length difference: ``LC = sigmoid(a)``. AlpacaEval fits the same formula with an L1 penalty
+    chosen by cross-validation (and, in its default GLM, an instruction-difficulty term this task has no analogue
+    for); here the fit is the plain maximum-likelihood one, solved by Newton's method in float64 (deterministic).
+
+    Args:
+        outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
+            standard error).
+        length, ref_length: ``[P, k]`` response lengths (characters) of the policy and the reference.
+
+    Returns:
+        :class:`LengthControlled`. When no length varies, or every outcome is equal, the fit is the raw win rate.
+    """
+    y = outcome.double().flatten()
+    delta = (length.double() - ref_length.double()).flatten()
+    spread = float(delta.std()) if delta.numel() > 1 else 0.0
+    t = torch.tanh(delta / spread) if spread > 0 else torch.zeros_like(delta)
+    x = torch.stack([torch.ones_like(t), t], dim=1)  # [N, 2]
+    mean = float(y.mean())
+    if mean in (0.0, 1.0) or spread == 0:
+        return LengthControlled(mean, _cluster_stderr(outcome), 0.0)
+    theta = torch.tensor([math.log(mean / (1 - mean)), 0.0], dtype=torch.float64)
+
+    def nll(th: Tensor) -> float:
+        z = x @ th
+        return float(-(y * torch.nn.functional.logsigmoid(z) + (1 - y) * torch.nn.functional.logsigmoid(-z)).sum())
+
+    for _ in range(100):
+        p = torch.sigmoid(x @ theta)
+        gradient = x.T @ (p - y)
+        hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+        step = torch.linalg.solve(hessian, gradient)
+        scale, current = 1.0, nll(theta)
+        while nll(theta - scale * step) > current and scale > 1e-10:  # step halving (separable data)
+            scale /= 2
+        theta = theta - scale * step
+        if float(step.abs().max()) * scale < 1e-12:
+            break
+    p = torch.sigmoid(x @ theta)
+    hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+    scores = (x * (p - y).unsqueeze(1)).view(*outcome.shape, 2).sum(1)  # [P, 2] per-prompt score sums
+    bread = torch.linalg.inv(hessian)
+    covariance = bread @ (scores.T @ scores) @ bread
+    lc = float(torch.sigmoid(theta[0]))
+    return LengthControlled(lc, lc * (1 - lc) * math.sqrt(float(covariance[0, 0])), float(theta[1]))
+
+
 def _cluster_stderr(values: Tensor) -> float:
     """Standard error of the mean of ``[P, k]`` values, clustered by row (prompt)."""
     per_prompt = values.double().mean(1)
@@ -288,6 +385,7 @@ def win_rate(
     seed: int = 0,
     tokenizer=None,
     reference_samples: Samples | None = None,
+    samples: Samples | None = None,
     compute_kl: bool = True,
     **policy_kwargs: Any,
 ) -> WinRate:
@@ -307,6 +405,7 @@ def win_rate(
             against reference sample ``j`` (``P * k`` comparisons; the standard error is clustered by prompt).
         seed: sampling seed of the policy (the reference uses ``seed + 1``); the pool's own seed is its own.
         reference_samples: the reference's ``[P][k]`` samples, if already drawn (e.g. shared by several policies).
+        samples: the policy's ``[P][k]`` samples, if already drawn (with ``seed``).
         compute_kl: estimate KL(policy || reference) (needs ``reference`` to be a model, not only samples).
 
     Returns:
@@ -325,7 +424,8 @@ def win_rate(
     flat_prompts = [p for p in prompts for _ in range(k)]
     flat_styles = [s for s in styles_rows for _ in range(k)]
 
-    samples = pol.sample(prompts, k, seed=seed)
+    if samples is None:
+        samples = pol.sample(prompts, k, seed=seed)
     if reference_samples is None:
         reference_samples = ref.sample(prompts, k, seed=seed + 1)
     if len(reference_samples.texts) != len(prompts) or any(len(r) != k for r in reference_samples.texts):
@@ -365,9 +465,15 @@ def win_rate(
                 "pass compute_kl=False"
             )
 
+    lc = length_controlled_win_rate(
+        outcome, samples.num_chars().view(len(prompts), k), reference_samples.num_chars().view(len(prompts), k)
+    )
     return WinRate(
         win_rate=float(outcome.mean()),
         stderr=_cluster_stderr(outcome),
+        lc_win_rate=lc.win_rate,
+        lc_stderr=lc.stderr,
+        lc_length_coef=lc.length_coef,
         wins=int((outcome == 1).sum()),
         ties=int((outcome == 0.5).sum()),
         losses=int((outcome == 0).sum()),

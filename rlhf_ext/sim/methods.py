@@ -219,9 +219,9 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
     return PolicySpec(str(out), labels=cfg.max_pairs or _num_labels(run, seed))
 
 
-def _ppo(run: SimRun, seed: int, granularity: str) -> PolicySpec:
-    """PPO from the SFT model on the surrogate reward model of ``granularity`` (``run.reward_model(seed,
-    granularity)``) with the recipe's one ``ppo`` section."""
+def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = None) -> PolicySpec:
+    """PPO from the SFT model at ``granularity`` on the surrogate reward model ``run.reward_model(seed, reward_model)``
+    (default: the one named like the granularity) with the recipe's one ``ppo`` section."""
     from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
@@ -236,12 +236,16 @@ def _ppo(run: SimRun, seed: int, granularity: str) -> PolicySpec:
     cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{granularity}_ppo"
     summary_file = out / "ppo_metrics.json"
     if not summary_file.exists():
-        rm = run.reward_model(seed, granularity)
+        rm = run.reward_model(seed, reward_model or granularity)
         feedback = str(run.feedback_dir(seed))
         with atomic_directory(out) as tmp:
             recipe = SegmentPPORecipe(
                 engine="trl",
-                model=PPOModelSection(sft_model=run.sft_model(), reward_model=rm),
+                model=PPOModelSection(
+                    sft_model=run.sft_model(),
+                    reward_model=rm,
+                    critic_model=run.sft_model() if cfg.critic_init == "sft" else rm,
+                ),
                 data=PPODataSection(
                     prompts=str(run.data_dir),
                     prompt_split="unlabeled",
@@ -251,7 +255,7 @@ def _ppo(run: SimRun, seed: int, granularity: str) -> PolicySpec:
                     max_prompt_length=run.recipe.task.max_length // 2,
                     max_completion_length=cfg.max_completion_length,
                 ),
-                segment=PPOSegmentSection(granularity=granularity),
+                segment=PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
                 ppo=PPOAlgoSection(
                     **knob_values(cfg, PPOKnobs),
                     num_generations=cfg.num_generations,
@@ -294,6 +298,13 @@ def segment_ppo(run: SimRun, seed: int) -> PolicySpec:
     """Segment-level PPO (paper 003): dense rewards from a segment reward model (entropy cutoff 2.0), normalised by
     location and spread evenly over each segment's tokens; otherwise as bandit PPO."""
     return _ppo(run, seed, "segment")
+
+
+def chunk_ppo(run: SimRun, seed: int) -> PolicySpec:
+    """Segment-level PPO with fixed-length segments (``granularity: chunk``): the segment reward model read every
+    ``ppo.chunk_size`` tokens instead of at the SFT model's entropy boundaries, so the policy cannot buy reward by
+    moving or multiplying boundaries; normalised by location and spread evenly, as ``segment_ppo``."""
+    return _ppo(run, seed, "chunk", reward_model="segment")
 
 
 def token_ppo(run: SimRun, seed: int) -> PolicySpec:
@@ -416,6 +427,7 @@ METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
     "dpo": dpo,
     "bandit_ppo": bandit_ppo,
     "segment_ppo": segment_ppo,
+    "chunk_ppo": chunk_ppo,
     "token_ppo": token_ppo,
     "online_dpo": online_dpo,
     "online_dpo_async": online_dpo_async,

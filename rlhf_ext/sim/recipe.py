@@ -29,6 +29,7 @@ METHODS: tuple[str, ...] = (
     "dpo",
     "bandit_ppo",
     "segment_ppo",
+    "chunk_ppo",
     "token_ppo",
     "online_dpo",
     "online_dpo_async",
@@ -158,6 +159,9 @@ class EvalSection:
     samples_per_prompt: int = 2
     temperature: float = 1.0
     judge: Literal["pool", "gold"] = "pool"
+    #: ``eval``: the held-out evaluation prompts; ``validation``: the next ``task.max_eval_prompts`` test prompts,
+    #: which ``sim tune`` picks settings on (never the prompts the results are reported on)
+    split: Literal["eval", "validation"] = "eval"
 
 
 @dataclass
@@ -232,6 +236,10 @@ class PPOSection(PPOKnobs):
     learning_rate: float = 1e-4
     critic_learning_rate: float = 1e-4
     max_completion_length: int = 128
+    chunk_size: int = 4
+    #: the GAE critic's initialisation: ``sft`` (the SFT model with a fresh value head, as paper 003's public code
+    #: does) or ``reward_model`` (the surrogate reward model, as AlpacaFarm does)
+    critic_init: Literal["sft", "reward_model"] = "sft"
 
 
 @dataclass
@@ -255,6 +263,26 @@ class OnlineDPOAsyncSection:
     num_samples: int = 4
     beta: float = 0.1
     learning_rate: float = 5e-4
+
+
+@dataclass
+class TuningSection:
+    """``rlhf-ext sim tune``: every method of ``methods`` gets the same ``grid`` (dotted recipe keys -> values; the
+    product is tried), trained on the ``seeds`` given here and evaluated on the validation prompts
+    (``eval.split: validation``); the point with the best mean length-controlled win rate is picked. AlpacaFarm
+    tuned each method in its simulator the same way (paper 002, section 4). Report on other seeds than these."""
+
+    seeds: list[int] = field(default_factory=lambda: [0])
+    methods: list[str] = field(default_factory=list)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"tuning.methods: unknown method(s) {', '.join(unknown)}")
+        for key, values in self.grid.items():
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"tuning.grid.{key} must be a non-empty list of values, got {values!r}")
 
 
 @dataclass
@@ -284,6 +312,9 @@ class SimCompareRecipe:
         default_factory=lambda: OnlineDPOSection(num_iterations=2, prompts_per_iteration=64, num_samples=4)
     )
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
+    #: per-method ``key=value`` overrides applied when that method runs (e.g. the settings ``sim tune`` picked)
+    method_overrides: dict[str, list[str]] = field(default_factory=dict)
+    tuning: TuningSection = field(default_factory=TuningSection)
     #: named budgets: ``--budget NAME`` applies ``budgets[NAME]`` (a list of ``key=value`` overrides) over the file
     budgets: dict[str, Any] = field(default_factory=dict)
 
@@ -293,9 +324,12 @@ class SimCompareRecipe:
         for name, items in self.budgets.items():
             if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
                 raise ValueError(f"budgets.{name} must be a list of key=value overrides, got {items!r}")
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in [*self.methods, *self.method_overrides] if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        for name, items in self.method_overrides.items():
+            if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
+                raise ValueError(f"method_overrides.{name} must be a list of key=value overrides, got {items!r}")
         if not self.methods:
             raise ValueError("methods must list at least one method")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):

@@ -34,6 +34,7 @@ Segment entropies are those of the reference model at the sampling temperature (
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -46,7 +47,14 @@ from trl import GRPOConfig, GRPOTrainer
 from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, clipped_value_loss, per_token_kl, ppo_advantages
-from rlhf_ext.algos.segment_dense import SEGMENTED_GRANULARITIES, DenseRewardKnobs, dense_segment_rewards
+from rlhf_ext.algos.segment_dense import (
+    DenseRewardKnobs,
+    Granularity,
+    SegmentationMonitor,
+    SegmentationRates,
+    dense_segment_rewards,
+    segmentation_rates,
+)
 from rlhf_ext.algos.segment_reward import check_cutoff
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
@@ -272,7 +280,11 @@ class DensePPOTrainer(GRPOTrainer):
 
         # the reference (SFT) model: log-probs for the KL reward and, when the granularity segments responses,
         # entropies for the segmentation, in one forward (the fused head computes entropies only then)
-        self.needs_reference_entropy = not self.uses_reward_funcs and args.granularity in SEGMENTED_GRANULARITIES
+        granularity = Granularity(args.granularity)
+        # dense granularities also need them for the reward-hacking monitor (entropies above the cutoff)
+        self.needs_reference_entropy = not self.uses_reward_funcs and (
+            granularity.needs_entropy or not granularity.is_bandit
+        )
         if ref_model is None:
             ref_model = AutoModelForCausalLM.from_pretrained(policy_id, dtype=self.model.dtype)
         self._add_fused_head(ref_model, entropy=self.needs_reference_entropy)
@@ -296,6 +308,7 @@ class DensePPOTrainer(GRPOTrainer):
                 entropy_cutoff=self.entropy_cutoff,
                 aggregation=self.aggregation,
                 tau=self.seg_tau,
+                chunk_size=args.chunk_size,
                 reward_model_id=model_id(rm_source),
                 max_pairs=args.calibration_max_pairs,
             )
@@ -306,6 +319,10 @@ class DensePPOTrainer(GRPOTrainer):
                 stacklevel=2,
             )
         self.normalizer = normalizer or LocationNormalizer(kind="none")
+        reference_rates = None
+        if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
+            reference_rates = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
+        self.monitor = SegmentationMonitor(reference_rates)
 
         # paper 000 Eq. 7: the KL to the previous task's policy, when one is given (the first task has none) and c > 0
         self.prev_model = None
@@ -447,6 +464,7 @@ class DensePPOTrainer(GRPOTrainer):
                     entropy_cutoff=self.entropy_cutoff,
                     aggregation=self.aggregation,
                     tau=self.seg_tau,
+                    chunk_size=args.chunk_size,
                 )
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
             if finish_in_loss:
@@ -494,7 +512,25 @@ class DensePPOTrainer(GRPOTrainer):
         )
         metrics["segment/segments_per_response"].append(gather(dense.segments.counts.float()).mean().item())
         metrics["segment/response_length"].append(gather(mask.sum(dim=1).float()).mean().item())
+        if not self.uses_reward_funcs and not Granularity(args.granularity).is_bandit:
+            self._monitor_segmentation(mode, dense.segments.counts, mask, ref_entropy)
         return out
+
+    def _monitor_segmentation(self, mode: str, counts: torch.Tensor, mask: torch.Tensor, entropy) -> None:
+        """Log the batch's segments per token and share of tokens above the cutoff (and their ratio to the SFT
+        model's on the calibration responses); warn once when either passes 1.5x (:class:`SegmentationMonitor`)."""
+        gather = self.accelerator.gather
+        counts, mask = gather(counts), gather(mask)
+        entropy = gather(entropy) if entropy is not None else None
+        rates = segmentation_rates(counts, mask, entropy, self.entropy_cutoff)
+        metrics = self._metrics[mode]
+        for name, value in zip(rates._fields, rates):
+            metrics[f"segment/{name}"].append(value)
+        for name, ratio in self.monitor.ratios(rates).items():
+            metrics[f"segment/{name}_vs_sft"].append(ratio)
+        message = self.monitor.check(rates, self.state.global_step) if mode == "train" else None
+        if message is not None and self.accelerator.is_main_process:
+            logging.getLogger("rlhf_ext").warning(message)
 
     def _log_reward(self, mode: str, sequence_reward: torch.Tensor, kl: torch.Tensor) -> None:
         gather = self.accelerator.gather

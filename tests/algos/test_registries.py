@@ -42,7 +42,7 @@ from rlhf_ext.algos.segment_reward import (
 )
 
 OLD_VALUES = [
-    (Granularity, GRANULARITIES, ("segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit")),
+    (Granularity, GRANULARITIES, ("segment", "chunk", "token", "bandit", "bandit_as_segment", "segment_as_bandit")),
     (Interpolation, INTERPOLATIONS, ("even_split", "repeat", "segment_end")),
     (NormalizerKind, NORMALIZER_KINDS, ("none", "global", "last", "regression")),
     (AdvantageEstimator, ESTIMATORS, ("gae", "reinforce", "reinforce_baseline")),
@@ -97,7 +97,8 @@ def test_unknown_names_raise_the_existing_messages():
         interpolate_rewards(torch.ones(1, 2), segments, "sp")
     with pytest.raises(
         ValueError,
-        match=r"^granularity must be one of segment, token, bandit, bandit_as_segment, segment_as_bandit; got 'x'$",
+        match=r"^granularity must be one of segment, chunk, token, bandit, bandit_as_segment, segment_as_bandit; "
+        r"got 'x'$",
     ):
         dense_segment_rewards(scores, mask, entropy=entropy, granularity="x")
     with pytest.raises(

@@ -56,7 +56,25 @@ def test_log_basis_fits_log_p():
     r = 0.7 * p.log() + 0.2 + 0.1 * torch.randn(5000, generator=g, dtype=torch.float64)
     norm = LocationNormalizer.fit(p, r, kind="regression", basis="log")
     assert norm.w_mu == pytest.approx(0.7, abs=0.02) and norm.b_mu == pytest.approx(0.2, abs=0.02)
-    assert norm.mean(torch.tensor(1.0)).item() == pytest.approx(norm.b_mu, abs=1e-6)
+    assert norm.mean(torch.tensor(0.5)).item() == pytest.approx(norm.w_mu * math.log(0.5) + norm.b_mu, abs=1e-6)
+    last = r[p == 1.0]  # the last segment has its own statistics, not the line's value at p = 1
+    assert norm.mean(torch.tensor(1.0)).item() == pytest.approx(last.mean().item(), abs=1e-6)
+    assert norm.std(torch.tensor(1.0)).item() == pytest.approx(last.std().item(), abs=1e-6)
+
+
+def test_last_segment_gets_its_own_statistics_hand_computed():
+    """p = 1 is left out of the line and normalised by its own sample mean and std (the bandit normalizer); the
+    interior locations 1/4, 1/2, 3/4 carry the line."""
+    p = torch.tensor([0.25, 0.5, 0.75, 1.0] * 3, dtype=torch.float64)
+    r = torch.tensor([0.0, 1.0, 2.0, 10.0, 0.5, 1.5, 2.5, 12.0, 1.0, 2.0, 3.0, 14.0], dtype=torch.float64)
+    norm = LocationNormalizer.fit(p, r, kind="regression", min_points=4)
+    # interior means 0.5, 1.5, 2.5 at p = 1/4, 1/2, 3/4: slope 4, intercept -0.5 exactly
+    assert norm.w_mu == pytest.approx(4.0) and norm.b_mu == pytest.approx(-0.5)
+    assert norm.mu_last == pytest.approx(12.0) and norm.sigma_last == pytest.approx(2.0)
+    z = norm.normalize(torch.tensor([12.0, 1.5]), torch.tensor([1.0, 0.5]))
+    assert z[0].item() == pytest.approx(0.0) and z[1].item() == pytest.approx(0.0, abs=1e-6)
+    back = LocationNormalizer.from_dict(norm.to_dict())
+    assert back == norm
 
 
 def test_global_and_last_equal_hand_computed_values():
@@ -268,3 +286,30 @@ def test_per_token_kl_estimators_and_whiten_and_value_loss():
     loss, frac = clipped_value_loss(v, old, ret, torch.ones(1, 2, dtype=torch.bool), clip=0.25)
     # token 0: unclipped err 1, clipped (0.25)^2 -> max 1; token 1: err 1 both -> mean 0.5 * 1
     assert loss.item() == pytest.approx(0.5) and frac.item() == 0.0
+
+
+def test_chunk_rewards_are_invariant_to_any_entropy_segmentation_of_a_fixed_response():
+    """The robust mode's property (random batches): scoring fixed responses with entropies that a policy could steer
+    (lowered by any amount, shuffled, all above the cutoff) gives exactly the same per-token rewards as with the SFT
+    model's own entropies: bound 0. The paper's mode has no such bound: lowering the cutoff multiplies segments and,
+    where normalized segment rewards are positive, the summed reward grows with them."""
+    g = torch.Generator().manual_seed(0)
+    norm = LocationNormalizer(kind="regression", w_mu=0.4, b_mu=-1.0, w_sigma=-0.3, b_sigma=0.0)
+    for _ in range(20):
+        b, t = 6, 40
+        lengths = torch.randint(1, t + 1, (b,), generator=g)
+        mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+        scores = torch.randn(b, t, generator=g)
+        entropy = torch.rand(b, t, generator=g) * 4
+        steered = [entropy - 10, entropy[:, torch.randperm(t, generator=g)], torch.full_like(entropy, 9.0)]
+        base = dense_segment_rewards(scores, mask, entropy, normalizer=norm, granularity="chunk", chunk_size=3)
+        for other in steered:
+            again = dense_segment_rewards(scores, mask, other, normalizer=norm, granularity="chunk", chunk_size=3)
+            assert torch.equal(base.rewards, again.rewards) and torch.equal(base.sequence_reward, again.sequence_reward)
+    # the paper's mode: every token a boundary (text the SFT model finds uncertain everywhere) pays per boundary
+    scores = torch.full((1, 12), 2.0)  # a reward model that scores every prefix above the calibration mean
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    calm, uncertain = torch.zeros(1, 12), torch.full((1, 12), 9.0)
+    few = dense_segment_rewards(scores, mask, calm, normalizer=norm, granularity="segment").sequence_reward
+    many = dense_segment_rewards(scores, mask, uncertain, normalizer=norm, granularity="segment").sequence_reward
+    assert many.item() > 5 * few.item() > 0

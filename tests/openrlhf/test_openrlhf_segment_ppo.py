@@ -28,7 +28,7 @@ def _args(estimator="gae", granularity="segment", normalizer=None, n_samples=1, 
         data=SimpleNamespace(max_len=64),
         ext=SimpleNamespace(
             granularity=granularity, interpolation="even_split", entropy_cutoff=2.0, aggregation="softmax",
-            tau=0.5, normalizer=normalizer, reward_model_id=None,
+            tau=0.5, normalizer=normalizer, reward_model_id=None, chunk_size=4,
         ),
     )  # fmt: skip
 
@@ -81,7 +81,9 @@ def test_bandit_granularity_reproduces_stock_openrlhf_exactly(seg_ppo):
         torch.testing.assert_close(ours.returns, stock.returns, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("granularity", ["segment", "token", "bandit", "bandit_as_segment", "segment_as_bandit"])
+@pytest.mark.parametrize(
+    "granularity", ["segment", "chunk", "token", "bandit", "bandit_as_segment", "segment_as_bandit"]
+)
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline"])
 def test_trl_and_openrlhf_paths_give_identical_rewards_and_advantages(seg_ppo, granularity, estimator):
     """Identical tensors through OpenRLHF's experience maker (its GAE loop, its reward clip, its group baseline and
@@ -116,6 +118,27 @@ def test_trl_and_openrlhf_paths_give_identical_rewards_and_advantages(seg_ppo, g
         _, plain, _ = ppo_advantages(dense_trl.rewards, kl, mask, 0.05, None, "reinforce", group_size=2,
                                      clip_range=(-1.5, 1.5))  # fmt: skip
         assert not torch.allclose(plain, adv, atol=1e-3)
+
+
+def test_chunk_rewards_do_not_depend_on_the_segmentation_the_policy_can_steer(seg_ppo):
+    """The robust mode on OpenRLHF's experience maker: for fixed responses and scores, entropies that would move or
+    multiply entropy boundaries (a lower effective cutoff, shuffled positions) leave every dense reward unchanged;
+    the paper's mode gets a different summed reward from the same responses."""
+    exp, scores, entropy = _experience(seed=5)
+    steered = entropy[:, torch.randperm(entropy.shape[1], generator=torch.Generator().manual_seed(0))] + 1.5
+    norm = LocationNormalizer(kind="regression", w_mu=0.3, b_mu=-2.0, w_sigma=-0.5, b_sigma=0.1)
+    summed = {}
+    for granularity in ("chunk", "segment"):
+        for name, ent in (("sft", entropy), ("steered", steered)):
+            e = _experience(seed=5)[0]
+            e.rewards = scores.clone()
+            maker = _maker(seg_ppo.SegmentExperienceMaker, _args("reinforce", granularity=granularity))
+            maker.normalizer = norm
+            maker.attach_dense_rewards([e], [ent])
+            summed[granularity, name] = (getattr(e.kl, seg_ppo.DENSE_ATTR), e.info["reward"])
+    assert torch.equal(summed["chunk", "sft"][0], summed["chunk", "steered"][0])
+    assert torch.equal(summed["chunk", "sft"][1], summed["chunk", "steered"][1])
+    assert not torch.equal(summed["segment", "sft"][1], summed["segment", "steered"][1])
 
 
 def test_reinforce_path_matches_reward_to_go(seg_ppo):

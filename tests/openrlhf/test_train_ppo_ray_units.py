@@ -161,7 +161,7 @@ def test_logged_reward_survives_openrlhf_length_penalty_step():
                                stop_properly_penalty_coef=None),
         data=SimpleNamespace(max_len=64),
         ext=SimpleNamespace(granularity="token", interpolation="even_split", entropy_cutoff=None, aggregation=None,
-                            tau=None, normalizer=None, reward_model_id=None),
+                            tau=None, normalizer=None, reward_model_id=None, chunk_size=4),
     )  # fmt: skip
     maker = segment_ppo.SegmentExperienceMaker(
         None, None, None, None, FixedKLController(0.0), SimpleNamespace(args=args), tokenizer=None

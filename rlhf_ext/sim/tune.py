@@ -1,0 +1,156 @@
+"""``rlhf-ext sim tune``: the same small tuning grid for every method, picked on validation prompts (paper 002).
+
+AlpacaFarm compared methods after tuning each in its simulator; comparing one method at its tuned setting against
+another at a setting chosen for something else says little. :func:`run_tuning` gives every method of the recipe's
+``tuning`` section the same grid (the product of ``tuning.grid``'s values), trains each point on ``tuning.seeds``
+and evaluates it exactly as ``sim compare`` does, but on the *validation* prompts (``eval.split: validation``, test
+prompts disjoint from the reported ones), never by gold and never by the surrogate reward. Per method it picks the
+point with the best mean length-controlled win rate (raw win rates reward length; see
+:func:`rlhf_ext.sim.evaluate.length_controlled_win_rate`). The picked points are what ``method_overrides`` of a
+comparison recipe should hold; report on seeds other than the tuning seeds.
+
+Layout: each (method, point) is a comparison directory of its own under ``OUTPUT_DIR/tuning/`` whose shared
+artefacts (task splits, base and SFT models, the seed's feedback and surrogate reward models) are links to the main
+directory's, so every point of every method trains from the same SFT model on the same feedback. Finished points are
+reused on rerun, and the points run in ``workers`` processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf_ext.config import apply_overrides, from_dict, to_dict
+from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
+from rlhf_ext.sim.compare import RM_KINDS, SimRun, mean_se, run_jobs
+from rlhf_ext.sim.recipe import SimCompareRecipe
+
+#: The artefacts a tuning point shares with the main comparison directory (links), at the top and per seed.
+SHARED = ("data", "base", "sft")
+SHARED_PER_SEED = ("feedback", *(f"rm_{kind}" for kind in RM_KINDS))
+
+
+def grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The product of ``grid``'s values, in key order then value order: ``{"a": [1, 2], "b": [3]}`` ->
+    ``[{"a": 1, "b": 3}, {"a": 2, "b": 3}]`` (one empty point for an empty grid)."""
+    keys = list(grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def point_name(point: dict[str, Any]) -> str:
+    """A directory name for a grid point: ``lr=0.001,kl=0.05`` style, from the keys' last parts."""
+    return ",".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()) or "default"
+
+
+def point_recipe(recipe: SimCompareRecipe, method: str, point: dict[str, Any], seed: int) -> SimCompareRecipe:
+    """The comparison recipe of one tuning run: ``method`` alone on ``seed``, at ``point`` (the recipe's own
+    ``method_overrides`` are dropped: the grid replaces them), evaluated on the validation prompts."""
+    data = to_dict(recipe)
+    data["method_overrides"] = {}
+    root = Path(recipe.output_dir) / "tuning" / method / point_name(point)
+    overrides = [
+        f"output_dir={root}",
+        f"methods=[{method}]",
+        f"seeds=[{seed}]",
+        "workers=1",
+        "eval.split=validation",
+        *(f"{k}={json.dumps(v)}" for k, v in point.items()),
+    ]
+    return from_dict(SimCompareRecipe, apply_overrides(data, overrides))
+
+
+def link_shared(main: Path, sub: Path, seed: int) -> None:
+    """Link the main directory's shared artefacts (and ``seed``'s) into the tuning directory ``sub``."""
+    for src, dest in [
+        *((main / n, sub / n) for n in SHARED),
+        *((main / f"seed-{seed}" / n, sub / f"seed-{seed}" / n) for n in SHARED_PER_SEED),
+    ]:
+        if src.exists() and not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.symlink_to(src.resolve(), target_is_directory=True)
+
+
+def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run every (method, grid point, tuning seed) of ``recipe.tuning`` that has no result yet, pick each method's
+    best point and write ``OUTPUT_DIR/tuning/tuning.json`` and ``tuning.md``; returns the summary."""
+    tuning = recipe.tuning
+    if not tuning.methods or not tuning.grid:
+        raise ValueError("the recipe's tuning section needs methods and a grid (tuning.methods, tuning.grid)")
+    main = Path(recipe.output_dir)
+    shared = SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": tuning.seeds}), progress)
+    shared.check_directory()
+    shared.sft_model()
+    for seed in tuning.seeds:  # the artefacts every point shares, built once here
+        for kind in RM_KINDS:
+            shared.reward_model(seed, kind)
+    jobs = []
+    for method in tuning.methods:
+        for point in grid_points(tuning.grid):
+            for seed in tuning.seeds:
+                sub = point_recipe(recipe, method, point, seed)
+                link_shared(main, Path(sub.output_dir), seed)
+                jobs.append(sub)
+    run_jobs(jobs, recipe.workers, recipe.threads, progress)
+    summary = summarise_tuning(recipe)
+    root = main / "tuning"
+    atomic_write_json(root / "tuning.json", summary)
+    atomic_write_text(root / "tuning.md", tuning_markdown(summary) + "\n")
+    return summary
+
+
+def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
+    """Per method: every grid point's mean (± s.e. over tuning seeds) validation win rate, LC win rate, gold, KL and
+    length, and the picked point (best mean LC win rate; ties go to the earlier point)."""
+    from rlhf_ext.sim.compare import result_path
+
+    methods = {}
+    for method in recipe.tuning.methods:
+        rows = []
+        for point in grid_points(recipe.tuning.grid):
+            root = Path(point_recipe(recipe, method, point, recipe.tuning.seeds[0]).output_dir)
+            paths = [result_path(root, method, seed) for seed in recipe.tuning.seeds]
+            results = [json.loads(p.read_text()) for p in paths if p.exists()]
+            if not results:
+                continue
+            row: dict[str, Any] = {"point": point, "seeds": [r["seed"] for r in results]}
+            for key in ("lc_win_rate", "win_rate", "gold_mean", "kl", "avg_length_chars", "segments_per_response"):
+                row[key], row[f"{key}_se"] = mean_se([r.get(key) for r in results])
+            rows.append(row)
+        finite = [r for r in rows if not math.isnan(r["lc_win_rate"])]
+        picked = max(finite, key=lambda r: r["lc_win_rate"]) if finite else None
+        methods[method] = {
+            "points": rows,
+            "picked": picked["point"] if picked else None,
+            "overrides": [f"{k}={v}" for k, v in picked["point"].items()] if picked else [],
+        }
+    return {"seeds": recipe.tuning.seeds, "grid": recipe.tuning.grid, "criterion": "lc_win_rate", "methods": methods}
+
+
+def tuning_markdown(summary: dict[str, Any]) -> str:
+    """The tuning results: one row per (method, point), the picked point marked."""
+    from rlhf_ext.sim.compare import fmt
+
+    lines = [
+        f"Tuning on validation prompts, seeds {summary['seeds']}; picked by the mean length-controlled win rate.",
+        "",
+        "| method | point | LC win rate | win rate | gold | KL | length (chars) | segments / response | picked |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, entry in summary["methods"].items():
+        for r in entry["points"]:
+            lines.append(
+                f"| {method} | {point_name(r['point'])} | {fmt(r['lc_win_rate'], r['lc_win_rate_se'])} | "
+                f"{fmt(r['win_rate'], r['win_rate_se'])} | {fmt(r['gold_mean'], r['gold_mean_se'], 2, True)} | "
+                f"{fmt(r['kl'], r['kl_se'], 1)} | {fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | "
+                f"{fmt(r['segments_per_response'], r['segments_per_response_se'], 1)} | "
+                f"{'yes' if r['point'] == entry['picked'] else ''} |"
+            )
+    lines.append("")
+    lines.append("method_overrides for the comparison recipe:")
+    for method, entry in summary["methods"].items():
+        lines.append(f"  {method}: [{', '.join(entry['overrides'])}]")
+    return "\n".join(lines)
