@@ -429,24 +429,25 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
 
         with torch_threads(recipe.threads):
             run.sft_model()  # built once, before the workers share it
-        jobs = [from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]}) for s in pending]
+        jobs = [(f"seed {s}", from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]})) for s in pending]
     else:
-        jobs = [recipe]
+        jobs = [("", recipe)]
     run_jobs(jobs, recipe.workers, recipe.threads, progress)
     summary = summarise(recipe, wall_seconds=time.time() - start)
     summary["reports"] = write_reports(summary, run.root)
     return summary
 
 
-def run_jobs(jobs: list[SimCompareRecipe], workers: int, threads: int | None, progress: Progress) -> None:
-    """Run every (method, seed) of each recipe in ``jobs`` that has no result yet: here, or with ``workers > 1`` and
-    several jobs in that many spawned processes (each with ``threads`` torch threads). Workers write their progress
-    lines to standard error, prefixed with the job's seeds; every result is the same either way."""
+def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: int | None, progress: Progress) -> None:
+    """Run every (method, seed) of each ``(label, recipe)`` in ``jobs`` that has no result yet: here, or with
+    ``workers > 1`` and several jobs in that many spawned processes (each with ``threads`` torch threads). Workers
+    write their progress lines to standard error, prefixed with the job's label; every result is the same either
+    way."""
     from rlhf_ext.runtime.async_runner import torch_threads
 
     if workers <= 1 or len(jobs) <= 1:
         with torch_threads(threads):
-            for job in jobs:
+            for _, job in jobs:
                 run = SimRun(job, progress)
                 run_dir = run.check_directory()
                 for seed in job.seeds:
@@ -459,16 +460,12 @@ def run_jobs(jobs: list[SimCompareRecipe], workers: int, threads: int | None, pr
     context = multiprocessing.get_context("spawn")
     init = {"initializer": _init_worker, "initargs": (list(warnings.filters),)}
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, **init) as pool:
-        futures = [(job, pool.submit(_run_job_in_worker, job)) for job in jobs]
-        for job, _ in futures:
-            progress(f"[{_job_name(job)}] started in a worker process")
-        for job, future in futures:
+        futures = [(label, pool.submit(_run_job_in_worker, label, job)) for label, job in jobs]
+        for label, _ in futures:
+            progress(f"[{label}] started in a worker process")
+        for label, future in futures:
             future.result()
-            progress(f"[{_job_name(job)}] finished")
-
-
-def _job_name(job: SimCompareRecipe) -> str:
-    return f"seed {','.join(map(str, job.seeds))}"
+            progress(f"[{label}] finished")
 
 
 def _init_worker(warning_filters: list) -> None:
@@ -487,13 +484,13 @@ def _init_worker(warning_filters: list) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _run_job_in_worker(job: SimCompareRecipe) -> None:
+def _run_job_in_worker(label: str, job: SimCompareRecipe) -> None:
     import sys
 
     def progress(message: str) -> None:
-        print(f"[worker {_job_name(job)}] {message}", file=sys.stderr, flush=True)
+        print(f"[worker {label}] {message}", file=sys.stderr, flush=True)
 
-    run_jobs([job], 1, job.threads, progress)
+    run_jobs([(label, job)], 1, job.threads, progress)
 
 
 def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> None:

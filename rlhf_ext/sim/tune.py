@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_ext.config import apply_overrides, from_dict, to_dict
+from rlhf_ext.runtime.async_runner import torch_threads
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 from rlhf_ext.sim.compare import RM_KINDS, SimRun, mean_se, run_jobs
 from rlhf_ext.sim.recipe import SimCompareRecipe
@@ -83,17 +84,18 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
     main = Path(recipe.output_dir)
     shared = SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": tuning.seeds}), progress)
     shared.check_directory()
-    shared.sft_model()
-    for seed in tuning.seeds:  # the artefacts every point shares, built once here
-        for kind in RM_KINDS:
-            shared.reward_model(seed, kind)
+    with torch_threads(recipe.threads):
+        shared.sft_model()
+        for seed in tuning.seeds:  # the artefacts every point shares, built once here
+            for kind in RM_KINDS:
+                shared.reward_model(seed, kind)
     jobs = []
     for method in tuning.methods:
         for point in grid_points(tuning.grid):
             for seed in tuning.seeds:
                 sub = point_recipe(recipe, method, point, seed)
                 link_shared(main, Path(sub.output_dir), seed)
-                jobs.append(sub)
+                jobs.append((f"{method} {point_name(point)} seed {seed}", sub))
     run_jobs(jobs, recipe.workers, recipe.threads, progress)
     summary = summarise_tuning(recipe)
     root = main / "tuning"

@@ -18,12 +18,14 @@ def packaged(*overrides: str) -> SimCompareRecipe:
     return load_recipe(SimCompareRecipe, recipe_path("sim_compare"), overrides)
 
 
-def test_packaged_recipe_lists_every_method_and_three_seeds():
+def test_packaged_recipe_lists_every_method_and_three_seeds_other_than_the_tuning_seed():
     r = packaged()
-    assert r.methods == list(METHODS) and r.seeds == [0, 1, 2]
+    assert r.methods == list(METHODS) and r.seeds == [1, 2, 3]
+    assert not set(r.tuning.seeds) & set(r.seeds)  # settings are picked on seeds the comparison does not report
+    assert set(r.tuning.methods) == {"bandit_ppo", "segment_ppo", "chunk_ppo", "token_ppo"}
     assert r.feedback.pool.flip_prob == 0.25 and r.eval.judge == "pool"
     assert r.feedback.pairs == "sft_samples" and r.task.phrase_credit == "partial"  # AlpacaFarm's protocol, graded gold
-    assert {"bandit_ppo", "segment_ppo", "token_ppo"} <= set(r.methods)  # one `ppo` section: the same budget
+    assert {"bandit_ppo", "segment_ppo", "chunk_ppo", "token_ppo"} <= set(r.methods)  # one `ppo` section: one budget
 
 
 def test_named_budget_applies_its_overrides_under_the_command_line():
@@ -57,6 +59,8 @@ def test_recipe_errors_name_the_key():
 def test_fingerprint_ignores_only_the_free_keys():
     base = recipe_fingerprint(packaged())
     assert recipe_fingerprint(packaged("seeds=[5]", "methods=[dpo]", "output_dir=x", "threads=2")) == base
+    assert recipe_fingerprint(packaged("tuning.seeds=[7]")) == base  # tuning runs live in their own directories
+    assert recipe_fingerprint(packaged("method_overrides={dpo: [dpo.beta=0.2]}")) != base
     assert recipe_fingerprint(packaged("dpo.beta=0.2")) != base
     assert recipe_fingerprint(packaged("task.num_samples=100")) != base
 
@@ -68,7 +72,7 @@ def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
     for seed, wr in ((0, 0.5), (1, 0.7)):  # seed 2 of dpo not finished: summarised over the finished ones
         path = result_path(tmp_path, "dpo", seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**base, "seed": seed, "win_rate": wr, "gold_mean": 2 * wr}))
+        path.write_text(json.dumps({**base, "seed": seed, "win_rate": wr, "gold_mean": 2 * wr, "lc_win_rate": wr - 0.1}))
     summary = summarise(r)
     (row,) = summary["methods"]  # sft has no results and is left out
     assert row["method"] == "dpo" and row["seeds"] == [0, 1]
@@ -77,7 +81,7 @@ def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
     assert math.isnan(summarise(packaged(f"output_dir={tmp_path}", "methods=[dpo]", "seeds=[1]"))["methods"][0][
         "win_rate_se"])  # fmt: skip
     table = markdown_table(summary)
-    assert "| dpo | 0.600 ± 0.100 | +1.20 ± 0.20 |" in table and "46.8" in table
+    assert "| dpo | 0.600 ± 0.100 | 0.500 ± 0.100 | +1.20 ± 0.20 |" in table and "46.8" in table
 
 
 def test_cli_budget_option_reaches_the_recipe():

@@ -1,0 +1,84 @@
+"""``sim tune``: grid points, the tuning runs' recipes, the pick, and per-method overrides in a comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_ext.config import RecipeError, load_recipe
+from rlhf_ext.sim.compare import SimRun, result_path
+from rlhf_ext.sim.recipe import SimCompareRecipe
+from rlhf_ext.sim.tune import grid_points, link_shared, point_name, point_recipe, summarise_tuning
+
+
+def packaged(*overrides: str) -> SimCompareRecipe:
+    from rlhf_ext.recipes import recipe_path
+
+    return load_recipe(SimCompareRecipe, recipe_path("sim_compare"), overrides)
+
+
+def test_grid_points_are_the_product_in_key_order():
+    grid = {"ppo.learning_rate": [1e-4, 3e-4], "ppo.kl_coef": [0.01, 0.05, 0.1]}
+    points = grid_points(grid)
+    assert len(points) == 6
+    assert points[0] == {"ppo.learning_rate": 1e-4, "ppo.kl_coef": 0.01}
+    assert points[-1] == {"ppo.learning_rate": 3e-4, "ppo.kl_coef": 0.1}
+    assert point_name(points[1]) == "learning_rate=0.0001,kl_coef=0.05"
+    assert grid_points({}) == [{}]
+
+
+def test_a_tuning_run_is_the_method_alone_at_the_point_on_validation_prompts(tmp_path):
+    recipe = packaged(f"output_dir={tmp_path}", "method_overrides={segment_ppo: [ppo.learning_rate=0.5]}")
+    sub = point_recipe(recipe, "segment_ppo", {"ppo.learning_rate": 1e-3, "ppo.kl_coef": 0.01}, seed=0)
+    assert sub.methods == ["segment_ppo"] and sub.seeds == [0] and sub.eval.split == "validation"
+    assert sub.ppo.learning_rate == 1e-3 and sub.ppo.kl_coef == 0.01  # the point, not the recipe's override
+    assert sub.method_overrides == {}
+    assert Path(sub.output_dir) == tmp_path / "tuning" / "segment_ppo" / "learning_rate=0.001,kl_coef=0.01"
+
+
+def test_shared_artefacts_are_links_to_the_main_directory(tmp_path):
+    main, sub = tmp_path / "main", tmp_path / "main" / "tuning" / "m" / "p"
+    for name in ("data", "sft", "seed-0/feedback", "seed-0/rm_segment"):
+        (main / name).mkdir(parents=True)
+    link_shared(main, sub, 0)
+    assert (sub / "sft").resolve() == (main / "sft").resolve() and (sub / "seed-0" / "rm_segment").is_symlink()
+    assert not (sub / "base").exists()  # nothing to link yet: the run builds (or fails on) it itself
+
+
+def _result(root: Path, method: str, seed: int, lc: float, win: float) -> None:
+    path = result_path(root, method, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seed": seed, "lc_win_rate": lc, "win_rate": win, "gold_mean": 0.0, "kl": 1.0,
+                                "avg_length_chars": 100.0, "segments_per_response": 5.0}))  # fmt: skip
+
+
+def test_the_pick_is_the_best_mean_length_controlled_win_rate_not_the_raw_one(tmp_path):
+    recipe = packaged(
+        f"output_dir={tmp_path}", "tuning.seeds=[0,4]", "tuning.methods=[bandit_ppo]",
+        "tuning.grid={ppo.learning_rate: [0.001, 0.002]}",
+    )  # fmt: skip
+    points = grid_points(recipe.tuning.grid)
+    roots = [Path(point_recipe(recipe, "bandit_ppo", p, 0).output_dir) for p in points]
+    _result(roots[0], "bandit_ppo", 0, lc=0.60, win=0.90)  # long responses: high raw, lower LC
+    _result(roots[0], "bandit_ppo", 4, lc=0.62, win=0.88)
+    _result(roots[1], "bandit_ppo", 0, lc=0.70, win=0.70)
+    _result(roots[1], "bandit_ppo", 4, lc=0.64, win=0.66)
+    summary = summarise_tuning(recipe)["methods"]["bandit_ppo"]
+    assert summary["picked"] == {"ppo.learning_rate": 0.002}
+    assert summary["overrides"] == ["ppo.learning_rate=0.002"]
+    assert summary["points"][1]["lc_win_rate"] == pytest.approx(0.67)
+    assert summary["points"][0]["seeds"] == [0, 4]
+
+
+def test_method_overrides_reach_only_their_method(tmp_path):
+    recipe = packaged(f"output_dir={tmp_path}", "method_overrides={segment_ppo: [ppo.kl_coef=0.2]}")
+    run = SimRun(recipe)
+    assert run.for_method("segment_ppo").recipe.ppo.kl_coef == 0.2
+    assert run.for_method("bandit_ppo").recipe.ppo.kl_coef == recipe.ppo.kl_coef
+    assert run.for_method("bandit_ppo") is run
+    with pytest.raises(RecipeError, match="method_overrides.dpo must be a list of key=value overrides"):
+        packaged("method_overrides={dpo: [beta]}")
+    with pytest.raises(RecipeError, match="unknown method"):
+        packaged("method_overrides={rlhf: [x=1]}")
