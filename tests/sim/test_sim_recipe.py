@@ -72,7 +72,8 @@ def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
     for seed, wr in ((0, 0.5), (1, 0.7)):  # seed 2 of dpo not finished: summarised over the finished ones
         path = result_path(tmp_path, "dpo", seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**base, "seed": seed, "win_rate": wr, "gold_mean": 2 * wr, "lc_win_rate": wr - 0.1}))
+        result = {**base, "seed": seed, "win_rate": wr, "gold_mean": 2 * wr, "lc_win_rate": wr - 0.1}
+        path.write_text(json.dumps(result))
     summary = summarise(r)
     (row,) = summary["methods"]  # sft has no results and is left out
     assert row["method"] == "dpo" and row["seeds"] == [0, 1]
