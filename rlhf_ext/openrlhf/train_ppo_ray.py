@@ -126,7 +126,8 @@ def resolve_rollout_engine(requested: str, cluster: Cluster) -> str:
         return requested
     if cluster.total_gpus and not cluster.logical:
         return "vllm"
-    logger.info("no GPUs in %s: rollouts use the HF generate engine (--ext.rollout_engine hf)", cluster.describe())
+    why = "the cluster's GPUs are logical (no accelerator)" if cluster.total_gpus else "no GPUs in the cluster"
+    logger.info("%s: rollouts use the HF generate engine (--ext.rollout_engine hf)", why)
     return "hf"
 
 
@@ -248,11 +249,7 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
     :class:`ExtArgsError` before Ray starts), start Ray with the worker hook."""
     import ray
 
-    args.ext = nest(ext)
-    if args.ext.rollout_engine == "hf":
-        changed = cpu_settings(args)
-        if changed:
-            logger.info("HF rollout engine: using %s", ", ".join(changed))
+    attach_ext(args, ext)
     plan = preflight(args, cluster, methods)
     for line in plan.table().splitlines():
         logger.info(line)
@@ -269,17 +266,23 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
     return plan
 
 
-def cli_argv(argv: Sequence[str], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
-    """Split off and resolve the ``--ext`` flags (the rollout engine from ``cluster``); returns (OpenRLHF argv, ext).
-    Raises :class:`ExtArgsError` for a bad ``--ext`` value."""
-    try:
-        rest, ext = parse_ext_args(argv)
-    except ValueError as error:
-        raise ExtArgsError(str(error)) from None
-    ext["rollout_engine"] = resolve_rollout_engine(ext["rollout_engine"], cluster)
+def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
+    """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
+    ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
+    engine count, so it must be on the command line)."""
+    ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster)}
     if ext["rollout_engine"] == "hf" and flag_value(rest, "--vllm.num_engines", None) is None:
-        rest += ["--vllm.num_engines", "1"]  # one HF engine (OpenRLHF's packing fix-up asserts an engine count)
+        rest = [*rest, "--vllm.num_engines", "1"]
     return rest, ext
+
+
+def attach_ext(args: Any, ext: dict[str, Any]) -> None:
+    """``args.ext`` for OpenRLHF's parsed arguments, and the CPU settings the HF rollout engine needs."""
+    args.ext = nest(ext)
+    if args.ext.rollout_engine == "hf":
+        changed = cpu_settings(args)
+        if changed:
+            logger.info("HF rollout engine: using %s", ", ".join(changed))
 
 
 def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
@@ -287,14 +290,15 @@ def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, l
     launch computes it (OpenRLHF's parser and fix-ups, then :func:`preflight`) without starting anything. Raises
     :class:`ExtArgsError` for what :func:`check_args` refuses and :class:`PlanError` for what OpenRLHF's own
     argument checks refuse."""
-    rest, ext = cli_argv(argv, cluster)
+    try:
+        rest, ext = for_cluster(*parse_ext_args(argv), cluster)
+    except ValueError as error:
+        raise ExtArgsError(str(error)) from None
     try:
         args = parsed_args("openrlhf.cli.train_ppo_ray", rest)
     except AssertionError as error:
         raise PlanError(f"OpenRLHF refuses these arguments: {error}") from None
-    args.ext = nest(ext)
-    if args.ext.rollout_engine == "hf":
-        cpu_settings(args)
+    attach_ext(args, ext)
     return preflight(args, cluster, methods, lookup)
 
 
@@ -311,11 +315,11 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
         print("rlhf-ext flags:\n" + "".join(f"  --ext.{k} (default: {v})\n" for k, v in EXT_DEFAULTS.items()))
         print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
-        parse_ext_args(argv)  # a bad --ext flag is refused before anything else
-        cluster = cluster if cluster is not None else detect_cluster()
-        rest, ext = cli_argv(argv, cluster)
-    except ExtArgsError as error:
+        rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else
+    except ValueError as error:
         _refuse(error)
+    cluster = cluster if cluster is not None else detect_cluster()
+    rest, ext = for_cluster(rest, ext, cluster)
     install(worker_settings(nest(ext), methods), driver=True)  # before the CLI imports the classes it builds
 
     def before_train(args: Any) -> None:

@@ -164,7 +164,10 @@ def test_reward_actor_returns_scores_at_every_position(seg_ppo, tiny_sft_path, t
     model = _get_reward_model(LlamaPreTrainedModel, LlamaModel, "score")(config).eval()
     model.load_state_dict(hf.state_dict())
     actor = seg_ppo._SegmentRewardActor.__new__(seg_ppo._SegmentRewardActor)
-    actor.model, actor.strategy = model, SimpleNamespace(ring_attn_group=None)
+    actor.model = model
+    actor.strategy = SimpleNamespace(
+        ring_attn_group=None, args=SimpleNamespace(ds=SimpleNamespace(packing_samples=False))
+    )
     actor._capture = TokenScoreCapture(model)
     ids = torch.tensor([toy_tok("Question: hi\nAnswer: Many people wonder about this.")["input_ids"]] * 2)
     mask = torch.ones_like(ids)

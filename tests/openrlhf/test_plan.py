@@ -129,15 +129,16 @@ def test_B_dynamic_batching_forces_packing_which_the_check_now_sees_and_supports
     the fixed-up arguments (it used to run before them) and segment rewards now support packing. (Ring attention and
     agent functions, the other two flags, are refused with their own names: test_train_ppo_ray_units.)"""
     from rlhf_ext.openrlhf.cli_runner import parsed_args
-    from rlhf_ext.openrlhf.train_ppo_ray import cli_argv, nest, preflight
+    from rlhf_ext.openrlhf.train_ppo_ray import attach_ext, for_cluster, parse_ext_args, preflight
 
     argv = ["--actor.model_name_or_path", phi3, "--reward.model_name_or_path", phi3, "--train.dynamic_batch_enable",
             "--ext.granularity", "segment"]  # fmt: skip
     cpu = Cluster((0,))
-    rest, ext = cli_argv(argv, cpu)
+    rest, ext = for_cluster(*parse_ext_args(argv), cpu)
     args = parsed_args("openrlhf.cli.train_ppo_ray", rest)
     assert args.ds.packing_samples and args.rollout.max_tokens_per_gpu == args.train.max_tokens_per_gpu
-    args.ext = nest(ext)
+    attach_ext(args, ext)
+    assert args.ds.attn_implementation == "sdpa"  # OpenRLHF asked for flash-attention with packing; CPU: sdpa
     assert preflight(args, cpu).problems == []
 
 

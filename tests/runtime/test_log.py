@@ -17,7 +17,7 @@ from rlhf_ext.runtime.log import (
     parse_verbosity,
 )
 
-NO_CUDA_NOTICE = "no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)"
+NO_CUDA_NOTICE = "no GPUs in the cluster: rollouts use the HF generate engine (--ext.rollout_engine hf)"
 
 
 @pytest.fixture()
