@@ -204,7 +204,9 @@ def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, 
     """The pre-flight plan of a recipe: placement and memory per GPU, before any model loads (every launch runs the
     same check first). Exit code 2 if the plan cannot run."""
     from rlhf_ext.config import RecipeError, load_recipe, read_yaml
+    from rlhf_ext.pipelines.plan import segment_rm_plan
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, plan_segment_ppo
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
     from rlhf_ext.runtime.resources import parse_cluster
 
     if cluster == "auto":
@@ -215,15 +217,15 @@ def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, 
         shape = parse_cluster(cluster, gpu_memory)
     path = recipe_path(config_path)
     sections = set(read_yaml(path))
-    if not {"segment", "ppo"} <= sections:
+    if "segment" not in sections or sections & {"online", "continual", "methods"}:
         raise RecipeError(
-            f"{config_path}: `rlhf-ext plan` plans segment PPO recipes (sections segment: and ppo:); this recipe has "
-            f"{', '.join(sorted(sections))}"
+            f"{config_path}: `rlhf-ext plan` plans segment PPO and segment reward-model recipes (a segment: section); "
+            f"this recipe has {', '.join(sorted(sections))}"
         )
-    recipe = load_recipe(SegmentPPORecipe, path, overrides)
+    recipe = load_recipe(SegmentPPORecipe if "ppo" in sections else SegmentRMRecipe, path, overrides)
     if engine is not None:
         recipe.engine = engine
-    result = plan_segment_ppo(recipe, shape)
+    result = plan_segment_ppo(recipe, shape) if "ppo" in sections else segment_rm_plan(recipe, shape)
     click.echo(result.table())
     if result.problems:
         _fail(result.problems[0])

@@ -4,7 +4,8 @@ loads — the same check every launch of the recipe runs first.
 * ``engine: openrlhf`` PPO recipes (:func:`rlhf_ext.pipelines.segment_ppo.plan_segment_ppo`): the exact
   ``train_ppo_ray`` command line the launch would run on that cluster, parsed by OpenRLHF's own CLI with its
   fix-ups, then :func:`rlhf_ext.openrlhf.train_ppo_ray.preflight`: placement of every role and per-GPU memory.
-* TRL recipes (one process per GPU under ``accelerate``/``torchrun``): every GPU holds every model of the job; the
+* segment reward-model recipes (:func:`segment_rm_plan`) and TRL recipes (one process per GPU under
+  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job; the
   trained models' states are fp32 under DDP, or DeepSpeed's bf16 ZeRO shards when ``train.trl_args.deepspeed`` names
   a DeepSpeed config (TRL's ``TrainingArguments.deepspeed``); the frozen models and the TRL PPO critic are prepared
   by accelerate without DeepSpeed and stay fp32 on every GPU.
@@ -167,3 +168,33 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
         "zero_optimization.stage 3>}) or use a smaller model"
     )
     return trl_plan(f"segment PPO (TRL, {recipe.model.sft_model})", cluster, roles, fix)
+
+
+def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
+    """The reward model of a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` on every GPU: OpenRLHF's
+    ``train_rm`` under DeepSpeed (bf16, ``train.zero_stage`` over every GPU) or TRL's ``RewardTrainer`` (fp32 DDP, or
+    ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences. (The
+    SFT model that segments the data runs before training, once, and is not resident with it.)"""
+    t = recipe.train
+    size = _sized(recipe.model.sft_model, None)
+    tokens = 2 * t.micro_batch_size * recipe.data.max_length
+    ckpt = t.gradient_checkpointing
+    world = max(cluster.total_gpus, 1)
+    if recipe.engine == "openrlhf":
+        zero = int(t.openrlhf_args.get("ds.zero_stage", t.zero_stage))
+        role = RoleMemory("reward", f"ZeRO-{zero} x{world}" + (", grad ckpt" if ckpt else ""), size)
+        if size is not None:
+            role.params = size.value_model_params
+            offload = bool(t.openrlhf_args.get("ds.adam_offload"))
+            role.weights, role.grads, role.optimizer = training_state(
+                role.params, zero, world, offload_optimizer=offload
+            )
+            role.activations = activation_bytes(size, tokens, True, ckpt, lm_head=False)
+        title = f"segment reward model (OpenRLHF train_rm, {recipe.model.sft_model})"
+    else:
+        role = _trl_role("policy", size, cluster, deepspeed_stage(t.trl_args), trainable=True, lm_head=False,
+                         tokens=tokens, checkpointing=ckpt)  # fmt: skip
+        role.role = "reward"
+        title = f"segment reward model (TRL, {recipe.model.sft_model})"
+    fix = "use DeepSpeed ZeRO-3 (train.zero_stage: 3 on OpenRLHF, train.trl_args.deepspeed on TRL) or more GPUs"
+    return trl_plan(title, cluster, [role], fix)

@@ -216,3 +216,37 @@ def test_vllm_share_too_small_for_the_weights_and_one_sequence_is_refused(phi3):
         parse_cluster("1x8"),
     )
     assert any("cannot hold the weights and one 2048-token sequence" in p for p in plan.problems)
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+def test_plan_command_prints_the_table_and_refuses_with_exit_code_2(phi3):
+    from click.testing import CliRunner
+
+    from rlhf_ext.cli import main
+
+    runner = CliRunner()
+    refused = runner.invoke(main, ["plan", "--config", "segment_ppo_paper", "--engine", "trl", "--cluster", "1x8",
+                                   f"model.sft_model={phi3}"])  # fmt: skip
+    assert refused.exit_code == 2, refused.output
+    assert "  critic     fp32 DDP, grad ckpt" in refused.output and "140.5" in refused.output
+    assert "error: 8 x GPU (every model on each) would hold 140.5 GiB" in refused.output
+    ok = runner.invoke(main, ["plan", "--config", "segment_rm_paper", "--cluster", "2x8", f"model.sft_model={phi3}"])
+    assert ok.exit_code == 0, ok.output
+    assert "  reward     ZeRO-3 x16, grad ckpt" in ok.output and ok.output.rstrip().endswith("plan ok")
+    other = runner.invoke(main, ["plan", "--config", "online_dpo_tiny", "--cluster", "1x8"])
+    assert other.exit_code == 2 and "plans segment PPO and segment reward-model recipes" in other.output
+    bad = runner.invoke(main, ["plan", "--config", "segment_ppo_tiny", "--cluster", "8"])
+    assert bad.exit_code == 2 and "--cluster must be auto or NODESxGPUS" in bad.output
+
+
+def test_segment_rm_paper_fits_with_zero3_by_hand(phi3):
+    """OpenRLHF's train_rm with ZeRO-3 over 8 GPUs: 16 bytes per parameter / 8 of the value model."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.pipelines.plan import segment_rm_plan
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+    from rlhf_ext.recipes import recipe_path
+
+    recipe = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_paper"), [f"model.sft_model={phi3}"])
+    plan = segment_rm_plan(recipe, parse_cluster("1x8"))
+    value_params = PHI3_PARAMS - 32064 * 3072 + 3072
+    assert plan.roles[0].static == 16 * value_params / 8 and plan.problems == []
