@@ -286,7 +286,8 @@ def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title
     plan.lines.append(f"placement (Ray PACK, simulated): {asks} = {need} GPU bundles of {cluster.total_gpus}")
     for node in range(cluster.num_nodes):
         on_node = [f"{g.name} {g.nodes.count(node)}" for g in groups if node in g.nodes]
-        plan.lines.append(f"  node {node} ({cluster.gpus[node]} GPUs): {', '.join(on_node) or '-'}")
+        gpus = cluster.gpus[node]
+        plan.lines.append(f"  node {node} ({gpus} GPU{'s' if gpus != 1 else ''}): {', '.join(on_node) or '-'}")
     if unplaced:
         cause = (
             f"with --train.async_enable, --train.colocate_all colocates only the DeepSpeed models (OpenRLHF 0.11.2): "

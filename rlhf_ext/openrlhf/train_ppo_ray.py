@@ -260,8 +260,9 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
         if address is not None:
             init["address"] = address
         elif cluster.total_gpus == 0:  # logical GPUs: OpenRLHF's actors request them. Nothing runs on a GPU.
-            init.update(address="local", num_gpus=plan.cluster.total_gpus)
-            init["num_cpus"] = max(os.cpu_count() or 1, plan.cluster.total_gpus)
+            # every bundle also reserves a (logical) CPU; the trainer and async queue actors need free ones
+            need = plan.cluster.total_gpus
+            init.update(address="local", num_gpus=need, num_cpus=need + (os.cpu_count() or 1))
         ray.init(**init)
     return plan
 

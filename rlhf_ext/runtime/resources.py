@@ -62,7 +62,8 @@ class Cluster:
         if self.total_gpus == 0:
             return f"CPU only ({self.source})"
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}"
-        shape = f"{nodes} x {self.gpus_per_node} GPUs" if len(set(self.gpus)) == 1 else f"{nodes}, GPUs {self.gpus}"
+        per_node = f"{self.gpus_per_node} GPU{'s' if self.gpus_per_node != 1 else ''}"
+        shape = f"{nodes} x {per_node}" if len(set(self.gpus)) == 1 else f"{nodes}, GPUs {self.gpus}"
         memory = f"{self.gpu_memory_gib:g} GiB each" if self.gpu_memory_gib else "GPU memory unknown"
         memory = "logical GPUs: computing on CPUs" if self.logical else memory
         return f"{shape} ({memory}; {self.source})"

@@ -41,7 +41,9 @@ def _placed(actors: list[dict], job: str, nodes: dict[str, str]) -> dict[str, li
     for a in actors:
         role = _role(a["cls"])
         if a["job"] == job and role:
-            out.setdefault(role, []).append(nodes.setdefault(a["node"], "ab"[len(nodes)]))
+            if a["node"] not in nodes:
+                nodes[a["node"]] = "ab"[len(nodes)]
+            out.setdefault(role, []).append(nodes[a["node"]])
     return {role: sorted(where) for role, where in out.items()}
 
 
@@ -84,7 +86,7 @@ def test_two_node_cluster_runs_the_real_loop_with_roles_on_both_nodes(tmp_path, 
                              "reward": [steps[1]["reward"], steps[2]["reward"]]}  # fmt: skip
             for step in steps.values():
                 assert math.isfinite(step["reward"]) and math.isfinite(step["policy_loss"])
-            assert "cluster: 2 nodes x 1 GPUs (logical GPUs: computing on CPUs; Ray cluster, logical GPUs)" in log
+            assert "cluster: 2 nodes x 1 GPU (logical GPUs: computing on CPUs; Ray cluster, logical GPUs)" in log
             summary[name]["log"] = str(tmp_path / f"{name}.log")
             summary[name]["staleness"] = [steps[1].get("staleness"), steps[2].get("staleness")]
             if name == "colocated_packed":
