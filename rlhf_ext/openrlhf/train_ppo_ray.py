@@ -81,6 +81,13 @@ RENAMED_EXT_FLAGS: dict[str, str] = {
     "continual.retention": "continual_retention",
 }
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+#: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
+OPENRLHF_ASSERTION_FIXES = {
+    "The number of sample batches must be greater than or equal to the effective number of actor processes.": (
+        " (--rollout.batch_size x --rollout.n_samples_per_prompt / --rollout.micro_batch_size must be at least the "
+        "actor's GPUs: lower --rollout.micro_batch_size or raise --rollout.batch_size)"
+    ),
+}
 WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
 
 
@@ -298,7 +305,9 @@ def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, l
     try:
         args = parsed_args("openrlhf.cli.train_ppo_ray", rest)
     except AssertionError as error:
-        raise PlanError(f"OpenRLHF refuses these arguments: {error}") from None
+        raise PlanError(
+            f"OpenRLHF refuses these arguments: {error}{OPENRLHF_ASSERTION_FIXES.get(str(error), '')}"
+        ) from None
     attach_ext(args, ext)
     return preflight(args, cluster, methods, lookup)
 

@@ -291,6 +291,8 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
 
     ranks = actor("--actor.num_gpus_per_node") * actor("--actor.num_nodes")
     micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, ranks)
+    # OpenRLHF needs a rollout micro batch for every actor rank: batch x samples / micro >= ranks
+    rollout_micro = max(1, min(t.micro_batch_size, t.batch_size * ppo.num_generations // ranks))
     dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
     if dtype is None:
         raise ValueError(
@@ -305,7 +307,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
         "--rollout.max_new_tokens", str(data.max_completion_length),
         "--rollout.batch_size", str(t.batch_size),
-        "--rollout.micro_batch_size", str(t.micro_batch_size),
+        "--rollout.micro_batch_size", str(rollout_micro),
         "--rollout.n_samples_per_prompt", str(ppo.num_generations),
         "--rollout.temperature", repr(ppo.temperature),
         "--rollout.top_p", repr(ppo.top_p),

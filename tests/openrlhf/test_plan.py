@@ -169,11 +169,14 @@ def test_C_engine_and_gpu_counts_come_from_the_cluster_not_the_driver(phi3):
     logical = cluster_from_ray_nodes([_ray_node(4, None), _ray_node(4, None)], None)
     assert logical.logical and resolve_rollout_engine("auto", logical) == "hf"
 
-    for name, models, engines in (("segment_ppo_openrlhf", "4", "8"), ("segment_ppo_paper", "8", "16")):
+    for name, models, engines, rollout_micro in (("segment_ppo_openrlhf", "4", "8", "16"),
+                                                 ("segment_ppo_paper", "8", "16", "8")):  # fmt: skip
         flags = _flags(openrlhf_argv(_recipe(name, phi3), "p.jsonl", None, gpu_nodes))
         assert flags["--actor.num_nodes"] == flags["--critic.num_nodes"] == "2"
         assert flags["--actor.num_gpus_per_node"] == flags["--reward.num_gpus_per_node"] == models
         assert flags["--vllm.num_engines"] == engines and "--train.colocate_all" in flags
+        # one rollout micro batch per actor rank at least (128 prompts x 1 sample over 8 / 16 ranks)
+        assert flags["--rollout.micro_batch_size"] == rollout_micro
         assert "--ext.rollout_engine" not in flags  # auto: vLLM, decided from the cluster
     flags = _flags(openrlhf_argv(_recipe("segment_ppo_openrlhf", phi3), "p.jsonl", None, Cluster((0,))))
     assert flags["--ext.rollout_engine"] == "hf" and "--actor.num_nodes" not in flags
