@@ -379,7 +379,7 @@ def detect_cluster() -> Cluster:
 
         gpus = torch.cuda.device_count()
         memory = torch.cuda.get_device_properties(0).total_memory / GiB if gpus else None
-        return Cluster((gpus,), memory, "this machine (no Ray cluster running)")
+        return Cluster((gpus,), memory, "this machine, no Ray cluster")
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
