@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from rlhf_ext.recipes import recipe_names
 from rlhf_ext.runtime.resources import Cluster, GiB, parse_cluster, training_state
 
 PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct's config.json
@@ -253,3 +254,21 @@ def test_segment_rm_paper_fits_with_zero3_by_hand(phi3):
     plan = segment_rm_plan(recipe, parse_cluster("1x8"))
     value_params = PHI3_PARAMS - 32064 * 3072 + 3072
     assert plan.roles[0].static == 16 * value_params / 8 and plan.problems == []
+
+
+@pytest.mark.parametrize("name", [n for n in recipe_names() if "segment" in n])
+def test_every_packaged_segment_recipe_plans_on_one_node_of_8_gpus(name, phi3):
+    """Every packaged segment recipe gets a plan; on 1 x 8 GPUs of 80 GiB only the two-node recipe is refused."""
+    from rlhf_ext.config import load_recipe, read_yaml
+    from rlhf_ext.pipelines.plan import segment_rm_plan
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, plan_segment_ppo
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+    from rlhf_ext.recipes import recipe_path
+
+    path = recipe_path(name)
+    ppo = "ppo" in read_yaml(path)
+    overrides = [] if "tiny" in name or "smollm2" in name else [f"model.sft_model={phi3}"]
+    recipe = load_recipe(SegmentPPORecipe if ppo else SegmentRMRecipe, path, overrides)
+    plan = (plan_segment_ppo if ppo else segment_rm_plan)(recipe, parse_cluster("1x8"))
+    assert bool(plan.problems) == (name == "segment_ppo_openrlhf_2x8"), plan.table()
+    assert plan.table().splitlines()[1] == "cluster: 1 node x 8 GPUs (80 GiB each; stated)"
