@@ -29,12 +29,12 @@ from rlhf_ext.runtime.resources import (
     GiB,
     GPUGroup,
     ModelSize,
-    ModelSizeUnknown,
     Plan,
     RoleMemory,
     activation_bytes,
     kv_bytes_per_token,
     model_size,
+    size_or_fallback,
     training_state,
 )
 
@@ -242,18 +242,6 @@ def _gpu_groups(groups: list[Group], roles: dict[str, RoleMemory], args: Any) ->
     return out
 
 
-def _sized(lookup: SizeLookup, path: str | None, fallback: ModelSize | None, why: str) -> ModelSize | None:
-    """``lookup(path)``; a model that cannot be read is sized as ``fallback`` (with ``why``) or left unknown."""
-    if not path:
-        return None
-    try:
-        return lookup(path)
-    except ModelSizeUnknown:
-        if fallback is None:
-            return None
-        return ModelSize(**{**fallback.__dict__, "name": path, "assumed": why})
-
-
 def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title: str = "train_ppo_ray") -> Plan:
     """The plan of ``train_ppo_ray`` with ``args`` (after OpenRLHF's fix-ups) on ``cluster``."""
     plan = Plan(title, cluster)
@@ -303,14 +291,13 @@ def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title
         )
 
     lookup = functools.cache(lookup)  # the reference is the actor's model, the critic usually the reward model's
-    policy = _sized(lookup, args.actor.model_name_or_path, None, "")
-    from_policy = "not found: sized as the SFT model it is trained from"
+    policy = size_or_fallback(lookup, args.actor.model_name_or_path, None)
     sizes = {
         "actor": policy,
         "ref": policy,
         "vllm": policy,
-        "reward": _sized(lookup, args.reward.model_name_or_path, policy, from_policy),
-        "critic": _sized(lookup, args.critic.model_name_or_path, policy, from_policy),
+        "reward": size_or_fallback(lookup, args.reward.model_name_or_path, policy),
+        "critic": size_or_fallback(lookup, args.critic.model_name_or_path, policy),
     }
     members = [r for r in ("actor", "ref", "critic", "reward", "vllm") if any(r in g.members for g in groups)]
     roles = {r: role_memory(r, args, sizes[r], cluster) for r in members if not (r == "vllm" and hf)}

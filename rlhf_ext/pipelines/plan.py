@@ -30,6 +30,7 @@ from rlhf_ext.runtime.resources import (
     activation_bytes,
     kv_bytes_per_token,
     model_size,
+    size_or_fallback,
     training_state,
 )
 
@@ -112,17 +113,6 @@ def _trl_role(
     return out
 
 
-def _sized(spec: str | None, fallback: ModelSize | None) -> ModelSize | None:
-    if not spec:
-        return None
-    try:
-        return size_of(spec)
-    except ModelSizeUnknown:
-        if fallback is None:
-            return None
-        return ModelSize(**{**fallback.__dict__, "name": spec, "assumed": "not found: sized as the SFT model"})
-
-
 def trl_plan(title: str, cluster: Cluster, roles: list[RoleMemory], fix: str) -> Plan:
     """Every GPU of a TRL job holds every model (one process per GPU); the plan's memory check adds ``fix``."""
     plan = Plan(title, cluster, roles=roles)
@@ -141,8 +131,8 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
     """Policy, reference, reward model and (GAE) critic of ``DensePPOTrainer`` on every GPU (paper 003's PPO)."""
     t, data = recipe.train, recipe.data
     zero = deepspeed_stage(t.trl_args)
-    policy = _sized(recipe.model.sft_model, None)
-    reward = _sized(recipe.model.reward_model, policy)
+    policy = size_or_fallback(size_of, recipe.model.sft_model, None)
+    reward = size_or_fallback(size_of, recipe.model.reward_model, policy)
     tokens = t.micro_batch_size * (data.max_prompt_length + data.max_completion_length)
     ckpt = t.gradient_checkpointing
     roles = [
@@ -151,7 +141,7 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
         _trl_role("reward", reward, cluster, zero, trainable=False, lm_head=False, tokens=tokens, checkpointing=ckpt),
     ]
     if recipe.ppo.advantage_estimator == "gae":
-        critic = _sized(recipe.model.critic_model, reward) if recipe.model.critic_model else reward
+        critic = size_or_fallback(size_of, recipe.model.critic_model, reward) if recipe.model.critic_model else reward
         critic_role = _trl_role("critic", critic, cluster, zero, trainable=True, lm_head=False, tokens=tokens,
                                 checkpointing=ckpt)  # fmt: skip
         roles.append(critic_role)
@@ -176,7 +166,7 @@ def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
     ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences. (The
     SFT model that segments the data runs before training, once, and is not resident with it.)"""
     t = recipe.train
-    size = _sized(recipe.model.sft_model, None)
+    size = size_or_fallback(size_of, recipe.model.sft_model, None)
     tokens = 2 * t.micro_batch_size * recipe.data.max_length
     ckpt = t.gradient_checkpointing
     world = max(cluster.total_gpus, 1)

@@ -24,7 +24,8 @@ activation term is an estimate and only warns.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 GiB = 2**30
 
@@ -132,6 +133,25 @@ def model_size(name_or_path: str, config=None) -> ModelSize:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
     )
+
+
+#: Why a model that does not exist yet is sized as another one.
+SIZED_AS_SFT = "not found: sized as the SFT model it is trained from"
+
+
+def size_or_fallback(
+    lookup: Callable[[str], ModelSize], spec: str | None, fallback: ModelSize | None
+) -> ModelSize | None:
+    """``lookup(spec)``; a model whose config cannot be read is sized as ``fallback`` (a reward model or critic that
+    is not trained yet: as the SFT model it starts from), or unknown (None)."""
+    if not spec:
+        return None
+    try:
+        return lookup(spec)
+    except ModelSizeUnknown:
+        if fallback is None:
+            return None
+        return replace(fallback, name=spec, assumed=SIZED_AS_SFT)
 
 
 # ----------------------------------------------------------------------------------------------------- memory terms
