@@ -244,8 +244,8 @@ class Plan:
                     f"{r.role} {r.static / GiB:.1f}" for r in self.roles if r.role in group.roles and r.static
                 )
                 self.problems.append(
-                    f"{group.label} would hold {group.static / GiB:.1f} GiB of weights, gradients, optimizer states "
-                    f"and vLLM reservations ({detail}) on {capacity:g} GiB GPUs"
+                    f"{group.label} would hold {group.static / GiB:.1f} GiB before activations ({detail}) on "
+                    f"{capacity:g} GiB GPUs"
                 )
             elif group.peak is not None and group.peak > capacity * GiB:
                 self.warnings.append(
