@@ -3,6 +3,7 @@
     rlhf-ext train segment-rm --config FILE [key.sub=value ...]
     rlhf-ext train online-dpo --config FILE [key.sub=value ...]
     rlhf-ext train continual --config FILE [key.sub=value ...]
+    rlhf-ext plan --config FILE [--cluster auto|NODESxGPUS] [key.sub=value ...]
     rlhf-ext recipe list | rlhf-ext recipe copy NAME DEST
     rlhf-ext segment show --model RM_DIR --prompt TEXT --response TEXT [--html OUT]
     rlhf-ext serve rm --model RM_DIR [--port 5000]
@@ -120,6 +121,8 @@ USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
     ("rlhf_ext.algos.location_norm", "NormalizerError"),
     ("rlhf_ext.datagen.cache", "CacheLockedError"),
     ("rlhf_ext.datagen.backends", "BackendUnavailable"),
+    ("rlhf_ext.runtime.resources", "PlanError"),
+    ("rlhf_ext.openrlhf.train_ppo_ray", "ExtArgsError"),
 )
 
 
@@ -182,6 +185,50 @@ def main() -> None:
 
 main.add_command(data)
 main.add_command(sim_group)
+
+
+# ---------------------------------------------------------------------------------------------------------- plan
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
+@click.option(
+    "--cluster",
+    default="auto",
+    show_default=True,
+    help="auto (the Ray cluster a launch here would connect to, else this machine) or NODESxGPUS: 1x8, 2x8; "
+    "1x0 = CPU only.",
+)
+@click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="GiB per GPU of a stated --cluster.")
+@click.option("--engine", type=click.Choice(["trl", "openrlhf"]), default=None, help="Override the recipe's engine.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, overrides: tuple[str, ...]) -> None:
+    """The pre-flight plan of a recipe: placement and memory per GPU, before any model loads (every launch runs the
+    same check first). Exit code 2 if the plan cannot run."""
+    from rlhf_ext.config import RecipeError, load_recipe, read_yaml
+    from rlhf_ext.pipelines.plan import segment_rm_plan
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, plan_segment_ppo
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+    from rlhf_ext.runtime.resources import parse_cluster
+
+    if cluster == "auto":
+        from rlhf_ext.openrlhf.plan import detect_cluster
+
+        shape = detect_cluster()
+    else:
+        shape = parse_cluster(cluster, gpu_memory)
+    path = recipe_path(config_path)
+    sections = set(read_yaml(path))
+    if "segment" not in sections or sections & {"online", "continual", "methods"}:
+        raise RecipeError(
+            f"{config_path}: `rlhf-ext plan` plans segment PPO and segment reward-model recipes (a segment: section); "
+            f"this recipe has {', '.join(sorted(sections))}"
+        )
+    recipe = load_recipe(SegmentPPORecipe if "ppo" in sections else SegmentRMRecipe, path, overrides)
+    if engine is not None:
+        recipe.engine = engine
+    result = plan_segment_ppo(recipe, shape) if "ppo" in sections else segment_rm_plan(recipe, shape)
+    click.echo(result.table())
+    if result.problems:
+        _fail(result.problems[0])
 
 
 # --------------------------------------------------------------------------------------------------------- train

@@ -258,8 +258,11 @@ class SegmentationMonitor:
     rate passes ``threshold`` times the reference (the policy is writing text the SFT model segments far more
     finely than its own: paper 003's segment rewards then pay per boundary)."""
 
-    def __init__(self, reference: SegmentationRates | None, threshold: float = 1.5):
+    def __init__(
+        self, reference: SegmentationRates | None, granularity: Granularity | str = "segment", threshold: float = 1.5
+    ):
         self.reference = reference
+        self.granularity = Granularity(granularity)
         self.threshold = threshold
         self.warned = False
 
@@ -285,11 +288,17 @@ class SegmentationMonitor:
             f"{k} {getattr(rates, k):.3f} = {v:.2f}x the SFT model's {getattr(self.reference, k):.3f}"
             for k, v in over.items()
         )
-        return (
-            f"reward hacking suspected{at}: {parts} on the calibration responses; the policy may be buying segment "
-            "rewards with boundaries (see docs/segment_ppo_evidence.md): use granularity 'chunk', or lower the "
-            "learning rate / raise kl_coef"
-        )
+        if self.granularity.needs_entropy:
+            verdict = (
+                "the policy may be buying segment rewards with boundaries (docs/segment_ppo_evidence.md): use "
+                "granularity 'chunk', whose rewards do not depend on them"
+            )
+        else:
+            verdict = (
+                f"the policy writes text the SFT model finds uncertain; {self.granularity} rewards do not depend on "
+                "entropy boundaries, but check the KL and the samples"
+            )
+        return f"reward hacking monitor{at}: {parts} on the calibration responses; {verdict}"
 
 
 def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tensor, cutoff: float):

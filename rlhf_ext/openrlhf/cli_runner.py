@@ -1,17 +1,16 @@
 """Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our extras.
 
 OpenRLHF's CLIs keep their argparse under ``__main__`` and take no class arguments. What works without copying them:
-patch the classes on their source modules, strip our ``--ext.*`` flags from the command line and hand
-them over as ``args.ext`` by wrapping OpenRLHF's config hierarchiser, then execute the module with ``runpy``.
+patch the classes on their source modules, strip our ``--ext.*`` flags from the command line, and execute the module
+from its own source with its final ``train(args)`` call routed through a hook that attaches them as ``args.ext``
+(:func:`run_cli_module`).
 """
 
 from __future__ import annotations
 
 import logging
-import runpy
 import sys
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -52,36 +51,72 @@ def split_ext_args(
     return rest, validate(ext)
 
 
-def attach_ext(ext: dict[str, Any] | Callable[[Any], Any]) -> None:
-    """Wrap OpenRLHF's config hierarchiser (idempotent) so the parsed arguments carry ``args.ext = ext`` — or, given
-    a callable, so that ``ext(args)`` sees (and may change) the parsed arguments right before the CLI's ``train``."""
-    import openrlhf.utils.config as config_module
-
-    original = getattr(config_module.hierarchize, "__wrapped__", config_module.hierarchize)
-
-    def hierarchize(args):
-        nested = original(args)
-        if callable(ext):
-            return ext(nested)
-        nested.ext = SimpleNamespace(**ext)
-        return nested
-
-    hierarchize.__wrapped__ = original
-    config_module.hierarchize = hierarchize
+#: The name the rewritten CLI calls instead of its own ``train(args)`` (see :func:`run_cli_module`).
+TRAIN_HOOK = "__rlhf_ext_train__"
 
 
-def run_cli_module(module: str, argv: Sequence[str], ext: dict[str, Any] | Callable[[Any], Any]) -> None:
-    """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv`` and ``args.ext = ext`` (see :func:`attach_ext`)."""
+def _cli_code(module: str):
+    """OpenRLHF CLI ``module`` compiled with the last statement of its ``__main__`` block, ``train(args)``, replaced
+    by ``__rlhf_ext_train__(train, args)``; returns (code, module spec)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(spec.loader.get_source(module), spec.origin)
+    main = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
+    last = main[-1].body[-1] if main else None
+    if not (isinstance(last, ast.Expr) and ast.unparse(last) == "train(args)"):
+        raise RuntimeError(
+            f"{module} no longer ends with `train(args)` under `if __name__ == '__main__'`; rlhf-ext's OpenRLHF "
+            "adapters need openrlhf==0.11.2"
+        )
+    names = [ast.Name("train", ast.Load()), ast.Name("args", ast.Load())]
+    last.value = ast.Call(ast.Name(TRAIN_HOOK, ast.Load()), names, [])
+    ast.fix_missing_locations(tree)
+    return compile(tree, spec.origin, "exec"), spec
+
+
+def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any], Any] | None = None) -> None:
+    """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv``; ``before_train(args)`` runs right before the
+    CLI's ``train(args)``: it sees (and may change, e.g. attach ``args.ext``) the arguments after argparse *and* every
+    fix-up OpenRLHF applies in its ``__main__`` block (``--ds.ring_attn_size > 1`` turning on packing, an agent
+    function becoming ``remote_url = "agent"``, ...), so what it checks is what will run. The module runs from its
+    own source, with only its final ``train(args)`` call routed through the hook (:func:`_cli_code`)."""
+    import runpy
+
     from rlhf_ext.openrlhf.compat import import_shims
 
-    attach_ext(ext)
+    code, spec = _cli_code(module)
+
+    def train_hook(train: Callable[[Any], Any], args: Any) -> Any:
+        if before_train is not None:
+            before_train(args)
+        return train(args)
+
     saved = sys.argv
-    sys.argv = [module, *argv]
+    sys.argv = [spec.origin, *argv]
     try:
         with import_shims():  # the CLI module imports OpenRLHF modules that import flash_attn / vllm
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            runpy._run_module_code(code, {TRAIN_HOOK: train_hook}, "__main__", spec, spec.parent)
     finally:
         sys.argv = saved
+
+
+class _Parsed(Exception):
+    """Carries the parsed arguments out of a CLI module that stops before training."""
+
+
+def parsed_args(module: str, argv: Sequence[str]) -> Any:
+    """The arguments OpenRLHF CLI ``module`` would train with for ``argv`` (after its fix-ups); nothing runs."""
+
+    def stop(args: Any) -> None:
+        raise _Parsed(args)
+
+    try:
+        run_cli_module(module, argv, stop)
+    except _Parsed as parsed:
+        return parsed.args[0]
+    raise RuntimeError(f"{module} did not reach train(args)")
 
 
 def flag_value(argv: Sequence[str], flag: str, default: Any) -> Any:

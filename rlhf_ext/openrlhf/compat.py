@@ -5,7 +5,11 @@ Two independent pieces, both no-ops where they are not needed:
 * :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
   when) those packages are missing, it registers placeholder modules under their names whose every function and
   class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
-  loudly. OpenRLHF's own test suite does the same. Reading any other attribute of a placeholder
+  loudly. OpenRLHF's own test suite does the same. The exception are ``flash_attn.bert_padding``'s four helpers,
+  which are plain PyTorch in flash-attn too: :func:`unpad_input`, :func:`pad_input`, :func:`index_first_axis` and
+  ``rearrange`` (einops) are real CPU implementations, so OpenRLHF's ``--ds.packing_samples`` path runs on CPU (its
+  packed forward then attends through ``sdpa``, which transformers restricts to each packed sub-sequence from the
+  reset ``position_ids``; flash-attention's varlen kernel is the GPU path). Reading any other attribute of a placeholder
   (``vllm.__version__`` ...) raises :class:`GPUPackageMissing` naming the package; ``vllm.SamplingParams`` is a plain
   dataclass (:class:`SamplingParams`) because OpenRLHF builds one even when the HF rollout engine generates.
   :func:`import_shims` does the same for the duration of a ``with`` block (for importing OpenRLHF modules) and
@@ -46,10 +50,10 @@ OPENRLHF_VERSION = "0.11.2"
 _SHIMS: dict[str, dict[str, str]] = {
     "flash_attn": {},
     "flash_attn.bert_padding": {
-        "index_first_axis": "func",
-        "pad_input": "func",
-        "rearrange": "func",
-        "unpad_input": "func",
+        "index_first_axis": "cpu",
+        "pad_input": "cpu",
+        "rearrange": "cpu",
+        "unpad_input": "cpu",
     },
     "flash_attn.utils": {},
     "flash_attn.utils.distributed": {"all_gather": "func"},
@@ -73,6 +77,39 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     stop: list[str] | None = None
+
+
+def index_first_axis(x: Any, indices: Any) -> Any:
+    """flash-attn's ``index_first_axis``: ``x[indices]`` for ``x`` of shape ``[N, ...]`` (differentiable)."""
+    return x[indices]
+
+
+def unpad_input(hidden_states: Any, attention_mask: Any, unused_mask: Any = None) -> tuple:
+    """flash-attn's ``unpad_input``: ``[B, T, ...]`` -> the real tokens ``[N, ...]`` in row-major order, their flat
+    ``indices`` ``[N]``, ``cu_seqlens`` ``[B + 1]`` (int32), the longest row and the row lengths ``[B]``."""
+    import torch
+
+    masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
+    seqlens = masks.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(masks.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(seqlens.max()), attention_mask.sum(dim=-1, dtype=torch.int32)
+
+
+def pad_input(hidden_states: Any, indices: Any, batch: int, seqlen: int) -> Any:
+    """flash-attn's ``pad_input``, the inverse of :func:`unpad_input`: ``[N, ...]`` -> ``[batch, seqlen, ...]`` with
+    zeros at the padding (differentiable)."""
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:]).index_put((indices,), hidden_states)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def _cpu_implementation(name: str) -> Any:
+    if name == "rearrange":
+        from einops import rearrange
+
+        return rearrange
+    return {"index_first_axis": index_first_axis, "unpad_input": unpad_input, "pad_input": pad_input}[name]
 
 
 class GPUPackageMissing(AttributeError):
@@ -126,6 +163,9 @@ def install_import_shims() -> list[str]:
             for attr, kind in attrs.items():
                 if name == "vllm" and attr == "SamplingParams":  # plain data, built by OpenRLHF's driver side
                     module.SamplingParams = SamplingParams
+                    continue
+                if kind == "cpu":
+                    setattr(module, attr, _cpu_implementation(attr))
                     continue
                 raiser, message = _unavailable(root, attr)
                 if kind == "class":

@@ -317,22 +317,41 @@ def create_hf_rollout_engines(
     tensor_parallel_size: int,
     pretrain: str,
     seed: int,
+    full_determinism: bool = False,
+    enable_prefix_caching: bool = False,
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    shared_pg: Any = None,
     *args: Any,
     agent_func_path: str | None = None,
     remote_rm_url: str | list[str] | None = None,
     max_images_per_prompt: int = 0,
     **kwargs: Any,
 ) -> list:
-    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines,
-    engine ``i`` seeded ``seed + i`` as vLLM's are. They hold no GPU (no placement group bundle)."""
+    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines, engine
+    ``i`` seeded ``seed + i`` as vLLM's are, placed exactly as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 of its
+    GPU (the hybrid engine of ``--train.colocate_all`` without async), otherwise on bundle ``i`` of a PACK group of
+    ``num_engines`` one-GPU bundles of their own. The GPUs are Ray bookkeeping (the engines generate on the CPU), so
+    a run asks a cluster for what the same run with vLLM would."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     if max_images_per_prompt > 0:
         raise ValueError("the HF rollout engine generates text only; use vLLM for vision-language prompts")
     if tensor_parallel_size != 1:
         raise ValueError("the HF rollout engine does not shard models; set --vllm.tensor_parallel_size 1")
+    gpus = 0.2 if shared_pg is not None else 1
+    if shared_pg is None:
+        shared_pg = placement_group([{"GPU": 1, "CPU": 1}] * num_engines, strategy="PACK")
+        ray.get(shared_pg.ready())
     return [
-        HFRolloutEngine.options(num_cpus=0, num_gpus=0).remote(
-            model=pretrain, seed=seed + i, agent_func_path=agent_func_path, remote_rm_url=remote_rm_url
-        )
+        HFRolloutEngine.options(
+            num_cpus=gpus,
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=shared_pg, placement_group_capture_child_tasks=True, placement_group_bundle_index=i
+            ),
+        ).remote(model=pretrain, seed=seed + i, agent_func_path=agent_func_path, remote_rm_url=remote_rm_url)
         for i in range(num_engines)
     ]
 

@@ -73,6 +73,27 @@ def _device() -> torch.device:
 
 
 # ------------------------------------------------------------------------------------------------- Ray actors
+def padded(packed: torch.Tensor, attention_mask: torch.Tensor, ring_attn_group: Any = None) -> torch.Tensor:
+    """``[1, N]`` per-token values of a packed forward -> ``[B, T]`` rows (zeros at the padding).
+
+    With ``--ds.packing_samples`` OpenRLHF's models run on the real tokens of all ``B`` rows concatenated (``N =
+    attention_mask.sum()``; ``[1, ceil(N / r)]`` per rank with ring attention of size ``r``) and pad only their own
+    return values back; a forward hook or the raw logits see the packed layout. This is OpenRLHF's own
+    ``gather_and_pad_tensor`` with the ``indices`` and ring padding its ``unpad_and_slice_tensor`` used, so every row
+    gets exactly its own sub-sequence's values: segments, which are formed per row afterwards, never cross samples.
+    """
+    from openrlhf.models.ring_attn_utils import gather_and_pad_tensor
+
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    pad = 0
+    if ring_attn_group is not None:
+        import torch.distributed as dist
+
+        size = dist.get_world_size(group=ring_attn_group)
+        pad = (size - indices.numel() % size) % size
+    return gather_and_pad_tensor(packed, ring_attn_group, pad, indices, *attention_mask.shape)
+
+
 class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
     """Reference actor that also returns the entropy of the distribution each action token was sampled from."""
 
@@ -88,25 +109,30 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
         """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
 
         Action ``j`` is the sequence token at position ``T - A + j``; its entropy is that of the logits at the
-        position before it, computed chunk-wise — over those ``A`` positions only, not the prompt — from the logits
-        the forward already produced for the log-probs.
+        position before it, computed chunk-wise from the logits the forward already produced for the log-probs —
+        over those ``A`` positions only, or, with ``--ds.packing_samples``, over the packed real tokens, which
+        :func:`padded` puts back in their rows.
         """
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("segment rewards are not supported for vision-language inputs")
-        if self.strategy.args.ds.packing_samples:
-            raise ValueError("segment rewards do not support --ds.packing_samples; drop the flag")
         device = _device()
+        attention_mask = attention_mask.to(device)
+        a = action_mask.shape[1]
         with torch.no_grad():
             log_probs, output = self.model(
                 sequences.to(device),
                 action_mask.to(device),
-                attention_mask.to(device),
+                attention_mask,
                 return_output=True,
                 ring_attn_group=self.strategy.ring_attn_group,
                 packed_seq_lens=packed_seq_lens,
             )
-            # only the A positions whose distributions sampled the action tokens (logits at t predict t + 1)
-            entropy = token_entropy(output["logits"][:, -action_mask.shape[1] - 1 : -1], shift=False)
+            logits = output["logits"]  # logits at t predict t + 1
+            if self.strategy.args.ds.packing_samples:  # [1, N, V] over the real tokens of all rows
+                entropy = padded(token_entropy(logits, shift=False), attention_mask, self.strategy.ring_attn_group)
+                entropy = entropy[:, -a - 1 : -1]
+            else:  # only the A positions whose distributions sampled the action tokens
+                entropy = token_entropy(logits[:, -a - 1 : -1], shift=False)
             entropy = entropy * action_mask.to(device)
         return log_probs.to("cpu"), entropy.to("cpu")
 
@@ -115,22 +141,24 @@ class _SegmentRewardActor(RewardModelActor.__ray_actor_class__):
     """Reward-model actor that returns the score at every position ``[B, T]`` (one forward, no extra cost)."""
 
     def init_model_from_pretrained(self, strategy, pretrain):
-        if strategy.args.ds.packing_samples:
-            raise ValueError("segment rewards do not support --ds.packing_samples; drop the flag")
         super().init_model_from_pretrained(strategy, pretrain)
         self._capture = TokenScoreCapture(self.model)
 
     def forward(self, sequences, attention_mask=None, packed_seq_lens=None, pad_sequence=False) -> torch.Tensor:
+        """``[B, T]`` scores (``--ds.packing_samples``: the head scored ``[1, N]`` packed tokens, :func:`padded`)."""
         device = _device()
+        attention_mask = attention_mask.to(device)
         with torch.no_grad():
             self.model(
                 sequences.to(device),
-                attention_mask.to(device),
+                attention_mask,
                 ring_attn_group=self.strategy.ring_attn_group,
                 pad_sequence=True,
                 packed_seq_lens=packed_seq_lens,
             )
             scores = self._capture.pop().float()
+            if self.strategy.args.ds.packing_samples:
+                scores = padded(scores, attention_mask, self.strategy.ring_attn_group)
         return scores.to("cpu")
 
 
@@ -188,7 +216,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         reference = None
         if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
             reference = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
-        self.monitor = SegmentationMonitor(reference)
+        self.monitor = SegmentationMonitor(reference, ext["granularity"])
         if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
                 f"dense segment rewards need --algo.advantage.estimator {' | '.join(ESTIMATORS)} (got "

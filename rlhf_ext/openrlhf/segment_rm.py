@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -219,7 +220,7 @@ def run_train_rm(argv: Sequence[str]) -> None:
     """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options."""
     rest, ext = parse_ext_args(argv)
     install()
-    run_cli_module("openrlhf.cli.train_rm", rest, ext)
+    run_cli_module("openrlhf.cli.train_rm", rest, lambda args: setattr(args, "ext", SimpleNamespace(**ext)))
     if int(os.environ.get("RANK", "0")) == 0:
         from rlhf_ext.runtime.segment_data import save_segment_settings
 

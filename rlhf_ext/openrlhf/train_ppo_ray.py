@@ -22,17 +22,21 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
   becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual_*`` flag is
   given (the first task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
 * ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
-  CUDA is available, else HF with a one-line notice).
+  the *cluster* has GPUs, else HF with a one-line notice; :func:`resolve_rollout_engine`).
+
+Pre-flight (:func:`preflight`, run by :func:`prepare` right before OpenRLHF's ``train(args)``, i.e. after its own
+argument fix-ups and before Ray places anything or any model loads): the ``--ext`` checks of :func:`check_args` —
+settings OpenRLHF would silently ignore with dense rewards (``--reward.normalize_enable``,
+``--reward.stop_properly_penalty_coef``, ``--reward.overlong_buffer_len``), per-sample rewards (``--reward.remote_url``,
+``--train.agent_func_path``) and group estimators not defined on dense rewards — then the placement and per-GPU memory
+plan of :mod:`rlhf_ext.openrlhf.plan` against the cluster of :func:`~rlhf_ext.openrlhf.plan.detect_cluster`. The plan
+is printed as a table; a run that cannot be placed or cannot fit is refused with one line naming the fix.
 
 Running on a machine without GPUs (``hf`` engine, :func:`cpu_settings`): OpenRLHF's actors and placement groups ask
-Ray for GPUs, so the driver starts Ray with *logical* GPU resources — bookkeeping only, every actor computes on
-the CPU; on an existing cluster (``ray job submit``, ``RAY_ADDRESS``) start it with ``ray start --head --num-gpus N``.
-DeepSpeed runs with gloo, attention with ``sdpa``, and OpenRLHF's ``torch.cuda.current_device()`` call sites get
-the CPU (:func:`rlhf_ext.openrlhf.compat.patch_for_cpu`).
-
-Settings OpenRLHF would silently ignore with dense rewards (``--reward.normalize_enable``,
-``--reward.stop_properly_penalty_coef``, ``--reward.overlong_buffer_len``), group estimators other than the ones
-defined on dense rewards, and ``--ds.packing_samples`` are refused by :func:`check_args` before Ray starts.
+Ray for GPUs, so the driver starts Ray with exactly the *logical* GPU resources the plan counts — bookkeeping only,
+every actor computes on the CPU; on an existing cluster (``ray job submit``, ``RAY_ADDRESS``) start it with ``ray
+start --head --num-gpus N``. DeepSpeed runs with gloo, attention with ``sdpa``, and OpenRLHF's
+``torch.cuda.current_device()`` call sites get the CPU (:func:`rlhf_ext.openrlhf.compat.patch_for_cpu`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.openrlhf.cli_runner import run_cli_module, split_ext_args
+from rlhf_ext.openrlhf.cli_runner import flag_value, parsed_args, run_cli_module, split_ext_args
+from rlhf_ext.openrlhf.plan import SizeLookup, detect_cluster, plan_run, ray_address
+from rlhf_ext.runtime.resources import Cluster, Plan, PlanError, model_size
 
 logger = logging.getLogger("rlhf_ext.openrlhf.train_ppo_ray")  # by name: `python -m` runs it as __main__
 
@@ -75,6 +81,13 @@ RENAMED_EXT_FLAGS: dict[str, str] = {
     "continual.retention": "continual_retention",
 }
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+#: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
+OPENRLHF_ASSERTION_FIXES = {
+    "The number of sample batches must be greater than or equal to the effective number of actor processes.": (
+        " (--rollout.batch_size x --rollout.n_samples_per_prompt / --rollout.micro_batch_size must be at least the "
+        "actor's GPUs: lower --rollout.micro_batch_size or raise --rollout.batch_size)"
+    ),
+}
 WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
 
 
@@ -113,22 +126,22 @@ def nest(ext: dict[str, Any]) -> SimpleNamespace:
     return getattr(hierarchize, "__wrapped__", hierarchize)(SimpleNamespace(**ext))
 
 
-def resolve_rollout_engine(requested: str, cuda: bool | None = None) -> str:
-    """``auto`` -> ``vllm`` with CUDA, ``hf`` without (with a one-line notice); explicit choices are kept."""
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
+def resolve_rollout_engine(requested: str, cluster: Cluster) -> str:
+    """``auto`` -> ``vllm`` when the cluster has real GPUs, ``hf`` otherwise (with a one-line notice); explicit choices
+    are kept. The cluster, not the driver: under ``ray job submit`` the driver may run on a node without GPUs."""
     if requested != "auto":
         return requested
-    if cuda:
+    if cluster.total_gpus and not cluster.logical:
         return "vllm"
-    logger.info("no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)")
+    why = "the cluster's GPUs are logical (no accelerator)" if cluster.total_gpus else "no GPUs in the cluster"
+    logger.info("%s: rollouts use the HF generate engine (--ext.rollout_engine hf)", why)
     return "hf"
 
 
 def check_args(args: Any) -> None:
-    """Refuse, before Ray starts, settings the segment subclasses cannot honour (raises :class:`ExtArgsError`)."""
+    """Refuse settings the segment subclasses cannot honour (raises :class:`ExtArgsError`). ``args`` are OpenRLHF's
+    after its fix-ups, so a setting it derives (``remote_url = "agent"`` from ``--train.agent_func_path``) is named by
+    the flag the user gave."""
     ext = args.ext
     dense = ext.granularity != "bandit"
     estimator = args.algo.advantage.estimator
@@ -137,8 +150,6 @@ def check_args(args: Any) -> None:
             f"--algo.advantage.estimator {estimator} shapes one scalar reward per sample; dense segment rewards "
             f"(--ext.granularity {ext.granularity}) need {' | '.join(ESTIMATORS)} (or --ext.granularity bandit)"
         )
-    if args.ds.packing_samples:
-        raise ExtArgsError("rlhf-ext's segment subclasses do not support --ds.packing_samples; drop the flag")
     if dense:
         for flag, value in (
             ("--reward.normalize_enable", args.reward.normalize_enable),
@@ -151,9 +162,10 @@ def check_args(args: Any) -> None:
                     f"rewards are normalised by --ext.normalizer, paper 003 Eq. 6) or use --ext.granularity bandit"
                 )
         if args.reward.remote_url:
+            flag = "--train.agent_func_path" if args.train.agent_func_path else "--reward.remote_url"
             raise ExtArgsError(
-                "--reward.remote_url returns one score per sample; dense segment rewards need the per-token scores "
-                "of a reward model actor (--reward.model_name_or_path) or --ext.granularity bandit"
+                f"{flag} returns one score per sample; dense segment rewards need the per-token scores of a reward "
+                "model actor (--reward.model_name_or_path) or --ext.granularity bandit"
             )
         if args.algo.kl.init_coef <= 0:
             raise ExtArgsError(
@@ -165,7 +177,8 @@ def check_args(args: Any) -> None:
 
 
 def cpu_settings(args: Any) -> list[str]:
-    """Settings a run with the HF rollout engine needs on a machine without CUDA; returns what was changed."""
+    """Settings a run with the HF rollout engine needs without CUDA (after OpenRLHF's fix-ups, which ask for
+    flash-attention with packing); returns what was changed."""
     changed = []
     if args.vllm.sync_backend != "gloo":
         args.vllm.sync_backend = "gloo"
@@ -173,16 +186,7 @@ def cpu_settings(args: Any) -> list[str]:
     if "flash" in str(args.ds.attn_implementation):
         args.ds.attn_implementation = "sdpa"
         changed.append("--ds.attn_implementation sdpa")
-    if not args.vllm.num_engines:
-        args.vllm.num_engines = 1
-        changed.append("--vllm.num_engines 1")
     return changed
-
-
-def logical_gpus(args: Any) -> int:
-    """How many GPU bundles OpenRLHF's actors and placement groups will ask Ray for (upper bound)."""
-    roles = [args.actor, args.ref, args.reward, args.critic]
-    return sum(r.num_nodes * r.num_gpus_per_node for r in roles) + (args.vllm.num_engines or 0)
 
 
 def worker_settings(ext: Any, methods: bool = True) -> dict[str, Any]:
@@ -222,74 +226,124 @@ def setup_worker() -> None:
     install(json.loads(os.environ.get(WORKER_ENV, "{}")), driver=False)
 
 
-def prepare(args: Any, ext: dict[str, Any], methods: bool = True) -> Any:
-    """Called with OpenRLHF's parsed arguments right before its ``train(args)``: attach ``args.ext``, check, adapt
-    to the CPU, start Ray with the worker hook (the driver's classes were installed before the CLI imported them)."""
-    import ray
-    import torch
+def runtime_env(settings: dict[str, Any]) -> dict[str, Any]:
+    """The job's runtime env: the worker hook that installs rlhf-ext in every Ray worker, and the driver's settings."""
+    env_vars = {
+        WORKER_ENV: json.dumps(settings),
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+    }
+    passed = ("TORCHDYNAMO_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DS_BUILD_OPS")
+    for name in passed:
+        if name in os.environ:
+            env_vars[name] = os.environ[name]
+    return {"worker_process_setup_hook": "rlhf_ext.openrlhf.train_ppo_ray.setup_worker", "env_vars": env_vars}
 
-    args.ext = nest(ext)
+
+def preflight(args: Any, cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
+    """What is checked before Ray places anything (module docstring): :func:`check_args` (raises
+    :class:`ExtArgsError`), then the placement and memory plan (:func:`~rlhf_ext.openrlhf.plan.plan_run`); the caller
+    prints ``plan.table()`` and refuses ``plan.problems``."""
     if methods:
         check_args(args)
-    cpu = not torch.cuda.is_available()
+    return plan_run(args, cluster, lookup)
+
+
+def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = True) -> Plan:
+    """Called with OpenRLHF's arguments right before its ``train(args)`` (after its fix-ups): attach ``args.ext``,
+    adapt to the CPU, run the pre-flight plan (printed; a refused run raises :class:`PlanError` or
+    :class:`ExtArgsError` before Ray starts), start Ray with the worker hook."""
+    import ray
+
+    attach_ext(args, ext)
+    plan = preflight(args, cluster, methods)
+    for line in plan.table().splitlines():
+        logger.info(line)
+    plan.refuse_if_unrunnable()
+    if not ray.is_initialized():
+        init: dict[str, Any] = {"runtime_env": runtime_env(worker_settings(args.ext, methods))}
+        address = ray_address()
+        if address is not None:
+            init["address"] = address
+        elif cluster.total_gpus == 0:  # logical GPUs: OpenRLHF's actors request them. Nothing runs on a GPU.
+            # every bundle also reserves a (logical) CPU; the trainer and async queue actors need free ones
+            need = plan.cluster.total_gpus
+            init.update(address="local", num_gpus=need, num_cpus=need + (os.cpu_count() or 1))
+        ray.init(**init)
+    return plan
+
+
+def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
+    """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
+    ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
+    engine count, so it must be on the command line)."""
+    ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster)}
+    if ext["rollout_engine"] == "hf" and flag_value(rest, "--vllm.num_engines", None) is None:
+        rest = [*rest, "--vllm.num_engines", "1"]
+    return rest, ext
+
+
+def attach_ext(args: Any, ext: dict[str, Any]) -> None:
+    """``args.ext`` for OpenRLHF's parsed arguments, and the CPU settings the HF rollout engine needs."""
+    args.ext = nest(ext)
     if args.ext.rollout_engine == "hf":
         changed = cpu_settings(args)
         if changed:
             logger.info("HF rollout engine: using %s", ", ".join(changed))
-    settings = worker_settings(args.ext, methods)
-    if not ray.is_initialized():
-        env_vars = {
-            WORKER_ENV: json.dumps(settings),
-            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
-            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-            "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-        }
-        for name in (
-            "TORCHDYNAMO_DISABLE",
-            "HF_HUB_OFFLINE",
-            "TRANSFORMERS_OFFLINE",
-            "HF_DATASETS_OFFLINE",
-            "DS_BUILD_OPS",
-        ):
-            if name in os.environ:
-                env_vars[name] = os.environ[name]
-        runtime_env = {
-            "worker_process_setup_hook": "rlhf_ext.openrlhf.train_ppo_ray.setup_worker",
-            "env_vars": env_vars,
-        }
-        init: dict[str, Any] = {"runtime_env": runtime_env}
-        if cpu and not os.environ.get("RAY_ADDRESS"):
-            # Logical GPUs: OpenRLHF's actors request num_gpus=1 and {"GPU": 1} bundles. Nothing runs on a GPU.
-            init["num_gpus"] = logical_gpus(args)
-            init["num_cpus"] = max(os.cpu_count() or 1, init["num_gpus"])
-        ray.init(**init)
-    return args
 
 
-def main(argv: Sequence[str] | None = None, methods: bool = True) -> None:
-    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring).
+def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
+    """The pre-flight plan of ``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` on ``cluster``, computed as the
+    launch computes it (OpenRLHF's parser and fix-ups, then :func:`preflight`) without starting anything. Raises
+    :class:`ExtArgsError` for what :func:`check_args` refuses and :class:`PlanError` for what OpenRLHF's own
+    argument checks refuse."""
+    try:
+        rest, ext = for_cluster(*parse_ext_args(argv), cluster)
+    except ValueError as error:
+        raise ExtArgsError(str(error)) from None
+    try:
+        args = parsed_args("openrlhf.cli.train_ppo_ray", rest)
+    except AssertionError as error:
+        raise PlanError(
+            f"OpenRLHF refuses these arguments: {error}{OPENRLHF_ASSERTION_FIXES.get(str(error), '')}"
+        ) from None
+    attach_ext(args, ext)
+    return preflight(args, cluster, methods, lookup)
+
+
+def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Cluster | None = None) -> None:
+    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring); a refused run exits
+    with code 2 and one ``error:`` line.
 
     ``methods=False`` installs only what running on a CPU needs (the HF rollout engine, the CPU patches): stock
-    OpenRLHF PPO, the reference the tests compare ``--ext.granularity bandit`` against."""
+    OpenRLHF PPO, the reference the tests compare ``--ext.granularity bandit`` against. ``cluster``: the cluster the
+    run gets (default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         print("rlhf-ext flags:\n" + "".join(f"  --ext.{k} (default: {v})\n" for k, v in EXT_DEFAULTS.items()))
         print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
-        rest, ext = parse_ext_args(argv)
+        rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else
     except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
-    ext["rollout_engine"] = resolve_rollout_engine(ext["rollout_engine"])
+        _refuse(error)
+    cluster = cluster if cluster is not None else detect_cluster()
+    rest, ext = for_cluster(rest, ext, cluster)
     install(worker_settings(nest(ext), methods), driver=True)  # before the CLI imports the classes it builds
 
-    def postprocess(args: Any) -> Any:
+    def before_train(args: Any) -> None:
         try:
-            return prepare(args, ext, methods)
-        except ExtArgsError as error:
-            raise SystemExit(f"error: {error}") from None
+            prepare(args, ext, cluster, methods)
+        except (ExtArgsError, PlanError) as error:
+            _refuse(error)
 
-    run_cli_module("openrlhf.cli.train_ppo_ray", rest, postprocess)
+    run_cli_module("openrlhf.cli.train_ppo_ray", rest, before_train)
+
+
+def _refuse(error: Exception) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -16,6 +17,11 @@ from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, check_positive
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import Aggregation, check_cutoff, check_tau
 from rlhf_ext.config import TrainSection
+from rlhf_ext.runtime.resources import Cluster, Plan
+
+logger = logging.getLogger(__name__)
+#: The models of OpenRLHF's PPO, by their flag prefix.
+ROLES = ("actor", "ref", "critic", "reward")
 
 
 @dataclass
@@ -204,12 +210,17 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.pipelines.plan import local_cluster
     from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.trl.args import last_checkpoint
     from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
     from rlhf_ext.zoo.builtins import resolve_dataset
 
+    plan = plan_segment_ppo(recipe, local_cluster())  # before any model loads
+    if os.environ.get("RANK", "0") == "0":
+        logger.debug("%s", plan.table())
+    plan.refuse_if_unrunnable()
     recipe.model.sft_model = resolve_model(recipe.model.sft_model)
     recipe.model.reward_model = resolve_model(recipe.model.reward_model)
     args = trl_config(recipe)
@@ -236,18 +247,52 @@ def train_with_trl(recipe) -> dict[str, Any]:
     return summary
 
 
-def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> list[str]:
-    """Translate a :class:`SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``)."""
-    import torch
+def openrlhf_layout(recipe, cluster: Cluster) -> list[str]:
+    """``train_ppo_ray``'s placement flags for ``cluster`` (its nodes' GPUs, not the driver's):
 
-    from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+    * no GPUs (or logical ones): one (logical) GPU per role, no colocation, the HF rollout engine;
+    * on-policy: every role on every GPU of every node (``--train.colocate_all``) with one vLLM engine per GPU sharing
+      it (OpenRLHF's hybrid engine);
+    * one-step async (``ppo.async_generation``): OpenRLHF 0.11.2 colocates only the DeepSpeed models then, so half of
+      each node's GPUs go to the models (colocated) and half to vLLM engines of their own;
+
+    with ``--X.num_nodes`` when the cluster has more than one node. ``train.openrlhf_args`` come later and win."""
+    from rlhf_ext.config import RecipeError
+
+    nodes, gpus = cluster.num_nodes, cluster.gpus_per_node
+    if gpus == 0:
+        return [flag for role in ROLES for flag in (f"--{role}.num_gpus_per_node", "1")]
+    asynchronous = recipe.ppo.async_generation or bool(recipe.train.openrlhf_args.get("train.async_enable"))
+    if asynchronous and gpus < 2:
+        raise RecipeError(
+            f"one-step async on OpenRLHF gives vLLM GPUs of its own: it needs at least 2 GPUs per node, the cluster "
+            f"has {gpus}; set ppo.async_generation: false"
+        )
+    models = gpus // 2 if asynchronous else gpus
+    argv = [flag for role in ROLES for flag in (f"--{role}.num_gpus_per_node", str(models))]
+    if nodes > 1:
+        argv += [flag for role in ROLES for flag in (f"--{role}.num_nodes", str(nodes))]
+    return argv + ["--train.colocate_all", "--vllm.num_engines", str(nodes * (gpus - models if asynchronous else gpus))]
+
+
+def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluster: Cluster) -> list[str]:
+    """Translate a :class:`SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``) for ``cluster``
+    (:func:`openrlhf_layout`)."""
+    from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping, per_device_micro_batch
     from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags
     from rlhf_ext.runtime.calibration import model_id
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
-    gpus = torch.cuda.device_count()
-    actor_ranks = int(t.openrlhf_args.get("actor.num_gpus_per_node", max(gpus, 1)))
-    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, actor_ranks)
+    layout = openrlhf_layout(recipe, cluster)
+    overrides = flags_from_mapping(t.openrlhf_args)
+
+    def actor(flag: str) -> int:  # the actor's shape: train.openrlhf_args, else the layout, else OpenRLHF's 1
+        return int(flag_value(overrides, flag, flag_value(layout, flag, 1)))
+
+    ranks = actor("--actor.num_gpus_per_node") * actor("--actor.num_nodes")
+    micro = per_device_micro_batch(t.batch_size, t.micro_batch_size, ranks)
+    # OpenRLHF needs a rollout micro batch for every actor rank: batch x samples / micro >= ranks
+    rollout_micro = max(1, min(t.micro_batch_size, t.batch_size * ppo.num_generations // ranks))
     dtype = t.openrlhf_args.get("ds.param_dtype") or ("bf16" if t.bf16 else None)
     if dtype is None:
         raise ValueError(
@@ -262,7 +307,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
         "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
         "--rollout.max_new_tokens", str(data.max_completion_length),
         "--rollout.batch_size", str(t.batch_size),
-        "--rollout.micro_batch_size", str(t.micro_batch_size),
+        "--rollout.micro_batch_size", str(rollout_micro),
         "--rollout.n_samples_per_prompt", str(ppo.num_generations),
         "--rollout.temperature", repr(ppo.temperature),
         "--rollout.top_p", repr(ppo.top_p),
@@ -285,19 +330,14 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
         "--ckpt.output_dir", t.output_dir,
         "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
         "--logger.logging_steps", str(t.logging_steps),
-        "--actor.num_gpus_per_node", str(max(gpus, 1)),
-        "--ref.num_gpus_per_node", str(max(gpus, 1)),
-        "--reward.num_gpus_per_node", str(max(gpus, 1)),
-        "--critic.num_gpus_per_node", str(max(gpus, 1)),
+        *layout,
         "--ext.granularity", seg.granularity,
         "--ext.interpolation", seg.interpolation,
         "--ext.chunk_size", str(seg.chunk_size),
         "--ext.reward_model_id", model_id(recipe.model.reward_model),
     ]  # fmt: skip
-    if gpus:  # one node: every model and the vLLM engines share the GPUs
-        argv += ["--vllm.num_engines", str(gpus), "--train.colocate_all"]
-    else:  # CPU: the HF rollout engine (train_ppo_ray picks it), logical GPUs, no flash-attention
-        argv += ["--ds.attn_implementation", "sdpa"]
+    if not cluster.total_gpus or cluster.logical:  # the HF rollout engine on CPUs, no flash-attention
+        argv += ["--ds.attn_implementation", "sdpa", "--ext.rollout_engine", "hf"]
     if t.max_steps is not None:  # OpenRLHF has no step limit: one PPO step consumes rollout.batch_size prompts
         argv += ["--data.max_samples", str(t.max_steps * t.batch_size)]
     if ppo.advantage_estimator == "gae":
@@ -319,11 +359,26 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None) -> lis
     if ppo.async_generation:
         argv += ["--train.async_enable", "--train.async_queue_size", "1"]
     argv += openrlhf_logger_flags(t.trl_args.get("report_to"), t.output_dir)
-    return argv + flags_from_mapping(t.openrlhf_args)
+    return argv + overrides
 
 
-def prepare_openrlhf_run(recipe) -> tuple[list[str], dict[str, Any]]:
-    """Resolve models, write the prompt file, fit the normalizer if needed; returns (argv, paths)."""
+def plan_segment_ppo(recipe, cluster: Cluster) -> Plan:
+    """The pre-flight plan of the recipe on ``cluster`` (:mod:`rlhf_ext.pipelines.plan`): for OpenRLHF, the exact
+    ``train_ppo_ray`` command line the launch would run there, checked as the launch checks it."""
+    from rlhf_ext.openrlhf.train_ppo_ray import plan_for_argv
+    from rlhf_ext.pipelines.plan import size_of, trl_segment_ppo_plan
+
+    if recipe.engine == "trl":
+        return trl_segment_ppo_plan(recipe, cluster)
+    argv = openrlhf_argv(recipe, os.path.join(recipe.train.output_dir, "prompts.jsonl"), None, cluster)
+    plan = plan_for_argv(argv, cluster, lookup=size_of)
+    plan.title = f"segment PPO (OpenRLHF train_ppo_ray, {recipe.model.sft_model})"
+    return plan
+
+
+def prepare_openrlhf_run(recipe, cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
+    """Resolve models, check the run's plan on ``cluster`` (before any model loads), write the prompt file, fit the
+    normalizer if needed; returns (argv, paths)."""
     import json
 
     import torch
@@ -334,13 +389,14 @@ def prepare_openrlhf_run(recipe) -> tuple[list[str], dict[str, Any]]:
     from rlhf_ext.runtime.io import atomic_write_text
     from rlhf_ext.zoo.builtins import resolve_dataset
 
+    plan_segment_ppo(recipe, cluster).refuse_if_unrunnable()
     recipe.model.sft_model = resolve_model(recipe.model.sft_model)
     recipe.model.reward_model = resolve_model(recipe.model.reward_model)
     out = recipe.train.output_dir
+    prompts_file = os.path.join(out, "prompts.jsonl")
     os.makedirs(out, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
     prompts = load_prompts(recipe.data, tokenizer)
-    prompts_file = os.path.join(out, "prompts.jsonl")
     atomic_write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts["prompt"]))
     normalizer_path = recipe.model.normalizer
     seg = recipe.segment
@@ -369,14 +425,16 @@ def prepare_openrlhf_run(recipe) -> tuple[list[str], dict[str, Any]]:
         normalizer_path = os.path.join(out, "normalizer.json")
         save_normalizer(normalizer, normalizer_path)
     paths = {"prompts": prompts_file, "normalizer": normalizer_path}
-    return openrlhf_argv(recipe, prompts_file, normalizer_path), paths
+    return openrlhf_argv(recipe, prompts_file, normalizer_path, cluster), paths
 
 
 def train_with_openrlhf(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.pipelines.segment_ppo.SegmentPPORecipe` with OpenRLHF's Ray PPO (vLLM rollouts on GPUs,
-    the HF rollout engine on a CPU)."""
+    """Run a :class:`~rlhf_ext.pipelines.segment_ppo.SegmentPPORecipe` with OpenRLHF's Ray PPO on the cluster the run
+    gets (vLLM rollouts on GPUs, the HF rollout engine without them)."""
+    from rlhf_ext.openrlhf.plan import detect_cluster
     from rlhf_ext.openrlhf.train_ppo_ray import main as train_ppo_ray
 
-    argv, paths = prepare_openrlhf_run(recipe)
-    train_ppo_ray(argv)
+    cluster = detect_cluster()
+    argv, paths = prepare_openrlhf_run(recipe, cluster)
+    train_ppo_ray(argv, cluster=cluster)
     return {"engine": "openrlhf", "model_dir": recipe.train.output_dir, **paths}

@@ -158,7 +158,12 @@ def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection,
 
 
 def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
-    """Train a segment reward model with the recipe's engine; returns a summary (paths, final metrics)."""
+    """Train a segment reward model with the recipe's engine, after its pre-flight plan on this launch's GPUs
+    (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`; refused before any model loads); returns a summary (paths,
+    final metrics)."""
+    from rlhf_ext.pipelines.plan import local_cluster, segment_rm_plan
+
+    segment_rm_plan(recipe, local_cluster()).refuse_if_unrunnable()
     return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 

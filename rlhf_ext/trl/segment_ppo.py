@@ -322,7 +322,7 @@ class DensePPOTrainer(GRPOTrainer):
         reference_rates = None
         if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
             reference_rates = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
-        self.monitor = SegmentationMonitor(reference_rates)
+        self.monitor = SegmentationMonitor(reference_rates, args.granularity)
 
         # paper 000 Eq. 7: the KL to the previous task's policy, when one is given (the first task has none) and c > 0
         self.prev_model = None

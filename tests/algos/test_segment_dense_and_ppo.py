@@ -313,3 +313,25 @@ def test_chunk_rewards_are_invariant_to_any_entropy_segmentation_of_a_fixed_resp
     few = dense_segment_rewards(scores, mask, calm, normalizer=norm, granularity="segment").sequence_reward
     many = dense_segment_rewards(scores, mask, uncertain, normalizer=norm, granularity="segment").sequence_reward
     assert many.item() > 5 * few.item() > 0
+
+
+def test_segmentation_rates_and_the_monitor_hand_computed():
+    from rlhf_ext.algos.segment_dense import SegmentationMonitor, SegmentationRates, segmentation_rates
+
+    mask = torch.tensor([[T_, T_, T_, T_, F], [T_, T_, F, F, F]])
+    entropy = torch.tensor([[0.0, 3.0, 1.0, 2.5, 9.0], [3.0, 0.5, 9.0, 9.0, 9.0]])  # padding entropies never count
+    counts = torch.tensor([3, 1])
+    rates = segmentation_rates(counts, mask, entropy, cutoff=2.0)
+    assert rates == SegmentationRates(4 / 6, 3 / 6)  # token-weighted: 4 segments, 3 tokens above 2.0, 6 tokens
+    assert math.isnan(segmentation_rates(counts, mask, None, 2.0).above_cutoff_share)
+
+    monitor = SegmentationMonitor(SegmentationRates(0.25, 0.25), "segment")
+    assert monitor.ratios(rates) == {"segments_per_token": pytest.approx(8 / 3), "above_cutoff_share": 2.0}
+    assert monitor.check(SegmentationRates(0.3, 0.3), step=1) is None  # 1.2x: below the threshold
+    message = monitor.check(rates, step=7)
+    assert message.startswith("reward hacking monitor at step 7: segments_per_token 0.667 = 2.67x the SFT model's")
+    assert "granularity 'chunk'" in message
+    assert monitor.check(rates, step=8) is None  # once per run
+    chunk = SegmentationMonitor(SegmentationRates(0.25, 0.25), "chunk")
+    assert "chunk rewards do not depend on entropy boundaries" in chunk.check(rates)
+    assert SegmentationMonitor(None).check(rates) is None  # no reference (e.g. a released normalizer): silent

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from rlhf_ext.cli import main
 from rlhf_ext.config import RecipeError, load_recipe
 from rlhf_ext.recipes import recipe_path
+from rlhf_ext.runtime.resources import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,6 +80,7 @@ def test_the_demo_hands_report_to_to_every_training_stage(tmp_path, monkeypatch)
 
 def test_openrlhf_argv_maps_report_to_onto_openrlhfs_logger_flags(tmp_path, monkeypatch):
     """OpenRLHF 0.11.2's train_rm / train_ppo_ray flags: --logger.tensorboard_dir, --logger.wandb.key (its switch)."""
+    from rlhf_ext.openrlhf.cli_runner import parsed_args
     from rlhf_ext.pipelines import segment_ppo, segment_rm
 
     monkeypatch.setenv("WANDB_PROJECT", "my-project")
@@ -92,7 +94,7 @@ def test_openrlhf_argv_maps_report_to_onto_openrlhfs_logger_flags(tmp_path, monk
     def ppo_argv(report_to: str) -> list[str]:
         recipe = load_recipe(segment_ppo.SegmentPPORecipe, recipe_path("segment_ppo_tiny"),
                              [f"report_to={report_to}", f"train.output_dir={ppo_out}", "train.bf16=true"])  # fmt: skip
-        return segment_ppo.openrlhf_argv(recipe, "prompts.jsonl", None)
+        return segment_ppo.openrlhf_argv(recipe, "prompts.jsonl", None, Cluster((0,)))
 
     def logger_flags(argv: list[str]) -> list[str]:
         i = 0
@@ -122,31 +124,8 @@ def test_openrlhf_argv_maps_report_to_onto_openrlhfs_logger_flags(tmp_path, monk
         without_ext = [
             a for i, a in enumerate(ours) if not a.startswith("--ext.") and not ours[i - 1].startswith("--ext.")
         ]
-        parsed = openrlhf_parsed_args(f"openrlhf.cli.{module}", without_ext)
+        parsed = parsed_args(f"openrlhf.cli.{module}", without_ext)  # OpenRLHF's own parser and fix-ups
         assert parsed.logger.tensorboard_dir == os.path.join(out, "runs") and parsed.logger.wandb.key == key
-
-
-class _Parsed(Exception):
-    """Raised with OpenRLHF's parsed arguments, right before its CLI would train."""
-
-
-def openrlhf_parsed_args(module: str, argv: list[str]):
-    """The arguments OpenRLHF's CLI ``module`` parses from ``argv`` (it stops before training)."""
-    import openrlhf.utils.config as config_module
-
-    from rlhf_ext.openrlhf.cli_runner import run_cli_module
-
-    def stop(args):
-        raise _Parsed(args)
-
-    hierarchize = config_module.hierarchize
-    try:
-        run_cli_module(module, argv, stop)
-    except _Parsed as parsed:
-        return parsed.args[0]
-    finally:
-        config_module.hierarchize = hierarchize
-    raise AssertionError(f"{module} did not reach its training step")
 
 
 # ------------------------------------------------------------------------------------------ the TRL engine, for real

@@ -32,12 +32,17 @@ def tiny_ppo_argv(sft: str, rm: str, prompts: str, out_dir: Path, episodes: int 
     ]  # fmt: skip
 
 
-def run_logged(cmd: list[str], log_file: Path, timeout: float = 600) -> tuple[dict, float]:
-    """Run ``cmd`` (a private local Ray cluster, no log deduplication); returns ({step: metrics}, wall s).
+def run_logged(
+    cmd: list[str], log_file: Path, timeout: float = 600, ray_address: str | None = None
+) -> tuple[dict, float]:
+    """Run ``cmd`` (a private local Ray cluster, or the cluster at ``ray_address``; no log deduplication); returns
+    ({step: metrics}, wall s).
 
     Raises ``RuntimeError`` with the log's tail if the command fails."""
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - start

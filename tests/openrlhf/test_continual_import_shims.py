@@ -25,13 +25,20 @@ def test_scoped_placeholders_import_openrlhf_raise_when_used_and_are_removed():
         assert compat.install_import_shims() == []  # idempotent
         import vllm
         from flash_attn.bert_padding import pad_input
+        from flash_attn.utils.distributed import all_gather
         from openrlhf.models.ring_attn_utils import unpad_input
         from openrlhf.models.utils import log_probs_from_logits
         from openrlhf.trainer.ray.vllm_engine import RolloutRayActor  # noqa: F401  (imports vllm at module level)
 
-        for call in (lambda: pad_input(None, None, 1, 1), lambda: unpad_input(None, None), vllm.LLM):
+        for call in (lambda: all_gather(None, None), vllm.LLM):
             with pytest.raises(RuntimeError, match="not installed on this machine"):
                 call()
+        # flash-attn's padding helpers are plain PyTorch there too: real CPU versions (packing runs on CPU)
+        mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+        x = torch.arange(6.0).reshape(2, 3)
+        packed, indices, cu_seqlens, longest, _ = unpad_input(x[..., None], mask)
+        assert packed.squeeze(-1).tolist() == [0.0, 1.0, 3.0, 4.0, 5.0] and cu_seqlens.tolist() == [0, 2, 5]
+        assert longest == 3 and torch.equal(pad_input(packed, indices, 2, 3).squeeze(-1), x * mask)
         # flash-attn's fused cross entropy is not a placeholder: OpenRLHF falls back to its pure-torch path
         with pytest.raises(ModuleNotFoundError):
             import flash_attn.ops.triton.cross_entropy  # noqa: F401

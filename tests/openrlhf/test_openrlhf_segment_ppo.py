@@ -9,6 +9,7 @@ import torch
 
 from rlhf_ext.algos.ppo import per_token_kl, ppo_advantages
 from rlhf_ext.runtime.calibration import save_normalizer
+from rlhf_ext.runtime.resources import Cluster
 from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards, token_entropy
 
 
@@ -186,7 +187,10 @@ def test_reward_actor_returns_scores_at_every_position(seg_ppo, tiny_sft_path, t
     model = _get_reward_model(LlamaPreTrainedModel, LlamaModel, "score")(config).eval()
     model.load_state_dict(hf.state_dict())
     actor = seg_ppo._SegmentRewardActor.__new__(seg_ppo._SegmentRewardActor)
-    actor.model, actor.strategy = model, SimpleNamespace(ring_attn_group=None)
+    actor.model = model
+    actor.strategy = SimpleNamespace(
+        ring_attn_group=None, args=SimpleNamespace(ds=SimpleNamespace(packing_samples=False))
+    )
     actor._capture = TokenScoreCapture(model)
     ids = torch.tensor([toy_tok("Question: hi\nAnswer: Many people wonder about this.")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
@@ -255,7 +259,7 @@ def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
 
     recipe = load_recipe(SegmentPPORecipe, recipe_path("segment_ppo_openrlhf"))
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
-    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json")
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json", Cluster((8,), 80.0))
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
     assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
@@ -268,39 +272,24 @@ def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
 
 def test_recipe_flags_on_a_cpu_machine(seg_ppo):
     """``train.max_steps`` and ``train.bf16`` reach OpenRLHF; no GPU-only defaults (colocation, vLLM engine count,
-    flash-attention) on a CPU; fp32 is refused with the fix (OpenRLHF trains in bf16/fp16 only)."""
+    flash-attention) on a CPU, the HF rollout engine; fp32 is refused with the fix (OpenRLHF trains in bf16/fp16
+    only)."""
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
 
     recipe = load_recipe(SegmentPPORecipe, None, ["engine=openrlhf", "train.max_steps=3", "train.batch_size=8",
                                                   "train.micro_batch_size=8", "train.bf16=true"])  # fmt: skip
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
-    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None)
+    cpu = Cluster((0,))
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None, cpu)
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert pairs["--data.max_samples"] == "24" and pairs["--ds.param_dtype"] == "bf16"
+    assert pairs["--ext.rollout_engine"] == "hf"
     assert pairs["--ds.attn_implementation"] == "sdpa" and pairs["--actor.num_gpus_per_node"] == "1"
     assert "--train.colocate_all" not in argv and "--vllm.num_engines" not in argv
     recipe.train.openrlhf_args = {"actor.num_gpus_per_node": 2}  # two actor ranks: micro batch 8 -> 4 each
-    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None)
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None, cpu)
     assert argv[argv.index("--train.micro_batch_size") + 1] == "4"
     recipe.train.bf16, recipe.train.openrlhf_args = False, {}
     with pytest.raises(ValueError, match="OpenRLHF trains in bf16 or fp16 only"):
-        openrlhf_argv(recipe, "/tmp/p.jsonl", None)
-
-
-@pytest.mark.gpu
-def test_openrlhf_segment_ppo_runs_on_gpu(tmp_path):
-    """One PPO episode through OpenRLHF's Ray pipeline with vLLM (GPU machines only)."""
-    from rlhf_ext.config import load_recipe
-    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
-
-    recipe = load_recipe(
-        SegmentPPORecipe,
-        None,
-        ["engine=openrlhf", f"train.output_dir={tmp_path}", "train.batch_size=8", "train.micro_batch_size=4",
-         "data.max_prompts=16", "data.max_completion_length=32",
-         "train.openrlhf_args={vllm.gpu_memory_utilization: 0.3}"],
-    )  # fmt: skip
-    summary = run_segment_ppo(recipe)
-    assert summary["engine"] == "openrlhf" and (tmp_path / "normalizer.json").exists()
-    assert (tmp_path / "config.json").exists()  # the trained actor
+        openrlhf_argv(recipe, "/tmp/p.jsonl", None, cpu)

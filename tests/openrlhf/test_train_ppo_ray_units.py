@@ -102,7 +102,8 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
         (["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "2"], "shapes one scalar reward"),
         (["--reward.normalize_enable"], "--reward.normalize_enable acts on OpenRLHF's scalar reward"),
         (["--reward.stop_properly_penalty_coef", "0.5"], "--reward.stop_properly_penalty_coef acts on"),
-        (["--ds.packing_samples"], "do not support --ds.packing_samples"),
+        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2 needs ring-flash-attn"),
+        (["--train.agent_func_path", "agent.py"], "--train.agent_func_path returns one score per sample"),
         (["--ext.granularity", "segmnt"], "--ext.granularity must be one of"),
         (["--ext.continual_kl_coeff", "1"], "unknown option --ext.continual_kl_coeff"),
         (["--ext.continual.kl_coef", "1"], "--ext.continual.kl_coef was renamed to --ext.continual_kl_coef"),
@@ -110,7 +111,9 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_driver_refuses_before_ray_starts(flags, message):
-    """One line naming the flag and the fix, exit code != 0, and no Ray cluster was started."""
+    """One line naming the flag the user gave and the fix, exit code != 0, and no Ray cluster was started. The last
+    two flags reach the check only as what OpenRLHF derives from them (``packing_samples``, ``remote_url="agent"``):
+    the check runs after OpenRLHF's fix-ups and names the user's flag, not the derived one (issue 25, B)."""
     proc = _driver(*flags)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]

@@ -17,7 +17,7 @@ from rlhf_ext.runtime.log import (
     parse_verbosity,
 )
 
-NO_CUDA_NOTICE = "no CUDA device: rollouts use the HF generate engine (--ext.rollout_engine hf)"
+NO_CUDA_NOTICE = "no GPUs in the cluster: rollouts use the HF generate engine (--ext.rollout_engine hf)"
 
 
 @pytest.fixture()
@@ -33,8 +33,9 @@ def library_logger():
 def _library_call() -> str:
     """A library call that logs one info line (the OpenRLHF driver's rollout-engine notice) and returns a value."""
     from rlhf_ext.openrlhf.train_ppo_ray import resolve_rollout_engine
+    from rlhf_ext.runtime.resources import Cluster
 
-    return resolve_rollout_engine("auto", cuda=False)
+    return resolve_rollout_engine("auto", Cluster((0,)))
 
 
 def test_a_host_application_decides_what_is_shown(library_logger, caplog):
@@ -101,7 +102,8 @@ CLI_SETUP = (
     "{before}\n"
     "configure_cli_output()\n"
     "from rlhf_ext.openrlhf.train_ppo_ray import resolve_rollout_engine\n"
-    "resolve_rollout_engine('auto', cuda=False)\n"
+    "from rlhf_ext.runtime.resources import Cluster\n"
+    "resolve_rollout_engine('auto', Cluster((0,)))\n"
     "print(os.environ.get('HF_DATASETS_DISABLE_PROGRESS_BARS'), len(logging.getLogger('rlhf_ext').handlers))\n"
 )
 
