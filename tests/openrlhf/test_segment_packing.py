@@ -106,7 +106,7 @@ def _maker(seg_ppo, estimator: str):
         data=SimpleNamespace(max_len=64),
         ext=SimpleNamespace(
             granularity="segment", interpolation="even_split", entropy_cutoff=1.0, aggregation="softmax", tau=0.5,
-            normalizer=None, reward_model_id=None,
+            normalizer=None, reward_model_id=None, chunk_size=4,
         ),
     )  # fmt: skip
     maker = seg_ppo.SegmentExperienceMaker(
