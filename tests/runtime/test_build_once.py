@@ -4,9 +4,6 @@ asking for the same ``builtin:`` model at once share one build; a build killed h
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,8 +11,8 @@ from pathlib import Path
 import pytest
 from filelock import Timeout
 
-from rlhf_ext.runtime.io import FAULT_ENV, atomic_directory, build_once, file_lock
-from tests.helpers.kill_points import SOURCE_ROOT
+from rlhf_ext.runtime.io import atomic_directory, build_once, file_lock
+from tests.helpers.kill_points import read_stderr_until, run_cli, start_cli, was_killed
 
 REFUSED = "already held by this thread"
 
@@ -87,38 +84,17 @@ def test_threads_asking_at_once_share_one_build(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.lock"]
 
 
-def _zoo_build(cache: Path, name: str, fault_at: str | None = None) -> subprocess.Popen:
-    """``rlhf-ext zoo build NAME`` into ``cache`` in a fresh interpreter (stdout: the path; stderr: its log lines)."""
-    env = {**os.environ, "RLHF_EXT_CACHE": str(cache), "PYTHONPATH": str(SOURCE_ROOT)}
-    env.pop(FAULT_ENV, None)
-    if fault_at:
-        env[FAULT_ENV] = fault_at
-    cmd = [sys.executable, "-m", "rlhf_ext.cli", "zoo", "build", name]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _read_until(proc: subprocess.Popen, text: str) -> list[str]:
-    """The stderr lines of ``proc`` up to the first one containing ``text`` (fails if it exits first)."""
-    lines = []
-    while True:
-        line = proc.stderr.readline()
-        assert line, f"exited ({proc.wait()}) before logging {text!r}:\n{''.join(lines)}"
-        lines.append(line)
-        if text in line:
-            return lines
-
-
-def test_a_build_killed_halfway_is_redone_cleanly_and_two_processes_share_one_build(tmp_path):
+def test_a_build_killed_halfway_is_redone_cleanly_and_two_processes_share_one_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_EXT_CACHE", str(tmp_path))
     models = tmp_path / "models"
-    killed = _zoo_build(tmp_path, "tiny", fault_at="written:tiny")  # complete in its temporary directory: kill -9
-    killed.communicate(timeout=300)
-    assert killed.returncode == -9
+    killed = run_cli(["zoo", "build", "tiny"], fault_at="written:tiny")  # complete in its temporary directory
+    assert was_killed(killed), killed.stderr
     leftovers = [p.name for p in models.iterdir() if p.name.startswith(".tiny.tmp-")]
     assert len(leftovers) == 1 and not (models / "tiny").exists()
 
     with file_lock(models / "tiny.lock"):  # hold the build back until both processes wait for it
-        procs = [_zoo_build(tmp_path, "tiny") for _ in range(2)]
-        early = [_read_until(p, "waiting for") for p in procs]
+        procs = [start_cli(["zoo", "build", "tiny"]) for _ in range(2)]
+        early = [read_stderr_until(p, "waiting for") for p in procs]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert [out.strip().splitlines()[-1] for out, _ in outputs] == [str(models / "tiny")] * 2
