@@ -233,3 +233,24 @@ def test_one_token_score_capture_shared_by_threads_keeps_each_forward_for_its_ca
     finally:
         capture.remove()
     assert all(torch.equal(a, b) for a, b in zip(threaded, serial))
+
+
+def test_reward_functions_shared_by_threads_give_the_serial_scores(segment_rm_dir, toy_data):
+    """The two checkpoint reward functions, each called by 8 threads at once with random batches (one torch thread per
+    call), return exactly the serial scores (tokenisation under a lock: a fast tokenizer refuses two threads)."""
+    from rlhf_ext.runtime.async_runner import torch_threads
+    from rlhf_ext.runtime.rewards import SegmentSequenceReward, SequenceClassifierReward
+
+    rng = random.Random(1)
+    rows = [toy_data["test"][i] for i in range(64)]
+    batches = [rng.sample(rows, rng.randint(1, 6)) for _ in range(64)]
+    for reward in (SegmentSequenceReward(segment_rm_dir, device="cpu"), SequenceClassifierReward(segment_rm_dir)):
+
+        def call(batch, reward=reward):
+            with torch_threads(1):
+                return reward([r["prompt"] for r in batch], [r["chosen"] for r in batch])
+
+        serial = [call(b) for b in batches]
+        with ThreadPoolExecutor(8) as pool:
+            threaded = list(pool.map(call, batches))
+        assert all(torch.equal(a, b) for a, b in zip(threaded, serial)), type(reward).__name__
