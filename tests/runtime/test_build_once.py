@@ -84,6 +84,7 @@ def test_threads_asking_at_once_share_one_build(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.lock"]
 
 
+@pytest.mark.slow  # three fresh `rlhf-ext` processes
 def test_a_build_killed_halfway_is_redone_cleanly_and_two_processes_share_one_build(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_EXT_CACHE", str(tmp_path))
     models = tmp_path / "models"
