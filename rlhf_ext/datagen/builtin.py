@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rlhf_ext.datagen.dataset import ContinualDataset
 from rlhf_ext.datagen.generate import generate_dataset
-from rlhf_ext.runtime.io import atomic_directory, default_cache_dir, file_lock
+from rlhf_ext.runtime.io import atomic_directory, build_once, default_cache_dir
 
 PREFIX = "builtin:"
 BUILTIN_CONTINUAL_DATASETS = (
@@ -39,13 +39,12 @@ def resolve_continual_dataset(
         )
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     dest = root / "datasets" / f"{name}-n{num_samples}"
-    marker = dest / "continual_dataset.json"
-    if not marker.exists():
-        with file_lock(root / "datasets" / f"{name}.lock"):
-            if not marker.exists():
-                with atomic_directory(dest) as tmp:
-                    generate_dataset(name, tmp, num_samples=num_samples, progress=False)
-    return str(dest)
+
+    def build(path: Path) -> None:
+        with atomic_directory(path) as tmp:
+            generate_dataset(name, tmp, num_samples=num_samples, progress=False)
+
+    return str(build_once(dest, build, "continual_dataset.json"))
 
 
 def load_continual_dataset(path: str | Path) -> ContinualDataset:

@@ -1,9 +1,10 @@
 """Building the trained ``builtin:`` models (``tiny-sft``, ``tiny-segment-rm``) explicitly: resolving a name in
 :mod:`rlhf_ext.zoo` never trains; the pipelines call :func:`resolve_model` here, which builds what is missing first.
 
-``rlhf-ext zoo build NAME`` runs :func:`build_model`. Building is safe from several processes at once (file lock +
-atomic rename), and inside a ``torchrun``/``deepspeed`` launch it runs in a plain subprocess (training inside the launch
-would join its process group while the other ranks wait for the lock: a deadlock).
+``rlhf-ext zoo build NAME`` runs :func:`build_model`. Each model is built once
+(:func:`~rlhf_ext.runtime.io.build_once`: concurrent callers wait and reuse it; a killed build is redone), and inside
+a ``torchrun``/``deepspeed`` launch it runs in a plain subprocess (training inside the launch would join its process
+group while the other ranks wait for the lock: a deadlock).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf_ext.runtime.io import atomic_directory, file_lock
+from rlhf_ext.runtime.io import atomic_directory, build_once
 from rlhf_ext.zoo import builtins as zoo
 from rlhf_ext.zoo.toy import toy_preference_rows
 
@@ -61,13 +62,14 @@ def build_model(name: str, cache_dir: str | Path | None = None) -> str:
         code = f"from rlhf_ext.pipelines.builtins import build_model; build_model({name!r}, {str(dest.parents[1])!r})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         return str(dest)
-    with file_lock(dest.parent / f"{name}.lock"):
-        if not (dest / "config.json").exists():
-            if name == "tiny-sft":
-                train_tiny_sft(dest, zoo.resolve_model(zoo.PREFIX + "tiny", cache_dir))
-            else:
-                _build_tiny_segment_rm(dest, build_model("tiny-sft", cache_dir))
-    return str(dest)
+
+    def build(path: Path) -> None:
+        if name == "tiny-sft":
+            train_tiny_sft(path, zoo.resolve_model(zoo.PREFIX + "tiny", cache_dir))
+        else:
+            _build_tiny_segment_rm(path, build_model("tiny-sft", cache_dir))
+
+    return str(build_once(dest, build, "config.json"))
 
 
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_ext.algos.segment_reward import (
@@ -345,7 +347,7 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
     """
     from rlhf_ext.openrlhf.segment_rm import run_train_rm
     from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock
+    from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, build_once
     from rlhf_ext.runtime.segment_data import prepare_segment_dataset
 
     if recipe.train.epochs != math.ceil(recipe.train.epochs):
@@ -355,30 +357,30 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.tokenizer or recipe.model.sft_model))
     data_root = os.path.join(recipe.train.output_dir, "prepared_data")
-    dirs = {}
-    with file_lock(data_root + ".lock"):
-        train_ds, eval_ds = load_preference_splits(recipe.data)
-        prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
-        for name, ds in (("train", train_ds), ("eval", eval_ds)):
-            if ds is None:
-                continue
-            target = os.path.join(data_root, name)
-            if not os.path.exists(os.path.join(target, "dataset_info.json")):
-                prepared = prepare_segment_dataset(
-                    ds,
-                    tokenizer,
-                    sft_model_name_or_path=recipe.model.sft_model,
-                    max_length=recipe.data.max_length,
-                    max_prompt_length=recipe.data.max_prompt_length,
-                    prompt_key=prompt_key,
-                    chosen_key=recipe.data.chosen_key,
-                    rejected_key=recipe.data.rejected_key,
-                    entropy_batch_size=recipe.segment.entropy_batch_size,
-                    cache_dir=recipe.train.segment_cache_dir,
-                )
-                with atomic_directory(target) as tmp:
-                    prepared.save_to_disk(str(tmp))
-            dirs[name] = target
+    train_ds, eval_ds = load_preference_splits(recipe.data)
+    prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
+
+    def prepare(ds, path: Path) -> None:
+        prepared = prepare_segment_dataset(
+            ds,
+            tokenizer,
+            sft_model_name_or_path=recipe.model.sft_model,
+            max_length=recipe.data.max_length,
+            max_prompt_length=recipe.data.max_prompt_length,
+            prompt_key=prompt_key,
+            chosen_key=recipe.data.chosen_key,
+            rejected_key=recipe.data.rejected_key,
+            entropy_batch_size=recipe.segment.entropy_batch_size,
+            cache_dir=recipe.train.segment_cache_dir,
+        )
+        with atomic_directory(path) as tmp:
+            prepared.save_to_disk(str(tmp))
+
+    dirs = {
+        name: str(build_once(Path(data_root, name), functools.partial(prepare, ds), "dataset_info.json"))
+        for name, ds in (("train", train_ds), ("eval", eval_ds))
+        if ds is not None
+    }
     run_train_rm(openrlhf_argv(recipe, dirs["train"], dirs.get("eval")))
     summary: dict[str, Any] = {"engine": "openrlhf", "model_dir": recipe.train.output_dir, "eval": {}}
     if int(os.environ.get("RANK", "0")) == 0:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.runtime.segment_data import DatasetFormatError, pad_sequences, tokenize_pair
+from rlhf_ext.runtime.segment_data import DatasetFormatError, pad_sequences
 from rlhf_ext.runtime.token_scores import SegmentScorer
 
 logger = logging.getLogger(__name__)
@@ -210,20 +210,16 @@ class SegmentEvaluator:
         self.tokenizer = scorer.tokenizer
         self.max_length = max_length or getattr(scorer.reward_model.config, "max_position_embeddings", None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._tokenizer_lock = threading.Lock()  # a fast tokenizer may refuse calls from two threads at once
 
     def encode(self, prompt: str | list[Message], response: str | list[Message]) -> EncodedPair:
-        """Tokenise a pair as the reward model's training data was (:func:`~rlhf_ext.runtime.segment_data.
-        tokenize_pair`: prompt and response separately, EOS appended, cut to ``max_length``)."""
-        example = {"prompt": prompt or None, "chosen": response, "rejected": response}
-        with self._tokenizer_lock:
-            row = tokenize_pair(example, self.tokenizer, max_length=self.max_length,
-                                prompt_key="prompt" if prompt else None)  # fmt: skip
+        """Tokenise a pair as the reward model's training data was (:meth:`SegmentScorer.encode`: prompt and response
+        separately, EOS appended, cut to ``max_length``)."""
+        row = self.scorer.encode(prompt or None, response, self.max_length)
         return EncodedPair(row["chosen_ids"], row["prompt_len"])
 
     def response_of_query(self, query: str, prompt: str, index: int) -> str:
         """:func:`response_after_prompt` with this model's tokenizer."""
-        with self._tokenizer_lock:
+        with self.scorer.tokenizer_lock:
             return response_after_prompt(query, prompt, self.tokenizer, index)
 
     @torch.no_grad()

@@ -1,5 +1,6 @@
 """Small engine-free helpers: atomic file and directory writes (and the recovery of a killed one), a cross-process
-file lock, stable hashing, and the fault-injection hook of the kill-recovery tests."""
+file lock with one owner, directories built once by whoever asks first, stable hashing, and the fault-injection hook
+of the kill-recovery tests."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import fnmatch
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
@@ -197,16 +202,64 @@ def temporary_sibling(path: str | Path, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.{_TMP}-{suffix}")
 
 
+#: the lock files each thread holds (``file_lock`` refuses to take one of them again)
+_held_locks = threading.local()
+
+
 @contextlib.contextmanager
 def file_lock(path: str | Path, timeout: float = -1) -> Iterator[None]:
-    """An exclusive lock on ``path`` (created if missing), shared across processes and ranks (``filelock``).
-    ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out."""
+    """An exclusive lock on ``path`` (created if missing), shared across processes, ranks and threads (``filelock``).
+    ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out.
+
+    One owner per lock: a thread asking again for a lock it already holds gets a ``RuntimeError`` naming the file, at
+    once, whatever the filelock version (3.x would wait for itself forever; 4.x refuses with a message about
+    ``is_singleton``). Other threads and processes wait for it as usual.
+    """
     from filelock import FileLock
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path), timeout=timeout):
-        yield
+    key = os.path.realpath(path)
+    held: set[str] = _held_locks.__dict__.setdefault("paths", set())
+    if key in held:
+        raise RuntimeError(
+            f"the lock {path} is already held by this thread: the code that holds it called code that asks for it "
+            "again (a bug in rlhf-ext: one owner per lock; please report it)"
+        )
+    held.add(key)
+    try:
+        with FileLock(str(path), timeout=timeout):
+            yield
+    finally:
+        held.discard(key)
+
+
+def build_once(path: str | Path, build: Callable[[Path], Any], done: str) -> Path:
+    """Make the directory ``path`` exactly once, however many threads and processes ask and wherever one is killed.
+
+    ``build(path)`` writes the whole directory atomically (:func:`atomic_directory`, or a writer built on it), and
+    ``path / done`` marks it complete. A caller finding it complete returns at once; otherwise it takes
+    ``<path>.lock`` (the only owner of that lock: ``build`` must not ask for ``path`` again), finishes or deletes
+    what a killed builder left (:func:`recover_directory`), and builds unless that completed it; callers asking at
+    the same time wait and reuse the result. Returns ``path``.
+    """
+    from filelock import Timeout
+
+    path = Path(path)
+    if (path / done).exists():
+        return path
+    lock = path.with_name(path.name + ".lock")
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(file_lock(lock, timeout=0))
+        except Timeout:
+            logger.info("waiting for %s: another process or thread is building it", path)
+            held.enter_context(file_lock(lock))
+        recover_directory(path)
+        if not (path / done).exists():
+            logger.info("building %s (once; later calls reuse it)", path)
+            build(path)
+    return path
 
 
 def stable_hash(*parts: Any, length: int = 16) -> str:

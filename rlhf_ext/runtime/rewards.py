@@ -10,6 +10,7 @@ annotators). ``builtin:`` reward names are resolved by :func:`rlhf_ext.zoo.resol
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ def score(reward_fn: RewardFn, prompts: Sequence[Any], responses: Sequence[str])
 class SequenceClassifierReward:
     """Score with a sequence-classification reward model (``num_labels=1``), e.g. one trained by TRL's
     ``RewardTrainer``: the text is ``prompt + response`` plus EOS (chat prompts through the chat template), as
-    ``RewardTrainer`` builds it, and the score is the model's output at the last real token."""
+    ``RewardTrainer`` builds it, and the score is the model's output at the last real token. Thread-safe (forward
+    passes run concurrently; tokenisation takes a lock)."""
 
     def __init__(self, model, tokenizer=None, batch_size: int = 32, device: str | torch.device | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -53,6 +55,7 @@ class SequenceClassifierReward:
             raise ValueError("pass tokenizer= when the reward model is already instantiated")
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()  # a fast tokenizer may refuse two threads at once ("Already borrowed")
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -69,9 +72,10 @@ class SequenceClassifierReward:
         from rlhf_ext.runtime.segment_data import pad_sequences
 
         ids = []
-        for p, r in zip(prompts, responses):
-            text, is_chat = self._text(p, r)
-            ids.append(self.tokenizer(text, add_special_tokens=not is_chat)["input_ids"])
+        with self._tokenizer_lock:
+            for p, r in zip(prompts, responses):
+                text, is_chat = self._text(p, r)
+                ids.append(self.tokenizer(text, add_special_tokens=not is_chat)["input_ids"])
         out = []
         for start in range(0, len(ids), self.batch_size):
             chunk = ids[start : start + self.batch_size]
@@ -84,7 +88,8 @@ class SequenceClassifierReward:
 class SegmentSequenceReward:
     """Score with a segment reward model's sequence evaluation ``e_phi(x, y)`` (paper 003, Eq. 4): the SFT model
     segments each response by entropy, the reward model scores each segment's last token, and the segment rewards
-    are aggregated — the same :func:`~rlhf_ext.segment.evaluate_sequences` path training uses."""
+    are aggregated — the same :func:`~rlhf_ext.segment.evaluate_sequences` path training uses. Thread-safe, as its
+    :class:`~rlhf_ext.runtime.token_scores.SegmentScorer` is."""
 
     def __init__(self, reward_model: str | Path, sft_model: str | None = None, batch_size: int = 16, device=None):
         from rlhf_ext.runtime.token_scores import SegmentScorer
@@ -97,13 +102,11 @@ class SegmentSequenceReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
-        from rlhf_ext.runtime.segment_data import pad_sequences, tokenize_pair
+        from rlhf_ext.runtime.segment_data import pad_sequences
 
         tok = self.scorer.tokenizer
-        rows = []
-        for p, r in zip(prompts, responses):
-            resp = [{"role": "assistant", "content": r}] if is_conversation(p) else r
-            rows.append(tokenize_pair({"prompt": p, "chosen": resp, "rejected": resp}, tok))
+        rows = [self.scorer.encode(p, [{"role": "assistant", "content": r}] if is_conversation(p) else r)
+                for p, r in zip(prompts, responses)]  # fmt: skip
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = []
         for start in range(0, len(rows), self.batch_size):

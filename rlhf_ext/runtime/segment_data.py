@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlhf_ext.algos.segment_reward import token_entropy
-from rlhf_ext.runtime.io import atomic_directory, file_lock, stable_hash
+from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
 
 ENTROPY_COLUMNS = ("chosen_entropy", "rejected_entropy")
 TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
@@ -309,12 +309,13 @@ def prepare_segment_dataset(
 
     if cache_path is None:
         return compute()
-    with file_lock(cache_path.with_name(cache_path.name + ".lock")):
-        if not (cache_path / "dataset_info.json").exists():
-            result = compute()
-            with atomic_directory(cache_path) as tmp:
-                result.save_to_disk(str(tmp))
-    return load_from_disk(str(cache_path))
+
+    def build(path: Path) -> None:
+        result = compute()
+        with atomic_directory(path) as tmp:
+            result.save_to_disk(str(tmp))
+
+    return load_from_disk(str(build_once(cache_path, build, "dataset_info.json")))
 
 
 def collate_segment_pairs(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import inspect
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,20 +48,30 @@ def find_score_head(model) -> torch.nn.Module:
 
 
 class TokenScoreCapture:
-    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass."""
+    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass.
+
+    Thread-safe: the output is kept per thread (a forward pass runs its hooks in the thread that called it), so
+    threads sharing one model and one capture each :meth:`pop` the scores of their own forward pass. Not for
+    ``torch.nn.DataParallel``, which runs its replicas in threads of its own (use DDP: ``torchrun`` /
+    ``accelerate launch``).
+    """
 
     def __init__(self, model):
-        self.scores: torch.Tensor | None = None
+        self._slot = threading.local()
         self.handle = find_score_head(model).register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        self.scores = output
+        self._slot.scores = output
 
     def pop(self) -> torch.Tensor:
-        """``[B, T]`` scores of the last forward pass (and forget them)."""
-        if self.scores is None:
-            raise RuntimeError("the score head did not run during the forward pass")
-        scores, self.scores = self.scores, None
+        """``[B, T]`` scores of this thread's last forward pass (and forget them)."""
+        scores = getattr(self._slot, "scores", None)
+        if scores is None:
+            raise RuntimeError(
+                "the score head did not run during this thread's forward pass (a model wrapped in "
+                "torch.nn.DataParallel runs it in other threads: use DDP, e.g. torchrun or accelerate launch)"
+            )
+        self._slot.scores = None
         return scores.squeeze(-1)
 
     def remove(self) -> None:
@@ -226,6 +237,10 @@ class SegmentView:
 class SegmentScorer:
     """Loads a segment reward model and the SFT model it was trained with, and splits responses into scored segments.
 
+    Thread-safe: one scorer may serve many threads at once (a threaded server, a Ray actor with concurrency > 1);
+    each call gets the answer it would get alone. Forward passes run concurrently; only the tokenizer, which a fast
+    tokenizer may refuse to share between two threads at once, is used under :attr:`tokenizer_lock`.
+
     Args:
         reward_model: path of a reward-model checkpoint written by rlhf-ext (TRL or OpenRLHF engine).
         sft_model: the SFT checkpoint used for segmentation (default: the one recorded with the reward model).
@@ -261,6 +276,8 @@ class SegmentScorer:
         if not sft_path:
             raise ValueError(f"{reward_model} does not record its SFT model; pass sft_model=")
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
+        #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
+        self.tokenizer_lock = threading.Lock()
         self.reward_model = AutoModelForSequenceClassification.from_pretrained(
             reward_model, num_labels=1, dtype=torch.float32
         ).eval()
@@ -273,12 +290,20 @@ class SegmentScorer:
             entropy_cutoff=self.cutoff, aggregation=self.aggregation, tau=self.tau,
         )  # fmt: skip
 
-    def score(self, prompt, response) -> SegmentView:
-        """Segment and score one response. ``prompt``/``response``: text, or chat messages (prompt may be None)."""
+    def encode(self, prompt, response, max_length: int | None = None) -> dict[str, Any]:
+        """One response tokenised as the reward model's training data was (:func:`~rlhf_ext.runtime.segment_data.
+        tokenize_pair`: ``chosen_ids`` = prompt + response tokens, ``prompt_len``). ``prompt``/``response``: text,
+        or chat messages (prompt may be None)."""
         from rlhf_ext.runtime.segment_data import tokenize_pair
 
         example = {"prompt": prompt, "chosen": response, "rejected": response}
-        row = tokenize_pair(example, self.tokenizer, prompt_key="prompt" if prompt is not None else None)
+        with self.tokenizer_lock:
+            return tokenize_pair(example, self.tokenizer, max_length=max_length,
+                                 prompt_key="prompt" if prompt is not None else None)  # fmt: skip
+
+    def score(self, prompt, response) -> SegmentView:
+        """Segment and score one response. ``prompt``/``response``: text, or chat messages (prompt may be None)."""
+        row = self.encode(prompt, response)
         ids = torch.tensor([row["chosen_ids"]])
         mask = torch.ones_like(ids)
         action = torch.zeros_like(ids, dtype=torch.bool)
@@ -287,12 +312,11 @@ class SegmentScorer:
         ev = self.evaluate(ids, mask, action, entropy=ent)
         seg = ev.segments
         n = int(seg.counts[0])
-        texts, starts = [], []
-        for s in range(n):
-            positions = (seg.ids[0] == s).nonzero().flatten()
-            texts.append(self.tokenizer.decode(ids[0, positions]))
-            starts.append(float(ent[0, positions[0]]))
-        prompt_text = self.tokenizer.decode(ids[0, : row["prompt_len"]])
+        positions = [(seg.ids[0] == s).nonzero().flatten() for s in range(n)]
+        with self.tokenizer_lock:
+            texts = [self.tokenizer.decode(ids[0, p]) for p in positions]
+            prompt_text = self.tokenizer.decode(ids[0, : row["prompt_len"]])
+        starts = [float(ent[0, p[0]]) for p in positions]
         return SegmentView(prompt_text, texts, ev.seg_rewards[0, :n].tolist(), starts, float(ev.values[0]))
 
 

@@ -14,9 +14,10 @@ name                       what it is
                            200 samples per task (:mod:`rlhf_ext.datagen.builtin`)
 =========================  ==========================================================================================
 
-Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``); building is safe from several
-processes at once (file lock + atomic rename). Anything without the prefix is passed through unchanged (a local path
-or a hub id).
+Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``), each built once
+(:func:`~rlhf_ext.runtime.io.build_once`): callers asking at the same time, in threads or processes, wait for the
+first one and reuse its result; a build killed halfway leaves nothing that is reused, and the next call builds again.
+Anything without the prefix is passed through unchanged (a local path or a hub id).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_ext.runtime.io import default_cache_dir, file_lock
+from rlhf_ext.runtime.io import build_once, default_cache_dir
 
 PREFIX = "builtin:"
 TOY_TOKENIZER_VOCAB = 512
@@ -123,15 +124,9 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
             f"{spec} is not built yet (it is trained, once, into {dest}): run `rlhf-ext zoo build {name}`, or "
             "start any rlhf-ext recipe that names it"
         )
-    with file_lock(dest.parent / f"{name}.lock"):
-        if not (dest / "config.json").exists():
-            if name == "smollm2":
-                from rlhf_ext.zoo.models import smollm2_checkpoint
+    from rlhf_ext.zoo.models import smollm2_checkpoint
 
-                smollm2_checkpoint(dest)
-            else:
-                _build_tiny(dest)
-    return str(dest)
+    return str(build_once(dest, smollm2_checkpoint if name == "smollm2" else _build_tiny, "config.json"))
 
 
 def resolve_dataset(spec: str, **kwargs: Any):

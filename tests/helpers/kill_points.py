@@ -24,6 +24,14 @@ from rlhf_ext.runtime.io import FAULT_ENV
 SOURCE_ROOT = Path(rlhf_ext.__file__).resolve().parents[1]
 
 
+def _cli_env(fault_at: str | None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop(FAULT_ENV, None)
+    if fault_at is not None:
+        env[FAULT_ENV] = fault_at
+    return env
+
+
 def run_cli(
     args: list[str],
     *,
@@ -33,16 +41,40 @@ def run_cli(
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """``rlhf-ext ARGS`` in a fresh interpreter (output captured), killed at ``fault_at`` / ``truncate_checkpoint``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop(FAULT_ENV, None)
-    if fault_at is not None:
-        env[FAULT_ENV] = fault_at
     entry = ["-m", "rlhf_ext.cli"]
     if truncate_checkpoint is not None:
         entry = ["-m", "tests.helpers.kill_points", str(truncate_checkpoint), "--"]
     return subprocess.run(
-        [sys.executable, *entry, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *entry, *args],
+        cwd=cwd,
+        env=_cli_env(fault_at),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
+
+
+def start_cli(args: list[str], *, fault_at: str | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """``rlhf-ext ARGS`` started in a fresh interpreter (text pipes for stdout and stderr; read them with
+    :func:`read_stderr_until` and ``communicate``), killed at ``fault_at``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlhf_ext.cli", *args],
+        cwd=cwd,
+        env=_cli_env(fault_at),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_stderr_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """The stderr lines of ``proc`` up to the first one containing ``text`` (fails if the process exits first)."""
+    lines = []
+    while line := proc.stderr.readline():
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"exited ({proc.wait()}) before logging {text!r}:\n{''.join(lines)}")
 
 
 def was_killed(result: subprocess.CompletedProcess) -> bool:

@@ -4,6 +4,9 @@ inference scorer and the trainer compute, and not the last-token score a plain `
 from __future__ import annotations
 
 import copy
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from rlhf_ext.runtime.segment_data import (
     save_segment_settings,
     tokenize_pair,
 )
+from rlhf_ext.runtime.token_scores import SegmentView
 from rlhf_ext.segment import segment_evaluation
 
 CUTOFF, TAU = 1.0, 0.5
@@ -37,16 +41,22 @@ def segment_rm_dir(tmp_path_factory, tiny_sft_path, toy_tok) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def batch(toy_tok, toy_data):
-    """Three toy responses tokenised as the scorer does, right padded: ids, mask, response mask."""
-    rows = [tokenize_pair(toy_data["test"][i], toy_tok) for i in range(3)]
+def encode(examples, tok) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Toy responses (the ``chosen`` of each example) tokenised as the scorer does, right padded: ``[B, T]`` ids,
+    mask and response mask."""
+    rows = [tokenize_pair(example, tok) for example in examples]
     seqs = [r["chosen_ids"] for r in rows]
-    ids = pad_sequences(seqs, toy_tok.pad_token_id, "right", torch.long)
+    ids = pad_sequences(seqs, tok.pad_token_id, "right", torch.long)
     mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long)
     response = pad_sequences([[0] * r["prompt_len"] + [1] * (len(s) - r["prompt_len"]) for r, s in zip(rows, seqs)],
                              0, "right", torch.long).bool()  # fmt: skip
     return ids, mask, response
+
+
+@pytest.fixture(scope="module")
+def batch(toy_tok, toy_data):
+    """Three toy responses tokenised as the scorer does."""
+    return encode([toy_data["test"][i] for i in range(3)], toy_tok)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +169,88 @@ def test_missing_settings_and_segmentation_are_named(loaded, batch):
     bare = AutoModelForSequenceClassification.from_config(config)
     with pytest.raises(ValueError, match="pass settings=<reward model directory>"):
         segment_evaluation(bare, ids, mask, response, entropy=torch.zeros_like(ids, dtype=torch.float))
+
+
+def _same(a, b) -> bool:
+    """Exactly equal results of a scorer call: a ``SequenceEvaluation`` (every tensor) or a ``SegmentView``."""
+    if isinstance(a, SegmentView):
+        return a == b
+    parts = lambda ev: (ev.values, ev.seg_rewards, ev.segments.ids, ev.segments.ends)  # noqa: E731
+    return all(torch.equal(x, y) for x, y in zip(parts(a), parts(b)))
+
+
+def test_one_scorer_shared_by_8_threads_gives_every_caller_its_own_exact_answer(segment_rm_dir, toy_tok, toy_data):
+    """320 calls of random kinds and batch sizes (``evaluate`` on 1-8 responses, ``score`` of one), each with one
+    torch thread, run serially and then by 8 threads at once on ONE SegmentScorer: every result is exactly the serial
+    one. (Before: the score head's output was kept in one slot per model, so a forward in one thread overwrote
+    another's: errors from another thread's shapes, and wrong e_phi without an error.)"""
+    from rlhf_ext.runtime.async_runner import torch_threads
+    from rlhf_ext.runtime.token_scores import SegmentScorer
+
+    scorer = SegmentScorer(segment_rm_dir)
+    rng = random.Random(0)
+    rows = [toy_data["test"][i] for i in range(64)]
+    calls = []
+    for _ in range(320):
+        if rng.random() < 0.25:
+            row = rng.choice(rows)
+            calls.append((scorer.score, (row["prompt"], row["chosen"])))
+        else:
+            calls.append((scorer.evaluate, encode(rng.sample(rows, rng.randint(1, 8)), toy_tok)))
+
+    def call(i: int):
+        fn, args = calls[i]
+        with torch_threads(1):
+            return fn(*args)
+
+    serial = [call(i) for i in range(len(calls))]
+    start = threading.Barrier(8)
+    with ThreadPoolExecutor(8, initializer=start.wait) as pool:
+        futures = [pool.submit(call, i) for i in range(len(calls))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    mismatches = sum(not _same(f.result(), s) for f, s in zip(futures, serial) if f.exception() is None)
+    assert (len(calls), len(errors), mismatches) == (320, 0, 0), errors[:3]
+
+
+def test_one_token_score_capture_shared_by_threads_keeps_each_forward_for_its_caller(loaded, toy_tok, toy_data):
+    """A trainer's capture object used by several threads: each pops the scores of its own forward pass."""
+    from rlhf_ext.runtime.async_runner import torch_threads
+    from rlhf_ext.runtime.token_scores import TokenScoreCapture
+
+    rm, _ = loaded
+    capture = TokenScoreCapture(rm)
+    batches = [encode([toy_data["test"][i] for i in range(j, j + 1 + j % 4)], toy_tok) for j in range(48)]
+
+    def forward_and_pop(ids, mask, _):
+        with torch_threads(1), torch.no_grad():
+            rm(input_ids=ids, attention_mask=mask)
+            return capture.pop()
+
+    try:
+        serial = [forward_and_pop(*b) for b in batches]
+        with ThreadPoolExecutor(8) as pool:
+            threaded = list(pool.map(lambda b: forward_and_pop(*b), batches))
+    finally:
+        capture.remove()
+    assert all(torch.equal(a, b) for a, b in zip(threaded, serial))
+
+
+def test_reward_functions_shared_by_threads_give_the_serial_scores(segment_rm_dir, toy_data):
+    """The two checkpoint reward functions, each called by 8 threads at once with random batches (one torch thread per
+    call), return exactly the serial scores (tokenisation under a lock: a fast tokenizer refuses two threads)."""
+    from rlhf_ext.runtime.async_runner import torch_threads
+    from rlhf_ext.runtime.rewards import SegmentSequenceReward, SequenceClassifierReward
+
+    rng = random.Random(1)
+    rows = [toy_data["test"][i] for i in range(64)]
+    batches = [rng.sample(rows, rng.randint(1, 6)) for _ in range(64)]
+    for reward in (SegmentSequenceReward(segment_rm_dir, device="cpu"), SequenceClassifierReward(segment_rm_dir)):
+
+        def call(batch, reward=reward):
+            with torch_threads(1):
+                return reward([r["prompt"] for r in batch], [r["chosen"] for r in batch])
+
+        serial = [call(b) for b in batches]
+        with ThreadPoolExecutor(8) as pool:
+            threaded = list(pool.map(call, batches))
+        assert all(torch.equal(a, b) for a, b in zip(threaded, serial)), type(reward).__name__
