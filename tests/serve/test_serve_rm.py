@@ -16,19 +16,16 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
-from rlhf_ext.pipelines.serve_rm import (
-    EncodedPair,
-    MicroBatcher,
-    RequestError,
-    RewardServer,
-    ServeSettings,
-    response_after_prompt,
-)
+from rlhf_ext.serve.batching import EncodedPair, MicroBatcher
+from rlhf_ext.serve.protocol import RequestError, response_after_prompt
+from rlhf_ext.serve.server import RewardServer
+from rlhf_ext.serve.settings import ServeSettings
 from rlhf_ext.zoo.toy import toy_preference_rows
 
 TOLERANCE = 1e-5
@@ -176,18 +173,23 @@ def test_trl_reward_function_raises_the_servers_refusal(server):
 
 # ---------------------------------------------------------------------------------------------------------- routes
 def test_health_route(server, rm_dir, scorer):
+    """Model names, not this machine's paths (the recorded SFT model is the builtin's directory)."""
     status, body = post(f"{server.url}/health", b"", method="GET")
     assert status == 200
     assert body == {
         "status": "ok",
-        "model": rm_dir,
-        "sft_model": scorer.sft_model.config._name_or_path,
+        "scorer": "running",
+        "model": Path(rm_dir).name,
+        "sft_model": Path(scorer.sft_model.config._name_or_path).name,
         "aggregation": "softmax",
         "tau": 0.5,
         "entropy_cutoff": 2.0,
         "max_batch_size": 32,
         "max_request_pairs": 64,
+        "in_flight": 0,
+        "auth": "none",
     }
+    assert "/" not in json.dumps({k: body[k] for k in ("model", "sft_model")})
 
 
 MALFORMED = [
@@ -258,7 +260,7 @@ def wait_for_pending(server: RewardServer, count: int) -> None:
 
 
 def post_chunked(server: RewardServer, chunks: list[bytes]) -> tuple[int, dict]:
-    connection = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
+    connection = http.client.HTTPConnection(*server.address, timeout=60)
     try:
         connection.request("POST", "/get_reward", body=iter(chunks), headers={"Content-Type": "application/json"},
                            encode_chunked=True)  # fmt: skip
@@ -286,7 +288,7 @@ def test_chunked_body_is_scored(small_server, scorer):
 
 def test_connections_beyond_max_pending_get_503_and_the_server_recovers(small_server):
     wait_for_pending(small_server, 0)
-    stalled = socket.create_connection(small_server.httpd.server_address[:2])
+    stalled = socket.create_connection(small_server.address)
     try:
         stalled.sendall(b"POST /get_reward HTTP/1.1\r\n")  # the only request thread now waits for the rest
         wait_for_pending(small_server, 1)
@@ -401,7 +403,7 @@ def test_cli_serves_the_model(rm_dir, scorer, tmp_path):
         assert lines and lines[-1].startswith(f"serving {rm_dir} (e_phi: softmax, tau=0.5, cutoff=2) at http://"), lines
         url = re.search(r" at (http://[0-9.]+:[0-9]+): ", lines[-1]).group(1)
         status, health = post(f"{url}/health", b"", method="GET")
-        assert status == 200 and health["model"] == rm_dir
+        assert status == 200 and health["model"] == Path(rm_dir).name
         pair = ("Question: Owls?\nAnswer:", " Owls hunt at night.")
         status, answer = post(
             f"{url}/get_reward", json.dumps({"query": [pair[0] + pair[1]], "prompts": [pair[0]]}).encode()
