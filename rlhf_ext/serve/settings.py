@@ -108,8 +108,10 @@ class ServeSettings:
 def _addresses(host: str, port: int | None) -> list[tuple]:
     try:
         return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        raise ServeError(f"cannot listen on host {host!r}: {e}; give an address or name of this machine") from None
+    except (socket.gaierror, UnicodeError):
+        raise ServeError(
+            f"cannot listen on host {host!r}: it resolves to no address; give an address or name of this machine"
+        ) from None
 
 
 def is_loopback(host: str) -> bool:

@@ -13,8 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,58 +24,13 @@ from rlhf_ext.serve.batching import EncodedPair, MicroBatcher
 from rlhf_ext.serve.protocol import RequestError, response_after_prompt
 from rlhf_ext.serve.server import RewardServer
 from rlhf_ext.serve.settings import ServeSettings
-from rlhf_ext.zoo.toy import toy_preference_rows
-
-TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def rm_dir(cache_dir) -> str:
-    from rlhf_ext.pipelines.builtins import resolve_model
-
-    return resolve_model("builtin:tiny-segment-rm", cache_dir)
-
-
-@pytest.fixture(scope="module")
-def scorer(rm_dir):
-    from rlhf_ext.runtime.token_scores import SegmentScorer
-
-    return SegmentScorer(rm_dir)
+from tests.helpers.reward_client import TOLERANCE, distinct_pairs, in_process, post, post_json
 
 
 @pytest.fixture(scope="module")
 def server(scorer, rm_dir):
     with RewardServer(scorer, ServeSettings(port=0, max_request_pairs=64), model_dir=rm_dir) as running:
         yield running
-
-
-def distinct_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    """``n`` distinct (prompt, response) pairs of the toy task (chosen and rejected responses)."""
-    pairs: dict[tuple[str, str], None] = {}
-    for row in toy_preference_rows(n, seed=seed):
-        pairs.setdefault((row["prompt"], row["chosen"]))
-        pairs.setdefault((row["prompt"], row["rejected"]))
-    assert len(pairs) >= n
-    return list(pairs)[:n]
-
-
-def in_process(scorer, pairs) -> list[float]:
-    """e_phi of each pair on its own (no batch, no padding, no HTTP)."""
-    return [scorer.score(prompt, response).evaluation for prompt, response in pairs]
-
-
-def post(url: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def post_json(url: str, payload: dict) -> tuple[int, dict]:
-    return post(url, json.dumps(payload).encode())
 
 
 # --------------------------------------------------------------------------------------------- OpenRLHF's client
