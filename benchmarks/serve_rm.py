@@ -58,12 +58,15 @@ ROLES = {"rm-batcher": "scoring thread (models)", "rm-serve": "event loop (HTTP)
 # ------------------------------------------------------------------------------------------------------ servers
 def old_module(ref: str):
     """The server module as it was at git ``ref`` (``rlhf_ext/pipelines/serve_rm.py``)."""
+    if "serve_rm_before" in sys.modules:
+        return sys.modules["serve_rm_before"]
     source = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:rlhf_ext/pipelines/serve_rm.py"],
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     path = Path(tempfile.mkdtemp()) / "serve_rm_before.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("serve_rm_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_rm_before"] = module
     spec.loader.exec_module(module)
     return module
 

@@ -49,6 +49,7 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "pip install wandb"),
     "fastapi": ("fastapi", "pip install 'rlhf-ext[serve]'"),
     "uvicorn": ("uvicorn", "pip install 'rlhf-ext[serve]'"),
+    "httptools": ("httptools", "pip install 'rlhf-ext[serve]'"),
 }
 
 

@@ -75,14 +75,14 @@ def read_answer(sock: socket.socket, timeout: float) -> tuple[int, dict] | None:
 
 
 class Trickler(threading.Thread):
-    """A slowloris client: opens a connection and sends ``data`` one byte every ``interval`` seconds until it is sent,
-    the server closes the connection, or :meth:`stop`. ``sent`` counts the bytes sent; ``closed_after`` is the time
-    from the first byte to the server closing the connection (None while open)."""
+    """A slowloris client: opens a connection, sends ``data[:start]`` at once, then the rest one byte every
+    ``interval`` seconds until it is sent, the server closes the connection, or :meth:`stop`. ``sent`` counts the bytes
+    sent; ``closed_after`` is the time from the first byte to the server closing the connection (None while open)."""
 
-    def __init__(self, address: tuple[str, int], data: bytes, interval: float):
+    def __init__(self, address: tuple[str, int], data: bytes, interval: float, start: int = 0):
         super().__init__(daemon=True)
         self.sock = socket.create_connection(address)
-        self.data, self.interval = data, interval
+        self.data, self.interval, self.start_at = data, interval, start
         self.sent = 0
         self.closed_after: float | None = None
         self.answer = b""
@@ -92,6 +92,8 @@ class Trickler(threading.Thread):
         start = time.monotonic()
         self.sock.settimeout(self.interval)
         try:
+            self.sock.sendall(self.data[: self.start_at])
+            self.sent = self.start_at
             while self.sent < len(self.data) and not self._halt.is_set():
                 self.sock.sendall(self.data[self.sent : self.sent + 1])
                 self.sent += 1
