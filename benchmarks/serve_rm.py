@@ -10,9 +10,12 @@ thread, and take turns round by round (the order alternates), so that a shared m
    scoring, as OpenRLHF's own ``serve_rm`` does). Reported: the paired ratio of pairs/s (median and p25-p75 over the
    rounds), latency p50/p99, and where the CPU goes per pair, by thread (scoring thread = the models; the event loop
    and the parse/tokenise threads = the server's overhead; the client runs in this process too).
-2. Load (issue 26): 200 requests of 1..8 pairs (900 pairs) sent at once; pairs/s. With ``--before REF`` the old
+2. Server overhead (issue 28): the same one-pair requests at c = 1 and 64 with scoring stubbed out (every pair
+   scores 0), so that only HTTP, parsing, tokenising, batching and thread hand-offs cost: CPU ms per request outside
+   the scoring thread and the client, and requests/s; with ``--before REF`` the old server beside the new one.
+3. Load (issue 26): 200 requests of 1..8 pairs (900 pairs) sent at once; pairs/s. With ``--before REF`` the old
    server (``rlhf_ext/pipelines/serve_rm.py`` at git REF, on ``http.server``) runs beside the new one.
-3. ``--hostile`` (issue 23; needs ``--before``): each server in its own process, measured from outside: a chunked
+4. ``--hostile`` (issue 23; needs ``--before``): each server in its own process, measured from outside: a chunked
    body with chunk size ``-1`` followed by ``--flood-mb`` MB, 16 clients sending one byte every 2 s, 500 stalled
    connections, and /health latency during 500 concurrent scoring requests; the server's peak RSS (VmHWM) before and
    after each.
@@ -53,6 +56,8 @@ from tests.helpers.reward_client import TOLERANCE, Trickler, distinct_pairs, rea
 ROLES = {"rm-batcher": "scoring thread (models)", "rm-serve": "event loop (HTTP)", "rm-prepare": "parse + tokenise",
          "rm-http": "request threads (old: HTTP + parse + tokenise)", "rm-accept": "accept loop (old)",
          "MainThread": "client (this process)"}  # fmt: skip
+#: Roles whose CPU is not the server's overhead: the models, and the client (which shares this process).
+NOT_OVERHEAD = ("scoring thread (models)", "client (this process)")
 
 
 # ------------------------------------------------------------------------------------------------------ servers
@@ -151,51 +156,91 @@ def per_pair_in_process(scorer, pairs) -> float:
     return statistics.median(times[4:])
 
 
-def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int]) -> dict:
+def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurrency: int, rounds: int) -> dict:
+    """Each server answers ``bodies`` once per round (the order rotates by one per round; round 0 is a warm-up).
+    Per server: pairs/s per round, latencies, CPU ms per pair by thread role, mean batch size."""
+    names, pairs = list(servers), sum(len(json.loads(b)["query"]) for b in bodies)
+    rates = {name: [] for name in names}
+    latencies = {name: [] for name in names}
+    cpu = {name: {} for name in names}
+    batches = {name: [0, 0] for name in names}
+    for round_ in range(rounds + 1):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            server = servers[name]
+            before, b0, p0 = thread_cpu(), server.batcher.batches, server.batcher.pairs
+            wall, lat, answers = asyncio.run(fire(f"{server.url}/get_reward", bodies, concurrency))
+            after = thread_cpu()
+            if wanted is not None:
+                check(answers, wanted)
+            if round_ == 0:
+                continue
+            rates[name].append(pairs / wall)
+            latencies[name].extend(lat)
+            for role, seconds in after.items():
+                cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
+            batches[name][0] += server.batcher.batches - b0
+            batches[name][1] += server.batcher.pairs - p0
+    return {name: {"pairs_per_s": spread(rates[name]), "rates": rates[name],
+                   "latency_ms": {"p50": 1e3 * percentile(latencies[name], 0.5),
+                                  "p99": 1e3 * percentile(latencies[name], 0.99)},
+                   "mean_batch": batches[name][1] / max(1, batches[name][0]),
+                   "cpu_ms_per_pair": {role: 1e3 * s / (pairs * rounds) for role, s in sorted(cpu[name].items())},
+                   "server_overhead_cpu_ms_per_pair": 1e3 * sum(s for role, s in cpu[name].items()
+                                                                if role not in NOT_OVERHEAD) / (pairs * rounds)}
+            for name in names}  # fmt: skip
+
+
+def ratio(stats: dict, a: str, b: str) -> dict:
+    """Paired ratio of pairs/s, ``a`` over ``b``, round by round."""
+    return spread([x / y for x, y in zip(stats[a]["rates"], stats[b]["rates"])])
+
+
+def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], ref: str | None) -> dict:
     servers = {"batched": start_server("new", scorer, None),
                "per_request": start_server("new", scorer, None, max_batch_size=1)}  # fmt: skip
+    if ref:
+        servers["before"] = start_server("old", scorer, ref)
     results = {}
     try:
         for c in levels:
             n = max(16, 4 * c)
-            bodies, wanted = [body_of([pairs[i]]) for i in range(n)], [[expected[i]] for i in range(n)]
-            rates = {name: [] for name in servers}
-            latencies = {name: [] for name in servers}
-            cpu = {name: {} for name in servers}
-            batches = {name: [0, 0] for name in servers}
-            for round_ in range(rounds + 1):
-                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
-                for name in order:
-                    server = servers[name]
-                    before, b0, p0 = thread_cpu(), server.batcher.batches, server.batcher.pairs
-                    wall, lat, answers = asyncio.run(fire(f"{server.url}/get_reward", bodies, c))
-                    after = thread_cpu()
-                    check(answers, wanted)
-                    if round_ == 0:
-                        continue  # warm-up
-                    rates[name].append(n / wall)
-                    latencies[name].extend(lat)
-                    for role, seconds in after.items():
-                        cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
-                    batches[name][0] += server.batcher.batches - b0
-                    batches[name][1] += server.batcher.pairs - p0
-            ratios = [a / b for a, b in zip(rates["batched"], rates["per_request"])]
-            results[str(c)] = {
-                "requests_per_round": n,
-                "ratio_pairs_per_s": spread(ratios),
-                **{name: {"pairs_per_s": spread(rates[name]),
-                          "latency_ms": {"p50": 1e3 * percentile(latencies[name], 0.5),
-                                         "p99": 1e3 * percentile(latencies[name], 0.99)},
-                          "mean_batch": batches[name][1] / max(1, batches[name][0]),
-                          "cpu_ms_per_pair": {role: 1e3 * s / (n * rounds) for role, s in sorted(cpu[name].items())}}
-                   for name in servers},
-            }  # fmt: skip
-            row = results[str(c)]
-            print(f"c={c:>3}: batched/per-request {row['ratio_pairs_per_s']['median']:.2f}x "
-                  f"[{row['ratio_pairs_per_s']['p25']:.2f}-{row['ratio_pairs_per_s']['p75']:.2f}]  "
-                  f"p50 {row['batched']['latency_ms']['p50']:.1f} / {row['per_request']['latency_ms']['p50']:.1f} ms"
-                  f"  p99 {row['batched']['latency_ms']['p99']:.1f} / {row['per_request']['latency_ms']['p99']:.1f}"
-                  f" ms  mean batch {row['batched']['mean_batch']:.1f}", flush=True)  # fmt: skip
+            stats = run_rounds(servers, [body_of([pairs[i]]) for i in range(n)], [[v] for v in expected[:n]], c,
+                               rounds)  # fmt: skip
+            row = results[str(c)] = {"requests_per_round": n, **stats,
+                                     "ratio_batched_per_request": ratio(stats, "batched", "per_request")}  # fmt: skip
+            if ref:
+                row["ratio_batched_before"] = ratio(stats, "batched", "before")
+            shown = ", ".join(f"{name} p50 {s['latency_ms']['p50']:.1f} p99 {s['latency_ms']['p99']:.1f} ms"
+                              for name, s in stats.items())  # fmt: skip
+            r = row["ratio_batched_per_request"]
+            print(f"c={c:>3}: batched/per-request {r['median']:.2f}x [{r['p25']:.2f}-{r['p75']:.2f}]"
+                  + (f", batched/before {row['ratio_batched_before']['median']:.2f}x" if ref else "")
+                  + f"; {shown}; mean batch {stats['batched']['mean_batch']:.1f}", flush=True)  # fmt: skip
+    finally:
+        for server in servers.values():
+            server.close()
+    return results
+
+
+def overhead_table(scorer, pairs, rounds: int, ref: str | None) -> dict:
+    """The servers' own cost per one-pair request, with scoring stubbed out (every pair scores 0): HTTP, parsing,
+    tokenising, batching and the thread hand-offs, new stack against the old one."""
+    servers = {"after": start_server("new", scorer, None)}
+    if ref:
+        servers["before"] = start_server("old", scorer, ref)
+    for server in servers.values():
+        server.batcher.score_batch = lambda batch: ([0.0] * len(batch), [0] * len(batch))
+    results = {}
+    try:
+        for c in (1, 64):
+            n = max(64, 8 * c)
+            stats = run_rounds(servers, [body_of([pairs[i % len(pairs)]]) for i in range(n)], None, c, rounds)
+            results[str(c)] = {"requests_per_round": n, **stats}
+            if ref:
+                results[str(c)]["ratio_requests_per_s_after_before"] = ratio(stats, "after", "before")
+            print(f"server overhead, c={c}: " + ", ".join(
+                f"{name} {s['server_overhead_cpu_ms_per_pair']:.2f} ms CPU/request, {s['pairs_per_s']['median']:.0f}"
+                " requests/s" for name, s in stats.items()), flush=True)  # fmt: skip
     finally:
         for server in servers.values():
             server.close()
@@ -207,27 +252,20 @@ def load_200(scorer, expected_of, rounds: int, ref: str | None) -> dict:
     pairs = distinct_pairs(sum(sizes), seed=3)
     bounds = [sum(sizes[:i]) for i in range(201)]
     chunks = [pairs[bounds[i] : bounds[i + 1]] for i in range(200)]
-    bodies = [body_of(chunk) for chunk in chunks]
-    wanted = [[expected_of[p] for p in chunk] for chunk in chunks]
     servers = {"after": start_server("new", scorer, ref)}
     if ref:
         servers["before"] = start_server("old", scorer, ref)
-    rates = {name: [] for name in servers}
     try:
-        for round_ in range(rounds + 1):
-            for name in list(servers) if round_ % 2 == 0 else list(reversed(servers)):
-                wall, _, answers = asyncio.run(fire(f"{servers[name].url}/get_reward", bodies, 200))
-                check(answers, wanted)
-                if round_:
-                    rates[name].append(len(pairs) / wall)
+        stats = run_rounds(servers, [body_of(chunk) for chunk in chunks],
+                           [[expected_of[p] for p in chunk] for chunk in chunks], 200, rounds)  # fmt: skip
     finally:
         for server in servers.values():
             server.close()
-    result = {"pairs": len(pairs), "requests": 200, **{name: {"pairs_per_s": spread(r)} for name, r in rates.items()}}
+    result = {"pairs": len(pairs), "requests": 200, **stats}
     if ref:
-        result["ratio_after_before"] = spread([a / b for a, b in zip(rates["after"], rates["before"])])
+        result["ratio_after_before"] = ratio(stats, "after", "before")
     print(f"load 200 x 1..8 pairs ({len(pairs)} pairs): " + ", ".join(
-        f"{name} {result[name]['pairs_per_s']['median']:.0f} pairs/s" for name in rates))  # fmt: skip
+        f"{name} {s['pairs_per_s']['median']:.0f} pairs/s" for name, s in stats.items()))  # fmt: skip
     return result
 
 
@@ -379,12 +417,13 @@ def main() -> None:
             "before": args.before,
         },  # fmt: skip
         "in_process_ms_per_pair_alone": 1e3 * alone,
-        "concurrency": concurrency_table(scorer, pairs, expected, args.rounds, levels),
+        "concurrency": concurrency_table(scorer, pairs, expected, args.rounds, levels, args.before),
+        "server_overhead": overhead_table(scorer, pairs, args.rounds, args.before),
         "load_200": load_200(scorer, expected_of, args.rounds, args.before),
     }
     one = results["concurrency"].get("1")
-    if one:
-        results["server_overhead_ms_per_request_at_c1"] = one["batched"]["latency_ms"]["p50"] - 1e3 * alone
+    if one:  # latency of a lone one-pair request beyond the same work done in process
+        results["server_latency_overhead_ms_at_c1"] = one["batched"]["latency_ms"]["p50"] - 1e3 * alone
     if args.hostile:
         if not args.before:
             parser.error("--hostile needs --before REF (the old server to compare with)")

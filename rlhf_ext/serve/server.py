@@ -172,11 +172,11 @@ class RewardServer:
     def __init__(self, scorer: SegmentScorer, settings: ServeSettings | None = None, model_dir: str | None = None,
                  listener=None):  # fmt: skip
         self.settings = settings or ServeSettings()
+        self.listener = listener or bind_listener(self.settings.host, self.settings.port)  # first: may refuse
         self.scorer = scorer
         self.model_dir = model_dir or str(getattr(scorer.reward_model.config, "_name_or_path", ""))
         self.evaluator = SegmentEvaluator(scorer, self.settings.max_length)
         self.batcher = MicroBatcher(self.evaluator.evaluate, self.settings.max_batch_size, self.settings.max_wait_ms)
-        self.listener = listener or bind_listener(self.settings.host, self.settings.port)
         self.in_flight = 0  # scoring requests between their head and their answer (changed on the event loop only)
         self._prepare_pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="rm-prepare")
         protocol = type("Protocol", (_GuardedProtocol,), {"read_timeout_s": self.settings.read_timeout_s})

@@ -52,10 +52,11 @@ def reward_body(pairs: list[tuple[str, str]]) -> bytes:
 
 
 def request_head(address: tuple[str, int], length: int | None = None, chunked: bool = False) -> bytes:
-    """The head of ``POST /get_reward`` with a ``Content-Length`` or chunked body."""
+    """The head of ``POST /get_reward`` with a ``Content-Length`` or chunked body, on a connection the server closes
+    after its answer (``Connection: close``)."""
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
     return (f"POST /get_reward HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\nContent-Type: application/json\r\n"
-            f"{framing}\r\n\r\n").encode()  # fmt: skip
+            f"Connection: close\r\n{framing}\r\n\r\n").encode()  # fmt: skip
 
 
 def read_answer(sock: socket.socket, timeout: float) -> tuple[int, dict] | None:

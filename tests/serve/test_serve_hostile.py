@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -297,16 +298,28 @@ def test_unparseable_text_is_400_not_500(running, scorer, body, message):
     score_once(running, scorer)
 
 
-def test_cli_port_in_use_is_one_line(rm_dir):
+def test_port_in_use_is_one_line_from_the_cli_and_the_library(rm_dir, scorer):
     from rlhf_ext.cli import main
 
+    threads = threading.active_count()
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
         result = CliRunner().invoke(main, ["serve", "rm", "--model", rm_dir, "--port", str(port)])
-    assert (result.exit_code, result.stderr) == (
-        2, f"error: 127.0.0.1:{port} is in use: pick another --port (0: any free one) or stop the server holding it\n"
+        with pytest.raises(ServeError) as refused:
+            RewardServer(scorer, ServeSettings(port=port))
+    message = f"127.0.0.1:{port} is in use: pick another --port (0: any free one) or stop the server holding it"
+    assert (result.exit_code, result.stderr, str(refused.value)) == (2, f"error: {message}\n", message)
+    assert threading.active_count() == threads  # nothing started before the refusal
+
+
+def test_cli_without_the_serve_extra_names_it(rm_dir):
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.without_packages", "fastapi", "--", "serve", "rm",
+                             "--model", rm_dir, "--port", "0"], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (
+        2, "error: needs the optional package fastapi: pip install 'rlhf-ext[serve]'"
     )  # fmt: skip
 
 
