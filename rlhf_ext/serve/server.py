@@ -253,10 +253,11 @@ class RewardServer:
                                f"server was started with (--api-key or {API_KEY_ENV})")  # fmt: skip
 
     async def _read_body(self, request: Request) -> bytes:
-        """The request body (``Content-Length`` or chunked, both checked by h11), read within ``read_timeout_s``; a
-        body over ``max_body_bytes`` is read to its end and dropped (up to :data:`DISCARD_LIMIT` bytes), then 413."""
+        """The request body (``Content-Length`` or chunked, both checked by the HTTP parser), read within
+        ``read_timeout_s``; a body over ``max_body_bytes`` is read to its end and dropped (up to :data:`DISCARD_LIMIT`
+        bytes), then 413."""
         limit = self.settings.max_body_bytes
-        declared = int(request.headers.get("content-length", "0"))  # h11 refused a malformed one
+        declared = int(request.headers.get("content-length", "0"))  # the parser refused a malformed one
         if declared > DISCARD_LIMIT:
             raise RequestError(413, self._too_large(declared))
         parts: list[bytes] = []
