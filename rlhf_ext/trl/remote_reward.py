@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -29,12 +30,16 @@ class RemoteRewardError(RuntimeError):
     """The reward server refused a request (a 4xx answer: retrying would not help) or could not be reached."""
 
 
-def _post_json(url: str, payload: dict[str, Any], timeout: float) -> dict:
-    """POST ``payload`` as JSON to ``url`` (directly: no proxy from the environment) and parse the JSON answer."""
+#: The environment variable holding the server's API key (as ``rlhf-ext serve rm`` reads it).
+API_KEY_ENV = "RLHF_EXT_API_KEY"
+
+
+def _post_json(url: str, payload: dict[str, Any], timeout: float, api_key: str | None) -> dict:
+    """POST ``payload`` as JSON to ``url`` (directly: no proxy from the environment), with ``api_key`` as a bearer
+    token when given, and parse the JSON answer."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers, method="POST")
     with opener.open(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -50,6 +55,8 @@ class RemoteSegmentReward:
         retries, retry_wait_s: attempts per request on a connection error or a 5xx answer, and the pause between
             them (as OpenRLHF's client: 5 attempts, 1 s apart). A 4xx answer raises :class:`RemoteRewardError` at once.
         name: the function's ``__name__``, which TRL logs the reward under (``rewards/<name>/mean``).
+        api_key: the server's API key (``rlhf-ext serve rm --api-key``), sent as a bearer token; default: the
+            ``RLHF_EXT_API_KEY`` environment variable when set.
 
     The client connects directly, ignoring ``HTTP(S)_PROXY`` (as OpenRLHF's aiohttp client does).
     """
@@ -62,6 +69,7 @@ class RemoteSegmentReward:
         retries: int = 5,
         retry_wait_s: float = 1.0,
         name: str = "segment_rm",
+        api_key: str | None = None,
     ):
         if retries < 1:
             raise ValueError(f"retries must be at least 1, got {retries}")
@@ -71,11 +79,12 @@ class RemoteSegmentReward:
         self.endpoint = endpoint if endpoint.endswith("/get_reward") else endpoint + "/get_reward"
         self.batch_size, self.timeout, self.retries, self.retry_wait_s = batch_size, timeout, retries, retry_wait_s
         self.__name__ = name  # TRL logs the reward as rewards/<__name__>/mean
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
 
     def _post(self, payload: dict[str, Any]) -> dict:
         for attempt in range(1, self.retries + 1):
             try:
-                return _post_json(self.endpoint, payload, self.timeout)
+                return _post_json(self.endpoint, payload, self.timeout, self.api_key)
             except urllib.error.HTTPError as e:
                 message = e.read().decode(errors="replace")
                 if e.code < 500:

@@ -13,74 +13,24 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
-from rlhf_ext.pipelines.serve_rm import (
-    EncodedPair,
-    MicroBatcher,
-    RequestError,
-    RewardServer,
-    ServeSettings,
-    response_after_prompt,
-)
-from rlhf_ext.zoo.toy import toy_preference_rows
-
-TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def rm_dir(cache_dir) -> str:
-    from rlhf_ext.pipelines.builtins import resolve_model
-
-    return resolve_model("builtin:tiny-segment-rm", cache_dir)
-
-
-@pytest.fixture(scope="module")
-def scorer(rm_dir):
-    from rlhf_ext.runtime.token_scores import SegmentScorer
-
-    return SegmentScorer(rm_dir)
+from rlhf_ext.serve.batching import EncodedPair, MicroBatcher
+from rlhf_ext.serve.protocol import RequestError, response_after_prompt
+from rlhf_ext.serve.server import RewardServer
+from rlhf_ext.serve.settings import ServeSettings
+from tests.helpers.reward_client import TOLERANCE, distinct_pairs, in_process, post, post_json
 
 
 @pytest.fixture(scope="module")
 def server(scorer, rm_dir):
     with RewardServer(scorer, ServeSettings(port=0, max_request_pairs=64), model_dir=rm_dir) as running:
         yield running
-
-
-def distinct_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    """``n`` distinct (prompt, response) pairs of the toy task (chosen and rejected responses)."""
-    pairs: dict[tuple[str, str], None] = {}
-    for row in toy_preference_rows(n, seed=seed):
-        pairs.setdefault((row["prompt"], row["chosen"]))
-        pairs.setdefault((row["prompt"], row["rejected"]))
-    assert len(pairs) >= n
-    return list(pairs)[:n]
-
-
-def in_process(scorer, pairs) -> list[float]:
-    """e_phi of each pair on its own (no batch, no padding, no HTTP)."""
-    return [scorer.score(prompt, response).evaluation for prompt, response in pairs]
-
-
-def post(url: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def post_json(url: str, payload: dict) -> tuple[int, dict]:
-    return post(url, json.dumps(payload).encode())
 
 
 # --------------------------------------------------------------------------------------------- OpenRLHF's client
@@ -176,18 +126,23 @@ def test_trl_reward_function_raises_the_servers_refusal(server):
 
 # ---------------------------------------------------------------------------------------------------------- routes
 def test_health_route(server, rm_dir, scorer):
+    """Model names, not this machine's paths (the recorded SFT model is the builtin's directory)."""
     status, body = post(f"{server.url}/health", b"", method="GET")
     assert status == 200
     assert body == {
         "status": "ok",
-        "model": rm_dir,
-        "sft_model": scorer.sft_model.config._name_or_path,
+        "scorer": "running",
+        "model": Path(rm_dir).name,
+        "sft_model": Path(scorer.sft_model.config._name_or_path).name,
         "aggregation": "softmax",
         "tau": 0.5,
         "entropy_cutoff": 2.0,
         "max_batch_size": 32,
         "max_request_pairs": 64,
+        "in_flight": 0,
+        "auth": "none",
     }
+    assert "/" not in json.dumps({k: body[k] for k in ("model", "sft_model")})
 
 
 MALFORMED = [
@@ -258,7 +213,7 @@ def wait_for_pending(server: RewardServer, count: int) -> None:
 
 
 def post_chunked(server: RewardServer, chunks: list[bytes]) -> tuple[int, dict]:
-    connection = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
+    connection = http.client.HTTPConnection(*server.address, timeout=60)
     try:
         connection.request("POST", "/get_reward", body=iter(chunks), headers={"Content-Type": "application/json"},
                            encode_chunked=True)  # fmt: skip
@@ -286,7 +241,7 @@ def test_chunked_body_is_scored(small_server, scorer):
 
 def test_connections_beyond_max_pending_get_503_and_the_server_recovers(small_server):
     wait_for_pending(small_server, 0)
-    stalled = socket.create_connection(small_server.httpd.server_address[:2])
+    stalled = socket.create_connection(small_server.address)
     try:
         stalled.sendall(b"POST /get_reward HTTP/1.1\r\n")  # the only request thread now waits for the rest
         wait_for_pending(small_server, 1)
@@ -401,7 +356,7 @@ def test_cli_serves_the_model(rm_dir, scorer, tmp_path):
         assert lines and lines[-1].startswith(f"serving {rm_dir} (e_phi: softmax, tau=0.5, cutoff=2) at http://"), lines
         url = re.search(r" at (http://[0-9.]+:[0-9]+): ", lines[-1]).group(1)
         status, health = post(f"{url}/health", b"", method="GET")
-        assert status == 200 and health["model"] == rm_dir
+        assert status == 200 and health["model"] == Path(rm_dir).name
         pair = ("Question: Owls?\nAnswer:", " Owls hunt at night.")
         status, answer = post(
             f"{url}/get_reward", json.dumps({"query": [pair[0] + pair[1]], "prompts": [pair[0]]}).encode()

@@ -1,0 +1,418 @@
+"""``rlhf-ext serve rm``: a segment reward model's sequence evaluation e_phi over HTTP, in OpenRLHF's remote-reward
+protocol (:mod:`rlhf_ext.serve.protocol`), on FastAPI + uvicorn as OpenRLHF's own ``openrlhf.cli.serve_rm``.
+
+A segment reward model scores a response by ``e_phi(x, y) = tau * logsumexp(r_seg / tau)`` over its segment rewards
+(paper 003 Eq. 4; ``"sum"`` / ``"mean"`` for the ablations), the segments starting where the SFT model's entropy
+exceeds the recorded cutoff -- not by the last-token output a plain reward-model server returns. This server computes
+e_phi with :func:`rlhf_ext.runtime.token_scores.segment_evaluation` (the code the trainers use), so OpenRLHF PPO/GRPO
+(``--reward.remote_url http://HOST:PORT/get_reward``) and TRL (``reward_funcs=[RemoteSegmentReward(url)]``, see
+:mod:`rlhf_ext.trl.remote_reward`) can train against a segment reward model as a scalar reward.
+
+Routes: ``POST /get_reward`` (also ``POST /``) scores; ``GET /health`` answers at once, whatever is being scored:
+``{"status": "ok" | "unavailable", "scorer": "running" | why it stopped, "model", "sft_model" (names, not paths),
+"aggregation", "tau", "entropy_cutoff", "max_batch_size", "max_request_pairs", "in_flight", "auth": "bearer" |
+"none"}`` (503 when the scoring thread has stopped).
+
+Every refusal is ``{"error": "<one line>"}`` with its status: 400 (not JSON, nested too deeply, invalid text, missing
+key, wrong type, mismatched lengths, malformed HTTP or chunking), 401 (missing or wrong bearer token), 404 (unknown
+route), 408 (a request head or body not received within ``read_timeout_s``), 413 (more pairs than
+``max_request_pairs`` or a body over ``max_body_bytes``), 422 (a query that does not start with its prompt), 503 (more
+than ``max_pending`` open connections, no score within ``request_timeout_s``, or the scoring thread stopped).
+
+Work: the event loop only moves bytes (a slow client holds no thread); ``workers`` threads parse and tokenise bodies;
+one scoring thread (:class:`~rlhf_ext.serve.batching.MicroBatcher`) scores the pairs waiting from all requests
+together, up to ``max_batch_size`` per batch: one right-padded forward of the SFT model (entropies) and one of the
+reward model (per-token scores) per batch. SIGINT and SIGTERM stop accepting, answer the requests in flight, then
+exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from rlhf_ext.runtime.segment_data import DatasetFormatError
+from rlhf_ext.runtime.token_scores import SegmentScorer
+from rlhf_ext.serve.batching import EncodedPair, MicroBatcher, ScorerStopped, SegmentEvaluator
+from rlhf_ext.serve.protocol import HEALTH_PATH, REWARD_PATHS, RequestError, error_body, parse_reward_request
+from rlhf_ext.serve.settings import API_KEY_ENV, ServeSettings, bind_listener
+
+logger = logging.getLogger(__name__)
+
+#: The most bytes of a too-large body read (and dropped) before answering 413, so that the client reads the answer
+#: rather than a reset connection; beyond it the connection is closed.
+DISCARD_LIMIT = 256 * 1024 * 1024
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def model_name(path: str | None) -> str | None:
+    """A model's name without this machine's directory layout: a local directory's last component, a hub id as is."""
+    if not path:
+        return path
+    return Path(path).name if Path(path).is_absolute() or Path(path).exists() else path
+
+
+def _json(status: int, payload: dict[str, Any], close: bool = False, headers: dict[str, str] | None = None):
+    extra = {**(headers or {}), **({"Connection": "close"} if close else {})}
+    return Response(json.dumps(payload).encode(), status, extra, media_type="application/json")
+
+
+class _RequestGuard:
+    """Mixed into uvicorn's HTTP/1.1 protocol: a deadline on each request head
+    (uvicorn has none: a client trickling one header byte at a time would keep its connection forever) and JSON
+    refusals for malformed requests (the parser refuses a bad request line, header, ``Content-Length`` or chunk size,
+    such as ``-1``, before the app sees any body byte)."""
+
+    read_timeout_s = 60.0  # set on a subclass per server
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logger = logging.getLogger(f"{__name__}.http")
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_deadline is None and self._between_requests():
+            self._arm()  # the first byte of a request head
+        super().data_received(data)
+        if not self._between_requests():
+            self._disarm()  # the head is in: the app reads the body under its own deadline
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        self._head_deadline = self.loop.call_later(self.read_timeout_s, self._head_expired)
+
+    def _disarm(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_expired(self) -> None:
+        self._head_deadline = None
+        if self._between_requests() and not self.transport.is_closing():
+            self._refuse(408, f"request head not received within {self.read_timeout_s:g} s; send it at once")
+
+    def send_400_response(self, msg: str) -> None:
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # answered already (e.g. 413 while a bad chunk followed)
+        else:
+            self._refuse(400, "malformed HTTP request (request line, header, Content-Length or chunked body); send "
+                         "HTTP/1.1 with a valid Content-Length or chunked encoding")  # fmt: skip
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with ``{"error": message}`` and close the connection."""
+        body = error_body(message)
+        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+class _GuardedProtocol(_RequestGuard, HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol on httptools' C parser (its fastest), with :class:`_RequestGuard`."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGINT or SIGTERM stops accepting and answers the requests in flight; unlike
+    uvicorn's own handling it does not raise the signal again afterwards (that would end the process before the
+    scoring thread is closed)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class RewardServer:
+    """The HTTP server of a segment reward model: see the module docstring.
+
+    Use as a context manager (serves on a background thread) or call :meth:`serve_forever`::
+
+        with RewardServer(SegmentScorer(rm_dir), ServeSettings(port=0)) as server:
+            print(server.url)  # http://127.0.0.1:PORT
+
+    ``listener``: a socket from :func:`~rlhf_ext.serve.settings.bind_listener` (default: bound here).
+    """
+
+    def __init__(self, scorer: SegmentScorer, settings: ServeSettings | None = None, model_dir: str | None = None,
+                 listener=None):  # fmt: skip
+        self.settings = settings or ServeSettings()
+        self.listener = listener or bind_listener(self.settings.host, self.settings.port)  # first: may refuse
+        self.scorer = scorer
+        self.model_dir = model_dir or str(getattr(scorer.reward_model.config, "_name_or_path", ""))
+        self.evaluator = SegmentEvaluator(scorer, self.settings.max_length)
+        self.batcher = MicroBatcher(self.evaluator.evaluate, self.settings.max_batch_size, self.settings.max_wait_ms)
+        self.in_flight = 0  # scoring requests between their head and their answer (changed on the event loop only)
+        self._prepare_pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="rm-prepare")
+        protocol = type("Protocol", (_GuardedProtocol,), {"read_timeout_s": self.settings.read_timeout_s})
+        config = uvicorn.Config(self._app(), http=protocol, lifespan="off", log_config=None, access_log=False,
+                                proxy_headers=False, backlog=2048)  # fmt: skip
+        self._server = _Server(config)
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------------------ routes
+    def _app(self) -> FastAPI:
+        """The routes take the request and return the response as they are (``add_route``: no validation or
+        serialisation layer, which would cost more per request than the HTTP parsing)."""
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_route(HEALTH_PATH, self._health, methods=["GET"])
+        for path in REWARD_PATHS:
+            app.add_route(path, self._score, methods=["POST"])
+        app.add_route("/{path:path}", self._no_route, methods=_METHODS)
+        return app
+
+    async def _no_route(self, request: Request) -> Response:
+        if request.method == "POST":
+            message = f"no route POST {request.url.path}; POST /get_reward or GET {HEALTH_PATH}"
+        else:
+            message = f"no route {request.method} {request.url.path}; GET {HEALTH_PATH} or POST /get_reward"
+        return _json(404, {"error": message})
+
+    async def _health(self, request: Request) -> Response:
+        if self._busy():
+            return _json(503, {"error": self._busy_message()})
+        health = self.health()
+        return _json(200 if health["status"] == "ok" else 503, health)
+
+    async def _score(self, request: Request) -> Response:
+        try:
+            if self._busy():
+                raise RequestError(503, self._busy_message())
+            self._authorise(request.headers.get("authorization"))
+            self.in_flight += 1
+            try:
+                body = await self._read_body(request)
+                pairs = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, body)
+                values, segments = await self._scores(pairs)
+            finally:
+                self.in_flight -= 1
+        except RequestError as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            return _json(e.status, {"error": e.message}, close=e.status in (408, 413), headers=headers)
+        except Exception as e:  # a scoring failure: the request fails, the server goes on
+            logger.exception("a request failed")
+            return _json(500, {"error": " ".join(f"scoring failed: {type(e).__name__}: {e}".split())})
+        return _json(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}})
+
+    # ----------------------------------------------------------------------------------------------------- checks
+    def _busy(self) -> bool:
+        """More open connections than ``max_pending``, not counting the asking one."""
+        return len(self._server.server_state.connections) - 1 >= self.settings.max_pending
+
+    def _busy_message(self) -> str:
+        return f"server busy: {self.settings.max_pending} requests running or queued; retry later"
+
+    def _authorise(self, header: str | None) -> None:
+        """Accept ``Authorization: Bearer KEY`` or HTTP basic auth with KEY as the password (compared in constant
+        time); without an ``api_key`` every request is accepted."""
+        key = self.settings.api_key
+        if key is None:
+            return
+        scheme, _, credentials = (header or "").partition(" ")
+        given = credentials.strip() if scheme.lower() == "bearer" else ""
+        if scheme.lower() == "basic":
+            with contextlib.suppress(binascii.Error, UnicodeDecodeError):
+                given = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")[2]
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise RequestError(401, f"missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                               f"server was started with (--api-key or {API_KEY_ENV})")  # fmt: skip
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The request body (``Content-Length`` or chunked, both checked by the HTTP parser), read within
+        ``read_timeout_s``; a body over ``max_body_bytes`` is read to its end and dropped (up to :data:`DISCARD_LIMIT`
+        bytes), then 413."""
+        limit = self.settings.max_body_bytes
+        declared = int(request.headers.get("content-length", "0"))  # the parser refused a malformed one
+        if declared > DISCARD_LIMIT:
+            raise RequestError(413, self._too_large(declared))
+        parts: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= limit:
+                    parts.append(chunk)
+                elif size > DISCARD_LIMIT:
+                    return  # the connection is closed after the 413
+                else:
+                    parts.clear()
+
+        try:
+            await asyncio.wait_for(read(), self.settings.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"request body not received within {self.settings.read_timeout_s:g} s; send it "
+                               "at once") from None  # fmt: skip
+        except ClientDisconnect:
+            raise RequestError(400, "the client closed the connection before its body ended") from None
+        if size > limit:
+            raise RequestError(413, self._too_large(size))
+        return b"".join(parts)
+
+    def _too_large(self, size: int) -> str:
+        limit = self.settings.max_body_bytes
+        return f"request body of {size} bytes exceeds this server's limit of {limit} bytes; split the batch"
+
+    # ---------------------------------------------------------------------------------------------------- scoring
+    def prepare(self, raw: bytes) -> list[EncodedPair]:
+        """The tokenised pairs of one request body (runs on a ``workers`` thread; raises :class:`RequestError`)."""
+        prompts, texts, texts_are_queries = parse_reward_request(raw, self.settings.max_request_pairs)
+        if texts_are_queries:
+            texts = [self.evaluator.response_of_query(q, p, i) for i, (p, q) in enumerate(zip(prompts, texts))]
+        encoded = []
+        for i, (prompt, response) in enumerate(zip(prompts, texts)):
+            try:
+                encoded.append(self.evaluator.encode(prompt, response))
+            except DatasetFormatError as e:
+                raise RequestError(400, f"pair {i}: {e}") from None
+        return encoded
+
+    async def _scores(self, pairs: list[EncodedPair]) -> tuple[list[float], list[int]]:
+        """Queue ``pairs`` on the batcher and wait (without holding a thread) for their values and segment counts."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake() -> None:  # on the scoring thread
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        try:
+            job = self.batcher.submit(pairs, on_done=wake)
+        except ScorerStopped as e:
+            raise RequestError(503, str(e)) from None
+        try:
+            await asyncio.wait_for(done, self.settings.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(503, f"no score within {self.settings.request_timeout_s:g} s; the server is "
+                               "overloaded") from None  # fmt: skip
+        if isinstance(job.error, ScorerStopped):
+            raise RequestError(503, str(job.error))
+        if job.error is not None:
+            raise job.error
+        return job.values, job.segments
+
+    # ---------------------------------------------------------------------------------------------------- running
+    def health(self) -> dict[str, Any]:
+        alive = self.batcher.alive
+        return {
+            "status": "ok" if alive else "unavailable",
+            "scorer": "running" if alive else self.batcher.failure,
+            "model": model_name(self.model_dir),
+            "sft_model": model_name(getattr(self.scorer.sft_model.config, "_name_or_path", None)),
+            "aggregation": self.scorer.aggregation,
+            "tau": self.scorer.tau,
+            "entropy_cutoff": self.scorer.cutoff,
+            "max_batch_size": self.settings.max_batch_size,
+            "max_request_pairs": self.settings.max_request_pairs,
+            "in_flight": self.in_flight,
+            "auth": "bearer" if self.settings.api_key else "none",
+        }
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the server listens on."""
+        return self.listener.getsockname()[:2]
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    @property
+    def pending(self) -> int:
+        """Open connections (reading a request, waiting for scores, or idle between two requests)."""
+        return len(self._server.server_state.connections)
+
+    def start(self) -> RewardServer:
+        """Serve on a background thread (returns once the server accepts connections)."""
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.listener]},
+                                        name="rm-serve", daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.close()
+            raise RuntimeError("the reward server did not start")
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve on this thread until SIGINT or SIGTERM (in the main thread), answering the requests in flight."""
+        try:
+            self._server.run(sockets=[self.listener])
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        """Stop accepting, answer the requests in flight, then stop."""
+        if self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._thread = None
+        self._release()
+
+    def _release(self) -> None:
+        self.batcher.close()
+        self._prepare_pool.shutdown(wait=True)
+        self.listener.close()
+
+    def __enter__(self) -> RewardServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_reward_model(
+    model_dir: str, settings: ServeSettings, sft_model: str | None = None, echo: Callable[[str], None] = print
+) -> None:
+    """Listen (first: a bad address or a port in use fails before the model loads), load the segment reward model in
+    ``model_dir`` (and its recorded SFT model), and serve it until SIGINT or SIGTERM."""
+    listener = bind_listener(settings.host, settings.port)
+    try:
+        scorer = SegmentScorer(model_dir, sft_model=sft_model)
+        server = RewardServer(scorer, settings, model_dir=model_dir, listener=listener)
+    except BaseException:
+        listener.close()
+        raise
+    auth = ", bearer token required" if settings.api_key else ""
+    echo(f"serving {model_dir} (e_phi: {scorer.aggregation}, tau={scorer.tau:g}, cutoff={scorer.cutoff:g}) at "
+         f"{server.url}: POST /get_reward, GET {HEALTH_PATH}{auth}")  # fmt: skip
+    server.serve_forever()
+    echo("stopped")
