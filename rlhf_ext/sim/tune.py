@@ -104,6 +104,20 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
     return summary
 
 
+def apply_tuning(recipe: SimCompareRecipe) -> SimCompareRecipe:
+    """``recipe`` with ``method_overrides`` replaced, for every method ``sim tune`` picked a point for, by that point
+    (read from ``OUTPUT_DIR/tuning/tuning.json``; a one-line error when there is none)."""
+    from rlhf_ext.config import RecipeError
+
+    path = Path(recipe.output_dir) / "tuning" / "tuning.json"
+    if not path.is_file():
+        raise RecipeError(f"--tuned: {path} does not exist; run `rlhf-ext sim tune` with the same recipe first")
+    picked = {m: e["overrides"] for m, e in json.loads(path.read_text())["methods"].items() if e["picked"] is not None}
+    data = to_dict(recipe)
+    data["method_overrides"] = {**data["method_overrides"], **picked}
+    return from_dict(SimCompareRecipe, data)
+
+
 def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
     """Per method: every grid point's mean (± s.e. over tuning seeds) validation win rate, LC win rate, gold, KL and
     length, and the picked point (best mean LC win rate; ties go to the earlier point)."""
