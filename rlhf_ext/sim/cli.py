@@ -34,9 +34,11 @@ def sim() -> None:
 @click.option("--out", "out", default=None, help="Output directory (overrides output_dir).")
 @click.option("--report-only", is_flag=True, help="Only rewrite the table/JSON/plots from finished results.")
 @click.option("--budget", default=None, help="A named budget of the recipe's budgets: section (e.g. full).")
-@click.option("--tuned", is_flag=True, help="Run each tuned method at the settings `sim tune` picked in OUT/tuning/.")
+@click.option(
+    "--tuning", "tuning_dir", default=None, help="Run each tuned method at the point `sim tune` picked in DIR/tuning/."
+)
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def compare(config_path, methods, seeds, out, report_only, budget, tuned, overrides) -> None:
+def compare(config_path, methods, seeds, out, report_only, budget, tuning_dir, overrides) -> None:
     """Train and evaluate the recipe's methods for every seed; write a table (mean ± s.e.), plots and JSON.
 
     Each finished (method, seed) is written to OUT/results/ at once and skipped when the command is rerun.
@@ -55,10 +57,10 @@ def compare(config_path, methods, seeds, out, report_only, budget, tuned, overri
     # a user's error (RecipeError, a model that cannot load ...) is reported in one line by `rlhf-ext`'s command
     # group (rlhf_ext.cli.UserErrorGroup), which runs this command
     recipe = load_compare_recipe(recipe_path(config_path), extra, budget)
-    if tuned:
+    if tuning_dir is not None:
         from rlhf_ext.sim.tune import apply_tuning
 
-        recipe = apply_tuning(recipe)
+        recipe = apply_tuning(recipe, tuning_dir)
     if report_only:
         from pathlib import Path
 
