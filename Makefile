@@ -77,6 +77,12 @@ openrlhf-tests: $(STAMP)
 wheel-smoke:
 	PYTHON=$(PYTHON) TORCH_INDEX="$(TORCH_INDEX)" scripts/wheel_smoke.sh
 
+# Every fidelity result of the simulator regenerated from the code as it is (benchmarks/fidelity.py): BUDGET=default
+# (the results of record, a few hours on 2 cores), BUDGET=smoke (every step on a tiny slice, minutes), BUDGET=full.
+BUDGET ?= default
+fidelity: $(STAMP)
+	$(PY) benchmarks/fidelity.py --budget $(BUDGET)
+
 bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py
 

@@ -286,7 +286,8 @@ def run_comparison(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/results/sim_compare.json", help="sim_compare.json to read")
-    parser.add_argument("--out", default="benchmarks/results", help="folder of sim_fidelity.json / .md")
+    parser.add_argument("--out", default="benchmarks/results", help="folder of NAME.json / .md")
+    parser.add_argument("--name", default="sim_fidelity", help="file name of the report (without extension)")
     parser.add_argument("--run", action="store_true", help="run the comparison first (trains every method)")
     parser.add_argument("--config", default="sim_compare", help="with --run: recipe YAML or packaged recipe name")
     parser.add_argument("--methods", default=None, help="with --run: comma-separated subset of the methods")
@@ -316,8 +317,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     text = markdown(report)
     out = Path(args.out)
-    atomic_write_json(out / "sim_fidelity.json", report)
-    atomic_write_text(out / "sim_fidelity.md", text)
+    atomic_write_json(out / f"{args.name}.json", report)
+    atomic_write_text(out / f"{args.name}.md", text)
     print(text)
     return report
 
