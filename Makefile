@@ -18,7 +18,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv demo test test-fast test-newest test-floors lint bench clean openrlhf-tests wheel-smoke
+.PHONY: venv demo test test-fast test-newest test-floors lint bench clean openrlhf-tests wheel-smoke fidelity
 
 venv: $(STAMP)
 
