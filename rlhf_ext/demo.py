@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_ext.algos.knobs import knob, seed_knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
@@ -46,10 +47,10 @@ STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 @dataclass
 class DemoData:
     config: str = "continual-piecewise-preference"
-    num_samples: int = 600
-    stage: int = 0
-    sft_fraction: float = 0.4
-    eval_prompts: int = 64
+    num_samples: int = knob(600, ge=10, help="Preference pairs generated per task (train + test).")
+    stage: int = knob(0, ge=0, help="The generated stage the demo trains on.")
+    sft_fraction: float = knob(0.4, gt=0, lt=1, help="Share of the stage's train split used for SFT.")
+    eval_prompts: int = knob(64, ge=1)
 
 
 @dataclass
@@ -58,23 +59,23 @@ class DemoModel:
     ``builtin:smollm2`` fine-tunes that model (and its tokenizer) instead."""
 
     base_model: str | None = None
-    tokenizer_vocab: int = 1024
-    hidden_size: int = 96
-    num_layers: int = 2
-    sft_epochs: int = 10
-    sft_learning_rate: float = 3e-3
+    tokenizer_vocab: int = knob(1024, ge=64)
+    hidden_size: int = knob(96, ge=8)
+    num_layers: int = knob(2, ge=1)
+    sft_epochs: int = knob(10, ge=1)
+    sft_learning_rate: float = knob(3e-3, gt=0)
 
 
 @dataclass
 class DemoTraining:
-    annotator_flip_prob: float = 0.25
-    rm_epochs: float = 2.0
-    rm_learning_rate: float = 1e-3
-    ppo_steps: int = 20
-    ppo_batch_size: int = 16
-    ppo_learning_rate: float = 3e-4
-    max_completion_length: int = 112
-    seed: int = 0
+    annotator_flip_prob: float = knob(0.25, ge=0, le=1)
+    rm_epochs: float = knob(2.0, gt=0)
+    rm_learning_rate: float = knob(1e-3, gt=0)
+    ppo_steps: int = knob(20, ge=1)
+    ppo_batch_size: int = knob(16, ge=2, help="Rollouts per PPO step (2 per prompt).")
+    ppo_learning_rate: float = knob(3e-4, gt=0)
+    max_completion_length: int = knob(112, ge=1)
+    seed: int = seed_knob(0)
 
 
 @dataclass

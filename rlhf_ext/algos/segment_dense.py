@@ -30,15 +30,16 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knob, check_knobs
 from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerKind
 from rlhf_ext.algos.names import StrEnum, post_init_next
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
     Aggregation,
+    SegmentRewardKnobs,
     Segments,
     aggregate_segments,
-    check_cutoff,
     gather_segment_rewards,
     segment_boundaries,
     segment_ids,
@@ -169,7 +170,7 @@ def dense_segment_rewards(
             from rlhf_ext.algos.segment_reward import token_entropy
 
             entropy = token_entropy(logits, shift=True)
-        cutoff = check_cutoff(entropy_cutoff)
+        cutoff = check_knob(SegmentRewardKnobs, "entropy_cutoff", entropy_cutoff, "entropy cutoff")
     else:
         entropy = torch.zeros_like(token_scores)
         cutoff = math.inf if granularity == Granularity.BANDIT else 0.0
@@ -230,7 +231,8 @@ class DenseRewardKnobs:
         self.check_dense_reward_knobs()
 
     def check_dense_reward_knobs(self) -> None:
-        """Validate the knobs (called by every config that embeds them)."""
+        """Validate the knobs (called by every config that embeds them), and the ranged fields of that config."""
+        check_knobs(self)
         for name, allowed in (
             ("granularity", GRANULARITIES),
             ("interpolation", INTERPOLATIONS),

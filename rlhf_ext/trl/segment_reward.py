@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from trl import RewardConfig, RewardTrainer
 
+from rlhf_ext.algos.knobs import knob
 from rlhf_ext.algos.segment_reward import (
     SegmentRewardKnobs,
     evaluate_sequences,
@@ -71,7 +72,7 @@ class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
     """
 
     sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
-    entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
+    entropy_batch_size: int = knob(8, ge=1, help="Batch size of the entropy preprocessing pass.")
     segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
 
     def segment_settings(self) -> dict[str, Any]:
