@@ -137,7 +137,10 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
 
         if is_builtin_sequence(str(source)):
             sizes = {"n_train": data.max_train_samples or 256, "n_test": data.max_test_samples or 64}
-            loaded = builtin_sequence(str(source), num_tasks=data.num_tasks or 3, seed=data.seed, **sizes)
+            try:
+                loaded = builtin_sequence(str(source), num_tasks=data.num_tasks or 3, seed=data.seed, **sizes)
+            except ValueError as e:
+                raise TaskSequenceError(f"{e} (data.tasks: {source}, data.num_tasks: {data.num_tasks})") from None
         else:
             if not str(source).startswith("builtin:") and not Path(source).exists():
                 raise TaskSequenceError(
