@@ -116,6 +116,7 @@ USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
     ("rlhf_ext.algos.knobs", "KnobError"),
     ("rlhf_ext.openrlhf.cli_runner", "ExtArgsError"),
     ("rlhf_ext.runtime.rundir", "RunSettingsChanged"),
+    ("rlhf_ext.runtime.rundir", "OutputDirError"),
     ("rlhf_ext.zoo.builtins", "BuiltinNotBuiltError"),
     ("rlhf_ext.pipelines.continual", "TaskSequenceError"),
     ("rlhf_ext.runtime.segment_data", "DatasetFormatError"),

@@ -22,6 +22,7 @@ always match the current stages:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
-from rlhf_ext.runtime.rundir import RunDir
+from rlhf_ext.runtime.rundir import RunDir, claim_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,15 @@ class DemoPipeline:
             from rlhf_ext.zoo.builtins import check_model_source
 
             check_model_source(recipe.model.base_model)
-        #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
-        self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+        #: ``out`` is locked from here until :meth:`run` returns (a second demo on it is refused at once)
+        self._claim = contextlib.ExitStack()
+        self._claim.enter_context(claim_output_dir(recipe.out, {"model.base_model": recipe.model.base_model}, "out"))
+        try:
+            #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
+            self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+        except BaseException:
+            self._claim.close()
+            raise
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
         self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 
@@ -120,6 +128,10 @@ class DemoPipeline:
         return self.run_dir.result(stage)
 
     def run(self) -> dict[str, Any]:
+        with self._claim:
+            return self._run_stages()
+
+    def _run_stages(self) -> dict[str, Any]:
         results: dict[str, Any] = {}
         start = time.perf_counter()
         for i, stage in enumerate(STAGES, 1):

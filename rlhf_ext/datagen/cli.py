@@ -50,9 +50,14 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _load(path: str):
+def _load(path: str, output: str | None = None):
+    """The continual dataset at ``path``; with ``output`` (the command's ``-o``), first refuse an output directory that
+    is or holds ``path`` (:func:`~rlhf_ext.runtime.rundir.check_output_dir`)."""
     from rlhf_ext.datagen.builtin import load_continual_dataset
+    from rlhf_ext.runtime.rundir import check_output_dir
 
+    if output is not None:
+        check_output_dir(output, {"DATASET": path}, "-o")
     try:
         return load_continual_dataset(path)
     except (FileNotFoundError, ValueError) as e:
@@ -187,6 +192,9 @@ def generate(
     from rlhf_ext.datagen.generate import generate_dataset, plan_generation
     from rlhf_ext.datagen.schema import load_task_config
 
+    from rlhf_ext.runtime.rundir import check_output_dir
+
+    check_output_dir(output, {"CONFIG": config}, "-o")
     fmt, config_format = _split_formats(formats)
     if config_format != "auto":  # auto: load_task_config itself detects AIF-Gen's task_specs
         try:
@@ -395,7 +403,7 @@ def sample(dataset, output, keep_ratio_train, keep_ratio_test, keep_train, keep_
     """Down-sample every stage by ratio or absolute count."""
     from rlhf_ext.datagen.dataset import subsample
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = subsample(ds, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed)
     except ValueError as e:
@@ -419,7 +427,7 @@ def transform_swap(dataset, output, prob, seed) -> None:
     """Swap chosen and rejected with probability P (label noise; the swapped column records it)."""
     from rlhf_ext.datagen.dataset import preference_swap
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = preference_swap(ds, prob, seed)
     except ValueError as e:
@@ -436,7 +444,7 @@ def transform_split(dataset, output, test_ratio, seed) -> None:
     """Re-split every stage into train and test."""
     from rlhf_ext.datagen.dataset import resplit
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = resplit(ds, test_ratio, seed)
     except ValueError as e:
@@ -453,7 +461,7 @@ def merge_cmd(datasets, output) -> None:
     from rlhf_ext.datagen.dataset import merge
 
     try:
-        out = merge([_load(p) for p in datasets])
+        out = merge([_load(p, output) for p in datasets])
     except ValueError as e:
         _fail(str(e))
     _save(out, output)
@@ -479,7 +487,7 @@ def merge_cmd(datasets, output) -> None:
 def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         ds.export(output, fmt, overwrite=overwrite)
     except ValueError as e:  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
@@ -504,7 +512,9 @@ def export(dataset, output, fmt, overwrite) -> None:
 def import_cmd(source, output, fmt, name) -> None:
     """Read SOURCE (AIF-Gen's dataset JSON, e.g. its published continual datasets) into a continual dataset."""
     from rlhf_ext.datagen.aif_gen import import_dataset
+    from rlhf_ext.runtime.rundir import check_output_dir
 
+    check_output_dir(output, {"SOURCE": source}, "-o")
     try:
         ds = import_dataset(source, fmt, name)
     except (FileNotFoundError, ValueError) as e:

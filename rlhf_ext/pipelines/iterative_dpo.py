@@ -113,8 +113,16 @@ class OnlineDPORecipe:
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
-    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``)."""
-    return train_with_trl(recipe)
+    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``). The
+    output directory may hold none of the inputs and is locked while the run writes it
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    p, d = recipe.policy, recipe.data
+    inputs = {"policy.sft_model": p.sft_model, "policy.tokenizer": p.tokenizer, "reward.model": recipe.reward.model,
+              "data.train": d.train, "data.eval": d.eval}  # fmt: skip
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        return train_with_trl(recipe)
 
 
 def trl_config(recipe):

@@ -117,8 +117,19 @@ CURVE_KEYS = (
 
 
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
-    """Train with the recipe's engine; returns a summary (paths, reward/KL curve)."""
-    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+    """Train with the recipe's engine; returns a summary (paths, reward/KL curve). The output directory may hold none
+    of the inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); a
+    given normalizer file is validated before any model loads."""
+    from rlhf_ext.runtime.calibration import load_normalizer
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    m, d = recipe.model, recipe.data
+    inputs = {f"model.{k}": getattr(m, k) for k in ("sft_model", "reward_model", "critic_model", "normalizer")}
+    inputs.update({"data.prompts": d.prompts, "data.calibration": d.calibration})
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        if m.normalizer is not None:
+            load_normalizer(m.normalizer)
+        return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 
 def trl_config(recipe):

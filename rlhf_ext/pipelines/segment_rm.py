@@ -161,8 +161,20 @@ def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection,
 
 
 def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
-    """Train a segment reward model with the recipe's engine; returns a summary (paths, final metrics)."""
-    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+    """Train a segment reward model with the recipe's engine; returns a summary (paths, final metrics). The output
+    directory may hold none of the inputs and is locked while the run writes it
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    m, d = recipe.model, recipe.data
+    inputs = {
+        "model.sft_model": m.sft_model,
+        "model.tokenizer": m.tokenizer,
+        "data.train": d.train,
+        "data.eval": d.eval,
+    }
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 
 def trl_config(recipe):
