@@ -191,7 +191,6 @@ def generate(
     from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
     from rlhf_ext.datagen.generate import generate_dataset, plan_generation
     from rlhf_ext.datagen.schema import load_task_config
-
     from rlhf_ext.runtime.rundir import check_output_dir
 
     check_output_dir(output, {"CONFIG": config}, "-o")

@@ -30,10 +30,14 @@ TEXTS = ("0", "-1", "nan", "inf", "1e12", "abc")
 
 #: recipe class -> (command line without overrides, the override that points its output at a directory)
 RECIPES = {
-    "rlhf_ext.pipelines.segment_rm:SegmentRMRecipe": (["train", "segment-rm", "--config", "segment_rm_tiny"], "train.output_dir"),
-    "rlhf_ext.pipelines.segment_ppo:SegmentPPORecipe": (["train", "segment-ppo", "--config", "segment_ppo_tiny"], "train.output_dir"),
-    "rlhf_ext.pipelines.iterative_dpo:OnlineDPORecipe": (["train", "online-dpo", "--config", "online_dpo_tiny"], "train.output_dir"),
-    "rlhf_ext.pipelines.continual_recipe:ContinualRecipe": (["train", "continual", "--config", "continual_dpo_tiny"], "output_dir"),
+    "rlhf_ext.pipelines.segment_rm:SegmentRMRecipe": (
+        ["train", "segment-rm", "--config", "segment_rm_tiny"], "train.output_dir"),
+    "rlhf_ext.pipelines.segment_ppo:SegmentPPORecipe": (
+        ["train", "segment-ppo", "--config", "segment_ppo_tiny"], "train.output_dir"),
+    "rlhf_ext.pipelines.iterative_dpo:OnlineDPORecipe": (
+        ["train", "online-dpo", "--config", "online_dpo_tiny"], "train.output_dir"),
+    "rlhf_ext.pipelines.continual_recipe:ContinualRecipe": (
+        ["train", "continual", "--config", "continual_dpo_tiny"], "output_dir"),
     "rlhf_ext.demo:DemoRecipe": (["demo", "--config", "demo"], "out"),
     "rlhf_ext.sim.recipe:SimCompareRecipe": (["sim", "compare", "--config", "sim_compare"], "output_dir"),
     "rlhf_ext.datagen.schema:DatagenConfig": (["data", "generate", "continual-piecewise-preference", "-o"], None),
@@ -212,7 +216,10 @@ def _raw(text: str, spec: KnobSpec):
 def _ext_modules():
     from rlhf_ext.openrlhf import segment_rm, train_ppo_ray
 
-    return {"train_rm": (segment_rm, knob_specs(segment_rm.RMExtFlags)), "train_ppo_ray": (train_ppo_ray, train_ppo_ray.EXT_SPECS)}  # fmt: skip
+    return {
+        "train_rm": (segment_rm, knob_specs(segment_rm.RMExtFlags)),
+        "train_ppo_ray": (train_ppo_ray, train_ppo_ray.EXT_SPECS),
+    }
 
 
 def test_every_numeric_ext_flag_is_parsed_against_its_knob_range():
@@ -221,10 +228,11 @@ def test_every_numeric_ext_flag_is_parsed_against_its_knob_range():
     from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
     from rlhf_ext.openrlhf.segment_rm import RMExtFlags
 
+    ppo_knobs = (SegmentRewardKnobs, DenseRewardKnobs, ContinualKnobs)
     numeric = {
         "train_rm": {k for k, _, _ in numeric_knobs(RMExtFlags)},
-        "train_ppo_ray": {k for c in (SegmentRewardKnobs, DenseRewardKnobs, ContinualKnobs) for k, _, _ in numeric_knobs(c)},
-    }  # fmt: skip
+        "train_ppo_ray": {k for c in ppo_knobs for k, _, _ in numeric_knobs(c)},
+    }
     for module_name, (module, specs) in _ext_modules().items():
         assert numeric[module_name] <= set(specs) <= set(module.EXT_DEFAULTS), module_name
         for name, spec in specs.items():
@@ -242,10 +250,8 @@ def test_every_numeric_ext_flag_is_parsed_against_its_knob_range():
 @pytest.mark.slow
 @pytest.mark.parametrize("module", ["train_rm", "train_ppo_ray"])
 def test_the_openrlhf_modules_exit_2_in_one_line_before_starting(module, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", f"rlhf_ext.openrlhf.{module}", "--ext.tau", "nan", "--ckpt.output_dir", str(tmp_path / "o")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", f"rlhf_ext.openrlhf.{module}", "--ext.tau", "nan", "--ckpt.output_dir", "o"]
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: --ext.tau must be a number > 0; got nan"
     assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
@@ -315,14 +321,18 @@ def test_a_cli_option_and_its_recipe_key_share_one_declaration():
 @pytest.mark.parametrize(
     "recipe, override, message",
     [
-        ("segment_rm_tiny", "data.max_prompt_length=-5", "data.max_prompt_length must be an integer >= 1, or null; got -5"),
+        ("segment_rm_tiny", "data.max_prompt_length=-5",
+         "data.max_prompt_length must be an integer >= 1, or null; got -5"),
         ("segment_rm_tiny", "train.epochs=0", "train.epochs must be a number > 0; got 0.0"),
         ("segment_rm_tiny", "train.seed=-1", "train.seed must be an integer in [0, 4294967295]; got -1"),
         ("segment_rm_tiny", "train.logging_steps=0", "train.logging_steps must be an integer >= 1; got 0"),
-        ("segment_rm_tiny", "data.max_prompt_length=128", "'data': max_prompt_length (128) must be < max_length (128), or no tokens are left for the responses"),
-        ("segment_ppo_tiny", "data.max_calibration_pairs=0", "data.max_calibration_pairs must be an integer >= 1; got 0"),
+        ("segment_rm_tiny", "data.max_prompt_length=128",
+         "'data': max_prompt_length (128) must be < max_length (128), or no tokens are left for the responses"),
+        ("segment_ppo_tiny", "data.max_calibration_pairs=0",
+         "data.max_calibration_pairs must be an integer >= 1; got 0"),
         ("online_dpo_tiny", "online.temperatures=[inf]", "online.temperatures[0] must be a number > 0; got inf"),
-        ("continual_dpo_tiny", "continual.continual_kl_coef_schedule=[1, nan]", "continual.continual_kl_coef_schedule[1] must be a number >= 0; got nan"),
+        ("continual_dpo_tiny", "continual.continual_kl_coef_schedule=[1, nan]",
+         "continual.continual_kl_coef_schedule[1] must be a number >= 0; got nan"),
     ],
 )  # fmt: skip
 def test_the_issues_cases_are_one_line_naming_the_key(recipe, override, message, tmp_path):
@@ -336,9 +346,8 @@ def test_the_issues_cases_are_one_line_naming_the_key(recipe, override, message,
 
 
 def test_generation_temperature_nan_is_refused_before_anything_is_written(tmp_path):
-    result = CliRunner().invoke(
-        main, ["data", "generate", "continual-piecewise-preference", "-o", str(tmp_path / "d"), "generation.temperature=nan"]
-    )  # fmt: skip
+    args = ["data", "generate", "continual-piecewise-preference", "-o", str(tmp_path / "d")]
+    result = CliRunner().invoke(main, [*args, "generation.temperature=nan"])
     assert result.exit_code == 2
     assert result.stderr.strip().endswith("generation.temperature must be a number >= 0; got nan")
     assert not (tmp_path / "d").exists()

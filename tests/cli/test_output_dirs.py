@@ -16,10 +16,14 @@ from rlhf_ext.runtime.rundir import OutputDirError, check_output_dir, claim_outp
 
 #: command -> (its arguments given an input directory IN and an output directory OUT, the input's key)
 COMMANDS = {
-    "train segment-rm": (["train", "segment-rm", "--config", "segment_rm_tiny", "model.sft_model={IN}", "train.output_dir={OUT}"], "model.sft_model"),
-    "train segment-ppo": (["train", "segment-ppo", "--config", "segment_ppo_tiny", "model.reward_model={IN}", "train.output_dir={OUT}"], "model.reward_model"),
-    "train online-dpo": (["train", "online-dpo", "--config", "online_dpo_tiny", "policy.sft_model={IN}", "train.output_dir={OUT}"], "policy.sft_model"),
-    "train continual": (["train", "continual", "--config", "continual_dpo_tiny", "model.sft_model={IN}", "output_dir={OUT}"], "model.sft_model"),
+    "train segment-rm": (["train", "segment-rm", "--config", "segment_rm_tiny", "model.sft_model={IN}",
+                          "train.output_dir={OUT}"], "model.sft_model"),
+    "train segment-ppo": (["train", "segment-ppo", "--config", "segment_ppo_tiny", "model.reward_model={IN}",
+                           "train.output_dir={OUT}"], "model.reward_model"),
+    "train online-dpo": (["train", "online-dpo", "--config", "online_dpo_tiny", "policy.sft_model={IN}",
+                          "train.output_dir={OUT}"], "policy.sft_model"),
+    "train continual": (["train", "continual", "--config", "continual_dpo_tiny", "model.sft_model={IN}",
+                         "output_dir={OUT}"], "model.sft_model"),
     "demo": (["demo", "model.base_model={IN}", "out={OUT}"], "model.base_model"),
     "sim compare": (["sim", "compare", "--config", "sim_compare", "model.base={IN}", "output_dir={OUT}"], "model.base"),
     "data sample": (["data", "sample", "{IN}", "-o", "{OUT}", "--keep-train", "1"], "DATASET"),
@@ -92,9 +96,8 @@ def test_a_second_run_on_a_locked_output_directory_is_refused_at_once(command, t
 
 def test_the_lock_is_released_when_the_run_ends_and_ranks_lock_separately(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    with claim_output_dir(out):
-        with pytest.raises(OutputDirError, match="another run is writing"), claim_output_dir(out):
-            pass
+    with claim_output_dir(out), pytest.raises(OutputDirError, match="another run is writing"), claim_output_dir(out):
+        pass
     with claim_output_dir(out):  # released
         pass
     monkeypatch.setenv("WORLD_SIZE", "2")
