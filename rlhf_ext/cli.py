@@ -117,6 +117,7 @@ USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
     ("rlhf_ext.openrlhf.cli_runner", "ExtArgsError"),
     ("rlhf_ext.runtime.rundir", "RunSettingsChanged"),
     ("rlhf_ext.runtime.rundir", "OutputDirError"),
+    ("rlhf_ext.trl.args", "CheckpointError"),
     ("rlhf_ext.zoo.builtins", "BuiltinNotBuiltError"),
     ("rlhf_ext.pipelines.continual", "TaskSequenceError"),
     ("rlhf_ext.runtime.segment_data", "DatasetFormatError"),
@@ -470,9 +471,27 @@ def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, .
         f"  win rate PPO vs SFT: {ev['win_rate']:.3f} +- {ev['stderr']:.3f} ({ev['num_comparisons']} comparisons)"
     )
     click.echo(f"  gold reward:         PPO {ev['gold_mean']:+.3f}   SFT {ev['ref_gold_mean']:+.3f}")
-    click.echo(f"  KL(PPO || SFT):      {ev['kl']:.3f} nats")
+    click.echo(f"  KL(PPO || SFT):      {format_kl(ev)}")
     click.echo(f"  report:              {results['report']['html']}")
     click.echo(f"  metrics:             {results['report']['metrics']}")
+
+
+#: How each KL estimate of :func:`rlhf_ext.sim.win_rate` is described next to its value.
+KL_METHODS = {
+    "exact_token_sum": "exact per-token KL summed per response",
+    "sequence_log_ratio": "log-ratio estimate, can be negative",
+    "analytic_best_of_n": "analytic",
+}
+
+
+def format_kl(ev: dict) -> str:
+    """``0.123 ± 0.010 nats (exact per-token KL summed per response, 64 PPO samples)``: a KL estimate with its
+    standard error, estimator and sample count."""
+    method = ev.get("kl_method", "sequence_log_ratio")
+    return (
+        f"{ev['kl']:.3f} ± {ev.get('kl_stderr', float('nan')):.3f} nats ({KL_METHODS.get(method, method)}, "
+        f"{ev['num_comparisons']} PPO samples)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- serve

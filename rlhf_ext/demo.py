@@ -14,7 +14,8 @@ always match the current stages:
 5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (paper 003 Eq. 6).
 6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
 7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
-                    noise), gold reward, response length and KL to the SFT model; reward-model accuracy.
+                    noise), gold reward, response length and KL to the SFT model (the exact per-token KL summed
+                    along each PPO response, mean +- s.e.: never negative); reward-model accuracy.
 8. ``report``     — ``report.html`` (a PPO-vs-SFT metrics table, smoothed reward/KL curves, SFT and PPO responses
                     to the same prompts coloured by segment reward, provenance: recipe, versions, model sizes, stage
                     times) and ``metrics.json`` (the same numbers, the provenance under ``"provenance"``).
@@ -321,6 +322,7 @@ class DemoPipeline:
             judge=pool,
             seed=self.recipe.training.seed,
             max_new_tokens=self.recipe.training.max_completion_length,
+            kl_estimator="exact",  # KL(PPO || SFT) per response, never negative (a log-ratio mean can be)
         )
         return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
 

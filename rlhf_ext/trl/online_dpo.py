@@ -625,7 +625,7 @@ class IterativeDPOTrainer(DPOTrainer):
         """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference
         at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
         ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
-        from rlhf_ext.trl.args import last_checkpoint
+        from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
         console = console_callback_of(self)  # use_console_output(trainer) lasts over every DPO run
@@ -639,7 +639,7 @@ class IterativeDPOTrainer(DPOTrainer):
                 args=args,
                 train_dataset=train_dataset,
                 processing_class=self.processing_class,
-                callbacks=list(self._user_callbacks),
+                callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
                 peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
             )
             if console is not None:

@@ -51,6 +51,7 @@ from rlhf_ext.algos.segment_dense import SEGMENTED_GRANULARITIES, DenseRewardKno
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
+from rlhf_ext.trl.args import CheckpointRecords
 
 
 @dataclass
@@ -220,6 +221,7 @@ class DensePPOTrainer(GRPOTrainer):
             rollout_func,
             environment_factory,
         )
+        self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
         self.async_rollout = async_rollout
         if async_rollout is not None:
             async_rollout.attach(self)

@@ -52,6 +52,7 @@ from rlhf_ext.runtime.segment_data import (
     save_segment_settings,
 )
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
+from rlhf_ext.trl.args import CheckpointRecords
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ class SegmentRewardTrainer(RewardTrainer):
         if data_collator is None:
             data_collator = SegmentPreferenceCollator(processing_class.pad_token_id, args.pad_to_multiple_of)
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
+        self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
         self._capture = TokenScoreCapture(self.model)
 
     def _set_signature_columns_if_needed(self):
@@ -217,10 +219,12 @@ class SegmentRewardTrainer(RewardTrainer):
         if self.args.center_rewards_coefficient is not None:
             loss = loss + self.args.center_rewards_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
 
-        if mode == "train":
+        if mode == "train" and self.args.include_num_input_tokens_seen == "no":
+            # counted in the TrainerState (as GRPO does), which checkpoints save and a resume restores: TRL's
+            # in-memory _total_train_tokens restarts at 0 on resume, so metrics.json reported the resumed part only
             num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            self.state.num_input_tokens_seen += num_tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
         with torch.no_grad():
             gather = self.accelerator.gather_for_metrics
             values = gather(ev.values.detach())
