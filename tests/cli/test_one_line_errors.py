@@ -18,17 +18,16 @@ def _errors(result) -> list[str]:
 def test_segment_show_on_a_truncated_reward_model_is_one_line(tmp_path, tiny_sft_path):
     rm = tmp_path / "rm"
     shutil.copytree(tiny_sft_path, rm)
-    (rm / "segment_config.json").write_text(
-        json.dumps({"entropy_cutoff": 2.0, "aggregation": "softmax", "tau": 0.5, "sft_model_name_or_path": tiny_sft_path})
-    )
+    settings = {"entropy_cutoff": 2.0, "aggregation": "softmax", "tau": 0.5, "sft_model_name_or_path": tiny_sft_path}
+    (rm / "segment_config.json").write_text(json.dumps(settings))
     weights = rm / "model.safetensors"
     size = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[: size // 2])
     result = CliRunner().invoke(main, ["segment", "show", "--model", str(rm), "--response", "It is."])
     assert result.exit_code == 2, result.output
     assert _errors(result) == [
-        f"error: the reward model {rm} cannot be loaded (model.safetensors has {size // 2} of {size} bytes): copy or train "
-        "it again"
+        f"error: the reward model {rm} cannot be loaded (model.safetensors has {size // 2} of {size} bytes): copy or "
+        "train it again"
     ]
     assert "Traceback" not in result.output
 
