@@ -38,6 +38,7 @@ from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
 from rlhf_ext.runtime.rundir import RunDir, claim_output_dir
 
@@ -49,7 +50,7 @@ STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 @dataclass
 class DemoData:
     config: str = "continual-piecewise-preference"
-    num_samples: int = knob(600, ge=10, help="Preference pairs generated per task (train + test).")
+    num_samples: int = knob(600, ge=10, le=MAX_TASK_SAMPLES, help="Preference pairs generated per task (train + test).")
     stage: int = knob(0, ge=0, help="The generated stage the demo trains on.")
     sft_fraction: float = knob(0.4, gt=0, lt=1, help="Share of the stage's train split used for SFT.")
     eval_prompts: int = knob(64, ge=1)

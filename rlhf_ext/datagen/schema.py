@@ -71,6 +71,10 @@ DEFAULT_STYLE_AXES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: The most samples one task may plan (every sample is a job held in memory while the run plans and resumes).
+MAX_TASK_SAMPLES = 10_000_000
+
+
 @dataclass
 class DomainComponent:
     """One named part of a domain (e.g. ``physics`` in *education*): a seed-word vocabulary and a sampling weight.
@@ -147,7 +151,7 @@ class TaskSpec:
     objective: str
     preference: str
     domain: dict[str, DomainComponent]
-    num_samples: int = knob(ge=1)
+    num_samples: int = knob(ge=1, le=MAX_TASK_SAMPLES, help="Pairs generated for the task (train + test).")
     test_ratio: float = knob(0.15, ge=0, lt=1)
     style: str | None = None
     objective_kind: ObjectiveKind | None = None

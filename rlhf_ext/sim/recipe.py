@@ -16,6 +16,7 @@ from rlhf_ext.algos.knobs import MAX_SEED, check_knobs, knob, knob_like, seed_kn
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.sim.annotators import PoolConfig
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
@@ -68,7 +69,7 @@ class TaskSection:
 
     source: str = "continual-piecewise-preference"
     stage: int = knob(0, ge=0)
-    num_samples: int = knob(800, ge=10)
+    num_samples: int = knob(800, ge=10, le=MAX_TASK_SAMPLES)
     overrides: list[str] = field(default_factory=lambda: ["drift.cycles=1"])
     sft_fraction: float = knob(0.35, gt=0, lt=1)
     pref_fraction: float = knob(0.35, gt=0, lt=1)

@@ -364,3 +364,22 @@ def test_counts_per_entry_point(capsys):
     with capsys.disabled():
         print("\nnumeric knobs covered:", counts)
     assert all(n > 0 for n in counts.values())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["data", "generate", "continual-piecewise-preference", "--num-samples", "1000000000000"],
+         "--num-samples must be an integer in [1, 10000000]; got 1000000000000"),
+        (["demo", "data.num_samples=1000000000000"],
+         "data.num_samples must be an integer in [10, 10000000]; got 1000000000000"),
+    ],
+)  # fmt: skip
+def test_a_sample_count_that_cannot_be_planned_is_refused_before_anything_runs(args, message, tmp_path):
+    """Issue 23 item 15: ``num_samples=1e12`` planned 10^12 jobs in memory with no output at all."""
+    out = tmp_path / "out"
+    full = [*args[:3], "-o", str(out), *args[3:]] if args[0] == "data" else [*args, f"out={out}"]
+    result = CliRunner().invoke(main, full)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1].endswith(message), result.stderr
+    assert not out.exists()
