@@ -486,7 +486,7 @@ def merge_cmd(datasets, output) -> None:
 def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
-    ds = _load(dataset, output)
+    ds = _load(dataset)  # ContinualDataset.export checks OUTPUT against DATASET
     try:
         ds.export(output, fmt, overwrite=overwrite)
     except ValueError as e:  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
