@@ -23,7 +23,6 @@ always match the current stages:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -112,15 +111,10 @@ class DemoPipeline:
             from rlhf_ext.zoo.builtins import check_model_source
 
             check_model_source(recipe.model.base_model)
-        #: ``out`` is locked from here until :meth:`run` returns (a second demo on it is refused at once)
-        self._claim = contextlib.ExitStack()
-        self._claim.enter_context(claim_output_dir(recipe.out, {"model.base_model": recipe.model.base_model}, "out"))
-        try:
-            #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
+        self._settings = settings
+        #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
+        with self._claim():
             self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
-        except BaseException:
-            self._claim.close()
-            raise
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
         self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 
@@ -129,8 +123,15 @@ class DemoPipeline:
         """The result of a finished stage, else None (benchmarks/segment_fidelity.py reuses stages through it)."""
         return self.run_dir.result(stage)
 
+    def _claim(self):
+        """``out`` checked against the inputs and locked (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+        return claim_output_dir(self.recipe.out, {"model.base_model": self.recipe.model.base_model}, "out")
+
     def run(self) -> dict[str, Any]:
-        with self._claim:
+        """Run the stages, holding ``out``'s lock (a second demo on it is refused at once); refused, too, when another
+        run restarted ``out`` with other settings since this pipeline was made."""
+        with self._claim():
+            self.run_dir = RunDir(self.out, self._settings, kind="demo")
             return self._run_stages()
 
     def _run_stages(self) -> dict[str, Any]:
