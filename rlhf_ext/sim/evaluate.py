@@ -339,6 +339,9 @@ class LengthControlled:
     length_coef: float
 
 
+_SLOPE_RIDGE = 1e-8  # length_controlled_win_rate: keeps the slope finite on length-separable outcomes
+
+
 def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
 
@@ -347,7 +350,9 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
     outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), then
     read off at zero length difference: ``LC = sigmoid(a)``. AlpacaEval fits the same formula with an L1 penalty
     chosen by cross-validation (and, in its default GLM, an instruction-difficulty term this task has no analogue
-    for); here the fit is the plain maximum-likelihood one, solved by Newton's method in float64 (deterministic).
+    for); here the fit is the maximum-likelihood one with a vanishing ridge ``(1e-8 / 2) b^2`` on the slope alone, which
+    changes no fit beyond float rounding but keeps ``b`` finite when length separates the outcomes (then no maximum
+    exists), solved by Newton's method in float64 (deterministic).
 
     Args:
         outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
@@ -367,14 +372,17 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
         return LengthControlled(mean, _cluster_stderr(outcome), 0.0)
     theta = torch.tensor([math.log(mean / (1 - mean)), 0.0], dtype=torch.float64)
 
+    ridge = torch.diag(torch.tensor([0.0, _SLOPE_RIDGE], dtype=torch.float64))
+
     def nll(th: Tensor) -> float:
         z = x @ th
-        return float(-(y * torch.nn.functional.logsigmoid(z) + (1 - y) * torch.nn.functional.logsigmoid(-z)).sum())
+        log_likelihood = y * torch.nn.functional.logsigmoid(z) + (1 - y) * torch.nn.functional.logsigmoid(-z)
+        return float(-log_likelihood.sum() + 0.5 * th @ ridge @ th)
 
     for _ in range(100):
         p = torch.sigmoid(x @ theta)
-        gradient = x.T @ (p - y)
-        hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+        gradient = x.T @ (p - y) + ridge @ theta
+        hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + ridge
         step = torch.linalg.solve(hessian, gradient)
         scale, current = 1.0, nll(theta)
         while nll(theta - scale * step) > current and scale > 1e-10:  # step halving (separable data)
@@ -383,7 +391,7 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
         if float(step.abs().max()) * scale < 1e-12:
             break
     p = torch.sigmoid(x @ theta)
-    hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+    hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + ridge
     scores = (x * (p - y).unsqueeze(1)).view(*outcome.shape, 2).sum(1)  # [P, 2] per-prompt score sums
     bread = torch.linalg.inv(hessian)
     covariance = bread @ (scores.T @ scores) @ bread
