@@ -64,14 +64,15 @@ def _normalise(settings: Any) -> Any:
 
 def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
     """The dotted paths of the keys whose values differ between ``old`` and ``new`` (added and removed keys
-    included), recursing into nested mappings; lists and other values are compared whole. Sorted."""
+    included), recursing into nested mappings; lists and other values are compared whole, as the fingerprint sees
+    them (their JSON text: ``1`` and ``1.0`` differ). Sorted."""
     out: list[str] = []
     for key in set(old) | set(new):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         path = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             out += changed_keys(a, b, path)
-        elif a is _MISSING or b is _MISSING or a != b:
+        elif a is _MISSING or b is _MISSING or json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
             out.append(path)
     return sorted(out)
 
