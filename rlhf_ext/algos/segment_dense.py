@@ -243,14 +243,27 @@ class SegmentationRates(NamedTuple):
     segments_per_token: float
     above_cutoff_share: float
 
+    @classmethod
+    def of_totals(cls, totals: Tensor) -> SegmentationRates:
+        """The rates of :func:`segmentation_totals` (summed over any number of batches or ranks)."""
+        segments, tokens, above = totals.tolist()
+        tokens = max(tokens, 1.0)
+        return cls(segments / tokens, above / tokens)
+
+
+def segmentation_totals(counts: Tensor, action_mask: Tensor, entropy: Tensor | None, cutoff: float) -> Tensor:
+    """``[3]`` float64 sums of a batch: segments, response tokens, and response tokens whose reference entropy exceeds
+    ``cutoff`` c_ent (NaN without entropies). ``counts`` ``[B]`` segments per response, ``action_mask`` and ``entropy``
+    ``[B, T]``. Sums of batches (or of ranks, whose ``T`` may differ) add up; :meth:`SegmentationRates.of_totals` turns
+    them into token-weighted rates."""
+    action_mask = action_mask.bool()
+    above = float("nan") if entropy is None else (action_mask & (entropy > cutoff)).sum().item()
+    return torch.tensor([counts.sum().item(), action_mask.sum().item(), above], dtype=torch.float64)
+
 
 def segmentation_rates(counts: Tensor, action_mask: Tensor, entropy: Tensor | None, cutoff: float) -> SegmentationRates:
-    """:class:`SegmentationRates` of a batch: ``counts`` ``[B]`` segments per response, ``action_mask`` ``[B, T]``,
-    ``entropy`` ``[B, T]`` (or None), ``cutoff`` c_ent. Ratios of batch sums (a token-weighted mean)."""
-    action_mask = action_mask.bool()
-    tokens = max(int(action_mask.sum()), 1)
-    above = float("nan") if entropy is None else int((action_mask & (entropy > cutoff)).sum()) / tokens
-    return SegmentationRates(int(counts.sum()) / tokens, above)
+    """:class:`SegmentationRates` of one batch (:func:`segmentation_totals`)."""
+    return SegmentationRates.of_totals(segmentation_totals(counts, action_mask, entropy, cutoff))
 
 
 class SegmentationMonitor:

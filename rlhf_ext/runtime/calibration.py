@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from rlhf_ext.algos.location_norm import REFERENCE_MAX_SEGMENTS, LocationNormalizer, NormalizerError
-from rlhf_ext.algos.segment_dense import DEFAULT_CHUNK_SIZE, Granularity, dense_segment_rewards
+from rlhf_ext.algos.segment_dense import (
+    DEFAULT_CHUNK_SIZE,
+    Granularity,
+    SegmentationRates,
+    dense_segment_rewards,
+    segmentation_totals,
+)
 from rlhf_ext.runtime.io import atomic_write_json
 from rlhf_ext.runtime.segment_data import collate_segment_pairs, prepare_segment_dataset
 from rlhf_ext.runtime.token_scores import token_scores
@@ -65,7 +71,7 @@ def fit_normalizer(
     reward_model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     locations, rewards = [], []
-    segments = tokens = above = 0
+    totals = torch.zeros(3, dtype=torch.float64)  # segmentation_totals of the calibration responses
     for start in range(0, len(prepared), batch_size):
         rows = list(prepared.select(range(start, min(start + batch_size, len(prepared)))))
         batch = collate_segment_pairs(rows, pad)
@@ -81,10 +87,7 @@ def fit_normalizer(
             tau=tau,
             chunk_size=chunk_size,
         )
-        mask = batch["action_mask"].bool()
-        segments += int(dense.segments.counts.sum())
-        tokens += int(mask.sum())
-        above += int((mask & (batch["entropy"] > entropy_cutoff)).sum())
+        totals += segmentation_totals(dense.segments.counts, batch["action_mask"], batch["entropy"], entropy_cutoff)
         if Granularity(granularity).is_bandit:
             locations.append(torch.ones(len(rows) * 2))
             rewards.append(dense.raw_seg_rewards[:, 0])
@@ -99,8 +102,8 @@ def fit_normalizer(
         reward_model=reward_model_id,
         method=method,
     )
-    tokens = max(tokens, 1)  # the monitor's reference: how the SFT model segments the calibration responses
-    return dataclasses.replace(normalizer, segments_per_token=segments / tokens, above_cutoff_share=above / tokens)
+    reference = SegmentationRates.of_totals(totals)  # the monitor's reference: the SFT model on the calibration set
+    return dataclasses.replace(normalizer, **reference._asdict())
 
 
 def save_normalizer(normalizer: LocationNormalizer, path: str | Path) -> None:

@@ -54,7 +54,7 @@ from rlhf_ext.algos.segment_dense import (
     SegmentationMonitor,
     SegmentationRates,
     dense_segment_rewards,
-    segmentation_rates,
+    segmentation_totals,
 )
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
@@ -520,10 +520,8 @@ class DensePPOTrainer(GRPOTrainer):
     def _monitor_segmentation(self, mode: str, counts: torch.Tensor, mask: torch.Tensor, entropy) -> None:
         """Log the batch's segments per token and share of tokens above the cutoff (and their ratio to the SFT
         model's on the calibration responses); warn once when either passes 1.5x (:class:`SegmentationMonitor`)."""
-        gather = self.accelerator.gather
-        counts, mask = gather(counts), gather(mask)
-        entropy = gather(entropy) if entropy is not None else None
-        rates = segmentation_rates(counts, mask, entropy, self.entropy_cutoff)
+        totals = segmentation_totals(counts, mask, entropy, self.entropy_cutoff)  # [3]: ranks' lengths T may differ
+        rates = SegmentationRates.of_totals(self.accelerator.gather(totals.unsqueeze(0)).sum(0))
         metrics = self._metrics[mode]
         for name, value in zip(rates._fields, rates):
             metrics[f"segment/{name}"].append(value)

@@ -335,3 +335,19 @@ def test_segmentation_rates_and_the_monitor_hand_computed():
     chunk = SegmentationMonitor(SegmentationRates(0.25, 0.25), "chunk")
     assert "chunk rewards do not depend on entropy boundaries" in chunk.check(rates)
     assert SegmentationMonitor(None).check(rates) is None  # no reference (e.g. a released normalizer): silent
+
+
+def test_segmentation_totals_of_ranks_with_different_lengths_add_up_to_the_whole_batch():
+    """Under DDP each rank pads to its own longest response: the monitor gathers ``[3]`` sums, never ``[B, T]``
+    tensors (gloo's all_gather needs one shape; the [B, T] gather aborted a 2-process torchrun in CI)."""
+    from rlhf_ext.algos.segment_dense import SegmentationRates, segmentation_rates, segmentation_totals
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 12, (8,), generator=g)
+    mask = torch.arange(12) < lengths[:, None]
+    entropy = torch.rand(8, 12, generator=g) * 4
+    counts = torch.randint(1, 5, (8,), generator=g)
+    whole = segmentation_rates(counts, mask, entropy, 2.0)
+    ranks = [(slice(0, 3), int(lengths[:3].max())), (slice(3, 8), int(lengths[3:].max()))]
+    totals = sum(segmentation_totals(counts[r], mask[r, :t], entropy[r, :t], 2.0) for r, t in ranks)
+    assert SegmentationRates.of_totals(totals) == whole
