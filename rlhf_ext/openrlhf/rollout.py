@@ -388,13 +388,30 @@ def _hf_aware(original, replacement):
     return method
 
 
+def _in_canonical_order(original):
+    """``SamplesGenerator._generate_vllm`` returning its experiences sorted by (prompt, sequence) instead of in
+    completion order (``ray.wait``): the order in which samples reach the trainer sets the summation order of its
+    losses and gradients, so only a canonical order makes two runs with one seed equal bit for bit."""
+
+    def method(self, *args, **kwargs):
+        experiences, prompts_consumed, exhausted = original(self, *args, **kwargs)
+        experiences = sorted(experiences, key=lambda e: (e.prompts[0], e.sequences[0].tolist()))
+        return experiences, prompts_consumed, exhausted
+
+    method.__wrapped__ = original
+    return method
+
+
 def install_in_process() -> None:
-    """Use HF engines in this process (idempotent): ``create_vllm_engines`` (driver) and the policy actor's weight
-    sync (Ray workers)."""
+    """Use HF engines in this process (idempotent): ``create_vllm_engines`` and samples in a canonical order
+    (driver), and the policy actor's weight sync (Ray workers)."""
     import openrlhf.trainer.ray as ray_package
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from openrlhf.trainer.ray import ppo_actor
 
     ray_package.create_vllm_engines = create_hf_rollout_engines
+    if not hasattr(SamplesGenerator._generate_vllm, "__wrapped__"):
+        SamplesGenerator._generate_vllm = _in_canonical_order(SamplesGenerator._generate_vllm)
     cls = ppo_actor.ActorPPOTrainer
     if not hasattr(cls.broadcast_to_vllm, "__wrapped__"):
         cls._init_vllm_sync_group = _hf_aware(cls._init_vllm_sync_group, lambda self, backend: None)

@@ -101,31 +101,18 @@ def _finite(step: dict, keys) -> None:
 
 
 def test_bandit_through_rlhf_ext_equals_stock_openrlhf(bandit_runs):
-    """Same seeds, same rollouts (the HF engine's sampling is batch-independent), same rewards, returns, losses,
-    gradients and final weights: the subclasses change nothing at bandit granularity."""
+    """Same seeds, same rollouts (the HF engine's sampling is batch-independent and hands samples over in a canonical
+    order), same rewards, returns, losses, gradients and final weights, bit for bit: the subclasses change nothing at
+    bandit granularity."""
     from safetensors.torch import load_file
 
     root, stock, ours = bandit_runs
-    # (key, rel, abs): rollouts and rewards are identical; the training side sums bf16 gradients of samples that
-    # reach the trainer in completion order, so what depends on the updated models (step 2's values, KL and the
-    # KL-penalised return, the losses, the gradient norm) agrees to float rounding only.
-    tolerances = [("reward", 1e-6, 0), ("response_length", 1e-6, 0), ("rollout/reward_mean", 1e-6, 0),
-                  ("rollout/reward_std", 1e-6, 0), ("values", 1e-5, 0), ("critic_loss", 1e-3, 0), ("kl", 1e-4, 1e-7),
-                  ("return", 1e-4, 0), ("policy_loss", 0, 1e-6), ("actor_grad_norm", 1e-3, 0)]  # fmt: skip
     for s, o in zip(stock, ours):
-        for key, rel, abs_ in tolerances:
-            assert o[key] == pytest.approx(s[key], rel=rel, abs=abs_), key
-    assert stock[0]["return"] == pytest.approx(ours[0]["return"], rel=1e-6)  # before any update: identical
-    assert stock[1]["kl"] > 0  # the policy moved, so step 2 compares updated policies
-    assert stock[0]["reward"] != 0 and ours[0]["rollout/reward_mean"] == pytest.approx(ours[0]["reward"], rel=1e-5)
+        logged = {k: v for k, v in s.items() if not k.startswith("timing/")}
+        assert {k: o[k] for k in logged} == logged
+    assert stock[1]["kl"] > 0 and stock[0]["reward"] != 0  # the policy moved, so step 2 compares updated policies
     a, b = load_file(root / "stock" / "model.safetensors"), load_file(root / "bandit" / "model.safetensors")
-    assert a.keys() == b.keys()
-    # bf16 weights after two Adam steps: 99% agree to one bf16 rounding step (measured: 99.6%); Adam divides by
-    # sqrt(v), so where a gradient is ~0 its rounding noise can move a weight by up to ~lr (1e-2) per step.
-    x = torch.cat([a[k].float().flatten() for k in a])
-    y = torch.cat([b[k].float().flatten() for k in a])
-    within_ulp = ((x - y).abs() <= (x.abs() * 2**-7).clamp_min(1e-6)).float().mean()
-    assert within_ulp >= 0.99 and (x - y).abs().max() <= 2 * 1e-2, (within_ulp, (x - y).abs().max())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_segment_gae_two_ranks_zero2(segment_task0, tiny_sft_path):
