@@ -12,7 +12,9 @@ and sums the normalized, interpolated rewards of each response under:
   (``tests/algos/test_segment_dense_and_ppo.py`` checks that on random inputs; this reports it on real ones).
 
 The difference between a perturbed and the reference segmentation, for the *same* texts, is reward the policy could buy
-without changing what the reward model reads. Writes ``--out`` (JSON) and prints a Markdown table.
+without changing what the reward model reads. It also reports the mean normalized segment reward of the SFT samples per
+location bucket ``p = t / T`` and at ``p = 1`` (the last segment): a location-aware normalizer centres each near 0.
+Writes ``--out`` (JSON) and prints Markdown tables.
 
     python benchmarks/segmentation_lever.py --run runs/sim/seed-0/segment_ppo --sft runs/sim/sft \\
         --reward-model runs/sim/seed-0/rm_segment --prompts-from runs/sim
@@ -31,13 +33,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-def summed_rewards(scores, mask, entropy, normalizer, granularity, cutoff, chunk_size):
+LOCATION_BUCKETS = ((0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.0))
+
+
+def dense(scores, mask, entropy, normalizer, granularity, cutoff, chunk_size):
     from rlhf_ext.algos.segment_dense import dense_segment_rewards
 
     return dense_segment_rewards(
         scores, mask, entropy, normalizer=normalizer, granularity=granularity, entropy_cutoff=cutoff,
         chunk_size=chunk_size,
-    ).sequence_reward  # fmt: skip
+    )  # fmt: skip
+
+
+def summed_rewards(*args):
+    return dense(*args).sequence_reward
+
+
+def by_location(rewards) -> dict[str, list[float]]:
+    """Normalized segment rewards grouped by location: ``p`` in each of :data:`LOCATION_BUCKETS` (the last segment
+    excluded) and ``p = 1``."""
+    seg = rewards.segments
+    p, r = seg.locations[seg.mask], rewards.seg_rewards[seg.mask]
+    out = {"p = 1": r[p >= 1].tolist()}
+    for lo, hi in LOCATION_BUCKETS:
+        out[f"{lo:g} < p <= {hi:g}" if hi < 1 else f"{lo:g} < p < 1"] = r[(p > lo) & (p <= hi) & (p < 1)].tolist()
+    return out
 
 
 def main() -> None:
@@ -71,7 +91,7 @@ def main() -> None:
     cutoff = load_segment_settings(args.reward_model)["entropy_cutoff"]
     rm = AutoModelForSequenceClassification.from_pretrained(args.reward_model, num_labels=1).eval()
     sft = run.policy(args.sft)
-    rows = {}
+    rows, locations = {}, {}
     for name, path in (("SFT samples", args.sft), ("policy samples", args.run)):
         samples = run.policy(path).sample(prompts, args.samples, seed=123)
         flat = [p for p in prompts for _ in range(args.samples)]
@@ -80,7 +100,11 @@ def main() -> None:
             ids, attention, response, entropy = batch
             with torch.no_grad():
                 scores = token_scores(rm, ids, attention)[:, 1:].float()  # aligned with the response tokens
-            reference = summed_rewards(scores, response, entropy, normalizer, "segment", cutoff, args.chunk_size)
+            reference_rewards = dense(scores, response, entropy, normalizer, "segment", cutoff, args.chunk_size)
+            reference = reference_rewards.sequence_reward
+            if name == "SFT samples":
+                for key, values in by_location(reference_rewards).items():
+                    locations.setdefault(key, []).extend(values)
             variants = {f"segment, cutoff {cutoff:g} (reference)": reference}
             for c in args.cutoffs:
                 variants[f"segment, cutoff {c:g}"] = summed_rewards(
@@ -107,9 +131,17 @@ def main() -> None:
             total, delta = stats[f"{key} | sum"], stats[key]
             change = f"{delta['mean']:+.2f} ± {delta['se']:.2f}"
             lines.append(f"| {name} | {key} | {total['mean']:+.2f} ± {total['se']:.2f} | {change} |")
-    print("\n".join(lines))
+    location_stats = {
+        key: {"mean": statistics.fmean(v), "se": statistics.stdev(v) / math.sqrt(len(v)), "n": len(v)}
+        for key, v in locations.items()
+        if len(v) > 1
+    }
+    location_lines = ["| location (SFT samples) | segments | mean normalized reward |", "|---|---|---|"]
+    location_lines += [f"| {k} | {v['n']} | {v['mean']:+.3f} ± {v['se']:.3f} |" for k, v in location_stats.items()]
+    print("\n".join(lines) + "\n\n" + "\n".join(location_lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "table": lines}, indent=1) + "\n")
+        out = {"args": vars(args), "rows": rows, "table": lines, "locations": location_stats}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def _batches(sft, prompts, samples, batch_size: int = 16):
