@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import logging
 import math
 import os
 import types
@@ -26,6 +27,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class RecipeError(ValueError):
@@ -100,6 +102,7 @@ RENAMED_KEYS: dict[str, str] = {
     "online.mode": "online.online_mode",  # the online-DPO recipe
     "online.iterations": "online.num_iterations",
     "online.selection": "online.selection_rule",
+    "online.max_new_tokens": "online.max_completion_length",
     "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
 }
 
@@ -226,6 +229,30 @@ class TrainSection:
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 (or empty to train for `epochs`), got {self.max_steps}")
+
+
+def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """The per-device micro batch for a recipe's global ``batch_size`` over ``world_size`` processes (every engine
+    needs ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
+    ``batch_size // world_size`` when it does not fit, with a notice (from the first process only); a
+    :class:`RecipeError` when nothing fits."""
+    if batch_size % world_size:
+        raise RecipeError(
+            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
+            f"{world_size}"
+        )
+    micro = min(micro_batch_size, batch_size // world_size)
+    if (batch_size // world_size) % micro:
+        raise RecipeError(
+            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
+            f"not a multiple of train.micro_batch_size {micro_batch_size}"
+        )
+    if micro != micro_batch_size and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
+        logger.warning(
+            "train.micro_batch_size %d x %d processes exceeds train.batch_size %d; using micro batch %d per process",
+            micro_batch_size, world_size, batch_size, micro,
+        )  # fmt: skip
+    return micro
 
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:

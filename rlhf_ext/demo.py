@@ -109,7 +109,13 @@ class DemoPipeline:
 
             check_model_source(recipe.model.base_model)
         #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
-        self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+        self.run_dir = RunDir(
+            self.out,
+            settings,
+            kind="demo",
+            force=force,
+            redo="rerun with --force (Python: DemoPipeline(..., force=True))",
+        )
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
         self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 

@@ -8,12 +8,9 @@ from its own source with its final ``train(args)`` call routed through a hook th
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 def split_ext_args(
@@ -139,26 +136,3 @@ def flags_from_mapping(options: dict[str, Any]) -> list[str]:
         elif value is not False and value is not None:
             out += [flag, *(map(str, value) if isinstance(value, list | tuple) else [str(value)])]
     return out
-
-
-def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """The per-device micro batch for a global ``batch_size`` over ``world_size`` processes (DeepSpeed needs
-    ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
-    ``batch_size // world_size`` when it does not fit, with a notice; a clear error when nothing fits."""
-    if batch_size % world_size:
-        raise ValueError(
-            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
-            f"{world_size}"
-        )
-    micro = min(micro_batch_size, batch_size // world_size)
-    if (batch_size // world_size) % micro:
-        raise ValueError(
-            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
-            f"not a multiple of train.micro_batch_size {micro_batch_size}"
-        )
-    if micro != micro_batch_size:
-        logger.warning(
-            "train.micro_batch_size %d x %d processes exceeds train.batch_size %d; using micro batch %d per process",
-            micro_batch_size, world_size, batch_size, micro,
-        )  # fmt: skip
-    return micro

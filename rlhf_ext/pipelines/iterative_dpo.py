@@ -72,7 +72,7 @@ class OnlineSection(OnlineDPOKnobs):
     contention; HF generation, picklable reward)."""
 
     generator_process: bool = False
-    max_new_tokens: int = 256
+    max_completion_length: int = 256
     max_prompt_length: int | None = None
     top_p: float = 1.0
     top_k: int = 0
@@ -152,7 +152,7 @@ def trl_config(recipe):
         reference=recipe.policy.reference,
         generator_process=o.generator_process,
         **knob_values(o, OnlineDPOKnobs),
-        max_new_tokens=o.max_new_tokens,
+        max_completion_length=o.max_completion_length,
         max_prompt_length=o.max_prompt_length,
         top_p=o.top_p,
         top_k=o.top_k,

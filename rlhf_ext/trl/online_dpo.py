@@ -114,6 +114,9 @@ logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 STATE_FILE = "state.json"
 RUN_KIND = "iterative-dpo"
+#: Where every policy of a run is saved (``policy_000`` ... and ``online_final``). ``Trainer.push_to_hub`` uploads
+#: ``output_dir`` without ``_*``, so only the final policy (:meth:`IterativeDPOTrainer.save_model`) goes to the hub.
+POLICIES_DIR = "_policies"
 
 
 @dataclass
@@ -124,7 +127,9 @@ class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
     ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate) and:
 
     Args:
-        max_new_tokens, max_prompt_length, top_p, top_k: sampling limits (paper: no top-p / top-k).
+        max_completion_length, max_prompt_length, top_p, top_k: sampling limits (paper: no top-p / top-k);
+            ``max_completion_length`` is TRL's name (``GRPOConfig``, ``DensePPOConfig``), ``max_new_tokens`` its
+            deprecated alias here.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
         generation_batch_size: sequences per HF ``generate`` call.
@@ -139,7 +144,8 @@ class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
-    max_new_tokens: int = field(default=256, metadata={"help": "Maximum response length in tokens."})
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum response length in tokens."})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "Deprecated: use max_completion_length."})
     max_prompt_length: int | None = field(default=None, metadata={"help": "Prompts are cut from the left."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (1.0 = off)."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
@@ -159,6 +165,14 @@ class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
     def __post_init__(self):
+        if self.max_new_tokens is not None:
+            warnings.warn(
+                "IterativeDPOConfig(max_new_tokens=...) is deprecated and will be removed in the next release; use "
+                "max_completion_length= (TRL's name, as in GRPOConfig)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.max_completion_length, self.max_new_tokens = self.max_new_tokens, None
         super().__post_init__()
         split_temperatures(self.num_samples, self.temperatures)
         for name, allowed in (("reference", ("sft", "previous")), ("generation_backend", ("auto", "hf", "vllm"))):
@@ -166,21 +180,22 @@ class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.eval_samples_per_prompt < 1 or self.eval_temperature <= 0:
             raise ValueError("eval_samples_per_prompt must be >= 1 and eval_temperature > 0")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
 
     def settings(self) -> dict[str, Any]:
         """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
         settings. A resumed run with any of them changed is refused, naming the changed keys (a rerun with a new
         ``beta`` or ``learning_rate`` must not exit 0 after zero steps with the old results)."""
         keys = [
-            "max_new_tokens", "max_prompt_length", "top_p", "top_k", "reference", "seed",
+            "max_completion_length", "max_prompt_length", "top_p", "top_k", "reference", "seed",
             # the inner DPO runs
             "beta", "loss_type", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
             "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
             "max_length", "max_grad_norm",
         ]  # fmt: skip
         out = {**knob_values(self, OnlineDPOKnobs), **{k: getattr(self, k) for k in keys}}
+        out["max_new_tokens"] = out.pop("max_completion_length")  # its name in run files written before the rename
         return json.loads(json.dumps(out, default=str))  # enums (lr_scheduler_type) as their strings
 
 
@@ -343,7 +358,7 @@ class IterativeDPOTrainer(DPOTrainer):
 
     Args:
         model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once to
-            ``output_dir/policies/policy_000``; pass ``processing_class`` with it).
+            ``output_dir/_policies/policy_000``; pass ``processing_class`` with it).
         reward_funcs: the reward ranking the sampled responses: a callable ``(prompts, responses) -> scores`` (one
             per response; any scorer, e.g. the simulator's annotators), a reward-model checkpoint or hub id
             (sequence classification or rlhf-ext segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`), a
@@ -484,7 +499,7 @@ class IterativeDPOTrainer(DPOTrainer):
             return str(model)
         if not _is_model(model):
             raise TypeError(f"expected a checkpoint path or a causal LM, got {type(model).__name__}")
-        path = self.root / "policies" / name
+        path = self.root / POLICIES_DIR / name
         if not (path / "config.json").exists() and self._dist.is_main_process:
             with atomic_directory(path) as tmp:
                 model.save_pretrained(tmp)
@@ -584,7 +599,7 @@ class IterativeDPOTrainer(DPOTrainer):
             backend=a.generation_backend,
             policy=self.sft_path,
             tokenizer=self.processing_class,
-            max_new_tokens=a.max_new_tokens,
+            max_new_tokens=a.max_completion_length,
             temperatures=a.temperatures,
             batch_size=a.generation_batch_size,
             max_prompt_length=a.max_prompt_length,
@@ -677,6 +692,19 @@ class IterativeDPOTrainer(DPOTrainer):
         self._steps_run += out.global_step - done_before
         self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
         return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; after :meth:`train` and without ``output_dir`` (as ``push_to_hub`` calls it): the
+        run's final policy, copied into ``args.output_dir`` — not whatever model this process last held (a resumed
+        run that had nothing left to train holds the SFT model)."""
+        final = (self.summary or {}).get("final_policy")
+        if output_dir is not None or final is None:
+            return super().save_model(output_dir, _internal_call)
+        if self._dist.is_main_process:
+            for file in Path(final).iterdir():
+                if file.is_file():
+                    shutil.copy2(file, self.root / file.name)
+        self._dist.wait_for_everyone()
 
     def _save_policy(self, dest: Path) -> None:
         """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames it
@@ -786,7 +814,7 @@ class IterativeDPOTrainer(DPOTrainer):
             self._write_state(state)
             return start
         work = self.root / "iterations" / f"iter_{t:03d}"
-        dest = self.root / "policies" / f"policy_{t + 1:03d}"
+        dest = self.root / POLICIES_DIR / f"policy_{t + 1:03d}"
         if self._dist.is_main_process:
             recover_directory(dest)  # a save of pi_{t+1} that a kill interrupted: finished or cleaned up
         self._dist.wait_for_everyone()
@@ -942,7 +970,7 @@ class IterativeDPOTrainer(DPOTrainer):
             else max(1, len(self.prompts) // (pairs_per_update * self._dist.num_processes))
         )
         work = self.root / "online"
-        dest = self.root / "policies" / "online_final"
+        dest = self.root / POLICIES_DIR / "online_final"
         if dest.exists() and (self.root / "summary.json").exists():
             return json.loads((self.root / "summary.json").read_text())  # the run already finished
         last = last_checkpoint(work)

@@ -186,7 +186,7 @@ def test_logged_reward_survives_openrlhf_length_penalty_step():
 def test_micro_batch_is_fitted_to_the_world_size(caplog):
     """``deepspeed --num_accelerators 2`` with the tiny recipe (batch 16, micro 16) failed with DeepSpeed's
     "Gradient accumulation steps: 0"; the micro batch is now lowered to fit, and impossible splits are named."""
-    from rlhf_ext.openrlhf.cli_runner import per_device_micro_batch
+    from rlhf_ext.config import per_device_micro_batch
 
     assert per_device_micro_batch(16, 16, 2) == 8 and "using micro batch 8" in caplog.text
     assert per_device_micro_batch(16, 4, 2) == 4
