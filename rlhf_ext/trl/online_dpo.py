@@ -106,7 +106,7 @@ from rlhf_ext.runtime.pair_collection import (
     score_and_select,
 )
 from rlhf_ext.runtime.pair_store import PairStore
-from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score
+from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score, segment_reward_as_e_phi
 from rlhf_ext.runtime.rundir import RunDir
 from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
 
@@ -244,6 +244,7 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
     if isinstance(reward_funcs, str | os.PathLike):
         return load_reward(str(reward_funcs), batch_size=batch_size)
     if _is_model(reward_funcs):
+        segment_reward_as_e_phi(reward_funcs, "reward_funcs")  # a loaded segment reward model is refused
         return SequenceClassifierReward(reward_funcs, tokenizer=processing_class, batch_size=batch_size)
     if callable(reward_funcs):
         return reward_funcs
