@@ -128,9 +128,25 @@ def test_driver_refuses_before_ray_starts(flags, message, tmp_path):
 
 
 def test_help_lists_the_ext_flags():
+    """``--help`` printed the module docstring's raw reST and a bare list of ``--ext`` names; it is an argparse group
+    generated from the knob dataclasses (types, choices, help) and says which flags a CPU run needs."""
+    from rlhf_ext.algos.segment_dense import GRANULARITIES
+    from rlhf_ext.openrlhf.train_ppo_ray import EXT_DEFAULTS
+
     proc = _driver("--help")
     assert proc.returncode == 0
-    assert "--ext.rollout_engine" in proc.stdout and "--actor.model_name_or_path" in proc.stdout
+    ours, _, openrlhf = proc.stdout.partition("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):")
+    assert "--actor.model_name_or_path" in openrlhf
+    assert not any(markup in ours for markup in ("``", ":func:", ":class:", ":mod:"))
+    group = ours.split("rlhf-ext flags (--ext.*):\n")[1]
+    assert [line.split()[0] for line in group.splitlines() if line.startswith("  --ext.")] == [
+        f"--ext.{k}" for k in EXT_DEFAULTS
+    ]
+    assert f"--ext.granularity {{{','.join(GRANULARITIES)}}}" in group and "--ext.tau FLOAT" in group
+    assert "--ext.chunk_size INT Tokens per segment for granularity chunk (an integer >= 1) (default: 4)" in " ".join(
+        group.split()
+    )
+    assert "--critic.num_gpus_per_node 1 --ds.param_dtype bf16" in ours  # what a CPU run needs
 
 
 def test_placeholder_vllm_gives_a_clear_error():
