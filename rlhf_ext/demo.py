@@ -352,7 +352,7 @@ class DemoPipeline:
         }
         stage_seconds = {stage: results[stage].get("seconds") for stage in STAGES if stage in results}
         stage_seconds["report"] = round(time.perf_counter() - started, 1)  # until the page is written
-        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds)
+        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds, self.out / "data")
         return write_report(self.out, results, samples, provenance)
 
 
