@@ -368,9 +368,9 @@ def recipe_list() -> None:
 
 @recipe.command("copy")
 @click.argument("name")
-@click.argument("dest", type=click.Path())
+@click.argument("dest", type=click.Path(), default=".")
 def recipe_copy(name: str, dest: str) -> None:
-    """Copy packaged recipe NAME to DEST (a file or a directory)."""
+    """Copy packaged recipe NAME to DEST (a file or a directory; default: ./NAME.yaml)."""
     src = recipe_path(name)
     target = Path(dest)
     if target.is_dir():

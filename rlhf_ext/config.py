@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import logging
 import os
 import types
 import typing
@@ -28,6 +29,7 @@ import yaml
 from rlhf_ext.algos.knobs import check_knobs, check_value, knob, knob_specs, parse_value
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class RecipeError(ValueError):
@@ -121,6 +123,7 @@ RENAMED_KEYS: dict[str, str] = {
     "online.mode": "online.online_mode",  # the online-DPO recipe
     "online.iterations": "online.num_iterations",
     "online.selection": "online.selection_rule",
+    "online.max_new_tokens": "online.max_completion_length",
     "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
 }
 
@@ -244,6 +247,30 @@ class TrainSection:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
             )
+
+
+def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """The per-device micro batch for a recipe's global ``batch_size`` over ``world_size`` processes (every engine
+    needs ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
+    ``batch_size // world_size`` when it does not fit, with a notice (from the first process only); a
+    :class:`RecipeError` when nothing fits."""
+    if batch_size % world_size:
+        raise RecipeError(
+            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
+            f"{world_size}"
+        )
+    micro = min(micro_batch_size, batch_size // world_size)
+    if (batch_size // world_size) % micro:
+        raise RecipeError(
+            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
+            f"not a multiple of train.micro_batch_size {micro_batch_size}"
+        )
+    if micro != micro_batch_size and int(os.environ.get("RANK", "0")) == 0:  # once, not once per process
+        logger.warning(
+            "train.micro_batch_size %d x %d processes exceeds train.batch_size %d; using micro batch %d per process",
+            micro_batch_size, world_size, batch_size, micro,
+        )  # fmt: skip
+    return micro
 
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:

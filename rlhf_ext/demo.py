@@ -114,7 +114,13 @@ class DemoPipeline:
         self._settings = settings
         #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
         with self._claim():
-            self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+            self.run_dir = RunDir(
+                self.out,
+                settings,
+                kind="demo",
+                force=force,
+                redo="rerun with --force (Python: DemoPipeline(..., force=True))",
+            )
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
         self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 
@@ -346,7 +352,7 @@ class DemoPipeline:
         }
         stage_seconds = {stage: results[stage].get("seconds") for stage in STAGES if stage in results}
         stage_seconds["report"] = round(time.perf_counter() - started, 1)  # until the page is written
-        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds)
+        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds, self.out / "data")
         return write_report(self.out, results, samples, provenance)
 
 

@@ -233,7 +233,7 @@ class OnlineSamplingKnobs:
     ``IterativeDPOConfig`` and the online-DPO recipe's ``online:`` section embed these fields.
 
     Args:
-        max_new_tokens, max_prompt_length, top_p, top_k: sampling limits (prompts are cut from the left).
+        max_completion_length, max_prompt_length, top_p, top_k: sampling limits (prompts are cut from the left).
         generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
         generation_batch_size: sequences per HF ``generate`` call.
         eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
@@ -245,7 +245,7 @@ class OnlineSamplingKnobs:
         vllm_gpu_memory_utilization: vLLM's share of GPU memory.
     """
 
-    max_new_tokens: int = knob(256, ge=1, help="Maximum response length in tokens.")
+    max_completion_length: int = knob(256, ge=1, help="Maximum response length in tokens.")
     max_prompt_length: int | None = knob(None, ge=1, help="Prompts are cut from the left.")
     top_p: float = knob(1.0, gt=0, le=1, help="Nucleus sampling (1.0 = off).")
     top_k: int = knob(0, ge=0, help="Top-k sampling (0 = off).")

@@ -30,8 +30,11 @@ Repeated seed words are kept once. ``model`` and ``max_concurrency`` at the top 
 The offline backend needs a phrase-bank style per task: the packaged bank's style when the preference text selects
 exactly one (``five year old`` -> ``eli5``, ``expert level`` -> ``expert``, ...), otherwise the derived style
 ``pref:<slug>`` of the preference (:func:`rlhf_ext.datagen.phrasebank.preference_style_name`; "Make the headline
-polarizing" -> ``pref:headline-polarizing``), so every AIF-Gen config generates offline. ``style:`` and
-``objective_kind:`` inside ``alignment_task`` (rlhf-ext additions that AIF-Gen ignores) choose them explicitly.
+polarizing" -> ``pref:headline-polarizing``), and an objective kind (the offline prompt templates): the one the
+preference or objective text selects (``question`` -> ``qa``, ``summar`` -> ``summary``, ...), otherwise
+:data:`DEFAULT_OBJECTIVE_KIND` (AIF-Gen's own test configs say ``objective: Mock Objective 1``), so every AIF-Gen
+config generates offline. ``style:`` and ``objective_kind:`` inside ``alignment_task`` (rlhf-ext additions that AIF-Gen
+ignores) choose them explicitly.
 
 **Dataset JSON** (``ContinualAlignmentDataset.to_json``; AIF-Gen's published continual datasets are such files)::
 
@@ -75,6 +78,8 @@ _TASK_KEYS = ("objective", "preference", "domain")
 _TASK_EXTRA_KEYS = ("style", "objective_kind")
 _COMPONENT_KEYS = ("seed_words", "weight", "description", "name")
 _SAMPLE_KEYS = ("prompt", "chosen", "rejected")
+#: The offline objective kind of an AIF-Gen task whose objective and preference texts select none (free-form text).
+DEFAULT_OBJECTIVE_KIND = "generation"
 _ENTRY_KEYS = ("task", "train", "test")
 
 
@@ -290,10 +295,18 @@ def _task_to_rlhf_ext(index: int, spec: Any, bank: PhraseBank | None) -> dict[st
         if not isinstance(task[key], str) or not task[key].strip():
             raise RecipeError(f"{where}.alignment_task.{key}: expected non-empty text, got {task[key]!r}")
     domain = _domain_to_rlhf_ext(task["domain"], f"{where}.alignment_task.domain")
+    from rlhf_ext.datagen.phrasebank import load_phrase_bank
+
+    bank = bank if bank is not None else load_phrase_bank()
     try:
         style = task.get("style") or preference_style(task["preference"], bank)
     except ValueError as e:
         raise RecipeError(f"{where}.alignment_task.preference: {e}; add style: NAME to the alignment_task") from None
+    kind = task.get("objective_kind")
+    if kind is not None and kind not in bank.objectives:
+        raise RecipeError(
+            f"{where}.alignment_task.objective_kind: unknown kind {kind!r}; choose one of {', '.join(bank.objectives)}"
+        )
     out = {
         "name": f"task{index}-" + "-".join(domain),
         "objective": task["objective"],
@@ -302,8 +315,10 @@ def _task_to_rlhf_ext(index: int, spec: Any, bank: PhraseBank | None) -> dict[st
         "num_samples": spec["num_samples"],
         "style": style,
     }
-    if task.get("objective_kind") is not None:
-        out["objective_kind"] = task["objective_kind"]
+    if kind is None and bank.infer_objective_kind(task["objective"], task["preference"]) is None:
+        kind = DEFAULT_OBJECTIVE_KIND  # (an inferable kind is left to resolve_tasks, as before: same fingerprints)
+    if kind is not None:
+        out["objective_kind"] = kind
     return out
 
 

@@ -8,14 +8,15 @@ from its own source with its final ``train(args)`` call routed through a hook th
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from rlhf_ext.algos.knobs import KnobSpec, parse_value
+from rlhf_ext.algos.knobs import KnobSpec, knob_specs, parse_value
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import argparse
 
 
 class ExtArgsError(ValueError):
@@ -27,6 +28,47 @@ def exit_with_error(message: object) -> NoReturn:
     ``rlhf-ext`` command line and argparse do)."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def ext_argument_parser(
+    prog: str, description: str, knob_classes: Sequence[type], defaults: dict[str, Any], extra: dict[str, tuple]
+) -> argparse.ArgumentParser:
+    """The ``--ext.*`` flags as an argparse group (for ``--help``), made from the knob dataclasses that declare them:
+    each flag's type (its knob spec), choices (an enum or ``Literal`` annotation), help text and default.
+    ``extra`` gives flags that are no knob field: ``{key: (help, choices or None)}``."""
+    import argparse
+    import enum
+    import typing
+
+    def formatter(prog: str) -> argparse.HelpFormatter:  # the same text on every terminal
+        return argparse.RawDescriptionHelpFormatter(prog, max_help_position=40, width=120)
+
+    parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False, formatter_class=formatter)
+    group = parser.add_argument_group("rlhf-ext flags (--ext.*)")
+    fields: dict[str, tuple[Any, Any, KnobSpec | None]] = {}
+    for cls in knob_classes:
+        hints, specs = typing.get_type_hints(cls), knob_specs(cls)
+        for f in dataclasses.fields(cls):
+            fields[f.name] = (f, hints[f.name], specs.get(f.name))
+    for key, default in defaults.items():
+        choices: Any = None
+        if key in fields:
+            f, hint, spec = fields[key]
+            text = f.metadata.get("help", "")
+            if spec is not None:
+                text = f"{text} ({spec.describe()})".strip()
+            elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+                choices = [e.value for e in hint]
+            elif typing.get_origin(hint) is typing.Literal:
+                choices = list(typing.get_args(hint))
+            kind = None if spec is None else ("int" if spec.integer else "float")
+        else:
+            text, choices = extra[key]
+            kind = None
+        metavar = "{" + ",".join(map(str, choices)) + "}" if choices else (kind or "VALUE").upper()
+        group.add_argument(f"--ext.{key}", default=default, choices=choices, metavar=metavar,
+                           help=f"{text} (default: {'unset' if default is None else default})")  # fmt: skip
+    return parser
 
 
 def split_ext_args(
@@ -157,26 +199,3 @@ def flags_from_mapping(options: dict[str, Any]) -> list[str]:
         elif value is not False and value is not None:
             out += [flag, *(map(str, value) if isinstance(value, list | tuple) else [str(value)])]
     return out
-
-
-def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """The per-device micro batch for a global ``batch_size`` over ``world_size`` processes (DeepSpeed needs
-    ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
-    ``batch_size // world_size`` when it does not fit, with a notice; a clear error when nothing fits."""
-    if batch_size % world_size:
-        raise ValueError(
-            f"train.batch_size {batch_size} is not divisible by the {world_size} processes: use a multiple of "
-            f"{world_size}"
-        )
-    micro = min(micro_batch_size, batch_size // world_size)
-    if (batch_size // world_size) % micro:
-        raise ValueError(
-            f"train.batch_size {batch_size} over {world_size} processes is {batch_size // world_size} per process, "
-            f"not a multiple of train.micro_batch_size {micro_batch_size}"
-        )
-    if micro != micro_batch_size:
-        logger.warning(
-            "train.micro_batch_size %d x %d processes exceeds train.batch_size %d; using micro batch %d per process",
-            micro_batch_size, world_size, batch_size, micro,
-        )  # fmt: skip
-    return micro

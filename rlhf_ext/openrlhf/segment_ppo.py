@@ -72,6 +72,13 @@ def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
     return ext
 
 
+def per_token(rewards: torch.Tensor, action_mask: torch.Tensor) -> bool:
+    """Whether an experience's ``rewards`` are a reward model actor's per-token scores ``[B, T]`` (``T`` = prompt +
+    response, so wider than the ``[B, A]`` action mask) rather than one reward per sample (``[B]``, or ``[B, 1]`` as
+    OpenRLHF stacks remote / agent rewards)."""
+    return rewards.dim() == 2 and rewards.shape[1] > action_mask.shape[1]
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -291,12 +298,13 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
 
         ``experience.rewards`` becomes 0 (nothing is placed on the last token) and ``info["reward"]`` the summed
         dense reward per sample, so OpenRLHF's logging keeps one scalar per sample. With ``bandit`` granularity
-        ``experience.rewards`` becomes the score at the last response token: OpenRLHF's own scalar reward.
+        ``experience.rewards`` becomes the score at the last response token: OpenRLHF's own scalar reward. Rewards
+        given per sample (``--reward.remote_url``, an agent: ``[B]`` or OpenRLHF's stacked ``[B, 1]``) are kept.
         """
         if not self.dense:  # the score at the last token (normalized at p = 1 if a normalizer is given)
             for exp in experiences:
                 scores = exp.rewards
-                if scores.dim() == 2:
+                if per_token(scores, exp.action_mask):
                     mask = exp.action_mask.bool()
                     bandit = dense_segment_rewards(scores[:, -mask.shape[1] :], mask, normalizer=self.normalizer,
                                                    granularity="bandit")  # fmt: skip
@@ -312,7 +320,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             )
         for i, exp in enumerate(experiences):
             scores = exp.rewards
-            if scores.dim() != 2:
+            if not per_token(scores, exp.action_mask):
                 raise ValueError(
                     "the reward model returned one score per sample; segment rewards need the per-token scores of "
                     "SegmentRewardModelActor (precomputed rewards / --reward.remote_url only work with "

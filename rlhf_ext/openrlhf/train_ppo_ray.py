@@ -58,6 +58,7 @@ from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.openrlhf.cli_runner import (
     ExtArgsError,
     exit_with_error,
+    ext_argument_parser,
     flag_value,
     parsed_args,
     run_cli_module,
@@ -91,6 +92,38 @@ RENAMED_EXT_FLAGS: dict[str, str] = {
 #: The declared ranges of the numeric ``--ext.*`` flags (the knob dataclasses' fields).
 EXT_SPECS = {**knob_specs(DenseRewardKnobs), **knob_specs(SegmentRewardKnobs), **knob_specs(ContinualKnobs)}
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+#: Help and choices of the ``--ext.*`` flags that are no knob field.
+EXT_EXTRA_HELP: dict[str, tuple[str, tuple | None]] = {
+    "normalizer": ("A fitted location-aware normalizer file (paper 003 Eq. 6), e.g. runs/ppo/normalizer.json", None),
+    "reward_model_id": ("The reward model the normalizer must have been fitted on (checked)", None),
+    "rollout_engine": ("vllm (OpenRLHF's), hf (CPU) or auto: vllm when the cluster has GPUs", ROLLOUT_ENGINES),
+    "continual_previous_model": ("The previous task's policy (paper 000 Eq. 7's pi_{t-1})", None),
+    "continual_retention": ("kl: paper 000 Eq. 7; cppo: also CPPO's sample-wise weights", ("kl", "cppo")),
+}
+HELP_DESCRIPTION = """OpenRLHF 0.11.2's own openrlhf.cli.train_ppo_ray with rlhf-ext's methods installed in the driver
+and in every Ray worker: every OpenRLHF flag unchanged, plus the --ext.* flags below.
+
+  paper 003 (dense segment rewards):  --ext.granularity segment --ext.normalizer runs/ppo/normalizer.json
+  paper 000 (continual RLHF):         --ext.continual_previous_model PREV --ext.continual_kl_coef 1.0
+  paper 001 (one-step async):         --train.async_enable --train.async_queue_size 1 (OpenRLHF's own flags)
+
+On a machine without GPUs (the HF rollout engine) every role needs a logical GPU and DeepSpeed bf16:
+  --actor.num_gpus_per_node 1 --ref.num_gpus_per_node 1 --reward.num_gpus_per_node 1
+  --critic.num_gpus_per_node 1 --ds.param_dtype bf16
+Before Ray starts, the run's placement and memory plan is printed and a run that cannot be placed is refused."""
+
+
+def ext_parser():
+    """The ``--ext.*`` flags as an argparse group (types, choices, help), generated from the knob dataclasses."""
+    return ext_argument_parser(
+        "python -m rlhf_ext.openrlhf.train_ppo_ray",
+        HELP_DESCRIPTION,
+        (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs),
+        EXT_DEFAULTS,
+        EXT_EXTRA_HELP,
+    )
+
+
 #: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
 OPENRLHF_ASSERTION_FIXES = {
     "The number of sample batches must be greater than or equal to the effective number of actor processes.": (
@@ -329,8 +362,7 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
     run gets (default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        print("rlhf-ext flags:\n" + "".join(f"  --ext.{k} (default: {v})\n" for k, v in EXT_DEFAULTS.items()))
+        print(ext_parser().format_help())
         print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
         rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else

@@ -2,14 +2,17 @@
 
 The page is one self-contained HTML file (images inline, no scripts) with:
 
-* a PPO-vs-SFT table: win rate ± standard error with the number of comparisons, gold reward, response length in
+* a PPO-vs-SFT table: win rate ± standard error with the number of comparisons, its 95% interval and what it says
+  against 50% (:func:`win_rate_verdict`), gold reward, response length in
   tokens and characters, KL in nats; then the figures both policies share: reward-model held-out accuracy, segments
   per response, annotator agreement, the normalizer's fit;
 * the PPO reward and KL curves: a moving average over the raw points, which stay faint;
 * SFT and PPO samples for the same held-out prompts side by side, both split into segments and coloured by the same
   reward model on one colour scale, with a legend for that scale;
-* provenance: date, seed, host CPU count, package versions, parameter counts of the policy and the reward model, wall
-  time per stage and in total, and the resolved recipe as YAML.
+* provenance: the exact command line, date, seed, host CPU count, package versions, which rlhf-ext ran (its git commit,
+  or the sha256 of the wheel pip installed, else of the installed files' ``RECORD``), the sha256 of the generated
+  data, parameter counts of the policy and the reward model, wall time per stage and in total, and the resolved
+  recipe as YAML.
 
 ``metrics.json`` holds the same numbers under machine-readable keys, the provenance under ``"provenance"``.
 """
@@ -17,11 +20,16 @@ The page is one self-contained HTML file (images inline, no scripts) with:
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
+import json
 import math
 import os
 import platform
+import shlex
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -118,6 +126,45 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def package_source() -> dict[str, str]:
+    """Which rlhf-ext ran: ``{"git_commit": ...}`` (``-dirty`` with uncommitted changes) from a git checkout, else
+    the ``wheel_sha256`` pip recorded for the wheel it installed (PEP 610 ``direct_url.json``), else the sha256 of
+    the installed distribution's ``RECORD`` (the list of its files with their hashes)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists():
+        try:
+            git = ["git", "-C", str(root)]
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
+            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=10).stdout.strip()  # fmt: skip
+            return {"git_commit": head.stdout.strip() + ("-dirty" if dirty else "")}
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        dist = metadata.distribution("rlhf-ext")
+    except metadata.PackageNotFoundError:
+        return {}
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    archive = direct.get("archive_info", {})
+    sha = (archive.get("hashes") or {}).get("sha256") or archive.get("hash", "").removeprefix("sha256=")
+    if sha:
+        return {"wheel_sha256": sha}
+    record = dist.read_text("RECORD")
+    return {"record_sha256": hashlib.sha256(record.encode()).hexdigest()} if record else {}
+
+
+def directory_sha256(path: str | os.PathLike) -> str:
+    """sha256 over the relative paths and contents of every file under ``path`` (sorted): the data a run used."""
+    digest = hashlib.sha256()
+    root = Path(path)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def parameter_count(model_dir: str | os.PathLike, reward_model: bool = False) -> int:
     """Parameters of the checkpoint in ``model_dir`` (shared / tied weights once), from its config alone: the model
     is built on the meta device, so no weights are read. ``reward_model``: a sequence-classification model."""
@@ -136,6 +183,7 @@ def collect_provenance(
     seed: int,
     parameters: Mapping[str, int],
     stage_seconds: Mapping[str, float | None],
+    data_dir: str | os.PathLike,
 ) -> dict[str, Any]:
     """The provenance block of the report and of ``metrics.json``.
 
@@ -144,9 +192,13 @@ def collect_provenance(
         seed: the run's seed.
         parameters: parameter count of each model, by role ("policy", "reward model").
         stage_seconds: wall time of each stage in seconds (``None``: not timed); the total is their sum.
+        data_dir: the data the run trained on (hashed with :func:`directory_sha256`).
     """
     timed = [s for s in stage_seconds.values() if s is not None]
     return {
+        "command_line": shlex.join(sys.argv),
+        "package": package_source(),
+        "data_sha256": directory_sha256(data_dir),
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "seed": seed,
         "host_cpus": os.cpu_count(),
@@ -194,9 +246,12 @@ def report_metrics(results: Mapping[str, Any]) -> dict[str, Any]:
     """The numbers of ``metrics.json`` (without the provenance) from the demo's stage results."""
     ev = results["eval"]["ppo_vs_sft"]
     rm_eval = results["eval"].get("rm", {})
+    interval, verdict = win_rate_verdict(ev["win_rate"], ev["stderr"])
     return {
         "win_rate_ppo_vs_sft": ev["win_rate"],
         "win_rate_stderr": ev["stderr"],
+        "win_rate_interval95": interval,
+        "win_rate_verdict": verdict,
         "comparisons": ev["num_comparisons"],
         "wins_ties_losses": [ev.get("wins"), ev.get("ties"), ev.get("losses")],
         "judge": ev.get("judge"),
@@ -220,6 +275,19 @@ def report_metrics(results: Mapping[str, Any]) -> dict[str, Any]:
         "ppo_curve": results["ppo"]["curve"],
         "stage_seconds": {k: v.get("seconds") for k, v in results.items() if isinstance(v, dict) and "seconds" in v},
     }
+
+
+def win_rate_verdict(rate: float, stderr: float) -> tuple[list[float], str]:
+    """The win rate's normal 95% interval ``rate ± 1.96 s.e.`` and what it says against 50% (no difference): within
+    one standard error, inside the interval (not significant at 5%), or outside it (PPO better / worse than SFT)."""
+    lo, hi = rate - 1.96 * stderr, rate + 1.96 * stderr
+    if abs(rate - 0.5) <= stderr:
+        verdict = "within one standard error of 50%: no evidence of a difference from SFT"
+    elif lo <= 0.5 <= hi:
+        verdict = "50% lies inside the 95% interval: not significant at the 5% level"
+    else:
+        verdict = f"50% lies outside the 95% interval: PPO {'beats' if rate > 0.5 else 'loses to'} SFT (5% level)"
+    return [lo, hi], verdict
 
 
 #: What the report says about each KL estimate (``WinRate.kl_method``), ± its standard error over PPO's samples.
@@ -269,11 +337,13 @@ def metric_rows(metrics: Mapping[str, Any]) -> list[MetricRow]:
     counts = f": {wins} wins, {ties} ties, {losses} losses" if wins is not None else ""
     norm = metrics.get("normalizer") or {}
     judge = "the gold scorer" if metrics.get("judge") == "gold" else "the simulated annotator pool without label noise"
+    lo_hi = metrics.get("win_rate_interval95")
+    interval = f"95% interval {_percent(lo_hi[0])} to {_percent(lo_hi[1])}" if lo_hi else "95% interval " + MISSING
     return [
         MetricRow("Win rate against SFT", _percent(metrics["win_rate_ppo_vs_sft"], metrics["win_rate_stderr"]),
                   "50% (reference)", "% of comparisons",
                   f"{n} comparisons on held-out prompts{counts}, judged by {judge}; a tie counts 1/2; ± one "
-                  "standard error (clustered by prompt)"),
+                  f"standard error (clustered by prompt); {interval}: {metrics.get('win_rate_verdict', MISSING)}"),
         MetricRow("Gold reward", _num(metrics["gold_reward_ppo"], "+.3f", metrics.get("gold_reward_ppo_stderr")),
                   _num(metrics["gold_reward_sft"], "+.3f"), "gold score per response",
                   "mean of the task's hidden gold scorer over the same evaluation responses"),
@@ -411,7 +481,11 @@ def _provenance_section(provenance: Mapping[str, Any]) -> str:
     import yaml
 
     versions = provenance["versions"]
+    package = provenance.get("package") or {}
     facts = [
+        ("Command line", provenance.get("command_line", MISSING)),
+        *((f"rlhf-ext {key.replace('_', ' ')}", value) for key, value in package.items()),
+        ("Data sha256", provenance.get("data_sha256", MISSING)),
         ("Date", provenance["date"]),
         ("Seed", provenance["seed"]),
         ("Host CPUs", provenance["host_cpus"]),

@@ -274,7 +274,8 @@ def openrlhf_layout(recipe, cluster: Cluster) -> list[str]:
 def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluster: Cluster) -> list[str]:
     """Translate a :class:`SegmentPPORecipe` into ``train_ppo_ray`` flags (+ ``--ext``) for ``cluster``
     (:func:`openrlhf_layout`)."""
-    from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping, per_device_micro_batch
+    from rlhf_ext.config import per_device_micro_batch
+    from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping
     from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags
     from rlhf_ext.runtime.calibration import model_id
 

@@ -308,7 +308,8 @@ def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
     """Translate a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` into ``train_rm`` flags (+ ``--ext.*``)."""
     import torch
 
-    from rlhf_ext.openrlhf.cli_runner import flags_from_mapping, per_device_micro_batch
+    from rlhf_ext.config import per_device_micro_batch
+    from rlhf_ext.openrlhf.cli_runner import flags_from_mapping
 
     t = recipe.train
     cpu = not torch.cuda.is_available()

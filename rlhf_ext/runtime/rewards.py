@@ -89,7 +89,12 @@ class SegmentSequenceReward:
     """Score with a segment reward model's sequence evaluation ``e_phi(x, y)`` (paper 003, Eq. 4): the SFT model
     segments each response by entropy, the reward model scores each segment's last token, and the segment rewards
     are aggregated — the same :func:`~rlhf_ext.segment.evaluate_sequences` path training uses. Thread-safe, as its
-    :class:`~rlhf_ext.runtime.token_scores.SegmentScorer` is."""
+    :class:`~rlhf_ext.runtime.token_scores.SegmentScorer` is.
+
+    It is also a TRL reward function (``GRPOTrainer(..., reward_funcs=[SegmentSequenceReward("runs/rm")])``, logged
+    under the model directory's name): TRL passes ``prompts``, ``completions`` (text or assistant messages) and
+    dataset columns as keywords. A plain ``reward_funcs="runs/rm"`` would load the model as a sequence classifier
+    and train on its last-token score instead, which a segment reward model was not trained to give."""
 
     def __init__(self, reward_model: str | Path, sft_model: str | None = None, batch_size: int = 16, device=None):
         from rlhf_ext.runtime.token_scores import SegmentScorer
@@ -99,14 +104,20 @@ class SegmentSequenceReward:
         self.scorer.reward_model.to(self.device)
         self.scorer.sft_model.to(self.device)
         self.batch_size = batch_size
+        self.__name__ = Path(reward_model).name  # TRL logs rewards/<name>/mean
 
     @torch.no_grad()
-    def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> Tensor:
+        """``[N]`` e_phi of each (prompt, completion); a completion is text or a list of assistant messages."""
         from rlhf_ext.runtime.segment_data import pad_sequences
 
+        def response(prompt: Any, completion: Any) -> Any:
+            if isinstance(completion, list) or not is_conversation(prompt):
+                return completion
+            return [{"role": "assistant", "content": completion}]
+
         tok = self.scorer.tokenizer
-        rows = [self.scorer.encode(p, [{"role": "assistant", "content": r}] if is_conversation(p) else r)
-                for p, r in zip(prompts, responses)]  # fmt: skip
+        rows = [self.scorer.encode(p, response(p, c)) for p, c in zip(prompts, completions)]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = []
         for start in range(0, len(rows), self.batch_size):
@@ -118,6 +129,24 @@ class SegmentSequenceReward:
             action_mask = pad_sequences(action, 0, "right", torch.long).bool().to(self.device)
             out.append(self.scorer.evaluate(ids, mask, action_mask).values.float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
+
+
+def segment_reward_as_e_phi(reward: Any, where: str) -> Any:
+    """A reward given where a reward model is accepted (``reward_funcs``), with a segment reward model scored by e_phi:
+    its directory becomes :class:`SegmentSequenceReward`; a segment reward model already loaded (as a sequence
+    classifier it would be scored at its last token) is a ``ValueError`` naming the fix; anything else is returned
+    unchanged."""
+    from rlhf_ext.runtime.segment_data import segment_model_dir
+
+    path = segment_model_dir(reward)
+    if path is None:
+        return reward
+    if isinstance(reward, str | Path):
+        return SegmentSequenceReward(path)
+    raise ValueError(
+        f"{where} is a segment reward model ({path}) loaded as a sequence classifier, which would score only its "
+        f"last token; pass its directory {str(path)!r} instead (scored by its sequence evaluation e_phi)"
+    )
 
 
 def load_reward(
@@ -155,10 +184,10 @@ def load_reward(
                 "sequence classifier) or 'module:function'"
             )
         return SequenceClassifierReward(spec, batch_size=batch_size, device=device)  # a hub id
-    from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME
+    from rlhf_ext.runtime.segment_data import segment_model_dir
 
     if kind == "auto":
-        kind = "segment" if (path / SEGMENT_CONFIG_NAME).is_file() else "sequence_classification"
+        kind = "segment" if segment_model_dir(path) is not None else "sequence_classification"
     if kind == "segment":
         return SegmentSequenceReward(path, sft_model=sft_model, batch_size=batch_size, device=device)
     if kind == "sequence_classification":

@@ -44,11 +44,13 @@ class RunSettingsChanged(ValueError):
     normalised settings of the earlier run and of this one, with their ``kind``).
     """
 
-    def __init__(self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    def __init__(
+        self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any], redo: str | None = None
+    ) -> None:
         self.root, self.keys, self.old, self.new = root, keys, old, new
+        fix = f"{redo} to redo its stages with the new settings, or choose" if redo else "delete it or choose"
         super().__init__(
-            f"{root} was started with different settings (changed: {self.changes}); rerun with --force (Python: "
-            "force=True) to redo its stages with the new settings, or choose a new output directory"
+            f"{root} was started with different settings (changed: {self.changes}); {fix} a new output directory"
         )
 
     @property
@@ -116,6 +118,9 @@ class RunDir:
         stages_dir: the folder of the markers, relative to ``root``; ``"."`` puts them next to the stages'
             outputs (``"task_00/result"`` is ``root/task_00/result.json``) but then ``force`` is refused, since
             the markers cannot be told from other files there.
+        redo: how the caller's user redoes the stages with new settings, named in :class:`RunSettingsChanged`
+            (``"rerun with --force"``); ``None``: the caller has no such option, and the error says to delete the
+            directory or choose a new one.
 
     Raises:
         RunSettingsChanged: ``root`` holds a run with other settings (or of another kind) and ``force`` is false.
@@ -130,6 +135,7 @@ class RunDir:
         run_file: str = "run.json",
         force: bool = False,
         stages_dir: str = STAGES_DIR,
+        redo: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.stages = self.root / stages_dir
@@ -145,7 +151,7 @@ class RunDir:
         if old is not None and not same and not force:
             old_settings = old.get("settings") if isinstance(old.get("settings"), Mapping) else {}
             was, now = {"kind": old.get("kind", kind), **old_settings}, {"kind": kind, **self.settings}
-            raise RunSettingsChanged(self.root, changed_keys(was, now) or ["fingerprint"], was, now)
+            raise RunSettingsChanged(self.root, changed_keys(was, now) or ["fingerprint"], was, now, redo)
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)
         if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)

@@ -415,3 +415,37 @@ def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
     if sft and relative and not Path(sft).exists() and (Path(model_dir) / relative).exists():
         settings["sft_model_name_or_path"] = str((Path(model_dir) / relative).resolve())  # moved together
     return settings
+
+
+def segment_model_dir(model: Any) -> Path | None:
+    """The directory of an rlhf-ext segment reward model (one holding :data:`SEGMENT_CONFIG_NAME`): ``model`` given
+    as that path, or a model loaded from it (its ``config._name_or_path``); ``None`` for anything else."""
+    if isinstance(model, str | Path):
+        path = Path(model)
+    else:
+        path = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or "/nonexistent"))
+    return path if (path / SEGMENT_CONFIG_NAME).is_file() else None
+
+
+def check_bandit_reward_model(granularity: str, reward_model: Any, where: str) -> None:
+    """Refuse the ``bandit`` granularity (the reward model's score at the last token) on a segment reward model trained
+    with a finite entropy cutoff: its sequence score is e_phi (paper 003 Eq. 4), not its last-token output. A bandit
+    reward model (cutoff inf) has one segment per response, so there the two are the same number.
+
+    Args:
+        granularity: the dense-reward granularity of the run.
+        reward_model: the reward model (a path or a loaded model; anything else passes).
+        where: how the user named the reward model (``--reward.model_name_or_path``), for the message.
+    """
+    import math
+
+    path = segment_model_dir(reward_model)
+    if granularity != "bandit" or path is None:
+        return
+    cutoff = load_segment_settings(path)["entropy_cutoff"]
+    if math.isfinite(cutoff):
+        raise ValueError(
+            f"{where} {path} is a segment reward model (entropy cutoff {cutoff:g}): granularity 'bandit' would train "
+            "on its last-token score, which it was not trained to give; use granularity 'segment_as_bandit' (its "
+            "sequence score e_phi as one reward per response) or 'segment' (dense segment rewards)"
+        )

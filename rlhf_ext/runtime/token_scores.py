@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -31,6 +32,36 @@ from rlhf_ext.algos.segment_reward import (
 )
 from rlhf_ext.runtime.io import weights_problem
 from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
+
+logger = logging.getLogger(__name__)
+
+
+def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
+    """A reward model, critic or value head: ``AutoModelForSequenceClassification.from_pretrained(path,
+    num_labels=1)``, saying in one line what was loaded (``critic: runs/sft with a fresh value head``; a warning for a
+    ``reward model`` whose head is fresh, i.e. untrained) instead of transformers' load table (``score.weight |
+    MISSING``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    def no_load_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+    transformers_logger = logging.getLogger("transformers.modeling_utils")
+    transformers_logger.addFilter(no_load_report)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, output_loading_info=True
+        )
+    finally:
+        transformers_logger.removeFilter(no_load_report)
+    fresh = sorted(info["missing_keys"])
+    if not fresh:
+        logger.info("%s: %s", role, path)
+    elif role == "reward model":
+        logger.warning("reward model: %s has no trained value head (%s freshly initialised)", path, ", ".join(fresh))
+    else:
+        logger.info("%s: %s with a fresh value head", role, path)
+    return model
 
 
 def find_score_head(model) -> torch.nn.Module:

@@ -31,8 +31,8 @@ reads such a directory and runs each annotator the way ``alpaca_eval.annotators`
 
 Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw). The annotators here give
 ``P(a preferred over b)`` = 1, 0 or 1/2 and say which 1/2 were draws
-(:meth:`AlpacaFarmAnnotator.probability_with_ties`); an unparseable answer is 1/2 but not a draw (AlpacaEval drops
-those rows; the simulator needs a label, so the pool's coin decides it) and is counted in ``stats``. The
+(:meth:`AlpacaFarmAnnotator.probability_with_ties`); an unparseable answer is ``NaN``, counted in ``stats``, and
+the pool settles it by its coin or drops the row as AlpacaEval does (``pool.unparseable``). The
 training-label noise ``p_label_flip`` is the pool's ``flip_prob`` (:class:`rlhf_ext.sim.annotators.AnnotatorPool`):
 AlpacaFarm replaces a label by a fair coin with probability
 ``2 * p_label_flip``, which flips a binary label with probability ``p_label_flip``.
@@ -437,11 +437,11 @@ class AlpacaFarmAnnotator:
     def probability_with_ties(
         self, prompts: list[Any], a: list[str], b: list[str], styles: list[str | None]
     ) -> tuple[Tensor, Tensor]:
-        """``[N]`` ``P(a preferred over b)`` (1, 0, or 1/2 for a draw or an unparseable answer) and ``[N]`` bool: the
-        annotator answered a draw."""
+        """``[N]`` ``P(a preferred over b)`` (1, 0, 1/2 for a draw, ``NaN`` for an unparseable answer) and ``[N]``
+        bool: the annotator answered a draw."""
         examples, a_first = self.examples(prompts, a, b)
         codes = torch.tensor(self.annotate(examples), dtype=torch.float64)
-        p_output_1 = torch.where(codes.isnan(), 0.5, 2.0 - codes)  # 1 -> 1, 2 -> 0, 1.5 -> 1/2
+        p_output_1 = 2.0 - codes  # 1 -> 1, 2 -> 0, 1.5 -> 1/2, unparseable NaN
         first = torch.tensor(a_first, dtype=torch.bool)
         return torch.where(first, p_output_1, 1.0 - p_output_1), codes == DRAW
 

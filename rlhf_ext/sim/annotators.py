@@ -16,7 +16,7 @@ Here an annotator is anything that returns ``P(a preferred over b)`` for a batch
   1 is the reward model's own Bradley-Terry probability).
 * :class:`LLMAnnotator` — an LLM judge through the dataset generator's backends (``openai``: any OpenAI-compatible
   server), with :class:`rlhf_ext.datagen.LLMJudge`'s prompt, strict A/B parsing and randomised presentation order
-  (Appendix C.1); an unparseable answer counts as a tie (1/2).
+  (Appendix C.1); an answer that is neither ``A`` nor ``B`` is unparseable (see below).
 * :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAnnotator` — AlpacaFarm's own annotators, loaded as shipped from a
   pool's ``configs.yaml`` and templates (:meth:`AnnotatorPool.from_alpaca_farm`; ``annotator_pool_v0`` has 13), with
   AlpacaFarm's per-example annotator choice.
@@ -26,6 +26,13 @@ annotator may answer a draw (:meth:`AnnotatorPool.outcome` gives 1/2 for both; a
 probabilities are draws with an optional ``probability_with_ties`` method — a deterministic :class:`BTAnnotator` on
 equal utilities, an AlpacaFarm annotator's explicit tie answer). Binary labels (:meth:`AnnotatorPool.prefer`,
 ``relabel``) still settle a draw with the pair's fair coin.
+
+**Unparseable answers.** An LLM or AlpacaFarm annotator's answer that names no response gives ``NaN``. The pool counts
+them per annotator (:meth:`AnnotatorPool.label_counts`, in the simulator's metrics, console and ``sim_compare.md``),
+warns when an annotator's rate in a batch exceeds :data:`UNPARSEABLE_WARN_RATE`, and settles them by the pair's
+fair coin (``unparseable="coin"``, the simulator needs a label) or, as AlpacaEval does, drops those rows from the
+training labels of :meth:`AnnotatorPool.relabel` (``unparseable="drop"``; an evaluation comparison keeps its coin, so
+every prompt keeps its ``k`` comparisons).
 
 Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (a SHA-256 digest gives three uniforms per
 pair: which annotator, the Bernoulli draw, the training flip), so labels are reproducible regardless of batch order,
@@ -38,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +60,10 @@ from rlhf_ext.sim.gold import GoldScorer, PhraseCredit, StyleSpec
 UtilityFn = Callable[[list[Any], list[str], list[str | None]], Tensor]
 #: AlpacaFarm's intra-annotator noise for training labels (section 3.2, Appendix C.1).
 TRAIN_FLIP_PROB = 0.25
+#: An annotator whose share of unparseable answers in a batch exceeds this is named in a warning.
+UNPARSEABLE_WARN_RATE = 0.05
+UNPARSEABLE_POLICIES = ("coin", "drop")
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -177,7 +189,8 @@ class LLMAnnotator:
         max_tokens: judge answer budget.
         seed: seeds the judge's presentation order and requests.
 
-    ``probability`` is 1 / 0 for the judge's choice and 1/2 when it answered neither ``A`` nor ``B``.
+    ``probability`` is 1 / 0 for the judge's choice and ``NaN`` when it answered neither ``A`` nor ``B`` (the pool
+    counts and settles those, see the module docstring).
     """
 
     def __init__(self, name: str, backend, preference: str | Mapping[str, str], max_tokens: int = 128, seed: int = 0):
@@ -214,7 +227,7 @@ class LLMAnnotator:
         verdicts = asyncio.run(run())
         self.stats["requests"] += len(verdicts)
         self.stats["unparseable"] += sum(v.winner is None for v in verdicts)
-        return torch.tensor([0.5 if v.winner is None else float(v.winner == 0) for v in verdicts])
+        return torch.tensor([math.nan if v.winner is None else float(v.winner == 0) for v in verdicts])
 
 
 def _digest_int(*parts: Any) -> int:
@@ -246,6 +259,8 @@ class Decisions:
         tie: ``[N]`` bool, the pair is a draw: identical responses (no annotator asked), or the annotator answered a
             draw and (``train=True``) the training noise did not replace that answer (AlpacaFarm replaces a label by
             a fair coin with probability ``2 * flip_prob``). ``prefer_a`` holds the pair's coin there.
+        unparseable: ``[N]`` bool, the annotator's answer named no response (``probability`` 1/2, ``prefer_a`` the
+            pair's coin).
     """
 
     prefer_a: Tensor
@@ -253,6 +268,7 @@ class Decisions:
     probability: Tensor
     flipped: Tensor
     tie: Tensor
+    unparseable: Tensor
 
     @property
     def outcome(self) -> Tensor:
@@ -330,6 +346,8 @@ class AnnotatorPool:
         assign: which annotator labels each pair, ``assign(prompts, a, b) -> [N]`` long indices (default: uniform,
             from the pair's digest; AlpacaFarm's pools choose per instruction, see
             :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
+        unparseable: ``coin`` (an unparseable answer is settled by the pair's fair coin) or ``drop`` (AlpacaEval:
+            :meth:`relabel` drops the row).
 
     Example::
 
@@ -346,8 +364,11 @@ class AnnotatorPool:
         seed: int = 0,
         gold: GoldScorer | None = None,
         assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
+        unparseable: str = "coin",
     ):
         annotators = list(annotators)
+        if unparseable not in UNPARSEABLE_POLICIES:
+            raise ValueError(f"unparseable must be coin or drop; got {unparseable!r}")
         if not annotators:
             raise ValueError("an annotator pool needs at least one annotator")
         names = [a.name for a in annotators]
@@ -363,10 +384,22 @@ class AnnotatorPool:
         self.seed = int(seed)
         self.gold = gold if gold is not None else GoldScorer()
         self.assign = assign
+        self.unparseable = unparseable
+        self._counts = {name: [0, 0] for name in names}  # annotator -> [answers asked for, unparseable]
 
     @property
     def names(self) -> list[str]:
         return [a.name for a in self.annotators]
+
+    def label_counts(self, since: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, dict[str, Any]]:
+        """Per annotator: ``labels`` (answers asked of it by :meth:`decide`), ``unparseable`` and their ``rate``;
+        counted from ``since`` (an earlier result of this method) when given."""
+        out = {}
+        for name, (asked, bad) in self._counts.items():
+            if since is not None and name in since:
+                asked, bad = asked - since[name]["labels"], bad - since[name]["unparseable"]
+            out[name] = {"labels": asked, "unparseable": bad, "rate": bad / asked if asked else 0.0}
+        return out
 
     def __repr__(self) -> str:
         return f"AnnotatorPool({self.names}, flip_prob={self.flip_prob}, seed={self.seed})"
@@ -468,9 +501,13 @@ class AnnotatorPool:
             raise ValueError(f"got {len(prompts)} prompts, {len(a)} responses a and {len(b)} responses b; must match")
         return prompts, a, b, self.gold.resolve_styles(prompts, styles)
 
-    def _annotator_probabilities(self, index: Tensor, prompts, a, b, styles, asked: Tensor) -> tuple[Tensor, Tensor]:
-        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair and ``[N]`` bool: it answered a draw. Each
-        annotator sees only its pairs, and only those where ``asked`` (elsewhere: 1/2, no draw)."""
+    def _annotator_probabilities(
+        self, index: Tensor, prompts, a, b, styles, asked: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair (1/2 where its answer was unparseable),
+        ``[N]`` bool: it answered a draw, ``[N]`` bool: its answer was unparseable (counted, and named in a warning
+        above :data:`UNPARSEABLE_WARN_RATE`). Each annotator sees only its pairs, and only those where ``asked``
+        (elsewhere: 1/2, no draw)."""
         p = torch.full((len(a),), 0.5, dtype=torch.float64)
         tie = torch.zeros(len(a), dtype=torch.bool)
         for k, annotator in enumerate(self.annotators):
@@ -483,7 +520,17 @@ class AnnotatorPool:
                 else:
                     prob = annotator.probability(*sub)
                 p[rows] = prob.double().cpu()
-        return p, tie
+                bad = int(prob.isnan().sum())
+                self._counts[annotator.name][0] += len(rows)
+                self._counts[annotator.name][1] += bad
+                if bad > UNPARSEABLE_WARN_RATE * len(rows):
+                    logger.warning(
+                        "annotator %s: %d of %d answers unparseable (%.0f%%), %s", annotator.name, bad, len(rows),
+                        100 * bad / len(rows), "settled by a coin (pool.unparseable: drop drops them, as AlpacaEval)"
+                        if self.unparseable == "coin" else "dropped from training labels",
+                    )  # fmt: skip
+        unparseable = p.isnan()
+        return p.nan_to_num(0.5), tie, unparseable
 
     def decide(
         self,
@@ -503,14 +550,14 @@ class AnnotatorPool:
         else:
             index = (u[:, 0] * len(self.annotators)).long().clamp_max(len(self.annotators) - 1)
         identical = torch.tensor([x == y for x, y in zip(a, b)], dtype=torch.bool)
-        prob, answered_tie = self._annotator_probabilities(index, prompts, a, b, styles, asked=~identical)
+        prob, answered_tie, unparseable = self._annotator_probabilities(index, prompts, a, b, styles, ~identical)
         p_canonical = torch.where(a_first, prob, 1.0 - prob)  # P(canonical first response wins)
         first_wins = u[:, 1] < p_canonical
         prefer_a = torch.where(a_first, first_wins, ~first_wins)
         flipped = (u[:, 2] < self.flip_prob) if train else torch.zeros_like(prefer_a)
         noised = (u[:, 2] < 2 * self.flip_prob) if train else torch.zeros_like(prefer_a)
         tie = identical | (answered_tie & ~noised)
-        return Decisions(prefer_a ^ flipped, index, prob.float(), flipped, tie)
+        return Decisions(prefer_a ^ flipped, index, prob.float(), flipped, tie, unparseable)
 
     def prefer(
         self,
@@ -555,7 +602,8 @@ class AnnotatorPool:
 
     def _all_probabilities(self, prompts, a, b, styles) -> Tensor:
         """``[K, N]`` float64: every annotator's P(a > b) on every pair."""
-        return torch.stack([ann.probability(prompts, a, b, styles).double().cpu().flatten() for ann in self.annotators])
+        probs = [ann.probability(prompts, a, b, styles).double().cpu().flatten() for ann in self.annotators]
+        return torch.stack(probs).nan_to_num(0.5)  # an unparseable answer: 1/2
 
     # --------------------------------------------------------------------------------------------------- p_sim
     def relabel(
@@ -573,7 +621,8 @@ class AnnotatorPool:
         All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one. Added
         columns: ``sim_annotator`` (name of the annotator that labelled the row) and ``sim_swapped`` (True where the
         pool's label differs from the input's). Styles come from ``style_key`` when the dataset has that column,
-        otherwise from the pool's gold scorer's default style.
+        otherwise from the pool's gold scorer's default style. With ``unparseable="drop"`` the rows whose annotator
+        answered unparseably are left out (AlpacaEval).
         """
         cols = dataset.column_names
         missing = [k for k in (prompt_key, chosen_key, rejected_key) if k not in cols]
@@ -595,8 +644,10 @@ class AnnotatorPool:
         out = dataset.remove_columns([chosen_key, rejected_key])
         out = out.add_column(chosen_key, new_chosen).add_column(rejected_key, new_rejected)
         out = out.add_column("sim_annotator", [names[i] for i in dec.annotator.tolist()])
-        out = out.add_column("sim_swapped", swap)
-        return out.select_columns([*cols, "sim_annotator", "sim_swapped"])
+        out = out.add_column("sim_swapped", swap).select_columns([*cols, "sim_annotator", "sim_swapped"])
+        if self.unparseable == "drop" and bool(dec.unparseable.any()):
+            out = out.select((~dec.unparseable).nonzero().flatten().tolist())
+        return out
 
     # ---------------------------------------------------------------------------------------------- agreement
     def agreement(
@@ -658,7 +709,8 @@ class PoolConfig:
     OpenAI-compatible server and the ``preference`` text) or ``alpaca_farm`` (AlpacaFarm's annotators as shipped:
     ``alpaca_farm_pool`` = ``annotator_pool_v0``, ``alpaca_eval:<evaluator>`` or a directory with a ``configs.yaml``,
     run against ``api_base``; ``models``: one served model for all annotators, ``config_model=served`` pairs, or
-    empty for the configs' own model names)."""
+    empty for the configs' own model names). ``unparseable``: ``coin`` or ``drop`` (AlpacaEval) for an LLM / AlpacaFarm
+    annotator's answer that names no response (see :class:`AnnotatorPool`)."""
 
     backend: str = "gold"
     flip_prob: float = knob(TRAIN_FLIP_PROB, ge=0, le=0.5)
@@ -670,8 +722,11 @@ class PoolConfig:
     api_key_env: str = "OPENAI_API_KEY"
     preference: str = "The response follows the requested style."
     alpaca_farm_pool: str = "annotator_pool_v0"
+    unparseable: str = "coin"
 
     def __post_init__(self):
+        if self.unparseable not in UNPARSEABLE_POLICIES:
+            raise ValueError(f"pool.unparseable must be coin or drop; got {self.unparseable!r}")
         if self.backend not in ("gold", "reward_model", "llm", "alpaca_farm"):
             raise ValueError(f"pool.backend must be gold, reward_model, llm or alpaca_farm; got {self.backend!r}")
         check_knobs(self, "pool.")
@@ -683,7 +738,11 @@ class PoolConfig:
     def build(self, gold: GoldScorer | None = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
         """The :class:`AnnotatorPool` this config describes; ``gold`` (default ``GoldScorer()``) reports agreement, and
         the ``gold`` backend's annotators are variants of it (its style and phrase credit, the specs' weights)."""
-        gold = gold if gold is not None else GoldScorer()
+        pool = self._build(gold if gold is not None else GoldScorer(), seed, sft_model)
+        pool.unparseable = self.unparseable
+        return pool
+
+    def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
         if self.backend == "gold":
             return AnnotatorPool.default(
                 gold.style,

@@ -243,10 +243,11 @@ class SimRun:
                     "(sft.max_steps)" + (" or use task.phrase_credit: partial" if credit == "exact" else "")
                 )
             pool = self.pool(seed)
-            labelled = pool.relabel(pairs, train=True)
+            before = pool.label_counts()
+            labelled = pool.relabel(pairs, train=True)  # pool.unparseable: drop leaves some rows out
             cols = pairs.to_dict()
             report = pool.agreement(cols["prompt"], cols["chosen"], cols["rejected"], cols["style"])
-            gold = self.gold.score(cols["prompt"] * 2, list(labelled["chosen"]) + list(labelled["rejected"]))
+            gold = self.gold.score(list(labelled["prompt"]) * 2, list(labelled["chosen"]) + list(labelled["rejected"]))
             n = len(labelled)
             decided = gold[:n] != gold[n:]
             quality = {
@@ -255,6 +256,8 @@ class SimRun:
                 "labels_agreeing_with_gold": float((gold[:n] > gold[n:])[decided].float().mean()),
                 "heldout_pairs": len(test),
                 "heldout_gold_tied_fraction": test_tied,
+                "unparseable": pool.label_counts(since=before),
+                "unparseable_policy": pool.unparseable,
             }
             with atomic_directory(out) as tmp:
                 DatasetDict(train=labelled, test=test).save_to_disk(str(tmp))
@@ -378,6 +381,7 @@ class SimRun:
         reference = self.policy(self.sft_model(), temperature=ev.temperature)
         prompts = self.eval_prompts()
         samples = policy.sample(prompts, ev.samples_per_prompt, seed=20_000 + seed)
+        before = self.pool(seed).label_counts() if ev.judge == "pool" else None
         result = win_rate(
             policy,
             reference,
@@ -394,7 +398,8 @@ class SimRun:
         segmentation = reference.segmentation(
             flat_prompts, samples.flat(), samples.truncated.flatten(), self.recipe.reward_model.entropy_cutoff
         )  # the SFT model's segmentation of the policy's evaluation samples (the reward-hacking monitor's view)
-        return {**result.as_dict(), **segmentation}
+        unparseable = self.pool(seed).label_counts(since=before) if before is not None else {}
+        return {**result.as_dict(), **segmentation, "unparseable": unparseable}
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -532,7 +537,31 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
         progress(
             f"[{method} seed {seed}] win rate {metrics['win_rate']:.3f} ± {metrics['stderr']:.3f}, "
             f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
+            + unparseable_text(metrics["unparseable"], "comparisons", "a coin")
         )
+
+
+def unparseable_text(counts: dict[str, dict[str, Any]], what: str, settled: str) -> str:
+    """``"; unparseable answers: llm0 3 of 40 (7.5%), ... settled by a coin"`` for the annotators that gave any
+    (``counts``: :meth:`~rlhf_ext.sim.annotators.AnnotatorPool.label_counts`); empty when none did."""
+    bad = {k: v for k, v in counts.items() if v["unparseable"]}
+    if not bad:
+        return ""
+    parts = [f"{k} {v['unparseable']} of {v['labels']} ({v['rate']:.1%})" for k, v in bad.items()]
+    return f"; unparseable {what}: {', '.join(parts)}, settled by {settled}"
+
+
+def summed_counts(counts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """:meth:`~rlhf_ext.sim.annotators.AnnotatorPool.label_counts` results added up (over seeds)."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in counts:
+        for name, v in c.items():
+            total = out.setdefault(name, {"labels": 0, "unparseable": 0})
+            total["labels"] += v["labels"]
+            total["unparseable"] += v["unparseable"]
+    for v in out.values():
+        v["rate"] = v["unparseable"] / v["labels"] if v["labels"] else 0.0
+    return out
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -574,6 +603,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
             for r in per_seed
         ]
         row["labels"] = per_seed[0].get("labels")
+        row["unparseable"] = summed_counts([r.get("unparseable") or {} for r in per_seed])
         row["samples"] = per_seed[0].get("samples")
         row["alpacafarm_sim_winrate"] = ALPACAFARM_SIM_WINRATE.get(method)
         rows.append(row)
@@ -648,6 +678,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "model: labels = simulated preference labels used (directly or through a surrogate reward model), samples = "
         "responses generated while training, train s = wall-clock seconds."
     )
+    for r in summary["methods"]:
+        if text := unparseable_text(r.get("unparseable") or {}, "evaluation comparisons", "a coin"):
+            lines.append(f"\n{r['method']}{text}.")
     lines += feedback_lines(summary)
     return "\n".join(lines)
 
@@ -671,6 +704,17 @@ def feedback_lines(summary: dict[str, Any]) -> list[str]:
         f"{mean([f.get('heldout_gold_tied_fraction') for f in fb]):.1%} of held-out pairs; training labels agree "
         f"with gold on {mean([f['labels_agreeing_with_gold'] for f in fb]):.1%} of untied pairs.",
     ]
+    counts = summed_counts([f.get("unparseable") or {} for f in fb])
+    policy = fb[0].get("unparseable_policy", "coin")
+    settled = "a coin (pool.unparseable: drop leaves them out, as AlpacaEval)" if policy == "coin" else "dropping rows"
+    total = sum(v["unparseable"] for v in counts.values())
+    if counts:  # (results written before the count have none)
+        out.append(
+            f"Unparseable annotator answers in the training labels: {total} of "
+            f"{sum(v['labels'] for v in counts.values())}"
+            + (unparseable_text(counts, "per annotator", settled) if total else "")
+            + "."
+        )
     accs = summary.get("reward_model_heldout_accuracy", {})
     if accs:
         parts = [f"{k} {mean(list(v.values())):.3f}" for k, v in accs.items()]

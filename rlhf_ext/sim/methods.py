@@ -339,7 +339,7 @@ def sim_online_dpo(
     r = run.recipe
     common: dict[str, Any] = dict(
         output_dir=str(out),
-        max_new_tokens=r.generation.max_new_tokens,
+        max_completion_length=r.generation.max_new_tokens,
         generation_backend="hf",
         generation_batch_size=r.generation.batch_size,
         max_length=r.task.max_length,

@@ -48,28 +48,25 @@ CPU_RUN: dict[str, Any] = dict(
 def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None = None) -> dict[str, Any]:
     """``TrainingArguments`` keywords from a recipe ``train`` section.
 
-    Reads ``batch_size`` (global, per optimizer step) and ``micro_batch_size`` (per device) and derives the gradient
-    accumulation from the world size; ``epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler``, ``warmup_ratio``,
-    ``max_grad_norm``, ``seed``, ``logging_steps``, ``bf16`` and ``gradient_checkpointing`` map one to one, and the
-    optional ``weight_decay``, ``adam_betas`` and ``save_steps`` when the section has them. CPU runs get ``use_cpu``.
+    Reads ``batch_size`` (global, per optimizer step) and ``micro_batch_size`` (per device, lowered to fit the world
+    size: :func:`~rlhf_ext.config.per_device_micro_batch`) and derives the gradient accumulation from the world size;
+    ``epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler``, ``warmup_ratio``, ``max_grad_norm``, ``seed``,
+    ``logging_steps``, ``bf16`` and ``gradient_checkpointing`` map one to one, and the optional ``weight_decay``,
+    ``adam_betas`` and ``save_steps`` when the section has them. CPU runs get ``use_cpu``.
     """
-    from rlhf_ext.config import RecipeError
+    from rlhf_ext.config import per_device_micro_batch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if train.batch_size % (train.micro_batch_size * world):
-        raise RecipeError(
-            f"train.batch_size ({train.batch_size}) must be a multiple of micro_batch_size x processes "
-            f"({train.micro_batch_size} x {world})"
-        )
+    micro = per_device_micro_batch(train.batch_size, train.micro_batch_size, world)
     seed = train.seed if seed is None else seed
     save_steps = getattr(train, "save_steps", None)
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir or train.output_dir,
         num_train_epochs=train.epochs,
         max_steps=train.max_steps if train.max_steps is not None else -1,
-        per_device_train_batch_size=train.micro_batch_size,
-        per_device_eval_batch_size=train.micro_batch_size,
-        gradient_accumulation_steps=train.batch_size // (train.micro_batch_size * world),
+        per_device_train_batch_size=micro,
+        per_device_eval_batch_size=micro,
+        gradient_accumulation_steps=train.batch_size // (micro * world),
         learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler,
         warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps

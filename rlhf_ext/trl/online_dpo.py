@@ -86,7 +86,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
-from rlhf_ext.algos.knobs import knob
+from rlhf_ext.algos.knobs import check_knob, knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, OnlineSamplingKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
@@ -106,7 +106,7 @@ from rlhf_ext.runtime.pair_collection import (
     score_and_select,
 )
 from rlhf_ext.runtime.pair_store import PairStore
-from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score
+from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score, segment_reward_as_e_phi
 from rlhf_ext.runtime.rundir import RunDir
 from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
 
@@ -115,6 +115,9 @@ logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 STATE_FILE = "state.json"
 RUN_KIND = "iterative-dpo"
+#: Where every policy of a run is saved (``policy_000`` ... and ``online_final``). ``Trainer.push_to_hub`` uploads
+#: ``output_dir`` without ``_*``, so only the final policy (:meth:`IterativeDPOTrainer.save_model`) goes to the hub.
+POLICIES_DIR = "_policies"
 
 
 @dataclass
@@ -123,10 +126,11 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
     settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
     ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,
     ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate),
-    the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`: ``max_new_tokens``,
+    the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`: ``max_completion_length``,
     ``top_p``, ``generation_backend``, ``eval_temperature`` ...) and:
 
     Args:
+        max_new_tokens: deprecated alias of ``max_completion_length`` (TRL's name, as in ``GRPOConfig``).
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         reward_batch_size: sequences per reward-model forward.
         eval_num_prompts: prompts of the evaluation after each iteration.
@@ -134,6 +138,7 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
+    max_new_tokens: int | None = knob(None, ge=1, help="Deprecated: use max_completion_length.")
     reference: str = field(default="sft", metadata={"help": "sft | previous"})
     reward_batch_size: int = knob(32, ge=1, help="Sequences per reward-model forward.")
     eval_num_prompts: int | None = knob(64, ge=1, help="Evaluation prompts (None: all).")
@@ -141,6 +146,15 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
     def __post_init__(self):
+        if self.max_new_tokens is not None:  # checked under its own name, then moved to max_completion_length
+            check_knob(type(self), "max_new_tokens", self.max_new_tokens)
+            warnings.warn(
+                "IterativeDPOConfig(max_new_tokens=...) is deprecated and will be removed in the next release; use "
+                "max_completion_length= (TRL's name, as in GRPOConfig)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.max_completion_length = self.max_new_tokens
         super().__post_init__()
         split_temperatures(self.num_samples, self.temperatures)
         if self.reference not in ("sft", "previous"):
@@ -151,13 +165,14 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
         settings. A resumed run with any of them changed is refused, naming the changed keys (a rerun with a new
         ``beta`` or ``learning_rate`` must not exit 0 after zero steps with the old results)."""
         keys = [
-            "max_new_tokens", "max_prompt_length", "top_p", "top_k", "reference", "seed",
+            "max_completion_length", "max_prompt_length", "top_p", "top_k", "reference", "seed",
             # the inner DPO runs
             "beta", "loss_type", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
             "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
             "max_length", "max_grad_norm",
         ]  # fmt: skip
         out = {**knob_values(self, OnlineDPOKnobs), **{k: getattr(self, k) for k in keys}}
+        out["max_new_tokens"] = out.pop("max_completion_length")  # its name in run files written before the rename
         return json.loads(json.dumps(out, default=str))  # enums (lr_scheduler_type) as their strings
 
 
@@ -229,6 +244,7 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
     if isinstance(reward_funcs, str | os.PathLike):
         return load_reward(str(reward_funcs), batch_size=batch_size)
     if _is_model(reward_funcs):
+        segment_reward_as_e_phi(reward_funcs, "reward_funcs")  # a loaded segment reward model is refused
         return SequenceClassifierReward(reward_funcs, tokenizer=processing_class, batch_size=batch_size)
     if callable(reward_funcs):
         return reward_funcs
@@ -320,7 +336,7 @@ class IterativeDPOTrainer(DPOTrainer):
 
     Args:
         model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once to
-            ``output_dir/policies/policy_000``; pass ``processing_class`` with it).
+            ``output_dir/_policies/policy_000``; pass ``processing_class`` with it).
         reward_funcs: the reward ranking the sampled responses: a callable ``(prompts, responses) -> scores`` (one
             per response; any scorer, e.g. the simulator's annotators), a reward-model checkpoint or hub id
             (sequence classification or rlhf-ext segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`), a
@@ -461,7 +477,7 @@ class IterativeDPOTrainer(DPOTrainer):
             return str(model)
         if not _is_model(model):
             raise TypeError(f"expected a checkpoint path or a causal LM, got {type(model).__name__}")
-        path = self.root / "policies" / name
+        path = self.root / POLICIES_DIR / name
         if not (path / "config.json").exists() and self._dist.is_main_process:
             with atomic_directory(path) as tmp:
                 model.save_pretrained(tmp)
@@ -561,7 +577,7 @@ class IterativeDPOTrainer(DPOTrainer):
             backend=a.generation_backend,
             policy=self.sft_path,
             tokenizer=self.processing_class,
-            max_new_tokens=a.max_new_tokens,
+            max_new_tokens=a.max_completion_length,
             temperatures=a.temperatures,
             batch_size=a.generation_batch_size,
             max_prompt_length=a.max_prompt_length,
@@ -654,6 +670,19 @@ class IterativeDPOTrainer(DPOTrainer):
         self._steps_run += out.global_step - done_before
         self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
         return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; after :meth:`train` and without ``output_dir`` (as ``push_to_hub`` calls it): the
+        run's final policy, copied into ``args.output_dir`` — not whatever model this process last held (a resumed
+        run that had nothing left to train holds the SFT model)."""
+        final = (self.summary or {}).get("final_policy")
+        if output_dir is not None or final is None:
+            return super().save_model(output_dir, _internal_call)
+        if self._dist.is_main_process:
+            for file in Path(final).iterdir():
+                if file.is_file():
+                    shutil.copy2(file, self.root / file.name)
+        self._dist.wait_for_everyone()
 
     def _save_policy(self, dest: Path) -> None:
         """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames it
@@ -763,7 +792,7 @@ class IterativeDPOTrainer(DPOTrainer):
             self._write_state(state)
             return start
         work = self.root / "iterations" / f"iter_{t:03d}"
-        dest = self.root / "policies" / f"policy_{t + 1:03d}"
+        dest = self.root / POLICIES_DIR / f"policy_{t + 1:03d}"
         if self._dist.is_main_process:
             recover_directory(dest)  # a save of pi_{t+1} that a kill interrupted: finished or cleaned up
         self._dist.wait_for_everyone()
@@ -919,7 +948,7 @@ class IterativeDPOTrainer(DPOTrainer):
             else max(1, len(self.prompts) // (pairs_per_update * self._dist.num_processes))
         )
         work = self.root / "online"
-        dest = self.root / "policies" / "online_final"
+        dest = self.root / POLICIES_DIR / "online_final"
         if dest.exists() and (self.root / "summary.json").exists():
             return json.loads((self.root / "summary.json").read_text())  # the run already finished
         last = last_checkpoint(work)

@@ -58,7 +58,8 @@ from rlhf_ext.algos.segment_dense import (
 )
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
-from rlhf_ext.runtime.token_scores import TokenScoreCapture
+from rlhf_ext.runtime.rewards import segment_reward_as_e_phi
+from rlhf_ext.runtime.token_scores import TokenScoreCapture, load_value_model
 from rlhf_ext.trl.args import CheckpointRecords
 
 
@@ -144,7 +145,9 @@ class DensePPOTrainer(GRPOTrainer):
         reward_funcs: GRPO's reward functions (callables, reward-model ids or sequence-classification models), summed
             with ``args.reward_weights`` into one reward per response exactly as GRPO does; it becomes a bandit
             reward on the response's last token (``granularity`` and the normalizer apply to segment reward models
-            only). Give this *or* a segment reward model, not both.
+            only). A segment reward model's directory is scored by its e_phi (``SegmentSequenceReward``). Give this
+            *or* a segment reward model, not both. With ``advantage_estimator="gae"`` (the default) a critic is
+            trained (a warning says so); ``reinforce_baseline`` is critic-free, as GRPO.
         reward_model: the segment reward model (default: ``args.reward_model_path``).
         ref_model: the reference (SFT) policy (default: the policy's checkpoint).
         critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
@@ -185,6 +188,9 @@ class DensePPOTrainer(GRPOTrainer):
             raise TypeError(f"args must be a DensePPOConfig, got {type(args).__name__}")
         if isinstance(reward_funcs, list) and not reward_funcs:
             reward_funcs = None
+        if reward_funcs is not None:  # a segment reward model's directory is scored by e_phi, not at its last token
+            funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+            reward_funcs = [segment_reward_as_e_phi(f, f"reward_funcs[{i}]") for i, f in enumerate(funcs)]
         has_segment_rm = reward_model is not None or args.reward_model_path is not None
         if reward_funcs is not None and has_segment_rm:
             raise ValueError(
@@ -233,10 +239,10 @@ class DensePPOTrainer(GRPOTrainer):
         self.async_rollout = async_rollout
         if async_rollout is not None:
             async_rollout.attach(self)
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        from transformers import AutoModelForCausalLM
 
         from rlhf_ext.runtime.calibration import fit_normalizer, model_id
-        from rlhf_ext.runtime.segment_data import load_segment_settings
+        from rlhf_ext.runtime.segment_data import check_bandit_reward_model, load_segment_settings
 
         # on-policy REINFORCE steps finish the advantages from the loss's own policy forward (see the module doc)
         self._reuse_policy_logps = True
@@ -245,11 +251,10 @@ class DensePPOTrainer(GRPOTrainer):
         self.reward_model = None
         rm_source = None
         if not self.uses_reward_funcs and reward_model is None:
-            reward_model = AutoModelForSequenceClassification.from_pretrained(
-                args.reward_model_path, num_labels=1, dtype=self.model.dtype
-            )
+            reward_model = load_value_model(args.reward_model_path, "reward model", self.model.dtype)
         if reward_model is not None:
             rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
+            check_bandit_reward_model(args.granularity, args.reward_model_path or reward_model, "reward model")
         settings: dict[str, Any] = {}
         if args.reward_model_path is not None:
             try:
@@ -337,10 +342,14 @@ class DensePPOTrainer(GRPOTrainer):
 
         self.critic = None
         if args.advantage_estimator == "gae":
-            if critic is None:
-                critic = AutoModelForSequenceClassification.from_pretrained(
-                    args.critic_model_path or rm_source or policy_id, num_labels=1, dtype=torch.float32
+            if self.uses_reward_funcs:
+                logging.getLogger("rlhf_ext").warning(
+                    "DensePPOTrainer: advantage_estimator 'gae' (the default, paper 003's PPO) trains a critic on "
+                    "the reward functions' rewards; pass advantage_estimator='reinforce_baseline' for critic-free "
+                    "advantages with the prompt group's mean as baseline (as GRPO)"
                 )
+            if critic is None:
+                critic = load_value_model(args.critic_model_path or rm_source or policy_id, "critic")
             optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95))
             self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
             self._critic_capture = TokenScoreCapture(self.critic)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -152,6 +153,27 @@ class SegmentPreferenceCollator:
         return collate_segment_pairs(examples, self.pad_token_id, "right", self.pad_to_multiple_of)
 
 
+#: The model card's "Quick start": a segment reward model's score of a response is its sequence evaluation e_phi
+#: (paper 003 Eq. 4, the SFT model segments the response), not a sequence classifier's last-token output.
+MODEL_CARD_QUICK_START = """## Quick start
+
+This is an [rlhf-ext](https://pypi.org/project/rlhf-ext/) segment-level reward model (entropy segmentation by the SFT
+model named in `segment_config.json`). Score a response by its sequence evaluation e_phi, which is what it was trained
+to rank, from a local copy of this directory:
+
+```python
+from rlhf_ext.runtime.rewards import SegmentSequenceReward  # pip install rlhf-ext
+
+reward = SegmentSequenceReward("{model}")
+print(reward(prompts=["The capital of France is"], completions=[" Paris."]))  # tensor([e_phi])
+```
+
+Not `pipeline(model="{model}")(text)[0]["score"]`: that is the score of the last token only. Wherever a reward model
+is accepted (`DensePPOTrainer(reward_funcs=...)`, `IterativeDPOTrainer`, `rlhf-ext serve rm`), pass this directory.
+
+"""
+
+
 class SegmentRewardTrainer(RewardTrainer):
     """TRL ``RewardTrainer`` with the segment-level loss of paper 003 (paper 003 Eq. 3-4). See the module docstring."""
 
@@ -259,6 +281,19 @@ class SegmentRewardTrainer(RewardTrainer):
             outputs.logits = ev.values.detach().unsqueeze(-1)
             return loss, outputs
         return loss
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
+        """TRL's model card, with its "Quick start" (``pipeline(...)[0]["score"]``: the classifier's last-token score,
+        which a segment reward model was not trained to give) replaced by :data:`MODEL_CARD_QUICK_START` (e_phi)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        card = Path(self.args.output_dir) / "README.md"
+        if self.is_world_process_zero() and card.is_file():
+            text = card.read_text(encoding="utf-8")
+            start, end = text.find("## Quick start"), text.find("## Training procedure")
+            if start >= 0 and end > start:
+                name = self.hub_model_id or Path(self.args.output_dir).name
+                quick = MODEL_CARD_QUICK_START.replace("{model}", name)
+                card.write_text(text[:start] + quick + text[end:], encoding="utf-8")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)

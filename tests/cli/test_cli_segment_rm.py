@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import chdir
 
 import pytest
 from click.testing import CliRunner
@@ -33,6 +34,14 @@ def test_recipe_list_and_copy(tmp_path):
     assert again.exit_code != 0 and "exists" in again.output
     missing = runner.invoke(main, ["recipe", "copy", "nope", str(tmp_path)])
     assert missing.exit_code == 2 and "packaged recipes: " in missing.output
+    here = tmp_path / "here"
+    here.mkdir()
+    with chdir(here):  # no DEST: ./NAME.yaml (it used to be a usage error)
+        default = runner.invoke(main, ["recipe", "copy", "online_dpo_tiny"])
+    assert default.exit_code == 0, default.output
+    assert [p.name for p in here.iterdir()] == [
+        "online_dpo_tiny.yaml"
+    ] and default.output.strip() == "online_dpo_tiny.yaml"
 
 
 def test_bad_override_names_the_key():

@@ -249,6 +249,34 @@ def test_free_form_preferences_get_a_derived_style_that_the_rubric_scores():
     )
 
 
+#: AIF-Gen's own test-suite task config (its tests' ``mock_config_dict``): free-form objective and preference texts.
+AIF_GEN_TEST_CONFIG = {"task_specs": [
+    {"num_samples": 5, "alignment_task": {
+        "domain": {"Component A": {"seed_words": ["a_foo", "a_bar", "a_baz"]},
+                   "Component B": {"seed_words": ["b_foo", "b_bar", "b_baz"]}},
+        "objective": f"Mock Objective {i}", "preference": f"Mock Preference {i}"}}
+    for i in (1, 2)
+]}  # fmt: skip
+
+
+def test_aif_gens_test_suite_config_generates_offline(tmp_path):
+    """It failed offline on ``objective_kind`` (a key AIF-Gen does not define), naming ``tasks[0]`` where the file says
+    ``task_specs[0]``: free-form objectives now get the generic kind, like free-form preferences a derived style."""
+    config = tmp_path / "mock.yaml"
+    config.write_text(yaml.safe_dump(AIF_GEN_TEST_CONFIG))
+    result = _cli("generate", config, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    stages = load_continual_dataset(tmp_path / "out").stages
+    assert [len(st["train"]) + len(st["test"]) for st in stages] == [5, 5]
+    mapped = config_to_rlhf_ext(AIF_GEN_TEST_CONFIG)["tasks"]
+    assert [t["objective_kind"] for t in mapped] == ["generation", "generation"]
+    assert "objective_kind" not in config_to_rlhf_ext(_one_task({"education": None}))["tasks"][0]  # inferable: qa
+    bad = _one_task({"education": None})
+    bad["task_specs"][0]["alignment_task"]["objective_kind"] = "poem"
+    with pytest.raises(RecipeError, match=r"^task_specs\[0\]\.alignment_task\.objective_kind: unknown kind 'poem'"):
+        config_to_rlhf_ext(bad)
+
+
 # ------------------------------------------------------------------------------------------------ dataset JSON
 def test_import_reads_aif_gens_dataset_json(tmp_path):
     result = _cli("import", DEBUG_JSON, "-o", tmp_path / "imp")

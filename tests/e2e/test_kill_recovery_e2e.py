@@ -16,8 +16,9 @@ pytestmark = pytest.mark.usefixtures("cache_dir")
 
 ONLINE_DPO = [
     "train", "online-dpo", "--config", "online_dpo_tiny", "online.num_iterations=2", "online.prompts_per_iteration=8",
-    "online.num_samples=4", "online.max_new_tokens=24", "data.max_eval_prompts=4", "online.eval_samples_per_prompt=1",
-    "train.batch_size=4", "train.micro_batch_size=4", "train.epochs=1", "train.logging_steps=100",
+    "online.num_samples=4", "online.max_completion_length=24", "data.max_eval_prompts=4",
+    "online.eval_samples_per_prompt=1", "train.batch_size=4", "train.micro_batch_size=4", "train.epochs=1",
+    "train.logging_steps=100",
 ]  # fmt: skip
 SEGMENT_RM = [
     "train", "segment-rm", "--config", "segment_rm_tiny", "data.max_train_samples=24", "data.max_eval_samples=8",
@@ -50,20 +51,20 @@ def test_online_dpo_killed_after_saving_a_policy_before_recording_it_resumes_to_
     full_dir, out = tmp_path / "full", tmp_path / "killed"
     full = run_cli([*args, f"train.output_dir={full_dir}"])
     assert full.returncode == 0, full.stderr[-3000:]
-    policies = sorted(p.name for p in (full_dir / "policies").iterdir())
+    policies = sorted(p.name for p in (full_dir / "_policies").iterdir())
     assert policies, "no iteration trained a policy: pick settings where some prompts' responses differ in reward"
 
     killed = run_cli([*args, f"train.output_dir={out}"], fault_at="committed:policy_*")
     assert was_killed(killed), killed.stderr[-3000:]
-    saved = json.loads((out / "state.json").read_text())["policies"] if (out / "state.json").exists() else {}
-    assert str(out / "policies" / policies[0]) not in saved.values() and (out / "policies" / policies[0]).is_dir()
+    saved = json.loads((out / "state.json").read_text())["_policies"] if (out / "state.json").exists() else {}
+    assert str(out / "_policies" / policies[0]) not in saved.values() and (out / "_policies" / policies[0]).is_dir()
 
     rerun = run_cli([*args, f"train.output_dir={out}"])
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "online DPO finished" in rerun.stdout
-    assert sorted(p.name for p in (out / "policies").iterdir()) == policies
+    assert sorted(p.name for p in (out / "_policies").iterdir()) == policies
     for name in policies:
-        _assert_same_weights(out / "policies" / name, full_dir / "policies" / name)
+        _assert_same_weights(out / "_policies" / name, full_dir / "_policies" / name)
     summary, expected = (json.loads((d / "summary.json").read_text().replace(str(d), "RUN")) for d in (out, full_dir))
     assert summary == expected  # the same pairs, evaluations and final policy
     assert _hidden(out) == [] and not list((out / "iterations").rglob("checkpoint-*"))

@@ -74,16 +74,19 @@ def test_launchers_start_the_module(tmp_path, launcher):
 
 @pytest.mark.slow
 def test_train_segment_ppo_under_torchrun_two_processes(tmp_path, tiny_sft_path, cache_dir):
-    """Segment PPO with a critic under DDP (2 CPU processes, gloo): both ranks step, rank 0 writes the results."""
+    """Segment PPO with a critic under DDP (2 CPU processes, gloo): both ranks step, rank 0 writes the results. The
+    recipe's micro batch (16) is fitted to the two processes (8 each), as README's line runs it: it used to exit 1
+    ("train.batch_size (16) must be a multiple of micro_batch_size x processes (16 x 2)", printed twice)."""
     from rlhf_ext.pipelines.builtins import resolve_model
 
     resolve_model("builtin:tiny-segment-rm", cache_dir)  # build once, outside the two ranks
     out = tmp_path / "ppo"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "-m", "rlhf_ext.launch.train_segment_ppo", "--config", "segment_ppo_tiny", f"train.output_dir={out}",
-           "train.max_steps=2", "train.micro_batch_size=8", "data.max_calibration_pairs=64"]  # fmt: skip
+           "train.max_steps=2", "data.max_calibration_pairs=64"]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("using micro batch 8 per process") == 1  # one notice, from rank 0
     assert proc.stdout.count("segment PPO finished") == 1  # only rank 0 reports
     metrics = json.loads((out / "ppo_metrics.json").read_text())
     assert [row["step"] for row in metrics["curve"]] == [1, 2]

@@ -15,7 +15,7 @@ def make_args(out: Path, **kw) -> IterativeDPOConfig:
         num_iterations=2,
         prompts_per_iteration=8,
         num_samples=4,
-        max_new_tokens=64,
+        max_completion_length=64,
         learning_rate=1e-4,
         num_train_epochs=1,
         per_device_train_batch_size=4,

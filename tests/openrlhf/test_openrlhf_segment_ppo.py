@@ -295,3 +295,20 @@ def test_recipe_flags_on_a_cpu_machine(seg_ppo):
     recipe.train.bf16, recipe.train.openrlhf_args = False, {}
     with pytest.raises(ValueError, match="OpenRLHF trains in bf16 or fp16 only"):
         openrlhf_argv(recipe, "/tmp/p.jsonl", None, cpu)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce"])
+def test_bandit_granularity_keeps_per_sample_remote_rewards(seg_ppo, estimator):
+    """``--reward.remote_url`` (and agents) give one reward per sample, stacked by OpenRLHF as ``[B, 1]``; bandit
+    granularity read it as per-token scores and crashed at step 1 (``entropy (4, 1) and action_mask (4, 7) must
+    match``). Now the run equals stock OpenRLHF's on the same rewards."""
+    RemoteExperienceMaker = seg_ppo.RemoteExperienceMaker
+    remote = torch.tensor([[0.5], [-1.25], [2.0], [0.75]])  # what the server answered, one per sample
+    s, o = _experience()[0], _experience()[0]
+    s.rewards, o.rewards = remote.clone(), remote.clone()
+    stock = _maker(RemoteExperienceMaker, _args(estimator)).compute_advantages_and_returns([s])[0]
+    maker = _maker(seg_ppo.SegmentExperienceMaker, _args(estimator, granularity="bandit"))
+    maker.attach_dense_rewards([o], None)
+    assert torch.equal(o.rewards, remote) and torch.equal(o.info["reward"], remote)
+    ours = maker.compute_advantages_and_returns([o])[0]
+    assert torch.equal(ours.advantages, stock.advantages) and torch.equal(ours.returns, stock.returns)

@@ -128,9 +128,25 @@ def test_driver_refuses_before_ray_starts(flags, message, tmp_path):
 
 
 def test_help_lists_the_ext_flags():
+    """``--help`` printed the module docstring's raw reST and a bare list of ``--ext`` names; it is an argparse group
+    generated from the knob dataclasses (types, choices, help) and says which flags a CPU run needs."""
+    from rlhf_ext.algos.segment_dense import GRANULARITIES
+    from rlhf_ext.openrlhf.train_ppo_ray import EXT_DEFAULTS
+
     proc = _driver("--help")
     assert proc.returncode == 0
-    assert "--ext.rollout_engine" in proc.stdout and "--actor.model_name_or_path" in proc.stdout
+    ours, _, openrlhf = proc.stdout.partition("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):")
+    assert "--actor.model_name_or_path" in openrlhf
+    assert not any(markup in ours for markup in ("``", ":func:", ":class:", ":mod:"))
+    group = ours.split("rlhf-ext flags (--ext.*):\n")[1]
+    assert [line.split()[0] for line in group.splitlines() if line.startswith("  --ext.")] == [
+        f"--ext.{k}" for k in EXT_DEFAULTS
+    ]
+    assert f"--ext.granularity {{{','.join(GRANULARITIES)}}}" in group and "--ext.tau FLOAT" in group
+    assert "--ext.chunk_size INT Tokens per segment for granularity chunk (an integer >= 1) (default: 4)" in " ".join(
+        group.split()
+    )
+    assert "--critic.num_gpus_per_node 1 --ds.param_dtype bf16" in ours  # what a CPU run needs
 
 
 def test_placeholder_vllm_gives_a_clear_error():
@@ -193,7 +209,7 @@ def test_logged_reward_survives_openrlhf_length_penalty_step():
 def test_micro_batch_is_fitted_to_the_world_size(caplog):
     """``deepspeed --num_accelerators 2`` with the tiny recipe (batch 16, micro 16) failed with DeepSpeed's
     "Gradient accumulation steps: 0"; the micro batch is now lowered to fit, and impossible splits are named."""
-    from rlhf_ext.openrlhf.cli_runner import per_device_micro_batch
+    from rlhf_ext.config import per_device_micro_batch
 
     assert per_device_micro_batch(16, 16, 2) == 8 and "using micro batch 8" in caplog.text
     assert per_device_micro_batch(16, 4, 2) == 4

@@ -71,9 +71,12 @@ def fixture_samples() -> dict[str, list[SegmentView]]:
     }
 
 
-def fixture_provenance() -> dict:
+def fixture_provenance(data_dir: Path | None = None) -> dict:
     stage_seconds = {**STAGE_SECONDS, "report": 3.5}
-    return collect_provenance(asdict(DemoRecipe()), 0, {"policy": 1_234_567, "reward model": 1_180_000}, stage_seconds)
+    parameters = {"policy": 1_234_567, "reward model": 1_180_000}
+    if data_dir is None:
+        data_dir = Path(__file__).parent / "data_fixture"
+    return collect_provenance(asdict(DemoRecipe()), 0, parameters, stage_seconds, data_dir)
 
 
 def test_moving_average_is_the_mean_of_the_last_window_points():
@@ -88,6 +91,10 @@ def test_metric_rows_have_human_labels_units_and_formatted_numbers():
     win = rows["Win rate against SFT"]
     assert (win.ppo, win.sft, win.unit) == ("60.9% ± 6.1%", "50% (reference)", "% of comparisons")
     assert win.note.startswith("64 comparisons on held-out prompts: 38 wins, 2 ties, 24 losses")
+    # 39/64 ± 0.061: 95% interval 0.609 ± 1.96 x 0.061 = 48.98% .. 72.89%, which holds 50%
+    assert win.note.endswith(
+        "; 95% interval 49.0% to 72.9%: 50% lies inside the 95% interval: not significant at the 5% level"
+    )
     assert (rows["Gold reward"].ppo, rows["Gold reward"].sft) == ("+0.547 ± 0.052", "+0.156")
     length = rows["Response length"]
     assert (length.ppo, length.sft, length.unit) == ("80.4", "85.5", "tokens")
@@ -141,6 +148,48 @@ def test_parameter_count_reads_the_config_only(tmp_path):
     layer = 4 * 16 + 3 * 32 + 2 * 4
     assert parameter_count(tmp_path / "policy") == 40 + layer + 4 == 212
     assert parameter_count(tmp_path / "rm", reward_model=True) == 40 + layer + 4 + 4 == 216
+
+
+@pytest.mark.parametrize(
+    ("rate", "stderr", "verdict"),
+    [
+        (36 / 64, 0.0625, "within one standard error of 50%: no evidence of a difference from SFT"),  # the issue's run
+        (0.62, 0.0625, "50% lies inside the 95% interval: not significant at the 5% level"),
+        (0.75, 0.05, "50% lies outside the 95% interval: PPO beats SFT (5% level)"),
+        (0.30, 0.05, "50% lies outside the 95% interval: PPO loses to SFT (5% level)"),
+    ],
+)
+def test_win_rate_verdict_says_what_the_interval_says_about_50_percent(rate, stderr, verdict):
+    from rlhf_ext.pipelines.reports import win_rate_verdict
+
+    interval, text = win_rate_verdict(rate, stderr)
+    assert interval == pytest.approx([rate - 1.96 * stderr, rate + 1.96 * stderr], abs=1e-12) and text == verdict
+
+
+def test_provenance_names_the_command_line_the_package_and_the_data(tmp_path, monkeypatch):
+    import hashlib
+    import subprocess
+    import sys
+
+    from rlhf_ext.pipelines.reports import directory_sha256
+
+    data = tmp_path / "data"
+    (data / "stage_0").mkdir(parents=True)
+    (data / "stage_0" / "train.jsonl").write_text('{"prompt": "p"}\n')
+    (data / "meta.json").write_text("{}")
+    expected = hashlib.sha256(b"meta.json\0{}" + b'stage_0/train.jsonl\0{"prompt": "p"}\n').hexdigest()
+    assert directory_sha256(data) == expected
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/rlhf-ext", "demo", "--out", "runs/my demo"])
+    provenance = fixture_provenance(data)
+    assert provenance["command_line"] == "/venv/bin/rlhf-ext demo --out 'runs/my demo'"
+    assert provenance["data_sha256"] == expected
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists():  # this checkout: the commit it runs
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert provenance["package"]["git_commit"].removesuffix("-dirty") == head.strip()
+    html = (Path(write_report(tmp_path / "out", fixture_results(), fixture_samples(), provenance)["html"])).read_text()
+    assert "/venv/bin/rlhf-ext demo --out &#x27;runs/my demo&#x27;" in html and expected in html
+    assert "rlhf-ext git commit" in html or "rlhf-ext wheel sha256" in html or "rlhf-ext record sha256" in html
 
 
 def test_metrics_json_records_the_provenance(tmp_path):

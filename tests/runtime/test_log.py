@@ -51,12 +51,12 @@ def test_a_host_application_decides_what_is_shown(library_logger, caplog):
 
 
 def test_module_loggers_sit_under_the_library_logger():
-    from rlhf_ext import demo
-    from rlhf_ext.openrlhf import cli_runner, train_ppo_ray
+    from rlhf_ext import config, demo
+    from rlhf_ext.openrlhf import train_ppo_ray
     from rlhf_ext.sim import compare
 
     library = logging.getLogger(LIBRARY_LOGGER)
-    for module in (demo, cli_runner, train_ppo_ray, compare):
+    for module in (demo, config, train_ppo_ray, compare):
         assert module.logger.name == module.__name__
         parent = module.logger.parent
         while parent is not None and parent is not library:
@@ -66,7 +66,7 @@ def test_module_loggers_sit_under_the_library_logger():
 
 def test_micro_batch_notice_is_a_warning(caplog):
     """Was a print() on stdout, which a host application could neither silence nor redirect."""
-    from rlhf_ext.openrlhf.cli_runner import per_device_micro_batch
+    from rlhf_ext.config import per_device_micro_batch
 
     with caplog.at_level(logging.WARNING, logger=LIBRARY_LOGGER):
         assert per_device_micro_batch(16, 16, 2) == 8

@@ -36,10 +36,14 @@ def test_changed_nested_setting_is_refused_naming_the_key(tmp_path):
     assert err.value.keys == ["model.lr"]
     message = str(err.value)
     assert "changed: model.lr: 0.0001 -> 0.0003)" in message and str(tmp_path) in message
-    assert "--force" in message and "force=True" in message and "new output directory" in message
+    # a caller without a redo option (IterativeDPOTrainer, sim compare) must not advise one that does not exist
+    assert "force" not in message and "delete it or choose a new output directory" in message
     assert "\n" not in message
     assert isinstance(err.value, ValueError)
     assert RunDir(tmp_path, SETTINGS, kind="test").done("train")  # the refused rerun changed nothing
+    with pytest.raises(RunSettingsChanged) as err:
+        RunDir(tmp_path, changed, kind="test", redo="rerun with --force")
+    assert "; rerun with --force to redo its stages with the new settings, or choose a new output" in str(err.value)
 
 
 def test_other_kind_is_refused(tmp_path):

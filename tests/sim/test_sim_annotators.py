@@ -180,3 +180,67 @@ def test_llm_backend_through_a_chat_server():
     assert p.prefer_a[:2].tolist() == [True, False]
     assert p.probability[:2].tolist() == [1.0, 0.0]
     assert server.requests == 4
+
+
+def _careless_is_unparseable(body):
+    """The fake judge, but off-format ("Neither.") when a response is careless: an unparseable answer."""
+    from tests.helpers.chat_server import datagen_responder, last_user_message
+
+    return "Neither." if "Careless" in last_user_message(body) else datagen_responder(body)
+
+
+def test_unparseable_answers_are_counted_warned_and_settled_or_dropped(caplog):
+    """An off-format judge's answers became coin flips with no word (54 of 78 against a real server). They are counted
+    per annotator, warned about above 5%, and ``unparseable="drop"`` leaves them out of the training labels."""
+    import logging
+
+    from datasets import Dataset
+
+    from rlhf_ext.datagen import OpenAIBackend
+    from tests.helpers.chat_server import FakeChatServer
+
+    a = ["A careful answer.", "Careless text.", "A sloppy answer.", "Careless again."]
+    b = ["A sloppy answer.", "Be careful here.", "A careful answer.", "Also careful."]
+    rows = [{"prompt": "q", "chosen": x, "rejected": y} for x, y in zip(a, b)]
+    with FakeChatServer(_careless_is_unparseable) as server:
+        pool = AnnotatorPool.from_llm([OpenAIBackend(server.url, model="fake-model", max_retries=0)], "Be careful.",
+                                      flip_prob=0.0)  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="rlhf_ext.sim.annotators"):
+            dec = pool.decide(["q"] * 4, a, b, train=False)
+        assert dec.unparseable.tolist() == [False, True, False, True]
+        assert dec.probability.tolist() == [1.0, 0.5, 0.0, 0.5]
+        assert pool.label_counts() == {"llm0:fake-model": {"labels": 4, "unparseable": 2, "rate": 0.5}}
+        assert [r.getMessage() for r in caplog.records] == [
+            "annotator llm0:fake-model: 2 of 4 answers unparseable (50%), settled by a coin (pool.unparseable: drop "
+            "drops them, as AlpacaEval)"
+        ]
+        before = pool.label_counts()
+        assert len(pool.relabel(Dataset.from_list(rows))) == 4  # coin: every row keeps a label
+        pool.unparseable = "drop"
+        kept = pool.relabel(Dataset.from_list(rows))
+        assert kept["chosen"] == ["A careful answer.", "A careful answer."]  # the two parseable rows, relabelled
+        assert pool.label_counts(since=before)["llm0:fake-model"] == {"labels": 8, "unparseable": 4, "rate": 0.5}
+    with pytest.raises(ValueError, match="unparseable must be coin or drop"):
+        AnnotatorPool(pool.annotators, unparseable="ignore")
+
+
+def test_unparseable_counts_in_sim_compare_md():
+    from rlhf_ext.sim.compare import feedback_lines, markdown_table
+
+    counts = {"llm0:m": {"labels": 40, "unparseable": 3, "rate": 0.075}, "llm1:m": {"labels": 38, "unparseable": 0,
+                                                                                     "rate": 0.0}}  # fmt: skip
+    labels = {"pairs": 78, "gold_tied_fraction": 0.0, "heldout_gold_tied_fraction": 0.0,
+              "labels_agreeing_with_gold": 0.6, "unparseable": counts, "unparseable_policy": "coin"}  # fmt: skip
+    summary = {"recipe": {"feedback": {"pairs": "sft_samples"}}, "feedback": {"0": {"labels": labels}}}
+    assert feedback_lines(summary)[-1] == (
+        "Unparseable annotator answers in the training labels: 3 of 78; unparseable per annotator: llm0:m 3 of 40 "
+        "(7.5%), settled by a coin (pool.unparseable: drop leaves them out, as AlpacaEval)."
+    )
+    row = {"method": "ppo", "seeds": [0], "unparseable": {"llm0:m": {"labels": 64, "unparseable": 2, "rate": 2 / 64}},
+           "alpacafarm_sim_winrate": None, "train_seconds": 1.0}  # fmt: skip
+    for key in ("win_rate", "gold_mean", "kl", "avg_length_chars"):
+        row[key], row[f"{key}_se"] = 0.5, 0.1
+    sizes = {"comparisons_per_seed": 64, "eval_prompts": 32, "samples_per_prompt": 2}
+    summary.update(methods=[row], sample_sizes=sizes)
+    table = markdown_table(summary)
+    assert "ppo; unparseable evaluation comparisons: llm0:m 2 of 64 (3.1%), settled by a coin." in table

@@ -207,7 +207,7 @@ def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, 
         num_iterations=3,
         prompts_per_iteration=32,
         num_samples=8,
-        max_new_tokens=72,
+        max_completion_length=72,
         num_train_epochs=2,
         per_device_train_batch_size=8,
         lr_scheduler_type="cosine",
@@ -270,8 +270,8 @@ def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_p
     full = run(tmp_path / "full", callbacks=[sizes])
     assert refs == [
         tiny_sft_path,
-        str(tmp_path / "full/policies/policy_001"),
-        str(tmp_path / "full/policies/policy_002"),
+        str(tmp_path / "full/_policies/policy_001"),
+        str(tmp_path / "full/_policies/policy_002"),
     ]
     assert sizes.sizes == [
         json.loads((tmp_path / f"full/pairs/iter_{k:03d}/summary.json").read_text())["num_pairs"] for k in range(3)
@@ -302,7 +302,54 @@ def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_p
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert [e["mean_reward"] for e in resumed["eval"]] == [e["mean_reward"] for e in full["eval"]]
     assert not list((out / "iterations/iter_002").glob("checkpoint-*"))  # cleaned once the iterate was saved
-    assert not [p for p in (out / "policies").iterdir() if p.name.startswith(".")]
+    assert not [p for p in (out / "_policies").iterdir() if p.name.startswith(".")]
+
+
+class FakeHub:
+    """``transformers.trainer.hf_api()`` for a push that stays on disk: records the files ``upload_folder`` sends
+    (its ignore patterns applied by huggingface_hub's own filter)."""
+
+    def __init__(self):
+        self.uploaded: dict[str, Path] = {}
+
+    def create_repo(self, name, **kwargs):
+        return type("RepoUrl", (), {"repo_id": f"me/{name}"})()
+
+    def upload_folder(self, folder_path, ignore_patterns=None, **kwargs):
+        from huggingface_hub.utils import filter_repo_objects
+
+        files = [p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file()]
+        kept = filter_repo_objects(files, ignore_patterns=ignore_patterns)
+        self.uploaded = {name: Path(folder_path) / name for name in kept}
+
+
+def test_push_to_hub_uploads_the_final_policy_only(tmp_path, tiny_sft_path, prompts, monkeypatch):
+    """``output_dir`` holds every iteration's full weights; ``push_to_hub`` used to upload all of them next to the
+    final model. Also after a resume that had nothing left to train (the trainer then holds the SFT model)."""
+    import transformers.trainer
+
+    train, _ = prompts
+    args = make_args(tmp_path, num_iterations=2, prompts_per_iteration=4, num_samples=2)
+    IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train).train()
+    resumed = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train)
+    resumed.train()  # everything is done: no DPO run in this process
+    hub = FakeHub()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    resumed.push_to_hub()
+    weights = sorted(n for n in hub.uploaded if n.endswith(".safetensors"))
+    assert weights == ["model.safetensors"], sorted(hub.uploaded)
+    final = resumed.summary["final_policy"]
+    assert final == str(tmp_path / "_policies" / "policy_002")
+    pushed, expected, sft = (_weights(str(d)) for d in (tmp_path, final, tiny_sft_path))
+    assert all(torch.equal(pushed[n], expected[n]) for n in expected)
+    assert any(not torch.equal(pushed[n], sft[n]) for n in sft)  # the trained policy, not the SFT model
+
+
+def test_max_new_tokens_is_a_deprecated_alias_of_max_completion_length(tmp_path):
+    with pytest.warns(DeprecationWarning, match="use max_completion_length="):
+        args = make_args(tmp_path, max_completion_length=256, max_new_tokens=24)
+    assert args.max_completion_length == 24
+    assert make_args(tmp_path, max_completion_length=24).settings() == args.settings()
 
 
 def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, prompts):
@@ -339,8 +386,9 @@ def test_a_run_file_written_before_rundir_is_taken_over_when_its_settings_match(
     assert run["kind"] == "iterative-dpo" and run["settings"]["num_samples"] == 4
     assert run["settings"]["sft"] == tiny_sft_path and run["settings"]["prompts"] == legacy["prompts"]
     (tmp_path / "run.json").write_text(json.dumps({**legacy, "sft": "another-model"}))
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match="different settings") as err:
         trainer.open_run()
+    assert "force" not in str(err.value)  # IterativeDPOTrainer has no force option (the message used to advise one)
 
 
 # ------------------------------------------------------------------------------------------------- bad input
@@ -381,7 +429,7 @@ def test_an_instantiated_sft_model_is_saved_once_as_policy_0(tmp_path, tiny_sft_
         trainer.train()
     summary = trainer.summary
     assert any("skipping DPO" in str(w.message) for w in caught)
-    saved = tmp_path / "policies/policy_000"
+    saved = tmp_path / "_policies/policy_000"
     assert summary["final_policy"] == str(saved) and (saved / "tokenizer_config.json").is_file()
     original = load_file(str(Path(tiny_sft_path) / "model.safetensors"))
     assert all(torch.equal(original[k], v) for k, v in _weights(str(saved)).items())

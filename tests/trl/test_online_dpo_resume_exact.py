@@ -23,7 +23,7 @@ UPDATES = 4
 KILLED_AT_BATCH = 2  # killed as the training loop stores batch 2, right after checkpoint-2 was saved
 PER_BATCH_DPO = [
     "train", "online-dpo", "--config", "online_dpo_async_tiny", f"train.max_steps={UPDATES}", "train.save_steps=1",
-    "train.batch_size=4", "train.micro_batch_size=4", "train.logging_steps=100", "online.max_new_tokens=48",
+    "train.batch_size=4", "train.micro_batch_size=4", "train.logging_steps=100", "online.max_completion_length=48",
     "online.max_fill_rounds=8", "data.max_train_prompts=32", "data.max_eval_prompts=2",
     "online.eval_samples_per_prompt=1",
 ]  # fmt: skip
@@ -60,7 +60,7 @@ def stored_batches(out: Path) -> list[tuple[str, int, list[int]]]:
 
 def differing_weights(a: Path, b: Path) -> dict[str, float]:
     """Largest absolute difference of every tensor that differs between the final policies of runs ``a`` and ``b``."""
-    wa, wb = (load_file(str(d / "policies/online_final/model.safetensors")) for d in (a, b))
+    wa, wb = (load_file(str(d / "_policies/online_final/model.safetensors")) for d in (a, b))
     assert wa.keys() == wb.keys()
     return {name: float((wa[name] - wb[name]).abs().max()) for name in wa if not torch.equal(wa[name], wb[name])}
 

@@ -21,7 +21,7 @@ def run_online(out: Path, sft_path: str, prompts) -> dict:
     """A short one-step asynchronous online DPO run; returns its summary."""
     train, test = prompts
     args = make_args(out, online_mode="online", async_generation=True, generation_threads=1, max_steps=3,
-                     max_new_tokens=48, max_length=128)  # fmt: skip
+                     max_completion_length=48, max_length=128)  # fmt: skip
     trainer = IterativeDPOTrainer(
         sft_path, args=args, train_dataset=train, eval_dataset=test, reward_funcs=keyphrase_gold_reward
     )

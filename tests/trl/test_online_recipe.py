@@ -18,7 +18,7 @@ SMALL = [
     "online.num_iterations=1",
     "online.prompts_per_iteration=8",
     "online.num_samples=4",
-    "online.max_new_tokens=48",
+    "online.max_completion_length=48",
     "online.eval_samples_per_prompt=1",
     "data.max_eval_prompts=4",
     "data.max_train_prompts=16",
@@ -65,7 +65,7 @@ def test_cli_runs_the_tiny_recipe(tmp_path, tiny_sft_path):
     assert result.exit_code == 0, result.output
     assert "online DPO finished (iterative)" in result.output and "policy     1" in result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_policy"] == str(out / "policies/policy_001")
+    assert summary["final_policy"] == str(out / "_policies/policy_001")
     bad = CliRunner().invoke(main, ["train", "online-dpo", "--config", "online_dpo_tiny", "online.bogus=1"])
     assert bad.exit_code == 2 and "unknown key 'online.bogus'" in bad.output
 
@@ -102,7 +102,7 @@ def test_run_iterations_runs_the_same_steps_as_train(tmp_path, tiny_sft_path):
             num_iterations=2,
             prompts_per_iteration=8,
             num_samples=4,
-            max_new_tokens=48,
+            max_completion_length=48,
             learning_rate=1e-4,
             num_train_epochs=1,
             per_device_train_batch_size=4,

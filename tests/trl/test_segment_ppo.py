@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -374,3 +375,77 @@ def test_reward_funcs_and_a_segment_reward_model_is_one_clear_error(tmp_path, ti
     assert "\n" not in message and "reward_model_path" in message and "drop reward_funcs" in message
     with pytest.raises(ValueError, match="needs a reward"):
         SegmentPPOTrainer(tiny_sft_path, args=_config(tmp_path, None), train_dataset=prompts, processing_class=toy_tok)
+
+
+# ------------------------------------------------------------------------ a segment reward model wherever accepted
+def test_segment_rm_directory_in_reward_funcs_is_scored_by_e_phi(tmp_path, tiny_sft_path, toy_tok, segment_rm,
+                                                                   prompts):  # fmt: skip
+    """``reward_funcs="<segment RM dir>"`` used to load a sequence classifier and train on its last-token score of
+    ``prompt + completion`` (GRPO's path); it is now the RM's e_phi, the score it was trained to give."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_ext.runtime.rewards import SegmentSequenceReward
+    from rlhf_ext.runtime.token_scores import SegmentScorer
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, None, advantage_estimator="reinforce", kl_coef=0.0, max_completion_length=16)
+    trainer = SegmentPPOTrainer(tiny_sft_path, segment_rm, args, prompts, None, toy_tok)
+    (func,) = trainer.reward_funcs
+    assert isinstance(func, SegmentSequenceReward) and trainer.reward_func_names == [func.__name__]
+    texts = [(prompts[i]["prompt"], c) for i, c in enumerate([" the crowd goes wild. Then more text here.", " no."])]
+    got = func(prompts=[p for p, _ in texts], completions=[c for _, c in texts], completion_ids=None)
+    scorer = SegmentScorer(segment_rm)
+    e_phi = torch.tensor([scorer.score(p, c).evaluation for p, c in texts])
+    torch.testing.assert_close(got, e_phi, rtol=1e-5, atol=1e-5)
+    classifier = AutoModelForSequenceClassification.from_pretrained(segment_rm, num_labels=1).eval()
+    ids = toy_tok([p + c + toy_tok.eos_token for p, c in texts], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        last_token = classifier(**ids).logits[:, 0]
+    assert not torch.allclose(got, last_token, atol=1e-3)  # the signal it used to train on
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0][f"rewards/{func.__name__}/mean"])
+
+
+def test_a_loaded_segment_rm_or_bandit_granularity_on_it_is_refused(tmp_path, tiny_sft_path, toy_tok, segment_rm,
+                                                                     prompts):  # fmt: skip
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_ext.runtime.segment_data import load_segment_settings, save_segment_settings
+    from rlhf_ext.trl.online_dpo import _reward_function
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(segment_rm, num_labels=1)
+    args = _config(tmp_path, None, advantage_estimator="reinforce")
+    fix = f"pass its directory '{segment_rm}' instead (scored by its sequence evaluation e_phi)"
+    with pytest.raises(ValueError, match="reward_funcs\\[0\\] is a segment reward model") as err:
+        SegmentPPOTrainer(tiny_sft_path, [loaded], args, prompts, processing_class=toy_tok)
+    assert fix in str(err.value)
+    with pytest.raises(ValueError, match="loaded as a sequence classifier"):
+        _reward_function(loaded, toy_tok, 8)  # IterativeDPOTrainer(reward_funcs=<loaded model>)
+    # granularity 'bandit' reads the last token: refused on a segment RM (cutoff 2.0) ...
+    with pytest.raises(ValueError, match="granularity 'bandit' would train on its last-token score") as err:
+        SegmentPPOTrainer(tiny_sft_path, args=_config(tmp_path, segment_rm, granularity="bandit"),
+                          train_dataset=prompts, processing_class=toy_tok)  # fmt: skip
+    assert "use granularity 'segment_as_bandit'" in str(err.value)
+    # ... and allowed on a bandit RM (cutoff inf: one segment, e_phi is the last-token score)
+    bandit_rm = tmp_path / "bandit_rm"
+    shutil.copytree(segment_rm, bandit_rm)
+    save_segment_settings(bandit_rm, {**load_segment_settings(segment_rm), "entropy_cutoff": math.inf})
+    args = _config(tmp_path, str(bandit_rm), granularity="bandit", advantage_estimator="reinforce")
+    SegmentPPOTrainer(tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok)
+
+
+def test_reward_funcs_with_gae_say_once_that_a_critic_trains(tmp_path, tiny_sft_path, toy_tok, prompts, caplog,
+                                                              capfd):  # fmt: skip
+    """A GRPO user passing reward_funcs got a critic (the default estimator is gae) without a word, and transformers'
+    "score.weight | MISSING" load table mid-run."""
+    import logging
+
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    with caplog.at_level(logging.INFO, logger="rlhf_ext"):
+        SegmentPPOTrainer(tiny_sft_path, _even_token_reward, _config(tmp_path, None), prompts, processing_class=toy_tok)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("rlhf_ext")]
+    assert sum("advantage_estimator 'gae'" in m and "reinforce_baseline" in m for m in lines) == 1
+    assert f"critic: {tiny_sft_path} with a fresh value head" in lines
+    assert "LOAD REPORT" not in capfd.readouterr().err and "MISSING" not in caplog.text

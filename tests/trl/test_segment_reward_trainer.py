@@ -160,3 +160,22 @@ def test_instantiated_model_needs_an_sft_model(tmp_path, toy_tok, toy_data):
         SegmentRewardTrainer(
             model=model, args=_args(tmp_path), train_dataset=toy_data["train"], processing_class=toy_tok
         )
+
+
+def test_model_card_quick_start_scores_by_e_phi(tmp_path, tiny_sft_path, toy_tok, prepared):
+    """TRL's card taught ``pipeline(...)[0]["score"]`` (the last-token score); the card's call must give e_phi."""
+    from rlhf_ext.runtime.token_scores import SegmentScorer
+    from rlhf_ext.trl import SegmentRewardTrainer
+
+    args = _args(tmp_path, entropy_cutoff=1.5, max_steps=1)
+    trainer = SegmentRewardTrainer(model=tiny_sft_path, args=args, train_dataset=prepared, processing_class=toy_tok)
+    trainer.save_model()
+    trainer.create_model_card(model_name="out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    quick = card[card.index("## Quick start") : card.index("## Training procedure")]
+    assert "rewarder(text)" not in card and 'Not `pipeline(model="out")(text)[0]["score"]`' in quick
+    code = quick.split("```python\n")[1].split("```")[0].replace('"out"', repr(str(tmp_path / "out")))
+    printed = []
+    exec(code, {"print": printed.append})  # the card's own snippet, run as written on this directory
+    e_phi = SegmentScorer(str(tmp_path / "out")).score("The capital of France is", " Paris.").evaluation
+    torch.testing.assert_close(printed[0], torch.tensor([e_phi]), rtol=1e-5, atol=1e-5)
