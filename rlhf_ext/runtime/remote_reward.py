@@ -1,4 +1,4 @@
-"""A TRL reward function that asks a remote segment reward model (``rlhf-ext serve rm``) for e_phi.
+"""A reward function that asks a remote segment reward model (``rlhf-ext serve rm``) for e_phi or for its segments.
 
 Example::
 
@@ -6,11 +6,15 @@ Example::
     from rlhf_ext.trl.remote_reward import RemoteSegmentReward
 
     trainer = GRPOTrainer(model=policy, reward_funcs=[RemoteSegmentReward("http://127.0.0.1:5000")], ...)
+    trainer = DensePPOTrainer(model=policy, reward_funcs=[RemoteSegmentReward(url, spans=True)], ...)  # dense
 
 The function has the signature of TRL's ``reward_funcs`` callables (``prompts``, ``completions``, keyword columns)
-and returns one float per completion: the segment evaluation ``e_phi`` (paper 003 Eq. 4) of each (prompt,
-completion), computed by the server in batches. Text and conversational datasets both work: chat messages are sent as
-they are and rendered with the reward model's own chat template on the server.
+and returns, per completion, the segment evaluation ``e_phi`` (paper 003 Eq. 4) of the (prompt, completion) -- or,
+with ``spans=True``, its segments as ``(char_start, char_end, reward)`` spans over the completion's text (the
+server's ``"spans"`` answer; the dense-reward contract of :mod:`rlhf_ext.runtime.spans`), computed by the server in
+batches. Text and conversational datasets both work: chat messages are sent as they are and rendered with the reward
+model's own chat template on the server. Engine-free: OpenRLHF's launcher uses it for ``--reward.remote_url`` with
+dense granularities.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class RemoteSegmentReward:
         retries, retry_wait_s: attempts per request on a connection error or a 5xx answer, and the pause between
             them (as OpenRLHF's client: 5 attempts, 1 s apart). A 4xx answer raises :class:`RemoteRewardError` at once.
         name: the function's ``__name__``, which TRL logs the reward under (``rewards/<name>/mean``).
+        spans: return each completion's segment spans (a dense reward for ``DensePPOTrainer`` and OpenRLHF's
+            ``train_ppo_ray``) instead of e_phi (a sequence reward for any TRL trainer).
         api_key: the server's API key (``rlhf-ext serve rm --api-key``), sent as a bearer token; default: the
             ``RLHF_EXT_API_KEY`` environment variable when set.
 
@@ -70,6 +76,7 @@ class RemoteSegmentReward:
         retry_wait_s: float = 1.0,
         name: str = "segment_rm",
         api_key: str | None = None,
+        spans: bool = False,
     ):
         if retries < 1:
             raise ValueError(f"retries must be at least 1, got {retries}")
@@ -80,6 +87,7 @@ class RemoteSegmentReward:
         self.batch_size, self.timeout, self.retries, self.retry_wait_s = batch_size, timeout, retries, retry_wait_s
         self.__name__ = name  # TRL logs the reward as rewards/<__name__>/mean
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.spans = spans
 
     def _post(self, payload: dict[str, Any]) -> dict:
         for attempt in range(1, self.retries + 1):
@@ -97,14 +105,20 @@ class RemoteSegmentReward:
                 time.sleep(self.retry_wait_s)
         raise RemoteRewardError(f"{self.endpoint} did not answer after {self.retries} attempts: {problem}")
 
-    def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float]:
-        """e_phi of each (prompt, completion), in order; ``columns`` (TRL's other dataset columns, the trainer
-        state, ...) are not used."""
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list:
+        """e_phi of each (prompt, completion), in order (with ``spans``: its segment spans); ``columns`` (TRL's other
+        dataset columns, the trainer state, ...) are not used."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions: one prompt per completion")
-        rewards: list[float] = []
+        out: list = []
         for start in range(0, len(prompts), self.batch_size):
             chunk = slice(start, start + self.batch_size)
             answer = self._post({"prompts": list(prompts[chunk]), "responses": list(completions[chunk])})
-            rewards.extend(float(r) for r in answer["rewards"])
-        return rewards
+            if not self.spans:
+                out.extend(float(r) for r in answer["rewards"])
+            elif "spans" not in answer:
+                raise RemoteRewardError(f"{self.endpoint} answers without 'spans': serve the model with this "
+                                        "rlhf-ext's `rlhf-ext serve rm`, or use spans=False for e_phi")  # fmt: skip
+            else:
+                out.extend([(int(a), int(b), float(r)) for a, b, r in row] for row in answer["spans"])
+        return out
