@@ -18,7 +18,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv demo test test-fast test-newest test-floors lint bench clean openrlhf-tests wheel-smoke
+.PHONY: venv demo test test-fast test-newest test-floors lint bench clean openrlhf-tests wheel-smoke fidelity
 
 venv: $(STAMP)
 
@@ -76,6 +76,12 @@ openrlhf-tests: $(STAMP)
 # commands from there (the demo, the four tiny recipes, torchrun, ray job submit, the OpenRLHF engine on CPU).
 wheel-smoke:
 	PYTHON=$(PYTHON) TORCH_INDEX="$(TORCH_INDEX)" scripts/wheel_smoke.sh
+
+# Every fidelity result of the simulator regenerated from the code as it is (benchmarks/fidelity.py): BUDGET=default
+# (the results of record, a few hours on 2 cores), BUDGET=smoke (every step on a tiny slice, minutes), BUDGET=full.
+BUDGET ?= default
+fidelity: $(STAMP)
+	$(PY) benchmarks/fidelity.py --budget $(BUDGET)
 
 bench: $(STAMP)
 	$(PY) benchmarks/segmentation.py

@@ -1,6 +1,8 @@
 """How far the simulator's verdicts can be trusted: its ranking of methods against the published ones.
 
-Two checks on the per-seed results of ``rlhf-ext sim compare`` (``sim_compare.json``):
+Two checks on the per-seed results of ``rlhf-ext sim compare`` (``sim_compare.json``), each on the length-controlled
+win rate (``lc_win_rate``, AlpacaEval 2.0's GLM read off at zero length difference; the primary metric) and on the
+raw win rate:
 
 1. AlpacaFarm (paper 002, section 4.2) reports that its simulated ranking of methods matches the human one with a
    Spearman correlation of 0.98. Here: Spearman's rho and Kendall's tau-b between our win rates against the SFT model
@@ -8,8 +10,9 @@ Two checks on the per-seed results of ``rlhf-ext sim compare`` (``sim_compare.js
    have (our ``bandit_ppo`` is AlpacaFarm's PPO), with a bootstrap over seeds (each method's seeds resampled with
    replacement, fixed RNG seed): the 2.5/97.5 percentiles and the fraction of resamples with a positive correlation.
 2. Paper 003's Table 1 order of PPO action spaces (AlpacaEval 2.0 LC win rate: segment > token > bandit) under the
-   comparison's budget: mean win rate ± s.e. over seeds of ``segment_ppo``, ``token_ppo`` and ``bandit_ppo`` (those
-   present in the results; the three share one PPO setting), and whether our order agrees.
+   comparison's protocol (each variant at the settings ``sim tune`` picked), once with the paper's segment mode
+   (``segment_ppo``) and once with the robust one (``chunk_ppo``): mean ± s.e. over seeds, and whether our order
+   agrees.
 
 Usage::
 
@@ -54,9 +57,21 @@ ALPACAFARM_REPORTED_SPEARMAN = 0.98
 PAPER003_ORDER = tuple(sorted(PAPER003_TABLE1_ALPACAEVAL_LC, key=PAPER003_TABLE1_ALPACAEVAL_LC.get, reverse=True))
 
 
-def per_seed_win_rates(summary: dict[str, Any]) -> dict[str, list[float]]:
-    """Each method's per-seed win rates against the SFT model, from a ``sim_compare.json`` summary."""
-    return {row["method"]: [float(r["win_rate"]) for r in row["per_seed"]] for row in summary["methods"]}
+#: The metrics analysed, primary first.
+METRICS = ("lc_win_rate", "win_rate")
+#: Our two segment-level modes, each put in paper 003's "segment" row in turn.
+SEGMENT_MODES = ("segment_ppo", "chunk_ppo")
+
+
+def per_seed_win_rates(summary: dict[str, Any], metric: str = "lc_win_rate") -> dict[str, list[float]]:
+    """Each method's per-seed ``metric`` against the SFT model, from a ``sim_compare.json`` summary (methods whose
+    results predate the metric are left out)."""
+    out = {}
+    for row in summary["methods"]:
+        values = [r.get(metric) for r in row["per_seed"]]
+        if values and all(v is not None for v in values):
+            out[row["method"]] = [float(v) for v in values]
+    return out
 
 
 def alpacafarm_table(
@@ -98,14 +113,18 @@ def alpacafarm_table(
     }
 
 
-def ppo_table(win_rates: dict[str, list[float]]) -> dict[str, Any]:
-    """Paper 003's Table 1 order against ours, over the PPO methods present in the results."""
+def ppo_table(win_rates: dict[str, list[float]], segment_mode: str = "segment_ppo") -> dict[str, Any]:
+    """Paper 003's Table 1 order against ours, over the PPO methods present in the results, with ``segment_mode``
+    (``segment_ppo`` or ``chunk_ppo``) in the segment row."""
     rows = []
     means = {}
     stderrs = {}
-    for m in PAPER003_ORDER:
+    for paper_name in PAPER003_ORDER:
+        m = segment_mode if paper_name == "segment_ppo" else paper_name
         if m not in win_rates:
-            rows.append({"method": m, "present": False, "paper003_alpacaeval_lc": PAPER003_TABLE1_ALPACAEVAL_LC[m]})
+            rows.append(
+                {"method": m, "present": False, "paper003_alpacaeval_lc": PAPER003_TABLE1_ALPACAEVAL_LC[paper_name]}
+            )
             continue
         mean, se = mean_and_stderr(win_rates[m])
         means[m], stderrs[m] = mean, se
@@ -116,11 +135,12 @@ def ppo_table(win_rates: dict[str, list[float]]) -> dict[str, Any]:
                 "win_rate_vs_sft": mean,
                 "win_rate_vs_sft_se": se,
                 "seeds": len(win_rates[m]),
-                "paper003_alpacaeval_lc": PAPER003_TABLE1_ALPACAEVAL_LC[m],
+                "paper003_alpacaeval_lc": PAPER003_TABLE1_ALPACAEVAL_LC[paper_name],
             }
         )
+    order = [segment_mode if m == "segment_ppo" else m for m in PAPER003_ORDER]
     ours = sorted(means, key=means.get, reverse=True)
-    present = [m for m in PAPER003_ORDER if m in means]
+    present = [m for m in order if m in means]
     differences = [
         {
             "better_in_paper003": a,
@@ -133,9 +153,9 @@ def ppo_table(win_rates: dict[str, list[float]]) -> dict[str, Any]:
     return {
         "differences": differences,
         "rows": rows,
-        "paper003_order": list(PAPER003_ORDER),
+        "paper003_order": order,
         "our_order": ours,
-        "agrees": ordering_agrees(means, PAPER003_ORDER),
+        "agrees": ordering_agrees(means, order),
     }
 
 
@@ -147,12 +167,22 @@ def _pm(mean: float, se: float) -> str:
     return f"{mean:.3f}" if math.isnan(se) else f"{mean:.3f} ± {se:.3f}"
 
 
+METRIC_NAMES = {"lc_win_rate": "length-controlled win rate", "win_rate": "raw win rate"}
+
+
 def markdown(report: dict[str, Any]) -> str:
-    af = report["alpacafarm"]
+    return "\n".join(markdown_metric(report, metric) for metric in METRICS if metric in report["metrics"]) + (
+        f"\nSource: {report['source']}\n"
+    )
+
+
+def markdown_metric(report: dict[str, Any], metric: str) -> str:
+    af = report["metrics"][metric]["alpacafarm"]
+    metric_name = METRIC_NAMES[metric]
     lines = [
-        "## Simulator vs AlpacaFarm (paper 002, Table 2: simulated win rate vs Davinci003)",
+        f"## Simulator vs AlpacaFarm on the {metric_name} (paper 002, Table 2: simulated win rate vs Davinci003)",
         "",
-        "| method | our win rate vs SFT | seeds | AlpacaFarm sim. win rate (%) |",
+        f"| method | our {metric_name} vs SFT | seeds | AlpacaFarm sim. win rate (%) |",
         "|---|---|---|---|",
     ]
     lines += [
@@ -172,8 +202,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {label} | {_fmt(s['value'])} | {_fmt(s['bootstrap_2.5'])} | {_fmt(s['bootstrap_97.5'])} | "
             f"{s['fraction_positive']:.3f} |"
         )
-    if "before" in report:
-        before = report["before"]["alpacafarm"]["statistics"]
+    if "before" in report and metric in report["before"]["metrics"]:
+        before = report["before"]["metrics"][metric]["alpacafarm"]["statistics"]
         lines += [
             "",
             f"Before -> after (before: {report['before']['source']}):",
@@ -193,31 +223,47 @@ def markdown(report: dict[str, Any]) -> str:
         f"resampled with replacement, RNG seed {b['rng_seed']}. AlpacaFarm reports Spearman "
         f"{af['alpacafarm_reported_spearman_sim_vs_human']} between its simulated and human rankings."
         + (f" Missing from the results: {', '.join(af['missing'])}." if af["missing"] else ""),
-        "",
-        "## PPO action spaces (paper 003, Table 1: AlpacaEval 2.0 LC win rate)",
-        "",
-        "| method | our win rate vs SFT | seeds | paper 003 LC (%) |",
-        "|---|---|---|---|",
     ]
-    ppo = report["ppo"]
-    for r in ppo["rows"]:
-        ours = _pm(r["win_rate_vs_sft"], r["win_rate_vs_sft_se"]) if r["present"] else "not in the results"
-        seeds = r["seeds"] if r["present"] else "–"
-        lines.append(f"| {r['method']} | {ours} | {seeds} | {r['paper003_alpacaeval_lc']:.2f} |")
     verdict = {True: "agrees", False: "disagrees", None: "cannot be checked (fewer than two methods present)"}
-    lines += [
-        "",
-        f"Paper 003's order: {' > '.join(ppo['paper003_order'])}; ours (present methods): "
-        f"{' > '.join(ppo['our_order']) or '–'}; the order {verdict[ppo['agrees']]}."
-        + "".join(
-            f" {d['better_in_paper003']} − {d['worse_in_paper003']}: {_fmt(d['difference'])} ± "
-            f"{d['difference_se']:.3f} (s.e. of the difference of means)."
-            for d in ppo["differences"]
-        ),
-        "",
-        f"Source: {report['source']}",
-    ]
+    for mode, ppo in report["metrics"][metric]["ppo"].items():
+        lines += [
+            "",
+            f"## PPO action spaces on the {metric_name}, segment row = {mode} (paper 003, Table 1: AlpacaEval 2.0 LC)",
+            "",
+            f"| method | our {metric_name} vs SFT | seeds | paper 003 LC (%) |",
+            "|---|---|---|---|",
+        ]
+        for r in ppo["rows"]:
+            ours = _pm(r["win_rate_vs_sft"], r["win_rate_vs_sft_se"]) if r["present"] else "not in the results"
+            seeds = r["seeds"] if r["present"] else "–"
+            lines.append(f"| {r['method']} | {ours} | {seeds} | {r['paper003_alpacaeval_lc']:.2f} |")
+        lines += [
+            "",
+            f"Paper 003's order: {' > '.join(ppo['paper003_order'])}; ours (present methods): "
+            f"{' > '.join(ppo['our_order']) or '–'}; the order {verdict[ppo['agrees']]}."
+            + "".join(
+                f" {d['better_in_paper003']} − {d['worse_in_paper003']}: {_fmt(d['difference'])} ± "
+                f"{d['difference_se']:.3f} (s.e. of the difference of means)."
+                for d in ppo["differences"]
+            ),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def analyse(summary: dict[str, Any], resamples: int, bootstrap_seed: int) -> dict[str, Any]:
+    """Per metric (:data:`METRICS` present in the results): the AlpacaFarm correlations and the PPO order tables."""
+    from rlhf_ext.sim.compare import ALPACAFARM_SIM_WINRATE
+
+    out = {}
+    for metric in METRICS:
+        win_rates = per_seed_win_rates(summary, metric)
+        if not win_rates:
+            continue
+        out[metric] = {
+            "alpacafarm": alpacafarm_table(win_rates, ALPACAFARM_SIM_WINRATE, resamples, bootstrap_seed),
+            "ppo": {mode: ppo_table(win_rates, mode) for mode in SEGMENT_MODES},
+        }
+    return out
 
 
 def run_comparison(
@@ -240,7 +286,8 @@ def run_comparison(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/results/sim_compare.json", help="sim_compare.json to read")
-    parser.add_argument("--out", default="benchmarks/results", help="folder of sim_fidelity.json / .md")
+    parser.add_argument("--out", default="benchmarks/results", help="folder of NAME.json / .md")
+    parser.add_argument("--name", default="sim_fidelity", help="file name of the report (without extension)")
     parser.add_argument("--run", action="store_true", help="run the comparison first (trains every method)")
     parser.add_argument("--config", default="sim_compare", help="with --run: recipe YAML or packaged recipe name")
     parser.add_argument("--methods", default=None, help="with --run: comma-separated subset of the methods")
@@ -254,8 +301,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.overrides and not args.run:
         parser.error("recipe overrides apply only with --run")
 
-    from rlhf_ext.sim.compare import ALPACAFARM_SIM_WINRATE
-
     if args.run:
         summary = run_comparison(args.config, args.methods, args.seeds, args.overrides, args.budget)
         source = f"rlhf_ext.sim.compare.run_compare, recipe {args.config}" + (
@@ -264,24 +309,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         summary = json.loads(Path(args.results).read_text())
         source = args.results
-    win_rates = per_seed_win_rates(summary)
-    report = {
-        "source": source,
-        "alpacafarm": alpacafarm_table(win_rates, ALPACAFARM_SIM_WINRATE, args.resamples, args.bootstrap_seed),
-        "ppo": ppo_table(win_rates),
-    }
+    report = {"source": source, "metrics": analyse(summary, args.resamples, args.bootstrap_seed)}
     if args.before:
-        before = per_seed_win_rates(json.loads(Path(args.before).read_text()))
-        report["before"] = {
-            "source": args.before,
-            "alpacafarm": alpacafarm_table(before, ALPACAFARM_SIM_WINRATE, args.resamples, args.bootstrap_seed),
-        }
+        before = json.loads(Path(args.before).read_text())
+        report["before"] = {"source": args.before, "metrics": analyse(before, args.resamples, args.bootstrap_seed)}
     from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
 
     text = markdown(report)
     out = Path(args.out)
-    atomic_write_json(out / "sim_fidelity.json", report)
-    atomic_write_text(out / "sim_fidelity.md", text)
+    atomic_write_json(out / f"{args.name}.json", report)
+    atomic_write_text(out / f"{args.name}.md", text)
     print(text)
     return report
 

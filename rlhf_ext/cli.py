@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from rlhf_ext.config import OPTIONAL_PACKAGES, HubOfflineError, MissingOptionalPackage, hub_offline
+from rlhf_ext.config import OPTIONAL_PACKAGES, HubOfflineError, KnobType, MissingOptionalPackage, hub_offline
 from rlhf_ext.datagen.cli import data
 from rlhf_ext.recipes import recipe_dir, recipe_names, recipe_path
 from rlhf_ext.sim.cli import sim as sim_group
@@ -114,7 +114,11 @@ def _os_error_message(exc: BaseException) -> str | None:
 #: The exceptions rlhf-ext raises for a user's mistake, by (module, class name); each message names the fix.
 USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
     ("rlhf_ext.config", "RecipeError"),
+    ("rlhf_ext.algos.knobs", "KnobError"),
+    ("rlhf_ext.openrlhf.cli_runner", "ExtArgsError"),
     ("rlhf_ext.runtime.rundir", "RunSettingsChanged"),
+    ("rlhf_ext.runtime.rundir", "OutputDirError"),
+    ("rlhf_ext.trl.args", "CheckpointError"),
     ("rlhf_ext.zoo.builtins", "BuiltinNotBuiltError"),
     ("rlhf_ext.pipelines.continual", "TaskSequenceError"),
     ("rlhf_ext.runtime.segment_data", "DatasetFormatError"),
@@ -197,7 +201,8 @@ main.add_command(sim_group)
     help="auto (the Ray cluster a launch here would connect to, else this machine) or NODESxGPUS: 1x8, 2x8; "
     "1x0 = CPU only.",
 )
-@click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="GiB per GPU of a stated --cluster.")
+@click.option("--gpu-memory", type=KnobType("rlhf_ext.runtime.resources:Cluster", "gpu_memory_gib"), default=80.0,
+              show_default=True, help="GiB per GPU of a stated --cluster.")  # fmt: skip
 @click.option("--engine", type=click.Choice(["trl", "openrlhf"]), default=None, help="Override the recipe's engine.")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, overrides: tuple[str, ...]) -> None:
@@ -424,12 +429,16 @@ def _finite_or_null(value):
     return value
 
 
+SEGMENT_KNOBS = "rlhf_ext.algos.segment_reward:SegmentRewardKnobs"
+
+
 @segment.command("show")
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True), help="Segment reward model dir.")
 @click.option("--prompt", default="", help="Prompt text.")
 @click.option("--response", required=True, help="Response text to segment and score.")
 @click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
-@click.option("--cutoff", type=float, default=None, help="Entropy cutoff (default: the training value).")
+@click.option("--cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"), default=None,
+              help="Entropy cutoff (default: the training value).")  # fmt: skip
 @click.option("--html", "html_path", type=click.Path(), default=None, help="Also write a coloured HTML view here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (NaN and inf are written as null).")
 def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json) -> None:
@@ -460,11 +469,14 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
 @click.option("--dataset", required=True, help="Reward-fit dataset key, e.g. preference700k_60000.")
 @click.option("--method", "segment_method", required=True, help="Segmentation method key, e.g. peak.")
 @click.option("--aggregation", required=True, help="Aggregation key, e.g. avg.")
-@click.option("--cutoff", type=float, required=True, help="Entropy cutoff (matched numerically: 2 finds '2.0').")
+@click.option("--cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"), required=True,
+              help="Entropy cutoff (matched numerically: 2 finds '2.0').")  # fmt: skip
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Normalizer JSON.")
 @click.option("--reward-model", default=None, help="The reward model it belongs to (PPO refuses it for another).")
-@click.option("--std-floor", type=float, default=None, help="Clamp Std(p) below at this value where it is <= 0.")
-@click.option("--max-segments", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--std-floor", type=KnobType("rlhf_ext.algos.location_norm:LocationNormalizer", "std_floor"),
+              default=None, help="Clamp Std(p) below at this value where it is <= 0.")  # fmt: skip
+@click.option("--max-segments", type=KnobType("rlhf_ext.algos.location_norm:ReferenceImport", "max_segments"),
+              default=1024, show_default=True,
               help="Most segments a response has (p >= 1/N); the public PPO generates <= 1024 tokens.")  # fmt: skip
 def segment_import_normalizer(
     param_json, model_type, dataset, segment_method, aggregation, cutoff, out_path, reward_model, std_floor,
@@ -507,9 +519,27 @@ def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, .
         f"  win rate PPO vs SFT: {ev['win_rate']:.3f} +- {ev['stderr']:.3f} ({ev['num_comparisons']} comparisons)"
     )
     click.echo(f"  gold reward:         PPO {ev['gold_mean']:+.3f}   SFT {ev['ref_gold_mean']:+.3f}")
-    click.echo(f"  KL(PPO || SFT):      {ev['kl']:.3f} nats")
+    click.echo(f"  KL(PPO || SFT):      {format_kl(ev)}")
     click.echo(f"  report:              {results['report']['html']}")
     click.echo(f"  metrics:             {results['report']['metrics']}")
+
+
+#: How each KL estimate of :func:`rlhf_ext.sim.win_rate` is described next to its value.
+KL_METHODS = {
+    "exact_token_sum": "exact per-token KL summed per response",
+    "sequence_log_ratio": "log-ratio estimate, can be negative",
+    "analytic_best_of_n": "analytic",
+}
+
+
+def format_kl(ev: dict) -> str:
+    """``0.123 ± 0.010 nats (exact per-token KL summed per response, 64 PPO samples)``: a KL estimate with its
+    standard error, estimator and sample count."""
+    method = ev.get("kl_method", "sequence_log_ratio")
+    return (
+        f"{ev['kl']:.3f} ± {ev.get('kl_stderr', float('nan')):.3f} nats ({KL_METHODS.get(method, method)}, "
+        f"{ev['num_comparisons']} PPO samples)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- serve

@@ -16,20 +16,41 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import math
 import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import click
 import yaml
+
+from rlhf_ext.algos.knobs import check_knobs, check_value, knob, knob_specs, parse_value
 
 T = TypeVar("T")
 
 
 class RecipeError(ValueError):
     """A recipe (YAML file or override) is invalid. The message names the key and the fix."""
+
+
+class KnobType(click.ParamType):
+    """A command-line option that takes knob ``name`` of dataclass ``owner`` (``"module:Class"``, imported on first
+    use so that ``rlhf-ext --help`` imports nothing heavy): its value is checked against the knob's declared range
+    (:mod:`rlhf_ext.algos.knobs`), so ``--cutoff nan`` is one ``error:`` line naming the option and the range, exit
+    code 2 (the ``rlhf-ext`` command group reports :class:`~rlhf_ext.algos.knobs.KnobError`)."""
+
+    name = "number"
+
+    def __init__(self, owner: str, knob_name: str) -> None:
+        self.owner, self.knob_name = owner, knob_name
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import importlib
+
+        module, _, cls = self.owner.partition(":")
+        spec = knob_specs(getattr(importlib.import_module(module), cls))[self.knob_name]
+        return parse_value(spec, value, param.opts[0] if param is not None else self.knob_name)
 
 
 #: The optional imports of rlhf-ext: top-level module -> (the distribution to install, the command that installs it).
@@ -203,33 +224,31 @@ class TrainSection:
     through unchanged.
     """
 
-    epochs: float = 1.0
-    max_steps: int | None = None
-    batch_size: int = 16
-    micro_batch_size: int = 16
-    learning_rate: float = 1e-5
+    epochs: float = knob(1.0, gt=0)
+    max_steps: int | None = knob(None, ge=1)
+    batch_size: int = knob(16, ge=1)
+    micro_batch_size: int = knob(16, ge=1)
+    learning_rate: float = knob(1e-5, gt=0)
     lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    logging_steps: int = 10
+    warmup_ratio: float = knob(0.03, ge=0, lt=1)
+    weight_decay: float = knob(0.0, ge=0)
+    max_grad_norm: float = knob(1.0, ge=0, help="0: no gradient clipping.")
+    logging_steps: int = knob(10, ge=1)
     bf16: bool = False
     gradient_checkpointing: bool = False
     trl_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
+        check_knobs(self)
+        if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
             )
-        if not self.learning_rate > 0 or math.isinf(self.learning_rate):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 (or empty to train for `epochs`), got {self.max_steps}")
 
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     hints = get_type_hints(cls)
+    specs = knob_specs(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
@@ -245,6 +264,11 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             valid = ", ".join(sorted(fields))
             raise RecipeError(f"unknown key '{path}'{hint}; valid keys here: {valid}")
         kwargs[key] = _coerce(value, hints[key], path)
+        if key in specs:  # the knob's declared range (rlhf_ext.algos.knobs), named by its dotted key
+            try:
+                kwargs[key] = check_value(specs[key], kwargs[key], path)
+            except ValueError as e:
+                raise RecipeError(str(e)) from None
     missing = [
         name
         for name, f in fields.items()

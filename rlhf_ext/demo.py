@@ -14,7 +14,8 @@ always match the current stages:
 5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (paper 003 Eq. 6).
 6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
 7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
-                    noise), gold reward, response length and KL to the SFT model; reward-model accuracy.
+                    noise), gold reward, response length and KL to the SFT model (the exact per-token KL summed
+                    along each PPO response, mean +- s.e.: never negative); reward-model accuracy.
 8. ``report``     — ``report.html`` (a PPO-vs-SFT metrics table, smoothed reward/KL curves, SFT and PPO responses
                     to the same prompts coloured by segment reward, provenance: recipe, versions, model sizes, stage
                     times) and ``metrics.json`` (the same numbers, the provenance under ``"provenance"``).
@@ -31,12 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_ext.algos.knobs import knob, seed_knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
-from rlhf_ext.runtime.rundir import RunDir
+from rlhf_ext.runtime.rundir import RunDir, claim_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +49,10 @@ STAGES = ("data", "sft", "labels", "rm", "normalizer", "ppo", "eval", "report")
 @dataclass
 class DemoData:
     config: str = "continual-piecewise-preference"
-    num_samples: int = 600
-    stage: int = 0
-    sft_fraction: float = 0.4
-    eval_prompts: int = 64
+    num_samples: int = knob(600, ge=10, le=MAX_TASK_SAMPLES, help="Preference pairs generated per task (train + test).")
+    stage: int = knob(0, ge=0, help="The generated stage the demo trains on.")
+    sft_fraction: float = knob(0.4, gt=0, lt=1, help="Share of the stage's train split used for SFT.")
+    eval_prompts: int = knob(64, ge=1)
 
 
 @dataclass
@@ -58,23 +61,23 @@ class DemoModel:
     ``builtin:smollm2`` fine-tunes that model (and its tokenizer) instead."""
 
     base_model: str | None = None
-    tokenizer_vocab: int = 1024
-    hidden_size: int = 96
-    num_layers: int = 2
-    sft_epochs: int = 10
-    sft_learning_rate: float = 3e-3
+    tokenizer_vocab: int = knob(1024, ge=64)
+    hidden_size: int = knob(96, ge=8)
+    num_layers: int = knob(2, ge=1)
+    sft_epochs: int = knob(10, ge=1)
+    sft_learning_rate: float = knob(3e-3, gt=0)
 
 
 @dataclass
 class DemoTraining:
-    annotator_flip_prob: float = 0.25
-    rm_epochs: float = 2.0
-    rm_learning_rate: float = 1e-3
-    ppo_steps: int = 20
-    ppo_batch_size: int = 16
-    ppo_learning_rate: float = 3e-4
-    max_completion_length: int = 112
-    seed: int = 0
+    annotator_flip_prob: float = knob(0.25, ge=0, le=1)
+    rm_epochs: float = knob(2.0, gt=0)
+    rm_learning_rate: float = knob(1e-3, gt=0)
+    ppo_steps: int = knob(20, ge=1)
+    ppo_batch_size: int = knob(16, ge=2, help="Rollouts per PPO step (2 per prompt).")
+    ppo_learning_rate: float = knob(3e-4, gt=0)
+    max_completion_length: int = knob(112, ge=1)
+    seed: int = seed_knob(0)
 
 
 @dataclass
@@ -108,8 +111,10 @@ class DemoPipeline:
             from rlhf_ext.zoo.builtins import check_model_source
 
             check_model_source(recipe.model.base_model)
+        self._settings = settings
         #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
-        self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
+        with self._claim():
+            self.run_dir = RunDir(self.out, settings, kind="demo", force=force)
         self.markers = self.run_dir.stages  # (benchmarks/segment_fidelity.py writes its markers here)
         self._derived_built: set[str] = set()  # the derived datasets this process wrote (see _derived_dataset)
 
@@ -118,7 +123,18 @@ class DemoPipeline:
         """The result of a finished stage, else None (benchmarks/segment_fidelity.py reuses stages through it)."""
         return self.run_dir.result(stage)
 
+    def _claim(self):
+        """``out`` checked against the inputs and locked (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+        return claim_output_dir(self.recipe.out, {"model.base_model": self.recipe.model.base_model}, "out")
+
     def run(self) -> dict[str, Any]:
+        """Run the stages, holding ``out``'s lock (a second demo on it is refused at once); refused, too, when another
+        run restarted ``out`` with other settings since this pipeline was made."""
+        with self._claim():
+            self.run_dir = RunDir(self.out, self._settings, kind="demo")
+            return self._run_stages()
+
+    def _run_stages(self) -> dict[str, Any]:
         results: dict[str, Any] = {}
         start = time.perf_counter()
         for i, stage in enumerate(STAGES, 1):
@@ -308,6 +324,7 @@ class DemoPipeline:
             judge=pool,
             seed=self.recipe.training.seed,
             max_new_tokens=self.recipe.training.max_completion_length,
+            kl_estimator="exact",  # KL(PPO || SFT) per response, never negative (a log-ratio mean can be)
         )
         return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
 

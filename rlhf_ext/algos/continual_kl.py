@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knobs, knob
 from rlhf_ext.algos.names import post_init_next
 from rlhf_ext.algos.ppo import K3_MAX_LOG_RATIO, SAMPLE_KL_ESTIMATORS, KLEstimator, kl_estimate
 
@@ -55,7 +56,6 @@ __all__ = [
     "KL_ESTIMATORS",
     "KLEstimator",
     "check_estimator",
-    "check_kl_coef",
     "kl_to_previous",
     "masked_token_mean",
     "per_token_kl",
@@ -83,7 +83,7 @@ class ContinualKnobs:
             unbiased on the policy's own samples; :func:`rlhf_ext.algos.ppo.kl_estimate`).
     """
 
-    continual_kl_coef: float = field(default=DEFAULT_KL_COEF, metadata={"help": "c of paper 000 Eq. 7 (1.0)."})
+    continual_kl_coef: float = knob(DEFAULT_KL_COEF, ge=0, help="c of paper 000 Eq. 7 (1.0); 0 switches it off.")
     continual_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 (k3)."})
 
     def __post_init__(self) -> None:
@@ -92,7 +92,7 @@ class ContinualKnobs:
 
     def check_continual_knobs(self) -> None:
         """Validate the knobs in place (called by every config that embeds them)."""
-        self.continual_kl_coef = check_kl_coef(self.continual_kl_coef, "continual_kl_coef")
+        check_knobs(self)
         check_estimator(self.continual_kl_estimator)
 
 
@@ -104,14 +104,6 @@ def check_estimator(estimator: str) -> str:
             "(k3 is the default: non-negative and unbiased on the policy's own samples)"
         )
     return estimator
-
-
-def check_kl_coef(coef: float, what: str = "KL-to-previous-task weight") -> float:
-    """Validate a KL weight: a finite number >= 0 (0 switches the term off)."""
-    value = float(coef)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{what} must be a finite number >= 0 (0 switches the term off); got {coef!r}")
-    return value
 
 
 def _check_pair(logp: Tensor, prev_logp: Tensor, mask: Tensor | None) -> None:

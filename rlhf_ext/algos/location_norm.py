@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import KnobError, check_knob, check_knobs, knob
 from rlhf_ext.algos.names import StrEnum
 
 
@@ -92,6 +93,8 @@ REFERENCE_LOCATION_DECIMALS = 3
 REFERENCE_LOG_OFFSET = 1e-10
 #: The most segments a response has in the public PPO runs: one per generated token, ``--generate_max_len 1024``.
 REFERENCE_MAX_SEGMENTS = 1024
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_LOG_FLOAT32_MAX = math.log(_FLOAT32_MAX)
 
 
 class NormalizerError(ValueError):
@@ -232,27 +235,31 @@ class LocationNormalizer:
 
     kind: str = "none"
     basis: str = "linear"
-    w_mu: float = 0.0
-    b_mu: float = 0.0
-    w_sigma: float = 0.0
-    b_sigma: float = 0.0
-    num_points: int = 0
-    num_locations: int = 0
-    r2_mean: float | None = None
-    r2_log_std: float | None = None
+    w_mu: float = knob(0.0)
+    b_mu: float = knob(0.0)
+    w_sigma: float = knob(0.0)
+    b_sigma: float = knob(0.0)
+    num_points: int = knob(0, ge=0)
+    num_locations: int = knob(0, ge=0)
+    r2_mean: float | None = knob(None)
+    r2_log_std: float | None = knob(None)
     reward_model: str | None = None
     fallback: str | None = None
     method: str = "ols"
     std_link: str = "log"
-    std_floor: float | None = None
-    r2_std: float | None = None
+    std_floor: float | None = knob(None, gt=0, help="Clamp Std(p) below at this value (identity link only).")
+    r2_std: float | None = knob(None)
     source: str | None = None
-    mu_last: float | None = None
-    sigma_last: float | None = None
-    segments_per_token: float | None = None
-    above_cutoff_share: float | None = None
+    mu_last: float | None = knob(None)
+    sigma_last: float | None = knob(None, gt=0)
+    segments_per_token: float | None = knob(None, ge=0)
+    above_cutoff_share: float | None = knob(None, ge=0, le=1)
 
     def __post_init__(self):
+        try:
+            check_knobs(self)  # every coefficient a finite number (a string or NaN in a file is refused here)
+        except KnobError as e:
+            raise NormalizerError(f"normalizer {e}") from None
         if self.kind not in NORMALIZER_KINDS:
             raise NormalizerError(f"normalizer kind must be one of {', '.join(NORMALIZER_KINDS)}; got {self.kind!r}")
         self.kind = NormalizerKind(self.kind).value  # a plain str, so that to_dict() stays JSON/YAML-safe
@@ -264,17 +271,29 @@ class LocationNormalizer:
         if self.std_link not in STD_LINKS:
             raise NormalizerError(f"normalizer std_link must be one of {', '.join(STD_LINKS)}; got {self.std_link!r}")
         self.std_link = StdLink(self.std_link).value
-        if self.std_floor is not None:
-            if self.std_link != StdLink.IDENTITY:
-                raise NormalizerError("std_floor applies to std_link='identity' only (a log-link Std is positive)")
-            if not (math.isfinite(self.std_floor) and self.std_floor > 0):
-                raise NormalizerError(f"std_floor must be a positive number; got {self.std_floor!r}")
+        if self.std_floor is not None and self.std_link != StdLink.IDENTITY:
+            raise NormalizerError("std_floor applies to std_link='identity' only (a log-link Std is positive)")
         if (self.mu_last is None) != (self.sigma_last is None):
             raise NormalizerError("mu_last and sigma_last are set together (the last segment's own statistics)")
         if self.mu_last is not None and self.std_link != StdLink.LOG:
             raise NormalizerError("mu_last/sigma_last belong to the ols fit (std_link='log')")
-        if self.sigma_last is not None and not (math.isfinite(self.sigma_last) and self.sigma_last > 0):
-            raise NormalizerError(f"sigma_last must be a positive number; got {self.sigma_last!r}")
+        self._check_float32_range()
+
+    def _check_float32_range(self) -> None:
+        """Mean(p) and Std(p) must be finite float32 numbers on ``p`` in ``[1 / REFERENCE_MAX_SEGMENTS, 1]`` (the
+        lines are monotone in ``x``, so the two ends decide): an overflowing Std (``exp(1e6)``) would divide every
+        segment reward to 0 and train PPO on nothing, an overflowing Mean to NaN."""
+        if self.kind == NormalizerKind.NONE:
+            return
+        for p in (1.0 / REFERENCE_MAX_SEGMENTS, 1.0):
+            x = self._x_scalar(p)
+            mean, line = self.w_mu * x + self.b_mu, self.w_sigma * x + self.b_sigma
+            std_ok = line < _LOG_FLOAT32_MAX if self.std_link == StdLink.LOG else abs(line) < _FLOAT32_MAX
+            if not (abs(mean) < _FLOAT32_MAX and std_ok):
+                raise NormalizerError(
+                    f"normalizer Mean(p) = {mean:g} or Std(p) (line {line:g}, {self.std_link} link) overflows float32 "
+                    f"at p = {p:g}: every normalized reward would be 0 or NaN; refit it"
+                )
 
     # ------------------------------------------------------------------------------------------------ fitting
     @classmethod
@@ -456,8 +475,7 @@ class LocationNormalizer:
             or not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
         ):
             raise NormalizerError(f"{source} must be four finite numbers [a, b, c, d]; got {params!r}")
-        if not (isinstance(max_segments, int) and max_segments >= 1):
-            raise NormalizerError(f"max_segments must be a positive integer; got {max_segments!r}")
+        check_knob(ReferenceImport, "max_segments", max_segments)
         a, b, c, d = (float(v) for v in numbers)
         norm = cls(
             kind=NormalizerKind.REGRESSION.value,
@@ -571,10 +589,23 @@ class LocationNormalizer:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "data") -> LocationNormalizer:
-        """Inverse of :meth:`to_dict`; raises :class:`NormalizerError` naming ``source`` on a malformed dict."""
+        """Inverse of :meth:`to_dict`; raises :class:`NormalizerError` naming ``source`` on a malformed dict (an
+        unknown or missing field, a coefficient that is not a finite number, a Mean or Std that overflows)."""
+        if not isinstance(data, dict):
+            raise NormalizerError(f"{source} is not a LocationNormalizer file: it holds {type(data).__name__}")
         data = dict(data)
         data.pop("format", None)
         try:
             return cls(**data)
         except TypeError as e:
             raise NormalizerError(f"{source} is not a LocationNormalizer file: {e}") from e
+        except NormalizerError as e:
+            raise NormalizerError(f"{source}: {e}") from None
+
+
+@dataclass
+class ReferenceImport:
+    """The range of :meth:`LocationNormalizer.from_reference_params`'s ``max_segments`` (``--max-segments`` of
+    ``rlhf-ext segment import-normalizer``)."""
+
+    max_segments: int = knob(REFERENCE_MAX_SEGMENTS, ge=1, help="Most segments a response has (p >= 1/N).")

@@ -17,13 +17,13 @@ Everything is vectorised over the ``[P, n]`` reward matrix; there is no per-prom
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knob, check_knobs, knob
 from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
@@ -63,16 +63,6 @@ class PairSelection:
         return int(self.prompt_index.numel())
 
 
-def check_num_samples(n: int, what: str = "num_samples") -> int:
-    """``n`` responses per prompt must be at least 2 to form a pair."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
-        raise ValueError(
-            f"{what} must be an integer >= 2 (a preference pair needs two responses per prompt); got {n!r}. "
-            "Sample more responses per prompt."
-        )
-    return n
-
-
 def text_ids(texts: Sequence[Sequence[str]]) -> Tensor:
     """``[P, n]`` long ids with equal ids exactly where two responses of the *same prompt* have identical text.
 
@@ -94,7 +84,7 @@ def _check_rewards(rewards: Tensor) -> Tensor:
         rewards = torch.as_tensor(rewards)
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be a [P, n] matrix (prompts x responses); got shape {tuple(rewards.shape)}")
-    check_num_samples(int(rewards.shape[1]), "the number of responses per prompt (rewards.shape[1])")
+    check_knob(OnlineDPOKnobs, "num_samples", int(rewards.shape[1]), "responses per prompt (rewards.shape[1])")
     rewards = rewards.float() if not rewards.is_floating_point() else rewards
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero()[0].tolist()
@@ -136,12 +126,8 @@ def select_pairs(
     p, n = rewards.shape
     if rule not in SELECTION_RULES:
         raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(SELECTION_RULES)}")
-    if not math.isfinite(length_penalty) or length_penalty < 0:
-        raise ValueError(
-            f"length_penalty (lambda of paper 004 Eq. 9) must be a finite number >= 0; got {length_penalty}"
-        )
-    if tie_tolerance < 0:
-        raise ValueError(f"tie_tolerance must be >= 0; got {tie_tolerance}")
+    check_knob(OnlineDPOKnobs, "length_penalty", length_penalty)
+    check_knob(OnlineDPOKnobs, "tie_tolerance", tie_tolerance)
     scores = rewards
     if length_penalty != 0.0:
         if lengths is None:
@@ -212,14 +198,14 @@ class OnlineDPOKnobs:
 
     online_mode: str = field(default="iterative", metadata={"help": "iterative (paper 004) | online (paper 001)"})
     async_generation: bool = field(default=True, metadata={"help": "Online mode: one-step async (paper 001)."})
-    num_iterations: int = field(default=3, metadata={"help": "Iterations of Algorithm 2 (3)."})
-    prompts_per_iteration: int | None = field(default=None, metadata={"help": "Prompts per iteration."})
-    num_samples: int = field(default=8, metadata={"help": "Responses sampled per prompt (n = 8)."})
-    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0], metadata={"help": "Sampling temps."})
+    num_iterations: int = knob(3, ge=1, help="Iterations of Algorithm 2 (3).")
+    prompts_per_iteration: int | None = knob(None, ge=1, help="Prompts per iteration.")
+    num_samples: int = knob(8, ge=2, help="Responses sampled per prompt (n = 8; a pair needs 2).")
+    temperatures: list[float] = knob(default_factory=lambda: [0.7, 1.0], gt=0, help="Sampling temps.")
     selection_rule: SelectionRule = field(default=SelectionRule.MAX_MIN.value, metadata={"help": "max_min (paper)"})
-    length_penalty: float = field(default=0.0, metadata={"help": "lambda of paper 004 Eq. 9."})
+    length_penalty: float = knob(0.0, ge=0, help="lambda of paper 004 Eq. 9.")
     length_unit: str = field(default="chars", metadata={"help": "chars | tokens"})
-    tie_tolerance: float = field(default=0.0, metadata={"help": "Score gap at or below which a pair is a tie."})
+    tie_tolerance: float = knob(0.0, ge=0, help="Score gap at or below which a pair is a tie.")
     pair_data: str = field(default="accumulate", metadata={"help": "accumulate | latest"})
 
     def __post_init__(self) -> None:
@@ -228,13 +214,9 @@ class OnlineDPOKnobs:
 
     def check_online_dpo_knobs(self, prefix: str = "") -> None:
         """Validate the knobs (called by every config that embeds them; ``prefix`` names its section in errors)."""
-        check_num_samples(self.num_samples, f"{prefix}num_samples")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}")
-        if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
-            raise ValueError(f"prompts_per_iteration must be >= 1, got {self.prompts_per_iteration}")
-        if not self.temperatures or any(not t > 0 for t in self.temperatures):
-            raise ValueError(f"temperatures must be positive numbers, got {self.temperatures}")
+        check_knobs(self, prefix)
+        if not self.temperatures:
+            raise ValueError(f"{prefix}temperatures must list at least one temperature")
         for name, allowed in (
             ("online_mode", ("iterative", "online")),
             ("selection_rule", SELECTION_RULES),
@@ -243,5 +225,42 @@ class OnlineDPOKnobs:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if not math.isfinite(self.length_penalty) or self.length_penalty < 0:
-            raise ValueError(f"length_penalty (lambda of paper 004 Eq. 9) must be >= 0, got {self.length_penalty}")
+
+
+@dataclass
+class OnlineSamplingKnobs:
+    """How online DPO samples and evaluates (papers 004 / 001 use no top-p / top-k), declared once:
+    ``IterativeDPOConfig`` and the online-DPO recipe's ``online:`` section embed these fields.
+
+    Args:
+        max_new_tokens, max_prompt_length, top_p, top_k: sampling limits (prompts are cut from the left).
+        generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
+        generation_batch_size: sequences per HF ``generate`` call.
+        eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
+        generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
+            thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
+            function must be picklable).
+        max_fill_rounds: online mode: extra sampling rounds to replace tied prompts before giving up.
+        generation_threads / training_threads: torch intra-op threads of each role (CPU); ``None``: unchanged.
+        vllm_gpu_memory_utilization: vLLM's share of GPU memory.
+    """
+
+    max_new_tokens: int = knob(256, ge=1, help="Maximum response length in tokens.")
+    max_prompt_length: int | None = knob(None, ge=1, help="Prompts are cut from the left.")
+    top_p: float = knob(1.0, gt=0, le=1, help="Nucleus sampling (1.0 = off).")
+    top_k: int = knob(0, ge=0, help="Top-k sampling (0 = off).")
+    generation_backend: str = field(default="auto", metadata={"help": "auto | hf | vllm"})
+    generation_batch_size: int = knob(64, ge=1, help="Sequences per generate call.")
+    eval_samples_per_prompt: int = knob(2, ge=1, help="Samples per evaluation prompt.")
+    eval_temperature: float = knob(1.0, gt=0, help="Evaluation sampling temperature.")
+    generator_process: bool = field(default=False, metadata={"help": "Online mode: generate in a separate process."})
+    max_fill_rounds: int = knob(4, ge=0, help="Online mode: rounds to replace tied prompts.")
+    generation_threads: int | None = knob(None, ge=1, help="CPU threads for generation.")
+    training_threads: int | None = knob(None, ge=1, help="CPU threads for training.")
+    vllm_gpu_memory_utilization: float = knob(0.3, gt=0, le=1, help="vLLM's share of GPU memory.")
+
+    def __post_init__(self) -> None:
+        post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
+        check_knobs(self)
+        if self.generation_backend not in ("auto", "hf", "vllm"):
+            raise ValueError(f"generation_backend must be one of auto, hf, vllm; got {self.generation_backend!r}")

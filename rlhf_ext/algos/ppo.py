@@ -8,13 +8,13 @@ are vectorised over the batch; the backward recursions of GAE and reward-to-go r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knobs, knob
 from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
@@ -401,27 +401,6 @@ def ppo_advantages(
     return rewards, advantages, returns
 
 
-def check_unit_interval(name: str, value: float) -> float:
-    """``value`` if it lies in ``[0, 1]`` (a discount or a GAE lambda); ``ValueError`` naming ``name`` otherwise."""
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise ValueError(f"{name} must be in [0, 1]; got {value}")
-    return value
-
-
-def check_positive(name: str, value: float) -> float:
-    """``value`` if it is a finite number > 0 (a clip width, a temperature); ``ValueError`` naming ``name``
-    otherwise."""
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number > 0; got {value}")
-    return value
-
-
-def check_clip_eps(value: float, name: str = "clip_eps") -> float:
-    """The PPO ratio clip ``epsilon`` (paper 003 Appendix C: 0.2): a finite number > 0. A value <= 0 would clip the
-    ratio to an empty or inverted band and train silently on a meaningless objective."""
-    return check_positive(name, value)
-
-
 @dataclass
 class PPOKnobs:
     """PPO knobs shared by the engines, declared once (paper 003 Table 8 and OpenRLHF 0.11.2's defaults):
@@ -441,16 +420,16 @@ class PPOKnobs:
         whiten_advantages: standardise advantages over the rollout batch (OpenRLHF does).
     """
 
-    kl_coef: float = field(default=0.01, metadata={"help": "beta of paper 003 Eq. 5 (0.01)"})
+    kl_coef: float = knob(0.01, ge=0, help="beta of paper 003 Eq. 5 (0.01)")
     kl_estimator: KLEstimator = field(default=KLEstimator.K1.value, metadata={"help": "k1 | k2 | k3"})
     advantage_estimator: AdvantageEstimator = field(
         default=AdvantageEstimator.GAE.value, metadata={"help": "gae | reinforce | reinforce_baseline"}
     )
-    gamma: float = field(default=1.0, metadata={"help": "Discount."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    value_clip: float | None = field(default=0.25, metadata={"help": "Value clip (0.25 dense, 0.2 bandit)."})
-    reward_clip_range: list[float] | None = field(
-        default_factory=lambda: [-10.0, 10.0], metadata={"help": "Per-token reward clip [low, high] (+-10)."}
+    gamma: float = knob(1.0, ge=0, le=1, help="Discount.")
+    lam: float = knob(0.95, ge=0, le=1, help="GAE lambda.")
+    value_clip: float | None = knob(0.25, gt=0, help="Value clip (0.25 dense, 0.2 bandit).")
+    reward_clip_range: list[float] | None = knob(
+        default_factory=lambda: [-10.0, 10.0], help="Per-token reward clip [low, high] (+-10)."
     )
     whiten_advantages: bool = field(default=True, metadata={"help": "Standardise advantages per rollout batch."})
 
@@ -460,12 +439,7 @@ class PPOKnobs:
 
     def check_ppo_knobs(self) -> None:
         """Validate the knobs (called by every config that embeds them); each error names the knob and its range."""
-        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
-            raise ValueError(f"kl_coef must be >= 0 and finite; got {self.kl_coef}")
-        check_unit_interval("gamma", self.gamma)
-        check_unit_interval("lam", self.lam)
-        if self.value_clip is not None and not (self.value_clip > 0 and math.isfinite(self.value_clip)):
-            raise ValueError(f"value_clip must be a finite number > 0, or null for no clip; got {self.value_clip}")
+        check_knobs(self)
         if self.kl_estimator not in SAMPLE_KL_ESTIMATORS:
             raise ValueError(
                 f"kl_estimator must be one of {', '.join(SAMPLE_KL_ESTIMATORS)}; got {self.kl_estimator!r}"

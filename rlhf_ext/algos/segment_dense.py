@@ -41,15 +41,16 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knob, check_knobs, knob
 from rlhf_ext.algos.location_norm import NORMALIZER_KINDS, LocationNormalizer, NormalizerKind
 from rlhf_ext.algos.names import StrEnum, post_init_next
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
     Aggregation,
+    SegmentRewardKnobs,
     Segments,
     aggregate_segments,
-    check_cutoff,
     gather_segment_rewards,
     segment_boundaries,
     segment_ids,
@@ -210,7 +211,7 @@ def dense_segment_rewards(
             from rlhf_ext.algos.segment_reward import token_entropy
 
             entropy = token_entropy(logits, shift=True)
-        cutoff = check_cutoff(entropy_cutoff)
+        cutoff = check_knob(SegmentRewardKnobs, "entropy_cutoff", entropy_cutoff, "entropy cutoff")
     else:
         entropy = torch.zeros_like(token_scores)
         cutoff = math.inf if granularity == Granularity.BANDIT else 0.0
@@ -336,14 +337,15 @@ class DenseRewardKnobs:
         default=NormalizerKind.REGRESSION.value, metadata={"help": "Eq. 6 / Table 2"}
     )
     normalizer_basis: Literal["linear", "log"] = field(default="linear", metadata={"help": "linear (paper) | log"})
-    chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Tokens per segment for chunk"})
+    chunk_size: int = knob(DEFAULT_CHUNK_SIZE, ge=1, help="Tokens per segment for granularity chunk")
 
     def __post_init__(self) -> None:
         post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
         self.check_dense_reward_knobs()
 
     def check_dense_reward_knobs(self) -> None:
-        """Validate the knobs (called by every config that embeds them)."""
+        """Validate the knobs (called by every config that embeds them), and the ranged fields of that config."""
+        check_knobs(self)
         for name, allowed in (
             ("granularity", GRANULARITIES),
             ("interpolation", INTERPOLATIONS),
@@ -352,5 +354,3 @@ class DenseRewardKnobs:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if not (isinstance(self.chunk_size, int) and not isinstance(self.chunk_size, bool) and self.chunk_size >= 1):
-            raise ValueError(f"chunk_size must be a positive integer; got {self.chunk_size!r}")

@@ -16,13 +16,13 @@ Conventions (all functions):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knob, check_knobs, knob
 from rlhf_ext.algos.names import StrEnum, post_init_next
 
 
@@ -42,25 +42,6 @@ DEFAULT_TAU = 0.5
 
 #: 1M logits (4 MB in fp32) per chunk: 5-7x faster on CPU than 16M-logit chunks (measured).
 _ENTROPY_CHUNK_ELEMENTS = 1 << 20
-
-
-def check_cutoff(cutoff: float) -> float:
-    """Validate an entropy cutoff: a non-negative number, ``inf`` allowed (the bandit model)."""
-    cutoff = float(cutoff)
-    if math.isnan(cutoff) or cutoff < 0:
-        raise ValueError(
-            f"entropy cutoff must be >= 0 (nats), got {cutoff}; use 0 for one segment per token, "
-            "2.0 for the paper's default, or inf for one segment per response (bandit)"
-        )
-    return cutoff
-
-
-def check_tau(tau: float) -> float:
-    """Validate the soft-max temperature of paper 003 Eq. 4 (must be > 0)."""
-    tau = float(tau)
-    if not tau > 0 or math.isinf(tau):
-        raise ValueError(f"soft-max temperature tau must be a finite number > 0, got {tau}; the paper uses 0.5")
-    return tau
 
 
 def check_aggregation(kind: str) -> str:
@@ -85,11 +66,11 @@ class SegmentRewardKnobs:
         tau: temperature of the soft-max aggregation of paper 003 Eq. 4. Paper default 0.5.
     """
 
-    entropy_cutoff: float = field(default=DEFAULT_ENTROPY_CUTOFF, metadata={"help": "c_ent in nats (paper 003: 2.0)."})
+    entropy_cutoff: float = knob(DEFAULT_ENTROPY_CUTOFF, ge=0, inf=True, help="c_ent in nats (paper 003: 2.0).")
     aggregation: Aggregation = field(
         default=Aggregation.SOFTMAX.value, metadata={"help": "softmax (paper 003 Eq. 4) | sum | mean"}
     )
-    tau: float = field(default=DEFAULT_TAU, metadata={"help": "Soft-max temperature of paper 003 Eq. 4 (0.5)."})
+    tau: float = knob(DEFAULT_TAU, gt=0, help="Soft-max temperature of paper 003 Eq. 4 (0.5).")
 
     def __post_init__(self) -> None:
         post_init_next(self, __class__)  # a config that lists the knobs before TRL's class runs TRL's checks too
@@ -97,8 +78,7 @@ class SegmentRewardKnobs:
 
     def check_segment_knobs(self) -> None:
         """Validate the knobs in place (called by every config that embeds them)."""
-        self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
-        self.tau = check_tau(self.tau)
+        check_knobs(self)
         check_aggregation(self.aggregation)
 
 
@@ -163,7 +143,7 @@ def segment_boundaries(entropy: Tensor, action_mask: Tensor, cutoff: float = DEF
     Returns:
         ``[B, T]`` bool, false outside ``action_mask``.
     """
-    cutoff = check_cutoff(cutoff)
+    cutoff = check_knob(SegmentRewardKnobs, "entropy_cutoff", cutoff, "entropy cutoff")
     if entropy.shape != action_mask.shape:
         raise ValueError(f"entropy {tuple(entropy.shape)} and action_mask {tuple(action_mask.shape)} must match")
     action_mask = action_mask.bool()
@@ -279,7 +259,7 @@ def aggregate_segments(
             "drop empty responses from the dataset or make the tokenizer append an EOS token to every response"
         )
     if kind == Aggregation.SOFTMAX:
-        tau = check_tau(tau)
+        tau = check_knob(SegmentRewardKnobs, "tau", tau)
         scaled = (seg_rewards / tau).masked_fill(~seg_mask, float("-inf"))
         return tau * torch.logsumexp(scaled, dim=1)
     total = (seg_rewards * seg_mask).sum(dim=1)

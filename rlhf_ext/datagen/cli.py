@@ -19,11 +19,30 @@ Heavy libraries are imported inside the commands.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from rlhf_ext.config import RecipeError
+from rlhf_ext.algos.knobs import knob
+from rlhf_ext.config import KnobType, RecipeError
+
+#: The dataclasses whose knobs the options take (imported when an option is parsed).
+GENERATION = "rlhf_ext.datagen.schema:GenerationSpec"
+TASK = "rlhf_ext.datagen.schema:TaskSpec"
+CONFIG = "rlhf_ext.datagen.schema:DatagenConfig"
+OPTIONS = "rlhf_ext.datagen.cli:DataOptions"
+
+
+@dataclass
+class DataOptions:
+    """The ranges of the ``rlhf-ext data`` options that are no config key."""
+
+    max_embed: int = knob(256, ge=1, help="Texts embedded per column and stage.")
+    max_judge: int | None = knob(None, ge=1, help="Rows judged per stage (None: all).")
+    count: int = knob(3, ge=1, help="Samples to show.")
+    keep_ratio: float | None = knob(None, ge=0, le=1, help="Fraction of a split to keep.")
+    keep_rows: int | None = knob(None, ge=0, help="Rows of a split to keep.")
 
 
 def _fail(message: str) -> None:
@@ -31,9 +50,14 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _load(path: str):
+def _load(path: str, output: str | None = None):
+    """The continual dataset at ``path``; with ``output`` (the command's ``-o``), first refuse an output directory that
+    is or holds ``path`` (:func:`~rlhf_ext.runtime.rundir.check_output_dir`)."""
     from rlhf_ext.datagen.builtin import load_continual_dataset
+    from rlhf_ext.runtime.rundir import check_output_dir
 
+    if output is not None:
+        check_output_dir(output, {"DATASET": path}, "-o")
     try:
         return load_continual_dataset(path)
     except (FileNotFoundError, ValueError) as e:
@@ -126,9 +150,11 @@ def _failure_lines(stats: dict) -> list[str]:
 @click.option("--backend", type=click.Choice(["offline", "hf", "openai"]), default=None, help="Override the backend.")
 @click.option("--model", default=None, help="hf: checkpoint / builtin:smollm2; openai: served model name.")
 @click.option("--api-base", default=None, help="openai: base URL up to /v1 (default http://localhost:8000/v1).")
-@click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once (default 256).")
-@click.option("--num-samples", type=int, default=None, help="Samples per task (run a config small).")
-@click.option("--seed", type=int, default=None, help="Override the config seed.")
+@click.option("--max-concurrency", type=KnobType(GENERATION, "max_concurrency"), default=None,
+              help="Requests in flight at once (default 256).")  # fmt: skip
+@click.option("--num-samples", type=KnobType(TASK, "num_samples"), default=None,
+              help="Samples per task (run a config small).")  # fmt: skip
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=None, help="Override the config seed.")
 @click.option(
     "--format",
     "formats",
@@ -165,7 +191,9 @@ def generate(
     from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
     from rlhf_ext.datagen.generate import generate_dataset, plan_generation
     from rlhf_ext.datagen.schema import load_task_config
+    from rlhf_ext.runtime.rundir import check_output_dir
 
+    check_output_dir(output, {"CONFIG": config}, "-o")
     fmt, config_format = _split_formats(formats)
     if config_format != "auto":  # auto: load_task_config itself detects AIF-Gen's task_specs
         try:
@@ -244,13 +272,15 @@ def generate(
     show_default=True,
     help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when installed.",
 )
-@click.option("--max-embed", type=int, default=256, show_default=True, help="Texts embedded per column and stage.")
-@click.option("--max-judge", type=int, default=None, help="Rows judged per stage (default: all).")
+@click.option("--max-embed", type=KnobType(OPTIONS, "max_embed"), default=256, show_default=True,
+              help="Texts embedded per column and stage.")  # fmt: skip
+@click.option("--max-judge", type=KnobType(OPTIONS, "max_judge"), default=None,
+              help="Rows judged per stage (default: all).")  # fmt: skip
 @click.option("--backend", type=click.Choice(["offline", "hf", "openai"]), default=None, help="Backend of --judge llm.")
 @click.option("--model", default=None)
 @click.option("--api-base", default=None)
-@click.option("--max-concurrency", type=int, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-concurrency", type=KnobType(GENERATION, "max_concurrency"), default=None)
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=0, show_default=True)
 def validate(
     dataset, output, judge, embedding_model, max_embed, max_judge, backend, model, api_base, max_concurrency, seed
 ) -> None:
@@ -307,9 +337,9 @@ def validate(
 @click.argument("dataset")
 @click.option("--stage", default="0", show_default=True, help="Stage index or name.")
 @click.option("--split", type=click.Choice(["train", "test"]), default="train", show_default=True)
-@click.option("-n", "count", type=int, default=3, show_default=True, help="Samples to show.")
+@click.option("-n", "count", type=KnobType(OPTIONS, "count"), default=3, show_default=True, help="Samples to show.")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=0, show_default=True)
 def preview(dataset, stage, split, count, shuffle, seed) -> None:
     """Show samples of one stage, with the preference's key phrases highlighted when the style is known."""
     import random
@@ -359,16 +389,20 @@ def _highlight(text: str, rubric) -> str:
 @data.command("sample")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path())
-@click.option("--keep-ratio-train", type=float, default=None, help="Fraction of each stage's train split to keep.")
-@click.option("--keep-ratio-test", type=float, default=None, help="Fraction of each stage's test split to keep.")
-@click.option("--keep-train", type=int, default=None, help="Rows of each stage's train split to keep.")
-@click.option("--keep-test", type=int, default=None, help="Rows of each stage's test split to keep.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--keep-ratio-train", type=KnobType(OPTIONS, "keep_ratio"), default=None,
+              help="Fraction of each stage's train split to keep.")  # fmt: skip
+@click.option("--keep-ratio-test", type=KnobType(OPTIONS, "keep_ratio"), default=None,
+              help="Fraction of each stage's test split to keep.")  # fmt: skip
+@click.option("--keep-train", type=KnobType(OPTIONS, "keep_rows"), default=None,
+              help="Rows of each stage's train split to keep.")  # fmt: skip
+@click.option("--keep-test", type=KnobType(OPTIONS, "keep_rows"), default=None,
+              help="Rows of each stage's test split to keep.")  # fmt: skip
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=0, show_default=True)
 def sample(dataset, output, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed) -> None:
     """Down-sample every stage by ratio or absolute count."""
     from rlhf_ext.datagen.dataset import subsample
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = subsample(ds, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed)
     except ValueError as e:
@@ -385,13 +419,14 @@ def transform() -> None:
 @transform.command("preference_swap")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path())
-@click.option("-p", "prob", type=float, default=1.0, show_default=True, help="Swap probability per sample.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-p", "prob", type=KnobType(GENERATION, "preference_swap"), default=1.0, show_default=True,
+              help="Swap probability per sample.")  # fmt: skip
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=0, show_default=True)
 def transform_swap(dataset, output, prob, seed) -> None:
     """Swap chosen and rejected with probability P (label noise; the swapped column records it)."""
     from rlhf_ext.datagen.dataset import preference_swap
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = preference_swap(ds, prob, seed)
     except ValueError as e:
@@ -402,13 +437,13 @@ def transform_swap(dataset, output, prob, seed) -> None:
 @transform.command("split")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path())
-@click.option("--test-ratio", type=float, default=0.15, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--test-ratio", type=KnobType(TASK, "test_ratio"), default=0.15, show_default=True)
+@click.option("--seed", type=KnobType(CONFIG, "seed"), default=0, show_default=True)
 def transform_split(dataset, output, test_ratio, seed) -> None:
     """Re-split every stage into train and test."""
     from rlhf_ext.datagen.dataset import resplit
 
-    ds = _load(dataset)
+    ds = _load(dataset, output)
     try:
         out = resplit(ds, test_ratio, seed)
     except ValueError as e:
@@ -425,7 +460,7 @@ def merge_cmd(datasets, output) -> None:
     from rlhf_ext.datagen.dataset import merge
 
     try:
-        out = merge([_load(p) for p in datasets])
+        out = merge([_load(p, output) for p in datasets])
     except ValueError as e:
         _fail(str(e))
     _save(out, output)
@@ -451,7 +486,7 @@ def merge_cmd(datasets, output) -> None:
 def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
-    ds = _load(dataset)
+    ds = _load(dataset)  # ContinualDataset.export checks OUTPUT against DATASET
     try:
         ds.export(output, fmt, overwrite=overwrite)
     except ValueError as e:  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
@@ -476,7 +511,9 @@ def export(dataset, output, fmt, overwrite) -> None:
 def import_cmd(source, output, fmt, name) -> None:
     """Read SOURCE (AIF-Gen's dataset JSON, e.g. its published continual datasets) into a continual dataset."""
     from rlhf_ext.datagen.aif_gen import import_dataset
+    from rlhf_ext.runtime.rundir import check_output_dir
 
+    check_output_dir(output, {"SOURCE": source}, "-o")
     try:
         ds = import_dataset(source, fmt, name)
     except (FileNotFoundError, ValueError) as e:

@@ -301,13 +301,13 @@ class ContinualDataset(collections.abc.Sequence):
 
     def _check_export_destination(self, out_dir: Path, overwrite: bool) -> None:
         """Raise :class:`ExportDestinationError` for a destination the export could lose data in."""
-        target = out_dir.resolve()
         if self.path is not None:
-            source = Path(self.path).resolve()
-            if target == source or target in source.parents:
-                raise ExportDestinationError(
-                    f"{out_dir} is or contains the dataset being exported ({self.path}); export to another directory"
-                )
+            from rlhf_ext.runtime.rundir import check_output_dir
+
+            try:
+                check_output_dir(out_dir, {"DATASET": self.path}, "export directory")
+            except ValueError as e:
+                raise ExportDestinationError(str(e)) from None
         if out_dir.exists() and not out_dir.is_dir():
             raise ExportDestinationError(f"{out_dir} exists and is not a directory; export to a directory")
         if out_dir.is_dir() and not overwrite:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -59,6 +58,7 @@ from rlhf_ext.datagen.mappers import (
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec, load_task_config
 from rlhf_ext.runtime.io import stable_hash
+from rlhf_ext.runtime.log import progress as log_progress
 
 PROMPT_MAPPER = PromptMapper()
 RESPONSE_MAPPER = ResponseMapper()
@@ -330,23 +330,6 @@ class _Runner:
         return sample, info
 
 
-def _progress_bar(total: int, initial: int, desc: str, enabled: bool | None):
-    from tqdm.auto import tqdm
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        unit="sample",
-        disable=not enabled,
-        dynamic_ncols=True,
-        mininterval=0.5,
-        smoothing=0.05,
-    )
-
-
 async def _run_jobs(
     runner: _Runner,
     pending: list[SampleJob],
@@ -476,7 +459,7 @@ async def agenerate_dataset(
         pending = [job for job in plan.jobs if job.key not in cache]  # failures were never cached: tried again
         reused = len(plan.jobs) - len(pending)
         if pending:
-            with _progress_bar(len(plan.jobs), reused, config.name, progress) as bar:
+            with log_progress(len(plan.jobs), reused, config.name, "samples", progress) as bar:
                 await backend.start()
                 try:
                     t0 = time.monotonic()

@@ -44,12 +44,12 @@ inclusion probability 0.4, test ratio 0.15.
 
 from __future__ import annotations
 
-import math
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf_ext.algos.knobs import check_knob, check_knobs, knob, seed_knob
 from rlhf_ext.config import RecipeError, apply_overrides, from_dict, read_yaml, to_dict
 
 Backend = Literal["offline", "hf", "openai"]
@@ -71,9 +71,8 @@ DEFAULT_STYLE_AXES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _check_probability(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0 or math.isnan(value):
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
+#: The most samples one task may plan (every sample is a job held in memory while the run plans and resumes).
+MAX_TASK_SAMPLES = 10_000_000
 
 
 @dataclass
@@ -85,9 +84,10 @@ class DomainComponent:
     """
 
     seed_words: list[str]
-    weight: float = 1.0
+    weight: float = knob(1.0, gt=0)
 
     def __post_init__(self):
+        check_knobs(self)
         words = [w for w in self.seed_words if w.strip()]
         if not words:
             raise ValueError("seed_words must contain at least one non-empty word")
@@ -95,8 +95,6 @@ class DomainComponent:
             dup = sorted({w for w in words if words.count(w) > 1})
             raise ValueError(f"seed_words contains duplicates: {', '.join(dup)}")
         self.seed_words = words
-        if not self.weight > 0 or math.isinf(self.weight):
-            raise ValueError(f"weight must be a positive finite number, got {self.weight}")
 
 
 @dataclass
@@ -116,17 +114,15 @@ class TaskMetadata:
 
     prompt_prefix: str = ""
     prompt_suffix: str = ""
-    seed_words_per_prompt: int = 2
-    preference_inclusion_prob: float = 0.4
-    styles_per_response: int = 3
+    seed_words_per_prompt: int = knob(2, ge=1)
+    preference_inclusion_prob: float = knob(0.4, ge=0, le=1)
+    styles_per_response: int = knob(3, ge=0)
     style_axes: list[tuple[str, str]] | None = None
 
     def __post_init__(self):
-        if self.seed_words_per_prompt < 1:
-            raise ValueError(f"seed_words_per_prompt must be >= 1, got {self.seed_words_per_prompt}")
-        _check_probability("preference_inclusion_prob", self.preference_inclusion_prob)
+        check_knobs(self)
         axes = self.axes()
-        if self.styles_per_response < 0 or self.styles_per_response > len(axes):
+        if self.styles_per_response > len(axes):
             raise ValueError(f"styles_per_response must be between 0 and {len(axes)} (the number of style_axes)")
 
     def axes(self) -> list[tuple[str, str]]:
@@ -155,8 +151,8 @@ class TaskSpec:
     objective: str
     preference: str
     domain: dict[str, DomainComponent]
-    num_samples: int
-    test_ratio: float = 0.15
+    num_samples: int = knob(ge=1, le=MAX_TASK_SAMPLES, help="Pairs generated for the task (train + test).")
+    test_ratio: float = knob(0.15, ge=0, lt=1)
     style: str | None = None
     objective_kind: ObjectiveKind | None = None
     metadata: TaskMetadata = field(default_factory=TaskMetadata)
@@ -169,10 +165,7 @@ class TaskSpec:
                 raise ValueError(f"{key} must not be empty")
         if not self.domain:
             raise ValueError("domain needs at least one component (name: {seed_words: [...], weight: 1.0})")
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
-        if not 0.0 <= self.test_ratio < 1.0:
-            raise ValueError(f"test_ratio must be in [0, 1), got {self.test_ratio}")
+        check_knobs(self)
 
     def prompt_fingerprint(self) -> dict[str, Any]:
         """What determines the prompt distribution p_t(x): objective, domain and prompt metadata."""
@@ -201,18 +194,14 @@ class DriftSpec:
     """
 
     type: DriftType = "piecewise"
-    cycles: int = 1
-    lipschitz_constant: float | None = None
+    cycles: int = knob(1, ge=1)
+    lipschitz_constant: float | None = knob(None, gt=0, le=1)
 
     def __post_init__(self):
-        if self.cycles < 1:
-            raise ValueError(f"cycles must be >= 1, got {self.cycles}")
+        check_knobs(self)
         if self.type == "lipschitz":
-            c = self.lipschitz_constant
-            if c is None:
+            if self.lipschitz_constant is None:
                 raise ValueError("lipschitz drift needs lipschitz_constant (0 < C <= 1), e.g. 0.25")
-            if not 0.0 < c <= 1.0:
-                raise ValueError(f"lipschitz_constant must be in (0, 1], got {c}")
         elif self.lipschitz_constant is not None:
             raise ValueError("lipschitz_constant only applies to type: lipschitz")
 
@@ -246,32 +235,21 @@ class GenerationSpec:
     model: str | None = None
     api_base: str = "http://localhost:8000/v1"
     api_key_env: str = "OPENAI_API_KEY"
-    temperature: float = 0.99
-    max_tokens_prompt: int = 1024
-    max_tokens_response: int = 2048
-    max_tokens_judge: int = 128
+    temperature: float = knob(0.99, ge=0, help="0: greedy.")
+    max_tokens_prompt: int = knob(1024, ge=1)
+    max_tokens_response: int = knob(2048, ge=1)
+    max_tokens_judge: int = knob(128, ge=1)
     response_mode: ResponseMode = "pair"
     judge: JudgeKind = "auto"
-    preference_swap: float = 0.0
-    max_concurrency: int = 256
-    request_timeout: float = 120.0
-    max_retries: int = 5
-    markers_per_response: int = 2
+    preference_swap: float = knob(0.0, ge=0, le=1)
+    max_concurrency: int = knob(256, ge=1)
+    request_timeout: float = knob(120.0, gt=0, help="Seconds per request attempt.")
+    max_retries: int = knob(5, ge=0)
+    markers_per_response: int = knob(2, ge=1)
     phrase_bank: str | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        for key in ("max_tokens_prompt", "max_tokens_response", "max_tokens_judge", "max_concurrency"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-        if self.markers_per_response < 1:
-            raise ValueError(f"markers_per_response must be >= 1, got {self.markers_per_response}")
-        _check_probability("preference_swap", self.preference_swap)
+        check_knobs(self)
         if self.backend == "hf" and not self.model:
             raise ValueError("backend hf needs model (a checkpoint path, hub id, or builtin:smollm2)")
         if "://" not in self.api_base:
@@ -315,7 +293,7 @@ class DatagenConfig:
 
     name: str
     tasks: list[TaskSpec]
-    seed: int = 0
+    seed: int = seed_knob(0)
     drift: DriftSpec = field(default_factory=DriftSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
@@ -339,8 +317,10 @@ class DatagenConfig:
 
     def with_num_samples(self, num_samples: int) -> DatagenConfig:
         """A copy in which every task has ``num_samples`` samples (``--num-samples``: run a config small)."""
-        if num_samples < 1:
-            raise RecipeError(f"num_samples must be >= 1, got {num_samples}")
+        try:
+            check_knob(TaskSpec, "num_samples", num_samples)
+        except ValueError as e:
+            raise RecipeError(str(e)) from None
         return replace(self, tasks=[replace(t, num_samples=num_samples) for t in self.tasks])
 
 

@@ -10,7 +10,6 @@ from rlhf_ext.algos.importance import ImportanceWeights, truncated_importance_we
 from rlhf_ext.algos.pair_selection import (
     SELECTION_RULES,
     PairSelection,
-    check_num_samples,
     select_pairs,
     text_ids,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "PairStore",
     "RunnerStats",
     "StalenessError",
-    "check_num_samples",
     "select_pairs",
     "text_ids",
     "torch_threads",

@@ -11,9 +11,22 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from rlhf_ext.algos.knobs import KnobSpec, parse_value
 
 logger = logging.getLogger(__name__)
+
+
+class ExtArgsError(ValueError):
+    """A command-line setting rlhf-ext cannot honour (raised in the driver, before Ray or DeepSpeed start)."""
+
+
+def exit_with_error(message: object) -> NoReturn:
+    """End a ``python -m rlhf_ext.openrlhf.*`` module on a user error: one ``error: ...`` line, exit code 2 (as the
+    ``rlhf-ext`` command line and argparse do)."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def split_ext_args(
@@ -21,11 +34,15 @@ def split_ext_args(
     defaults: dict[str, Any],
     validate: Callable[[dict[str, Any]], dict[str, Any]],
     renamed: dict[str, str] | None = None,
+    specs: dict[str, KnobSpec] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
 
-    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A key in
-    ``renamed`` (old -> new) is refused with its new name.
+    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A value
+    whose key has a knob spec (``specs``, :func:`rlhf_ext.algos.knobs.knob_specs` of the knob dataclasses) is parsed
+    and checked against the knob's declared range (``--ext.tau nan`` names the flag and the range). A key in
+    ``renamed`` (old -> new) is refused with its new name. Raises :class:`ExtArgsError` (or
+    :class:`~rlhf_ext.algos.knobs.KnobError`).
     """
     argv = list(argv)
     rest: list[str] = []
@@ -40,14 +57,15 @@ def split_ext_args(
         key, eq, value = arg[len("--ext.") :].partition("=")
         if not eq:
             if i >= len(argv):
-                raise SystemExit(f"--ext.{key} needs a value")
+                raise ExtArgsError(f"--ext.{key} needs a value")
             value = argv[i]
             i += 1
         if key not in defaults and key in (renamed or {}):
-            raise SystemExit(f"--ext.{key} was renamed to --ext.{renamed[key]}")
+            raise ExtArgsError(f"--ext.{key} was renamed to --ext.{renamed[key]}")
         if key not in defaults:
-            raise SystemExit(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in defaults)}")
-        ext[key] = value
+            raise ExtArgsError(f"unknown option --ext.{key}; valid: {', '.join('--ext.' + k for k in defaults)}")
+        spec = (specs or {}).get(key)
+        ext[key] = parse_value(spec, value, f"--ext.{key}") if spec is not None else value
     return rest, validate(ext)
 
 

@@ -31,8 +31,9 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, ContinualKnobs, check_estimator, check_kl_coef, per_token_kl
+from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, ContinualKnobs, check_estimator, per_token_kl
 from rlhf_ext.algos.cppo_weights import BatchStats, CPPOWeightSettings, batch_stats, cppo_sample_weights, mean_log_prob
+from rlhf_ext.algos.knobs import check_knob
 from rlhf_ext.openrlhf.compat import import_shims  # re-exported for callers importing more OpenRLHF modules
 
 with import_shims():
@@ -78,6 +79,20 @@ class ContinualActorSettings(ContinualKnobs):
         return cls(**values, **({"cppo": cppo} if cppo is not None else {}))
 
 
+def check_continual_ext(ext: dict[str, Any]) -> None:
+    """Check the ``--ext.continual_*`` values in the driver, before Ray starts: the knobs, the retention, and that
+    ``--ext.continual_previous_model`` can be loaded (an existing directory, a cached hub id while offline)."""
+    from rlhf_ext.zoo.builtins import check_model_source
+
+    values = {k: v for k, v in ext.items() if k.startswith("continual_") and v is not None}
+    ContinualActorSettings(**values)
+    if values.get("continual_previous_model"):
+        try:
+            check_model_source(values["continual_previous_model"])
+        except OSError as e:
+            raise ValueError(f"--ext.continual_previous_model: {e}") from None
+
+
 class ContinualPolicyLoss(PolicyLoss):
     """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (paper 000 Eq. 7), optionally with CPPO's sample-wise weights.
 
@@ -92,7 +107,7 @@ class ContinualPolicyLoss(PolicyLoss):
         self, *args: Any, continual_kl_coef: float = DEFAULT_KL_COEF, continual_kl_estimator: str = "k3", **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.continual_kl_coef = check_kl_coef(continual_kl_coef, "continual_kl_coef")
+        self.continual_kl_coef = check_knob(ContinualKnobs, "continual_kl_coef", continual_kl_coef)
         self.continual_kl_estimator = check_estimator(continual_kl_estimator)
         self.last_prev_task_kl: torch.Tensor | None = None
         self._extra: dict[str, Any] = {}

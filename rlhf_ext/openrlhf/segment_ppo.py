@@ -32,6 +32,7 @@ from typing import Any
 import ray  # noqa: E402
 import torch
 
+from rlhf_ext.algos.knobs import check_knob
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.algos.ppo import ESTIMATORS, group_mean_baseline, last_token_index
 from rlhf_ext.algos.segment_dense import (
@@ -42,7 +43,7 @@ from rlhf_ext.algos.segment_dense import (
     dense_segment_rewards,
     segmentation_rates,
 )
-from rlhf_ext.algos.segment_reward import check_cutoff, check_tau, token_entropy
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, token_entropy
 from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.runtime.calibration import load_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
@@ -61,19 +62,22 @@ WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout e
 
 
 def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
-    """Check and convert the segment ``--ext.*`` values (strings from the command line)."""
+    """Check the segment ``--ext.*`` values (already parsed against their knobs' ranges by the command line; checked
+    again here for values set in Python) and load ``--ext.normalizer``, so that a missing, malformed or poisoned
+    normalizer file is refused in the driver before Ray starts (:func:`~rlhf_ext.runtime.calibration.load_normalizer`
+    validates every field)."""
     ext = dict(ext)
     try:
-        ext["chunk_size"] = int(ext["chunk_size"])
         DenseRewardKnobs(
             granularity=ext["granularity"], interpolation=ext["interpolation"], chunk_size=ext["chunk_size"]
         )
     except ValueError as e:
         raise ValueError(f"--ext.{e}") from None
-    if ext["entropy_cutoff"] is not None:
-        ext["entropy_cutoff"] = check_cutoff(float(ext["entropy_cutoff"]))
-    if ext["tau"] is not None:
-        ext["tau"] = check_tau(float(ext["tau"]))
+    for name in ("entropy_cutoff", "tau"):
+        if ext[name] is not None:
+            ext[name] = check_knob(SegmentRewardKnobs, name, ext[name], f"--ext.{name}")
+    if ext["normalizer"]:
+        load_normalizer(ext["normalizer"], reward_model=ext["reward_model_id"])
     return ext
 
 

@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from rlhf_ext.algos.knobs import knob, knob_specs
 from rlhf_ext.algos.names import knob_defaults
-from rlhf_ext.algos.segment_reward import (
-    SegmentRewardKnobs,
-    evaluate_sequences,
-)
-from rlhf_ext.openrlhf.cli_runner import (
-    flag_value,
-    run_cli_module,
-    split_ext_args,
-)
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, check_aggregation, evaluate_sequences
+from rlhf_ext.openrlhf.cli_runner import ExtArgsError, flag_value, run_cli_module, split_ext_args
 from rlhf_ext.openrlhf.compat import check_version, import_shims, patch_for_cpu
 from rlhf_ext.runtime.segment_data import (
     ENTROPY_COLUMNS,
@@ -50,29 +45,35 @@ with import_shims():
     from openrlhf.datasets.reward_dataset import RewardDataset
     from openrlhf.trainer.rm_trainer import RewardModelTrainer
 
-#: ``--ext.*`` options and their defaults (paper 003 Table 7).
-EXT_DEFAULTS: dict[str, Any] = {
-    **knob_defaults(SegmentRewardKnobs),
-    "sft_model": None,  # default: --model.model_name_or_path (the RM starts from the SFT model)
-    "entropy_batch_size": 8,
-    "max_prompt_length": None,
-    "cache_dir": None,
-}
+
+@dataclass
+class RMExtFlags(SegmentRewardKnobs):
+    """The ``--ext.*`` options of ``rlhf_ext.openrlhf.train_rm``: paper 003's knobs (Table 7 defaults) plus
+    ``sft_model`` (default: ``--model.model_name_or_path``, the RM starts from the SFT model), the entropy pass's
+    batch size, the prompt budget and the segmented-data cache."""
+
+    sft_model: str | None = None
+    entropy_batch_size: int = knob(8, ge=1)
+    max_prompt_length: int | None = knob(None, ge=1)
+    cache_dir: str | None = None
+
+
+#: ``--ext.*`` options and their defaults.
+EXT_DEFAULTS: dict[str, Any] = knob_defaults(RMExtFlags)
 
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split and validate this module's ``--ext.*`` options (see :data:`EXT_DEFAULTS`)."""
-    return split_ext_args(argv, EXT_DEFAULTS, validate_ext)
+    """Split and validate this module's ``--ext.*`` options (:class:`RMExtFlags`; each value is checked against its
+    knob's declared range)."""
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext, specs=knob_specs(RMExtFlags))
 
 
 def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
-    ext = dict(ext)
-    knobs = SegmentRewardKnobs(float(ext["entropy_cutoff"]), ext["aggregation"], float(ext["tau"]))
-    ext.update(entropy_cutoff=knobs.entropy_cutoff, aggregation=knobs.aggregation, tau=knobs.tau)
-    ext["entropy_batch_size"] = int(ext["entropy_batch_size"])
-    if ext["max_prompt_length"] is not None:
-        ext["max_prompt_length"] = int(ext["max_prompt_length"])
-    return ext
+    try:
+        check_aggregation(ext["aggregation"])
+    except ValueError as e:
+        raise ExtArgsError(f"--ext.{e}") from None
+    return dict(ext)
 
 
 # ----------------------------------------------------------------------------------------------- the role mask
@@ -217,7 +218,9 @@ def install() -> None:
 
 
 def run_train_rm(argv: Sequence[str]) -> None:
-    """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options."""
+    """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options (a bad one
+    raises :class:`~rlhf_ext.openrlhf.cli_runner.ExtArgsError` or :class:`~rlhf_ext.algos.knobs.KnobError` before
+    OpenRLHF starts)."""
     rest, ext = parse_ext_args(argv)
     install()
     run_cli_module("openrlhf.cli.train_rm", rest, lambda args: setattr(args, "ext", SimpleNamespace(**ext)))

@@ -54,13 +54,21 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from rlhf_ext.algos.continual_kl import ContinualKnobs, check_estimator, check_kl_coef
+from rlhf_ext.algos.continual_kl import ContinualKnobs
+from rlhf_ext.algos.knobs import knob_specs
 from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs, Granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.algos.spans import SPAN_GRANULARITIES
-from rlhf_ext.openrlhf.cli_runner import flag_value, parsed_args, run_cli_module, split_ext_args
+from rlhf_ext.openrlhf.cli_runner import (
+    ExtArgsError,
+    exit_with_error,
+    flag_value,
+    parsed_args,
+    run_cli_module,
+    split_ext_args,
+)
 from rlhf_ext.openrlhf.plan import SizeLookup, detect_cluster, plan_run, ray_address
 from rlhf_ext.runtime.resources import Cluster, Plan, PlanError, model_size
 
@@ -88,6 +96,8 @@ RENAMED_EXT_FLAGS: dict[str, str] = {
     "continual.estimator": "continual_kl_estimator",
     "continual.retention": "continual_retention",
 }
+#: The declared ranges of the numeric ``--ext.*`` flags (the knob dataclasses' fields).
+EXT_SPECS = {**knob_specs(DenseRewardKnobs), **knob_specs(SegmentRewardKnobs), **knob_specs(ContinualKnobs)}
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
 #: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
 OPENRLHF_ASSERTION_FIXES = {
@@ -99,28 +109,26 @@ OPENRLHF_ASSERTION_FIXES = {
 WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
 
 
-class ExtArgsError(ValueError):
-    """A command-line setting rlhf-ext cannot honour (raised in the driver, before Ray starts)."""
-
-
 def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
+    """Check every ``--ext.*`` value in the driver, before Ray starts: the segment flags and the normalizer file
+    (:func:`~rlhf_ext.openrlhf.segment_ppo.validate_segment_ext`), the continual flags and the previous task's model
+    (:func:`~rlhf_ext.openrlhf.continual_actor.check_continual_ext`), the rollout engine."""
     from rlhf_ext.openrlhf.segment_ppo import validate_segment_ext
 
     ext = validate_segment_ext(ext)
-    if ext["continual_kl_coef"] is not None:
-        ext["continual_kl_coef"] = check_kl_coef(float(ext["continual_kl_coef"]), "--ext.continual_kl_coef")
-    if ext["continual_kl_estimator"] is not None:
-        check_estimator(ext["continual_kl_estimator"])
-    if ext["continual_retention"] not in (None, "kl", "cppo"):
-        raise ExtArgsError("--ext.continual_retention must be kl or cppo")
+    if any(ext[k] is not None for k in EXT_DEFAULTS if k.startswith("continual_")):
+        from rlhf_ext.openrlhf.continual_actor import check_continual_ext
+
+        check_continual_ext(ext)
     if ext["rollout_engine"] not in ROLLOUT_ENGINES:
         raise ExtArgsError(f"--ext.rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}")
     return ext
 
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict)."""
-    return split_ext_args(argv, EXT_DEFAULTS, validate_ext, renamed=RENAMED_EXT_FLAGS)
+    """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict). Numeric
+    values are checked against their knobs' declared ranges (:data:`EXT_SPECS`)."""
+    return split_ext_args(argv, EXT_DEFAULTS, validate_ext, renamed=RENAMED_EXT_FLAGS, specs=EXT_SPECS)
 
 
 def nest(ext: dict[str, Any]) -> SimpleNamespace:
@@ -381,7 +389,7 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
         rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else
         with_reward_source(rest, ext)
     except ValueError as error:
-        _refuse(error)
+        exit_with_error(error)
     cluster = cluster if cluster is not None else detect_cluster()
     rest, ext = for_cluster(rest, ext, cluster)
     install(worker_settings(nest(ext), methods), driver=True)  # before the CLI imports the classes it builds
@@ -390,14 +398,9 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
         try:
             prepare(args, ext, cluster, methods)
         except (ExtArgsError, PlanError) as error:
-            _refuse(error)
+            exit_with_error(error)
 
     run_cli_module("openrlhf.cli.train_ppo_ray", rest, before_train)
-
-
-def _refuse(error: Exception) -> None:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 if __name__ == "__main__":

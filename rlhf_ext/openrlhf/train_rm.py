@@ -7,7 +7,12 @@
 
 import sys
 
+from rlhf_ext.algos.knobs import KnobError
+from rlhf_ext.openrlhf.cli_runner import ExtArgsError, exit_with_error
 from rlhf_ext.openrlhf.segment_rm import run_train_rm
 
 if __name__ == "__main__":
-    run_train_rm(sys.argv[1:])
+    try:
+        run_train_rm(sys.argv[1:])
+    except (ExtArgsError, KnobError) as error:
+        exit_with_error(error)

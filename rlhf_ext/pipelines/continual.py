@@ -137,7 +137,10 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
 
         if is_builtin_sequence(str(source)):
             sizes = {"n_train": data.max_train_samples or 256, "n_test": data.max_test_samples or 64}
-            loaded = builtin_sequence(str(source), num_tasks=data.num_tasks or 3, seed=data.seed, **sizes)
+            try:
+                loaded = builtin_sequence(str(source), num_tasks=data.num_tasks or 3, seed=data.seed, **sizes)
+            except ValueError as e:
+                raise TaskSequenceError(f"{e} (data.tasks: {source}, data.num_tasks: {data.num_tasks})") from None
         else:
             if not str(source).startswith("builtin:") and not Path(source).exists():
                 raise TaskSequenceError(
@@ -483,5 +486,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def run_continual(
     recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.PathLike | None = None, stop_after: int | None = None
 ) -> dict[str, Any]:
-    """Run (or resume) a continual recipe; see :class:`ContinualRunner`."""
-    return ContinualRunner(recipe, tasks).run(stop_after=stop_after)
+    """Run (or resume) a continual recipe; see :class:`ContinualRunner`. The output directory may hold none of the
+    inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    m = recipe.model
+    inputs = {"model.sft_model": m.sft_model, "model.tokenizer": m.tokenizer, "data.tasks": recipe.data.tasks,
+              **({"tasks": tasks} if isinstance(tasks, str | os.PathLike) else {})}  # fmt: skip
+    with claim_output_dir(recipe.output_dir, inputs, "output_dir"):
+        return ContinualRunner(recipe, tasks).run(stop_after=stop_after)

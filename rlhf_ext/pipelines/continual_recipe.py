@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf_ext.algos.continual_kl import ContinualKnobs, check_kl_coef
+from rlhf_ext.algos.continual_kl import ContinualKnobs
+from rlhf_ext.algos.knobs import check_knobs, knob, knob_like, seed_knob
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.config import TrainSection
 
@@ -39,21 +39,14 @@ class TaskSequenceSection:
     """
 
     tasks: str = "builtin:toy-continual-preference-shift"
-    num_tasks: int | None = None
-    max_length: int = 512
-    max_train_samples: int | None = None
-    max_test_samples: int | None = None
-    seed: int = 0
+    num_tasks: int | None = knob(None, ge=1)
+    max_length: int = knob(512, ge=2)
+    max_train_samples: int | None = knob(None, ge=1)
+    max_test_samples: int | None = knob(None, ge=1)
+    seed: int = seed_knob(0)
 
     def __post_init__(self):
-        if self.num_tasks is not None and self.num_tasks < 1:
-            raise ValueError(f"data.num_tasks must be >= 1, got {self.num_tasks}")
-        if self.max_length < 2:
-            raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
-        for name in ("max_train_samples", "max_test_samples"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"data.{name} must be >= 1 (or empty for all rows), got {value}")
+        check_knobs(self)
 
 
 @dataclass
@@ -65,15 +58,7 @@ class ContinualSection(ContinualKnobs):
     Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
     """
 
-    continual_kl_coef_schedule: list[float] | None = None
-
-    def __post_init__(self):
-        self.check_continual_knobs()
-        if self.continual_kl_coef_schedule is not None:
-            self.continual_kl_coef_schedule = [
-                check_kl_coef(c, f"continual.continual_kl_coef_schedule[{i}]")
-                for i, c in enumerate(self.continual_kl_coef_schedule)
-            ]
+    continual_kl_coef_schedule: list[float] | None = knob_like(ContinualKnobs, "continual_kl_coef", None)
 
     def coef_for_task(self, index: int, num_tasks: int) -> float:
         """The KL weight used while training task ``index`` (0 for the first task, which has no predecessor)."""
@@ -93,12 +78,11 @@ class ContinualSection(ContinualKnobs):
 class DPOSection:
     """DPO settings (paper 000 Eq. 6). ``beta``: TRL's default 0.1 (paper 000 does not report it)."""
 
-    beta: float = 0.1
+    beta: float = knob(0.1, gt=0)
     loss_type: str = "sigmoid"
 
     def __post_init__(self):
-        if not self.beta > 0 or math.isinf(self.beta):
-            raise ValueError(f"dpo.beta must be a finite number > 0, got {self.beta}")
+        check_knobs(self)
 
 
 @dataclass
@@ -110,17 +94,12 @@ class PPOSection(PPOKnobs):
     to the previous task's policy in the loss. The PPO knobs are :class:`~rlhf_ext.algos.ppo.PPOKnobs` (the same names
     and defaults as ``DensePPOConfig``)."""
 
-    steps_per_task: int = 16
-    batch_size: int = 16
-    learning_rate: float = 3e-4
-    num_generations: int = 2
-    max_completion_length: int = 64
-    eval_prompts: int = 32
-
-    def __post_init__(self):
-        self.check_ppo_knobs()
-        if self.steps_per_task < 1 or self.batch_size < 1:
-            raise ValueError("ppo.steps_per_task and ppo.batch_size must be >= 1")
+    steps_per_task: int = knob(16, ge=1)
+    batch_size: int = knob(16, ge=1)
+    learning_rate: float = knob(3e-4, gt=0)
+    num_generations: int = knob(2, ge=2, help="Responses per prompt (the TRL engine samples at least 2).")
+    max_completion_length: int = knob(64, ge=1)
+    eval_prompts: int = knob(32, ge=1)
 
 
 @dataclass
@@ -129,12 +108,12 @@ class StageTrainSection(TrainSection):
     ``batch_size`` is the global batch (pairs); every task is trained for ``epochs`` (or ``max_steps``). Defaults
     are paper 000's DPO settings (Table 5: learning rate 5e-6, 4 epochs, batch 8)."""
 
-    epochs: float = 4.0
-    batch_size: int = 8
-    micro_batch_size: int = 8
-    learning_rate: float = 5e-6
+    epochs: float = knob_like(TrainSection, "epochs", 4.0)
+    batch_size: int = knob_like(TrainSection, "batch_size", 8)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 8)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-6)
     lr_scheduler: str = "linear"
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
 
 
 def _rm_defaults() -> StageTrainSection:
@@ -163,7 +142,7 @@ class ContinualRecipe:
     algorithm: Literal["dpo", "ppo"] = "dpo"
     output_dir: str = "runs/continual"
     resume: bool = True
-    seed: int = 42
+    seed: int = seed_knob(42)
     plots: bool = True
     model: ContinualModelSection = field(default_factory=ContinualModelSection)
     data: TaskSequenceSection = field(default_factory=TaskSequenceSection)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from rlhf_ext.algos.knobs import check_knobs, knob, knob_like, seed_knob
 from rlhf_ext.algos.names import knob_values
-from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, OnlineSamplingKnobs
 from rlhf_ext.config import TrainSection
 
 
@@ -38,9 +39,10 @@ class RewardSection:
     kind: Literal["auto", "segment", "sequence_classification"] = "auto"
     function: str | None = None
     gold: str | None = None
-    batch_size: int = 32
+    batch_size: int = knob(32, ge=1)
 
     def __post_init__(self):
+        check_knobs(self)
         if (self.model is None) == (self.function is None):
             raise ValueError("set exactly one of reward.model (a checkpoint) or reward.function (a callable)")
 
@@ -59,34 +61,17 @@ class PromptSection:
     eval_split: str = "test"
     prompt_key: str = "prompt"
     as_chat: bool = False
-    max_train_prompts: int | None = None
-    max_eval_prompts: int | None = 64
+    max_train_prompts: int | None = knob(None, ge=1)
+    max_eval_prompts: int | None = knob(64, ge=1)
 
 
 @dataclass
-class OnlineSection(OnlineDPOKnobs):
+class OnlineSection(OnlineDPOKnobs, OnlineSamplingKnobs):
     """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, the same names and defaults as
     ``IterativeDPOConfig``: ``online_mode: iterative`` is Algorithm 2, ``online_mode: online`` one DPO update per
-    generated batch with ``async_generation`` one step off-policy, paper 001) plus sampling and process settings;
-    ``generator_process`` runs the generator in its own process instead of a thread (no interpreter-lock
-    contention; HF generation, picklable reward)."""
-
-    generator_process: bool = False
-    max_new_tokens: int = 256
-    max_prompt_length: int | None = None
-    top_p: float = 1.0
-    top_k: int = 0
-    generation_backend: Literal["auto", "hf", "vllm"] = "auto"
-    generation_batch_size: int = 64
-    eval_samples_per_prompt: int = 2
-    eval_temperature: float = 1.0
-    max_fill_rounds: int = 4
-    generation_threads: int | None = None
-    training_threads: int | None = None
-    vllm_gpu_memory_utilization: float = 0.3
-
-    def __post_init__(self):
-        self.check_online_dpo_knobs(prefix="online.")
+    generated batch with ``async_generation`` one step off-policy, paper 001) plus the sampling and process settings
+    (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`; ``generator_process`` runs the generator in its own
+    process instead of a thread: no interpreter-lock contention; HF generation, picklable reward)."""
 
 
 @dataclass
@@ -97,21 +82,16 @@ class DPOTrainSection(TrainSection):
     ``DPOConfig`` fields passed through unchanged (e.g. ``{label_smoothing: 0.1}``)."""
 
     output_dir: str = "runs/online_dpo"
-    epochs: float = 2.0
-    batch_size: int = 128
-    micro_batch_size: int = 8
-    learning_rate: float = 5e-7
-    beta: float = 0.1
+    epochs: float = knob_like(TrainSection, "epochs", 2.0)
+    batch_size: int = knob_like(TrainSection, "batch_size", 128)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 8)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-7)
+    beta: float = knob(0.1, gt=0, help="The DPO KL coefficient (paper 004: 0.1).")
     loss_type: str = "sigmoid"
-    max_length: int | None = 2048
-    seed: int = 42
-    save_steps: int | None = None
+    max_length: int | None = knob(2048, ge=2)
+    seed: int = seed_knob(42)
+    save_steps: int | None = knob(None, ge=1)
     resume: bool = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta <= 0:
-            raise ValueError(f"beta (the DPO KL coefficient) must be > 0, got {self.beta}")
 
 
 @dataclass
@@ -133,8 +113,16 @@ class OnlineDPORecipe:
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
-    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``)."""
-    return train_with_trl(recipe)
+    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``). The
+    output directory may hold none of the inputs and is locked while the run writes it
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    p, d = recipe.policy, recipe.data
+    inputs = {"policy.sft_model": p.sft_model, "policy.tokenizer": p.tokenizer, "reward.model": recipe.reward.model,
+              "data.train": d.train, "data.eval": d.eval}  # fmt: skip
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        return train_with_trl(recipe)
 
 
 def trl_config(recipe):
@@ -150,22 +138,10 @@ def trl_config(recipe):
         max_length=t.max_length,
         resume=t.resume,
         reference=recipe.policy.reference,
-        generator_process=o.generator_process,
         **knob_values(o, OnlineDPOKnobs),
-        max_new_tokens=o.max_new_tokens,
-        max_prompt_length=o.max_prompt_length,
-        top_p=o.top_p,
-        top_k=o.top_k,
-        generation_backend=o.generation_backend,
-        generation_batch_size=o.generation_batch_size,
+        **knob_values(o, OnlineSamplingKnobs),
         reward_batch_size=recipe.reward.batch_size,
         eval_num_prompts=recipe.data.max_eval_prompts,
-        eval_samples_per_prompt=o.eval_samples_per_prompt,
-        eval_temperature=o.eval_temperature,
-        max_fill_rounds=o.max_fill_rounds,
-        generation_threads=o.generation_threads,
-        training_threads=o.training_threads,
-        vllm_gpu_memory_utilization=o.vllm_gpu_memory_utilization,
     )
     return make_config(IterativeDPOConfig, kwargs, t.trl_args)
 

@@ -210,6 +210,7 @@ def report_metrics(results: Mapping[str, Any]) -> dict[str, Any]:
         "truncated_fraction_ppo": ev.get("truncated_fraction"),
         "kl_ppo_to_sft": ev["kl"],
         "kl_stderr": ev.get("kl_stderr"),
+        "kl_method": ev.get("kl_method"),
         "rm_heldout_accuracy": rm_eval.get("eval_accuracy"),
         "rm_segments_per_response": rm_eval.get("eval_segments_per_response"),
         "annotator_label_agreement": results["labels"]["agreement_with_generator_label"],
@@ -219,6 +220,15 @@ def report_metrics(results: Mapping[str, Any]) -> dict[str, Any]:
         "ppo_curve": results["ppo"]["curve"],
         "stage_seconds": {k: v.get("seconds") for k, v in results.items() if isinstance(v, dict) and "seconds" in v},
     }
+
+
+#: What the report says about each KL estimate (``WinRate.kl_method``), ± its standard error over PPO's samples.
+KL_DESCRIPTIONS = {
+    "exact_token_sum": "exact KL of the next-token distributions, Σ_t KL(π_PPO(·|x, y<t) || π_SFT(·|x, y<t)), summed "
+    "along each of PPO's own samples (never negative)",
+    "sequence_log_ratio": "mean log-ratio log π_PPO(y|x) - log π_SFT(y|x) over PPO's own samples (unbiased; can be "
+    "negative on few samples)",
+}
 
 
 @dataclass
@@ -276,7 +286,7 @@ def metric_rows(metrics: Mapping[str, Any]) -> list[MetricRow]:
                   "% of responses", "responses that reached max_completion_length without an EOS"),
         MetricRow("KL to the SFT model", _num(metrics["kl_ppo_to_sft"], ".3f", metrics.get("kl_stderr")),
                   "0 (reference)", "nats per response",
-                  "mean log-ratio log π_PPO(y|x) - log π_SFT(y|x) over PPO's own samples"),
+                  KL_DESCRIPTIONS.get(metrics.get("kl_method"), KL_DESCRIPTIONS["sequence_log_ratio"])),
         MetricRow("Reward-model held-out accuracy", _percent(metrics.get("rm_heldout_accuracy")), None,
                   "% of held-out pairs", "pairs whose chosen response the segment reward model scores higher"),
         MetricRow("Segments per response", _num(metrics.get("rm_segments_per_response"), ".1f"), None, "segments",

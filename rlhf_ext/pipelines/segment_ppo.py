@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from rlhf_ext.algos.knobs import knob, knob_like, seed_knob
 from rlhf_ext.algos.names import knob_values
-from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, check_positive
+from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs
-from rlhf_ext.algos.segment_reward import Aggregation, check_cutoff, check_tau
+from rlhf_ext.algos.segment_reward import Aggregation, SegmentRewardKnobs
 from rlhf_ext.config import TrainSection
 from rlhf_ext.runtime.resources import Cluster, Plan
 
@@ -41,12 +42,12 @@ class PPODataSection:
     prompts: str = "builtin:toy-keyphrase"
     prompt_split: str = "train"
     prompt_key: str = "prompt"
-    max_prompts: int | None = None
+    max_prompts: int | None = knob(None, ge=1)
     calibration: str | None = "builtin:toy-keyphrase"
     calibration_split: str = "train"
-    max_calibration_pairs: int = 512
-    max_prompt_length: int = 1024
-    max_completion_length: int = 1024
+    max_calibration_pairs: int = knob(512, ge=1)
+    max_prompt_length: int = knob(1024, ge=1)
+    max_completion_length: int = knob(1024, ge=1)
 
 
 @dataclass
@@ -56,16 +57,9 @@ class PPOSegmentSection(DenseRewardKnobs):
     ``tau`` (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`); null = the values the reward model was trained
     with (its ``segment_config.json``)."""
 
-    entropy_cutoff: float | None = None
+    entropy_cutoff: float | None = knob_like(SegmentRewardKnobs, "entropy_cutoff", None)
     aggregation: Aggregation | None = None
-    tau: float | None = None
-
-    def __post_init__(self):
-        self.check_dense_reward_knobs()
-        if self.entropy_cutoff is not None:
-            check_cutoff(self.entropy_cutoff)
-        if self.tau is not None:
-            check_tau(self.tau)
+    tau: float | None = knob_like(SegmentRewardKnobs, "tau", None)
 
 
 @dataclass
@@ -73,20 +67,11 @@ class PPOAlgoSection(PPOKnobs):
     """PPO settings: :class:`~rlhf_ext.algos.ppo.PPOKnobs` (paper 003 Table 8 / OpenRLHF defaults, the same names as
     ``DensePPOConfig``) plus the clip, sampling and rollout settings."""
 
-    clip_eps: float = 0.2
-    num_generations: int = 2
-    temperature: float = 1.0
-    top_p: float = 1.0
+    clip_eps: float = knob(0.2, gt=0, help="PPO ratio clip epsilon (paper 003 Appendix C: 0.2).")
+    num_generations: int = knob(2, ge=1)
+    temperature: float = knob(1.0, gt=0)
+    top_p: float = knob(1.0, gt=0, le=1)
     async_generation: bool = False  # TRL engine: one-step off-policy rollouts (paper 001); OpenRLHF: train.async_enable
-
-    def __post_init__(self):
-        self.check_ppo_knobs()
-        check_clip_eps(self.clip_eps)
-        check_positive("temperature", self.temperature)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-        if self.num_generations < 1:
-            raise ValueError(f"ppo.num_generations must be >= 1, got {self.num_generations}")
 
 
 @dataclass
@@ -95,14 +80,14 @@ class PPOTrainSection(TrainSection):
     ``micro_batch_size`` per device, and the critic's own learning rate."""
 
     output_dir: str = "runs/segment_ppo"
-    batch_size: int = 128
-    learning_rate: float = 5e-7
-    critic_learning_rate: float = 9e-6
-    logging_steps: int = 1
-    seed: int = 42
-    save_steps: int | None = None
+    batch_size: int = knob_like(TrainSection, "batch_size", 128)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-7)
+    critic_learning_rate: float = knob(9e-6, gt=0)
+    logging_steps: int = knob_like(TrainSection, "logging_steps", 1)
+    seed: int = seed_knob(42)
+    save_steps: int | None = knob(None, ge=1)
     resume: bool = True
-    zero_stage: int = 2
+    zero_stage: int = knob(2, ge=0, le=3)
     openrlhf_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,8 +123,19 @@ CURVE_KEYS = (
 
 
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
-    """Train with the recipe's engine; returns a summary (paths, reward/KL curve)."""
-    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+    """Train with the recipe's engine; returns a summary (paths, reward/KL curve). The output directory may hold none
+    of the inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); a
+    given normalizer file is validated before any model loads."""
+    from rlhf_ext.runtime.calibration import load_normalizer
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    m, d = recipe.model, recipe.data
+    inputs = {f"model.{k}": getattr(m, k) for k in ("sft_model", "reward_model", "critic_model", "normalizer")}
+    inputs.update({"data.prompts": d.prompts, "data.calibration": d.calibration})
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        if m.normalizer is not None:
+            load_normalizer(m.normalizer)
+        return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 
 def trl_config(recipe):

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_ext.algos.segment_reward import (
-    SegmentRewardKnobs,
-)
+from rlhf_ext.algos.knobs import check_knobs, knob, knob_like, seed_knob
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.config import TrainSection
 
 Engine = Literal["trl", "openrlhf"]
@@ -41,14 +40,18 @@ class PreferenceDataSection:
     prompt_key: str | None = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
-    max_length: int = 512
-    max_prompt_length: int | None = None
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    max_length: int = knob(512, ge=2)
+    max_prompt_length: int | None = knob(None, ge=1)
+    max_train_samples: int | None = knob(None, ge=1)
+    max_eval_samples: int | None = knob(None, ge=1)
 
     def __post_init__(self):
-        if self.max_length < 2:
-            raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+        check_knobs(self)
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) must be < max_length ({self.max_length}), or no "
+                "tokens are left for the responses"
+            )
 
 
 @dataclass
@@ -56,7 +59,7 @@ class SegmentSection(SegmentRewardKnobs):
     """Paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`, same names and defaults as the
     TRL config and OpenRLHF's ``--ext.*``) plus the batch size of the one-time entropy pass."""
 
-    entropy_batch_size: int = 8
+    entropy_batch_size: int = knob(8, ge=1)
 
 
 @dataclass
@@ -69,12 +72,12 @@ class RMTrainSection(TrainSection):
     """
 
     output_dir: str = "runs/segment_rm"
-    learning_rate: float = 1e-3
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    seed: int = 42
-    save_steps: int | None = None
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
+    adam_betas: tuple[float, float] = knob((0.9, 0.95), ge=0, lt=1)
+    seed: int = seed_knob(42)
+    save_steps: int | None = knob(None, ge=1)
     resume: bool = True
-    zero_stage: int = 2
+    zero_stage: int = knob(2, ge=0, le=3)
     segment_cache_dir: str | None = None
     openrlhf_args: dict[str, Any] = field(default_factory=dict)
 
@@ -162,11 +165,21 @@ def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection,
 def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
     """Train a segment reward model with the recipe's engine, after its pre-flight plan on this launch's GPUs
     (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`; refused before any model loads); returns a summary (paths,
-    final metrics)."""
+    final metrics). The output directory may hold none of the inputs and is locked while the run writes it
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
     from rlhf_ext.pipelines.plan import local_cluster, segment_rm_plan
+    from rlhf_ext.runtime.rundir import claim_output_dir
 
     segment_rm_plan(recipe, local_cluster()).refuse_if_unrunnable()
-    return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
+    m, d = recipe.model, recipe.data
+    inputs = {
+        "model.sft_model": m.sft_model,
+        "model.tokenizer": m.tokenizer,
+        "data.train": d.train,
+        "data.eval": d.eval,
+    }
+    with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
+        return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 
 def trl_config(recipe):

@@ -262,6 +262,25 @@ def build_once(path: str | Path, build: Callable[[Path], Any], done: str) -> Pat
     return path
 
 
+def weights_problem(model_dir: str | Path) -> str | None:
+    """Why the ``.safetensors`` weights in ``model_dir`` cannot be loaded (a file shorter than its header says, or no
+    readable header: truncated by a full disk or a copy that stopped), or None. Reads only the headers."""
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len)) if 8 + header_len <= size else None
+        except (OSError, ValueError):
+            header = None
+        if not isinstance(header, dict):
+            return f"{file.name} has no readable header"
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end > size:
+            return f"{file.name} has {size} of {8 + header_len + end} bytes"
+    return None
+
+
 def stable_hash(*parts: Any, length: int = 16) -> str:
     """A short hex digest of JSON-serialisable ``parts`` (stable across processes, unlike ``hash``)."""
     h = hashlib.sha256()

@@ -17,6 +17,7 @@ A script that wants the command line's output calls :func:`enable_console_loggin
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import warnings
@@ -169,3 +170,81 @@ def configure_cli_output() -> None:
             from datasets.utils.logging import disable_progress_bar
 
             disable_progress_bar()
+
+
+#: Seconds between two lines of :class:`ProgressLines` (a bar redraws continuously; a log gets a line this often).
+PROGRESS_LINE_SECONDS = 30.0
+
+
+class ProgressLines:
+    """Progress of a long loop as log lines, for a stderr that is no terminal (a pipe or a log file, where a bar
+    would be one ever-growing line): ``segmenting: 1024/100000 pairs (1.0%), 35.2 pairs/s, about 47 min left``, one
+    line when it starts, at most one every :data:`PROGRESS_LINE_SECONDS`, one at the end. Counts like ``tqdm``
+    (``update``, ``n``, ``set_postfix``, ``close``, a context manager), so a caller takes either (:func:`progress`)."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "it") -> None:
+        import time
+
+        self.total, self.n, self.desc, self.unit = total, initial, desc, unit
+        self._start, self._start_n = time.monotonic(), initial
+        self._last, self._logged = self._start, initial
+        self.postfix: dict = {}
+        logger.info("%s: %d/%d %s", desc, initial, total, unit)
+
+    def set_postfix(self, postfix: dict | None = None, refresh: bool = True) -> None:
+        """Extra counts shown at the end of the next line (``skipped 3``), as tqdm's postfix."""
+        self.postfix = dict(postfix or {})
+
+    def _line(self, now: float) -> None:
+        rate = (self.n - self._start_n) / max(now - self._start, 1e-9)
+        left = (self.total - self.n) / rate if rate > 0 else float("inf")
+        eta = "" if self.n >= self.total or not math.isfinite(left) else f", about {_duration(left)} left"
+        pct = f" ({100 * self.n / self.total:.1f}%)" if self.total else ""
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        logger.info(
+            "%s: %d/%d %s%s, %.1f %s/s%s%s", self.desc, self.n, self.total, self.unit, pct, rate, self.unit, eta, extra
+        )
+        self._last, self._logged = now, self.n
+
+    def update(self, n: int = 1) -> None:
+        import time
+
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_LINE_SECONDS:
+            self._line(now)
+
+    def close(self) -> None:
+        import time
+
+        if self.n != self._logged:
+            self._line(time.monotonic())
+
+    def __enter__(self) -> ProgressLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 86400 * 3:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def progress(total: int, initial: int = 0, desc: str = "", unit: str = "it", bar: bool | None = None):
+    """A tqdm bar when ``bar`` (default: stderr is a terminal), else :class:`ProgressLines`; ``bar=False`` given
+    explicitly (``--no-progress``) still logs the lines: a long run is never silent."""
+    if bar is None:
+        bar = stderr_is_terminal()
+    if bar:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, mininterval=0.5,
+                    smoothing=0.05, file=sys.stderr)  # fmt: skip
+    return ProgressLines(total, initial, desc, unit)

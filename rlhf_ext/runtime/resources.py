@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from rlhf_ext.algos.knobs import knob
+
 GiB = 2**30
 
 
@@ -42,7 +44,7 @@ class Cluster:
     without GPUs (``ray start --num-gpus N``), so everything computes on CPUs."""
 
     gpus: tuple[int, ...]
-    gpu_memory_gib: float | None = None
+    gpu_memory_gib: float | None = knob(None, gt=0)
     source: str = "stated"
     logical: bool = False
 

@@ -20,11 +20,12 @@ run file equals the one it was written from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,15 @@ def _normalise(settings: Any) -> Any:
 
 def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
     """The dotted paths of the keys whose values differ between ``old`` and ``new`` (added and removed keys
-    included), recursing into nested mappings; lists and other values are compared whole. Sorted."""
+    included), recursing into nested mappings; lists and other values are compared whole, as the fingerprint sees
+    them (their JSON text: ``1`` and ``1.0`` differ). Sorted."""
     out: list[str] = []
     for key in set(old) | set(new):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         path = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             out += changed_keys(a, b, path)
-        elif a is _MISSING or b is _MISSING or a != b:
+        elif a is _MISSING or b is _MISSING or json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
             out.append(path)
     return sorted(out)
 
@@ -181,6 +183,55 @@ class RunDir:
         path = self.root / stage
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+class OutputDirError(ValueError):
+    """An output directory cannot be used: it is (or holds) one of the run's inputs, or another run is writing it."""
+
+
+def check_output_dir(output_dir: str | os.PathLike, inputs: Mapping[str, Any], key: str = "output_dir") -> None:
+    """Refuse an output directory that is, or contains, one of ``inputs`` (``{recipe key: path}``), whatever the
+    spelling (relative, through a symlink, with a trailing slash: paths are compared after ``os.path.realpath``):
+    training into the SFT model's own directory would overwrite the model it reads. Values that are no existing
+    local path (hub ids, ``builtin:`` names, ``None``) are skipped. Raises :class:`OutputDirError` naming both keys."""
+    out = Path(os.path.realpath(os.path.expanduser(str(output_dir))))
+    for name, value in inputs.items():
+        if not isinstance(value, str | os.PathLike) or not str(value) or not os.path.exists(os.path.expanduser(value)):
+            continue
+        real = Path(os.path.realpath(os.path.expanduser(str(value))))
+        if real == out or out in real.parents:
+            raise OutputDirError(
+                f"{key} {output_dir} {'is' if real == out else 'holds'} the input {name} ({value}): the run would "
+                f"write over it; choose an output directory that holds none of the run's inputs"
+            )
+
+
+@contextlib.contextmanager
+def claim_output_dir(
+    output_dir: str | os.PathLike, inputs: Mapping[str, Any] = {}, key: str = "output_dir"
+) -> Iterator[None]:
+    """Check ``output_dir`` against the run's ``inputs`` (:func:`check_output_dir`) and hold its lock while the run
+    writes it: a second run on the same directory is refused at once (:class:`OutputDirError`) instead of writing
+    the same files. The lock is a file next to the directory (``.<name>.lock``, one per rank of a distributed
+    launch, whose ranks share the directory), so a run refused before it starts leaves the directory untouched."""
+    from filelock import FileLock, Timeout
+
+    check_output_dir(output_dir, inputs, key)
+    out = Path(os.path.realpath(os.path.expanduser(str(output_dir))))
+    rank = os.environ.get("RANK", "0") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    path = out.with_name(f".{out.name}.lock" + (f"-rank{rank}" if rank is not None else ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise OutputDirError(
+            f"another run is writing {output_dir} (it holds {path}); wait for it to finish or choose another {key}"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _version() -> str:

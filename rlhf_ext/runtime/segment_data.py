@@ -22,6 +22,7 @@ whose EOS was cut off gets its last kept token replaced by EOS.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ import torch
 
 from rlhf_ext.algos.segment_reward import token_entropy
 from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
+
+logger = logging.getLogger(__name__)
 
 ENTROPY_COLUMNS = ("chosen_entropy", "rejected_entropy")
 TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
@@ -149,8 +152,10 @@ def tokenize_preference_dataset(
     check_preference_columns(dataset.column_names, chosen_key, rejected_key, "tokenize_preference_dataset")
     if prompt_key and prompt_key not in dataset.column_names:
         prompt_key = None
+    logger.info("tokenizing %d preference pairs", len(dataset))
     return dataset.map(
-        tokenize_pair,
+        _tokenize_row,
+        with_indices=True,
         fn_kwargs=dict(
             tokenizer=tokenizer,
             max_length=max_length,
@@ -163,6 +168,14 @@ def tokenize_preference_dataset(
         num_proc=num_proc,
         desc="Tokenizing preference pairs",
     )
+
+
+def _tokenize_row(example: dict, index: int, **kwargs: Any) -> dict[str, Any]:
+    """:func:`tokenize_pair`, its :class:`DatasetFormatError` naming the row (0-based, in the order read)."""
+    try:
+        return tokenize_pair(example, **kwargs)
+    except DatasetFormatError as e:
+        raise DatasetFormatError(f"row {index} of the preference data: {e}") from None
 
 
 def _output_head_is_plain(model) -> bool:
@@ -218,11 +231,16 @@ def pad_sequences(
 
 def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: int = 0, desc: str = "Segmenting"):
     """Add ``chosen_entropy``/``rejected_entropy`` computed by the frozen ``sft_model`` (one forward per sequence)."""
+    from rlhf_ext.runtime.log import ProgressLines, stderr_is_terminal
+
     device = next(sft_model.parameters()).device
     was_training = sft_model.training
     sft_model.eval()
+    lines = None if stderr_is_terminal() else ProgressLines(len(dataset), desc=desc, unit="pairs")  # piped: lines
 
     def batch_fn(batch: dict[str, list]) -> dict[str, list]:
+        if lines is not None:
+            lines.update(len(batch["prompt_len"]))
         out: dict[str, list] = {}
         for side in ("chosen", "rejected"):
             seqs = batch[f"{side}_ids"]
@@ -238,6 +256,8 @@ def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: i
         return dataset.map(batch_fn, batched=True, batch_size=batch_size, desc=desc, load_from_cache_file=False)
     finally:
         sft_model.train(was_training)
+        if lines is not None:
+            lines.close()
 
 
 def model_identity(name_or_path: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from rlhf_ext.algos.segment_reward import (
     gather_segment_rewards,
     segment_ids,
 )
+from rlhf_ext.runtime.io import weights_problem
 from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
 
 
@@ -275,6 +276,10 @@ class SegmentScorer:
         sft_path = sft_model or settings.get("sft_model_name_or_path")
         if not sft_path:
             raise ValueError(f"{reward_model} does not record its SFT model; pass sft_model=")
+        for what, path in (("reward model", reward_model), ("SFT model", sft_path)):
+            problem = weights_problem(path) if Path(path).is_dir() else None
+            if problem:
+                raise ValueError(f"the {what} {path} cannot be loaded ({problem}): copy or train it again")
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
         #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
         self.tokenizer_lock = threading.Lock()

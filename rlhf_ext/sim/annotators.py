@@ -46,6 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from rlhf_ext.algos.knobs import check_knobs, knob
 from rlhf_ext.sim.gold import GoldScorer, PhraseCredit, StyleSpec
 
 UtilityFn = Callable[[list[Any], list[str], list[str | None]], Tensor]
@@ -660,10 +661,10 @@ class PoolConfig:
     empty for the configs' own model names)."""
 
     backend: str = "gold"
-    flip_prob: float = TRAIN_FLIP_PROB
+    flip_prob: float = knob(TRAIN_FLIP_PROB, ge=0, le=0.5)
     annotators: list[AnnotatorSpec] = field(default_factory=list)
     reward_models: list[str] = field(default_factory=list)
-    temperatures: list[float] = field(default_factory=list)
+    temperatures: list[float] = knob(default_factory=list, gt=0)
     api_base: str = "http://localhost:8000/v1"
     models: list[str] = field(default_factory=list)
     api_key_env: str = "OPENAI_API_KEY"
@@ -673,8 +674,7 @@ class PoolConfig:
     def __post_init__(self):
         if self.backend not in ("gold", "reward_model", "llm", "alpaca_farm"):
             raise ValueError(f"pool.backend must be gold, reward_model, llm or alpaca_farm; got {self.backend!r}")
-        if not 0.0 <= self.flip_prob <= 0.5:
-            raise ValueError(f"pool.flip_prob must be in [0, 0.5], got {self.flip_prob}")
+        check_knobs(self, "pool.")
         if self.backend == "reward_model" and not self.reward_models:
             raise ValueError("pool.backend reward_model needs pool.reward_models (checkpoint paths)")
         if self.backend == "llm" and not self.models:

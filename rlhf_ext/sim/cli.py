@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import click
 
+from rlhf_ext.config import KnobType
 
-def _csv(value: str | None, cast=str) -> list | None:
-    if value is None:
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    try:
-        return [cast(v) for v in items]
-    except ValueError:
-        raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 @click.group("sim", context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,12 +26,16 @@ def sim() -> None:
 @sim.command("compare", context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
 @click.option("--methods", default=None, help="Comma-separated subset of the recipe's methods (e.g. sft,dpo).")
-@click.option("--seeds", default=None, help="Comma-separated seeds replacing the recipe's (e.g. 0,1,2).")
+@click.option("--seeds", type=KnobType("rlhf_ext.sim.recipe:SimCompareRecipe", "seeds"), default=None,
+              help="Comma-separated seeds replacing the recipe's (e.g. 0,1,2).")  # fmt: skip
 @click.option("--out", "out", default=None, help="Output directory (overrides output_dir).")
 @click.option("--report-only", is_flag=True, help="Only rewrite the table/JSON/plots from finished results.")
 @click.option("--budget", default=None, help="A named budget of the recipe's budgets: section (e.g. full).")
+@click.option(
+    "--tuning", "tuning_dir", default=None, help="Run each tuned method at the point `sim tune` picked in DIR/tuning/."
+)
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def compare(config_path, methods, seeds, out, report_only, budget, overrides) -> None:
+def compare(config_path, methods, seeds, out, report_only, budget, tuning_dir, overrides) -> None:
     """Train and evaluate the recipe's methods for every seed; write a table (mean ± s.e.), plots and JSON.
 
     Each finished (method, seed) is written to OUT/results/ at once and skipped when the command is rerun.
@@ -50,10 +50,14 @@ def compare(config_path, methods, seeds, out, report_only, budget, overrides) ->
     if methods is not None:
         extra.append(f"methods=[{','.join(_csv(methods))}]")
     if seeds is not None:
-        extra.append(f"seeds=[{','.join(str(s) for s in _csv(seeds, int))}]")
+        extra.append(f"seeds=[{','.join(map(str, seeds))}]")
     # a user's error (RecipeError, a model that cannot load ...) is reported in one line by `rlhf-ext`'s command
     # group (rlhf_ext.cli.UserErrorGroup), which runs this command
     recipe = load_compare_recipe(recipe_path(config_path), extra, budget)
+    if tuning_dir is not None:
+        from rlhf_ext.sim.tune import apply_tuning
+
+        recipe = apply_tuning(recipe, tuning_dir)
     if report_only:
         from pathlib import Path
 

@@ -417,9 +417,16 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
 
     Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
     """
+    from rlhf_ext.runtime.rundir import claim_output_dir
+
+    inputs = {"model.base": recipe.model.base, "task.source": recipe.task.source}
+    with claim_output_dir(recipe.output_dir, inputs, "output_dir"):
+        return _run_compare(recipe, progress or logger.info)
+
+
+def _run_compare(recipe: SimCompareRecipe, progress: Progress) -> dict[str, Any]:
     from rlhf_ext.runtime.async_runner import torch_threads
 
-    progress = progress or logger.info
     run = SimRun(recipe, progress)
     run_dir = run.check_directory()
     start = time.time()

@@ -21,11 +21,14 @@ Policies are objects with ``sample(prompts, n, seed) -> Samples`` (the ``[P][n]`
   ``prompt_prefix`` conditions it (binary reward conditioning samples with the positive control token);
 * :class:`BestOfNPolicy` — inference-time best-of-n over a base policy with any scorer (section 3.4; Appendix A.2).
 
-KL: the sequence log-ratio estimate ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i | x_i)]`` over
-the policy's own samples ``y_i ~ pi`` (unbiased; single samples can be negative). Responses are re-tokenised from
-their text the way the trainers tokenise them (prompt and response separately, EOS appended unless the response was
-cut at ``max_new_tokens``). With a sampling temperature ``T != 1`` both models' logits are divided by ``T``, i.e. the
-KL is between the distributions actually sampled. For best-of-n the KL is the analytic value
+KL (``kl_estimator``): the sequence log-ratio estimate ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log
+pi_ref(y_i | x_i)]`` over the policy's own samples ``y_i ~ pi`` (unbiased; single samples, and a mean over few of them,
+can be negative), or ``exact``: ``mean_i sum_t KL(pi(.|x_i, y_i<t) || pi_ref(.|x_i, y_i<t))``, the exact KL of the
+full next-token distributions summed along each sample (the same expectation by the chain rule, never negative, lower
+variance; needs one vocabulary). Both are reported with the standard error over the samples. Responses are
+re-tokenised from their text the way the trainers tokenise them (prompt and response separately, EOS appended unless
+the response was cut at ``max_new_tokens``). With a sampling temperature ``T != 1`` both models' logits are divided by
+``T``, i.e. the KL is between the distributions actually sampled. For best-of-n the KL is the analytic value
 ``log n - (n - 1) / n`` (an upper bound, exact for continuous rewards without ties).
 """
 
@@ -132,42 +135,10 @@ class HFPolicy:
             self._sampler = HFSampler(self.model, self.tokenizer, **self._sampler_args)
         return self._sampler.sample(self._prompts(prompts), n, seed=seed)
 
-    @torch.no_grad()
-    def logprobs(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor) -> Tensor:
-        """``[N]`` float32 ``log pi(y | x)`` summed over response tokens (EOS included unless ``truncated``), with
-        logits divided by the policy's sampling temperature."""
-        out = [
-            torch.where(response, logp, 0.0).sum(1)
-            for logp, _, response in self._response_forward(prompts, responses, truncated)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)
-
-    @torch.no_grad()
-    def segmentation(
-        self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor, cutoff: float
-    ) -> dict[str, float]:
-        """How this model's entropies segment ``responses`` at ``cutoff`` (paper 003's entropy segmentation, at the
-        sampling temperature): mean ``segments_per_response``, ``tokens_per_response`` and ``above_cutoff_share``
-        (share of response tokens whose entropy exceeds the cutoff). Applied with the SFT model to a policy's samples,
-        it shows whether the policy writes text the SFT model segments more finely than its own."""
-        from rlhf_ext.algos.segment_reward import segment_boundaries, segment_ids
-
-        segments, tokens, above = 0, 0, 0
-        for _, entropy, response in self._response_forward(prompts, responses, truncated):
-            segments += int(segment_ids(segment_boundaries(entropy, response, cutoff), response).counts.sum())
-            tokens += int(response.sum())
-            above += int((response & (entropy > cutoff)).sum())
-        n = max(len(responses), 1)
-        return {
-            "segments_per_response": segments / n,
-            "tokens_per_response": tokens / n,
-            "above_cutoff_share": above / max(tokens, 1),
-        }
-
-    def _response_forward(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor):
-        """Per batch of ``logprob_batch_size``: ``([B, T] log-prob of each token, [B, T] entropy of the distribution it
-        was drawn from, [B, T] bool response tokens)``, responses tokenised the way the trainers tokenise them."""
-        from rlhf_ext.algos.segment_reward import token_entropy
+    def _batches(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor):
+        """``(ids [b, L], attention [b, L], response [b, L-1])`` per chunk: prompt + response re-tokenised the way
+        the trainers tokenise them (EOS appended unless ``truncated``); ``response[:, t]`` marks the logits at
+        ``t`` that predict a response token ``t + 1``."""
         from rlhf_ext.runtime.segment_data import pad_sequences
 
         tok = self.tokenizer
@@ -183,19 +154,74 @@ class HFPolicy:
             seqs.append(p_ids + r_ids)
             starts.append(len(p_ids))
         for lo in range(0, len(seqs), self.logprob_batch_size):
-            chunk, first = seqs[lo : lo + self.logprob_batch_size], starts[lo : lo + self.logprob_batch_size]
+            chunk = seqs[lo : lo + self.logprob_batch_size]
             ids = pad_sequences(chunk, pad, "right", torch.long).to(self.device)
             lengths = torch.tensor([len(s) for s in chunk], device=self.device)
             pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
-            attention = (pos < lengths.unsqueeze(1)).long()
-            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
-            logits = logits / self.temperature
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             target = pos[:, 1:]  # logits at t predict token t + 1
-            response = (target >= torch.tensor(first, device=self.device).unsqueeze(1)) & (
-                target < lengths.unsqueeze(1)
-            )
-            yield logp.cpu(), token_entropy(logits, shift=False).cpu(), response.cpu()
+            first = torch.tensor(starts[lo : lo + self.logprob_batch_size], device=self.device).unsqueeze(1)
+            yield ids, (pos < lengths.unsqueeze(1)).long(), (target >= first) & (target < lengths.unsqueeze(1))
+
+    def _log_softmax(self, ids: Tensor, attention: Tensor) -> Tensor:
+        """``[b, L-1, V]`` float32 log-probabilities of the next token at the sampling temperature."""
+        logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
+        return torch.log_softmax(logits / self.temperature, dim=-1)
+
+    @torch.no_grad()
+    def logprobs(self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor) -> Tensor:
+        """``[N]`` float32 ``log pi(y | x)`` summed over response tokens (EOS included unless ``truncated``), with
+        logits divided by the policy's sampling temperature."""
+        out = []
+        for ids, attention, response in self._batches(prompts, responses, truncated):
+            logp = self._log_softmax(ids, attention).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            out.append(torch.where(response, logp, 0.0).sum(1).cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def token_kl(
+        self, reference: HFPolicy, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor
+    ) -> Tensor:
+        """``[N]`` float32 ``sum_t KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t))`` over each response's positions: the
+        exact KL of the two models' whole next-token distributions (:func:`rlhf_ext.algos.ppo.kl_estimate`'s
+        ``exact``, both at their sampling temperatures) along the response. For ``y ~ pi`` its mean is
+        ``KL(pi || pi_ref)`` of whole responses (chain rule) and every term is >= 0: unlike the sequence log-ratio,
+        the estimate is never negative. Both policies must share the tokenizer's vocabulary and the prompt prefix."""
+        from rlhf_ext.algos.ppo import kl_estimate
+
+        if (
+            reference.tokenizer.get_vocab() != self.tokenizer.get_vocab()
+            or reference.prompt_prefix != self.prompt_prefix
+        ):
+            raise ValueError("the exact KL needs two policies with the same tokenizer vocabulary and prompt prefix")
+        out = []
+        for ids, attention, response in self._batches(prompts, responses, truncated):
+            mine, theirs = self._log_softmax(ids, attention), reference._log_softmax(ids, attention)
+            out.append(torch.where(response, kl_estimate(None, None, "exact", mine, theirs), 0.0).sum(1).cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def segmentation(
+        self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor, cutoff: float
+    ) -> dict[str, float]:
+        """How this model's entropies segment ``responses`` at ``cutoff`` (paper 003's entropy segmentation, at the
+        sampling temperature): mean ``segments_per_response``, ``tokens_per_response`` and ``above_cutoff_share``
+        (share of response tokens whose entropy exceeds the cutoff). Applied with the SFT model to a policy's samples,
+        it shows whether the policy writes text the SFT model segments more finely than its own."""
+        from rlhf_ext.algos.segment_reward import segment_boundaries, segment_ids
+
+        segments, tokens, above = 0, 0, 0
+        for ids, attention, response in self._batches(prompts, responses, truncated):
+            logp = self._log_softmax(ids, attention)
+            entropy = -(logp.exp() * logp).sum(-1)
+            segments += int(segment_ids(segment_boundaries(entropy, response, cutoff), response).counts.sum())
+            tokens += int(response.sum())
+            above += int((response & (entropy > cutoff)).sum())
+        n = max(len(responses), 1)
+        return {
+            "segments_per_response": segments / n,
+            "tokens_per_response": tokens / n,
+            "above_cutoff_share": above / max(tokens, 1),
+        }
 
 
 class BestOfNPolicy:
@@ -313,6 +339,9 @@ class LengthControlled:
     length_coef: float
 
 
+_SLOPE_RIDGE = 1e-8  # length_controlled_win_rate: keeps the slope finite on length-separable outcomes
+
+
 def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
 
@@ -321,7 +350,9 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
     outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), then
     read off at zero length difference: ``LC = sigmoid(a)``. AlpacaEval fits the same formula with an L1 penalty
     chosen by cross-validation (and, in its default GLM, an instruction-difficulty term this task has no analogue
-    for); here the fit is the plain maximum-likelihood one, solved by Newton's method in float64 (deterministic).
+    for); here the fit is the maximum-likelihood one with a vanishing ridge ``(1e-8 / 2) b^2`` on the slope alone, which
+    changes no fit beyond float rounding but keeps ``b`` finite when length separates the outcomes (then no maximum
+    exists), solved by Newton's method in float64 (deterministic).
 
     Args:
         outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
@@ -341,14 +372,17 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
         return LengthControlled(mean, _cluster_stderr(outcome), 0.0)
     theta = torch.tensor([math.log(mean / (1 - mean)), 0.0], dtype=torch.float64)
 
+    ridge = torch.diag(torch.tensor([0.0, _SLOPE_RIDGE], dtype=torch.float64))
+
     def nll(th: Tensor) -> float:
         z = x @ th
-        return float(-(y * torch.nn.functional.logsigmoid(z) + (1 - y) * torch.nn.functional.logsigmoid(-z)).sum())
+        log_likelihood = y * torch.nn.functional.logsigmoid(z) + (1 - y) * torch.nn.functional.logsigmoid(-z)
+        return float(-log_likelihood.sum() + 0.5 * th @ ridge @ th)
 
     for _ in range(100):
         p = torch.sigmoid(x @ theta)
-        gradient = x.T @ (p - y)
-        hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+        gradient = x.T @ (p - y) + ridge @ theta
+        hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + ridge
         step = torch.linalg.solve(hessian, gradient)
         scale, current = 1.0, nll(theta)
         while nll(theta - scale * step) > current and scale > 1e-10:  # step halving (separable data)
@@ -357,7 +391,7 @@ def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tens
         if float(step.abs().max()) * scale < 1e-12:
             break
     p = torch.sigmoid(x @ theta)
-    hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x
+    hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + ridge
     scores = (x * (p - y).unsqueeze(1)).view(*outcome.shape, 2).sum(1)  # [P, 2] per-prompt score sums
     bread = torch.linalg.inv(hessian)
     covariance = bread @ (scores.T @ scores) @ bread
@@ -387,6 +421,7 @@ def win_rate(
     reference_samples: Samples | None = None,
     samples: Samples | None = None,
     compute_kl: bool = True,
+    kl_estimator: Literal["sequence_log_ratio", "exact"] = "sequence_log_ratio",
     **policy_kwargs: Any,
 ) -> WinRate:
     """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
@@ -407,6 +442,9 @@ def win_rate(
         reference_samples: the reference's ``[P][k]`` samples, if already drawn (e.g. shared by several policies).
         samples: the policy's ``[P][k]`` samples, if already drawn (with ``seed``).
         compute_kl: estimate KL(policy || reference) (needs ``reference`` to be a model, not only samples).
+        kl_estimator: ``sequence_log_ratio`` (``log pi(y|x) - log pi_ref(y|x)`` per sample: unbiased, a mean over
+            few samples can be negative) or ``exact`` (:meth:`HFPolicy.token_kl`: the exact per-token KL summed along
+            each sample, never negative; two :class:`HFPolicy` with one vocabulary). Best-of-n is analytic either way.
 
     Returns:
         A :class:`WinRate`.
@@ -454,15 +492,18 @@ def win_rate(
     if compute_kl:
         if isinstance(pol, BestOfNPolicy):
             kl, kl_se, kl_method = pol.analytic_kl(), 0.0, pol.kl_method
-        elif hasattr(pol, "logprobs") and hasattr(ref, "logprobs"):
+        elif kl_estimator == "exact" and isinstance(pol, HFPolicy) and isinstance(ref, HFPolicy):
+            per = pol.token_kl(ref, flat_prompts, mine, samples.truncated.flatten()).view(len(prompts), k)
+            kl, kl_se, kl_method = float(per.double().mean()), _cluster_stderr(per), "exact_token_sum"
+        elif kl_estimator == "sequence_log_ratio" and hasattr(pol, "logprobs") and hasattr(ref, "logprobs"):
             lp = pol.logprobs(flat_prompts, mine, samples.truncated.flatten())
             lr = ref.logprobs(flat_prompts, mine, samples.truncated.flatten())
             ratio = (lp - lr).view(len(prompts), k)
             kl, kl_se, kl_method = float(ratio.double().mean()), _cluster_stderr(ratio), pol.kl_method
         else:
             raise ValueError(
-                f"cannot estimate KL for {type(pol).__name__} against {type(ref).__name__}: both need logprobs(); "
-                "pass compute_kl=False"
+                f"cannot estimate KL ({kl_estimator}) for {type(pol).__name__} against {type(ref).__name__}: both "
+                "need logprobs() (exact: two HFPolicy); pass compute_kl=False"
             )
 
     lc = length_controlled_win_rate(

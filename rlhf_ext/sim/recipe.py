@@ -8,14 +8,15 @@ fine-tuning (``sft``), the simulated feedback (``feedback``: AlpacaFarm's ``p_si
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf_ext.algos.knobs import MAX_SEED, check_knobs, knob, knob_like, seed_knob
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.sim.annotators import PoolConfig
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
@@ -41,20 +42,15 @@ METHODS: tuple[str, ...] = (
 class TrainSettings:
     """Optimisation of one supervised / DPO run: ``max_steps`` (null = ``epochs`` passes), batch in sequences."""
 
-    max_steps: int | None = None
-    epochs: float = 1.0
-    batch_size: int = 16
-    learning_rate: float = 1e-3
+    max_steps: int | None = knob(None, ge=0, help="0 = no training.")
+    epochs: float = knob(1.0, gt=0)
+    batch_size: int = knob(16, ge=1)
+    learning_rate: float = knob(1e-3, gt=0)
     lr_scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
+    warmup_ratio: float = knob(0.03, ge=0, lt=1)
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
-        if self.max_steps is not None and self.max_steps < 0:
-            raise ValueError(f"max_steps must be >= 0 (0 = no training), got {self.max_steps}")
+        check_knobs(self)
 
 
 @dataclass
@@ -73,24 +69,23 @@ class TaskSection:
     """
 
     source: str = "continual-piecewise-preference"
-    stage: int = 0
-    num_samples: int = 800
+    stage: int = knob(0, ge=0)
+    num_samples: int = knob(800, ge=10, le=MAX_TASK_SAMPLES)
     overrides: list[str] = field(default_factory=lambda: ["drift.cycles=1"])
-    sft_fraction: float = 0.35
-    pref_fraction: float = 0.35
-    max_eval_prompts: int = 64
+    sft_fraction: float = knob(0.35, gt=0, lt=1)
+    pref_fraction: float = knob(0.35, gt=0, lt=1)
+    max_eval_prompts: int = knob(64, ge=1)
     prompt_suffix: str = "\n"
-    max_length: int = 256
+    max_length: int = knob(256, ge=2)
     phrase_credit: Literal["partial", "exact"] = "partial"
 
     def __post_init__(self):
-        if self.sft_fraction <= 0 or self.pref_fraction <= 0 or self.sft_fraction + self.pref_fraction >= 1:
+        check_knobs(self, "task.")
+        if self.sft_fraction + self.pref_fraction >= 1:
             raise ValueError(
-                "task.sft_fraction and task.pref_fraction must be > 0 and sum to < 1 (the rest are unlabeled "
-                f"prompts); got {self.sft_fraction} and {self.pref_fraction}"
+                "task.sft_fraction and task.pref_fraction must sum to < 1 (the rest are unlabeled prompts); got "
+                f"{self.sft_fraction} and {self.pref_fraction}"
             )
-        if self.num_samples < 10:
-            raise ValueError(f"task.num_samples must be >= 10, got {self.num_samples}")
 
 
 @dataclass
@@ -100,8 +95,8 @@ class ModelSection:
     (``builtin:tiny`` for the toy task, ``builtin:smollm2`` for a real model)."""
 
     base: str | None = None
-    tokenizer_vocab: int = 1024
-    seed: int = 0
+    tokenizer_vocab: int = knob(1024, ge=64)
+    seed: int = seed_knob(0)
 
 
 @dataclass
@@ -110,10 +105,10 @@ class SFTSection(TrainSettings):
     ``both`` (chosen and rejected: a policy of mixed quality, room for LPF methods) or ``chosen``."""
 
     responses: Literal["both", "chosen"] = "both"
-    seed: int = 0
-    max_steps: int | None = 200
-    batch_size: int = 32
-    learning_rate: float = 3e-3
+    seed: int = seed_knob(0)
+    max_steps: int | None = knob_like(TrainSettings, "max_steps", 200)
+    batch_size: int = knob_like(TrainSettings, "batch_size", 32)
+    learning_rate: float = knob_like(TrainSettings, "learning_rate", 3e-3)
 
 
 @dataclass
@@ -135,18 +130,18 @@ class RewardModelSection(SegmentRewardKnobs):
     segment model with paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
     ``entropy_cutoff`` 2.0, ``aggregation``, ``tau``) for segment PPO."""
 
-    epochs: float = 2.0
-    batch_size: int = 16
-    learning_rate: float = 1e-3
+    epochs: float = knob(2.0, gt=0)
+    batch_size: int = knob(16, ge=1)
+    learning_rate: float = knob(1e-3, gt=0)
 
 
 @dataclass
 class GenerationSection:
     """Sampling inside methods (best-of-n, expert iteration, Quark, online DPO) and for feedback pairs."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    batch_size: int = 64
+    max_new_tokens: int = knob(128, ge=1)
+    temperature: float = knob(1.0, gt=0)
+    batch_size: int = knob(64, ge=1)
 
 
 @dataclass
@@ -156,8 +151,8 @@ class EvalSection:
     gold scorer (ties 1/2). ``temperature`` 1.0 keeps the KL estimate of the policy itself (AlpacaFarm sampled API
     models at 0.7)."""
 
-    samples_per_prompt: int = 2
-    temperature: float = 1.0
+    samples_per_prompt: int = knob(2, ge=1)
+    temperature: float = knob(1.0, gt=0)
     judge: Literal["pool", "gold"] = "pool"
     #: ``eval``: the held-out evaluation prompts; ``validation``: the next ``task.max_eval_prompts`` test prompts,
     #: which ``sim tune`` picks settings on (never the prompts the results are reported on)
@@ -168,15 +163,15 @@ class EvalSection:
 class BestOfNSection:
     """Inference-time best-of-n with the bandit surrogate RM (AlpacaFarm: n = 1024; 16 here)."""
 
-    n: int = 16
+    n: int = knob(16, ge=1)
 
 
 @dataclass
 class ExpertIterationSection:
     """One round (AlpacaFarm, Appendix A.2): best-of-``n`` on ``max_prompts`` unlabeled prompts, then SFT on them."""
 
-    n: int = 8
-    max_prompts: int = 128
+    n: int = knob(8, ge=1)
+    max_prompts: int = knob(128, ge=1)
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
 
 
@@ -200,24 +195,20 @@ class QuarkSection:
     ``prompts_per_round`` unlabeled prompts from the current policy, keep the top ``top_fraction`` by surrogate
     reward (the rollout pool is reset every round), fine-tune with ``kl_coef`` x KL to the SFT model."""
 
-    rounds: int = 3
-    prompts_per_round: int = 64
-    samples_per_prompt: int = 4
-    top_fraction: float = 0.25
-    kl_coef: float = 0.05
+    rounds: int = knob(3, ge=1)
+    prompts_per_round: int = knob(64, ge=1)
+    samples_per_prompt: int = knob(4, ge=1)
+    top_fraction: float = knob(0.25, gt=0, le=1)
+    kl_coef: float = knob(0.05, ge=0)
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=1, learning_rate=5e-4, warmup_ratio=0))
-
-    def __post_init__(self):
-        if not 0 < self.top_fraction <= 1:
-            raise ValueError(f"quark.top_fraction must be in (0, 1], got {self.top_fraction}")
 
 
 @dataclass
 class DPOSection:
     """DPO on the simulated pairs (Appendix B.3: beta 0.1, 1 epoch); reference = the SFT model."""
 
-    beta: float = 0.1
-    max_pairs: int | None = None  # use only the first N simulated pairs (None: all), e.g. to match a label budget
+    beta: float = knob(0.1, gt=0)
+    max_pairs: int | None = knob(None, ge=1, help="Use only the first N simulated pairs (None: all).")
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=5e-4))
 
 
@@ -230,13 +221,13 @@ class PPOSection(PPOKnobs):
     ``advantage_estimator``, ``value_clip`` ...) plus ``max_steps`` PPO steps of ``batch_size`` rollouts
     (= prompts x ``num_generations``)."""
 
-    max_steps: int = 96
-    batch_size: int = 16
-    num_generations: int = 2
-    learning_rate: float = 1e-4
-    critic_learning_rate: float = 1e-4
-    max_completion_length: int = 128
-    chunk_size: int = 4
+    max_steps: int = knob(96, ge=1)
+    batch_size: int = knob(16, ge=2)
+    num_generations: int = knob(2, ge=2)
+    learning_rate: float = knob(1e-4, gt=0)
+    critic_learning_rate: float = knob(1e-4, gt=0)
+    max_completion_length: int = knob(128, ge=1)
+    chunk_size: int = knob(4, ge=1)
     #: the GAE critic's initialisation: ``sft`` (the SFT model with a fresh value head, as paper 003's public code
     #: does) or ``reward_model`` (the surrogate reward model, as AlpacaFarm does)
     critic_init: Literal["sft", "reward_model"] = "sft"
@@ -248,7 +239,7 @@ class OnlineDPOSection(OnlineDPOKnobs):
     of :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs` (the same names as ``IterativeDPOConfig``) plus the DPO
     ``beta`` and the inner DPO runs' ``train`` settings."""
 
-    beta: float = 0.1
+    beta: float = knob(0.1, gt=0)
     train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
 
 
@@ -258,11 +249,11 @@ class OnlineDPOAsyncSection:
     best and worst of ``num_samples`` responses generated one policy version behind. Method ``online_dpo_sync``
     runs the same settings on-policy (generation waits for each update), the baseline of paper 001."""
 
-    updates: int = 12
-    batch_size: int = 8
-    num_samples: int = 4
-    beta: float = 0.1
-    learning_rate: float = 5e-4
+    updates: int = knob(12, ge=1)
+    batch_size: int = knob(8, ge=1)
+    num_samples: int = knob(4, ge=2)
+    beta: float = knob(0.1, gt=0)
+    learning_rate: float = knob(5e-4, gt=0)
 
 
 @dataclass
@@ -272,7 +263,7 @@ class TuningSection:
     (``eval.split: validation``); the point with the best mean length-controlled win rate is picked. AlpacaFarm
     tuned each method in its simulator the same way (paper 002, section 4). Report on other seeds than these."""
 
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = knob(default_factory=lambda: [0], ge=0, le=MAX_SEED)
     methods: list[str] = field(default_factory=list)
     grid: dict[str, list[Any]] = field(default_factory=dict)
 
@@ -290,10 +281,10 @@ class SimCompareRecipe:
     """``rlhf-ext sim compare``: train and evaluate ``methods`` for every seed in ``seeds`` (see the module doc)."""
 
     output_dir: str = "runs/sim_compare"
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = knob(default_factory=lambda: [0, 1, 2], ge=0, le=MAX_SEED)
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    threads: int | None = 1
-    workers: int = 1
+    threads: int | None = knob(1, ge=1)
+    workers: int = knob(1, ge=1, help="Processes running seeds at once.")
     task: TaskSection = field(default_factory=TaskSection)
     model: ModelSection = field(default_factory=ModelSection)
     sft: SFTSection = field(default_factory=SFTSection)
@@ -319,8 +310,7 @@ class SimCompareRecipe:
     budgets: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1 (processes running seeds at once), got {self.workers}")
+        check_knobs(self)
         for name, items in self.budgets.items():
             if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
                 raise ValueError(f"budgets.{name} must be a list of key=value overrides, got {items!r}")

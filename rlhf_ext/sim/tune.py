@@ -104,6 +104,21 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
     return summary
 
 
+def apply_tuning(recipe: SimCompareRecipe, tuning_dir: str | Path) -> SimCompareRecipe:
+    """``recipe`` with ``method_overrides`` replaced, for every method ``sim tune`` picked a point for, by that point
+    (read from ``TUNING_DIR/tuning/tuning.json``, the output directory of a ``sim tune`` run -- e.g. the comparison's
+    own, or that of another task stage; a one-line error when there is none)."""
+    from rlhf_ext.config import RecipeError
+
+    path = Path(tuning_dir) / "tuning" / "tuning.json"
+    if not path.is_file():
+        raise RecipeError(f"--tuning: {path} does not exist; run `rlhf-ext sim tune --out {tuning_dir}` first")
+    picked = {m: e["overrides"] for m, e in json.loads(path.read_text())["methods"].items() if e["picked"] is not None}
+    data = to_dict(recipe)
+    data["method_overrides"] = {**data["method_overrides"], **picked}
+    return from_dict(SimCompareRecipe, data)
+
+
 def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
     """Per method: every grid point's mean (± s.e. over tuning seeds) validation win rate, LC win rate, gold, KL and
     length, and the picked point (best mean LC win rate; ties go to the earlier point)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from transformers import TrainerCallback
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -147,25 +148,99 @@ def make_config(config_cls: type[T], kwargs: dict[str, Any], trl_args: dict[str,
 #: The file transformers' ``Trainer`` writes last into a ``checkpoint-N`` directory (after the weights, optimizer,
 #: scheduler and RNG states): a checkpoint without it, or with a truncated one, was interrupted while being written.
 TRAINER_STATE_FILE = "trainer_state.json"
+#: rlhf-ext's record in a ``checkpoint-N`` it writes: created (with the directory) before the checkpoint's first byte,
+#: so a checkpoint without it was not written by rlhf-ext and is never deleted; rewritten after the save with every
+#: file's size (``{"files": {relative path: bytes}}``), so a file truncated later is found before a resume loads it.
+CHECKPOINT_RECORD = "rlhf_ext_checkpoint.json"
 
 
-def checkpoint_is_complete(path: str | os.PathLike) -> bool:
-    """Whether the ``checkpoint-N`` directory ``path`` was written to the end: its ``trainer_state.json`` (written
-    last) is a complete JSON object with a ``global_step``."""
+class CheckpointError(ValueError):
+    """An output directory holds a ``checkpoint-N`` that rlhf-ext did not write and cannot resume from."""
+
+
+def _record(path: Path) -> dict[str, Any] | None:
+    """The rlhf-ext record of checkpoint ``path`` (``{}`` while being written), or None when it has none."""
+    try:
+        record = json.loads(Path(path, CHECKPOINT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _sizes(path: Path) -> dict[str, int]:
+    files = (f for f in sorted(path.rglob("*")) if f.is_file() and f.name != CHECKPOINT_RECORD)
+    return {str(f.relative_to(path)): f.stat().st_size for f in files}
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the ``checkpoint-N`` directory ``path`` cannot be resumed from, or None when it can: no complete
+    ``trainer_state.json`` (written last: the write was interrupted), a file whose size differs from the one rlhf-ext
+    recorded after the save, or (checkpoints without a record) a ``.safetensors`` file shorter than its header."""
+    path = Path(path)
     try:
         state = json.loads(Path(path, TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(state, dict) and "global_step" in state
+        state = None
+    if not (isinstance(state, dict) and "global_step" in state):
+        return f"no complete {TRAINER_STATE_FILE}"
+    from rlhf_ext.runtime.io import weights_problem
+
+    recorded = (_record(path) or {}).get("files")
+    if recorded is None:
+        return weights_problem(path)
+    sizes = _sizes(path)
+    for name, size in recorded.items():
+        if sizes.get(name) != size:
+            return f"{name} has {sizes.get(name, 0)} of the {size} bytes written"
+    return None
+
+
+class CheckpointRecords(TrainerCallback):
+    """Writes :data:`CHECKPOINT_RECORD` into every ``checkpoint-N`` the trainer saves: an empty record with the
+    directory before the Trainer writes into it (``on_step_end`` / ``on_epoch_end``, after ``DefaultFlowCallback``
+    decided to save; the directory appears with the record in one rename), the files' sizes after the save
+    (``on_save``). :func:`last_checkpoint` deletes only checkpoints with a record, and resumes only from ones whose
+    files still have their recorded sizes."""
+
+    def _folder(self, args, state) -> Path:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        return Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def _begin(self, args, state, control, **kwargs) -> None:
+        if not (control.should_save and args.should_save):
+            return
+        from rlhf_ext.runtime.io import atomic_write_json, temporary_sibling
+
+        folder = self._folder(args, state)
+        if folder.exists():  # a damaged checkpoint written again
+            atomic_write_json(folder / CHECKPOINT_RECORD, {})
+            return
+        ready = temporary_sibling(folder, f"new-{os.getpid()}")
+        shutil.rmtree(ready, ignore_errors=True)
+        ready.mkdir(parents=True)
+        atomic_write_json(ready / CHECKPOINT_RECORD, {})
+        os.replace(ready, folder)
+
+    on_step_end = on_epoch_end = _begin
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if args.should_save:
+            from rlhf_ext.runtime.io import atomic_write_json
+
+            folder = self._folder(args, state)
+            atomic_write_json(folder / CHECKPOINT_RECORD, {"files": _sizes(folder)})
 
 
 def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str | None:
-    """The newest complete ``checkpoint-N`` directory under ``output_dir`` to resume from (``None``: start fresh).
+    """The newest ``checkpoint-N`` directory under ``output_dir`` that can be resumed from (``None``: start fresh).
 
-    A checkpoint written only in part (a kill while the Trainer saved it: no ``trainer_state.json``, or a truncated
-    one) is never resumed from. One numbered above the newest complete checkpoint is the write the previous run was
-    killed in: it is removed (the resumed run writes it again). An incomplete one numbered below a complete one is
-    not that write and is left alone. ``resume=False`` returns ``None`` and touches nothing.
+    A checkpoint is skipped when :func:`checkpoint_problem` finds one: a kill while it was written, or a file damaged
+    afterwards (the fall-back to the next older one is logged, naming the problem). Checkpoints numbered above the
+    one resumed from that rlhf-ext wrote (:data:`CHECKPOINT_RECORD`) and never finished are the write the previous
+    run was killed in: they are removed (the resumed run writes them again); damaged ones are kept. A checkpoint
+    without rlhf-ext's record and without a complete ``trainer_state.json`` is not rlhf-ext's to delete:
+    :class:`CheckpointError` names it. ``resume=False`` returns ``None`` and touches nothing.
     """
     if not resume or not os.path.isdir(output_dir):
         return None
@@ -177,12 +252,29 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
         match = pattern.fullmatch(entry.name)
         if match and entry.is_dir():
             found[int(match[1])] = Path(entry.path)
-    complete = [step for step, path in found.items() if checkpoint_is_complete(path)]
-    newest = max(complete, default=-1)
-    for step, path in sorted(found.items()):
-        if step > newest:
+    problems = {step: checkpoint_problem(path) for step, path in found.items()}
+    usable = max((step for step, problem in problems.items() if problem is None), default=-1)
+    for step, path in sorted(found.items(), reverse=True):
+        if step <= usable:
+            break
+        record = _record(path)
+        if record is None and any(path.iterdir()):  # not rlhf-ext's: never deleted
+            if problems[step] == f"no complete {TRAINER_STATE_FILE}":
+                raise CheckpointError(
+                    f"{path} holds no complete checkpoint (no {TRAINER_STATE_FILE}) and was not written by rlhf-ext "
+                    f"(no {CHECKPOINT_RECORD}); rlhf-ext deletes only what it wrote: move it out of {output_dir} or "
+                    "choose another output directory"
+                )
+            logger.warning("%s cannot be resumed from (%s); it is kept", path, problems[step])
+        elif record is not None and "files" in record:  # finished, then damaged: kept for the user to look at
+            logger.warning("%s cannot be resumed from (%s); it is kept", path, problems[step])
+        else:  # rlhf-ext's write that a kill interrupted (or an empty directory)
             _discard_partial_checkpoint(path)
-    return str(found[newest]) if complete else None
+    if usable < 0:
+        return None
+    if any(step > usable for step in found):
+        logger.warning("resuming from %s, the newest checkpoint that loads", found[usable])
+    return str(found[usable])
 
 
 def _discard_partial_checkpoint(path: Path) -> None:
@@ -195,5 +287,5 @@ def _discard_partial_checkpoint(path: Path) -> None:
         os.replace(path, aside)
     except FileNotFoundError:  # another rank took it
         return
-    logger.warning("removed %s: its write was interrupted (no complete %s)", path, TRAINER_STATE_FILE)
+    logger.warning("removed %s: rlhf-ext's write of it was interrupted (no complete %s)", path, TRAINER_STATE_FILE)
     shutil.rmtree(aside, ignore_errors=True)

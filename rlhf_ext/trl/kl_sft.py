@@ -13,22 +13,23 @@ sampled estimate). With ``kl_coef = 0`` it is the stock ``SFTTrainer``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from trl import SFTConfig, SFTTrainer
+
+from rlhf_ext.algos.knobs import check_knobs, knob
 
 
 @dataclass
 class KLSFTConfig(SFTConfig):
     """``SFTConfig`` plus ``kl_coef`` (AlpacaFarm's Quark: 0.05)."""
 
-    kl_coef: float = field(default=0.05, metadata={"help": "Weight of KL(pi || pi_ref) per completion token."})
+    kl_coef: float = knob(0.05, ge=0, help="Weight of KL(pi || pi_ref) per completion token.")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        check_knobs(self)
 
 
 def token_kl(logits, ref_logits) -> torch.Tensor:

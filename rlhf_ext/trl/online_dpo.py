@@ -86,8 +86,9 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
+from rlhf_ext.algos.knobs import knob
 from rlhf_ext.algos.names import knob_values
-from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, OnlineSamplingKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
 from rlhf_ext.runtime.io import (
     atomic_directory,
@@ -117,57 +118,33 @@ RUN_KIND = "iterative-dpo"
 
 
 @dataclass
-class IterativeDPOConfig(OnlineDPOKnobs, DPOConfig):
+class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
     """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
     settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
     ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,
-    ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate) and:
+    ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate),
+    the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`: ``max_new_tokens``,
+    ``top_p``, ``generation_backend``, ``eval_temperature`` ...) and:
 
     Args:
-        max_new_tokens, max_prompt_length, top_p, top_k: sampling limits (paper: no top-p / top-k).
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
-        generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
-        generation_batch_size: sequences per HF ``generate`` call.
         reward_batch_size: sequences per reward-model forward.
-        eval_num_prompts / eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
-        generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
-            thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
-            function must be picklable).
-        max_fill_rounds: online mode: extra sampling rounds to replace tied prompts before giving up.
-        generation_threads / training_threads: torch intra-op threads of each role (CPU); ``None``: unchanged.
-        vllm_gpu_memory_utilization / vllm_kwargs: passed to ``vllm.LLM``.
+        eval_num_prompts: prompts of the evaluation after each iteration.
+        vllm_kwargs: extra ``vllm.LLM`` arguments.
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
-    max_new_tokens: int = field(default=256, metadata={"help": "Maximum response length in tokens."})
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Prompts are cut from the left."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (1.0 = off)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
     reference: str = field(default="sft", metadata={"help": "sft | previous"})
-    generation_backend: str = field(default="auto", metadata={"help": "auto | hf | vllm"})
-    generation_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call."})
-    reward_batch_size: int = field(default=32, metadata={"help": "Sequences per reward-model forward."})
-    eval_num_prompts: int | None = field(default=64, metadata={"help": "Evaluation prompts (None: all)."})
-    eval_samples_per_prompt: int = field(default=2, metadata={"help": "Samples per evaluation prompt."})
-    eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation sampling temperature."})
-    generator_process: bool = field(default=False, metadata={"help": "Online mode: generate in a separate process."})
-    max_fill_rounds: int = field(default=4, metadata={"help": "Online mode: rounds to replace tied prompts."})
-    generation_threads: int | None = field(default=None, metadata={"help": "CPU threads for generation."})
-    training_threads: int | None = field(default=None, metadata={"help": "CPU threads for training."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of GPU memory."})
+    reward_batch_size: int = knob(32, ge=1, help="Sequences per reward-model forward.")
+    eval_num_prompts: int | None = knob(64, ge=1, help="Evaluation prompts (None: all).")
     vllm_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "Extra vllm.LLM arguments."})
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
     def __post_init__(self):
         super().__post_init__()
         split_temperatures(self.num_samples, self.temperatures)
-        for name, allowed in (("reference", ("sft", "previous")), ("generation_backend", ("auto", "hf", "vllm"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if self.eval_samples_per_prompt < 1 or self.eval_temperature <= 0:
-            raise ValueError("eval_samples_per_prompt must be >= 1 and eval_temperature > 0")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.reference not in ("sft", "previous"):
+            raise ValueError(f"reference must be one of sft, previous; got {self.reference!r}")
 
     def settings(self) -> dict[str, Any]:
         """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
@@ -648,7 +625,7 @@ class IterativeDPOTrainer(DPOTrainer):
         """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference
         at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
         ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
-        from rlhf_ext.trl.args import last_checkpoint
+        from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
         console = console_callback_of(self)  # use_console_output(trainer) lasts over every DPO run
@@ -662,7 +639,7 @@ class IterativeDPOTrainer(DPOTrainer):
                 args=args,
                 train_dataset=train_dataset,
                 processing_class=self.processing_class,
-                callbacks=list(self._user_callbacks),
+                callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
                 peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
             )
             if console is not None:

@@ -48,8 +48,9 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from rlhf_ext.algos.continual_kl import ContinualKnobs
+from rlhf_ext.algos.knobs import knob, knob_like
 from rlhf_ext.algos.location_norm import LocationNormalizer
-from rlhf_ext.algos.ppo import PPOKnobs, check_clip_eps, clipped_value_loss, per_token_kl, ppo_advantages
+from rlhf_ext.algos.ppo import PPOKnobs, clipped_value_loss, per_token_kl, ppo_advantages
 from rlhf_ext.algos.segment_dense import (
     DenseRewardKnobs,
     Granularity,
@@ -58,9 +59,10 @@ from rlhf_ext.algos.segment_dense import (
     dense_segment_rewards,
     segmentation_rates,
 )
-from rlhf_ext.algos.segment_reward import check_cutoff
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
+from rlhf_ext.trl.args import CheckpointRecords
 
 
 @dataclass
@@ -88,16 +90,19 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, GRPOConfig):
     """
 
     reward_model_path: str | None = field(default=None, metadata={"help": "Segment reward model checkpoint."})
-    entropy_cutoff: float | None = field(default=None, metadata={"help": "c_ent; None = the reward model's."})
+    entropy_cutoff: float | None = knob_like(SegmentRewardKnobs, "entropy_cutoff", None, help="None = the RM's.")
     aggregation: str | None = field(default=None, metadata={"help": "For segment_as_bandit; None = the RM's."})
-    tau: float | None = field(default=None, metadata={"help": "Soft-max temperature; None = the RM's."})
+    tau: float | None = knob_like(SegmentRewardKnobs, "tau", None, help="Soft-max temperature; None = the RM's.")
     normalizer_path: str | None = field(default=None, metadata={"help": "Saved LocationNormalizer JSON."})
-    calibration_max_pairs: int | None = field(default=512, metadata={"help": "Pairs used to fit the normalizer."})
+    calibration_max_pairs: int | None = knob(512, ge=1, help="Pairs used to fit the normalizer.")
     critic_model_path: str | None = field(default=None, metadata={"help": "Critic init (default: reward model)."})
-    critic_learning_rate: float = field(default=9e-6, metadata={"help": "Critic learning rate (Table 8)."})
+    critic_learning_rate: float = knob(9e-6, gt=0, help="Critic learning rate (Table 8).")
     continual_previous_model: str | None = field(default=None, metadata={"help": "Frozen previous-task policy."})
     async_generation: bool = field(default=False, metadata={"help": "One-step off-policy rollouts (paper 001)."})
-    generation_threads: int | None = field(default=None, metadata={"help": "Torch threads of the async generator."})
+    generation_threads: int | None = knob(None, ge=1, help="Torch threads of the async generator.")
+    #: GRPOConfig's PPO ratio clip (paper 003 Appendix C: 0.2), declared here with its range
+    epsilon: float = knob(0.2, gt=0, help="PPO ratio clip epsilon (0.2).")
+    epsilon_high: float | None = knob(None, gt=0, help="Upper ratio clip (default: epsilon).")
 
     def __post_init__(self):
         if self.beta != 0.0:
@@ -107,12 +112,7 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, GRPOConfig):
         if self.loss_type == "dapo":  # GRPO's default; PPO averages over the tokens of the micro-batch
             self.loss_type = "bnpo"
         self.scale_rewards = "none"
-        super().__post_init__()
-        check_clip_eps(self.epsilon, "epsilon")
-        if self.epsilon_high is not None:
-            check_clip_eps(self.epsilon_high, "epsilon_high")
-        if self.entropy_cutoff is not None:
-            self.entropy_cutoff = check_cutoff(self.entropy_cutoff)
+        super().__post_init__()  # the knob dataclasses check every ranged field (rlhf_ext.algos.knobs)
 
 
 #: Where a checkpoint keeps the critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
@@ -233,6 +233,7 @@ class DensePPOTrainer(GRPOTrainer):
             rollout_func,
             environment_factory,
         )
+        self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
         self.async_rollout = async_rollout
         if async_rollout is not None:
             async_rollout.attach(self)

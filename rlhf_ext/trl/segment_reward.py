@@ -30,13 +30,13 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from trl import RewardConfig, RewardTrainer
 
+from rlhf_ext.algos.knobs import knob
 from rlhf_ext.algos.segment_reward import (
     SegmentRewardKnobs,
     evaluate_sequences,
@@ -51,11 +51,17 @@ from rlhf_ext.runtime.segment_data import (
     save_segment_settings,
 )
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
+from rlhf_ext.trl.args import CheckpointRecords
 
 logger = logging.getLogger(__name__)
 
 #: Why :func:`pair_defect` finds a pair useless, as the warning and the error word it.
-PAIR_DEFECTS = {"empty": "an empty chosen or rejected response", "identical": "identical chosen and rejected responses"}
+PAIR_DEFECTS = {
+    "empty": "an empty chosen or rejected response",
+    "no_room": "no response token left after a prompt that used up max_length (raise data.max_length or set a smaller "
+    "data.max_prompt_length)",
+    "identical": "identical chosen and rejected responses",
+}
 
 
 @dataclass
@@ -71,7 +77,7 @@ class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
     """
 
     sft_model_name_or_path: str | None = field(default=None, metadata={"help": "SFT model used for segmentation."})
-    entropy_batch_size: int = field(default=8, metadata={"help": "Batch size of the entropy preprocessing pass."})
+    entropy_batch_size: int = knob(8, ge=1, help="Batch size of the entropy preprocessing pass.")
     segment_cache_dir: str | None = field(default=None, metadata={"help": "Cache directory for segmented data."})
 
     def segment_settings(self) -> dict[str, Any]:
@@ -85,32 +91,45 @@ class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
 
 
 def pair_defect(
-    chosen_ids: list[int], rejected_ids: list[int], prompt_len: int, eos_token_id: int | None
+    chosen_ids: list[int],
+    rejected_ids: list[int],
+    prompt_len: int,
+    eos_token_id: int | None,
+    max_length: int | None = None,
 ) -> str | None:
-    """Why a tokenised preference pair carries no preference: ``"empty"`` (a response with no token besides its
-    closing EOS), ``"identical"`` (the same token ids on both sides), or ``None`` for a usable pair."""
+    """Why a tokenised preference pair carries no preference: ``"no_room"`` (a response cut to its closing EOS
+    because the prompt filled ``max_length``), ``"empty"`` (a response with no token besides its closing EOS),
+    ``"identical"`` (the same token ids on both sides), or ``None`` for a usable pair."""
     for ids in (chosen_ids, rejected_ids):
         response = ids[prompt_len:]
         if response and response[-1] == eos_token_id:
             response = response[:-1]
         if not response:
-            return "empty"
+            return "no_room" if max_length is not None and prompt_len >= max_length - 1 else "empty"
     return "identical" if chosen_ids == rejected_ids else None
 
 
-def drop_uninformative_pairs(dataset, eos_token_id: int | None, name: str = "train_dataset"):
+def drop_uninformative_pairs(
+    dataset, eos_token_id: int | None, name: str = "train_dataset", max_length: int | None = None
+):
     """``dataset`` (tokenised: :data:`~rlhf_ext.runtime.segment_data.TOKENIZED_COLUMNS`) without the pairs
     :func:`pair_defect` rejects. Such pairs only add noise: a Bradley-Terry loss on two equal rewards pushes nothing
     apart, and a dataset made of them trains a reward model at chance. Dropping some logs one warning that counts
-    them; dropping all raises :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError` (``name`` says which
-    dataset)."""
+    them by reason, naming their first rows; dropping all raises
+    :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError` (``name`` says which dataset)."""
     rows = dataset.select_columns(list(TOKENIZED_COLUMNS))
-    defects = [pair_defect(r["chosen_ids"], r["rejected_ids"], r["prompt_len"], eos_token_id) for r in rows]
-    counts = Counter(d for d in defects if d is not None)
-    if not counts:
+    defects = [pair_defect(r["chosen_ids"], r["rejected_ids"], r["prompt_len"], eos_token_id, max_length) for r in rows]
+    at: dict[str, list[int]] = {}
+    for i, d in enumerate(defects):
+        if d is not None:
+            at.setdefault(d, []).append(i)
+    if not at:
         return dataset
-    dropped = sum(counts.values())
-    reasons = ", ".join(f"{n} with {PAIR_DEFECTS[d]}" for d, n in sorted(counts.items()))
+    dropped = sum(len(v) for v in at.values())
+    reasons = ", ".join(
+        f"{len(v)} with {PAIR_DEFECTS[d]}: rows {', '.join(map(str, v[:5]))}{', ...' if len(v) > 5 else ''}"
+        for d, v in sorted(at.items())
+    )
     if dropped == len(defects):
         raise DatasetFormatError(
             f"{name}: none of its {dropped} preference pairs is usable ({reasons}); check the chosen / rejected "
@@ -181,19 +200,19 @@ class SegmentRewardTrainer(RewardTrainer):
             cache_dir=args.segment_cache_dir,
         )
         eos = processing_class.eos_token_id
-        train_dataset = drop_uninformative_pairs(prepare_segment_dataset(train_dataset, **prepare), eos)
+
+        def prepared(dataset, name: str):
+            return drop_uninformative_pairs(prepare_segment_dataset(dataset, **prepare), eos, name, args.max_length)
+
+        train_dataset = prepared(train_dataset, "train_dataset")
         if isinstance(eval_dataset, dict):
-            eval_dataset = {
-                k: drop_uninformative_pairs(prepare_segment_dataset(v, **prepare), eos, f"eval_dataset[{k!r}]")
-                for k, v in eval_dataset.items()
-            }
+            eval_dataset = {k: prepared(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
-            eval_dataset = drop_uninformative_pairs(
-                prepare_segment_dataset(eval_dataset, **prepare), eos, "eval_dataset"
-            )
+            eval_dataset = prepared(eval_dataset, "eval_dataset")
         if data_collator is None:
             data_collator = SegmentPreferenceCollator(processing_class.pad_token_id, args.pad_to_multiple_of)
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
+        self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
         self._capture = TokenScoreCapture(self.model)
 
     def _set_signature_columns_if_needed(self):
@@ -216,10 +235,12 @@ class SegmentRewardTrainer(RewardTrainer):
         if self.args.center_rewards_coefficient is not None:
             loss = loss + self.args.center_rewards_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
 
-        if mode == "train":
+        if mode == "train" and self.args.include_num_input_tokens_seen == "no":
+            # counted in the TrainerState (as GRPO does), which checkpoints save and a resume restores: TRL's
+            # in-memory _total_train_tokens restarts at 0 on resume, so metrics.json reported the resumed part only
             num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            self.state.num_input_tokens_seen += num_tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
         with torch.no_grad():
             gather = self.accelerator.gather_for_metrics
             values = gather(ev.values.detach())

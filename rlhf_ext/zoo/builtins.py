@@ -22,10 +22,13 @@ Anything without the prefix is passed through unchanged (a local path or a hub i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from rlhf_ext.runtime.io import build_once, default_cache_dir
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "builtin:"
 TOY_TOKENIZER_VOCAB = 512
@@ -158,6 +161,30 @@ def _is_blank(path: Path) -> bool:
     return True
 
 
+def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+    """``(1-based line number, problem)`` of the first line of a JSON-lines file that is not a JSON object, or None
+    (also for a file that is one JSON document, e.g. an array)."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return None  # one JSON document: not a JSON-lines problem
+    except ValueError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            return number, f"not valid JSON ({e.msg} at column {e.colno})"
+        if not isinstance(value, dict):
+            return number, f"a JSON {type(value).__name__}, not an object"
+    return None
+
+
 def load_preference_dataset(path: str):
     """Load a dataset saved with ``save_to_disk``, a ``.json/.jsonl/.csv/.parquet`` file, or a hub dataset."""
     from datasets import DatasetDict, load_dataset, load_from_disk
@@ -177,7 +204,19 @@ def load_preference_dataset(path: str):
                 f"data file '{path}' is empty: it needs one preference pair per row (prompt, chosen, rejected)"
             )
         fmt = {"jsonl": "json"}.get(p.suffix[1:], p.suffix[1:])
-        data = load_dataset(fmt, data_files=str(p))
+        logger.info("reading %s (%.1f MB)", p, p.stat().st_size / 1e6)
+        try:
+            data = load_dataset(fmt, data_files=str(p))
+        except Exception as e:
+            line = _first_bad_json_line(p) if fmt == "json" else None
+            if line is None:
+                raise
+            from rlhf_ext.runtime.segment_data import DatasetFormatError
+
+            number, problem = line
+            raise DatasetFormatError(
+                f"data file '{path}', line {number}: {problem}; fix or remove that line (one JSON object per line)"
+            ) from e
     elif p.exists():
         data = load_dataset(str(p))
     else:

@@ -28,9 +28,13 @@ BUILTIN_PREFIX = "builtin:toy-continual-"
 
 def _split(items: list[str], parts: int) -> list[list[str]]:
     size = len(items) // parts
-    if size == 0:
-        raise ValueError(f"cannot split {len(items)} toy items into {parts} non-empty groups; use fewer tasks")
     return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def max_tasks(kind: SequenceKind) -> int:
+    """The longest sequence of ``kind``: ``preference_shift`` needs ``K + 1`` non-empty phrase groups, ``domains``
+    one topic per task."""
+    return len(KEY_PHRASES) + len(WEAK_PHRASES) - 1 if kind == "preference_shift" else len(TOPICS)
 
 
 def _rows(n: int, seed: int, topics: list[str], chosen: list[str], rejected: list[str]) -> list[dict[str, str]]:
@@ -60,8 +64,10 @@ def toy_task_sequence(
 
     if kind not in SEQUENCE_KINDS:
         raise ValueError(f"toy sequence kind must be one of {', '.join(SEQUENCE_KINDS)}; got {kind!r}")
-    if num_tasks < 1:
-        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    if not 1 <= num_tasks <= max_tasks(kind):
+        raise ValueError(
+            f"num_tasks is {num_tasks}, but the toy {kind} sequence has 1 to {max_tasks(kind)} tasks; use fewer tasks"
+        )
     tasks = []
     if kind == "preference_shift":
         phrases = list(KEY_PHRASES) + list(WEAK_PHRASES)

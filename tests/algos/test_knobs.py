@@ -94,9 +94,9 @@ def test_trl_configs_keep_output_dir_first_and_run_trl_and_knob_checks():
         args = config("/tmp/rlhf-ext-out", bf16=False)
         assert args.output_dir == "/tmp/rlhf-ext-out"
         assert type(args.lr_scheduler_type).__name__ == "SchedulerType"  # set by TrainingArguments.__post_init__
-    with pytest.raises(ValueError, match="continual_kl_coef must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="continual_kl_coef must be a number >= 0; got -1.0"):
         ContinualDPOConfig("/tmp/rlhf-ext-out", bf16=False, continual_kl_coef=-1.0)
-    with pytest.raises(ValueError, match="tau must be a finite number > 0"):
+    with pytest.raises(ValueError, match="tau must be a number > 0; got 0.0"):
         SegmentRewardConfig("/tmp/rlhf-ext-out", bf16=False, tau=0.0)
 
 

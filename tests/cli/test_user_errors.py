@@ -325,14 +325,15 @@ def test_a_dry_run_during_a_running_generation_is_one_line(tmp_path):
 
 
 def test_a_huge_dry_run_is_refused_at_once_instead_of_hanging(tmp_path):
-    """Planning is one job per sample: 50 million per task used to hang; the count is known in O(stages)."""
+    """Planning is one job per sample: 5 million per task (under the 10 million cap) used to hang; the count is known
+    in O(stages)."""
     out = tmp_path / "data"
     result = run_cli(
-        "data", "generate", "continual-piecewise-preference", "-o", str(out), "--num-samples", "50000000", "--dry-run"
+        "data", "generate", "continual-piecewise-preference", "-o", str(out), "--num-samples", "5000000", "--dry-run"
     )  # run_cli's timeout fails the test if it hangs
     assert_user_error(
         result.returncode, result.stderr,
-        "--dry-run lists the plan sample by sample; 450,000,000 samples is more than 200,000: dry-run with a smaller "
+        "--dry-run lists the plan sample by sample; 45,000,000 samples is more than 200,000: dry-run with a smaller "
         "--num-samples (the plan's stages and templates do not depend on it)",
     )  # fmt: skip
     assert not out.exists()

@@ -91,8 +91,10 @@ def test_export_refuses_the_dataset_directory_and_keeps_the_dataset_and_its_cach
     for flags in ((), ("--overwrite",)):
         result = _export(dataset_dir, out, *flags)
         assert result.exit_code == 2
+        verb = "is" if where == "itself" else "holds"
         assert _error_line(result.output) == (
-            f"error: {out} is or contains the dataset being exported ({dataset_dir}); export to another directory"
+            f"error: export directory {out} {verb} the input DATASET ({dataset_dir}): the run would write over it; "
+            "choose an output directory that holds none of the run's inputs"
         )
     assert _snapshot(dataset_dir) == before
     assert len(load_continual_dataset(dataset_dir)) == 9  # every stage still loads

@@ -88,3 +88,29 @@ def test_segment_rm_killed_while_writing_a_checkpoint_resumes_from_the_last_comp
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     _assert_same_weights(out, tmp_path / "full")
     _assert_same_weights(out / "checkpoint-2", tmp_path / "full" / "checkpoint-2")
+
+
+@pytest.mark.slow
+def test_segment_rm_rerun_after_the_newest_checkpoints_weights_were_truncated_resumes_from_the_one_before(
+    tmp_path, tiny_sft_path
+):
+    """Issue 23 item 9: a truncated ``model.safetensors`` in the newest checkpoint (its trainer_state.json intact)
+    made every rerun fail with a traceback. The rerun falls back to checkpoint-2, says so, and ends with the weights
+    of the run that was never damaged — and (item 12) metrics.json counts the tokens of every step, not only of the
+    steps after the resume."""
+    args = [*SEGMENT_RM, f"model.sft_model={tiny_sft_path}", f"train.segment_cache_dir={tmp_path / 'segments'}"]
+    out = tmp_path / "run"
+    first = run_cli([*args, f"train.output_dir={out}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    reference = {k: v.clone() for k, v in _weights(out).items()}
+    tokens = json.loads((out / "metrics.json").read_text())["eval"]["eval_num_tokens"]
+    weights = out / "checkpoint-3" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    rerun = run_cli([*args, f"train.output_dir={out}"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{out / 'checkpoint-3'} cannot be resumed from (model.safetensors has" in rerun.stderr
+    assert f"resuming from {out / 'checkpoint-2'}, the newest checkpoint that loads" in rerun.stderr
+    final = _weights(out)
+    assert [name for name in reference if not torch.equal(reference[name], final[name])] == []
+    assert json.loads((out / "metrics.json").read_text())["eval"]["eval_num_tokens"] == tokens > 0

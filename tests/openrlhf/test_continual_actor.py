@@ -124,7 +124,7 @@ def test_from_policy_loss_keeps_every_setting():
         "is_correction_threshold",
     ):
         assert getattr(cont, name) == getattr(stock, name), name
-    with pytest.raises(ValueError, match="continual_kl_coef must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="continual_kl_coef must be a number >= 0; got -1.0"):
         oc.ContinualPolicyLoss(continual_kl_coef=-1.0)
 
 

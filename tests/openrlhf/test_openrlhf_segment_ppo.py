@@ -252,22 +252,24 @@ def test_install_patches_openrlhf_modules(seg_ppo):
     assert launcher.ReferenceModelActor is seg_ppo.SegmentReferenceModelActor
 
 
-def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo):
+def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo, tmp_path):
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
     from rlhf_ext.recipes import recipe_path
 
     recipe = load_recipe(SegmentPPORecipe, recipe_path("segment_ppo_openrlhf"))
     recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
-    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", "/tmp/n.json", Cluster((8,), 80.0))
+    normalizer = str(tmp_path / "n.json")
+    save_normalizer(LocationNormalizer(kind="global", reward_model="/m/rm"), normalizer)
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", normalizer, Cluster((8,), 80.0))
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
     assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
-    assert pairs["--ext.granularity"] == "segment" and pairs["--ext.normalizer"] == "/tmp/n.json"
+    assert pairs["--ext.granularity"] == "segment" and pairs["--ext.normalizer"] == normalizer
     from rlhf_ext.openrlhf.train_ppo_ray import parse_ext_args
 
     rest, ext = parse_ext_args(argv)
-    assert not any(a.startswith("--ext.") for a in rest) and ext["normalizer"] == "/tmp/n.json"
+    assert not any(a.startswith("--ext.") for a in rest) and ext["normalizer"] == normalizer
 
 
 def test_recipe_flags_on_a_cpu_machine(seg_ppo):

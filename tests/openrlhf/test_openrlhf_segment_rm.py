@@ -67,9 +67,9 @@ def test_parse_ext_args(seg_rm):
     )
     assert rest == ["--data.max_len", "64", "--ds.zero_stage", "2"]
     assert math.isinf(ext["entropy_cutoff"]) and ext["tau"] == 0.3 and ext["aggregation"] == "softmax"
-    with pytest.raises(SystemExit, match="unknown option --ext.cutof"):
+    with pytest.raises(ValueError, match="unknown option --ext.cutof"):
         seg_rm.parse_ext_args(["--ext.cutof", "2"])
-    with pytest.raises(ValueError, match="entropy cutoff must be >= 0"):
+    with pytest.raises(ValueError, match=r"--ext.entropy_cutoff must be a number >= 0 \(or inf\); got -3.0"):
         seg_rm.parse_ext_args(["--ext.entropy_cutoff", "-3"])
 
 

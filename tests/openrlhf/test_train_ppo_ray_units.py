@@ -107,16 +107,23 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
         (["--ext.granularity", "segmnt"], "--ext.granularity must be one of"),
         (["--ext.continual_kl_coeff", "1"], "unknown option --ext.continual_kl_coeff"),
         (["--ext.continual.kl_coef", "1"], "--ext.continual.kl_coef was renamed to --ext.continual_kl_coef"),
-        (["--ext.continual_kl_coef", "-1"], "--ext.continual_kl_coef"),
+        (["--ext.continual_kl_coef", "-1"], "--ext.continual_kl_coef must be a number >= 0; got -1.0"),
+        (["--ext.tau", "nan"], "--ext.tau must be a number > 0; got nan"),
+        # issue 23 item 11: these three used to start Ray first and fail inside its workers
+        (["--ext.normalizer", "/nonexistent/normalizer.json"], "normalizer file /nonexistent/normalizer.json does not"),
+        (["--ext.normalizer", "{NAN_NORMALIZER}"], "normalizer w_mu must be a finite number; got nan"),
+        (["--ext.continual_previous_model", "/nonexistent/prev"], "--ext.continual_previous_model: model "),
     ],
 )
-def test_driver_refuses_before_ray_starts(flags, message):
-    """One line naming the flag the user gave and the fix, exit code != 0, and no Ray cluster was started. The last
-    two flags reach the check only as what OpenRLHF derives from them (``packing_samples``, ``remote_url="agent"``):
-    the check runs after OpenRLHF's fix-ups and names the user's flag, not the derived one (issue 25, B)."""
-    proc = _driver(*flags)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-2000:]
+def test_driver_refuses_before_ray_starts(flags, message, tmp_path):
+    """One line naming the flag the user gave and the fix, exit code 2, and no Ray cluster was started. Flags that
+    reach the check only as what OpenRLHF derives from them (``packing_samples``, ``remote_url="agent"``) are named
+    as the user gave them: the check runs after OpenRLHF's fix-ups (issue 25, B)."""
+    bad = tmp_path / "normalizer.json"
+    bad.write_text('{"format": "rlhf_ext.LocationNormalizer/1", "kind": "global", "w_mu": NaN, "b_mu": 0.0}')
+    proc = _driver(*[f.replace("{NAN_NORMALIZER}", str(bad)) for f in flags])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
 
 

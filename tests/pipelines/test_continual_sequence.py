@@ -169,7 +169,7 @@ def test_sources_builtin_and_missing_paths_without_importing_datagen(tmp_path):
 def test_recipe_validation_names_the_key(tmp_path):
     from rlhf_ext.config import RecipeError, load_recipe
 
-    with pytest.raises(RecipeError, match="continual_kl_coef must be a finite number >= 0"):
+    with pytest.raises(RecipeError, match="continual.continual_kl_coef must be a number >= 0; got -1.0"):
         load_recipe(ContinualRecipe, None, ["continual.continual_kl_coef=-1"])
     with pytest.raises(
         RecipeError,
@@ -190,7 +190,7 @@ def test_launch_module_reports_recipe_errors(capsys):
 
     for argv, message in [
         (["--config", "continual_dpo_tiny", "continual.continual_kl_coef=-2", "--local_rank=0"],
-         "continual_kl_coef must be a finite number >= 0"),
+         "continual.continual_kl_coef must be a number >= 0; got -2.0"),
         (["--config", "no_such_recipe"], "neither a file nor a packaged recipe"),
     ]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:

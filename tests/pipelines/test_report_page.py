@@ -250,3 +250,15 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert "max_completion_length: 112" in provenance  # the recipe, as YAML
     sources = [attrs["src"] for attrs, _ in dom.select("img")]
     assert len(sources) == 1 and sources[0].startswith("data:image/png;base64,")  # self-contained
+
+
+def test_the_demo_reports_the_kl_with_its_interval_and_estimator():
+    """Issue 23 item 16: the demo printed ``KL(PPO || SFT): -0.257 nats``, a bare log-ratio mean."""
+    from rlhf_ext.cli import format_kl
+    from rlhf_ext.pipelines.reports import KL_DESCRIPTIONS
+
+    ev = {"kl": 0.02064, "kl_stderr": 0.00625, "kl_method": "exact_token_sum", "num_comparisons": 64}
+    assert format_kl(ev) == "0.021 ± 0.006 nats (exact per-token KL summed per response, 64 PPO samples)"
+    old = {"kl": -0.257, "kl_stderr": 0.19, "num_comparisons": 64}  # a finished eval stage of an older demo
+    assert format_kl(old) == "-0.257 ± 0.190 nats (log-ratio estimate, can be negative, 64 PPO samples)"
+    assert "never negative" in KL_DESCRIPTIONS["exact_token_sum"]

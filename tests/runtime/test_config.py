@@ -41,7 +41,7 @@ def test_mistyped_values_are_named(data, message):
 
 
 def test_cross_field_validation_names_the_section():
-    with pytest.raises(RecipeError, match="'segment': entropy cutoff must be >= 0"):
+    with pytest.raises(RecipeError, match=r"segment.entropy_cutoff must be a number >= 0 \(or inf\); got -1.0"):
         from_dict(SegmentRMRecipe, {"segment": {"entropy_cutoff": -1}})
     with pytest.raises(RecipeError, match=r"'train': batch_size \(10\) must be a multiple of micro_batch_size \(4\)"):
         from_dict(SegmentRMRecipe, {"train": {"batch_size": 10, "micro_batch_size": 4}})
@@ -112,11 +112,14 @@ def test_every_train_section_validates_the_shared_optimisation_keys(recipe_cls, 
     assert isinstance(train, TrainSection)
     bad = {
         "micro_batch_size=3": r"batch_size \(16\) must be a multiple of micro_batch_size \(3\)",
-        "learning_rate=0": "learning_rate must be a positive number, got 0",
-        "max_steps=0": "max_steps must be >= 1",
+        "learning_rate=0": "learning_rate must be a number > 0; got 0.0",
+        "max_steps=0": "max_steps must be an integer >= 1, or null; got 0",
+        "epochs=0": "epochs must be a number > 0; got 0.0",
+        "logging_steps=0": "logging_steps must be an integer >= 1; got 0",
     }
     for override, message in bad.items():
-        with pytest.raises(RecipeError, match=f"'{section}': {message}"):
+        where = f"'{section}': " if "multiple" in message else f"{section}."  # a range names the dotted key
+        with pytest.raises(RecipeError, match=f"{where}{message}"):
             load_recipe(cls, None, [f"{section}.{override}", f"{section}.batch_size=16"])
 
 

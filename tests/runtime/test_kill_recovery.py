@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_ext.runtime.io import FAULT_ENV, atomic_directory, commit_directory, recover_directory
-from rlhf_ext.trl.args import last_checkpoint
+from rlhf_ext.trl.args import CHECKPOINT_RECORD, CheckpointError, checkpoint_problem, last_checkpoint
 
 WRITE_NEW_VERSION = """
 import sys
@@ -90,32 +90,85 @@ def test_commit_directory_replaces_a_directory_and_keeps_the_old_one_when_the_re
     assert _entries(tmp_path) == ["model"] and (target / "weights.bin").read_text() == "new"
 
 
-def _checkpoint(root: Path, step: int, state: str | None) -> Path:
-    """A ``checkpoint-<step>`` directory with weights and, unless ``state`` is None, ``trainer_state.json`` = state."""
+def _checkpoint(root: Path, step: int, state: str | None, record: dict | None = None) -> Path:
+    """A ``checkpoint-<step>`` directory with weights, ``trainer_state.json`` = ``state`` unless it is None, and
+    rlhf-ext's record unless ``record`` is None (``{}``: written before the save; ``"sizes"``: after it)."""
     path = root / f"checkpoint-{step}"
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(b"weights")
     if state is not None:
         (path / "trainer_state.json").write_text(state)
+    if record is not None:
+        sizes = {p.name: p.stat().st_size for p in path.iterdir()} if record == "sizes" else record
+        (path / CHECKPOINT_RECORD).write_text(json.dumps({"files": sizes} if record == "sizes" else record))
     return path
 
 
-def test_last_checkpoint_resumes_from_the_newest_complete_checkpoint_and_removes_only_the_interrupted_write(tmp_path):
-    complete = json.dumps({"global_step": 4, "log_history": []})
-    _checkpoint(tmp_path, 2, None)  # incomplete, but older than a complete one: not the interrupted write; kept
-    _checkpoint(tmp_path, 4, complete)
-    _checkpoint(tmp_path, 6, complete[: len(complete) // 2])  # trainer_state.json cut halfway
-    _checkpoint(tmp_path, 10, None)  # killed before trainer_state.json was written
+COMPLETE = json.dumps({"global_step": 4, "log_history": []})
+
+
+def test_last_checkpoint_resumes_from_the_newest_complete_checkpoint_and_removes_only_its_own_interrupted_write(
+    tmp_path,
+):
+    _checkpoint(tmp_path, 2, None, {})  # incomplete, but older than a complete one: not the interrupted write; kept
+    _checkpoint(tmp_path, 4, COMPLETE, "sizes")
+    _checkpoint(tmp_path, 6, COMPLETE[: len(COMPLETE) // 2], {})  # trainer_state.json cut halfway
+    _checkpoint(tmp_path, 10, None, {})  # killed before trainer_state.json was written
+    (tmp_path / "checkpoint-12").mkdir()  # killed right after creating the directory
     assert last_checkpoint(tmp_path, resume=False) is None
-    assert _entries(tmp_path) == ["checkpoint-10", "checkpoint-2", "checkpoint-4", "checkpoint-6"]  # untouched
+    assert _entries(tmp_path) == ["checkpoint-10", "checkpoint-12", "checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
     assert _entries(tmp_path) == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_last_checkpoint_starts_fresh_when_no_checkpoint_is_complete(tmp_path):
-    _checkpoint(tmp_path, 1, "")
-    _checkpoint(tmp_path, 2, "[]")  # JSON, but not a trainer state
+    _checkpoint(tmp_path, 1, "", {})
+    _checkpoint(tmp_path, 2, "[]", {})  # JSON, but not a trainer state
     assert last_checkpoint(tmp_path) is None
     assert _entries(tmp_path) == []
     assert last_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_checkpoint_directory_the_run_did_not_write_is_never_deleted(tmp_path, caplog):
+    """Issue 23 item 2: a ``checkpoint-N`` without rlhf-ext's record (the user's, another tool's) used to be deleted
+    with a warning that "its write was interrupted"."""
+    _checkpoint(tmp_path, 4, COMPLETE, "sizes")
+    foreign = _checkpoint(tmp_path, 9, None)
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError) as info:
+        last_checkpoint(tmp_path)
+    assert str(info.value) == (
+        f"{foreign} holds no complete checkpoint (no trainer_state.json) and was not written by rlhf-ext (no "
+        f"{CHECKPOINT_RECORD}); rlhf-ext deletes only what it wrote: move it out of {tmp_path} or choose another "
+        "output directory"
+    )
+    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "model.safetensors").exists()
+    assert _entries(tmp_path) == ["checkpoint-4", "checkpoint-9"]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_loads_and_says_so(tmp_path, caplog):
+    """Issue 23 item 9: a truncated ``model.safetensors`` in the newest checkpoint (``trainer_state.json`` intact)
+    made every rerun fail while loading it."""
+    _checkpoint(tmp_path, 4, COMPLETE, "sizes")
+    newest = _checkpoint(tmp_path, 8, COMPLETE, "sizes")
+    (newest / "model.safetensors").write_bytes(b"wei")  # truncated after the save
+    with caplog.at_level("WARNING", logger="rlhf_ext.trl.args"):
+        assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    assert (
+        f"{newest} cannot be resumed from (model.safetensors has 3 of the 7 bytes written); it is kept" in caplog.text
+    )
+    assert f"resuming from {tmp_path / 'checkpoint-4'}, the newest checkpoint that loads" in caplog.text
+    assert _entries(tmp_path) == ["checkpoint-4", "checkpoint-8"]  # the damaged one is kept
+
+
+def test_a_truncated_safetensors_file_is_found_in_a_checkpoint_without_a_record(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    ok = _checkpoint(tmp_path, 1, COMPLETE)
+    save_file({"w": torch.zeros(64)}, str(ok / "model.safetensors"))
+    assert checkpoint_problem(ok) is None
+    data = (ok / "model.safetensors").read_bytes()
+    (ok / "model.safetensors").write_bytes(data[:-10])
+    assert checkpoint_problem(ok) == f"model.safetensors has {len(data) - 10} of {len(data)} bytes"

@@ -139,3 +139,37 @@ def test_the_command_line_leaves_a_configured_host_alone():
     assert proc.stderr == "" and proc.stdout == "1 0\n"
     proc = _cli_process("info", before="logging.basicConfig(level=logging.WARNING, format='host: %(message)s')")
     assert proc.stderr == f"host: {NO_CUDA_NOTICE}\n" and proc.stdout == "1 0\n"
+
+
+def test_progress_lines_log_the_start_every_interval_and_the_end(monkeypatch, caplog):
+    """Issue 23 item 15: long loops under a pipe (no bar) were silent; they log lines with rate and time left."""
+    import time
+
+    from rlhf_ext.runtime import log as log_module
+
+    clock = iter([100.0, 110.0, 140.0, 141.0, 200.0])  # start, update, update (30 s later), update, close
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    progress = log_module.ProgressLines
+    with caplog.at_level(logging.INFO, logger="rlhf_ext.runtime.log"), progress(100, 0, "segmenting", "pairs") as lines:
+        lines.update(10)  # t = 110: 10 s after the start, no line
+        lines.update(30)  # t = 140: 40 pairs in 40 s, a line
+        lines.set_postfix({"skipped": 2})
+        lines.update(20)  # t = 141: no line
+    assert [r.getMessage() for r in caplog.records] == [
+        "segmenting: 0/100 pairs",
+        "segmenting: 40/100 pairs (40.0%), 1.0 pairs/s, about 60 s left",
+        "segmenting: 60/100 pairs (60.0%), 0.6 pairs/s, about 67 s left, skipped 2",
+    ]
+
+
+def test_a_piped_generation_logs_progress_lines(tmp_path, caplog, monkeypatch):
+    from rlhf_ext.datagen import generate_dataset
+    from rlhf_ext.runtime import log as log_module
+
+    monkeypatch.setattr(log_module, "PROGRESS_LINE_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="rlhf_ext.runtime.log"):
+        generate_dataset("continual-piecewise-preference", tmp_path / "d", num_samples=10, progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlhf_ext.runtime.log"]
+    total = len(lines) - 1  # the start line, then one per sample (interval 0)
+    assert lines[0] == f"continual-piecewise-preference: 0/{total} samples"
+    assert lines[-1].startswith(f"continual-piecewise-preference: {total}/{total} samples (100.0%)")

@@ -63,3 +63,13 @@ def test_equal_lengths_give_the_raw_win_rate():
     lc = length_controlled_win_rate(outcome, same, same)
     assert lc.win_rate == float(outcome.mean())
     assert lc.length_coef == 0.0
+
+
+def test_outcomes_separated_by_length_give_a_finite_fit():
+    """Longer responses always win, equal lengths tie: no maximum-likelihood slope exists (the data are separable);
+    the vanishing ridge keeps the slope finite, and at zero length difference the outcome is the tie, LC = 1/2."""
+    outcome = torch.tensor([[1.0, 1.0], [0.5, 0.5], [0.5, 0.5]])
+    length = torch.tensor([[9.0, 9.0], [3.0, 3.0], [3.0, 3.0]])
+    lc = length_controlled_win_rate(outcome, length, torch.full((3, 2), 3.0))
+    assert lc.win_rate == pytest.approx(0.5, abs=1e-6)
+    assert math.isfinite(lc.length_coef) and lc.length_coef > 5

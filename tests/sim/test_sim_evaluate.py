@@ -99,3 +99,38 @@ def test_errors(tmp_path):
         HFPolicy(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="at least one prompt"):
         win_rate(FixedPolicy([]), FixedPolicy([]), [], compute_kl=False)
+
+
+def test_exact_token_kl_matches_a_direct_computation(sft_policy, tiny_base_path, toy_tok):
+    base = HFPolicy(tiny_base_path, max_new_tokens=64)
+    prompt, response = "Question: What should I know about glaciers?\nAnswer:", " Many people wonder about this."
+    kl = sft_policy.token_kl(base, [prompt, prompt], [response, response], [False, True])
+    p_ids = toy_tok(prompt)["input_ids"]
+    ids = torch.tensor([p_ids + toy_tok(response, add_special_tokens=False)["input_ids"] + [toy_tok.eos_token_id]])
+    with torch.no_grad():
+        lp = torch.log_softmax(sft_policy.model(input_ids=ids).logits[0, :-1].double(), -1)
+        lq = torch.log_softmax(base.model(input_ids=ids).logits[0, :-1].double(), -1)
+    per_position = (lp.exp() * (lp - lq)).sum(-1)[len(p_ids) - 1 :]  # logits at t predict token t + 1
+    assert kl[0].item() == pytest.approx(per_position.sum().item(), rel=1e-4)
+    assert kl[1].item() == pytest.approx(per_position[:-1].sum().item(), rel=1e-4)  # truncated: no EOS position
+    assert sft_policy.token_kl(sft_policy, [prompt], [response], [False]).item() == 0.0
+
+
+def test_the_exact_kl_is_never_negative_where_the_log_ratio_mean_is(sft_policy, toy_tok, eval_prompts):
+    """Issue 23 item 16: the demo printed KL(PPO || SFT) = -0.257 nats (the mean log-ratio over few samples of a
+    policy close to its reference). The exact per-token KL of the same samples is >= 0 sample by sample."""
+    import copy
+
+    near = copy.deepcopy(sft_policy.model)
+    with torch.no_grad():
+        for i, p in enumerate(near.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3)
+    close = HFPolicy(near, toy_tok, max_new_tokens=64)
+    prompts = eval_prompts[:8]
+    ratio = win_rate(close, sft_policy, prompts, judge="gold", seed=0)
+    exact = win_rate(close, sft_policy, prompts, judge="gold", seed=0, kl_estimator="exact")
+    assert ratio.kl_method == "sequence_log_ratio" and ratio.kl < 0  # what the demo printed
+    assert exact.kl_method == "exact_token_sum" and exact.kl > 0 and exact.kl_stderr > 0
+    samples = close.sample(prompts, 1, seed=0)
+    per_sample = close.token_kl(sft_policy, prompts, samples.flat(), samples.truncated.flatten())
+    assert bool((per_sample >= 0).all()) and per_sample.double().mean().item() == pytest.approx(exact.kl)

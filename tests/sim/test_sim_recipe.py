@@ -65,6 +65,26 @@ def test_fingerprint_ignores_only_the_free_keys():
     assert recipe_fingerprint(packaged("task.num_samples=100")) != base
 
 
+def test_a_worker_processes_recipe_has_the_fingerprint_of_the_command_line_one(tmp_path):
+    """``workers > 1`` hands each worker a copy made by ``to_dict``/``from_dict``; the defaults and the integers
+    written for float knobs (``epochs: 1``) must come back as the same numbers, or every worker refuses the run
+    directory the command just created (CI: "holds a comparison with different settings")."""
+    from rlhf_ext.config import from_dict, to_dict
+
+    path = tmp_path / "sim.yaml"
+    path.write_text("task: {source: toy}\nreward_model: {epochs: 1}\ndpo: {train: {learning_rate: 1}}\n")
+    recipe = load_recipe(SimCompareRecipe, str(path), ["workers=2"])
+    assert recipe_fingerprint(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [1]})) == recipe_fingerprint(
+        recipe
+    )
+
+
+def test_a_changed_number_type_is_named_among_the_changed_keys():
+    from rlhf_ext.runtime.rundir import changed_keys
+
+    assert changed_keys({"a": {"epochs": 1}, "b": [1]}, {"a": {"epochs": 1.0}, "b": [1.0]}) == ["a.epochs", "b"]
+
+
 def test_summary_is_mean_and_standard_error_over_seeds(tmp_path):
     r = packaged(f"output_dir={tmp_path}", "methods=[sft,dpo]", "seeds=[0,1,2]")
     base = dict(stderr=0.04, gold_mean=0.0, kl=0.0, avg_length_chars=100.0, num_comparisons=128, num_prompts=64,

@@ -82,3 +82,19 @@ def test_method_overrides_reach_only_their_method(tmp_path):
         packaged("method_overrides={dpo: [beta]}")
     with pytest.raises(RecipeError, match="unknown method"):
         packaged("method_overrides={rlhf: [x=1]}")
+
+
+def test_tuned_comparison_runs_each_method_at_its_picked_point(tmp_path):
+    from rlhf_ext.config import RecipeError
+    from rlhf_ext.sim.tune import apply_tuning
+
+    recipe = packaged(f"output_dir={tmp_path}", "method_overrides={dpo: [dpo.beta=0.3]}")
+    with pytest.raises(RecipeError, match="does not exist; run `rlhf-ext sim tune --out"):
+        apply_tuning(recipe, tmp_path)
+    (tmp_path / "tuning").mkdir()
+    picks = {"segment_ppo": {"picked": {"ppo.kl_coef": 0.2}, "overrides": ["ppo.kl_coef=0.2"]},
+             "token_ppo": {"picked": None, "overrides": []}}  # fmt: skip
+    (tmp_path / "tuning" / "tuning.json").write_text(json.dumps({"methods": picks}))
+    tuned = apply_tuning(recipe, tmp_path)
+    assert tuned.method_overrides == {"dpo": ["dpo.beta=0.3"], "segment_ppo": ["ppo.kl_coef=0.2"]}
+    assert SimRun(tuned).for_method("segment_ppo").recipe.ppo.kl_coef == 0.2

@@ -120,7 +120,7 @@ def test_config_validation():
     from rlhf_ext.trl import ContinualDPOConfig
 
     common = dict(output_dir="x", bf16=False, use_cpu=True, report_to="none")
-    with pytest.raises(ValueError, match="continual_kl_coef must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="continual_kl_coef must be a number >= 0; got -0.1"):
         ContinualDPOConfig(continual_kl_coef=-0.1, **common)
     with pytest.raises(ValueError, match="KL estimator must be one of"):
         ContinualDPOConfig(continual_kl_estimator="kl", **common)

@@ -152,8 +152,8 @@ def test_no_calibration_data_warns_and_runs_unnormalized(tmp_path, tiny_sft_path
         ({"granularity": "sentence"}, "granularity must be one of"),
         ({"interpolation": "spread"}, "interpolation must be one of"),
         ({"advantage_estimator": "ppo"}, "one of gae, reinforce, reinforce_baseline"),
-        ({"entropy_cutoff": -1.0}, "entropy cutoff must be >= 0"),
-        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"entropy_cutoff": -1.0}, r"entropy_cutoff must be a number >= 0 \(or inf\), or null; got -1.0"),
+        ({"kl_coef": -0.1}, "kl_coef must be a number >= 0; got -0.1"),
     ],
 )
 def test_bad_config_is_refused(tmp_path, kwargs, message):

@@ -133,8 +133,8 @@ def test_margin_column_enters_the_loss(tmp_path, tiny_sft_path, toy_tok, prepare
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"entropy_cutoff": -1.0}, "entropy cutoff must be >= 0"),
-        ({"tau": 0.0}, "tau must be a finite number > 0"),
+        ({"entropy_cutoff": -1.0}, r"entropy_cutoff must be a number >= 0 \(or inf\); got -1.0"),
+        ({"tau": 0.0}, "tau must be a number > 0; got 0.0"),
         ({"aggregation": "max"}, "aggregation must be one of"),
     ],
 )
