@@ -271,11 +271,18 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         experiences = super().make_experience(samples_list)
         if from_source is None:
             self.attach_dense_rewards(experiences, self._ref_entropies)
-        for exp, batch in zip(experiences, from_source or []):
-            setattr(exp.kl, DENSE_ATTR, batch.rewards)
+        else:
+            self.attach_source_rewards(experiences, from_source)
+        return experiences
+
+    @staticmethod
+    def attach_source_rewards(experiences, batches) -> None:
+        """Attach each experience's :class:`~rlhf_ext.runtime.spans.DenseBatch` (from :meth:`source_rewards`): its
+        rewards ``[B, A]`` for :meth:`compute_advantages_and_returns`, their sums as ``info["reward"]``."""
+        for exp, batch in zip(experiences, batches):
+            setattr(exp.kl, DENSE_ATTR, batch.rewards.to(exp.action_mask.device))
             exp.info["reward"] = batch.sequence_reward
             exp.info["segments_per_response"] = batch.segments_per_response.float()
-        return experiences
 
     def source_rewards(self, samples):
         """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server):
