@@ -140,3 +140,32 @@ def test_bad_answers_and_settings_are_one_clear_line(tmp_path, tiny_sft_path, to
         dense_rewards([out, out], [1.0, 1.0], toy_tok, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.bool),
                       normalizer=norm)  # fmt: skip
     assert math.isnan(parse_outputs("f", [None], 1).totals()[0])  # unscored stays NaN
+
+
+def test_rules_learned_from_pairs_pay_their_weights_on_the_policys_tokens(tmp_path, tiny_sft_path, toy_tok, toy_data,
+                                                                          prompts):  # fmt: skip
+    """KeywordCredit learned from the toy pairs (deterministic), saved and loaded, in DensePPOTrainer: with
+    ``segment_end`` each rollout row's dense rewards sum to the weights of the rules found in its decoded text
+    (recounted here with ``str.find``), on as many tokens as rules found."""
+    from rlhf_ext.runtime.dense_sources import KeywordCredit
+    from rlhf_ext.trl.segment_ppo import DensePPOTrainer
+
+    pairs = toy_data["train"]
+    learned = KeywordCredit.learn(pairs["chosen"], pairs["rejected"], top_k=8, ngram=(1, 1))
+    learned.save(tmp_path / "rules.yaml")
+    rules = KeywordCredit.load(tmp_path / "rules.yaml")
+    assert rules.rules == learned.rules and len(rules.rules) >= 2
+    assert any(w > 0 for _, w in rules.rules) and any(w < 0 for _, w in rules.rules)
+    args = _config(tmp_path, max_completion_length=48, interpolation="segment_end")
+    trainer = DensePPOTrainer(tiny_sft_path, [rules], args, prompts, None, toy_tok)
+    seen = _record(trainer)
+    trainer.train()
+    (ids, mask, batch), = seen  # fmt: skip
+    paid_rows = 0
+    for row, m, rewards in zip(ids, mask, batch.rewards):
+        text = toy_tok.decode(row[m].tolist(), skip_special_tokens=True).lower()
+        found = [w for p, w in rules.rules if text.find(p.lower()) >= 0]
+        assert rewards.sum().item() == pytest.approx(sum(found), abs=1e-5)
+        assert int((rewards != 0).sum()) <= len(found)
+        paid_rows += bool(found)
+    assert paid_rows > 0  # the sampled responses hit the learned phrases
