@@ -150,3 +150,46 @@ def test_rules_put_credit_on_the_matched_tokens(seg_ppo, sources, toy_tok):
     assert batch.rewards[row, at] == 1.0
     assert len(toy_tok.decode(ids[:at], skip_special_tokens=True)) < len("Thank you")  # "u" not yet written
     assert toy_tok.decode(ids[: at + 1], skip_special_tokens=True).startswith("Thank you")
+
+
+def test_remote_url_with_a_dense_granularity_asks_the_server_for_spans(seg_ppo, cache_dir):
+    """``--reward.remote_url`` at ``rlhf-ext serve rm`` with ``--ext.granularity segment``: the launcher routes the URL
+    to the experience maker (OpenRLHF builds no reward actor and the engines fetch nothing), which asks the server for
+    spans; the rewards equal the TRL path's with ``RemoteSegmentReward(url, spans=True)``, and each response's summed
+    reward is the sum of its in-process segment rewards (same tokenizer, even split, no normalizer)."""
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    from rlhf_ext.openrlhf.train_ppo_ray import route_rewards
+    from rlhf_ext.pipelines.builtins import resolve_model
+    from rlhf_ext.runtime.remote_reward import RemoteSegmentReward
+    from rlhf_ext.runtime.token_scores import SegmentScorer
+    from rlhf_ext.serve.server import RewardServer
+    from rlhf_ext.serve.settings import ServeSettings
+
+    rm_dir = resolve_model("builtin:tiny-segment-rm", cache_dir)
+    scorer = SegmentScorer(rm_dir)
+    tok = scorer.tokenizer
+    with RewardServer(scorer, ServeSettings(port=0, max_request_pairs=64), model_dir=rm_dir) as server:
+        args = _args("reinforce_baseline", "segment", None)
+        args.reward.remote_url = [f"{server.url}/get_reward"]
+        args.train = SimpleNamespace(agent_func_path=None)
+        route_rewards(args)
+        assert (
+            args.reward.remote_url == [seg_ppo.REWARDS_IN_MAKER] and args.ext.remote_url == f"{server.url}/get_reward"
+        )
+        args.ext.remote_url = args.ext.remote_url  # the maker reads it from --ext (the launcher's attach_ext)
+        exp = _rollout(tok)
+        maker = seg_ppo.SegmentExperienceMaker(None, None, None, None, FixedKLController(0.05),
+                                               SimpleNamespace(args=args), tokenizer=tok)  # fmt: skip
+        assert isinstance(maker.source, RemoteSegmentReward) and maker.source.spans
+        batch = maker.source_rewards(exp)
+        mask = exp.action_mask
+        completion_ids = exp.sequences[:, -mask.shape[1] :]
+        ids = [row[m].tolist() for row, m in zip(completion_ids, mask)]
+        completions = tok.batch_decode(ids, skip_special_tokens=True)
+        func = CapturedSource(RemoteSegmentReward(server.url, spans=True))
+        func(prompts=list(exp.prompts), completions=completions, completion_ids=ids)
+        trl = dense_rewards([func.pop()], [1.0], tok, completion_ids, mask)
+    assert torch.equal(batch.rewards, trl.rewards)
+    for prompt, response, total in zip(exp.prompts, completions, batch.sequence_reward.tolist()):
+        assert total == pytest.approx(sum(scorer.score(prompt, response).rewards), abs=1e-4)
