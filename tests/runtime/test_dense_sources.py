@@ -82,7 +82,7 @@ def test_process_reward_model_scores_each_step_at_its_last_token(gpt2_rm, tmp_pa
     tok = AutoTokenizer.from_pretrained(gpt2_rm)
     model = AutoModelForSequenceClassification.from_pretrained(gpt2_rm, num_labels=1).eval()
     prompt_ids = tok("Question: coffee?\nAnswer:", add_special_tokens=False)["input_ids"]
-    for (a, b, reward) in row[:-1]:  # steps ending at a separator: their tokens end there (GPT-2 keeps "\n" apart)
+    for _, b, reward in row[:-1]:  # steps ending at a separator: their tokens end there (GPT-2 keeps "\n" apart)
         ids = torch.tensor([prompt_ids + tok(text[:b], add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             expected = token_scores(model, ids, torch.ones_like(ids))[0, -1].item()
