@@ -194,6 +194,13 @@ def check_args(args: Any) -> None:
                 f"{'--ext.reward_source' if ext.reward_source else '--reward.remote_url'} come as spans: use "
                 f"{' | '.join(SPAN_GRANULARITIES)}"
             )
+        if ext.reward_source:
+            from rlhf_ext.runtime.dense_sources import check_reward_source
+
+            try:
+                check_reward_source(ext.reward_source)
+            except (ValueError, FileNotFoundError) as e:
+                raise ExtArgsError(f"--ext.reward_source: {e}") from None
         needs_entropy = Granularity(ext.granularity).needs_entropy and not (ext.reward_source or urls)
         if args.algo.kl.init_coef <= 0 and needs_entropy:
             raise ExtArgsError(

@@ -388,3 +388,11 @@ def load_reward_source(spec: str, step_separator: str = "\n", device=None):
     if ":" in spec and not Path(spec).exists():
         return _load_callable(spec)
     raise ValueError(f"reward source {spec!r} is none of: {SOURCE_FORMS}")
+
+
+def check_reward_source(spec: str) -> None:
+    """Refuse a reward source that cannot load (``ValueError``/``FileNotFoundError``, one line) without loading a model:
+    rules files and callables are loaded (cheap); ``prm:``, ``segment-rm:`` and URLs are checked where they run."""
+    if not isinstance(spec, str) or spec.startswith(("http://", "https://", "prm:", "segment-rm:", "builtin:")):
+        return
+    load_reward_source(spec)
