@@ -216,7 +216,8 @@ def span_tensors(spans: Sequence[Sequence[Span] | None]) -> tuple[Tensor, Tensor
 @dataclass
 class DenseBatch:
     """What :func:`dense_rewards` returns: ``rewards`` ``[B, C]`` per completion token (before the KL penalty),
-    ``sequence_reward`` ``[B]`` (their sum), ``segments_per_response`` ``[B]`` (real spans), and the dense sources'
+    ``sequence_reward`` ``[B]`` (their sum), ``segments_per_response`` ``[B]`` (real spans; 1 for a response
+    with sequence rewards only), and the dense sources'
     :class:`~rlhf_ext.algos.segment_dense.DenseRewards` (one per dense source)."""
 
     rewards: Tensor
@@ -261,7 +262,8 @@ def dense_rewards(
         scalar += weight * torch.nan_to_num(values, nan=0.0)
     last = (mask.long().cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask
     rewards += torch.where(last, scalar[:, None], 0.0)
-    dense, counts = [], torch.zeros(b, dtype=torch.long)
+    # sequence rewards only: one (bandit) segment per response, as dense_segment_rewards counts them
+    dense, counts = [], torch.zeros(b, dtype=torch.long) if dense_outputs else mask.any(dim=1).long()
     if dense_outputs:
         _, char_start, char_end = completion_offsets(tokenizer, completion_ids, mask)
         index = torch.cumsum(mask.long(), dim=1) - 1  # token unit: a token's index in its completion
