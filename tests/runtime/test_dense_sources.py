@@ -89,3 +89,31 @@ def test_process_reward_model_scores_each_step_at_its_last_token(gpt2_rm, tmp_pa
         assert reward == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="step_separator must be a non-empty string"):
         ProcessRewardModel(gpt2_rm, step_separator="")
+
+
+def test_model_sources_with_another_tokenizer_train_the_toy_policy(gpt2_rm, tmp_path, tiny_sft_path, toy_tok,
+                                                                   toy_data):  # fmt: skip
+    """DensePPOTrainer(reward_funcs=[SegmentRewardSpans, ProcessRewardModel]) on GPT-2-tokenizer models, the policy on
+    the toy BPE: one step trains, and with an even split the dense reward per response (logged ``segment/score``) is
+    the sum of the two sources' totals (each logged by GRPO as ``rewards/<name>/mean``)."""
+    from datasets import Dataset
+
+    from rlhf_ext.runtime.dense_sources import ProcessRewardModel, SegmentRewardSpans
+    from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer
+
+    prompts = Dataset.from_list([{"prompt": r["prompt"]} for r in toy_data["train"]])
+    args = DensePPOConfig(
+        output_dir=str(tmp_path / "ppo"), per_device_train_batch_size=8, num_generations=2, max_completion_length=24,
+        learning_rate=3e-4, max_steps=1, logging_steps=1, bf16=False, use_cpu=True, report_to="none",
+        save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, seed=0, advantage_estimator="reinforce",
+        kl_coef=0.0,
+    )  # fmt: skip
+    sources = [SegmentRewardSpans(gpt2_rm, device="cpu"), ProcessRewardModel(gpt2_rm, device="cpu")]
+    trainer = DensePPOTrainer(tiny_sft_path, sources, args, prompts, None, toy_tok)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    log = trainer.state.log_history[0]
+    totals = log["rewards/segment_rm/mean"] + log["rewards/process_reward_model/mean"]
+    assert log["segment/score"] == pytest.approx(totals, abs=1e-4)
+    assert log["segment/segments_per_response"] > 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
