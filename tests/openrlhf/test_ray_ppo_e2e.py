@@ -170,11 +170,12 @@ def pays(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.parametrize("kind", ["callable", "rules"])
+@pytest.mark.parametrize("kind", ["callable", "rules", "segment-rm", "prm"])
 def test_span_reward_source_on_the_ray_loop(ray_env, kind):
-    """``--ext.reward_source`` (a user's callable in a file, a rules file) instead of a reward model: 2 REINFORCE
-    steps through OpenRLHF's Ray loop with no reward-model actor; the logged reward of each step is the mean of what
-    the callable paid for that step's 8 responses (an even split keeps each span's total)."""
+    """``--ext.reward_source`` (a user's callable in a file, a rules file, a segment RM and a process RM on another
+    tokenizer than the policy's) instead of a reward model: 2 REINFORCE steps through OpenRLHF's Ray loop with no
+    reward-model actor; the logged reward of each step is the mean of what the callable paid for that step's 8
+    responses (an even split keeps each span's total)."""
     root, (sft, _), prompts = ray_env
     out = root / f"source_{kind}"
     out.mkdir()
@@ -182,6 +183,10 @@ def test_span_reward_source_on_the_ray_loop(ray_env, kind):
         log = out / "paid.jsonl"
         (out / "source.py").write_text(f"LOG = {str(log)!r}\n" + PAYING_SOURCE)
         spec = f"{out / 'source.py'}:pays"
+    elif kind in ("segment-rm", "prm"):  # GPT-2's tokenizer, the policy's is the toy BPE
+        from tests.helpers.cross_tokenizer import gpt2_segment_rm
+
+        spec = f"{kind}:{gpt2_segment_rm(out / 'models')}"
     else:
         (out / "rules.yaml").write_text("rules:\n- {pattern: the, weight: 1.0}\n- {pattern: you, weight: -0.5}\n")
         spec = f"rules:{out / 'rules.yaml'}"
