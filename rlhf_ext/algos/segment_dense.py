@@ -163,6 +163,11 @@ class DenseRewards(NamedTuple):
     segments: Segments
     sequence_reward: Tensor
 
+    @property
+    def segments_per_response(self) -> Tensor:
+        """``[B]`` segments (spans) per response."""
+        return self.segments.counts
+
 
 def dense_segment_rewards(
     token_scores: Tensor,

@@ -14,6 +14,12 @@ worker: :mod:`rlhf_ext.openrlhf.train_ppo_ray`, the runnable module, does both):
 
 ``--ext.granularity bandit`` runs the same subclasses but hands OpenRLHF the reward model's score at the last token
 as the scalar reward, which is exactly stock OpenRLHF (tested end to end through the Ray loop).
+
+Dense reward sources (:mod:`rlhf_ext.runtime.spans`): with ``--ext.reward_source SPEC`` (a user's callable, rules, a
+process reward model, a segment reward model with its own tokenizer) or ``--reward.remote_url`` at ``rlhf-ext serve
+rm`` with a dense granularity, no reward-model actor runs and the rollout engines fetch nothing: the experience maker
+decodes each batch's responses, asks the source for spans and maps them onto the policy's tokens with
+:func:`rlhf_ext.runtime.spans.dense_rewards`, the function the TRL trainer calls.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ with import_shims():
     from openrlhf.trainer.ray.launcher import ReferenceModelActor, RewardModelActor
 
 DENSE_ATTR = "_rlhf_ext_dense_rewards"
+#: ``--reward.remote_url`` value standing for "the experience maker scores the rollouts" (OpenRLHF then builds no
+#: reward-model actor); rollout engines are created without it (:func:`engines_without_maker_url`).
+REWARDS_IN_MAKER = "rlhf-ext:experience-maker"
 WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout engine
 
 
@@ -228,6 +237,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
             reference = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
         self.monitor = SegmentationMonitor(reference, ext["granularity"])
+        self.source = reward_source(ext)
+        self.dense = self.dense or self.source is not None
         if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
                 f"dense segment rewards need --algo.advantage.estimator {' | '.join(ESTIMATORS)} (got "
@@ -263,9 +274,43 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     @torch.no_grad()
     def make_experience(self, samples_list):
         self._ref_entropies = None
+        from_source = [self.source_rewards(s) for s in samples_list] if self.source is not None else None
         experiences = super().make_experience(samples_list)
-        self.attach_dense_rewards(experiences, self._ref_entropies)
+        if from_source is None:
+            self.attach_dense_rewards(experiences, self._ref_entropies)
+        else:
+            self.attach_source_rewards(experiences, from_source)
         return experiences
+
+    @staticmethod
+    def attach_source_rewards(experiences, batches) -> None:
+        """Attach each experience's :class:`~rlhf_ext.runtime.spans.DenseBatch` (from :meth:`source_rewards`): its
+        rewards ``[B, A]`` for :meth:`compute_advantages_and_returns`, their sums as ``info["reward"]``."""
+        for exp, batch in zip(experiences, batches):
+            setattr(exp.kl, DENSE_ATTR, batch.rewards.to(exp.action_mask.device))
+            exp.info["reward"] = batch.sequence_reward
+            exp.info["segments_per_response"] = batch.segments_per_response.float()
+
+    def source_rewards(self, samples):
+        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server):
+        its responses decoded, the source asked, its spans mapped onto the action tokens
+        (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards`` becomes the zero placeholder, so
+        OpenRLHF calls no reward model."""
+        from rlhf_ext.runtime.spans import completion_offsets, dense_rewards, parse_outputs
+
+        mask = samples.action_mask.bool()
+        completion_ids = samples.sequences[:, -mask.shape[1] :]
+        texts, _, _ = completion_offsets(self.tokenizer, completion_ids, mask)
+        ids = [row[m].tolist() for row, m in zip(completion_ids, mask)]
+        name = getattr(self.source, "__name__", type(self.source).__name__)
+        answer = self.source(prompts=list(samples.prompts), completions=texts, completion_ids=ids)
+        output = parse_outputs(name, answer, len(texts), [len(i) for i in ids])
+        samples.rewards = torch.zeros(len(texts), dtype=torch.float32)
+        return dense_rewards(
+            [output], [1.0], self.tokenizer, completion_ids, mask, normalizer=self.normalizer,
+            granularity=self.ext["granularity"], interpolation=self.ext["interpolation"],
+            aggregation=self.aggregation, tau=self.tau,
+        )  # fmt: skip
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):
@@ -359,6 +404,37 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         message = self.monitor.check(rates, self._batches)
         if message is not None:
             logging.getLogger("rlhf_ext").warning(message)
+
+
+def reward_source(ext: dict[str, Any]):
+    """The dense reward source of a run: ``--ext.reward_source`` (:func:`rlhf_ext.zoo.resolve_reward_source`), or the
+    reward server of ``--reward.remote_url`` asked for spans (moved to ``ext["remote_url"]`` by the launcher when the
+    granularity is dense), or None (a reward-model actor scores the rollouts)."""
+    if ext.get("reward_source"):
+        from rlhf_ext.zoo.builtins import resolve_reward_source
+
+        return resolve_reward_source(ext["reward_source"], step_separator=ext.get("step_separator") or "\n")
+    if ext.get("remote_url"):
+        from rlhf_ext.runtime.remote_reward import RemoteSegmentReward
+
+        return RemoteSegmentReward(ext["remote_url"], spans=True)
+    return None
+
+
+def engines_without_maker_url(create):
+    """``create_vllm_engines`` (or the HF engines' drop-in) that gives the engines no reward URL when the experience
+    maker scores the rollouts (``--reward.remote_url`` is :data:`REWARDS_IN_MAKER`)."""
+    if hasattr(create, "_rlhf_ext_maker_url"):
+        return create
+
+    def create_engines(*args, remote_rm_url=None, **kwargs):
+        if remote_rm_url == [REWARDS_IN_MAKER] or remote_rm_url == REWARDS_IN_MAKER:
+            remote_rm_url = None
+        return create(*args, remote_rm_url=remote_rm_url, **kwargs)
+
+    create_engines._rlhf_ext_maker_url = True
+    create_engines.__wrapped__ = create
+    return create_engines
 
 
 # ----------------------------------------------------------------------------------------------- installation

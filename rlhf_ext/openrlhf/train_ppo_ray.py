@@ -23,6 +23,11 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
   given (the first task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
 * ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
   the *cluster* has GPUs, else HF with a one-line notice; :func:`resolve_rollout_engine`).
+* dense reward sources — ``reward_source`` (instead of ``--reward.model_name_or_path``: ``module:function``,
+  ``file.py:function``, ``rules:FILE``, ``prm:MODEL`` with ``step_separator``, ``segment-rm:DIR``; see
+  :func:`rlhf_ext.runtime.dense_sources.load_reward_source`); ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a
+  dense granularity asks the server for its segments as spans. Both are scored by the experience maker
+  (:func:`route_rewards`).
 
 Pre-flight (:func:`preflight`, run by :func:`prepare` right before OpenRLHF's ``train(args)``, i.e. after its own
 argument fix-ups and before Ray places anything or any model loads): the ``--ext`` checks of :func:`check_args` —
@@ -53,8 +58,9 @@ from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.knobs import knob_specs
 from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, Granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.algos.spans import SPAN_GRANULARITIES
 from rlhf_ext.openrlhf.cli_runner import (
     ExtArgsError,
     exit_with_error,
@@ -77,6 +83,8 @@ EXT_DEFAULTS: dict[str, Any] = {
     **dict.fromkeys(knob_defaults(SegmentRewardKnobs)),
     "normalizer": None,
     "reward_model_id": None,
+    "reward_source": None,
+    "step_separator": "\n",
     "rollout_engine": "auto",
     # paper 000: ContinualKnobs + the previous task's model + retention (ContinualActorSettings). None = not given: the
     # continual actor is used only when one of them is given, with the knobs' defaults for the others
@@ -202,13 +210,32 @@ def check_args(args: Any) -> None:
                     f"{flag} acts on OpenRLHF's scalar reward, which dense segment rewards replace; drop it (segment "
                     f"rewards are normalised by --ext.normalizer, paper 003 Eq. 6) or use --ext.granularity bandit"
                 )
-        if args.reward.remote_url:
-            flag = "--train.agent_func_path" if args.train.agent_func_path else "--reward.remote_url"
+        if args.train.agent_func_path:
             raise ExtArgsError(
-                f"{flag} returns one score per sample; dense segment rewards need the per-token scores of a reward "
-                "model actor (--reward.model_name_or_path) or --ext.granularity bandit"
+                "--train.agent_func_path returns one score per sample; dense rewards need a reward model actor "
+                "(--reward.model_name_or_path), --ext.reward_source, --reward.remote_url at `rlhf-ext serve rm`, or "
+                "--ext.granularity bandit"
             )
-        if args.algo.kl.init_coef <= 0:
+        from rlhf_ext.openrlhf.segment_ppo import REWARDS_IN_MAKER
+
+        urls = [u for u in args.reward.remote_url or [] if u != REWARDS_IN_MAKER]
+        if len(urls) > 1:
+            raise ExtArgsError("dense rewards from --reward.remote_url use one server; give one URL")
+        if (ext.reward_source or urls) and ext.granularity not in SPAN_GRANULARITIES:
+            raise ExtArgsError(
+                f"--ext.granularity {ext.granularity} segments a reward model's token scores; rewards from "
+                f"{'--ext.reward_source' if ext.reward_source else '--reward.remote_url'} come as spans: use "
+                f"{' | '.join(SPAN_GRANULARITIES)}"
+            )
+        if ext.reward_source:
+            from rlhf_ext.runtime.dense_sources import check_reward_source
+
+            try:
+                check_reward_source(ext.reward_source)
+            except (ValueError, FileNotFoundError) as e:
+                raise ExtArgsError(f"--ext.reward_source: {e}") from None
+        needs_entropy = Granularity(ext.granularity).needs_entropy and not (ext.reward_source or urls)
+        if args.algo.kl.init_coef <= 0 and needs_entropy:
             raise ExtArgsError(
                 "segment rewards read entropies from the reference model: set --algo.kl.init_coef > 0 "
                 "(or use --ext.granularity token/bandit)"
@@ -260,6 +287,10 @@ def install(settings: dict[str, Any], driver: bool) -> None:
         from rlhf_ext.openrlhf import rollout
 
         rollout.install_in_process()
+    if driver and settings.get("segment"):  # engines fetch no reward the experience maker computes
+        import openrlhf.trainer.ray as ray_package
+
+        ray_package.create_vllm_engines = segment_ppo.engines_without_maker_url(ray_package.create_vllm_engines)
 
 
 def setup_worker() -> None:
@@ -302,6 +333,8 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
     for line in plan.table().splitlines():
         logger.info(line)
     plan.refuse_if_unrunnable()
+    if methods:
+        route_rewards(args)
     if not ray.is_initialized():
         init: dict[str, Any] = {"runtime_env": runtime_env(worker_settings(args.ext, methods))}
         address = ray_address()
@@ -315,10 +348,37 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
     return plan
 
 
+def route_rewards(args: Any) -> None:
+    """Rewards the experience maker computes from spans: a dense granularity with ``--reward.remote_url`` asks that
+    server for spans (the URL moves to ``args.ext.remote_url``), and ``--reward.remote_url`` becomes the marker that
+    keeps OpenRLHF from building a reward-model actor and the rollout engines from fetching rewards."""
+    from rlhf_ext.openrlhf.segment_ppo import REWARDS_IN_MAKER
+
+    urls = [u for u in args.reward.remote_url or [] if u != REWARDS_IN_MAKER]
+    if urls and args.ext.granularity != "bandit" and not args.train.agent_func_path:
+        args.ext.remote_url = urls[0]
+        args.reward.remote_url = [REWARDS_IN_MAKER]
+
+
+def with_reward_source(rest: list[str], ext: dict[str, Any]) -> list[str]:
+    """``--ext.reward_source`` replaces the reward model: refuse a second reward and mark the run as scored by the
+    experience maker (``--reward.remote_url`` :data:`~rlhf_ext.openrlhf.segment_ppo.REWARDS_IN_MAKER`, set before
+    OpenRLHF's fix-ups so that they give the critic the actor's weights as they do for remote rewards)."""
+    if not ext.get("reward_source"):
+        return rest
+    for flag in ("--reward.model_name_or_path", "--reward.remote_url", "--train.agent_func_path"):
+        if flag_value(rest, flag, None) is not None:
+            raise ExtArgsError(f"--ext.reward_source and {flag} are two rewards; give one")
+    from rlhf_ext.openrlhf.segment_ppo import REWARDS_IN_MAKER
+
+    return [*rest, "--reward.remote_url", REWARDS_IN_MAKER]
+
+
 def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
     """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
     ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
-    engine count, so it must be on the command line)."""
+    engine count, so it must be on the command line) and the reward source routed (:func:`with_reward_source`)."""
+    rest = with_reward_source(rest, ext)
     ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster)}
     if ext["rollout_engine"] == "hf" and flag_value(rest, "--vllm.num_engines", None) is None:
         rest = [*rest, "--vllm.num_engines", "1"]
@@ -366,6 +426,7 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
         print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
         rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else
+        with_reward_source(rest, ext)
     except ValueError as error:
         exit_with_error(error)
     cluster = cluster if cluster is not None else detect_cluster()

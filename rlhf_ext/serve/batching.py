@@ -1,5 +1,5 @@
-"""Scoring for ``rlhf-ext serve rm``: tokenised pairs, e_phi of a padded batch, and the batcher that groups the pairs
-of concurrent requests for one scoring thread."""
+"""Scoring for ``rlhf-ext serve rm``: tokenised pairs, e_phi and segment spans of a padded batch, and the batcher that
+groups the pairs of concurrent requests for one scoring thread."""
 
 from __future__ import annotations
 
@@ -10,60 +10,40 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from rlhf_ext.runtime.segment_data import pad_sequences
+from rlhf_ext.runtime.dense_sources import EncodedResponse, SegmentRewardSpans
+from rlhf_ext.runtime.spans import Span
 from rlhf_ext.runtime.token_scores import SegmentScorer
 from rlhf_ext.serve.protocol import Message, response_after_prompt
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EncodedPair:
-    """One tokenised pair: ``ids`` = prompt + response tokens, the response starting at ``prompt_len``."""
-
-    ids: list[int]
-    prompt_len: int
-
-
 class SegmentEvaluator:
-    """e_phi of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer` (reward model, SFT model,
-    recorded cutoff / aggregation / tau)."""
+    """e_phi and segment spans of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer` (reward
+    model, SFT model, recorded cutoff / aggregation / tau), through
+    :class:`~rlhf_ext.runtime.dense_sources.SegmentRewardSpans` (the dense source the trainers use)."""
 
     def __init__(self, scorer: SegmentScorer, max_length: int | None = None):
         self.scorer = scorer
         self.tokenizer = scorer.tokenizer
         self.max_length = max_length or getattr(scorer.reward_model.config, "max_position_embeddings", None)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.spans = SegmentRewardSpans(scorer, max_length=self.max_length)
 
-    def encode(self, prompt: str | list[Message], response: str | list[Message]) -> EncodedPair:
-        """Tokenise a pair as the reward model's training data was (:meth:`SegmentScorer.encode`: prompt and response
-        separately, EOS appended, cut to ``max_length``)."""
-        row = self.scorer.encode(prompt or None, response, self.max_length)
-        return EncodedPair(row["chosen_ids"], row["prompt_len"])
+    def encode(self, prompt: str | list[Message], response: str | list[Message]) -> EncodedResponse:
+        """Tokenise a pair as the reward model's training data was (prompt and response separately, EOS appended, cut
+        to ``max_length``), with the response tokens' character offsets."""
+        return self.spans.encode(prompt or None, response)
 
     def response_of_query(self, query: str, prompt: str, index: int) -> str:
         """:func:`response_after_prompt` with this model's tokenizer."""
         with self.scorer.tokenizer_lock:  # a fast tokenizer refuses calls from two threads at once
             return response_after_prompt(query, prompt, self.tokenizer, index)
 
-    @torch.no_grad()
-    def evaluate(self, pairs: Sequence[EncodedPair]) -> tuple[list[float], list[int]]:
-        """e_phi (paper 003 Eq. 4) and the number of segments of each pair, from one forward of each model.
-
-        The batch is right-padded to ``[B, T]``: ``input_ids``, ``attention_mask`` and the response mask (true from
-        ``prompt_len`` to the end of each sequence).
-        """
-        device = next(self.scorer.reward_model.parameters()).device
-        ids = pad_sequences([p.ids for p in pairs], self.pad_id, "right", torch.long).to(device)
-        lengths = torch.tensor([len(p.ids) for p in pairs], device=device)
-        starts = torch.tensor([p.prompt_len for p in pairs], device=device)
-        positions = torch.arange(ids.shape[1], device=device)
-        attention_mask = (positions < lengths[:, None]).long()
-        response_mask = (positions >= starts[:, None]) & attention_mask.bool()
-        evaluation = self.scorer.evaluate(ids, attention_mask, response_mask)
-        return evaluation.values.float().tolist(), evaluation.segments.counts.tolist()
+    def evaluate(self, pairs: Sequence[EncodedResponse]) -> tuple[list[float], list[int], list[list[Span]]]:
+        """e_phi (paper 003 Eq. 4), the number of segments and the segment spans over the response text of each pair,
+        from one forward of each model on the right-padded batch."""
+        values, spans = self.spans.score(pairs)
+        return values, [len(s) for s in spans], spans
 
 
 class ScorerStopped(RuntimeError):
@@ -79,6 +59,7 @@ class _Job:
     on_done: Callable[[], None] | None = None
     values: list[float] = field(default_factory=list)
     segments: list[int] = field(default_factory=list)
+    spans: list[list[Span] | None] = field(default_factory=list)
     remaining: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -86,6 +67,7 @@ class _Job:
     def __post_init__(self):
         self.values = [0.0] * self.size
         self.segments = [0] * self.size
+        self.spans = [None] * self.size
         self.remaining = self.size
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -103,21 +85,21 @@ class MicroBatcher:
     A batch takes the pairs waiting (from any request, in arrival order), up to ``max_batch_size``, and closes as soon
     as no other pair is waiting: a lone request is scored at once, and requests that arrive while a batch is scored
     form the next one. With ``max_wait_ms > 0`` the first pair of a batch also waits up to that long for company. The
-    batch is scored by ``score_batch`` (pairs -> (values, segment counts)) and each value is written to its own
+    batch is scored by ``score_batch`` (pairs -> (values, segment counts[, spans])) and each value is written to its own
     request's slot. A failing batch fails every request with a pair in it; if the thread itself ends, every waiting
     and later request fails with :class:`ScorerStopped` and :attr:`failure` says why.
     """
 
     def __init__(
         self,
-        score_batch: Callable[[Sequence[EncodedPair]], tuple[list[float], list[int]]],
+        score_batch: Callable[[Sequence[EncodedResponse]], tuple],
         max_batch_size: int,
         max_wait_ms: float = 0.0,
     ):
         self.score_batch = score_batch
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
-        self._queue: queue.SimpleQueue[tuple[_Job, int, EncodedPair] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Job, int, EncodedResponse] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # submit vs the thread's end: no job is queued after the last drain
         self.failure: str | None = None
         self.batches = 0
@@ -130,7 +112,7 @@ class MicroBatcher:
         """Whether the scoring thread runs (and takes new pairs)."""
         return self.failure is None
 
-    def submit(self, pairs: Sequence[EncodedPair], on_done: Callable[[], None] | None = None) -> _Job:
+    def submit(self, pairs: Sequence[EncodedResponse], on_done: Callable[[], None] | None = None) -> _Job:
         """Queue the pairs of one request; ``on_done`` is called from the scoring thread when the job is done."""
         job = _Job(len(pairs), on_done)
         with self._lock:
@@ -149,7 +131,7 @@ class MicroBatcher:
                 self._queue.put(None)
         self._thread.join()
 
-    def _collect(self) -> list[tuple[_Job, int, EncodedPair]] | None:
+    def _collect(self) -> list[tuple[_Job, int, EncodedResponse]] | None:
         first = self._queue.get()
         if first is None:
             return None
@@ -167,9 +149,9 @@ class MicroBatcher:
             batch.append(item)
         return batch
 
-    def _score(self, batch: list[tuple[_Job, int, EncodedPair]]) -> None:
+    def _score(self, batch: list[tuple[_Job, int, EncodedResponse]]) -> None:
         try:
-            values, segments = self.score_batch([pair for _, _, pair in batch])
+            values, segments, *spans = self.score_batch([pair for _, _, pair in batch])
         except Exception as error:  # the requests answer 500 with it; the server goes on
             logger.exception("scoring a batch of %d pairs failed", len(batch))
             for job, _, _ in batch:
@@ -177,14 +159,15 @@ class MicroBatcher:
             return
         self.batches += 1
         self.pairs += len(batch)
-        for (job, index, _), value, count in zip(batch, values, segments):  # only this thread writes jobs
-            job.values[index], job.segments[index] = value, count
+        spans = spans[0] if spans else [None] * len(batch)
+        for (job, index, _), value, count, span in zip(batch, values, segments, spans):  # only this thread writes jobs
+            job.values[index], job.segments[index], job.spans[index] = value, count, span
             job.remaining -= 1
             if job.remaining == 0:
                 job.finish()
 
     def _run(self) -> None:
-        batch: list[tuple[_Job, int, EncodedPair]] = []
+        batch: list[tuple[_Job, int, EncodedResponse]] = []
         reason = "closed"
         try:
             while (batch := self._collect()) is not None:

@@ -9,8 +9,11 @@ the one-line errors a malformed request gets. Pure Python: no server, no model.
 * direct: ``{"prompts": [str | messages], "responses": [str | messages]}``; chat messages (``[{"role", "content"}]``,
   as TRL passes conversational prompts and completions) are rendered with the reward model's chat template.
 
-and answers ``{"rewards": [e_phi], "scores": [e_phi], "extra_logs": {"segments": [number of segments]}}`` (the shape
-of OpenRLHF's own ``openrlhf.cli.serve_rm``), one entry per pair, in request order.
+and answers ``{"rewards": [e_phi], "scores": [e_phi], "extra_logs": {"segments": [number of segments]}, "spans":
+[[[char_start, char_end, segment reward], ...]]}``, one entry per pair, in request order: the shape of OpenRLHF's own
+``openrlhf.cli.serve_rm`` (whose client reads ``rewards``, ``scores`` and ``extra_logs``) plus each response's
+segments as spans over its text (the response after the prompt; a chat response's content), the dense-reward
+contract of :mod:`rlhf_ext.runtime.spans` that rlhf-ext's clients map onto any policy tokenizer.
 """
 
 from __future__ import annotations

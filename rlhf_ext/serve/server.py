@@ -50,9 +50,11 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rlhf_ext.runtime.dense_sources import EncodedResponse
 from rlhf_ext.runtime.segment_data import DatasetFormatError
+from rlhf_ext.runtime.spans import Span
 from rlhf_ext.runtime.token_scores import SegmentScorer
-from rlhf_ext.serve.batching import EncodedPair, MicroBatcher, ScorerStopped, SegmentEvaluator
+from rlhf_ext.serve.batching import MicroBatcher, ScorerStopped, SegmentEvaluator
 from rlhf_ext.serve.protocol import HEALTH_PATH, REWARD_PATHS, RequestError, error_body, parse_reward_request
 from rlhf_ext.serve.settings import API_KEY_ENV, ServeSettings, bind_listener
 
@@ -218,7 +220,7 @@ class RewardServer:
             try:
                 body = await self._read_body(request)
                 pairs = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, body)
-                values, segments = await self._scores(pairs)
+                values, segments, spans = await self._scores(pairs)
             finally:
                 self.in_flight -= 1
         except RequestError as e:
@@ -227,7 +229,7 @@ class RewardServer:
         except Exception as e:  # a scoring failure: the request fails, the server goes on
             logger.exception("a request failed")
             return _json(500, {"error": " ".join(f"scoring failed: {type(e).__name__}: {e}".split())})
-        return _json(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}})
+        return _json(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}, "spans": spans})
 
     # ----------------------------------------------------------------------------------------------------- checks
     def _busy(self) -> bool:
@@ -290,7 +292,7 @@ class RewardServer:
         return f"request body of {size} bytes exceeds this server's limit of {limit} bytes; split the batch"
 
     # ---------------------------------------------------------------------------------------------------- scoring
-    def prepare(self, raw: bytes) -> list[EncodedPair]:
+    def prepare(self, raw: bytes) -> list[EncodedResponse]:
         """The tokenised pairs of one request body (runs on a ``workers`` thread; raises :class:`RequestError`)."""
         prompts, texts, texts_are_queries = parse_reward_request(raw, self.settings.max_request_pairs)
         if texts_are_queries:
@@ -303,8 +305,9 @@ class RewardServer:
                 raise RequestError(400, f"pair {i}: {e}") from None
         return encoded
 
-    async def _scores(self, pairs: list[EncodedPair]) -> tuple[list[float], list[int]]:
-        """Queue ``pairs`` on the batcher and wait (without holding a thread) for their values and segment counts."""
+    async def _scores(self, pairs: list[EncodedResponse]) -> tuple[list[float], list[int], list[list[Span]]]:
+        """Queue ``pairs`` on the batcher and wait (without holding a thread) for their values, segment counts and
+        segment spans."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -325,7 +328,7 @@ class RewardServer:
             raise RequestError(503, str(job.error))
         if job.error is not None:
             raise job.error
-        return job.values, job.segments
+        return job.values, job.segments, job.spans
 
     # ---------------------------------------------------------------------------------------------------- running
     def health(self) -> dict[str, Any]:

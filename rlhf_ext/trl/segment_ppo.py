@@ -7,8 +7,11 @@ replaces the reward and advantage computation of each rollout batch:
 1. one reference (SFT) forward gives the reference log-probs *and* the entropies used for segmentation;
 2. one reward-model forward gives token scores; :func:`rlhf_ext.segment.dense_segment_rewards` turns them into
    normalized, interpolated per-token rewards (the same function OpenRLHF's experience maker calls). Instead of a
-   segment reward model, GRPO's ``reward_funcs`` (callables, reward-model ids or models) may give one reward per
-   response, used as a bandit reward on its last token exactly as GRPO computes it;
+   segment reward model, GRPO's ``reward_funcs`` (callables, reward-model ids or models) give one reward per
+   response, used as a bandit reward on its last token exactly as GRPO computes it, or -- a callable returning spans
+   ``(char_start, char_end, reward)`` over the completion's text, or per-token rewards
+   (:mod:`rlhf_ext.runtime.spans`) -- dense rewards mapped onto the policy's tokens by
+   :func:`rlhf_ext.runtime.spans.dense_rewards` (the function OpenRLHF's experience maker calls for them);
 3. per-token reward ``r_t = dense_t - kl_coef * KL_t`` with the KL of the policy that sampled (k1 by default);
 4. advantages by GAE with a critic (initialised from the reward model, clipped value loss, value clip 0.25 for dense
    rewards) or critic-free REINFORCE (reward-to-go minus a leave-one-out baseline), whitened over the batch.
@@ -142,16 +145,20 @@ class DensePPOTrainer(GRPOTrainer):
     rollout_func, environment_factory)`` — plus keyword-only ones:
 
     Args:
-        reward_funcs: GRPO's reward functions (callables, reward-model ids or sequence-classification models), summed
-            with ``args.reward_weights`` into one reward per response exactly as GRPO does; it becomes a bandit
-            reward on the response's last token (``granularity`` and the normalizer apply to segment reward models
-            only). A segment reward model's directory is scored by its e_phi (``SegmentSequenceReward``). Give this
-            *or* a segment reward model, not both. With ``advantage_estimator="gae"`` (the default) a critic is
-            trained (a warning says so); ``reinforce_baseline`` is critic-free, as GRPO.
+        reward_funcs: GRPO's reward functions (callables, reward-model ids or sequence-classification models),
+            weighted by ``args.reward_weights``: a function's float per response is a bandit reward on the response's
+            last token, summed exactly as GRPO does; spans or per-token rewards (dense reward sources such as
+            :class:`~rlhf_ext.runtime.dense_sources.KeywordCredit`, ``ProcessRewardModel``, ``SegmentRewardSpans``,
+            ``RemoteSegmentReward(url, spans=True)``) are mapped onto the policy's tokens with ``granularity``
+            (``segment``, ``bandit`` or ``segment_as_bandit``), ``interpolation`` and the normalizer. A segment reward
+            model's directory is scored by its e_phi (``SegmentSequenceReward``). Give this *or* a segment reward
+            model, not both. With ``advantage_estimator="gae"`` (the default) a critic is trained (a warning says so);
+            ``reinforce_baseline`` is critic-free, as GRPO.
         reward_model: the segment reward model (default: ``args.reward_model_path``).
         ref_model: the reference (SFT) policy (default: the policy's checkpoint).
         critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
-        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards).
+        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards, or
+            the spans of the one dense reward function).
         prev_model: the previous task's policy for the continual KL term (default: ``args.continual_previous_model``).
     """
 
@@ -205,13 +212,10 @@ class DensePPOTrainer(GRPOTrainer):
                 "DensePPOTrainer needs a reward: set DensePPOConfig.reward_model_path (or reward_model=) for "
                 "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
             )
-        if self.uses_reward_funcs and (
-            normalizer is not None or args.normalizer_path is not None or calibration_dataset is not None
-        ):
-            raise ValueError(
-                "the location-aware normalizer calibrates a segment reward model's scores; reward_funcs rewards are "
-                "used as returned: drop normalizer / normalizer_path / calibration_dataset"
-            )
+        if self.uses_reward_funcs:
+            from rlhf_ext.algos.spans import check_span_granularity
+
+            check_span_granularity(args.granularity)
         async_rollout = None
         if args.async_generation:
             if rollout_func is not None:
@@ -239,6 +243,10 @@ class DensePPOTrainer(GRPOTrainer):
         self.async_rollout = async_rollout
         if async_rollout is not None:
             async_rollout.attach(self)
+        from rlhf_ext.runtime.spans import capture_sources
+
+        # what GRPO's reward loop calls: each function wrapped so that its spans wait for the rollout's dense rewards
+        self._captured_funcs = capture_sources(self.reward_funcs)
         from transformers import AutoModelForCausalLM
 
         from rlhf_ext.runtime.calibration import fit_normalizer, model_id
@@ -301,8 +309,17 @@ class DensePPOTrainer(GRPOTrainer):
             self._reward_capture = TokenScoreCapture(self.reward_model)
 
         if normalizer is None and args.normalizer_path is not None:
-            normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source))
-        if normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none":
+            normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source) if rm_source else None)
+        calibrate = normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none"
+        if calibrate and self.uses_reward_funcs:  # the spans of the dense reward function
+            from rlhf_ext.runtime.spans import fit_span_normalizer
+
+            normalizer = fit_span_normalizer(
+                self._captured_funcs, self._tokenizer, calibration_dataset, kind=args.normalizer_kind,
+                basis=args.normalizer_basis, granularity=args.granularity, aggregation=self.aggregation,
+                tau=self.seg_tau, max_pairs=args.calibration_max_pairs,
+            )  # fmt: skip
+        elif calibrate:
             normalizer = fit_normalizer(
                 self.accelerator.unwrap_model(self.reward_model),
                 self.accelerator.unwrap_model(self.segment_ref_model),
@@ -361,7 +378,11 @@ class DensePPOTrainer(GRPOTrainer):
         computed per token in the rollout (zeros here)."""
         if not self.uses_reward_funcs:
             return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
-        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        funcs, self.reward_funcs = self.reward_funcs, self._captured_funcs
+        try:
+            self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
         return self._rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
@@ -400,15 +421,34 @@ class DensePPOTrainer(GRPOTrainer):
         scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
         return scores[:, -completion_len - 1 : -1]
 
-    def _sequence_rewards(self, n: int) -> torch.Tensor:
-        """``[n]`` this process's rows of GRPO's reward: the weighted sum of the reward functions (NaN = unscored,
-        as 0), computed by :meth:`_calculate_rewards` during this rollout."""
+    def _reward_func_rewards(self, completion_ids: torch.Tensor, mask: torch.Tensor):
+        """:class:`~rlhf_ext.runtime.spans.DenseBatch` of this process's rows from the reward functions' answers to
+        this rollout (:meth:`_calculate_rewards`): the spans a function returned (kept by its
+        :class:`~rlhf_ext.runtime.spans.CapturedSource`), else its column of GRPO's rewards, weighted by
+        ``reward_weights`` (:func:`rlhf_ext.runtime.spans.dense_rewards`)."""
+        from rlhf_ext.runtime.spans import SourceOutput, dense_rewards
+
         per_func, self._rewards_per_func = self._rewards_per_func, None
         if per_func is None:
             raise RuntimeError("no reward-function output for this rollout")
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        n = completion_ids.size(0)
         start = self.accelerator.process_index * n
-        return rewards[start : start + n]
+        outputs = []
+        for i, (func, name) in enumerate(zip(self._captured_funcs, self.reward_func_names)):
+            captured = func.pop() if hasattr(func, "pop") else None
+            if captured is None or not captured.is_dense:
+                captured = SourceOutput(name, per_func[start : start + n, i].tolist(), [None] * n, [False] * n)
+            outputs.append(captured)
+        args = self.args
+        batch = dense_rewards(
+            outputs, self.reward_weights.tolist(), self._tokenizer, completion_ids, mask, normalizer=self.normalizer,
+            granularity=args.granularity, interpolation=args.interpolation, aggregation=self.aggregation,
+            tau=self.seg_tau,
+        )  # fmt: skip
+        device = completion_ids.device
+        batch.rewards, batch.sequence_reward = batch.rewards.to(device), batch.sequence_reward.to(device)
+        batch.segments_per_response = batch.segments_per_response.to(device)
+        return batch
 
     def _finishes_in_loss(self, out: dict, mode: str) -> bool:
         """Whether this rollout's old log-probs are the loss forward's own (detached) policy log-probs, so the KL
@@ -459,9 +499,9 @@ class DensePPOTrainer(GRPOTrainer):
                 out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
                 )
-            if self.uses_reward_funcs:  # one reward per response, on its last token (bandit)
-                scores = self._sequence_rewards(completion_ids.size(0))[:, None].expand(-1, c).float()
-                dense = dense_segment_rewards(scores, mask, granularity="bandit")
+            if self.uses_reward_funcs:  # sequence rewards on the last token, spans mapped onto the tokens
+                dense = self._reward_func_rewards(completion_ids, mask)
+                scores = dense.sequence_reward[:, None].expand(-1, c)
             else:
                 scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
                 dense = dense_segment_rewards(
@@ -520,10 +560,10 @@ class DensePPOTrainer(GRPOTrainer):
         metrics["segment/raw_last_score"].append(
             gather(scores.gather(1, (mask.long().cumsum(1).argmax(1, keepdim=True)))).mean().item()
         )
-        metrics["segment/segments_per_response"].append(gather(dense.segments.counts.float()).mean().item())
+        metrics["segment/segments_per_response"].append(gather(dense.segments_per_response.float()).mean().item())
         metrics["segment/response_length"].append(gather(mask.sum(dim=1).float()).mean().item())
         if not self.uses_reward_funcs and not Granularity(args.granularity).is_bandit:
-            self._monitor_segmentation(mode, dense.segments.counts, mask, ref_entropy)
+            self._monitor_segmentation(mode, dense.segments_per_response, mask, ref_entropy)
         return out
 
     def _monitor_segmentation(self, mode: str, counts: torch.Tensor, mask: torch.Tensor, entropy) -> None:

@@ -244,3 +244,17 @@ def resolve_reward(spec: str, **kwargs: Any):
     if is_builtin(spec):
         raise ValueError(f"unknown builtin reward {spec!r}; choose one of {', '.join(builtin_rewards)}")
     return load_reward(spec, **kwargs)
+
+
+def resolve_reward_source(spec: str, **kwargs: Any):
+    """A dense reward source (:func:`rlhf_ext.runtime.dense_sources.load_reward_source`) with ``builtin:`` model names
+    resolved: ``prm:builtin:tiny-segment-rm``, ``segment-rm:builtin:tiny-segment-rm`` or ``builtin:tiny-segment-rm``
+    (a segment reward model)."""
+    from rlhf_ext.runtime.dense_sources import load_reward_source
+
+    kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind in ("prm", "segment-rm") and is_builtin(rest):
+        spec = f"{kind}:{resolve_model(rest)}"
+    elif is_builtin(spec):
+        spec = f"segment-rm:{resolve_model(spec)}"
+    return load_reward_source(spec, **kwargs)

@@ -45,3 +45,28 @@ def reference_aggregate(rewards: list[float], kind: str, tau: float) -> float:
     if kind == "sum":
         return sum(rewards)
     return sum(rewards) / len(rewards)
+
+
+def reference_span_rewards(
+    spans: list[list[tuple[int, int, float]]],
+    offsets: list[list[tuple[int, int]]],
+    interpolation: str = "even_split",
+) -> list[list[float]]:
+    """Per-token rewards of character spans, one response and one span at a time (no normalizer, ``segment``
+    granularity): a span covers the tokens whose characters intersect it (tokens without characters never), and its
+    reward is split evenly over them (``even_split``), put on the last (``segment_end``) or on each (``repeat``)."""
+    out = []
+    for row_spans, row_offsets in zip(spans, offsets):
+        rewards = [0.0] * len(row_offsets)
+        for start, end, reward in row_spans:
+            covered = [i for i, (s, e) in enumerate(row_offsets) if e > s and s < end and e > start]
+            if not covered or end <= start:
+                continue
+            if interpolation == "segment_end":
+                rewards[covered[-1]] += reward
+            else:
+                share = reward / len(covered) if interpolation == "even_split" else reward
+                for i in covered:
+                    rewards[i] += share
+        out.append(rewards)
+    return out

@@ -143,3 +143,54 @@ def test_segment_reinforce_async_zero3_second_task(segment_task1):
     assert first["staleness"] == 0.0 and second["staleness"] == 1.0
     assert first["prev_task_kl"] == 0.0 and second["prev_task_kl"] > 0.0
     assert (out / "config.json").exists()
+
+
+PAYING_SOURCE = '''
+import json
+
+def pays(prompts, completions, **kwargs):
+    """0.1 per character of each completion's first word, on that word; each call's totals appended to LOG."""
+    spans = [[(0, len(c.split(" ")[0]), 0.1 * len(c.split(" ")[0]))] if c.split(" ")[0] else [] for c in completions]
+    with open(LOG, "a") as f:
+        f.write(json.dumps([sum(r for _, _, r in row) for row in spans]) + "\\n")
+    return spans
+'''
+
+
+@pytest.mark.parametrize("kind", ["callable", "rules", "segment-rm", "prm"])
+def test_span_reward_source_on_the_ray_loop(ray_env, kind):
+    """``--ext.reward_source`` (a user's callable in a file, a rules file, a segment RM and a process RM on another
+    tokenizer than the policy's) instead of a reward model: 2 REINFORCE steps through OpenRLHF's Ray loop with no
+    reward-model actor; the logged reward of each step is the mean of what the callable paid for that step's 8
+    responses (an even split keeps each span's total)."""
+    root, (sft, _), prompts = ray_env
+    out = root / f"source_{kind}"
+    out.mkdir()
+    if kind == "callable":
+        log = out / "paid.jsonl"
+        (out / "source.py").write_text(f"LOG = {str(log)!r}\n" + PAYING_SOURCE)
+        spec = f"{out / 'source.py'}:pays"
+    elif kind in ("segment-rm", "prm"):  # GPT-2's tokenizer, the policy's is the toy BPE
+        from tests.helpers.cross_tokenizer import gpt2_segment_rm
+
+        spec = f"{kind}:{gpt2_segment_rm(out / 'models')}"
+    else:
+        (out / "rules.yaml").write_text("rules:\n- {pattern: the, weight: 1.0}\n- {pattern: you, weight: -0.5}\n")
+        spec = f"rules:{out / 'rules.yaml'}"
+    from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
+
+    argv = tiny_ppo_argv(sft, "unused", prompts, out / "run")
+    i = argv.index("--reward.model_name_or_path")
+    argv = argv[:i] + argv[i + 2 :] + ["--ext.reward_source", spec, "--algo.advantage.estimator", "reinforce"]
+    steps, _ = run_train_ppo_ray(argv, out / "run.log", timeout=400)
+    assert sorted(steps) == [1, 2], f"see {out / 'run.log'}"
+    log_text = (out / "run.log").read_text()
+    assert "PolicyModelActor pid" in log_text  # the actors' names: none scores rewards
+    assert "RewardActor pid" not in log_text and "RewardModelActor pid" not in log_text
+    for step in (steps[1], steps[2]):
+        _finite(step, ["reward", "return", "policy_loss", "segments_per_response"])
+    if kind == "callable":
+        paid = [t for line in log.read_text().splitlines() for t in json.loads(line)]
+        assert len(paid) == 16
+        for k, step in ((1, steps[1]), (2, steps[2])):
+            assert step["rollout/reward_mean"] == pytest.approx(sum(paid[8 * (k - 1) : 8 * k]) / 8, rel=1e-5, abs=1e-6)

@@ -113,6 +113,7 @@ def _driver(*flags: str) -> subprocess.CompletedProcess:
         (["--ext.normalizer", "/nonexistent/normalizer.json"], "normalizer file /nonexistent/normalizer.json does not"),
         (["--ext.normalizer", "{NAN_NORMALIZER}"], "normalizer w_mu must be a finite number; got nan"),
         (["--ext.continual_previous_model", "/nonexistent/prev"], "--ext.continual_previous_model: model "),
+        (["--ext.reward_source", "rules:r.yaml"], "--ext.reward_source and --reward.model_name_or_path are two"),
     ],
 )
 def test_driver_refuses_before_ray_starts(flags, message, tmp_path):
@@ -122,6 +123,23 @@ def test_driver_refuses_before_ray_starts(flags, message, tmp_path):
     bad = tmp_path / "normalizer.json"
     bad.write_text('{"format": "rlhf_ext.LocationNormalizer/1", "kind": "global", "w_mu": NaN, "b_mu": 0.0}')
     proc = _driver(*[f.replace("{NAN_NORMALIZER}", str(bad)) for f in flags])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ext.reward_source", "rules:/nonexistent/rules.yaml"], "--ext.reward_source: rules file"),
+        (["--ext.reward_source", "no_such_module_xyz:f"], "--ext.reward_source: reward source 'no_such_module_xyz:f'"),
+        (["--ext.reward_source", "rules:r.yaml", "--ext.granularity", "token"], "rewards from --ext.reward_source"),
+    ],
+)
+def test_bad_reward_source_is_refused_before_ray_starts(flags, message):
+    code = "import sys; from rlhf_ext.openrlhf.train_ppo_ray import main; main(sys.argv[1:])"
+    argv = ["--actor.model_name_or_path", "/nonexistent", "--algo.advantage.estimator", "reinforce", *flags]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr

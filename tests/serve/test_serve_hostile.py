@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rlhf_ext.serve.batching import EncodedPair, MicroBatcher, ScorerStopped
+from rlhf_ext.runtime.dense_sources import EncodedResponse
+from rlhf_ext.serve.batching import MicroBatcher, ScorerStopped
 from rlhf_ext.serve.server import RewardServer
 from rlhf_ext.serve.settings import ServeError, ServeSettings, SettingError, bind_listener
 from tests.helpers.reward_client import (
@@ -200,15 +201,15 @@ def test_batcher_fails_queued_and_later_jobs_when_its_thread_ends():
         raise _Fatal("gone")
 
     batcher = MicroBatcher(score, max_batch_size=1)
-    running_job = batcher.submit([EncodedPair([1], 0)])
-    queued = batcher.submit([EncodedPair([2], 0), EncodedPair([3], 0)])
+    running_job = batcher.submit([EncodedResponse([1], 0)])
+    queued = batcher.submit([EncodedResponse([2], 0), EncodedResponse([3], 0)])
     release.set()
     assert running_job.done.wait(10) and queued.done.wait(10)
     message = "the scoring thread stopped: _Fatal: gone; restart the server"
     assert [str(job.error) for job in (running_job, queued)] == [message, message]
     assert isinstance(queued.error, ScorerStopped) and not batcher.alive
     with pytest.raises(ScorerStopped, match="_Fatal: gone"):
-        batcher.submit([EncodedPair([4], 0)])
+        batcher.submit([EncodedResponse([4], 0)])
     batcher.close()
 
 
@@ -221,12 +222,12 @@ def test_a_lone_request_does_not_wait_for_company():
 
     batcher = MicroBatcher(ones, max_batch_size=8)
     try:
-        job = batcher.submit([EncodedPair([1], 0)])
+        job = batcher.submit([EncodedResponse([1], 0)])
         assert job.done.wait(10) and job.values == [1.0]
     finally:
         batcher.close()
     waiting = MicroBatcher(ones, max_batch_size=8, max_wait_ms=3_600_000)
-    job = waiting.submit([EncodedPair([1], 0)])
+    job = waiting.submit([EncodedResponse([1], 0)])
     assert not job.done.wait(0.5)  # the explicit wait is honoured
     waiting.close()  # closing ends the wait: the batch is scored
     assert job.done.is_set() and job.values == [1.0]

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from rlhf_ext.serve.batching import EncodedPair, MicroBatcher
+from rlhf_ext.runtime.dense_sources import EncodedResponse
+from rlhf_ext.serve.batching import MicroBatcher
 from rlhf_ext.serve.protocol import RequestError, response_after_prompt
 from rlhf_ext.serve.server import RewardServer
 from rlhf_ext.serve.settings import ServeSettings
@@ -98,6 +99,29 @@ def test_trl_reward_function_gives_in_process_e_phi(server, scorer):
     values = reward(prompts=[p for p, _ in pairs], completions=[r for _, r in pairs], trainer_state=None, topic=[0] * 7)
     assert values == pytest.approx(in_process(scorer, pairs), abs=TOLERANCE)
     assert get_callable_name(reward) == "segment_rm" and not is_async_callable(reward)
+
+
+def test_spans_are_the_segments_over_the_response_text(server, scorer):
+    """The dense answer: each response's segments (paper 003) as (char_start, char_end, reward) over its text, the
+    same segments and rewards as the in-process scorer; in OpenRLHF's query form, over the response after the prompt
+    (its decoded EOS included)."""
+    from rlhf_ext.trl.remote_reward import RemoteSegmentReward
+
+    pairs = distinct_pairs(5, seed=3)
+    spans = RemoteSegmentReward(server.url, spans=True)(
+        prompts=[p for p, _ in pairs], completions=[r for _, r in pairs]
+    )
+    eos = scorer.tokenizer.eos_token
+    for (prompt, response), row in zip(pairs, spans):
+        view = scorer.score(prompt, response)
+        assert [response[a:b] for a, b, _ in row] == [text.removesuffix(eos) for text in view.segments]
+        assert [r for _, _, r in row] == pytest.approx(view.rewards, abs=TOLERANCE)
+    status, answer = post_json(f"{server.url}/get_reward", {"query": [p + r + eos for p, r in pairs],
+                                                             "prompts": [p for p, _ in pairs]})  # fmt: skip
+    assert status == 200
+    for (prompt, response), row in zip(pairs, answer["spans"]):
+        view = scorer.score(prompt, response + eos)
+        assert [(response + eos)[a:b] for a, b, _ in row] == view.segments
 
 
 def test_trl_reward_function_renders_conversations_with_the_rm_chat_template(server, scorer):
@@ -252,7 +276,7 @@ def test_connections_beyond_max_pending_get_503_and_the_server_recovers(small_se
         stalled.close()
     wait_for_pending(small_server, 0)
     assert post_json(f"{small_server.url}/get_reward", {"prompts": [], "responses": []}) == (
-        200, {"rewards": [], "scores": [], "extra_logs": {"segments": []}}
+        200, {"rewards": [], "scores": [], "extra_logs": {"segments": []}, "spans": []}
     )  # fmt: skip
 
 
@@ -269,9 +293,9 @@ def test_batcher_groups_pairs_that_arrive_while_a_batch_is_scored():
 
     batcher = MicroBatcher(score, max_batch_size=4, max_wait_ms=50)
     try:
-        first = batcher.submit([EncodedPair([0], 0)])
+        first = batcher.submit([EncodedResponse([0], 0)])
         assert first_started.wait(10)  # the first batch is being scored: the next requests queue up
-        jobs = [batcher.submit([EncodedPair([i], 0) for i in ids]) for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9])]
+        jobs = [batcher.submit([EncodedResponse([i], 0) for i in ids]) for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9])]
         release.set()
         for job in (first, *jobs):
             assert job.done.wait(10)
@@ -292,10 +316,10 @@ def test_batcher_fails_every_request_of_a_failing_batch_and_goes_on():
 
     batcher = MicroBatcher(score, max_batch_size=8, max_wait_ms=200)
     try:
-        failed = [batcher.submit([EncodedPair([1], 0)]), batcher.submit([EncodedPair([2], 0)])]
+        failed = [batcher.submit([EncodedResponse([1], 0)]), batcher.submit([EncodedResponse([2], 0)])]
         for job in failed:
             assert job.done.wait(10)
-        later = batcher.submit([EncodedPair([3], 0)])
+        later = batcher.submit([EncodedResponse([3], 0)])
         assert later.done.wait(10)
     finally:
         batcher.close()

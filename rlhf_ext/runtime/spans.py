@@ -1,0 +1,370 @@
+"""The dense-reward contract on the engine side: what a reward source returns, the policy tokens' character offsets,
+and the dense per-token rewards both engines train on (:func:`dense_rewards`, which calls
+:func:`rlhf_ext.algos.spans.dense_span_rewards`).
+
+A **reward source** is a callable in TRL's ``reward_funcs`` style, ``source(prompts, completions, **columns)``
+(``completion_ids`` among the columns), returning one item per completion:
+
+* a float (or ``None``, unscored): a sequence reward, on the completion's last token, as GRPO uses it;
+* a list of spans ``(char_start, char_end, reward)`` over the completion's text (the decoded completion TRL passes;
+  a chat completion's ``content``): a dense reward (:class:`DenseRewardFunc`);
+* a 1-D tensor or list of floats, one per completion token: per-token rewards, for a source that shares the policy's
+  tokenizer (the ``completion_ids`` it was given).
+
+:func:`parse_outputs` checks the items and says, in one line, which source returned what for which completion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from rlhf_ext.algos.location_norm import LocationNormalizer
+from rlhf_ext.algos.segment_dense import DenseRewards
+
+#: ``(char_start, char_end, reward)``: characters ``[char_start, char_end)`` of the completion earned ``reward``.
+Span = tuple[int, int, float]
+
+
+@runtime_checkable
+class DenseRewardFunc(Protocol):
+    """A reward function in TRL's ``reward_funcs`` style that returns spans (see the module docstring)::
+
+    def keyword_credit(prompts, completions, **kwargs) -> list[list[tuple[int, int, float]]]:
+        return [[(m.start(), m.end(), 1.0) for m in re.finditer("thank you", c)] for c in completions]
+    """
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> Sequence[Any]: ...
+
+
+class RewardOutputError(ValueError):
+    """A reward source returned something that is not a reward, spans or per-token rewards."""
+
+
+@dataclass
+class SourceOutput:
+    """One source's answer for a batch, parsed: ``scalars[i]`` (float, NaN = unscored) or ``spans[i]`` per completion;
+    ``token_unit[i]``: the spans of completion ``i`` are over its token indices, not its characters."""
+
+    name: str
+    scalars: list[float] = field(default_factory=list)
+    spans: list[list[Span] | None] = field(default_factory=list)
+    token_unit: list[bool] = field(default_factory=list)
+
+    @property
+    def is_dense(self) -> bool:
+        return any(s is not None for s in self.spans)
+
+    def totals(self) -> list[float]:
+        """Per completion: its scalar, or the sum of its span rewards (what GRPO logs for the source)."""
+        return [sum(r for _, _, r in s) if s is not None else v for v, s in zip(self.scalars, self.spans)]
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def parse_outputs(name: str, outputs: Sequence[Any], n: int, num_tokens: Sequence[int] | None = None) -> SourceOutput:
+    """Check one source's ``outputs`` for ``n`` completions (``num_tokens[i]``: completion ``i``'s token count, for
+    per-token answers) and sort them into sequence rewards and spans (raises :class:`RewardOutputError`)."""
+    if isinstance(outputs, Tensor):
+        outputs = list(outputs) if outputs.dim() > 1 else outputs.tolist()
+    outputs = list(outputs)
+    if len(outputs) != n:
+        raise RewardOutputError(f"reward source {name!r} returned {len(outputs)} items for {n} completions: one each")
+    parsed = SourceOutput(name)
+    for i, item in enumerate(outputs):
+        scalar, spans, token_unit = math.nan, None, False
+        if item is None:
+            pass
+        elif _is_number(item) or (isinstance(item, Tensor) and item.dim() == 0):
+            scalar = float(item)
+        elif isinstance(item, Tensor) or (isinstance(item, list | tuple) and item and all(map(_is_number, item))):
+            values = torch.as_tensor(item, dtype=torch.float32).flatten().tolist()
+            if num_tokens is not None and len(values) != num_tokens[i]:
+                raise RewardOutputError(
+                    f"reward source {name!r} returned {len(values)} per-token rewards for completion {i}, which has "
+                    f"{num_tokens[i]} tokens: return one per completion token (or spans over its characters)"
+                )
+            spans, token_unit = [(j, j + 1, v) for j, v in enumerate(values)], True
+        elif isinstance(item, list | tuple):
+            spans = []
+            for span in item:
+                if not (isinstance(span, list | tuple) and len(span) == 3 and isinstance(span[0], Integral) and
+                        isinstance(span[1], Integral) and _is_number(span[2])):  # fmt: skip
+                    raise RewardOutputError(
+                        f"reward source {name!r} returned {span!r} in the spans of completion {i}; a span is "
+                        "(char_start, char_end, reward) with integer character offsets"
+                    )
+                spans.append((int(span[0]), int(span[1]), float(span[2])))
+        else:
+            raise RewardOutputError(
+                f"reward source {name!r} returned {type(item).__name__} for completion {i}; return a float, a list of "
+                "(char_start, char_end, reward) spans, or one reward per completion token"
+            )
+        parsed.scalars.append(scalar)
+        parsed.spans.append(spans)
+        parsed.token_unit.append(token_unit)
+    return parsed
+
+
+# ------------------------------------------------------------------------------------------- character offsets
+def _stream_chunks(tokenizer, ids: Sequence[int], skip_special_tokens: bool) -> list[str | None] | None:
+    """Per token, the text it completes (``None`` while a character is incomplete), by the fast tokenizer's streaming
+    decoder; ``None`` without one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    return [stream.step(backend, int(i)) for i in ids]
+
+
+def _prefix_chunks(tokenizer, ids: Sequence[int], text: str, skip_special_tokens: bool) -> list[str | None]:
+    """Per token, the characters of ``text`` that decoding the tokens up to it settles (slow: one decode per token)."""
+    prefixes = tokenizer.batch_decode([list(ids[: i + 1]) for i in range(len(ids))],
+                                      skip_special_tokens=skip_special_tokens)  # fmt: skip
+    chunks, done = [], 0
+    for i, prefix in enumerate(prefixes):
+        common = 0
+        for a, b in zip(prefix, text):
+            if a != b:
+                break
+            common += 1
+        if prefix.endswith("\ufffd") and i < len(ids) - 1:  # an incomplete character so far
+            common = min(common, len(prefix) - 1)
+        settled = max(done, common)
+        chunks.append(text[done:settled] or None)
+        done = settled
+    if done < len(text):  # what decoding the whole sequence adds at the end
+        chunks[-1] = (chunks[-1] or "") + text[done:]
+    return chunks
+
+
+def token_char_offsets(
+    tokenizer, ids: Sequence[int], skip_special_tokens: bool = True
+) -> tuple[str, list[tuple[int, int]]]:
+    """The decoded text of ``ids`` and each token's characters ``[start, end)`` in it.
+
+    A token's characters are the ones decoding settles at it. Tokens that settle none because they hold part of a
+    character (a byte of a multi-byte UTF-8 character in byte-level BPE) share the characters settled by the token
+    that completes it; special tokens that decoding drops have none (``start == end``). Offsets never decrease.
+    """
+    ids = [int(i) for i in ids]
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    chunks = _stream_chunks(tokenizer, ids, skip_special_tokens)
+    if chunks is None or "".join(c or "" for c in chunks) != text:
+        chunks = _prefix_chunks(tokenizer, ids, text, skip_special_tokens)
+    special = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+    offsets: list[tuple[int, int]] = []
+    pending: list[int] = []  # tokens holding part of the next chunk
+    pos = 0
+    for token, chunk in zip(ids, chunks):
+        if chunk:
+            for j in pending:
+                offsets[j] = (pos, pos + len(chunk))
+            offsets.append((pos, pos + len(chunk)))
+            pending, pos = [], pos + len(chunk)
+        else:
+            if token not in special:
+                pending.append(len(offsets))
+            offsets.append((pos, pos))
+    return text, offsets
+
+
+def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
+    """``(texts, token_start, token_end)`` of a right-padded batch of completions ``[B, C]`` (``mask`` true at its
+    tokens): each completion decoded without special tokens, as TRL decodes the completions it gives reward
+    functions, and its tokens' offsets (``[B, C]`` long, 0 outside ``mask``)."""
+    b, c = completion_ids.shape
+    starts = torch.zeros(b, c, dtype=torch.long)
+    ends = torch.zeros(b, c, dtype=torch.long)
+    texts = []
+    for row in range(b):
+        positions = mask[row].nonzero().flatten().cpu()
+        text, offsets = token_char_offsets(tokenizer, completion_ids[row, positions].tolist())
+        texts.append(text)
+        if offsets:
+            starts[row, positions] = torch.tensor([s for s, _ in offsets])
+            ends[row, positions] = torch.tensor([e for _, e in offsets])
+    return texts, starts, ends
+
+
+# ---------------------------------------------------------------------------------------------- dense rewards
+def span_tensors(spans: Sequence[Sequence[Span] | None]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(start, end, reward)`` ``[B, K]`` of per-completion span lists (``None`` = no span), padded with empty
+    spans."""
+    k = max([len(s) for s in spans if s] + [1])
+    start = torch.zeros(len(spans), k, dtype=torch.long)
+    end = torch.zeros(len(spans), k, dtype=torch.long)
+    reward = torch.zeros(len(spans), k)
+    for i, row in enumerate(spans):
+        if row:
+            values = torch.tensor([[a, b] for a, b, _ in row], dtype=torch.long)
+            start[i, : len(row)], end[i, : len(row)] = values[:, 0], values[:, 1]
+            reward[i, : len(row)] = torch.tensor([r for _, _, r in row])
+    return start, end, reward
+
+
+@dataclass
+class DenseBatch:
+    """What :func:`dense_rewards` returns: ``rewards`` ``[B, C]`` per completion token (before the KL penalty),
+    ``sequence_reward`` ``[B]`` (their sum), ``segments_per_response`` ``[B]`` (real spans; 1 for a response
+    with sequence rewards only), and the dense sources'
+    :class:`~rlhf_ext.algos.segment_dense.DenseRewards` (one per dense source)."""
+
+    rewards: Tensor
+    sequence_reward: Tensor
+    segments_per_response: Tensor
+    dense: list[DenseRewards]
+
+
+def dense_rewards(
+    outputs: Sequence[SourceOutput],
+    weights: Sequence[float],
+    tokenizer,
+    completion_ids: Tensor,
+    mask: Tensor,
+    normalizer: LocationNormalizer | None = None,
+    granularity: str = "segment",
+    interpolation: str = "even_split",
+    aggregation: str = "softmax",
+    tau: float = 0.5,
+) -> DenseBatch:
+    """Per-token rewards ``[B, C]`` of completions ``completion_ids`` (``[B, C]``, ``mask`` true at their tokens) from
+    the parsed answers of reward sources weighted by ``weights``: each dense source's spans through
+    :func:`~rlhf_ext.algos.spans.dense_span_rewards` (``normalizer``, ``granularity``, ``interpolation``,
+    ``aggregation``/``tau``: :class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`), plus the sequence rewards
+    (weighted sum, NaN as 0, as GRPO sums them) on each completion's last token. The one function both engines call.
+    """
+    from rlhf_ext.algos.spans import dense_span_rewards
+
+    mask = mask.bool().cpu()
+    completion_ids = completion_ids.cpu()
+    dense_outputs = [(o, w) for o, w in zip(outputs, weights) if o.is_dense]
+    if normalizer is not None and normalizer.kind != "none" and len(dense_outputs) > 1:
+        raise ValueError(
+            f"a location normalizer is fitted to one reward source; {len(dense_outputs)} sources returned spans: "
+            "combine them into one source or drop the normalizer"
+        )
+    b, c = completion_ids.shape
+    rewards = torch.zeros(b, c)
+    scalar = torch.zeros(b)
+    for out, weight in zip(outputs, weights):
+        values = torch.tensor([v if s is None else math.nan for v, s in zip(out.scalars, out.spans)])
+        scalar += weight * torch.nan_to_num(values, nan=0.0)
+    last = (mask.long().cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask
+    rewards += torch.where(last, scalar[:, None], 0.0)
+    # sequence rewards only: one (bandit) segment per response, as dense_segment_rewards counts them
+    dense, counts = [], torch.zeros(b, dtype=torch.long) if dense_outputs else mask.any(dim=1).long()
+    if dense_outputs:
+        _, char_start, char_end = completion_offsets(tokenizer, completion_ids, mask)
+        index = torch.cumsum(mask.long(), dim=1) - 1  # token unit: a token's index in its completion
+        for out, weight in dense_outputs:
+            unit = torch.tensor(out.token_unit)[:, None]
+            start, end, reward = span_tensors(out.spans)
+            result = dense_span_rewards(
+                start, end, reward,
+                torch.where(unit, index, char_start), torch.where(unit, index + 1, char_end), mask,
+                normalizer=normalizer, granularity=granularity, interpolation=interpolation,
+                aggregation=aggregation, tau=tau,
+            )  # fmt: skip
+            rewards += weight * result.rewards
+            counts += result.segments.counts
+            dense.append(result)
+    return DenseBatch(rewards, rewards.sum(dim=1), counts, dense)
+
+
+def _is_async(func) -> bool:
+    import asyncio
+    import functools
+
+    while isinstance(func, functools.partial):
+        func = func.func
+    return asyncio.iscoroutinefunction(func) or asyncio.iscoroutinefunction(type(func).__call__)
+
+
+class CapturedSource:
+    """A reward function wrapped so that the caller (GRPO's reward loop) sees one number per completion -- the sum of
+    its span rewards, or its scalar -- while the wrapped function's full answer, parsed, waits in :attr:`output` for
+    the trainer to map onto tokens (:func:`dense_rewards`)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__name__ = getattr(func, "__name__", None) or type(func).__name__
+        self.output: SourceOutput | None = None
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
+        values = self.func(prompts=prompts, completions=completions, **kwargs)
+        ids = kwargs.get("completion_ids")
+        self.output = parse_outputs(self.__name__, values, len(completions), [len(i) for i in ids] if ids else None)
+        return [None if math.isnan(v) else v for v in self.output.totals()]
+
+    def pop(self) -> SourceOutput | None:
+        output, self.output = self.output, None
+        return output
+
+
+def capture_sources(reward_funcs) -> list:
+    """``reward_funcs`` (one or a list, as GRPO takes them) with every synchronous callable wrapped in a
+    :class:`CapturedSource`; reward-model ids, models and async functions (sequence rewards only) are kept."""
+    import torch.nn as nn
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    return [CapturedSource(f) if callable(f) and not isinstance(f, nn.Module | CapturedSource) and not _is_async(f)
+            else f for f in funcs]  # fmt: skip
+
+
+def fit_span_normalizer(
+    funcs: Sequence[Any],
+    tokenizer,
+    dataset,
+    kind: str = "regression",
+    basis: str = "linear",
+    granularity: str = "segment",
+    aggregation: str = "softmax",
+    tau: float = 0.5,
+    max_pairs: int | None = None,
+) -> LocationNormalizer:
+    """A :class:`~rlhf_ext.algos.location_norm.LocationNormalizer` (paper 003 Eq. 6) fitted to the one dense source
+    among ``funcs`` on ``dataset``'s chosen and rejected responses (``prompt``/``chosen``/``rejected`` text), each
+    response tokenised by the policy's ``tokenizer``: its raw span rewards at their locations (``segment``), or its
+    sequence rewards at ``p = 1`` (``bandit``, ``segment_as_bandit``)."""
+    from rlhf_ext.algos.segment_dense import Granularity
+    from rlhf_ext.runtime.segment_data import pad_sequences
+
+    if max_pairs is not None:
+        dataset = dataset.select(range(min(max_pairs, len(dataset))))
+    rows = list(dataset)
+    prompts = [r.get("prompt", "") for r in rows] * 2
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    sources = [f if isinstance(f, CapturedSource) else CapturedSource(f) for f in funcs if callable(f)]
+    outputs = []
+    for source in sources:
+        source(prompts, completions, completion_ids=ids)
+        outputs.append(source.pop())
+    dense = [o for o in outputs if o.is_dense]
+    if len(dense) != 1:
+        raise ValueError(
+            f"a location normalizer is fitted to the spans of one reward source; {len(dense)} of the reward "
+            "functions returned spans on the calibration responses: pass normalizer= or no calibration_dataset"
+        )
+    completion_ids = pad_sequences(ids, 0, "right", torch.long)
+    mask = pad_sequences([[1] * len(i) for i in ids], 0, "right", torch.long).bool()
+    batch = dense_rewards(dense, [1.0], tokenizer, completion_ids, mask, granularity=granularity,
+                          aggregation=aggregation, tau=tau)  # fmt: skip
+    result = batch.dense[0]
+    if Granularity(granularity).is_bandit:
+        positions, rewards = torch.ones(len(completions)), result.raw_seg_rewards[:, 0]
+    else:
+        mask = result.segments.mask
+        positions, rewards = result.segments.locations[mask], result.raw_seg_rewards[mask]
+    return LocationNormalizer.fit(positions, rewards, kind=kind, basis=basis, reward_model=dense[0].name)
