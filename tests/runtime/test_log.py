@@ -173,3 +173,33 @@ def test_a_piped_generation_logs_progress_lines(tmp_path, caplog, monkeypatch):
     total = len(lines) - 1  # the start line, then one per sample (interval 0)
     assert lines[0] == f"continual-piecewise-preference: 0/{total} samples"
     assert lines[-1].startswith(f"continual-piecewise-preference: {total}/{total} samples (100.0%)")
+
+
+def test_reading_a_data_file_logs_its_size(tmp_path, caplog):
+    from rlhf_ext.zoo.builtins import load_preference_dataset
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n' * 2000)
+    with caplog.at_level(logging.INFO, logger="rlhf_ext.zoo.builtins"):
+        load_preference_dataset(str(path))
+    assert f"reading {path} ({path.stat().st_size / 1e6:.1f} MB)" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.slow
+def test_training_for_1e12_epochs_prints_progress_lines_in_a_pipe(tmp_path, tiny_sft_path):
+    """Issue 23 item 15: ``train.epochs=1e12`` must not run silently. Its step lines (``rm step N/TOTAL``) reach a pipe
+    while it trains; the test stops it after the second one."""
+    cmd = [sys.executable, "-m", "rlhf_ext.launch.train_segment_rm", "--config", "segment_rm_tiny",
+           f"model.sft_model={tiny_sft_path}", "train.epochs=1e12", f"train.output_dir={tmp_path / 'rm'}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    steps: list[str] = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("rm step"):
+                steps.append(line.split()[2])
+                if len(steps) == 2:
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert steps and all(s.endswith("/32000000000000") for s in steps), steps
