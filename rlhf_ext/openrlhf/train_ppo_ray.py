@@ -107,6 +107,12 @@ EXT_EXTRA_HELP: dict[str, tuple[str, tuple | None]] = {
     "rollout_engine": ("vllm (OpenRLHF's), hf (CPU) or auto: vllm when the cluster has GPUs", ROLLOUT_ENGINES),
     "continual_previous_model": ("The previous task's policy (paper 000 Eq. 7's pi_{t-1})", None),
     "continual_retention": ("kl: paper 000 Eq. 7; cppo: also CPPO's sample-wise weights", ("kl", "cppo")),
+    "reward_source": (
+        "A dense reward source instead of --reward.model_name_or_path: module:function, file.py:function, rules:FILE, "
+        "prm:MODEL or segment-rm:DIR",
+        None,
+    ),
+    "step_separator": ("prm: the text that ends a step (the process reward model is read there)", None),
 }
 HELP_DESCRIPTION = """OpenRLHF 0.11.2's own openrlhf.cli.train_ppo_ray with rlhf-ext's methods installed in the driver
 and in every Ray worker: every OpenRLHF flag unchanged, plus the --ext.* flags below.

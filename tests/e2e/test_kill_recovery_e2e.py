@@ -56,7 +56,7 @@ def test_online_dpo_killed_after_saving_a_policy_before_recording_it_resumes_to_
 
     killed = run_cli([*args, f"train.output_dir={out}"], fault_at="committed:policy_*")
     assert was_killed(killed), killed.stderr[-3000:]
-    saved = json.loads((out / "state.json").read_text())["_policies"] if (out / "state.json").exists() else {}
+    saved = json.loads((out / "state.json").read_text())["policies"] if (out / "state.json").exists() else {}
     assert str(out / "_policies" / policies[0]) not in saved.values() and (out / "_policies" / policies[0]).is_dir()
 
     rerun = run_cli([*args, f"train.output_dir={out}"])
