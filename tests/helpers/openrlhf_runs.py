@@ -17,6 +17,18 @@ from pathlib import Path
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})")
 
 
+def toy_prompts_file(root: Path) -> str:
+    """``root/prompts.jsonl``: the 8 training prompts of the toy preference task (``{"prompt": ...}`` per line)."""
+    import json
+
+    from rlhf_ext.zoo.toy import toy_preference_dataset
+
+    path = Path(root) / "prompts.jsonl"
+    data = toy_preference_dataset(n_train=8, n_test=4, seed=0)["train"]
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in data["prompt"]))
+    return str(path)
+
+
 def tiny_ppo_argv(sft: str, rm: str, prompts: str, out_dir: Path, episodes: int = 2) -> list[str]:
     """OpenRLHF flags for a tiny CPU run: 8 prompts per step, 24 new tokens, one Ray actor per role."""
     return [

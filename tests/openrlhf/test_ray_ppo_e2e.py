@@ -24,8 +24,8 @@ def _run(out_dir, models, prompts, *flags, stock=False) -> list[dict]:
     """Run the CLI in a fresh process with tiny models; return its per-step metrics.
 
     2 episodes over the same 8 prompts = 2 PPO steps that each see every prompt: OpenRLHF's controller shuffles
-    prompts with an unseeded generator and collects samples in completion order, so only a step holding the whole
-    prompt set is the same batch from run to run."""
+    prompts with an unseeded generator, so only a step holding the whole prompt set is the same batch from run to run
+    (the HF engine then hands its samples over in a canonical order)."""
     from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
 
     argv = tiny_ppo_argv(*models, prompts, out_dir) + list(flags)
@@ -37,12 +37,10 @@ def _run(out_dir, models, prompts, *flags, stock=False) -> list[dict]:
 @pytest.fixture(scope="module")
 def ray_env(tmp_path_factory, tiny_sft_path, cache_dir):
     from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.zoo.toy import toy_preference_dataset
+    from tests.helpers.openrlhf_runs import toy_prompts_file
 
     root = tmp_path_factory.mktemp("ray_ppo")
-    prompts = root / "prompts.jsonl"
-    data = toy_preference_dataset(n_train=8, n_test=4, seed=0)["train"]
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in data["prompt"]))
+    prompts = toy_prompts_file(root)
     return root, (tiny_sft_path, resolve_model("builtin:tiny-segment-rm", cache_dir)), str(prompts)
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -16,12 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_ppo")]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_sft_path, cache_dir):
     from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.zoo.toy import toy_preference_dataset
+    from tests.helpers.openrlhf_runs import toy_prompts_file
 
     root = tmp_path_factory.mktemp("remote_rm")
-    prompts = root / "prompts.jsonl"
-    data = toy_preference_dataset(n_train=8, n_test=4, seed=0)["train"]
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in data["prompt"]))
+    prompts = toy_prompts_file(root)
     rm = resolve_model("builtin:tiny-segment-rm", cache_dir)
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_ext.cli", "serve", "rm", "--model", rm, "--port", "0"],
                             stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -99,15 +99,11 @@ def test_model_sources_with_another_tokenizer_train_the_toy_policy(gpt2_rm, tmp_
     from datasets import Dataset
 
     from rlhf_ext.runtime.dense_sources import ProcessRewardModel, SegmentRewardSpans
-    from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer
+    from rlhf_ext.trl.segment_ppo import DensePPOTrainer
+    from tests.helpers.dense_ppo import tiny_dense_ppo_config
 
     prompts = Dataset.from_list([{"prompt": r["prompt"]} for r in toy_data["train"]])
-    args = DensePPOConfig(
-        output_dir=str(tmp_path / "ppo"), per_device_train_batch_size=8, num_generations=2, max_completion_length=24,
-        learning_rate=3e-4, max_steps=1, logging_steps=1, bf16=False, use_cpu=True, report_to="none",
-        save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, seed=0, advantage_estimator="reinforce",
-        kl_coef=0.0,
-    )  # fmt: skip
+    args = tiny_dense_ppo_config(tmp_path)
     sources = [SegmentRewardSpans(gpt2_rm, device="cpu"), ProcessRewardModel(gpt2_rm, device="cpu")]
     trainer = DensePPOTrainer(tiny_sft_path, sources, args, prompts, None, toy_tok)
     before = [p.detach().clone() for p in trainer.model.parameters()]

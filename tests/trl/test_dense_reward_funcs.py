@@ -11,24 +11,12 @@ from datasets import Dataset
 
 from rlhf_ext.algos.location_norm import LocationNormalizer
 from rlhf_ext.runtime.spans import RewardOutputError, dense_rewards, fit_span_normalizer, parse_outputs
+from tests.helpers.dense_ppo import tiny_dense_ppo_config
 
 
 @pytest.fixture(scope="module")
 def prompts(toy_data):
     return Dataset.from_list([{"prompt": r["prompt"]} for r in toy_data["train"]])
-
-
-def _config(tmp_path, **kw):
-    from rlhf_ext.trl.segment_ppo import DensePPOConfig
-
-    base = dict(
-        output_dir=str(tmp_path / "ppo"), per_device_train_batch_size=8, num_generations=2, max_completion_length=24,
-        learning_rate=3e-4, max_steps=1, logging_steps=1, bf16=False, use_cpu=True, report_to="none",
-        save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, seed=0, advantage_estimator="reinforce",
-        kl_coef=0.0,
-    )  # fmt: skip
-    base.update(kw)
-    return DensePPOConfig(**base)
 
 
 def _record(trainer) -> list:
@@ -58,7 +46,7 @@ def test_per_token_rewards_land_on_their_tokens_and_equal_char_spans_over_them(t
     from rlhf_ext.runtime.spans import token_char_offsets
     from rlhf_ext.trl.segment_ppo import DensePPOTrainer
 
-    args = _config(tmp_path, max_completion_length=64)
+    args = tiny_dense_ppo_config(tmp_path, max_completion_length=64)
     trainer = DensePPOTrainer(tiny_sft_path, [token_id_reward], args, prompts, None, toy_tok)
     assert trainer.reward_funcs == [token_id_reward]  # the user's functions, as given
     seen = _record(trainer)
@@ -92,7 +80,7 @@ def test_a_users_span_function_trains_and_logs_what_it_paid(tmp_path, tiny_sft_p
         paid.extend(r for row in spans for _, _, r in row)
         return spans
 
-    trainer = DensePPOTrainer(tiny_sft_path, first_half, _config(tmp_path), prompts, None, toy_tok)
+    trainer = DensePPOTrainer(tiny_sft_path, first_half, tiny_dense_ppo_config(tmp_path), prompts, None, toy_tok)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     log = trainer.state.log_history[0]
@@ -125,7 +113,8 @@ def test_bad_answers_and_settings_are_one_clear_line(tmp_path, tiny_sft_path, to
     from rlhf_ext.trl.segment_ppo import DensePPOTrainer
 
     with pytest.raises(ValueError, match="granularity 'chunk' segments a reward model's token scores"):
-        DensePPOTrainer(tiny_sft_path, token_id_reward, _config(tmp_path, granularity="chunk"), prompts, None, toy_tok)
+        args = tiny_dense_ppo_config(tmp_path, granularity="chunk")
+        DensePPOTrainer(tiny_sft_path, token_id_reward, args, prompts, None, toy_tok)
     with pytest.raises(RewardOutputError, match="returned str for completion 0"):
         parse_outputs("f", ["oops"], 1)
     with pytest.raises(RewardOutputError, match=r"returned \(1, 2\) in the spans of completion 0"):
@@ -156,7 +145,7 @@ def test_rules_learned_from_pairs_pay_their_weights_on_the_policys_tokens(tmp_pa
     rules = KeywordCredit.load(tmp_path / "rules.yaml")
     assert rules.rules == learned.rules and len(rules.rules) >= 2
     assert any(w > 0 for _, w in rules.rules) and any(w < 0 for _, w in rules.rules)
-    args = _config(tmp_path, max_completion_length=48, interpolation="segment_end")
+    args = tiny_dense_ppo_config(tmp_path, max_completion_length=48, interpolation="segment_end")
     trainer = DensePPOTrainer(tiny_sft_path, [rules], args, prompts, None, toy_tok)
     seen = _record(trainer)
     trainer.train()
