@@ -44,8 +44,15 @@ def tiny_ppo_argv(sft: str, rm: str, prompts: str, out_dir: Path, episodes: int 
     ]  # fmt: skip
 
 
+#: A hang guard, not a speed limit: each Ray actor starts a Python process that imports torch, DeepSpeed and
+#: transformers (~60 s per wave of actors on 2 cores while the other test worker runs); the largest run here (ZeRO-3,
+#: two policy and two reference ranks, previous-task model, async) starts 12 and took 357 s on an idle 2-core machine
+#: and over 400 s in CI.
+RAY_RUN_TIMEOUT_S = 1200
+
+
 def run_logged(
-    cmd: list[str], log_file: Path, timeout: float = 600, ray_address: str | None = None
+    cmd: list[str], log_file: Path, timeout: float = RAY_RUN_TIMEOUT_S, ray_address: str | None = None
 ) -> tuple[dict, float]:
     """Run ``cmd`` (a private local Ray cluster, or the cluster at ``ray_address``; no log deduplication); returns
     ({step: metrics}, wall s).
@@ -66,7 +73,7 @@ def run_logged(
 
 
 def run_train_ppo_ray(
-    argv: list[str], log_file: Path, methods: bool = True, timeout: float = 600
+    argv: list[str], log_file: Path, methods: bool = True, timeout: float = RAY_RUN_TIMEOUT_S
 ) -> tuple[dict, float]:
     """``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` (``methods=False``: stock OpenRLHF with only the CPU
     pieces installed); see :func:`run_logged`."""

@@ -41,7 +41,7 @@ def _run(served, name, estimator, stock=False):
     i = argv.index("--reward.model_name_or_path")
     argv[i : i + 2] = ["--reward.remote_url", url]  # the server instead of a local reward model actor
     argv += ["--algo.advantage.estimator", estimator, "--ext.granularity", "bandit"]
-    steps, _ = run_train_ppo_ray(argv, root / f"{name}.log", methods=not stock, timeout=400)
+    steps, _ = run_train_ppo_ray(argv, root / f"{name}.log", methods=not stock)
     assert sorted(steps) == [1, 2], f"see {root / f'{name}.log'}"
     return steps
 
