@@ -22,9 +22,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-#: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32 on the
-#: CPU, no logging integrations, no checkpoints, no gradient checkpointing, no progress bars. Recipes go through
-#: :func:`training_kwargs` instead.
 def activation_checkpointing(enabled: bool) -> dict[str, bool]:
     """The ``TrainingArguments`` keyword that turns activation (gradient) checkpointing on or off: transformers 5.2x
     renamed ``gradient_checkpointing`` to ``activation_checkpointing`` and warns (FutureWarning) on the old name;
@@ -35,6 +32,22 @@ def activation_checkpointing(enabled: bool) -> dict[str, bool]:
     return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
 
 
+class HardwareBF16Default:
+    """Mixin of the TRL configs: ``bf16`` left unset defaults to TRL's ``True`` where a GPU supports bf16 and to
+    ``False`` elsewhere (on a CPU machine transformers refuses TRL's default with "Your setup doesn't support
+    bf16/gpu"). An explicit ``bf16`` is kept. List it right before the TRL config class."""
+
+    def __post_init__(self) -> None:
+        from transformers.utils import is_torch_bf16_gpu_available
+
+        if self.bf16 is None and not self.fp16 and not is_torch_bf16_gpu_available():
+            self.bf16 = False
+        super().__post_init__()
+
+
+#: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32 on the
+#: CPU, no logging integrations, no checkpoints, no gradient checkpointing, no progress bars. Recipes go through
+#: :func:`training_kwargs` instead.
 CPU_RUN: dict[str, Any] = dict(
     bf16=False,
     use_cpu=True,

@@ -47,6 +47,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
 from rlhf_ext.algos.continual_kl import ContinualKnobs, kl_to_previous
+from rlhf_ext.trl.args import HardwareBF16Default
 
 #: Batch keys that are not model inputs (same set as TRL's ``DPOTrainer._compute_loss``).
 _NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
@@ -54,7 +55,7 @@ KL_METRIC = "continual/kl_to_previous"
 
 
 @dataclass
-class ContinualDPOConfig(ContinualKnobs, DPOConfig):
+class ContinualDPOConfig(ContinualKnobs, HardwareBF16Default, DPOConfig):
     """``DPOConfig`` plus paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`:
     ``continual_kl_coef`` 1.0 = Eq. 7's unit weight, 0 = plain DPO with no extra forward pass;
     ``continual_kl_estimator`` k3). The knobs are listed before ``DPOConfig`` so that TRL's fields come first

@@ -19,10 +19,11 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from rlhf_ext.algos.knobs import check_knobs, knob
+from rlhf_ext.trl.args import HardwareBF16Default
 
 
 @dataclass
-class KLSFTConfig(SFTConfig):
+class KLSFTConfig(HardwareBF16Default, SFTConfig):
     """``SFTConfig`` plus ``kl_coef`` (AlpacaFarm's Quark: 0.05)."""
 
     kl_coef: float = knob(0.05, ge=0, help="Weight of KL(pi || pi_ref) per completion token.")

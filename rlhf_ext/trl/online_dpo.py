@@ -109,6 +109,7 @@ from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score, segment_reward_as_e_phi
 from rlhf_ext.runtime.rundir import RunDir
 from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
+from rlhf_ext.trl.args import HardwareBF16Default
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ POLICIES_DIR = "_policies"
 
 
 @dataclass
-class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, DPOConfig):
+class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Default, DPOConfig):
     """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
     settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
     ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,

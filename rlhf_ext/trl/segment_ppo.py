@@ -63,11 +63,11 @@ from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
 from rlhf_ext.runtime.rewards import segment_reward_as_e_phi
 from rlhf_ext.runtime.token_scores import TokenScoreCapture, load_value_model
-from rlhf_ext.trl.args import CheckpointRecords
+from rlhf_ext.trl.args import CheckpointRecords, HardwareBF16Default
 
 
 @dataclass
-class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, GRPOConfig):
+class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Default, GRPOConfig):
     """``GRPOConfig`` plus the knobs of paper 003's dense rewards
     (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`: granularity, interpolation, normalizer kind/basis), PPO
     (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: kl_coef 0.01, kl_estimator, advantage_estimator, gamma, lam, value_clip,

@@ -52,7 +52,7 @@ from rlhf_ext.runtime.segment_data import (
     save_segment_settings,
 )
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
-from rlhf_ext.trl.args import CheckpointRecords
+from rlhf_ext.trl.args import CheckpointRecords, HardwareBF16Default
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ PAIR_DEFECTS = {
 
 
 @dataclass
-class SegmentRewardConfig(SegmentRewardKnobs, RewardConfig):
+class SegmentRewardConfig(SegmentRewardKnobs, HardwareBF16Default, RewardConfig):
     """``RewardConfig`` plus paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
     ``entropy_cutoff`` 2.0, ``aggregation`` softmax, ``tau`` 0.5) and:
 

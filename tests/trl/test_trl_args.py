@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rlhf_ext.trl.args import last_checkpoint
 
 
@@ -32,3 +34,19 @@ def test_activation_checkpointing_uses_the_name_transformers_has(monkeypatch):
         TrainingArguments, "__dataclass_fields__", {**fields, "activation_checkpointing": dataclasses.field()}
     )
     assert activation_checkpointing(False) == {"activation_checkpointing": False}
+
+
+@pytest.mark.parametrize("name", ["DensePPOConfig", "SegmentRewardConfig", "IterativeDPOConfig", "ContinualDPOConfig"])
+def test_an_unset_bf16_follows_the_hardware_and_an_explicit_one_is_kept(name, tmp_path, monkeypatch):
+    """TRL defaults ``bf16`` to True, which transformers refuses on a machine without a bf16 GPU ("Your setup doesn't
+    support bf16/gpu": the README's snippets failed on CPU). Unset: False there and TRL's True where a bf16 GPU is."""
+    import transformers.utils
+
+    import rlhf_ext.trl as ext
+
+    config = getattr(ext, name)
+    assert config(output_dir=str(tmp_path)).bf16 is False
+    assert config(output_dir=str(tmp_path), bf16=True, use_cpu=True).bf16 is True
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    assert config(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's default where the hardware has bf16
