@@ -199,6 +199,14 @@ def check_args(args: Any) -> None:
     the flag the user gave."""
     ext = args.ext
     dense = ext.granularity != "bandit"
+    if not dense and args.reward.model_name_or_path:
+        from rlhf_ext.runtime.segment_data import check_bandit_reward_model
+
+        try:
+            for path in args.reward.model_name_or_path.split(","):  # OpenRLHF takes a comma-separated list
+                check_bandit_reward_model(ext.granularity, path, "--reward.model_name_or_path")
+        except ValueError as e:
+            raise ExtArgsError(str(e).replace("granularity '", "--ext.granularity '")) from None
     estimator = args.algo.advantage.estimator
     if dense and estimator not in ESTIMATORS:
         raise ExtArgsError(

@@ -272,3 +272,36 @@ def test_every_packaged_segment_recipe_plans_on_one_node_of_8_gpus(name, phi3):
     plan = (plan_segment_ppo if ppo else segment_rm_plan)(recipe, parse_cluster("1x8"))
     assert bool(plan.problems) == (name == "segment_ppo_openrlhf_2x8"), plan.table()
     assert plan.table().splitlines()[1] == "cluster: 1 node x 8 GPUs (80 GiB each; stated)"
+
+
+def test_bandit_granularity_on_a_segment_rm_is_refused_and_on_a_bandit_rm_allowed(phi3, tmp_path):
+    """Issue 22 item 1, OpenRLHF half: ``--reward.model_name_or_path <segment RM> --ext.granularity bandit`` trained
+    on the RM's last-token score, not e_phi, without a word. Refused with the fix; a bandit RM (cutoff inf: one
+    segment, e_phi is the last-token score) and ``segment_as_bandit`` (e_phi) are allowed."""
+    import math
+    import shutil
+
+    from rlhf_ext.openrlhf.train_ppo_ray import ExtArgsError, plan_for_argv
+    from rlhf_ext.runtime.segment_data import save_segment_settings
+
+    settings = {"entropy_cutoff": 2.0, "aggregation": "softmax", "tau": 0.5, "sft_model": phi3}
+    segment_rm, bandit_rm = tmp_path / "segment_rm", tmp_path / "bandit_rm"
+    for path, cutoff in ((segment_rm, 2.0), (bandit_rm, math.inf)):
+        shutil.copytree(phi3, path)
+        save_segment_settings(path, {**settings, "entropy_cutoff": cutoff})
+
+    def argv(rm, granularity):
+        return ["--actor.model_name_or_path", phi3, "--reward.model_name_or_path", str(rm),
+                "--algo.advantage.estimator", "reinforce", "--ext.granularity", granularity]  # fmt: skip
+
+    with pytest.raises(ExtArgsError) as err:
+        plan_for_argv(argv(segment_rm, "bandit"), parse_cluster("1x8"))
+    assert str(err.value) == (
+        f"--reward.model_name_or_path {segment_rm} is a segment reward model (entropy cutoff 2): --ext.granularity "
+        "'bandit' would train on its last-token score, which it was not trained to give; use --ext.granularity "
+        "'segment_as_bandit' (its sequence score e_phi as one reward per response) or 'segment' (dense segment rewards)"
+    )
+    with pytest.raises(ExtArgsError, match="is a segment reward model"):  # OpenRLHF's comma-separated list
+        plan_for_argv(argv(f"{bandit_rm},{segment_rm}", "bandit"), parse_cluster("1x8"))
+    for rm, granularity in ((bandit_rm, "bandit"), (segment_rm, "segment_as_bandit"), (phi3, "bandit")):
+        plan_for_argv(argv(rm, granularity), parse_cluster("1x8"))  # no ExtArgsError

@@ -46,8 +46,19 @@ def ray_env(tmp_path_factory, tiny_sft_path, cache_dir):
 
 @pytest.fixture(scope="module")
 def bandit_runs(ray_env):
-    """The same GAE run twice: stock OpenRLHF (only the CPU pieces installed) and rlhf-ext with bandit granularity."""
-    root, models, prompts = ray_env
+    """The same GAE run twice: stock OpenRLHF (only the CPU pieces installed) and rlhf-ext with bandit granularity,
+    on the segment RM's bandit copy (cutoff inf: rlhf-ext refuses bandit granularity on a segment RM, whose sequence
+    score is e_phi, not the last-token score stock OpenRLHF reads)."""
+    import math
+    import shutil
+
+    from rlhf_ext.runtime.segment_data import load_segment_settings, save_segment_settings
+
+    root, (sft, rm), prompts = ray_env
+    bandit_rm = root / "bandit_rm"
+    shutil.copytree(rm, bandit_rm)
+    save_segment_settings(bandit_rm, {**load_segment_settings(rm), "entropy_cutoff": math.inf})
+    models = (sft, str(bandit_rm))
     flags = ["--algo.advantage.estimator", "gae", "--ds.zero_stage", "2", "--ext.granularity", "bandit",
              "--rollout.micro_batch_size", "8", "--train.micro_batch_size", "8"]  # fmt: skip
     stock = _run(root / "stock", models, prompts, *flags, stock=True)
