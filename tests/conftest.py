@@ -10,6 +10,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Ray starts its worker processes at niceness 15 (RAY_worker_niceness), so next to the other xdist worker's CPU-bound
+# tests a Ray run's actors got almost no CPU: one run took 400+ s in CI and did not finish in 12 min beside two busy
+# loops here. The tests' Ray instances inherit this environment and run their workers at the tests' own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # The local test servers (chat completions, reward model) are reached directly whatever proxy the machine sets: the
 # `openai` backend takes HTTP(S)_PROXY / NO_PROXY from the environment (tests that check this set them themselves).
 for _proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
