@@ -38,7 +38,7 @@ echo "built $(basename "$WHEEL")"
 V="$WORK/venv/bin"
 "$V/python" -m pip install -q --upgrade pip >/dev/null 2>&1
 # shellcheck disable=SC2086
-"$V/python" -m pip install -q torch==2.13.0 $TORCH_INDEX >"$WORK/logs/install-torch.log" 2>&1
+"$V/python" -m pip install -q torch==2.13.0 ${TORCH_INDEX:-} >"$WORK/logs/install-torch.log" 2>&1
 "$V/python" -m pip install -q "rlhf-ext[trl] @ file://$WHEEL" >"$WORK/logs/install-trl.log" 2>&1 \
     || { tail -n 20 "$WORK/logs/install-trl.log"; exit 1; }
 echo "installed: $("$V/python" -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}" for p in ("rlhf-ext", "torch", "transformers", "trl", "matplotlib")), sep=", ")')"
