@@ -61,6 +61,19 @@ _PYPI = "not run: installs the published package from PyPI; the wheel smoke inst
 _GPU_INSTALL = "not run: OpenRLHF's pins include flash-attn, which needs CUDA to build (CI is CPU-only)"
 _CLUSTER = "not run: a multi-node Ray cluster (HEAD's address) and GPUs"
 _BENCH = "not run: a benchmark (minutes to hours); benchmarks are never part of the tests"
+_BENCHMARKS = (
+    "segmentation.py",
+    "segment_rm_accuracy.py",
+    "segment_ppo.py",
+    "openrlhf_ppo.py",
+    "segment_fidelity.py",
+    "sim_fidelity.py",
+    "datagen.py",
+    "async.py",
+    "online_dpo_sim.py",
+    "continual.py step-cost",
+    "continual.py forgetting --recipe continual_ppo_tiny",
+)
 _RAY_CPU = (
     "not run: OpenRLHF's Ray PPO takes minutes on CPU (over the wheel smoke's budget); "
     "tests/openrlhf/test_ray_ppo_e2e.py runs the same launcher on smaller data"
@@ -91,11 +104,13 @@ WHERE: dict[str, str] = {
     "torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_rm --config my.yaml": "wheel-smoke",
     "accelerate launch -m rlhf_ext.launch.train_segment_rm --config my.yaml": "wheel-smoke",
     "deepspeed --module rlhf_ext.launch.train_segment_rm --config my.yaml --engine openrlhf": "wheel-smoke",
-    "deepspeed --module rlhf_ext.openrlhf.train_rm --model.model_name_or_path path/to/sft --data.dataset prefs.jsonl "
-    "--data.prompt_key prompt --train.batch_size 128 --train.micro_batch_size 8 --adam.lr 1e-6 --ds.zero_stage 3 "
-    "--ds.param_dtype bf16 --ext.entropy_cutoff 2.0 --ext.aggregation softmax --ext.tau 0.5 --ext.cache_dir /shared/cache": (
-        "not run: the user's SFT model and preference file (path/to/sft, prefs.jsonl) and GPUs (ZeRO-3, bf16)"
-    ),
+    (
+        "deepspeed --module rlhf_ext.openrlhf.train_rm --model.model_name_or_path path/to/sft "
+        "--data.dataset prefs.jsonl --data.prompt_key prompt --train.batch_size 128 --train.micro_batch_size 8 "
+        "--adam.lr 1e-6 --ds.zero_stage 3 "
+        "--ds.param_dtype bf16 --ext.entropy_cutoff 2.0 --ext.aggregation softmax --ext.tau 0.5 "
+        "--ext.cache_dir /shared/cache"
+    ): "not run: the user's SFT model and preference file (path/to/sft, prefs.jsonl) and GPUs (ZeRO-3, bf16)",
     'rlhf-ext segment show --model runs/rm --prompt "Question: What should I know about tides?\\nAnswer:" --response '
     '" Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." --html tides.html': (
         "wheel-smoke"
@@ -107,30 +122,28 @@ WHERE: dict[str, str] = {
         "not run: Table 8's run, Phi-3 with vLLM rollouts on 8 GPUs"
     ),
     "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true": _RAY_CPU,
-    "ray job submit --address http://HEAD:8265 -- python -m rlhf_ext.openrlhf.train_ppo_ray --actor.model_name_or_path "
-    "path/to/sft --reward.model_name_or_path runs/rm --data.prompt_dataset prompts.jsonl --data.input_key prompt "
-    "--algo.advantage.estimator gae --algo.kl.init_coef 0.01 ...any OpenRLHF flag... --ext.granularity segment "
-    "--ext.normalizer runs/ppo/normalizer.json": "not run: a template (HEAD, path/to/sft, prompts.jsonl, '...any flag...')",
+    (
+        "ray job submit --address http://HEAD:8265 -- python -m rlhf_ext.openrlhf.train_ppo_ray "
+        "--actor.model_name_or_path path/to/sft --reward.model_name_or_path runs/rm "
+        "--data.prompt_dataset prompts.jsonl --data.input_key prompt "
+        "--algo.advantage.estimator gae --algo.kl.init_coef 0.01 ...any OpenRLHF flag... --ext.granularity segment "
+        "--ext.normalizer runs/ppo/normalizer.json"
+    ): "not run: a template (HEAD, path/to/sft, prompts.jsonl, '...any OpenRLHF flag...') for a Ray cluster with GPUs",
     "python -m rlhf_ext.openrlhf.train_ppo_ray --help": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_tiny": "wheel-smoke",
-    "python -m rlhf_ext.openrlhf.train_ppo_ray --actor.model_name_or_path path/to/sft --data.prompt_dataset prompts.jsonl "
-    "--data.input_key prompt --algo.advantage.estimator reinforce --ext.granularity segment "
-    "--ext.reward_source rules:rules.yaml": "not run: the user's SFT model, prompts and rules.yaml, and GPUs",
-    "ray job submit --address http://HEAD:8265 --runtime-env-json '{\"pip\": [\"rlhf-ext[openrlhf]\"]}' -- python -m "
+    (
+        "python -m rlhf_ext.openrlhf.train_ppo_ray --actor.model_name_or_path path/to/sft "
+        "--data.prompt_dataset prompts.jsonl --data.input_key prompt --algo.advantage.estimator reinforce "
+        "--ext.granularity segment --ext.reward_source rules:rules.yaml"
+    ): "not run: the user's SFT model, prompts and rules.yaml, and GPUs",
+    'ray job submit --address http://HEAD:8265 --runtime-env-json \'{"pip": ["rlhf-ext[openrlhf]"]}\' -- python -m '
     "rlhf_ext.launch.train_segment_ppo --config segment_ppo_openrlhf": _CLUSTER,
-    "ray job submit --address http://HEAD:8265 --runtime-env-json '{\"py_modules\": [\"./rlhf_ext\"]}' -- python -m "
+    'ray job submit --address http://HEAD:8265 --runtime-env-json \'{"py_modules": ["./rlhf_ext"]}\' -- python -m '
     "rlhf_ext.launch.train_segment_ppo --config segment_ppo_openrlhf_2x8": _CLUSTER,
     # Benchmarks
-    **{
-        f".venv/bin/python benchmarks/{name}": _BENCH
-        for name in (
-            "segmentation.py", "segment_rm_accuracy.py", "segment_ppo.py", "openrlhf_ppo.py", "segment_fidelity.py",
-            "sim_fidelity.py", "datagen.py", "async.py", "online_dpo_sim.py", "continual.py step-cost",
-            "continual.py forgetting --recipe continual_ppo_tiny",
-        )
-    },  # fmt: skip
+    **{f".venv/bin/python benchmarks/{name}": _BENCH for name in _BENCHMARKS},
     # Synthetic continual preference data
     "rlhf-ext data configs": "wheel-smoke",
     "rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200": "wheel-smoke",
@@ -142,7 +155,8 @@ WHERE: dict[str, str] = {
     ),
     "rlhf-ext data generate my_tasks.yaml -o runs/local --backend hf --model builtin:smollm2": (
         "not run: the user's task file, and SmolLM2-135M generating on CPU takes minutes, not seconds (packaged "
-        "continual-piecewise-preference, --num-samples 4: no sample of 36 done after 7 min on a loaded 2-core machine); "
+        "continual-piecewise-preference, --num-samples 4: no sample of 36 done after 7 min on a loaded 2-core "
+        "machine); "
         "builtin:smollm2 on an empty cache runs in tests/zoo/test_smollm2_fresh_cache.py"
     ),
     "rlhf-ext data validate runs/pp --judge rule -o runs/pp_report.json": "wheel-smoke",
@@ -155,9 +169,10 @@ WHERE: dict[str, str] = {
     # Iterative online DPO and one-step async
     "rlhf-ext train online-dpo --config online_dpo_tiny": "wheel-smoke",
     "rlhf-ext train online-dpo --config online_dpo_async_tiny": "wheel-smoke",
-    "python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_samples=4 train.output_dir=runs/x": (
-        "wheel-smoke"
-    ),
+    (
+        "python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_samples=4 "
+        "train.output_dir=runs/x"
+    ): "wheel-smoke",
     "accelerate launch -m rlhf_ext.launch.train_online_dpo --config online_dpo_paper": (
         "not run: an 8B policy with vLLM generation on GPUs"
     ),
