@@ -70,15 +70,6 @@ EXPECT="held-out acc" step rm-accelerate accelerate launch -m rlhf_ext.launch.tr
 EXPECT="^ +[0-9]+ " step segment-ppo python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
 EXPECT="^ +[0-9]+ " step torchrun-2-processes torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
 EXPECT="^ +[0-9]+ " step ppo-accelerate accelerate launch -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
-# the plan: Phi-3-mini's config.json in the Hugging Face cache, as after any earlier download of it (no hub here)
-PHI3="$HF_HOME/hub/models--microsoft--Phi-3-mini-4k-instruct"
-mkdir -p "$PHI3/refs" "$PHI3/snapshots/0000000000000000000000000000000000000000"
-printf 0000000000000000000000000000000000000000 >"$PHI3/refs/main"
-cp "$ROOT/tests/fixtures/phi3_mini_config.json" "$PHI3/snapshots/0000000000000000000000000000000000000000/config.json"
-EXPECT="plan ok" step plan-paper rlhf-ext plan --config segment_ppo_paper --cluster 1x8
-EXPECT="plan ok" step plan-openrlhf rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8
-EXPECT="^error" RC=2 step plan-trl-refused rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8
-EXPECT="plan ok" step plan-tiny rlhf-ext plan --config segment_ppo_tiny
 # "Synthetic continual preference data" (offline backend)
 EXPECT="continual-mixed" step data-configs rlhf-ext data configs
 step data-generate rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200
@@ -115,6 +106,15 @@ echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in 
 "$V/python" -m pip install -q "rlhf-ext[trl,openrlhf-cpu] @ file://$WHEEL" >"$WORK/logs/install-openrlhf.log" 2>&1 \
     || { tail -n 20 "$WORK/logs/install-openrlhf.log"; exit 1; }
 step install-openrlhf pip install --no-deps openrlhf==0.11.2
+# the plan (OpenRLHF recipes need ray): Phi-3-mini's config.json in the Hugging Face cache, as after a download of it
+PHI3="$HF_HOME/hub/models--microsoft--Phi-3-mini-4k-instruct"
+mkdir -p "$PHI3/refs" "$PHI3/snapshots/0000000000000000000000000000000000000000"
+printf 0000000000000000000000000000000000000000 >"$PHI3/refs/main"
+cp "$ROOT/tests/fixtures/phi3_mini_config.json" "$PHI3/snapshots/0000000000000000000000000000000000000000/config.json"
+EXPECT="plan ok" step plan-paper rlhf-ext plan --config segment_ppo_paper --cluster 1x8
+EXPECT="plan ok" step plan-openrlhf rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8
+EXPECT="^error" RC=2 step plan-trl-refused rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8
+EXPECT="plan ok" step plan-tiny rlhf-ext plan --config segment_ppo_tiny
 EXPECT="held-out acc" step rm-deepspeed deepspeed --module rlhf_ext.launch.train_segment_rm --config segment_rm_tiny --engine openrlhf
 EXPECT="held-out acc" step rm-deepspeed-my-yaml deepspeed --module rlhf_ext.launch.train_segment_rm --config my.yaml --engine openrlhf
 EXPECT="--ext\." step train-ppo-ray-help python -m rlhf_ext.openrlhf.train_ppo_ray --help
