@@ -32,7 +32,7 @@ step() {  # [EXPECT=REGEX] [RC=N] step NAME COMMAND... : run from $WORK/user, lo
         exit 1
     fi
     printf 'ok    %-24s %4ds  %s\n' "$name" $((SECONDS - t0)) \
-        "$(grep -E "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-90)"
+        "$(grep -E -e "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-90)"
 }
 
 echo "wheel smoke in $WORK"
@@ -117,7 +117,7 @@ EXPECT="^error" RC=2 step plan-trl-refused rlhf-ext plan --config segment_ppo_pa
 EXPECT="plan ok" step plan-tiny rlhf-ext plan --config segment_ppo_tiny
 EXPECT="held-out acc" step rm-deepspeed deepspeed --module rlhf_ext.launch.train_segment_rm --config segment_rm_tiny --engine openrlhf
 EXPECT="held-out acc" step rm-deepspeed-my-yaml deepspeed --module rlhf_ext.launch.train_segment_rm --config my.yaml --engine openrlhf
-EXPECT="--ext\." step train-ppo-ray-help python -m rlhf_ext.openrlhf.train_ppo_ray --help
+EXPECT="^  --ext\.granularity" step train-ppo-ray-help python -m rlhf_ext.openrlhf.train_ppo_ray --help
 EXPECT="Ray runtime started" step ray-start ray start --head --num-cpus 2 --include-dashboard=true --dashboard-host 127.0.0.1 --disable-usage-stats
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 EXPECT="succeeded" step ray-job-submit ray job submit --address http://127.0.0.1:8265 -- python -m \
