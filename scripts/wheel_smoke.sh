@@ -2,11 +2,15 @@
 # The pip user's first hour, replayed: build the wheel, install it into a fresh venv outside the repository with the
 # README's install lines, and run the main commands from an empty directory there (`make wheel-smoke`, also in CI).
 #
-#   1. pip install "rlhf-ext[trl]"                 -> rlhf-ext demo, zoo build, the four tiny recipes (TRL engine),
-#                                                     a launch module under torchrun (2 CPU processes)
-#   2. pip install "rlhf-ext[trl,openrlhf-cpu]"     -> the segment RM with --engine openrlhf (OpenRLHF + DeepSpeed on
-#      pip install --no-deps openrlhf==0.11.2          CPU), and a launch module through `ray job submit`
+#   1. pip install "rlhf-ext[trl]"                 -> rlhf-ext demo, zoo build, and README's commands for the TRL
+#                                                     engine as README writes them (launch modules under python -m,
+#                                                     torchrun with 2 CPU processes and accelerate launch; recipe,
+#                                                     segment, plan and data commands; the tiny recipes)
+#   2. pip install "rlhf-ext[trl,openrlhf-cpu]"     -> README's OpenRLHF commands that run on CPU (deepspeed --module,
+#      pip install --no-deps openrlhf==0.11.2          train_ppo_ray --help) and a launch module through `ray job submit`
 #
+# Lines that are README commands are README's text verbatim (tests/test_readme_commands.py checks it against the
+# table in tests/helpers/readme.py, which also says why the others are not run here).
 # Env: PYTHON (default python3), TORCH_INDEX (extra pip options for torch), WHEEL_SMOKE_DIR (default: a new temp dir).
 set -euo pipefail
 
@@ -17,17 +21,18 @@ mkdir -p "$WORK/dist" "$WORK/user" "$WORK/logs"
 case "$WORK" in "$ROOT"/*) echo "WHEEL_SMOKE_DIR must be outside the repository" >&2; exit 2 ;; esac
 START=$SECONDS
 
-step() {  # step NAME COMMAND... : run from $WORK/user, log to $WORK/logs/NAME.log, one line of outcome
-    local name="$1" t0=$SECONDS rc=0
+step() {  # [EXPECT=REGEX] [RC=N] step NAME COMMAND... : run from $WORK/user, log to $WORK/logs/NAME.log, exit code
+    local name="$1" t0=$SECONDS rc=0  # must be RC (default 0); prints one line: the last log line matching EXPECT
     shift
     (cd "$WORK/user" && "$@") >"$WORK/logs/$name.log" 2>&1 || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        printf 'FAIL  %-24s rc=%d after %ds; last lines of %s:\n' "$name" "$rc" $((SECONDS - t0)) "$WORK/logs/$name.log"
+    if [ "$rc" -ne "${RC:-0}" ]; then
+        printf 'FAIL  %-24s rc=%d (expected %d) after %ds; last lines of %s:\n' "$name" "$rc" "${RC:-0}" \
+            $((SECONDS - t0)) "$WORK/logs/$name.log"
         tail -n 25 "$WORK/logs/$name.log" | sed 's/^/      /'
         exit 1
     fi
     printf 'ok    %-24s %4ds  %s\n' "$name" $((SECONDS - t0)) \
-        "$(grep -E "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-90)"
+        "$(grep -E -e "${EXPECT:-.}" "$WORK/logs/$name.log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-90)"
 }
 
 echo "wheel smoke in $WORK"
@@ -38,7 +43,7 @@ echo "built $(basename "$WHEEL")"
 V="$WORK/venv/bin"
 "$V/python" -m pip install -q --upgrade pip >/dev/null 2>&1
 # shellcheck disable=SC2086
-"$V/python" -m pip install -q torch==2.13.0 $TORCH_INDEX >"$WORK/logs/install-torch.log" 2>&1
+"$V/python" -m pip install -q torch==2.13.0 ${TORCH_INDEX:-} >"$WORK/logs/install-torch.log" 2>&1
 "$V/python" -m pip install -q "rlhf-ext[trl] @ file://$WHEEL" >"$WORK/logs/install-trl.log" 2>&1 \
     || { tail -n 20 "$WORK/logs/install-trl.log"; exit 1; }
 echo "installed: $("$V/python" -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}" for p in ("rlhf-ext", "torch", "transformers", "trl", "matplotlib")), sep=", ")')"
@@ -47,16 +52,43 @@ export PATH="$V:$PATH" RLHF_EXT_CACHE="$WORK/cache" HF_HOME="$WORK/hf" HF_HUB_OF
     HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1 DS_BUILD_OPS=0 OMP_NUM_THREADS=1
 unset PYTHONPATH RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 
-# 1. rlhf-ext[trl]: the main job, the builtin models, the four tiny recipes, torchrun
+# 1. rlhf-ext[trl]: the main job, the builtin models, then README's commands as written
 EXPECT="demo finished" step demo rlhf-ext demo --out runs/demo
 test -s "$WORK/user/runs/demo/report.html" || { echo "FAIL  demo wrote no report.html"; exit 1; }
 EXPECT="tiny" step zoo-build rlhf-ext zoo build tiny-sft tiny-segment-rm
-EXPECT="held-out acc" step segment-rm rlhf-ext train segment-rm --config segment_rm_tiny train.output_dir=runs/rm
-EXPECT="^ +[0-9]+ " step segment-ppo rlhf-ext train segment-ppo --config segment_ppo_tiny train.output_dir=runs/ppo
-EXPECT="policy" step online-dpo rlhf-ext train online-dpo --config online_dpo_tiny train.output_dir=runs/dpo
-EXPECT="forgetting|transfer" step continual-dpo rlhf-ext train continual --config continual_dpo_tiny output_dir=runs/continual
-EXPECT="^ +[0-9]+ " step torchrun-2-processes torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo \
-    --config segment_ppo_tiny train.output_dir=runs/ppo-ddp train.max_steps=2 train.micro_batch_size=8
+# "Segment-level reward models": my.yaml is the copy of segment_rm_tiny; the RM in runs/rm is the one `segment show` reads
+EXPECT="segment_rm_tiny" step recipe-list rlhf-ext recipe list
+step recipe-copy rlhf-ext recipe copy segment_rm_tiny my.yaml
+EXPECT="held-out acc" step segment-rm rlhf-ext train segment-rm --config my.yaml segment.entropy_cutoff=1.5 train.output_dir=runs/rm
+EXPECT="tides.html" step segment-show rlhf-ext segment show --model runs/rm --prompt "Question: What should I know about tides?\nAnswer:" \
+   --response " Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." \
+   --html tides.html
+EXPECT="held-out acc" step rm-module python -m rlhf_ext.launch.train_segment_rm --config my.yaml
+EXPECT="held-out acc" step rm-torchrun torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_rm --config my.yaml
+EXPECT="held-out acc" step rm-accelerate accelerate launch -m rlhf_ext.launch.train_segment_rm --config my.yaml
+# "Segment-level PPO" and the launchers of "Install into your own environment"
+EXPECT="^ +[0-9]+ " step segment-ppo python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
+EXPECT="^ +[0-9]+ " step torchrun-2-processes torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
+EXPECT="^ +[0-9]+ " step ppo-accelerate accelerate launch -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
+# "Synthetic continual preference data" (offline backend)
+EXPECT="continual-mixed" step data-configs rlhf-ext data configs
+step data-generate rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200
+step data-dry-run rlhf-ext data generate continual-mixed -o runs/mixed --num-samples 50 --dry-run
+step data-generate-mixed rlhf-ext data generate continual-mixed -o runs/mixed --num-samples 50
+step data-validate rlhf-ext data validate runs/pp --judge rule -o runs/pp_report.json
+step data-preview rlhf-ext data preview runs/pp --stage 1 -n 2
+step data-swap rlhf-ext data transform preference_swap runs/pp -o runs/pp_noisy -p 0.1
+step data-split rlhf-ext data transform split runs/pp -o runs/pp_resplit --test-ratio 0.2
+step data-sample rlhf-ext data sample runs/pp -o runs/pp_small --keep-train 50
+step data-merge rlhf-ext data merge runs/pp runs/mixed -o runs/both
+step data-export rlhf-ext data export runs/pp -o runs/pp_jsonl --format jsonl
+# "Iterative online DPO and one-step async", "Continual RLHF"
+EXPECT="policy" step online-dpo rlhf-ext train online-dpo --config online_dpo_tiny
+EXPECT="policy" step online-dpo-accelerate accelerate launch -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny
+EXPECT="policy" step online-dpo-async rlhf-ext train online-dpo --config online_dpo_async_tiny
+EXPECT="policy" step online-dpo-module python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_samples=4 train.output_dir=runs/x
+EXPECT="forgetting|transfer" step continual-dpo rlhf-ext train continual --config continual_dpo_tiny continual.continual_kl_coef=0.5 output_dir=runs/my_seq
+EXPECT="forgetting|transfer" step continual-module python -m rlhf_ext.launch.train_continual --config continual_dpo_tiny continual.continual_kl_coef_schedule='[1.0, 0.0]'
 # every sim compare method on the packaged task, two seeds in two spawned worker processes of the installed package
 EXPECT="^\| token_ppo \|" step sim-compare-smoke rlhf-ext sim compare --config sim_compare --budget smoke --out runs/sim
 # what a person reads, piped: no FutureWarning, no \r-joined progress bars, no raw metric dicts
@@ -72,10 +104,20 @@ echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in 
 
 # 2. the OpenRLHF engine on CPU: the README's two install lines
 "$V/python" -m pip install -q "rlhf-ext[trl,openrlhf-cpu] @ file://$WHEEL" >"$WORK/logs/install-openrlhf.log" 2>&1 \
-    && "$V/python" -m pip install -q --no-deps openrlhf==0.11.2 >>"$WORK/logs/install-openrlhf.log" 2>&1 \
     || { tail -n 20 "$WORK/logs/install-openrlhf.log"; exit 1; }
-EXPECT="held-out acc" step segment-rm-openrlhf rlhf-ext train segment-rm --config segment_rm_tiny --engine openrlhf \
-    train.output_dir=runs/rm-openrlhf train.max_steps=4
+step install-openrlhf pip install --no-deps openrlhf==0.11.2
+# the plan (OpenRLHF recipes need ray): Phi-3-mini's config.json in the Hugging Face cache, as after a download of it
+PHI3="$HF_HOME/hub/models--microsoft--Phi-3-mini-4k-instruct"
+mkdir -p "$PHI3/refs" "$PHI3/snapshots/0000000000000000000000000000000000000000"
+printf 0000000000000000000000000000000000000000 >"$PHI3/refs/main"
+cp "$ROOT/tests/fixtures/phi3_mini_config.json" "$PHI3/snapshots/0000000000000000000000000000000000000000/config.json"
+EXPECT="plan ok" step plan-paper rlhf-ext plan --config segment_ppo_paper --cluster 1x8
+EXPECT="plan ok" step plan-openrlhf rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8
+EXPECT="^error" RC=2 step plan-trl-refused rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8
+EXPECT="plan ok" step plan-tiny rlhf-ext plan --config segment_ppo_tiny
+EXPECT="held-out acc" step rm-deepspeed deepspeed --module rlhf_ext.launch.train_segment_rm --config segment_rm_tiny --engine openrlhf
+EXPECT="held-out acc" step rm-deepspeed-my-yaml deepspeed --module rlhf_ext.launch.train_segment_rm --config my.yaml --engine openrlhf
+EXPECT="^  --ext\.granularity" step train-ppo-ray-help python -m rlhf_ext.openrlhf.train_ppo_ray --help
 EXPECT="Ray runtime started" step ray-start ray start --head --num-cpus 2 --include-dashboard=true --dashboard-host 127.0.0.1 --disable-usage-stats
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 EXPECT="succeeded" step ray-job-submit ray job submit --address http://127.0.0.1:8265 -- python -m \

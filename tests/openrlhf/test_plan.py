@@ -9,20 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rlhf_ext.recipes import recipe_names
 from rlhf_ext.runtime.resources import Cluster, GiB, parse_cluster, training_state
 
-PHI3_MINI = {  # microsoft/Phi-3-mini-4k-instruct's config.json
-    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
-    "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
-    "intermediate_size": 8192, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
-    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
-    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32064,
-}  # fmt: skip
+# microsoft/Phi-3-mini-4k-instruct's config.json (the wheel smoke puts the same file into its Hugging Face cache)
+PHI3_MINI = json.loads((Path(__file__).parents[1] / "fixtures" / "phi3_mini_config.json").read_text())
 PHI3_PARAMS = 3_821_079_552  # the count the hub shows for Phi-3-mini
 
 
