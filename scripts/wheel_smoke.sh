@@ -115,7 +115,6 @@ EXPECT="plan ok" step plan-paper rlhf-ext plan --config segment_ppo_paper --clus
 EXPECT="plan ok" step plan-openrlhf rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8
 EXPECT="^error" RC=2 step plan-trl-refused rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8
 EXPECT="plan ok" step plan-tiny rlhf-ext plan --config segment_ppo_tiny
-EXPECT="held-out acc" step rm-deepspeed deepspeed --module rlhf_ext.launch.train_segment_rm --config segment_rm_tiny --engine openrlhf
 EXPECT="held-out acc" step rm-deepspeed-my-yaml deepspeed --module rlhf_ext.launch.train_segment_rm --config my.yaml --engine openrlhf
 EXPECT="^  --ext\.granularity" step train-ppo-ray-help python -m rlhf_ext.openrlhf.train_ppo_ray --help
 EXPECT="Ray runtime started" step ray-start ray start --head --num-cpus 2 --include-dashboard=true --dashboard-host 127.0.0.1 --disable-usage-stats

@@ -92,7 +92,6 @@ WHERE: dict[str, str] = {
     "python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny": "wheel-smoke",
     "torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny": "wheel-smoke",
     "accelerate launch -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny": "wheel-smoke",
-    "deepspeed --module rlhf_ext.launch.train_segment_rm --config segment_rm_tiny --engine openrlhf": "wheel-smoke",
     "ray job submit -- python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_openrlhf": (
         "not run: the recipe places vLLM engines and ZeRO-2 models on GPUs (CI is CPU-only)"
     ),
