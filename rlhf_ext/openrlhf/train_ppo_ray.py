@@ -204,9 +204,9 @@ def check_args(args: Any) -> None:
 
         try:
             for path in args.reward.model_name_or_path.split(","):  # OpenRLHF takes a comma-separated list
-                check_bandit_reward_model(ext.granularity, path, "--reward.model_name_or_path")
+                check_bandit_reward_model(ext.granularity, path, "--reward.model_name_or_path", "--ext.granularity")
         except ValueError as e:
-            raise ExtArgsError(str(e).replace("granularity '", "--ext.granularity '")) from None
+            raise ExtArgsError(str(e)) from None
     estimator = args.algo.advantage.estimator
     if dense and estimator not in ESTIMATORS:
         raise ExtArgsError(

@@ -427,7 +427,9 @@ def segment_model_dir(model: Any) -> Path | None:
     return path if (path / SEGMENT_CONFIG_NAME).is_file() else None
 
 
-def check_bandit_reward_model(granularity: str, reward_model: Any, where: str) -> None:
+def check_bandit_reward_model(
+    granularity: str, reward_model: Any, where: str, granularity_flag: str = "granularity"
+) -> None:
     """Refuse the ``bandit`` granularity (the reward model's score at the last token) on a segment reward model trained
     with a finite entropy cutoff: its sequence score is e_phi (paper 003 Eq. 4), not its last-token output. A bandit
     reward model (cutoff inf) has one segment per response, so there the two are the same number.
@@ -436,6 +438,7 @@ def check_bandit_reward_model(granularity: str, reward_model: Any, where: str) -
         granularity: the dense-reward granularity of the run.
         reward_model: the reward model (a path or a loaded model; anything else passes).
         where: how the user named the reward model (``--reward.model_name_or_path``), for the message.
+        granularity_flag: how the user names the granularity setting (``--ext.granularity``), for the message.
     """
     import math
 
@@ -445,7 +448,8 @@ def check_bandit_reward_model(granularity: str, reward_model: Any, where: str) -
     cutoff = load_segment_settings(path)["entropy_cutoff"]
     if math.isfinite(cutoff):
         raise ValueError(
-            f"{where} {path} is a segment reward model (entropy cutoff {cutoff:g}): granularity 'bandit' would train "
-            "on its last-token score, which it was not trained to give; use granularity 'segment_as_bandit' (its "
-            "sequence score e_phi as one reward per response) or 'segment' (dense segment rewards)"
+            f"{where} {path} is a segment reward model (entropy cutoff {cutoff:g}): {granularity_flag} 'bandit' would "
+            f"train on its last-token score, which it was not trained to give; use {granularity_flag} "
+            "'segment_as_bandit' (its sequence score e_phi as one reward per response) or 'segment' (dense segment "
+            "rewards)"
         )

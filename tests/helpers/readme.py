@@ -17,8 +17,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_COMMENT = re.compile(r"(?:^|\s)#.*$")
-
 
 def _strip_comment(line: str) -> str:
     """`line` without a trailing `# comment` outside quotes (a `#` inside '...' or "..." is kept)."""
