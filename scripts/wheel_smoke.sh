@@ -6,8 +6,9 @@
 #                                                     engine as README writes them (launch modules under python -m,
 #                                                     torchrun with 2 CPU processes and accelerate launch; recipe,
 #                                                     segment, plan and data commands; the tiny recipes)
-#   2. pip install "rlhf-ext[trl,openrlhf-cpu]"     -> README's OpenRLHF commands that run on CPU (deepspeed --module,
-#      pip install --no-deps openrlhf==0.11.2          train_ppo_ray --help) and a launch module through `ray job submit`
+#   2. pip install "rlhf-ext[trl,openrlhf-cpu]"     -> README's OpenRLHF commands that run on CPU (the Ray PPO recipe,
+#      pip install --no-deps openrlhf==0.11.2          deepspeed --module, train_ppo_ray --help) and a launch module
+#                                                     through `ray job submit`
 #
 # Lines that are README commands are README's text verbatim (tests/test_readme_commands.py checks it against the
 # table in tests/helpers/readme.py, which also says why the others are not run here).
@@ -106,6 +107,8 @@ echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in 
 "$V/python" -m pip install -q "rlhf-ext[trl,openrlhf-cpu] @ file://$WHEEL" >"$WORK/logs/install-openrlhf.log" 2>&1 \
     || { tail -n 20 "$WORK/logs/install-openrlhf.log"; exit 1; }
 step install-openrlhf pip install --no-deps openrlhf==0.11.2
+# "Segment-level PPO": the whole recipe through OpenRLHF's Ray PPO loop on CPU (the driver starts and stops its own Ray)
+EXPECT="." step openrlhf-cpu python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true
 # the plan (OpenRLHF recipes need ray): Phi-3-mini's config.json in the Hugging Face cache, as after a download of it
 PHI3="$HF_HOME/hub/models--microsoft--Phi-3-mini-4k-instruct"
 mkdir -p "$PHI3/refs" "$PHI3/snapshots/0000000000000000000000000000000000000000"

@@ -58,25 +58,6 @@ def readme_commands(readme: Path = ROOT / "README.md") -> list[str]:
 _PYPI = "not run: installs the published package from PyPI; the wheel smoke installs the built wheel with these extras"
 _GPU_INSTALL = "not run: OpenRLHF's pins include flash-attn, which needs CUDA to build (CI is CPU-only)"
 _CLUSTER = "not run: a multi-node Ray cluster (HEAD's address) and GPUs"
-_BENCH = "not run: a benchmark (minutes to hours); benchmarks are never part of the tests"
-_BENCHMARKS = (
-    "segmentation.py",
-    "segment_rm_accuracy.py",
-    "segment_ppo.py",
-    "openrlhf_ppo.py",
-    "segment_fidelity.py",
-    "sim_fidelity.py",
-    "datagen.py",
-    "async.py",
-    "online_dpo_sim.py",
-    "continual.py step-cost",
-    "continual.py forgetting --recipe continual_ppo_tiny",
-)
-_RAY_CPU = (
-    "not run: OpenRLHF's Ray PPO takes minutes on CPU (over the wheel smoke's budget); "
-    "tests/openrlhf/test_ray_ppo_e2e.py runs the same launcher on smaller data"
-)
-
 WHERE: dict[str, str] = {
     # Quickstart
     "make demo": "ci",
@@ -118,7 +99,7 @@ WHERE: dict[str, str] = {
     "ray job submit -- python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_paper": (
         "not run: Table 8's run, Phi-3 with vLLM rollouts on 8 GPUs"
     ),
-    "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true": _RAY_CPU,
+    "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true": "wheel-smoke",
     (
         "ray job submit --address http://HEAD:8265 -- python -m rlhf_ext.openrlhf.train_ppo_ray "
         "--actor.model_name_or_path path/to/sft --reward.model_name_or_path runs/rm "
@@ -139,8 +120,6 @@ WHERE: dict[str, str] = {
     "rlhf_ext.launch.train_segment_ppo --config segment_ppo_openrlhf": _CLUSTER,
     'ray job submit --address http://HEAD:8265 --runtime-env-json \'{"py_modules": ["./rlhf_ext"]}\' -- python -m '
     "rlhf_ext.launch.train_segment_ppo --config segment_ppo_openrlhf_2x8": _CLUSTER,
-    # Benchmarks
-    **{f".venv/bin/python benchmarks/{name}": _BENCH for name in _BENCHMARKS},
     # Synthetic continual preference data
     "rlhf-ext data configs": "wheel-smoke",
     "rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200": "wheel-smoke",
@@ -150,11 +129,9 @@ WHERE: dict[str, str] = {
     "--model Qwen/Qwen2.5-7B-Instruct --max-concurrency 64": (
         "not run: the user's task file and an OpenAI-compatible server (vllm serve) on localhost:8000"
     ),
-    "rlhf-ext data generate my_tasks.yaml -o runs/local --backend hf --model builtin:smollm2": (
-        "not run: the user's task file, and SmolLM2-135M generating on CPU takes minutes, not seconds (packaged "
-        "continual-piecewise-preference, --num-samples 4: no sample of 36 done after 7 min on a loaded 2-core "
-        "machine); "
-        "builtin:smollm2 on an empty cache runs in tests/zoo/test_smollm2_fresh_cache.py"
+    "rlhf-ext data generate my_tasks.yaml -o runs/local --backend hf --model path/to/instruct-model": (
+        "not run: the user's task file and a local instruct checkpoint that writes usable pairs, i.e. a GPU "
+        "(SmolLM2-135M on CPU: 2 samples at 48-token limits took 121 s and both were cut off, exit 2)"
     ),
     "rlhf-ext data validate runs/pp --judge rule -o runs/pp_report.json": "wheel-smoke",
     "rlhf-ext data preview runs/pp --stage 1 -n 2": "wheel-smoke",
