@@ -99,7 +99,9 @@ WHERE: dict[str, str] = {
     "ray job submit -- python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_paper": (
         "not run: Table 8's run, Phi-3 with vLLM rollouts on 8 GPUs"
     ),
-    "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true": "wheel-smoke",
+    "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true": (
+        "wheel-smoke"
+    ),
     (
         "ray job submit --address http://HEAD:8265 -- python -m rlhf_ext.openrlhf.train_ppo_ray "
         "--actor.model_name_or_path path/to/sft --reward.model_name_or_path runs/rm "
