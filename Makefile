@@ -49,7 +49,7 @@ test-fast: $(STAMP)
 # every lower bound in pyproject.toml installed exactly (test-floors). torch stays $(TORCH_VERSION) in both (any other
 # torch is a multi-GB CUDA download on a CPU machine). The OpenRLHF engine is pinned (openrlhf==0.11.2 pins transformers,
 # deepspeed and ray), so these venvs leave it out with the tests that need it. Versions used: .venv-*/versions.txt.
-BOUNDS_EXTRAS := trl,dev
+BOUNDS_EXTRAS := trl,serve,dev
 test-newest test-floors: test-%:
 	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install -q --upgrade pip packaging

@@ -1,6 +1,6 @@
 """Knob ranges, declared once next to each knob and checked by one function.
 
-A numeric knob is a dataclass field made by :func:`knob`; its range lives in the field's metadata::
+A numeric knob is a dataclass field made by :func:`knob`, which records its range beside the field::
 
     tau: float = knob(0.5, gt=0, help="Soft-max temperature of paper 003 Eq. 4 (0.5).")
 
@@ -94,13 +94,16 @@ class KnobSpec:
         return text + (", or null" if self.optional else "")
 
 
-class _KnobMetadata(dict):
-    """A knob field's metadata (``help`` and ``range``) whose ``copy()`` leaves the range out: transformers'
-    ``HfArgumentParser`` (TRL's command line) passes a copy of each field's metadata to argparse's ``add_argument``,
-    which takes ``help`` but no ``range``."""
+_RANGES: dict[dataclasses.Field, Range] = {}
+"""The range of each knob field, kept beside the field rather than in its metadata: transformers'
+``HfArgumentParser`` (TRL's command line) passes every metadata entry to argparse's ``add_argument``, which takes
+``help`` but no ``range`` (5.24 copies it with ``dict(field.metadata)``)."""
 
-    def copy(self) -> dict[str, Any]:
-        return {k: v for k, v in self.items() if k != "range"}
+
+def _knob_field(default: Any, default_factory: Any, help: str, rng: Range) -> Any:
+    f = dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help})
+    _RANGES[f] = rng
+    return f
 
 
 def knob(
@@ -116,8 +119,7 @@ def knob(
 ) -> Any:
     """A dataclass field with a declared range (``ge``/``gt``/``le``/``lt``, ``inf``: +inf allowed); ``help`` is
     the field's help text (``HfArgumentParser`` shows it)."""
-    metadata = _KnobMetadata(help=help, range=Range(ge=ge, gt=gt, le=le, lt=lt, inf=inf))
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+    return _knob_field(default, default_factory, help, Range(ge=ge, gt=gt, le=le, lt=lt, inf=inf))
 
 
 def seed_knob(default: int = 0, help: str = "Random seed.") -> Any:
@@ -129,8 +131,7 @@ def knob_like(cls: type, name: str, default: Any = MISSING, *, help: str | None 
     """A field with the range of knob ``cls.name`` (one declaration) and its own default: a section where the knob
     may be unset (``None`` = the reward model's recorded value) or defaults differently."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    metadata = _KnobMetadata(f.metadata, help=f.metadata.get("help", "") if help is None else help)
-    return dataclasses.field(default=default, metadata=metadata)
+    return _knob_field(default, MISSING, f.metadata.get("help", "") if help is None else help, _RANGES[f])
 
 
 def _spec_of(annotation: Any, rng: Range) -> KnobSpec:
@@ -153,9 +154,9 @@ def knob_specs(cls: type) -> dict[str, KnobSpec]:
     """``{field name: KnobSpec}`` of the fields of dataclass ``cls`` declared with :func:`knob`."""
     hints = get_type_hints(cls)
     return {
-        f.name: _spec_of(hints[f.name], f.metadata["range"])
+        f.name: _spec_of(hints[f.name], _RANGES[f])
         for f in dataclasses.fields(cls)
-        if isinstance(f.metadata.get("range"), Range)
+        if f in _RANGES
     }
 
 

@@ -54,6 +54,29 @@ def test_knob_names_are_unique_across_methods_so_flat_keys_are_unambiguous():
         assert a != b, f"{ka}.{a} and {kb}.{b} share a name"
 
 
+def test_every_trl_config_field_metadata_is_argparse_keywords():
+    """transformers 5.24's ``HfArgumentParser`` hands ``dict(field.metadata)`` to ``add_argument`` (5.15 called
+    ``.copy()``): a knob's range kept in the metadata made ``HfArgumentParser(SegmentPPOConfig)`` raise ``TypeError:
+    ... unexpected keyword argument 'range'`` on the newest release (found by ``make test-newest``)."""
+    import argparse
+
+    from rlhf_ext.trl import (
+        ContinualDPOConfig,
+        DensePPOConfig,
+        IterativeDPOConfig,
+        KLSFTConfig,
+        SegmentPPOConfig,
+        SegmentRewardConfig,
+    )
+
+    configs = (ContinualDPOConfig, DensePPOConfig, IterativeDPOConfig, KLSFTConfig, SegmentPPOConfig)
+    for config in (*configs, SegmentRewardConfig):
+        for f in dataclasses.fields(config):
+            kwargs = dict(f.metadata)
+            kwargs.pop("aliases", None)
+            argparse.ArgumentParser().add_argument(f"--{f.name}", **kwargs)  # raises on a non-argparse key
+
+
 def test_trl_command_line_takes_the_knob_names():
     from transformers import HfArgumentParser
 
