@@ -153,11 +153,7 @@ def _spec_of(annotation: Any, rng: Range) -> KnobSpec:
 def knob_specs(cls: type) -> dict[str, KnobSpec]:
     """``{field name: KnobSpec}`` of the fields of dataclass ``cls`` declared with :func:`knob`."""
     hints = get_type_hints(cls)
-    return {
-        f.name: _spec_of(hints[f.name], _RANGES[f])
-        for f in dataclasses.fields(cls)
-        if f in _RANGES
-    }
+    return {f.name: _spec_of(hints[f.name], _RANGES[f]) for f in dataclasses.fields(cls) if f in _RANGES}
 
 
 def _check_number(spec: KnobSpec, value: Any, name: str) -> int | float:
