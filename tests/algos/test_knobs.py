@@ -69,8 +69,8 @@ def test_every_trl_config_field_metadata_is_argparse_keywords():
         SegmentRewardConfig,
     )
 
-    configs = (ContinualDPOConfig, DensePPOConfig, IterativeDPOConfig, KLSFTConfig, SegmentPPOConfig)
-    for config in (*configs, SegmentRewardConfig):
+    for config in (ContinualDPOConfig, DensePPOConfig, IterativeDPOConfig, KLSFTConfig, SegmentPPOConfig,
+                   SegmentRewardConfig):  # fmt: skip
         for f in dataclasses.fields(config):
             kwargs = dict(f.metadata)
             kwargs.pop("aliases", None)
