@@ -71,6 +71,24 @@ EXPECT="held-out acc" step rm-accelerate accelerate launch -m rlhf_ext.launch.tr
 EXPECT="^ +[0-9]+ " step segment-ppo python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
 EXPECT="^ +[0-9]+ " step torchrun-2-processes torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
 EXPECT="^ +[0-9]+ " step ppo-accelerate accelerate launch -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny
+# "Dense rewards from any source": a user's own function in my_rewards.py (README's `polite`, counting its calls)
+cat >"$WORK/user/my_rewards.py" <<'PY'
+"""A user's dense reward function (README, "Your own function"): +1 on each "thank you"; each call is counted."""
+
+import os
+import re
+
+CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "polite_calls.txt")
+
+
+def polite(prompts, completions, **kwargs):  # a DenseRewardFunc
+    with open(CALLS, "a") as f:  # one line per call (OpenRLHF's Ray actor calls it too)
+        f.write(f"{len(completions)}\n")
+    return [[(m.start(), m.end(), 1.0) for m in re.finditer("thank you", c.lower())] for c in completions]
+PY
+EXPECT="^ +[0-9]+ " step callable-source python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_callable_tiny model.reward_source=my_rewards.py:polite
+calls() { wc -l <"$WORK/user/polite_calls.txt" 2>/dev/null || echo 0; }
+[ "$(calls)" -eq 5 ] || { echo "FAIL  my_rewards.py:polite was called $(calls) times on TRL, not 5 (calibration + 4 steps)"; exit 1; }
 # "Synthetic continual preference data" (offline backend)
 EXPECT="continual-mixed" step data-configs rlhf-ext data configs
 step data-generate rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200
@@ -109,6 +127,9 @@ echo "ok    piped output clean       (no FutureWarning, no \\r, no raw dicts in 
 step install-openrlhf pip install --no-deps openrlhf==0.11.2
 # "Segment-level PPO": the whole recipe through OpenRLHF's Ray PPO loop on CPU (the driver starts and stops its own Ray)
 EXPECT="." step openrlhf-cpu python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_tiny train.bf16=true
+EXPECT="." step openrlhf-callable-source python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_callable_tiny \
+    model.reward_source=my_rewards.py:polite train.bf16=true
+[ "$(calls)" -gt 6 ] || { echo "FAIL  my_rewards.py:polite was not called by OpenRLHF's experience maker ($(calls) calls)"; exit 1; }
 # the plan (OpenRLHF recipes need ray): Phi-3-mini's config.json in the Hugging Face cache, as after a download of it
 PHI3="$HF_HOME/hub/models--microsoft--Phi-3-mini-4k-instruct"
 mkdir -p "$PHI3/refs" "$PHI3/snapshots/0000000000000000000000000000000000000000"

@@ -392,8 +392,11 @@ def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple
     """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
     ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
     engine count, so it must be on the command line) and the reward source routed (:func:`with_reward_source`)."""
+    from rlhf_ext.runtime.dense_sources import absolute_source_spec
+
     rest = with_reward_source(rest, ext)
-    ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster)}
+    ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster),
+           "reward_source": absolute_source_spec(ext.get("reward_source"))}  # fmt: skip
     if ext["rollout_engine"] == "hf" and flag_value(rest, "--vllm.num_engines", None) is None:
         rest = [*rest, "--vllm.num_engines", "1"]
     return rest, ext

@@ -77,3 +77,12 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
     if zoo.is_builtin(spec) and spec[len(zoo.PREFIX) :] in zoo.TRAINED_MODELS:
         return build_model(spec[len(zoo.PREFIX) :], cache_dir)
     return zoo.resolve_model(spec, cache_dir)
+
+
+def resolve_reward_source_spec(spec: str) -> str:
+    """:func:`rlhf_ext.zoo.resolve_reward_source_spec`, building a trained ``builtin:`` model it names first."""
+    kind, _, rest = spec.partition(":")
+    model = rest if kind in ("prm", "segment-rm") else spec
+    if zoo.is_builtin(model) and model[len(zoo.PREFIX) :] in zoo.BUILTIN_MODELS:
+        resolve_model(model)
+    return zoo.resolve_reward_source_spec(spec)

@@ -141,7 +141,9 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
         _trl_role("reward", reward, cluster, zero, trainable=False, lm_head=False, tokens=tokens, checkpointing=ckpt),
     ]
     if recipe.ppo.advantage_estimator == "gae":
-        critic = size_or_fallback(size_of, recipe.model.critic_model, reward) if recipe.model.critic_model else reward
+        fallback = reward or policy  # a reward source's run: the critic starts from the policy
+        critic = size_or_fallback(size_of, recipe.model.critic_model, fallback) if recipe.model.critic_model else None
+        critic = critic or fallback
         critic_role = _trl_role("critic", critic, cluster, zero, trainable=True, lm_head=False, tokens=tokens,
                                 checkpointing=ckpt)  # fmt: skip
         roles.append(critic_role)

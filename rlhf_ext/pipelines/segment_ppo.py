@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.knobs import knob, knob_like, seed_knob
@@ -28,13 +28,29 @@ ROLES = ("actor", "ref", "critic", "reward")
 @dataclass
 class PPOModelSection:
     """``sft_model``: policy and reference initialisation; ``reward_model``: the segment RM (its
-    ``segment_config.json`` supplies cutoff/aggregation/tau); ``critic_model``: default the reward model;
-    ``normalizer``: a saved LocationNormalizer (null = fit on ``data.calibration``)."""
+    ``segment_config.json`` supplies cutoff/aggregation/tau); ``critic_model``: default the reward model (the policy
+    with a reward source); ``normalizer``: a saved LocationNormalizer (null = fit on ``data.calibration``).
+
+    ``reward_source``: a dense reward source instead of ``reward_model`` (set that to null), answering with character
+    spans that are mapped onto the policy's tokens (:func:`rlhf_ext.runtime.dense_sources.load_reward_source`):
+    ``rules:FILE.yaml``, ``file.py:function``, ``module:function``, ``prm:MODEL`` (read at ``step_separator``),
+    ``segment-rm:DIR`` (a segment RM on its own tokenizer) or ``http://HOST:PORT`` (``rlhf-ext serve rm``)."""
 
     sft_model: str = "builtin:tiny-sft"
-    reward_model: str = "builtin:tiny-segment-rm"
+    reward_model: str | None = "builtin:tiny-segment-rm"
     critic_model: str | None = None
     normalizer: str | None = None
+    reward_source: str | None = None
+    step_separator: str = "\n"
+
+    def __post_init__(self) -> None:
+        if self.reward_source and self.reward_model:
+            raise ValueError("reward_model and reward_source are two rewards: set reward_model: null to train on the "
+                             "reward source")  # fmt: skip
+        if not self.reward_source and not self.reward_model:
+            raise ValueError("no reward: set reward_model (a segment reward model) or reward_source")
+        if not self.step_separator:
+            raise ValueError("step_separator must be a non-empty string (the text that ends a step for prm:)")
 
 
 @dataclass
@@ -127,14 +143,18 @@ def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
     of the inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); a
     given normalizer file is validated before any model loads."""
     from rlhf_ext.runtime.calibration import load_normalizer
+    from rlhf_ext.runtime.dense_sources import check_reward_source
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     m, d = recipe.model, recipe.data
-    inputs = {f"model.{k}": getattr(m, k) for k in ("sft_model", "reward_model", "critic_model", "normalizer")}
+    keys = ("sft_model", "reward_model", "reward_source", "critic_model", "normalizer")
+    inputs = {f"model.{k}": getattr(m, k) for k in keys}
     inputs.update({"data.prompts": d.prompts, "data.calibration": d.calibration})
     with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
         if m.normalizer is not None:
             load_normalizer(m.normalizer)
+        if m.reward_source is not None:
+            check_reward_source(m.reward_source)
         return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
 
@@ -205,7 +225,6 @@ def train_with_trl(recipe) -> dict[str, Any]:
     """Run a :class:`SegmentPPORecipe` with TRL; returns paths and the reward/KL curve."""
     from transformers import AutoTokenizer
 
-    from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.pipelines.plan import local_cluster
     from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.trl.args import last_checkpoint
@@ -217,8 +236,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     if os.environ.get("RANK", "0") == "0":
         logger.debug("%s", plan.table())
     plan.refuse_if_unrunnable()
-    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
-    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    resolve_recipe_models(recipe.model)
     args = trl_config(recipe)
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
     prompts = load_prompts(recipe.data, tokenizer)
@@ -227,6 +245,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
         calibration = resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split]
     trainer = SegmentPPOTrainer(
         model=recipe.model.sft_model,
+        reward_funcs=[recipe_reward_source(recipe.model)] if recipe.model.reward_source else None,
         args=args,
         train_dataset=prompts,
         processing_class=tokenizer,
@@ -241,6 +260,25 @@ def train_with_trl(recipe) -> dict[str, Any]:
     if trainer.accelerator.is_main_process:
         atomic_write_json(os.path.join(args.output_dir, "ppo_metrics.json"), summary)
     return summary
+
+
+def resolve_recipe_models(model: PPOModelSection) -> None:
+    """Replace ``builtin:`` names in the model section (of the SFT model, the reward model or the models a reward
+    source names) by their paths, building trained builtins first."""
+    from rlhf_ext.pipelines.builtins import resolve_model, resolve_reward_source_spec
+
+    model.sft_model = resolve_model(model.sft_model)
+    if model.reward_model is not None:
+        model.reward_model = resolve_model(model.reward_model)
+    if model.reward_source is not None:
+        model.reward_source = resolve_reward_source_spec(model.reward_source)
+
+
+def recipe_reward_source(model: PPOModelSection):
+    """The recipe's ``model.reward_source`` loaded (``builtin:`` model names resolved)."""
+    from rlhf_ext.zoo.builtins import resolve_reward_source
+
+    return resolve_reward_source(model.reward_source, step_separator=model.step_separator)
 
 
 def openrlhf_layout(recipe, cluster: Cluster) -> list[str]:
@@ -277,7 +315,6 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
     from rlhf_ext.config import per_device_micro_batch
     from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping
     from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags
-    from rlhf_ext.runtime.calibration import model_id
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
     layout = openrlhf_layout(recipe, cluster)
@@ -298,7 +335,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         )
     argv = [
         "--actor.model_name_or_path", recipe.model.sft_model,
-        "--reward.model_name_or_path", recipe.model.reward_model,
+        *reward_flags(recipe.model),
         "--data.prompt_dataset", prompts_file,
         "--data.input_key", "prompt",
         "--data.max_len", str(data.max_prompt_length + data.max_completion_length),
@@ -331,14 +368,14 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         "--ext.granularity", seg.granularity,
         "--ext.interpolation", seg.interpolation,
         "--ext.chunk_size", str(seg.chunk_size),
-        "--ext.reward_model_id", model_id(recipe.model.reward_model),
     ]  # fmt: skip
     if not cluster.total_gpus or cluster.logical:  # the HF rollout engine on CPUs, no flash-attention
         argv += ["--ds.attn_implementation", "sdpa", "--ext.rollout_engine", "hf"]
     if t.max_steps is not None:  # OpenRLHF has no step limit: one PPO step consumes rollout.batch_size prompts
         argv += ["--data.max_samples", str(t.max_steps * t.batch_size)]
     if ppo.advantage_estimator == "gae":
-        argv += ["--critic.model_name_or_path", recipe.model.critic_model or recipe.model.reward_model]
+        m = recipe.model
+        argv += ["--critic.model_name_or_path", m.critic_model or m.reward_model or m.sft_model]
         if ppo.value_clip is not None:
             argv += ["--critic.value_clip", repr(ppo.value_clip)]
     for key in ("entropy_cutoff", "aggregation", "tau"):
@@ -357,6 +394,16 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         argv += ["--train.async_enable", "--train.async_queue_size", "1"]
     argv += openrlhf_logger_flags(t.trl_args.get("report_to"), t.output_dir)
     return argv + overrides
+
+
+def reward_flags(model: PPOModelSection) -> list[str]:
+    """``train_ppo_ray``'s reward: the segment reward model (with its id, which a fitted normalizer must match), or
+    ``--ext.reward_source`` scored in the experience maker."""
+    from rlhf_ext.runtime.calibration import model_id
+
+    if model.reward_source:
+        return ["--ext.reward_source", model.reward_source, "--ext.step_separator", model.step_separator]
+    return ["--reward.model_name_or_path", model.reward_model, "--ext.reward_model_id", model_id(model.reward_model)]
 
 
 def plan_segment_ppo(recipe, cluster: Cluster) -> Plan:
@@ -378,51 +425,63 @@ def prepare_openrlhf_run(recipe, cluster: Cluster) -> tuple[list[str], dict[str,
     normalizer if needed; returns (argv, paths)."""
     import json
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.runtime.calibration import fit_normalizer, model_id, save_normalizer
+    from rlhf_ext.runtime.calibration import save_normalizer
     from rlhf_ext.runtime.io import atomic_write_text
-    from rlhf_ext.zoo.builtins import resolve_dataset
 
     plan_segment_ppo(recipe, cluster).refuse_if_unrunnable()
-    recipe.model.sft_model = resolve_model(recipe.model.sft_model)
-    recipe.model.reward_model = resolve_model(recipe.model.reward_model)
+    m, seg = recipe.model, recipe.segment
+    resolve_recipe_models(m)
     out = recipe.train.output_dir
     prompts_file = os.path.join(out, "prompts.jsonl")
     os.makedirs(out, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.sft_model)
+    tokenizer = AutoTokenizer.from_pretrained(m.sft_model)
     prompts = load_prompts(recipe.data, tokenizer)
     atomic_write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts["prompt"]))
-    normalizer_path = recipe.model.normalizer
-    seg = recipe.segment
+    normalizer_path = m.normalizer
     if normalizer_path is None and seg.granularity != "bandit" and seg.normalizer_kind != "none":
-        if recipe.data.calibration is None:
-            raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
-        from rlhf_ext.runtime.segment_data import load_segment_settings
-
-        settings = load_segment_settings(recipe.model.reward_model)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        normalizer = fit_normalizer(
-            AutoModelForSequenceClassification.from_pretrained(recipe.model.reward_model, num_labels=1).to(device),
-            AutoModelForCausalLM.from_pretrained(recipe.model.sft_model).to(device),
-            tokenizer,
-            resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split],
-            kind=seg.normalizer_kind,
-            basis=seg.normalizer_basis,
-            granularity=seg.granularity,
-            entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else settings["entropy_cutoff"],
-            aggregation=seg.aggregation or settings["aggregation"],
-            tau=seg.tau if seg.tau is not None else settings["tau"],
-            chunk_size=seg.chunk_size,
-            reward_model_id=model_id(recipe.model.reward_model),
-            max_pairs=recipe.data.max_calibration_pairs,
-        )
         normalizer_path = os.path.join(out, "normalizer.json")
-        save_normalizer(normalizer, normalizer_path)
+        save_normalizer(fit_recipe_normalizer(recipe, tokenizer), normalizer_path)
     paths = {"prompts": prompts_file, "normalizer": normalizer_path}
     return openrlhf_argv(recipe, prompts_file, normalizer_path, cluster), paths
+
+
+def fit_recipe_normalizer(recipe, tokenizer):
+    """The location normalizer (paper 003 Eq. 6) of an OpenRLHF run, fitted in the driver on ``data.calibration``
+    exactly as :class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer` fits it: on the reward source's spans, or on the
+    segment reward model's segments (segmented by the SFT model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+    from rlhf_ext.runtime.calibration import fit_normalizer, model_id
+    from rlhf_ext.runtime.segment_data import load_segment_settings
+    from rlhf_ext.runtime.spans import fit_span_normalizer
+    from rlhf_ext.zoo.builtins import resolve_dataset
+
+    m, seg, data = recipe.model, recipe.segment, recipe.data
+    if data.calibration is None:
+        raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
+    calibration = resolve_dataset(data.calibration)[data.calibration_split]
+    recorded = asdict(SegmentRewardKnobs()) if m.reward_source else load_segment_settings(m.reward_model)
+    aggregation = seg.aggregation or recorded["aggregation"]
+    tau = seg.tau if seg.tau is not None else recorded["tau"]
+    common = {"kind": seg.normalizer_kind, "basis": seg.normalizer_basis, "granularity": seg.granularity,
+              "aggregation": aggregation, "tau": tau, "max_pairs": data.max_calibration_pairs}  # fmt: skip
+    if m.reward_source:
+        return fit_span_normalizer([recipe_reward_source(m)], tokenizer, calibration, **common)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return fit_normalizer(
+        AutoModelForSequenceClassification.from_pretrained(m.reward_model, num_labels=1).to(device),
+        AutoModelForCausalLM.from_pretrained(m.sft_model).to(device),
+        tokenizer,
+        calibration,
+        entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else recorded["entropy_cutoff"],
+        chunk_size=seg.chunk_size,
+        reward_model_id=model_id(m.reward_model),
+        **common,
+    )
 
 
 def train_with_openrlhf(recipe) -> dict[str, Any]:

@@ -170,11 +170,12 @@ class KeywordCredit:
               min_count: int = 5, **kwargs: Any) -> KeywordCredit:  # fmt: skip
         """Rules learned from preference pairs: the word n-grams whose share of chosen vs rejected responses differs
         most (smoothed log-odds of appearing in a chosen rather than a rejected response), ``top_k`` of each sign,
-        weighted by that log-odds. Deterministic (ties broken by the phrase)."""
+        weighted by that log-odds. An n-gram overlapping a stronger one of the same sign (sharing ``ngram[0]``
+        consecutive words) is skipped: the ``top_k`` are distinct phrases, not pieces of one. Deterministic (ties
+        broken by length, longest first, then by the phrase)."""
 
-        def grams(text: str) -> set[str]:
+        def grams(text: str, sizes=range(ngram[0], ngram[1] + 1)) -> set[str]:
             words = re.findall(r"[\w']+", text.lower())
-            sizes = range(ngram[0], ngram[1] + 1)
             return {" ".join(words[i : i + n]) for n in sizes for i in range(len(words) - n + 1)}
 
         pos, neg = Counter(), Counter()
@@ -186,11 +187,15 @@ class KeywordCredit:
         for g in set(pos) | set(neg):
             if pos[g] + neg[g] >= min_count:
                 scores[g] = math.log((pos[g] + 1) / (len(chosen) + 2)) - math.log((neg[g] + 1) / (len(rejected) + 2))
-        ranked = sorted(scores.items(), key=lambda kv: (-abs(kv[1]), kv[0]))
-        best = [kv for kv in ranked if kv[1] > 0][:top_k] + [kv for kv in ranked if kv[1] < 0][:top_k]
-        # a phrase contained in a stronger one of the same sign adds nothing the longer one does not pay for
-        kept = [(g, w) for g, w in best if not any(g != h and g in h and (w > 0) == (v > 0) for h, v in best)]
-        return cls([(g, round(w, 4)) for g, w in kept], **kwargs)
+        kept: list[tuple[str, float]] = []
+        taken: dict[bool, set[str]] = {True: set(), False: set()}  # the shortest n-grams of the kept phrases
+        for g, w in sorted(scores.items(), key=lambda kv: (-abs(kv[1]), -kv[0].count(" "), kv[0])):  # longest first
+            pieces = grams(g, (ngram[0],))
+            if w != 0 and sum((v > 0) == (w > 0) for _, v in kept) < top_k and not pieces & taken[w > 0]:
+                kept.append((g, w))
+                taken[w > 0] |= pieces
+        return cls([(g, round(w, 4)) for g, w in sorted(kept, key=lambda kv: (-kv[1] > 0, -abs(kv[1]), kv[0]))],
+                   **kwargs)  # fmt: skip
 
     def save(self, path: str | Path) -> None:
         import yaml
@@ -343,8 +348,8 @@ class SegmentRewardSpans(_ModelSource):
 
 # ----------------------------------------------------------------------------------------------------- loading
 SOURCE_FORMS = (
-    "module.path:function | file.py:function | rules:FILE.yaml | prm:MODEL | segment-rm:DIR (or a segment reward "
-    "model directory) | http://HOST:PORT (rlhf-ext serve rm)"
+    "module.path:function | file.py:function | rules:FILE.yaml (or rules:builtin:DATASET) | prm:MODEL | "
+    "segment-rm:DIR (or a segment reward model directory) | http://HOST:PORT (rlhf-ext serve rm)"
 )
 
 
@@ -367,6 +372,18 @@ def _load_callable(spec: str):
     if not callable(fn):
         raise ValueError(f"reward source {spec!r} is not callable")
     return fn
+
+
+def absolute_source_spec(spec: str | None) -> str | None:
+    """``spec`` with a relative ``file.py:function`` or ``rules:FILE`` path made absolute (processes that load the
+    source elsewhere, such as OpenRLHF's Ray actors, need not share the caller's working directory)."""
+    if not spec or spec.startswith(("http://", "https://")):
+        return spec
+    kind, _, rest = spec.partition(":")
+    if kind == "rules" and not rest.startswith("builtin:"):
+        return f"rules:{Path(rest).absolute()}"
+    target, _, name = spec.rpartition(":")
+    return f"{Path(target).absolute()}:{name}" if target.endswith(".py") else spec
 
 
 def load_reward_source(spec: str, step_separator: str = "\n", device=None):
@@ -393,6 +410,7 @@ def load_reward_source(spec: str, step_separator: str = "\n", device=None):
 def check_reward_source(spec: str) -> None:
     """Refuse a reward source that cannot load (``ValueError``/``FileNotFoundError``, one line) without loading a model:
     rules files and callables are loaded (cheap); ``prm:``, ``segment-rm:`` and URLs are checked where they run."""
-    if not isinstance(spec, str) or spec.startswith(("http://", "https://", "prm:", "segment-rm:", "builtin:")):
+    if not isinstance(spec, str) or spec.startswith(("http://", "https://", "prm:", "segment-rm:", "builtin:",
+                                                     "rules:builtin:")):  # fmt: skip
         return
     load_reward_source(spec)

@@ -219,9 +219,11 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
     return PolicySpec(str(out), labels=cfg.max_pairs or _num_labels(run, seed))
 
 
-def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = None) -> PolicySpec:
+def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = None,
+         reward_source: Callable[[], str] | None = None, name: str | None = None) -> PolicySpec:  # fmt: skip
     """PPO from the SFT model at ``granularity`` on the surrogate reward model ``run.reward_model(seed, reward_model)``
-    (default: the one named like the granularity) with the recipe's one ``ppo`` section."""
+    (default: the one named like the granularity), or on the dense reward source ``reward_source()`` makes (a
+    ``model.reward_source`` spec), with the recipe's one ``ppo`` section, into ``<name or granularity>_ppo``."""
     from rlhf_ext.pipelines.segment_ppo import (
         PPOAlgoSection,
         PPODataSection,
@@ -233,10 +235,11 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
     )
     from rlhf_ext.runtime.io import atomic_write_json
 
-    cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{granularity}_ppo"
+    cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{name or granularity}_ppo"
     summary_file = out / "ppo_metrics.json"
     if not summary_file.exists():
-        rm = run.reward_model(seed, reward_model or granularity)
+        source = reward_source() if reward_source else None
+        rm = None if source else run.reward_model(seed, reward_model or granularity)
         feedback = str(run.feedback_dir(seed))
         with atomic_directory(out) as tmp:
             recipe = SegmentPPORecipe(
@@ -244,7 +247,8 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
                 model=PPOModelSection(
                     sft_model=run.sft_model(),
                     reward_model=rm,
-                    critic_model=run.sft_model() if cfg.critic_init == "sft" else rm,
+                    reward_source=source,
+                    critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm,
                 ),
                 data=PPODataSection(
                     prompts=str(run.data_dir),
@@ -311,6 +315,25 @@ def token_ppo(run: SimRun, seed: int) -> PolicySpec:
     """Token-level PPO (paper 003's token-level baseline, Table 1): the reward model at entropy cutoff 0 makes every
     token its own segment, each token's reward normalised by location; otherwise as segment PPO."""
     return _ppo(run, seed, "token")
+
+
+def rules_ppo(run: SimRun, seed: int) -> PolicySpec:
+    """Segment-level PPO on rules instead of a reward model (issue: dense rewards from anything): keyword credit
+    learned from the same simulated preference labels as the reward models
+    (:meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`), each matched phrase rewarded where it occurs,
+    normalised by location and spread evenly; the critic starts from the SFT model. Same labels and PPO budget as
+    ``segment_ppo``: the effect of dense credit without a learned reward model."""
+
+    def learned_rules() -> str:
+        from rlhf_ext.runtime.dense_sources import KeywordCredit
+
+        path = run.seed_dir(seed) / "rules.yaml"
+        if not path.exists():
+            pairs = run.feedback(seed)["train"]
+            KeywordCredit.learn(pairs["chosen"], pairs["rejected"]).save(path)
+        return f"rules:{path}"
+
+    return _ppo(run, seed, "segment", reward_source=learned_rules, name="rules")
 
 
 def sim_online_dpo(
@@ -429,6 +452,7 @@ METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
     "segment_ppo": segment_ppo,
     "chunk_ppo": chunk_ppo,
     "token_ppo": token_ppo,
+    "rules_ppo": rules_ppo,
     "online_dpo": online_dpo,
     "online_dpo_async": online_dpo_async,
     "online_dpo_sync": online_dpo_sync,

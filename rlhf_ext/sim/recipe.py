@@ -32,6 +32,7 @@ METHODS: tuple[str, ...] = (
     "segment_ppo",
     "chunk_ppo",
     "token_ppo",
+    "rules_ppo",
     "online_dpo",
     "online_dpo_async",
     "online_dpo_sync",

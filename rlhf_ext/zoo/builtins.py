@@ -246,15 +246,27 @@ def resolve_reward(spec: str, **kwargs: Any):
     return load_reward(spec, **kwargs)
 
 
-def resolve_reward_source(spec: str, **kwargs: Any):
-    """A dense reward source (:func:`rlhf_ext.runtime.dense_sources.load_reward_source`) with ``builtin:`` model names
-    resolved: ``prm:builtin:tiny-segment-rm``, ``segment-rm:builtin:tiny-segment-rm`` or ``builtin:tiny-segment-rm``
-    (a segment reward model)."""
-    from rlhf_ext.runtime.dense_sources import load_reward_source
-
+def resolve_reward_source_spec(spec: str) -> str:
+    """A reward source spec (:func:`rlhf_ext.runtime.dense_sources.load_reward_source`) with ``builtin:`` model names
+    resolved to paths: ``prm:builtin:tiny-segment-rm``, ``segment-rm:builtin:tiny-segment-rm`` or
+    ``builtin:tiny-segment-rm`` (a segment reward model). ``rules:builtin:toy-keyphrase`` (rules learned from the
+    dataset's training pairs by :meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`) stays as it is."""
     kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if kind in ("prm", "segment-rm") and is_builtin(rest):
-        spec = f"{kind}:{resolve_model(rest)}"
-    elif is_builtin(spec):
-        spec = f"segment-rm:{resolve_model(spec)}"
-    return load_reward_source(spec, **kwargs)
+        return f"{kind}:{resolve_model(rest)}"
+    if kind == "rules":  # rules:builtin:DATASET is learned where it loads (cheap, deterministic)
+        return spec
+    if is_builtin(spec):
+        return f"segment-rm:{resolve_model(spec)}"
+    return spec
+
+
+def resolve_reward_source(spec: str, **kwargs: Any):
+    """The dense reward source of ``spec``, ``builtin:`` names resolved (:func:`resolve_reward_source_spec`)."""
+    from rlhf_ext.runtime.dense_sources import KeywordCredit, load_reward_source
+
+    kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if kind == "rules" and is_builtin(rest):  # rules learned from a builtin dataset's training pairs
+        pairs = resolve_dataset(rest)["train"]
+        return KeywordCredit.learn(pairs["chosen"], pairs["rejected"], name=f"rules_{rest[len(PREFIX) :]}")
+    return load_reward_source(resolve_reward_source_spec(spec), **kwargs)

@@ -141,6 +141,23 @@ def has_key_phrase(text: str) -> bool:
     return any(k in text for k in KEY_PHRASES)
 
 
+def keyphrase_spans(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[list[tuple[int, int, float]]]:
+    """The toy task's gold reward as spans (a :class:`~rlhf_ext.runtime.spans.DenseRewardFunc`, the callable of
+    ``recipes/segment_ppo_callable_tiny.yaml``): +1 on the characters of the first key phrase, -1 on those of the first
+    weak phrase, per completion (a chat completion: its last message's text)."""
+    spans = []
+    for c in completions:
+        text = c[-1]["content"] if isinstance(c, list) else c
+        row = []
+        for phrases, reward in ((KEY_PHRASES, 1.0), (WEAK_PHRASES, -1.0)):
+            found = [(text.find(p), p) for p in phrases if p in text]
+            if found:
+                start, phrase = min(found)
+                row.append((start, start + len(phrase), reward))
+        spans.append(sorted(row))
+    return spans
+
+
 def keyphrase_gold_reward(prompts: list[Any], responses: list[str]) -> torch.Tensor:
     """The toy task's gold reward (``builtin:keyphrase-gold``): 1 if the response contains a key phrase, else 0."""
     import torch

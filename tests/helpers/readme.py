@@ -58,6 +58,10 @@ def readme_commands(readme: Path = ROOT / "README.md") -> list[str]:
 _PYPI = "not run: installs the published package from PyPI; the wheel smoke installs the built wheel with these extras"
 _GPU_INSTALL = "not run: OpenRLHF's pins include flash-attn, which needs CUDA to build (CI is CPU-only)"
 _CLUSTER = "not run: a multi-node Ray cluster (HEAD's address) and GPUs"
+_SERVER_RECIPE = (
+    "not run: a server in the background on the fixed port 5000; tests/openrlhf/test_remote_rm_e2e.py serves the same "
+    "model on a free port and trains this recipe on it (TRL) and the Ray loop on its spans"
+)
 WHERE: dict[str, str] = {
     # Quickstart
     "make demo": "ci",
@@ -113,6 +117,18 @@ WHERE: dict[str, str] = {
     "rlhf-ext plan --config segment_ppo_openrlhf --cluster 1x8": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_paper --engine trl --cluster 1x8": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_tiny": "wheel-smoke",
+    **{
+        f"python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_{source}_tiny": (
+            "pytest:tests/pipelines/test_reward_source_recipes.py::test_source_recipe_trains_on_trl_as_the_readme_runs_it"
+        )
+        for source in ("callable", "rules", "prm", "span_rm")
+    },
+    "python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_callable_tiny "
+    "model.reward_source=my_rewards.py:polite": "wheel-smoke",
+    "python -m rlhf_ext.launch.train_segment_ppo --engine openrlhf --config segment_ppo_callable_tiny "
+    "model.reward_source=my_rewards.py:polite train.bf16=true": "wheel-smoke",
+    'rlhf-ext serve rm --model "$(rlhf-ext zoo build tiny-segment-rm)" --port 5000 &': _SERVER_RECIPE,
+    "python -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_server_tiny": _SERVER_RECIPE,
     (
         "python -m rlhf_ext.openrlhf.train_ppo_ray --actor.model_name_or_path path/to/sft "
         "--data.prompt_dataset prompts.jsonl --data.input_key prompt --algo.advantage.estimator reinforce "

@@ -1,8 +1,11 @@
 """OpenRLHF with the segment RM server, run the way a user runs it: ``rlhf-ext serve rm`` in one process and
-``python -m rlhf_ext.openrlhf.train_ppo_ray ... --reward.remote_url URL/get_reward --ext.granularity bandit``."""
+``python -m rlhf_ext.openrlhf.train_ppo_ray ... --reward.remote_url URL/get_reward --ext.granularity bandit`` (the
+scalar answers) or ``segment`` (the server's spans, scored in the experience maker); and the TRL recipe of the server
+source on the same server."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -33,14 +36,14 @@ def served(tmp_path_factory, tiny_sft_path, cache_dir):
         proc.wait(30)
 
 
-def _run(served, name, estimator, stock=False):
+def _run(served, name, estimator, stock=False, granularity="bandit"):
     from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
 
     root, sft, rm, prompts, url = served
     argv = tiny_ppo_argv(sft, rm, prompts, root / name)
     i = argv.index("--reward.model_name_or_path")
     argv[i : i + 2] = ["--reward.remote_url", url]  # the server instead of a local reward model actor
-    argv += ["--algo.advantage.estimator", estimator, "--ext.granularity", "bandit"]
+    argv += ["--algo.advantage.estimator", estimator, "--ext.granularity", granularity]
     steps, _ = run_train_ppo_ray(argv, root / f"{name}.log", methods=not stock)
     assert sorted(steps) == [1, 2], f"see {root / f'{name}.log'}"
     return steps
@@ -56,3 +59,27 @@ def test_remote_rm_with_bandit_granularity_trains_as_stock_openrlhf(served):
     assert ours[1]["reward"] != 0
     gae = _run(served, "gae", "gae")
     assert gae[1]["reward"] == pytest.approx(stock[1]["reward"], rel=1e-6)  # the same rollouts' rewards
+
+
+def test_remote_rm_spans_train_on_the_ray_loop_and_on_trl(served, tmp_path):
+    """``--ext.granularity segment`` with the server: 2 REINFORCE steps whose rewards are the server's spans mapped
+    onto the policy's tokens (several segments per response, no reward-model actor); the TRL recipe of the server
+    source (``segment_ppo_server_tiny``) trains 2 steps on the same server."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
+    from rlhf_ext.recipes import recipe_path
+
+    root, url = served[0], served[-1]
+    steps = _run(served, "segment_spans", "reinforce", granularity="segment")
+    log_text = (root / "segment_spans.log").read_text()
+    assert "RewardModelActor pid" not in log_text and "RewardActor pid" not in log_text
+    for step in (steps[1], steps[2]):
+        assert step["segments_per_response"] > 1 and math.isfinite(step["reward"])
+    small = ["train.max_steps=2", "train.batch_size=8", "train.micro_batch_size=8", "data.max_completion_length=24",
+             "data.max_calibration_pairs=32", f"train.output_dir={tmp_path / 'trl'}"]  # fmt: skip
+    recipe = load_recipe(
+        SegmentPPORecipe, recipe_path("segment_ppo_server_tiny"), [f"model.reward_source={url}", *small]
+    )
+    curve = run_segment_ppo(recipe)["curve"]
+    assert [c["step"] for c in curve] == [1, 2]
+    assert all(c["segment/segments_per_response"] > 1 and math.isfinite(c["reward"]) for c in curve)

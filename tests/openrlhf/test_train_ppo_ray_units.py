@@ -264,3 +264,27 @@ def test_running_the_library_module_points_to_the_runnable_one():
     proc = subprocess.run([sys.executable, "-m", "rlhf_ext.openrlhf.segment_ppo", "--help"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "python -m rlhf_ext.openrlhf.train_ppo_ray" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("my_rewards.py:polite", "{cwd}/my_rewards.py:polite"),
+        ("sub/r.py:Credit", "{cwd}/sub/r.py:Credit"),
+        ("rules:rules.yaml", "rules:{cwd}/rules.yaml"),
+        ("rules:builtin:toy-keyphrase", "rules:builtin:toy-keyphrase"),
+        ("my_package.rewards:polite", "my_package.rewards:polite"),
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("prm:/models/prm", "prm:/models/prm"),
+    ],
+)
+def test_a_relative_reward_source_reaches_the_ray_actors_as_an_absolute_path(spec, expected, tmp_path, monkeypatch):
+    """OpenRLHF's Ray actors load ``--ext.reward_source`` in their own working directory: a relative file becomes
+    absolute in the driver (it used to stay relative and fail in the actor, or load another file)."""
+    from rlhf_ext.openrlhf.train_ppo_ray import for_cluster, parse_ext_args
+    from rlhf_ext.runtime.resources import Cluster
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--actor.model_name_or_path", "/m/sft", "--ext.granularity", "segment", "--ext.reward_source", spec]
+    _, ext = for_cluster(*parse_ext_args(argv), Cluster((0,)))
+    assert ext["reward_source"] == expected.format(cwd=tmp_path)
