@@ -110,6 +110,7 @@ EXPECT="forgetting|transfer" step continual-dpo rlhf-ext train continual --confi
 EXPECT="forgetting|transfer" step continual-module python -m rlhf_ext.launch.train_continual --config continual_dpo_tiny continual.continual_kl_coef_schedule='[1.0, 0.0]'
 # every sim compare method on the packaged task, two seeds in two spawned worker processes of the installed package
 EXPECT="^\| token_ppo \|" step sim-compare-smoke rlhf-ext sim compare --config sim_compare --budget smoke --out runs/sim
+grep -q '^| rules_ppo |' "$WORK/logs/sim-compare-smoke.log" || { echo "FAIL  sim compare printed no rules_ppo row"; exit 1; }
 # what a person reads, piped: no FutureWarning, no \r-joined progress bars, no raw metric dicts
 for log in demo zoo-build segment-rm segment-ppo online-dpo continual-dpo sim-compare-smoke; do
     f="$WORK/logs/$log.log"

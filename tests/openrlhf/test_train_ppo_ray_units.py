@@ -4,6 +4,7 @@ driver's refusals, the placeholder vLLM module, and the segment experience maker
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -288,3 +289,28 @@ def test_a_relative_reward_source_reaches_the_ray_actors_as_an_absolute_path(spe
     argv = ["--actor.model_name_or_path", "/m/sft", "--ext.granularity", "segment", "--ext.reward_source", spec]
     _, ext = for_cluster(*parse_ext_args(argv), Cluster((0,)))
     assert ext["reward_source"] == expected.format(cwd=tmp_path)
+
+
+@pytest.mark.parametrize("address", [None, "ray://head:10001"])
+def test_the_local_ray_the_driver_starts_runs_its_workers_at_normal_priority(address, tiny_sft_path, monkeypatch):
+    """Ray starts workers at niceness 15; on a CPU machine they do all of the run's work and starved beside any other
+    busy process (README's CPU line did not finish in 15 min beside two busy loops; 2 min idle). The local Ray the
+    driver starts gets ``RAY_worker_niceness=0``; a cluster the user started keeps its own setting."""
+    import ray
+
+    from rlhf_ext.openrlhf.cli_runner import parsed_args
+    from rlhf_ext.openrlhf.train_ppo_ray import for_cluster, parse_ext_args, prepare
+    from rlhf_ext.runtime.resources import Cluster
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.setattr("rlhf_ext.openrlhf.train_ppo_ray.ray_address", lambda: address)
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, niceness=os.environ.get("RAY_worker_niceness")))  # noqa: SIM112
+    cpu = Cluster((0,))
+    argv = ["--actor.model_name_or_path", tiny_sft_path, "--reward.model_name_or_path", tiny_sft_path,
+            "--ds.param_dtype", "bf16", "--ext.granularity", "bandit"]  # fmt: skip
+    rest, ext = for_cluster(*parse_ext_args(argv), cpu)
+    prepare(parsed_args("openrlhf.cli.train_ppo_ray", rest), ext, cpu)
+    assert seen["niceness"] == (None if address else "0")
+    assert seen.get("address") == (address or "local")
