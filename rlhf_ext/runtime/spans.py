@@ -66,6 +66,15 @@ class SourceOutput:
     def is_dense(self) -> bool:
         return any(s is not None for s in self.spans)
 
+    @classmethod
+    def captured(cls, func, name: str, scalars: Tensor) -> SourceOutput:
+        """What reward function ``func`` answered for a rollout: the spans its :class:`CapturedSource` kept, else
+        ``scalars`` ``[N]`` (its column of GRPO's rewards, NaN = unscored) as sequence rewards."""
+        output = func.pop() if isinstance(func, CapturedSource) else None
+        if output is not None and output.is_dense:
+            return output
+        return cls(name, scalars.tolist(), [None] * len(scalars), [False] * len(scalars))
+
     def totals(self) -> list[float]:
         """Per completion: its scalar, or the sum of its span rewards (what GRPO logs for the source)."""
         return [sum(r for _, _, r in s) if s is not None else v for v, s in zip(self.scalars, self.spans)]
