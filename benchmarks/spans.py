@@ -9,7 +9,9 @@ B=64 responses of T=1024 tokens (1-6 characters each), each response's text cut 
 ``--offsets``: the step before it, the policy tokens' character offsets
 (:func:`rlhf_ext.runtime.spans.completion_offsets`, batched from byte lengths) against the row-by-row streaming
 decoder (:func:`rlhf_ext.runtime.spans.offsets_by_row`), on GPT-2's tokenizer: B=64 completions of up to T=1024 tokens
-of English with accented letters, CJK and emoji, EOS-terminated and right-padded.
+of English with accented letters, CJK and emoji, EOS-terminated and right-padded (cut at a token count, so some rows
+end inside a character, as a completion cut at its length limit does), timed on all rows and on the rows that end on
+a whole character (the streaming decoder's own case; the others took its one-decode-per-token fallback).
 
     python benchmarks/spans.py [--offsets] [--out benchmarks/results/spans.json] [--repeats 7]
 """
@@ -108,10 +110,9 @@ def spread(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
-def offsets_main(args) -> dict:
+def time_offsets(tok, ids: torch.Tensor, mask: torch.Tensor, repeats: int) -> dict:
+    """Both paths on one batch, interleaved: their CPU seconds (median, min, max) and the ratio of the medians."""
     from rlhf_ext.runtime.spans import completion_offsets, offsets_by_row
-
-    tok, ids, mask = offsets_case(args.batch, args.tokens)
 
     def by_row():  # the old completion_offsets: each row decoded and streamed in token_char_offsets
         starts, ends = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -122,23 +123,35 @@ def offsets_main(args) -> dict:
     expected = by_row()
     assert torch.equal(starts, expected[0]) and torch.equal(ends, expected[1])  # the same offsets before timing
     batch_t, row_t = [], []
-    for _ in range(args.repeats):  # interleaved
+    for _ in range(repeats):  # interleaved
         batch_t += cpu_times(lambda: completion_offsets(tok, ids, mask), 1)
         row_t += cpu_times(by_row, 1)
-    v, r = statistics.median(batch_t), statistics.median(row_t)
-    n = int(mask.sum())
+    speedup = statistics.median(row_t) / statistics.median(batch_t)
+    return {"rows": len(ids), "completion_tokens": int(mask.sum()), "batched": spread(batch_t),
+            "by_row_stream": spread(row_t), "speedup": speedup}  # fmt: skip
+
+
+def offsets_main(args) -> dict:
+    tok, ids, mask = offsets_case(args.batch, args.tokens)
+    texts = tok.batch_decode([r[m].tolist() for r, m in zip(ids, mask)], skip_special_tokens=True)
+    whole = torch.tensor(["\ufffd" not in t for t in texts])  # the rest end inside a character (cut by the limit)
+    cases = {"all rows": time_offsets(tok, ids, mask, args.repeats),
+             "rows of whole characters": time_offsets(tok, ids[whole], mask[whole], args.repeats)}  # fmt: skip
     result = {
-        "batch": args.batch, "tokens": args.tokens, "completion_tokens": n, "tokenizer": "gpt2", "repeats":
-        args.repeats, "threads": 1, "clock": "process_time (CPU seconds)", "batched": spread(batch_t),
-        "by_row_stream": spread(row_t), "speedup": r / v, "machine": machine_info(),
+        "batch": args.batch, "tokens": args.tokens, "tokenizer": "gpt2", "repeats": args.repeats, "threads": 1,
+        "clock": "process_time (CPU seconds)", **cases["all rows"], "whole_character_rows": cases[
+        "rows of whole characters"], "machine": machine_info(),
     }  # fmt: skip
-    print(f"completion_offsets, GPT-2 tokenizer, B={args.batch} T<={args.tokens} ({n} tokens), 1 thread, CPU time, "
-          f"{args.repeats} repeats")  # fmt: skip
-    print(f"{'path':<22}{'median s':>10}{'min s':>10}{'max s':>10}{'tokens/s':>14}")
-    for name, times in (("batched (bytes)", batch_t), ("by row (stream)", row_t)):
-        med = statistics.median(times)
-        print(f"{name:<22}{med:>10.4f}{min(times):>10.4f}{max(times):>10.4f}{n / med:>14,.0f}")
-    print(f"speedup: {r / v:.1f}x")
+    print(f"completion_offsets, GPT-2 tokenizer, B={args.batch} T<={args.tokens}, 1 thread, CPU time, "
+          f"{args.repeats} repeats; {int((~whole).sum())} rows end inside a character")  # fmt: skip
+    print(f"{'rows':<32}{'path':<18}{'median s':>10}{'min s':>10}{'max s':>10}{'tokens/s':>14}")
+    for case, r in cases.items():
+        label = f"{case} ({r['rows']})"
+        for name, key in (("batched (bytes)", "batched"), ("by row (stream)", "by_row_stream")):
+            t = r[key]
+            print(f"{label:<32}{name:<18}{t['median_s']:>10.4f}{t['min_s']:>10.4f}{t['max_s']:>10.4f}"
+                  f"{r['completion_tokens'] / t['median_s']:>14,.0f}")  # fmt: skip
+        print(f"{case}: speedup {r['speedup']:.1f}x")
     if args.out:
         atomic_write_json(args.out, result)
     return result
