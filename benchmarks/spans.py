@@ -169,9 +169,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.offsets:
-        args.out = args.out or "benchmarks/results/spans_offsets.json"
+        args.out = "benchmarks/results/spans_offsets.json" if args.out is None else args.out
         return offsets_main(args)
-    args.out = args.out or "benchmarks/results/spans.json"
+    args.out = "benchmarks/results/spans.json" if args.out is None else args.out
     tensors, spans, offsets = make_case(args.batch, args.tokens)
     n_spans = sum(map(len, spans))
     vectorised = dense_span_rewards(*tensors).rewards
