@@ -285,6 +285,13 @@ class SegmentationMonitor:
         self.threshold = threshold
         self.warned = False
 
+    @classmethod
+    def for_normalizer(cls, normalizer: LocationNormalizer, granularity: Granularity | str) -> SegmentationMonitor:
+        """The monitor of a run normalized by ``normalizer``: its recorded SFT rates are the reference (none if it
+        records none)."""
+        rates = normalizer.segments_per_token, normalizer.above_cutoff_share
+        return cls(SegmentationRates(*rates) if None not in rates else None, granularity)
+
     def ratios(self, rates: SegmentationRates) -> dict[str, float]:
         """``{rate name: batch / reference}`` for the rates with a positive finite reference."""
         if self.reference is None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any
 
 import ray  # noqa: E402
@@ -39,7 +38,6 @@ from rlhf_ext.algos.segment_dense import (
     DenseRewardKnobs,
     Granularity,
     SegmentationMonitor,
-    SegmentationRates,
     dense_segment_rewards,
     segmentation_rates,
 )
@@ -217,26 +215,18 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         ext = validate_segment_ext({k: v for k, v in vars(self.args.ext).items() if k != "continual"})
         self.ext = ext
         self.dense = ext["granularity"] != "bandit"
-        settings: dict[str, Any] = {}
-        reward_path = getattr(getattr(self.args, "reward", None), "model_name_or_path", None)
-        if reward_path and os.path.exists(os.path.join(str(reward_path), "segment_config.json")):
-            from rlhf_ext.runtime.segment_data import load_segment_settings
+        from rlhf_ext.runtime.segment_data import resolve_segment_settings
 
-            settings = load_segment_settings(reward_path)
-        self.entropy_cutoff = (
-            ext["entropy_cutoff"] if ext["entropy_cutoff"] is not None else settings.get("entropy_cutoff", 2.0)
+        reward_path = getattr(getattr(self.args, "reward", None), "model_name_or_path", None)
+        self.entropy_cutoff, self.aggregation, self.tau = resolve_segment_settings(
+            reward_path and str(reward_path), ext["entropy_cutoff"], ext["aggregation"], ext["tau"]
         )
-        self.aggregation = ext["aggregation"] or settings.get("aggregation", "softmax")
-        self.tau = ext["tau"] if ext["tau"] is not None else settings.get("tau", 0.5)
         self.normalizer = (
             load_normalizer(ext["normalizer"], reward_model=ext["reward_model_id"])
             if ext["normalizer"]
             else LocationNormalizer()
         )
-        reference = None
-        if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
-            reference = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
-        self.monitor = SegmentationMonitor(reference, ext["granularity"])
+        self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, ext["granularity"])
         self.source = reward_source(ext)
         self.dense = self.dense or self.source is not None
         if self.dense and self.advantage_estimator not in ESTIMATORS:

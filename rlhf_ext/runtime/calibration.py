@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,43 @@ def fit_normalizer(
     )
     reference = SegmentationRates.of_totals(totals)  # the monitor's reference: the SFT model on the calibration set
     return dataclasses.replace(normalizer, **reference._asdict())
+
+
+def run_normalizer(
+    args, normalizer: LocationNormalizer | None, calibration_dataset, tokenizer, rm_source: str | None, *,
+    span_funcs=None, reward_model=None, sft_model=None, entropy_cutoff: float, aggregation: str, tau: float,
+) -> LocationNormalizer:  # fmt: skip
+    """The normalizer of a dense PPO run configured by ``args`` (``normalizer_path``, ``normalizer_kind``/``_basis``,
+    ``granularity``, ``chunk_size``, ``calibration_max_pairs``): ``normalizer`` as given, else the file
+    ``args.normalizer_path`` (refused if fitted for another reward model than ``rm_source``), else fitted on
+    ``calibration_dataset`` -- to the spans of the one dense function among ``span_funcs``
+    (:func:`~rlhf_ext.runtime.spans.fit_span_normalizer`), or to ``reward_model``'s segment rewards with
+    ``sft_model``'s entropies (:func:`fit_normalizer`) -- else none (for segment rewards with a warning: paper 003
+    Table 2's 'no normalization' breaks training)."""
+    if normalizer is None and args.normalizer_path is not None:
+        normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source) if rm_source else None)
+    calibrate = normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none"
+    if calibrate and span_funcs is not None:
+        from rlhf_ext.runtime.spans import fit_span_normalizer
+
+        normalizer = fit_span_normalizer(
+            span_funcs, tokenizer, calibration_dataset, kind=args.normalizer_kind, basis=args.normalizer_basis,
+            granularity=args.granularity, aggregation=aggregation, tau=tau, max_pairs=args.calibration_max_pairs,
+        )  # fmt: skip
+    elif calibrate:
+        normalizer = fit_normalizer(
+            reward_model, sft_model, tokenizer, calibration_dataset, kind=args.normalizer_kind,
+            basis=args.normalizer_basis, granularity=args.granularity, entropy_cutoff=entropy_cutoff,
+            aggregation=aggregation, tau=tau, chunk_size=args.chunk_size, reward_model_id=model_id(rm_source),
+            max_pairs=args.calibration_max_pairs,
+        )  # fmt: skip
+    if normalizer is None and args.normalizer_kind != "none" and span_funcs is None:
+        warnings.warn(
+            "DensePPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
+            "normalized (Table 2's 'no normalization', which the paper found breaks training)",
+            stacklevel=3,
+        )
+    return normalizer or LocationNormalizer(kind="none")
 
 
 def save_normalizer(normalizer: LocationNormalizer, path: str | Path) -> None:

@@ -23,13 +23,14 @@ whose EOS was cut off gets its last kept token replaced by EOS.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlhf_ext.algos.segment_reward import token_entropy
+from rlhf_ext.algos.segment_reward import DEFAULT_ENTROPY_CUTOFF, DEFAULT_TAU, Aggregation, token_entropy
 from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
 
 logger = logging.getLogger(__name__)
@@ -417,6 +418,28 @@ def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
     return settings
 
 
+def resolve_segment_settings(
+    reward_model: str | Path | None, entropy_cutoff: float | None = None, aggregation: str | None = None,
+    tau: float | None = None, warn_unrecorded: bool = False,
+) -> tuple[float, str, float]:  # fmt: skip
+    """``(entropy_cutoff, aggregation, tau)`` of a PPO run: each knob as given, else the value recorded next to the
+    ``reward_model`` directory (:func:`load_segment_settings`), else the paper's default (2.0, softmax, 0.5), with a
+    warning if ``warn_unrecorded`` and the directory records none. Both engines call this."""
+    recorded: dict[str, Any] = {}
+    if reward_model and (Path(reward_model) / SEGMENT_CONFIG_NAME).exists():
+        recorded = load_segment_settings(reward_model)
+    elif reward_model and warn_unrecorded:
+        warnings.warn(
+            f"{reward_model} records no segment settings; using cutoff/aggregation/tau defaults 2.0/softmax/0.5",
+            stacklevel=3,
+        )
+    return (
+        entropy_cutoff if entropy_cutoff is not None else recorded.get("entropy_cutoff", DEFAULT_ENTROPY_CUTOFF),
+        aggregation or recorded.get("aggregation", Aggregation.SOFTMAX.value),
+        tau if tau is not None else recorded.get("tau", DEFAULT_TAU),
+    )
+
+
 def segment_model_dir(model: Any) -> Path | None:
     """The directory of an rlhf-ext segment reward model (one holding :data:`SEGMENT_CONFIG_NAME`): ``model`` given
     as that path, or a model loaded from it (its ``config._name_or_path``); ``None`` for anything else."""
@@ -425,6 +448,17 @@ def segment_model_dir(model: Any) -> Path | None:
     else:
         path = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or "/nonexistent"))
     return path if (path / SEGMENT_CONFIG_NAME).is_file() else None
+
+
+def check_shared_vocabulary(reward_model, policy) -> None:
+    """Refuse a reward model whose vocabulary differs from the ``policy``'s: segment rewards are read per token."""
+    vocab, policy_vocab = getattr(reward_model.config, "vocab_size", None), policy.config.vocab_size
+    if vocab is not None and vocab != policy_vocab:
+        raise ValueError(
+            f"the reward model's vocabulary ({vocab}) differs from the policy's ({policy_vocab}); segment rewards "
+            "are read per token, so the reward model must share the policy's tokenizer (train it from the same "
+            "SFT model)"
+        )
 
 
 def check_bandit_reward_model(

@@ -16,12 +16,17 @@ A **reward source** is a callable in TRL's ``reward_funcs`` style, ``source(prom
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,6 +65,15 @@ class SourceOutput:
     @property
     def is_dense(self) -> bool:
         return any(s is not None for s in self.spans)
+
+    @classmethod
+    def captured(cls, func, name: str, scalars: Tensor) -> SourceOutput:
+        """What reward function ``func`` answered for a rollout: the spans its :class:`CapturedSource` kept, else
+        ``scalars`` ``[N]`` (its column of GRPO's rewards, NaN = unscored) as sequence rewards."""
+        output = func.pop() if isinstance(func, CapturedSource) else None
+        if output is not None and output.is_dense:
+            return output
+        return cls(name, scalars.tolist(), [None] * len(scalars), [False] * len(scalars))
 
     def totals(self) -> list[float]:
         """Per completion: its scalar, or the sum of its span rewards (what GRPO logs for the source)."""
@@ -179,21 +193,168 @@ def token_char_offsets(
     return text, offsets
 
 
-def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
-    """``(texts, token_start, token_end)`` of a right-padded batch of completions ``[B, C]`` (``mask`` true at its
-    tokens): each completion decoded without special tokens, as TRL decodes the completions it gives reward
-    functions, and its tokens' offsets (``[B, C]`` long, 0 outside ``mask``)."""
-    b, c = completion_ids.shape
-    starts = torch.zeros(b, c, dtype=torch.long)
-    ends = torch.zeros(b, c, dtype=torch.long)
-    texts = []
-    for row in range(b):
-        positions = mask[row].nonzero().flatten().cpu()
-        text, offsets = token_char_offsets(tokenizer, completion_ids[row, positions].tolist())
-        texts.append(text)
+@dataclass(frozen=True)
+class ByteTable:
+    """Per token id of a byte-level BPE tokenizer: the UTF-8 bytes decoding it adds (``data[start[i]:start[i] +
+    length[i]]``; none for a special token that ``skip_special_tokens=True`` drops), ``exact[i]``: decoding any
+    sequence of tokens concatenates those bytes when token ``i`` is among them, and ``special[i]``: ``i`` is among
+    ``all_special_ids``. ``key``: the tokenizer state it was built for (decoder, added and special tokens)."""
+
+    data: np.ndarray  # [total bytes] uint8
+    start: np.ndarray  # [V] int64
+    length: np.ndarray  # [V] int64
+    exact: np.ndarray  # [V] bool
+    special: np.ndarray  # [V] bool
+    key: tuple
+
+
+_BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BYTE_TABLES_LOCK = threading.Lock()
+#: Decoders that, before a final ``ByteLevel``, leave a token of ByteLevel's alphabet as it is (as GGUF files' BPE
+#: tokenizers are converted: ``<0x..>`` byte tokens and ``▁`` are not of that alphabet and fall back).
+_PASS_THROUGH = (
+    {"type": "ByteFallback"},
+    {"type": "Fuse"},
+    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """ByteLevel's character for each byte (GPT-2's ``bytes_to_unicode``), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+def byte_table(tokenizer) -> ByteTable | None:
+    """The :class:`ByteTable` of a fast tokenizer that decodes with ``ByteLevel`` (alone, or after the
+    :data:`_PASS_THROUGH` decoders), built once per tokenizer and again if its decoder, added or special tokens
+    change; ``None`` for any other tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is None:
+        return None
+    decoder = json.loads(backend.decoder.__getstate__())
+    steps = decoder.get("decoders", []) if decoder["type"] == "Sequence" else [decoder]
+    if not steps or steps[-1]["type"] != "ByteLevel" or any(d not in _PASS_THROUGH for d in steps[:-1]):
+        return None
+    added = backend.get_added_tokens_decoder()
+    key = (
+        decoder,
+        tuple(tokenizer.all_special_ids),
+        tuple((i, t.content, t.special) for i, t in sorted(added.items())),
+    )
+    with _BYTE_TABLES_LOCK:
+        table = _BYTE_TABLES.get(tokenizer)
+        if table is not None and table.key == key:
+            return table
+        alphabet = _byte_level_alphabet()
+        vocab = backend.get_vocab(with_added_tokens=True)
+        size = max(vocab.values(), default=-1) + 1
+        pieces, exact = [b""] * size, np.ones(size, dtype=bool)
+        for token, i in vocab.items():
+            if i in added and added[i].special:
+                continue  # dropped by skip_special_tokens=True
+            if all(c in alphabet for c in token) and not (len(steps) > 1 and re.fullmatch("<0x[0-9A-Fa-f]{2}>", token)):
+                pieces[i] = bytes(alphabet[c] for c in token)
+            else:  # ByteLevel keeps the token's own UTF-8, alone; after Fuse, the whole text's
+                pieces[i], exact[i] = token.encode(), len(steps) == 1
+        length = np.array([len(p) for p in pieces], dtype=np.int64)
+        special = np.zeros(size, dtype=bool)
+        special[[i for i in tokenizer.all_special_ids if 0 <= i < size]] = True
+        table = ByteTable(np.frombuffer(b"".join(pieces), dtype=np.uint8), np.cumsum(length) - length, length,
+                          exact, special, key)  # fmt: skip
+        _BYTE_TABLES[tokenizer] = table
+        return table
+
+
+def _shifted_cummax(x: np.ndarray) -> np.ndarray:
+    """``[B, C]``: the largest of ``x[:, :j]`` at ``j`` (0 at ``j = 0``)."""
+    return np.concatenate([np.zeros((len(x), 1), dtype=x.dtype), np.maximum.accumulate(x, axis=1)[:, :-1]], axis=1)
+
+
+def _byte_offsets(table: ByteTable, ids: np.ndarray, mask: np.ndarray, texts: list[str]):
+    """:func:`token_char_offsets`'s offsets ``(start, end)`` ``[B, C]`` of a batch of completions ``ids`` ``[B, C]``
+    (``mask`` true at their tokens; ``texts``: each row decoded), computed from byte lengths for the whole batch, and
+    ``exact`` ``[B]``: the rows where they are exact -- the row's decoded text is the concatenation of its tokens'
+    bytes from ``table``, valid UTF-8 but for one incomplete last character (a completion cut at its length limit)
+    and otherwise free of U+FFFD (which the streaming decoder reads as an incomplete character).
+
+    A token settles characters when its bytes end on a character boundary (a byte that is not ``0b10xxxxxx``, or the
+    end of a row whose last character is complete); those since the previous such token are its own, and the tokens
+    between that are not special share them. A row with an incomplete last character goes by prefixes, as
+    :func:`token_char_offsets` takes it: each token settles the characters it completes, its last token the rest
+    (that character's U+FFFD)."""
+    known = (ids >= 0) & (ids < len(table.length))
+    ids = np.where(known, ids, 0)
+    length = np.where(mask & known, table.length[ids], 0)  # [B, C] bytes each token adds
+    end = np.cumsum(length, axis=1)  # [B, C] byte offset of each token's end in its row
+    row_bytes = end[:, -1]
+    keep = length > 0
+    n = length[keep]  # the kept tokens' bytes, rows one after another
+    index = np.repeat(table.start[ids[keep]] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    data = table.data[index]
+    is_start = np.append((data & 0xC0) != 0x80, True)
+    row_start = np.cumsum(row_bytes) - row_bytes
+    exact = (mask & known & table.exact[ids] | ~mask).all(axis=1)
+    cut = np.zeros(len(ids), dtype=bool)  # rows whose last character is incomplete
+    for row, (text, begin, size) in enumerate(zip(texts, row_start, row_bytes)):
+        own, encoded = data[begin : begin + size], text.encode()
+        if "\ufffd" not in text:
+            exact[row] &= own.tobytes() == encoded
+        elif exact[row] and "\ufffd" not in text[:-1] and is_start[begin : begin + size].any():
+            last = int(np.flatnonzero(is_start[begin : begin + size])[-1])  # the last character's lead byte
+            lead = int(own[last])
+            width = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+            cut[row] = exact[row] = size - last < width and own[:last].tobytes() == encoded[:-3]
+        else:
+            exact[row] = False
+    chars = np.concatenate([[0], np.cumsum(is_start[:-1])])  # characters before each byte, over the batch
+    at = row_start[:, None] + end  # [B, C] each token's end in data
+    settled = chars[at] - chars[row_start][:, None]  # characters up to each token's end
+    boundary = np.where(end == row_bytes[:, None], ~cut[:, None], is_start[np.minimum(at, len(data))])
+    last = mask & (np.cumsum(mask, axis=1) == mask.sum(axis=1, keepdims=True))
+    # a cut row goes by prefixes: each token settles the characters it completes, the last one the rest
+    settled = np.where(cut[:, None] & ~last, settled - ~boundary, settled)
+    completes = settled > _shifted_cummax(np.where(mask, settled, 0))
+    emits = mask & np.where(cut[:, None], completes | last, (length > 0) & boundary)
+    before = _shifted_cummax(np.where(emits, settled, 0))
+    big = np.iinfo(np.int64).max
+    following = np.minimum.accumulate(np.where(emits, settled, big)[:, ::-1], axis=1)[:, ::-1]
+    shares = mask & ~emits & ~(known & table.special[ids]) & (following < big)
+    ends = np.where(emits, settled, np.where(shares, following, before))
+    return np.where(mask, before, 0), np.where(mask, ends, 0), exact
+
+
+def offsets_by_row(
+    tokenizer, completion_ids: Tensor, mask: Tensor, starts: Tensor, ends: Tensor, rows: Sequence[int]
+) -> None:
+    """Write :func:`token_char_offsets`'s offsets of ``rows`` of a batch of completions ``[B, C]`` (``mask`` true at
+    their tokens) into ``starts``/``ends`` ``[B, C]``, one row at a time (any tokenizer)."""
+    for row in rows:
+        positions = mask[row].nonzero().flatten()
+        _, offsets = token_char_offsets(tokenizer, completion_ids[row, positions].tolist())
         if offsets:
             starts[row, positions] = torch.tensor([s for s, _ in offsets])
             ends[row, positions] = torch.tensor([e for _, e in offsets])
+
+
+def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
+    """``(texts, token_start, token_end)`` of a right-padded batch of completions ``[B, C]`` (``mask`` true at its
+    tokens): each completion decoded without special tokens, as TRL decodes the completions it gives reward
+    functions, and its tokens' offsets (``[B, C]`` long, 0 outside ``mask``; :func:`token_char_offsets`'s).
+
+    Byte-level BPE tokenizers (:func:`byte_table`) take them for the whole batch from byte lengths, checked exact
+    per row; other tokenizers and the rows that check fails on (invalid UTF-8 but for a cut last character, U+FFFD)
+    go row by row (:func:`offsets_by_row`)."""
+    ids, mask = completion_ids.cpu(), mask.bool().cpu()
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    table = byte_table(tokenizer)
+    if table is None or ids.numel() == 0:
+        starts, ends, rows = torch.zeros(ids.shape, dtype=torch.long), torch.zeros(ids.shape, dtype=torch.long), None
+    else:
+        starts, ends, exact = _byte_offsets(table, ids.numpy(), mask.numpy(), texts)
+        starts, ends, rows = torch.from_numpy(starts), torch.from_numpy(ends), np.flatnonzero(~exact).tolist()
+    offsets_by_row(tokenizer, ids, mask, starts, ends, range(len(ids)) if rows is None else rows)
     return texts, starts, ends
 
 

@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,47 @@ from rlhf_ext.runtime.io import weights_problem
 from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
 
 logger = logging.getLogger(__name__)
+
+
+#: Where a checkpoint keeps a trained critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
+#: optimizer state and micro-step count.
+CRITIC_DIR = "critic"
+CRITIC_STATE_FILE = "training_state.pt"
+
+
+def save_critic_state(optimizer: torch.optim.Optimizer, micro_steps: int, checkpoint: str) -> None:
+    """Write the critic's optimizer state and micro-step count into ``checkpoint/critic/`` (its weights go there
+    with ``save_pretrained``)."""
+    critic_dir = os.path.join(checkpoint, CRITIC_DIR)
+    os.makedirs(critic_dir, exist_ok=True)
+    state = {"optimizer": optimizer.state_dict(), "micro_steps": micro_steps}
+    torch.save(state, os.path.join(critic_dir, CRITIC_STATE_FILE))
+
+
+def load_critic(critic, optimizer: torch.optim.Optimizer, checkpoint: str) -> int | None:
+    """Restore a critic (unwrapped) and its optimizer from ``checkpoint/critic/``; the micro-step count, or ``None``
+    (with a warning) when the checkpoint holds its weights but not its optimizer state."""
+    critic_dir = os.path.join(checkpoint, CRITIC_DIR)
+    if not os.path.isfile(os.path.join(critic_dir, "config.json")):
+        raise ValueError(
+            f"cannot resume the GAE critic from {checkpoint}: it has no {CRITIC_DIR}/ (was it saved by a run "
+            "without a critic, e.g. advantage_estimator='reinforce'?); resume with the checkpoint's settings or "
+            "start in a new output_dir"
+        )
+    saved = type(critic).from_pretrained(critic_dir, dtype=next(critic.parameters()).dtype)
+    critic.load_state_dict(saved.state_dict())
+    del saved
+    state_file = os.path.join(critic_dir, CRITIC_STATE_FILE)
+    if not os.path.isfile(state_file):
+        warnings.warn(
+            f"{checkpoint} has the critic's weights but not its optimizer state ({CRITIC_DIR}/{CRITIC_STATE_FILE}: "
+            "saved with save_only_model, or by an older rlhf-ext); the critic's optimizer starts afresh",
+            stacklevel=2,
+        )
+        return None
+    state = torch.load(state_file, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return state["micro_steps"]
 
 
 def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):

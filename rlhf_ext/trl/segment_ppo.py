@@ -40,9 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -60,9 +58,16 @@ from rlhf_ext.algos.segment_dense import (
     segmentation_totals,
 )
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.runtime.calibration import load_normalizer, save_normalizer
+from rlhf_ext.runtime.calibration import run_normalizer, save_normalizer
 from rlhf_ext.runtime.rewards import segment_reward_as_e_phi
-from rlhf_ext.runtime.token_scores import TokenScoreCapture, load_value_model
+from rlhf_ext.runtime.segment_data import check_bandit_reward_model, check_shared_vocabulary, resolve_segment_settings
+from rlhf_ext.runtime.token_scores import (
+    CRITIC_DIR,
+    TokenScoreCapture,
+    load_critic,
+    load_value_model,
+    save_critic_state,
+)
 from rlhf_ext.trl.args import CheckpointRecords, HardwareBF16Default
 
 
@@ -114,12 +119,6 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Def
             self.loss_type = "bnpo"
         self.scale_rewards = "none"
         super().__post_init__()  # the knob dataclasses check every ranged field (rlhf_ext.algos.knobs)
-
-
-#: Where a checkpoint keeps the critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
-#: optimizer state and micro-step count.
-CRITIC_DIR = "critic"
-CRITIC_STATE_FILE = "training_state.pt"
 
 
 def segment_reward(prompts, completions, **kwargs):
@@ -223,22 +222,11 @@ class DensePPOTrainer(GRPOTrainer):
             from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
 
             async_rollout = rollout_func = OneStepAsyncRollout(generator_threads=args.generation_threads)
+        funcs = reward_funcs if reward_funcs is not None else ([] if self.uses_reward_funcs else [segment_reward])
         super().__init__(
-            model,
-            reward_funcs if reward_funcs is not None else ([] if self.uses_reward_funcs else [segment_reward]),
-            args,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-            tools,
-            rollout_func,
-            environment_factory,
-        )
+            model, funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks,
+            optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+        )  # fmt: skip
         self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
         self.async_rollout = async_rollout
         if async_rollout is not None:
@@ -248,9 +236,6 @@ class DensePPOTrainer(GRPOTrainer):
         # what GRPO's reward loop calls: each function wrapped so that its spans wait for the rollout's dense rewards
         self._captured_funcs = capture_sources(self.reward_funcs)
         from transformers import AutoModelForCausalLM
-
-        from rlhf_ext.runtime.calibration import fit_normalizer, model_id
-        from rlhf_ext.runtime.segment_data import check_bandit_reward_model, load_segment_settings
 
         # on-policy REINFORCE steps finish the advantages from the loss's own policy forward (see the module doc)
         self._reuse_policy_logps = True
@@ -263,20 +248,10 @@ class DensePPOTrainer(GRPOTrainer):
         if reward_model is not None:
             rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
             check_bandit_reward_model(args.granularity, args.reward_model_path or reward_model, "reward model")
-        settings: dict[str, Any] = {}
-        if args.reward_model_path is not None:
-            try:
-                settings = load_segment_settings(args.reward_model_path)
-            except FileNotFoundError:
-                if args.granularity in ("segment", "segment_as_bandit"):
-                    warnings.warn(
-                        f"{args.reward_model_path} records no segment settings; using cutoff/aggregation/tau "
-                        "defaults 2.0/softmax/0.5",
-                        stacklevel=2,
-                    )
-        self.entropy_cutoff = (
-            args.entropy_cutoff if args.entropy_cutoff is not None else settings.get("entropy_cutoff", 2.0)
-        )
+        self.entropy_cutoff, self.aggregation, self.seg_tau = resolve_segment_settings(
+            args.reward_model_path, args.entropy_cutoff, args.aggregation, args.tau,
+            warn_unrecorded=args.granularity in ("segment", "segment_as_bandit"),
+        )  # fmt: skip
         if (
             reward_model is not None
             and args.granularity in ("segment", "bandit_as_segment")
@@ -286,8 +261,6 @@ class DensePPOTrainer(GRPOTrainer):
                 f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
                 "entropy_cutoff (e.g. 2.0) or granularity='bandit'"
             )
-        self.aggregation = args.aggregation or settings.get("aggregation", "softmax")
-        self.seg_tau = args.tau if args.tau is not None else settings.get("tau", 0.5)
         from trl.trainer.utils import get_config_model_id
 
         policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
@@ -304,48 +277,18 @@ class DensePPOTrainer(GRPOTrainer):
         self._add_fused_head(ref_model, entropy=self.needs_reference_entropy)
         self.segment_ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
         if reward_model is not None:
-            self._check_tokenizers(reward_model)
+            check_shared_vocabulary(reward_model, self.accelerator.unwrap_model(self.model))
             self.reward_model = self.accelerator.prepare_model(reward_model.eval(), evaluation_mode=True)
             self._reward_capture = TokenScoreCapture(self.reward_model)
 
-        if normalizer is None and args.normalizer_path is not None:
-            normalizer = load_normalizer(args.normalizer_path, reward_model=model_id(rm_source) if rm_source else None)
-        calibrate = normalizer is None and calibration_dataset is not None and args.normalizer_kind != "none"
-        if calibrate and self.uses_reward_funcs:  # the spans of the dense reward function
-            from rlhf_ext.runtime.spans import fit_span_normalizer
-
-            normalizer = fit_span_normalizer(
-                self._captured_funcs, self._tokenizer, calibration_dataset, kind=args.normalizer_kind,
-                basis=args.normalizer_basis, granularity=args.granularity, aggregation=self.aggregation,
-                tau=self.seg_tau, max_pairs=args.calibration_max_pairs,
-            )  # fmt: skip
-        elif calibrate:
-            normalizer = fit_normalizer(
-                self.accelerator.unwrap_model(self.reward_model),
-                self.accelerator.unwrap_model(self.segment_ref_model),
-                self.processing_class,
-                calibration_dataset,
-                kind=args.normalizer_kind,
-                basis=args.normalizer_basis,
-                granularity=args.granularity,
-                entropy_cutoff=self.entropy_cutoff,
-                aggregation=self.aggregation,
-                tau=self.seg_tau,
-                chunk_size=args.chunk_size,
-                reward_model_id=model_id(rm_source),
-                max_pairs=args.calibration_max_pairs,
-            )
-        if normalizer is None and args.normalizer_kind != "none" and not self.uses_reward_funcs:
-            warnings.warn(
-                "DensePPOTrainer: no normalizer_path and no calibration_dataset, so segment rewards are not "
-                "normalized (Table 2's 'no normalization', which the paper found breaks training)",
-                stacklevel=2,
-            )
-        self.normalizer = normalizer or LocationNormalizer(kind="none")
-        reference_rates = None
-        if self.normalizer.segments_per_token is not None and self.normalizer.above_cutoff_share is not None:
-            reference_rates = SegmentationRates(self.normalizer.segments_per_token, self.normalizer.above_cutoff_share)
-        self.monitor = SegmentationMonitor(reference_rates, args.granularity)
+        self.normalizer = run_normalizer(
+            args, normalizer, calibration_dataset, self._tokenizer if self.uses_reward_funcs else self.processing_class,
+            rm_source, span_funcs=self._captured_funcs if self.uses_reward_funcs else None,
+            reward_model=self.accelerator.unwrap_model(self.reward_model) if self.reward_model is not None else None,
+            sft_model=self.accelerator.unwrap_model(self.segment_ref_model), entropy_cutoff=self.entropy_cutoff,
+            aggregation=self.aggregation, tau=self.seg_tau,
+        )  # fmt: skip
+        self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, args.granularity)
 
         # paper 000 Eq. 7: the KL to the previous task's policy, when one is given (the first task has none) and c > 0
         self.prev_model = None
@@ -406,16 +349,6 @@ class DensePPOTrainer(GRPOTrainer):
             outputs=("log_probs", "entropy") if entropy else ("log_probs",),
         )
 
-    def _check_tokenizers(self, reward_model) -> None:
-        vocab = getattr(reward_model.config, "vocab_size", None)
-        policy_vocab = self.accelerator.unwrap_model(self.model).config.vocab_size
-        if vocab is not None and vocab != policy_vocab:
-            raise ValueError(
-                f"the reward model's vocabulary ({vocab}) differs from the policy's ({policy_vocab}); segment rewards "
-                "are read per token, so the reward model must share the policy's tokenizer (train it from the same "
-                "SFT model)"
-            )
-
     def _critic_values(self, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
         """``[B, C]`` V(s_t) for each completion token t: the critic's head at the position that predicts t."""
         scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
@@ -432,13 +365,9 @@ class DensePPOTrainer(GRPOTrainer):
         if per_func is None:
             raise RuntimeError("no reward-function output for this rollout")
         n = completion_ids.size(0)
-        start = self.accelerator.process_index * n
-        outputs = []
-        for i, (func, name) in enumerate(zip(self._captured_funcs, self.reward_func_names)):
-            captured = func.pop() if hasattr(func, "pop") else None
-            if captured is None or not captured.is_dense:
-                captured = SourceOutput(name, per_func[start : start + n, i].tolist(), [None] * n, [False] * n)
-            outputs.append(captured)
+        rows = per_func[self.accelerator.process_index * n :][:n]
+        outputs = [SourceOutput.captured(func, name, rows[:, i]) for i, (func, name) in
+                   enumerate(zip(self._captured_funcs, self.reward_func_names))]  # fmt: skip
         args = self.args
         batch = dense_rewards(
             outputs, self.reward_weights.tolist(), self._tokenizer, completion_ids, mask, normalizer=self.normalizer,
@@ -488,13 +417,9 @@ class DensePPOTrainer(GRPOTrainer):
                     self.model, input_ids, attention_mask, c, batch_size=batch_size
                 )
             ref_logps, ref_entropy, _ = self._get_per_token_logps_and_entropies(
-                self.segment_ref_model,
-                input_ids,
-                attention_mask,
-                c,
-                batch_size=batch_size,
+                self.segment_ref_model, input_ids, attention_mask, c, batch_size=batch_size,
                 compute_entropy=self.needs_reference_entropy,
-            )
+            )  # fmt: skip
             if self.prev_model is not None:
                 out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
@@ -505,17 +430,10 @@ class DensePPOTrainer(GRPOTrainer):
             else:
                 scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
                 dense = dense_segment_rewards(
-                    scores,
-                    mask,
-                    ref_entropy,
-                    normalizer=self.normalizer,
-                    granularity=args.granularity,
-                    interpolation=args.interpolation,
-                    entropy_cutoff=self.entropy_cutoff,
-                    aggregation=self.aggregation,
-                    tau=self.seg_tau,
-                    chunk_size=args.chunk_size,
-                )
+                    scores, mask, ref_entropy, normalizer=self.normalizer, granularity=args.granularity,
+                    interpolation=args.interpolation, entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation,
+                    tau=self.seg_tau, chunk_size=args.chunk_size,
+                )  # fmt: skip
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
             if finish_in_loss:
                 # the per-row part now (group baseline before GRPO shuffles the rows, reward clip); the KL term,
@@ -661,41 +579,15 @@ class DensePPOTrainer(GRPOTrainer):
         next to the critic's weights (``critic/``, written by :meth:`save_model` for the same checkpoint)."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.critic is not None and self.args.should_save:
-            critic_dir = os.path.join(output_dir, CRITIC_DIR)
-            os.makedirs(critic_dir, exist_ok=True)
-            state = {"optimizer": self.critic_optimizer.state_dict(), "micro_steps": self._critic_micro_steps}
-            torch.save(state, os.path.join(critic_dir, CRITIC_STATE_FILE))
+            save_critic_state(self.critic_optimizer, self._critic_micro_steps, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """On resume, the policy's optimizer and scheduler (``Trainer``), then the critic: its weights and its
         optimizer state from ``checkpoint/critic`` (otherwise the critic would restart from its initial weights)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.critic is not None:
-            self._load_critic(checkpoint)
-
-    def _load_critic(self, checkpoint: str) -> None:
-        critic_dir = os.path.join(checkpoint, CRITIC_DIR)
-        if not os.path.isfile(os.path.join(critic_dir, "config.json")):
-            raise ValueError(
-                f"cannot resume the GAE critic from {checkpoint}: it has no {CRITIC_DIR}/ (was it saved by a run "
-                "without a critic, e.g. advantage_estimator='reinforce'?); resume with the checkpoint's settings or "
-                "start in a new output_dir"
-            )
-        critic = self.accelerator.unwrap_model(self.critic)
-        saved = type(critic).from_pretrained(critic_dir, dtype=next(critic.parameters()).dtype)
-        critic.load_state_dict(saved.state_dict())
-        del saved
-        state_file = os.path.join(critic_dir, CRITIC_STATE_FILE)
-        if not os.path.isfile(state_file):
-            warnings.warn(
-                f"{checkpoint} has the critic's weights but not its optimizer state ({CRITIC_DIR}/{CRITIC_STATE_FILE}: "
-                "saved with save_only_model, or by an older rlhf-ext); the critic's optimizer starts afresh",
-                stacklevel=2,
-            )
-            return
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        self.critic_optimizer.load_state_dict(state["optimizer"])
-        self._critic_micro_steps = state["micro_steps"]
+            steps = load_critic(self.accelerator.unwrap_model(self.critic), self.critic_optimizer, checkpoint)
+            self._critic_micro_steps = self._critic_micro_steps if steps is None else steps
 
 
 #: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` with its default
