@@ -77,3 +77,18 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> str:
     if zoo.is_builtin(spec) and spec[len(zoo.PREFIX) :] in zoo.TRAINED_MODELS:
         return build_model(spec[len(zoo.PREFIX) :], cache_dir)
     return zoo.resolve_model(spec, cache_dir)
+
+
+def load_tokenizer(spec: str, flag: str):
+    """The tokenizer of ``spec`` (a model or tokenizer directory, a hub id or a ``builtin:`` model); one that none
+    loads from raises a one-line :class:`FileNotFoundError` naming the option ``flag`` it came from."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(spec))
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"{flag} {spec!r}: no tokenizer loads from it ({reason}); give a model or tokenizer directory, a hub id "
+            "or a builtin: model"
+        ) from None
