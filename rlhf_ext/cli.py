@@ -441,12 +441,15 @@ SEGMENT_KNOBS = "rlhf_ext.algos.segment_reward:SegmentRewardKnobs"
               help="Entropy cutoff (default: the training value).")  # fmt: skip
 @click.option("--html", "html_path", type=click.Path(), default=None, help="Also write a coloured HTML view here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (NaN and inf are written as null).")
-def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json) -> None:
-    """Split RESPONSE into segments and print each segment's reward (paper Figure 3)."""
-    from rlhf_ext.pipelines.builtins import resolve_model
+@click.option("--policy-tokenizer", default=None,
+              help="Also show the rewards on this policy tokenizer's tokens (directory or builtin:NAME).")  # fmt: skip
+def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json, policy_tokenizer) -> None:
+    """Split RESPONSE into segments and print each segment's reward (paper Figure 3), and on policy tokens."""
+    from rlhf_ext.pipelines.builtins import load_tokenizer, resolve_model
     from rlhf_ext.runtime.io import atomic_write_text
     from rlhf_ext.runtime.token_scores import SegmentScorer, render_html
 
+    tokenizer = load_tokenizer(policy_tokenizer, "--policy-tokenizer") if policy_tokenizer else None
     try:
         scorer = SegmentScorer(
             model_dir, sft_model=resolve_model(sft_model) if sft_model else None, entropy_cutoff=cutoff
@@ -454,10 +457,14 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     view = scorer.score(prompt or None, response)
-    if as_json:
-        click.echo(json.dumps(_finite_or_null(view.__dict__), indent=2, allow_nan=False))
-    else:
-        click.echo(view.as_text())
+    shown, text = dict(view.__dict__), view.as_text()
+    if tokenizer is not None:
+        from rlhf_ext.runtime.dense_sources import SegmentRewardSpans, policy_token_rewards
+
+        tokens = policy_token_rewards(SegmentRewardSpans(scorer), tokenizer, prompt or None, response)
+        shown["policy_tokens"] = [t.__dict__ for t in tokens]
+        text += f"\non the policy's tokens ({policy_tokenizer}):\n" + "\n".join(map(str, tokens))
+    click.echo(json.dumps(_finite_or_null(shown), indent=2, allow_nan=False) if as_json else text)
     if html_path:
         atomic_write_text(html_path, render_html([view]))
         click.echo(f"html: {html_path}", err=as_json)

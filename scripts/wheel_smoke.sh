@@ -64,6 +64,10 @@ EXPECT="held-out acc" step segment-rm rlhf-ext train segment-rm --config my.yaml
 EXPECT="tides.html" step segment-show rlhf-ext segment show --model runs/rm --prompt "Question: What should I know about tides?\nAnswer:" \
    --response " Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." \
    --html tides.html
+EXPECT="on the policy's tokens" step segment-show-policy rlhf-ext segment show --model runs/rm \
+   --prompt "Question: What should I know about tides?\nAnswer:" \
+   --response " Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." \
+   --policy-tokenizer builtin:tiny
 EXPECT="held-out acc" step rm-module python -m rlhf_ext.launch.train_segment_rm --config my.yaml
 EXPECT="held-out acc" step rm-torchrun torchrun --nproc_per_node 2 -m rlhf_ext.launch.train_segment_rm --config my.yaml
 EXPECT="held-out acc" step rm-accelerate accelerate launch -m rlhf_ext.launch.train_segment_rm --config my.yaml

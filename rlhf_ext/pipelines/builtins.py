@@ -86,3 +86,18 @@ def resolve_reward_source_spec(spec: str) -> str:
     if zoo.is_builtin(model) and model[len(zoo.PREFIX) :] in zoo.BUILTIN_MODELS:
         resolve_model(model)
     return zoo.resolve_reward_source_spec(spec)
+
+
+def load_tokenizer(spec: str, flag: str):
+    """The tokenizer of ``spec`` (a model or tokenizer directory, a hub id or a ``builtin:`` model); one that none
+    loads from raises a one-line :class:`FileNotFoundError` naming the option ``flag`` it came from."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(spec))
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"{flag} {spec!r}: no tokenizer loads from it ({reason}); give a model or tokenizer directory, a hub id "
+            "or a builtin: model"
+        ) from None

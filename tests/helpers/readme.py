@@ -97,6 +97,9 @@ WHERE: dict[str, str] = {
     '" Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." --html tides.html': (
         "wheel-smoke"
     ),
+    'rlhf-ext segment show --model runs/rm --prompt "Question: What should I know about tides?\\nAnswer:" --response '
+    '" Many people wonder about this. The facts about tides are backed by peer-reviewed evidence." '
+    "--policy-tokenizer builtin:tiny": "wheel-smoke",
     # Segment-level PPO
     "accelerate launch -m rlhf_ext.launch.train_segment_ppo --config segment_ppo_tiny": "wheel-smoke",
     "rlhf-ext plan --config segment_ppo_paper --cluster 1x8": "wheel-smoke",
