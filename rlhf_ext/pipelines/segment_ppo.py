@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from rlhf_ext.algos.knobs import knob, knob_like, seed_knob
@@ -454,9 +454,8 @@ def fit_recipe_normalizer(recipe, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
     from rlhf_ext.runtime.calibration import fit_normalizer, model_id
-    from rlhf_ext.runtime.segment_data import load_segment_settings
+    from rlhf_ext.runtime.segment_data import resolve_segment_settings
     from rlhf_ext.runtime.spans import fit_span_normalizer
     from rlhf_ext.zoo.builtins import resolve_dataset
 
@@ -464,9 +463,8 @@ def fit_recipe_normalizer(recipe, tokenizer):
     if data.calibration is None:
         raise ValueError("set model.normalizer or data.calibration: segment rewards need a normalizer (Table 2)")
     calibration = resolve_dataset(data.calibration)[data.calibration_split]
-    recorded = asdict(SegmentRewardKnobs()) if m.reward_source else load_segment_settings(m.reward_model)
-    aggregation = seg.aggregation or recorded["aggregation"]
-    tau = seg.tau if seg.tau is not None else recorded["tau"]
+    cutoff, aggregation, tau = resolve_segment_settings(m.reward_model, seg.entropy_cutoff, seg.aggregation, seg.tau,
+                                                        warn_unrecorded=True)  # fmt: skip
     common = {"kind": seg.normalizer_kind, "basis": seg.normalizer_basis, "granularity": seg.granularity,
               "aggregation": aggregation, "tau": tau, "max_pairs": data.max_calibration_pairs}  # fmt: skip
     if m.reward_source:
@@ -477,7 +475,7 @@ def fit_recipe_normalizer(recipe, tokenizer):
         AutoModelForCausalLM.from_pretrained(m.sft_model).to(device),
         tokenizer,
         calibration,
-        entropy_cutoff=seg.entropy_cutoff if seg.entropy_cutoff is not None else recorded["entropy_cutoff"],
+        entropy_cutoff=cutoff,
         chunk_size=seg.chunk_size,
         reward_model_id=model_id(m.reward_model),
         **common,
