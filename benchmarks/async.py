@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from _timing import machine_parallelism
+
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,38 +46,6 @@ def cpu_seconds() -> float:
     """CPU time of this process and its finished children (the generator process, once joined)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
-
-
-def _spin(seconds_of_work: int) -> float:
-    """A fixed amount of single-threaded matmul work; returns its wall time."""
-    import torch
-
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
-    t0 = time.perf_counter()
-    for _ in range(seconds_of_work):
-        b = a
-        for _ in range(400):
-            b = (b @ a).tanh()
-    return time.perf_counter() - t0
-
-
-def machine_parallelism(work: int = 2) -> float:
-    """How much faster two single-threaded processes finish side by side than one after the other, right now:
-    2.0 on two idle cores, ~1.0 when other processes already use them. The ceiling for any async speedup."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        pool.map(_spin, [0, 0])  # start-up
-        t0 = time.perf_counter()
-        pool.map(_spin, [work])
-        pool.map(_spin, [work])
-        serial = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        pool.map(_spin, [work, work])
-        parallel = time.perf_counter() - t0
-    return serial / parallel
 
 
 def reward_model(root: Path) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.readme import ROOT, readme_commands
 
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))  # _x.py: shared code
 COMMANDS = readme_commands(ROOT / "benchmarks" / "README.md")
 
 
