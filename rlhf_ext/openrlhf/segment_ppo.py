@@ -441,13 +441,6 @@ def install_in_process() -> None:
     launcher_module.RewardModelActor = SegmentRewardModelActor
 
 
-def run_train_ppo_ray(argv: list[str]) -> None:
-    """Run ``openrlhf.cli.train_ppo_ray`` with rlhf-ext's classes (:func:`rlhf_ext.openrlhf.train_ppo_ray.main`)."""
-    from rlhf_ext.openrlhf.train_ppo_ray import main
-
-    main(argv)
-
-
 if __name__ == "__main__":  # `python -m rlhf_ext.openrlhf.segment_ppo` used to exit 0 and do nothing
     raise SystemExit(
         "rlhf_ext.openrlhf.segment_ppo is a library module; run OpenRLHF's PPO with segment rewards as "
