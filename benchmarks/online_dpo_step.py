@@ -149,7 +149,7 @@ def trl(sft: str, rm: str, prompts: list[str], work: Path, m: int, batch: int, m
     return step
 
 
-def profile_ours(step, top: int = 25) -> list[str]:
+def profile_ours(step, top: int = 45) -> list[str]:
     """cProfile (thread CPU time) of one more iteration of ours: the ``top`` entries by cumulative time."""
     prof = cProfile.Profile(time.thread_time)
     prof.enable()
