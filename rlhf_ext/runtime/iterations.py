@@ -58,16 +58,21 @@ def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
         raise ValueError("run_iterations runs online_mode='iterative'; per-batch online DPO is trainer.train()")
     trainer.open_run()  # run.json: refuses an output_dir started with other settings
     evaluations = [trainer.evaluate_policy(0)]
-    iterations = []
-    for t in range(args.num_iterations):
-        if trainer.should_collect(t):  # the main process, when iteration t's pairs are not stored yet
-            prompts, ids = trainer.iteration_prompts(t)  # 1. take prompts
-            samples = trainer.sample_responses(t, prompts)  # 2. n responses from pi_t at the temperatures
-            rewards = trainer.score_responses(prompts, samples)  # 3. score with the reward
-            rows, stats = trainer.select_pairs(t, prompts, ids, samples, rewards)  # 4. best vs worst (Eq. 9)
-            trainer.store_pairs(t, rows, stats)  # 5. store the iteration's pairs atomically
-        pairs = trainer.pairs_summary(t)
-        trainer.train_iteration(t)  # 6. DPO on the accumulated pairs, SFT reference -> pi_{t+1}
-        evaluations.append(trainer.evaluate_policy(t + 1))  # 7. evaluate pi_{t+1}
-        iterations.append(trainer.log_iteration(t, pairs, evaluations[-1]))
+    iterations = [run_iteration(trainer, t) for t in range(args.num_iterations)]
+    evaluations += [it["eval"] for it in iterations]
     return trainer.summarize_iterations(evaluations, iterations)
+
+
+def run_iteration(trainer: IterationSteps, t: int) -> dict[str, Any]:
+    """Iteration ``t`` of :func:`run_iterations` (steps 1-7); returns the record :meth:`log_iteration` made of it
+    (``pairs``, ``eval`` of ``pi_{t+1}``)."""
+    if trainer.should_collect(t):  # the main process, when iteration t's pairs are not stored yet
+        prompts, ids = trainer.iteration_prompts(t)  # 1. take prompts
+        samples = trainer.sample_responses(t, prompts)  # 2. n responses from pi_t at the temperatures
+        rewards = trainer.score_responses(prompts, samples)  # 3. score with the reward
+        rows, stats = trainer.select_pairs(t, prompts, ids, samples, rewards)  # 4. best vs worst (Eq. 9)
+        trainer.store_pairs(t, rows, stats)  # 5. store the iteration's pairs atomically
+    pairs = trainer.pairs_summary(t)
+    trainer.train_iteration(t)  # 6. DPO on the accumulated pairs, SFT reference -> pi_{t+1}
+    evaluation = trainer.evaluate_policy(t + 1)  # 7. evaluate pi_{t+1}
+    return trainer.log_iteration(t, pairs, evaluation)
