@@ -83,8 +83,10 @@ BUDGET ?= default
 fidelity: $(STAMP)
 	$(PY) benchmarks/fidelity.py --budget $(BUDGET)
 
+# Every table benchmark's --quick run (minutes), then benchmarks/results/summary.md from their "summary" rows
+# (benchmarks/bench.py; `--render` only rewrites the table).
 bench: $(STAMP)
-	$(PY) benchmarks/segmentation.py
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) .venv-newest .venv-floors runs .pytest_cache .ruff_cache .openrlhf-tests

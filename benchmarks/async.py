@@ -2,6 +2,7 @@
 
     python benchmarks/async.py [--out benchmarks/results/async.json] [--updates 16] [--reps 3]
     python benchmarks/async.py --render benchmarks/results/async.json      # re-print a result's tables
+    python benchmarks/async.py --quick      # 8 updates of 16 pairs, 32 tokens, 2 reps, no margin table -> *_quick.json
 
 1. **Sync vs one-step async** (paper 001, section 3.5 / Appendix D): the same number of DPO updates with
    ``IterativeDPOTrainer``'s online mode, ``async_generation`` false then true, each role held to one CPU thread in
@@ -17,6 +18,9 @@
    trained on the toy task (built once with the ``segment_rm_tiny`` recipe), 64 prompts.
 
 The machine's load average is recorded around every measurement, since other processes may share the cores.
+The summary rows (``make bench``'s table, one per generator design) give, per repetition, the achieved speedup as a
+fraction of its ceiling ``min(ideal, machine parallelism)`` (the parallelism probed just before that repetition):
+median [p25-p75] over the repetitions, target >= 0.95 in every one.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _timing import machine_parallelism
+from _timing import machine_parallelism, machine_probe, spread, summary_row
 
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text, machine_info
 
@@ -88,7 +92,7 @@ def online_run(
         max_steps=updates,
         num_samples=k,
         temperatures=[0.7, 1.0],
-        max_new_tokens=max_new_tokens,
+        max_completion_length=max_new_tokens,
         per_device_train_batch_size=pairs,
         learning_rate=1e-4,
         lr_scheduler_type="constant",
@@ -159,6 +163,7 @@ def speedup_table(sft, prompts, reward, root: Path, k: int, mnt: int, pairs: int
             {
                 "generator": backend,
                 "machine_parallelism": statistics.median(probes),
+                "machine_parallelism_per_rep": probes,
                 "K": k,
                 "max_new_tokens": mnt,
                 "G_sync": g,
@@ -225,9 +230,43 @@ def margin_table(sft, tokenizer, prompts, reward, ns: list[int], seed: int = 0) 
     return rows
 
 
+def summary_rows(result: dict, probe: dict) -> list[dict]:
+    """``make bench``'s rows, one per generator design: each repetition's achieved speedup as a fraction of its
+    ceiling ``min(ideal, machine parallelism)``, median [p25-p75] over the repetitions (target >= 0.95 in each)."""
+    from dataclasses import fields
+
+    from rlhf_ext.algos.pair_selection import OnlineSamplingKnobs
+
+    process = next(f.default for f in fields(OnlineSamplingKnobs) if f.name == "generator_process")
+    default, args = "process" if process else "thread", result["args"]
+    rows = []
+    for r in result["speedup"]:
+        probes = r["machine_parallelism_per_rep"]
+        fractions = []
+        for sync, asynchronous, parallelism in zip(r["runs"]["sync"], r["runs"]["async"], probes, strict=True):
+            ideal = (sync["G"] + sync["T"]) / max(sync["G"], sync["T"])
+            speedup = sync["per_update"] / asynchronous["per_update"]
+            fractions.append(speedup / min(ideal, max(parallelism, 1.0)))
+        rows.append(
+            summary_row(
+                f"one-step async vs sync, generator in a {r['generator']}"
+                + (" (the default)" if r["generator"] == default else ""),
+                f"async {r['async_s_per_update']:.3f} s/update, {r['achieved_speedup']:.2f}x sync (ideal "
+                f"{r['ideal_speedup']:.2f}x); worst rep {min(fractions):.2f}",
+                f"sync {r['sync_s_per_update']:.3f} s/update (G {r['G_sync']:.3f} s, T {r['T_sync']:.3f} s; "
+                f"{args['updates']} updates of {args['pairs']} pairs, K={r['K']})",
+                spread(fractions),
+                ">= 0.95 in every rep",
+                {**probe, "parallelism": statistics.median(probes), "parallelism_min": min(probes)},
+                unit="of min(ideal, parallelism)",
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/async.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/async.json (--quick: async_quick.json)")
     parser.add_argument("--work", default="runs/bench_async", help="scratch directory (reward model, runs)")
     parser.add_argument("--updates", type=int, default=16, help="DPO updates per run")
     parser.add_argument("--warmup", type=int, default=3, help="updates excluded from the steady-state time")
@@ -236,7 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pairs", type=int, default=64, help="pairs per DPO update in the timing runs")
     parser.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--render", default=None, help="re-print the tables of a results JSON and exit")
+    parser.add_argument("--quick", action="store_true", help="8 updates of 16 pairs, 32 tokens, 2 reps, no margins")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.updates, args.warmup, args.reps, args.pairs, args.ns = 8, 2, 2, 16, []
+    args.out = args.out or f"benchmarks/results/async{'_quick' if args.quick else ''}.json"
     if args.render:
         result = json.loads(Path(args.render).read_text())
         print(render(result))
@@ -262,9 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
     eval_prompts = [r["prompt"] for r in toy_preference_rows(64, seed=4)]
 
     print("pairs per second and margin vs n ...", flush=True)
-    margins = margin_table(sft, tokenizer, eval_prompts, reward, args.ns)
+    margins = margin_table(sft, tokenizer, eval_prompts, reward, args.ns) if args.ns else []
     print("sync vs one-step async ...", flush=True)
-    mnt, calibration = calibrate(sft, train_prompts, reward, root, args.k, args.pairs, args.warmup)
+    # --quick: a fixed response length instead of the calibration runs (the ceiling uses each run's own G and T)
+    mnt, calibration = (32, {}) if args.quick else calibrate(sft, train_prompts, reward, root, args.k, args.pairs,
+                                                             args.warmup)  # fmt: skip
     speed = speedup_table(
         sft, train_prompts, reward, root, args.k, mnt, args.pairs, args.updates, args.reps, args.warmup
     )
@@ -277,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         "args": vars(args),
         "num_eval_prompts": len(eval_prompts),
     }
+    result["summary"] = summary_rows(result, machine_probe())
     result["table"] = render(result)
     print("\n" + result["table"])
     out = Path(args.out)
@@ -325,6 +371,8 @@ def render(result: dict) -> str:
             f"{r['generator']:>9} {r['G_async']:>8.3f} {r['T_async']:>8.3f} {100 * r['overlap']:>7.0f}% "
             f"{r['cpu_per_wall_sync']:>14.2f} {r['cpu_per_wall_async']:>15.2f} {r['machine_parallelism']:>8.2f}"
         )
+    if not result["margin_vs_n"]:
+        return "\n".join(lines)
     lines += [
         "",
         f"Best/worst-of-n on {result.get('num_eval_prompts', 64)} prompts (tiny SFT policy, segment RM; "

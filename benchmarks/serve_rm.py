@@ -21,8 +21,11 @@ thread, and take turns round by round (the order alternates), so that a shared m
    after each.
 
 Every answer is checked against in-process e_phi. Each server's first round is a warm-up and is not counted.
+Throughput is pairs per wall second (a server's work spans its threads and the client's), so the paired ratio of
+rounds is the figure; ``make bench``'s summary rows are the c = 1 and c = 64 ratios with latencies beside them.
 
     python benchmarks/serve_rm.py [--rounds 5] [--before 609d424] [--hostile] [--out benchmarks/results/serve_rm.json]
+    python benchmarks/serve_rm.py --quick     # table 1 at c = 1 and 64 only, 5 rounds -> serve_rm_quick.json
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
+from _timing import machine_probe, spread, summary_row  # noqa: E402
 
 from rlhf_ext.runtime.io import atomic_write_json, machine_info  # noqa: E402
 from tests.helpers.reward_client import TOLERANCE, Trickler, distinct_pairs, read_answer, request_head  # noqa: E402
@@ -130,11 +134,6 @@ def body_of(pairs) -> bytes:
 def check(answers: list[dict], expected: list[list[float]]) -> None:
     for answer, values in zip(answers, expected):
         assert all(abs(a - b) <= TOLERANCE for a, b in zip(answer["rewards"], values)), (answer, values)
-
-
-def spread(values: list[float]) -> dict:
-    q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-    return {"median": statistics.median(values), "p25": q1, "p75": q3, "n": len(values)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -380,17 +379,37 @@ async def health_under_load(url: str, body: bytes, n: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------- main
+def summary_rows(concurrency: dict) -> list[dict]:
+    """``make bench``'s rows: batched over per-request pairs/s at c = 1 (target >= 1.0x) and c = 64 (>= 3x)."""
+    probe = machine_probe()
+
+    def text(stats: dict, what: str) -> str:
+        lat = stats["latency_ms"]
+        return (f"{what} {stats['pairs_per_s']['median']:.0f} pairs/s, latency p50 {lat['p50']:.1f} ms, "
+                f"p99 {lat['p99']:.1f} ms")  # fmt: skip
+
+    return [summary_row(f"serve rm vs per-request scoring at concurrency {c}",
+                        text(concurrency[str(c)]["batched"], "batched server"),
+                        text(concurrency[str(c)]["per_request"], "per-request scoring (max_batch_size=1)"),
+                        concurrency[str(c)]["ratio_batched_per_request"], target, probe, unit="x pairs/s")
+            for c, target in ((1, ">= 1.0x"), (64, ">= 3x")) if str(c) in concurrency]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "benchmarks/results/serve_rm.json"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results/serve_rm.json (--quick: *_quick.json)")
     parser.add_argument("--model", default="builtin:tiny-segment-rm")
     parser.add_argument("--rounds", type=int, default=5, help="counted rounds per table (after one warm-up)")
     parser.add_argument("--levels", default="1,8,64", help="concurrency levels")
     parser.add_argument("--before", default=None, help="git ref of the old server (rlhf_ext/pipelines/serve_rm.py)")
     parser.add_argument("--hostile", action="store_true", help="the hostile-client figures (needs --before)")
     parser.add_argument("--flood-mb", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="only table 1, at c = 1 and 64, 5 rounds")
     parser.add_argument("--serve", choices=["new", "old"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.levels = 5, "1,64"
+    args.out = args.out or str(REPO / f"benchmarks/results/serve_rm{'_quick' if args.quick else ''}.json")
     torch.set_num_threads(1)
     from rlhf_ext.pipelines.builtins import resolve_model
 
@@ -403,8 +422,6 @@ def main() -> None:
     levels = [int(c) for c in args.levels.split(",")]
     pairs = distinct_pairs(max(16, 4 * max(levels)), seed=11)
     expected = [scorer.score(p, r).evaluation for p, r in pairs]
-    load_pairs = distinct_pairs(900, seed=3)
-    expected_of = dict(zip(load_pairs, (scorer.score(p, r).evaluation for p, r in load_pairs)))
     alone = per_pair_in_process(scorer, pairs[:36])
     print(f"in process, one pair alone (tokenise + SFT and RM forwards): {1e3 * alone:.2f} ms", flush=True)
     results = {
@@ -415,12 +432,17 @@ def main() -> None:
             "pairs_per_request": 1,
             "machine_note": "2 CPU cores shared with other jobs: read the ratios, not the absolute rates",
             "before": args.before,
+            "quick": args.quick,
         },  # fmt: skip
         "in_process_ms_per_pair_alone": 1e3 * alone,
         "concurrency": concurrency_table(scorer, pairs, expected, args.rounds, levels, args.before),
-        "server_overhead": overhead_table(scorer, pairs, args.rounds, args.before),
-        "load_200": load_200(scorer, expected_of, args.rounds, args.before),
     }
+    results["summary"] = summary_rows(results["concurrency"])
+    if not args.quick:
+        load_pairs = distinct_pairs(900, seed=3)
+        expected_of = dict(zip(load_pairs, (scorer.score(p, r).evaluation for p, r in load_pairs)))
+        results["server_overhead"] = overhead_table(scorer, pairs, args.rounds, args.before)
+        results["load_200"] = load_200(scorer, expected_of, args.rounds, args.before)
     one = results["concurrency"].get("1")
     if one:  # latency of a lone one-pair request beyond the same work done in process
         results["server_latency_overhead_ms_at_c1"] = one["batched"]["latency_ms"]["p50"] - 1e3 * alone

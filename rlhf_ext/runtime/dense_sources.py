@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rlhf_ext.algos.segment_reward import Segments
+from rlhf_ext.runtime.io import PicklableLock
 from rlhf_ext.runtime.spans import Span, token_char_offsets
 
 
@@ -227,11 +228,9 @@ class _ModelSource:
     """Shared by the model-based sources: a device, a batch size, a tokenizer lock (fast tokenizers refuse threads)."""
 
     def __init__(self, batch_size: int, device, name: str):
-        import threading
-
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = PicklableLock()
         self.__name__ = name
 
     def _encode(self, tokenizer, prompts, completions, max_length=None) -> list[EncodedResponse]:

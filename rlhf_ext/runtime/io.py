@@ -1,6 +1,6 @@
 """Small engine-free helpers: atomic file and directory writes (and the recovery of a killed one), a cross-process
-file lock with one owner, directories built once by whoever asks first, stable hashing, and the fault-injection hook
-of the kill-recovery tests."""
+file lock with one owner, directories built once by whoever asks first, stable hashing, a thread lock that survives
+pickling, and the fault-injection hook of the kill-recovery tests."""
 
 from __future__ import annotations
 
@@ -260,6 +260,24 @@ def build_once(path: str | Path, build: Callable[[Path], Any], done: str) -> Pat
             logger.info("building %s (once; later calls reuse it)", path)
             build(path)
     return path
+
+
+class PicklableLock:
+    """A ``threading.Lock`` that pickles as a new, free lock, so that an object holding one (a reward model's tokenizer
+    lock) can be sent to another process (``generator_process``); objects sharing one lock share its copy."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.acquire, self.release = self._lock.acquire, self._lock.release
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return type(self), ()
 
 
 def weights_problem(model_dir: str | Path) -> str | None:

@@ -10,7 +10,6 @@ annotators). ``builtin:`` reward names are resolved by :func:`rlhf_ext.zoo.resol
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_ext.runtime.io import PicklableLock
 from rlhf_ext.runtime.sampling import is_conversation
 
 RewardFn = Callable[[list[Any], list[str]], "Tensor | Sequence[float]"]
@@ -55,7 +55,7 @@ class SequenceClassifierReward:
             raise ValueError("pass tokenizer= when the reward model is already instantiated")
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self._tokenizer_lock = threading.Lock()  # a fast tokenizer may refuse two threads at once ("Already borrowed")
+        self._tokenizer_lock = PicklableLock()  # a fast tokenizer may refuse two threads at once ("Already borrowed")
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

@@ -31,7 +31,7 @@ from rlhf_ext.algos.segment_reward import (
     gather_segment_rewards,
     segment_ids,
 )
-from rlhf_ext.runtime.io import weights_problem
+from rlhf_ext.runtime.io import PicklableLock, weights_problem
 from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
 
 logger = logging.getLogger(__name__)
@@ -355,7 +355,7 @@ class SegmentScorer:
                 raise ValueError(f"the {what} {path} cannot be loaded ({problem}): copy or train it again")
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
         #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = PicklableLock()
         self.reward_model = AutoModelForSequenceClassification.from_pretrained(
             reward_model, num_labels=1, dtype=torch.float32
         ).eval()

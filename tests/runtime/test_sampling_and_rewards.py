@@ -240,6 +240,24 @@ def test_segment_reward_is_the_segment_scorers_evaluation(reward_dirs):
     assert batched.tolist() == pytest.approx(single, abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["plain", "segment"])
+def test_reward_model_objects_pickle_to_a_generator_process(reward_dirs, kind):
+    """``generator_process`` sends the reward function to its process by pickle: a reward-model object's tokenizer
+    lock must not stop it (it did: ``cannot pickle '_thread.lock'``), and the copy scores exactly as the original
+    and has a lock of its own."""
+    import pickle
+
+    reward = (SegmentSequenceReward if kind == "segment" else SequenceClassifierReward)(str(reward_dirs / kind))
+    expected = reward(PROMPTS, RESPONSES)  # used before it is sent, as a trainer's own evaluation does
+    lock = reward.scorer.tokenizer_lock if kind == "segment" else reward._tokenizer_lock
+    with lock:  # held while pickled: the copy's lock is a new one, free
+        copy = pickle.loads(pickle.dumps(reward))
+    copy_lock = copy.scorer.tokenizer_lock if kind == "segment" else copy._tokenizer_lock
+    assert copy_lock is not lock and copy_lock.acquire(blocking=False)
+    copy_lock.release()
+    assert torch.equal(copy(PROMPTS, RESPONSES), expected)
+
+
 def test_load_reward_resolves_every_kind(reward_dirs):
     assert resolve_reward("builtin:keyphrase-gold") is keyphrase_gold_reward
     assert resolve_reward("rlhf_ext.zoo.toy:keyphrase_gold_reward") is keyphrase_gold_reward
