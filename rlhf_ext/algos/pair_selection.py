@@ -239,7 +239,9 @@ class OnlineSamplingKnobs:
         eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
         generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
             thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
-            function must be picklable).
+            function must be picklable). ``None`` (default): a process where it can run and pays -- asynchronous
+            generation with HF on a machine without CUDA and a picklable reward -- else a thread
+            (:func:`~rlhf_ext.runtime.pair_collection.wants_generator_process`).
         max_fill_rounds: online mode: extra sampling rounds to replace tied prompts before giving up.
         generation_threads / training_threads: torch intra-op threads of each role (CPU); ``None``: unchanged.
         vllm_gpu_memory_utilization: vLLM's share of GPU memory.
@@ -253,7 +255,9 @@ class OnlineSamplingKnobs:
     generation_batch_size: int = knob(64, ge=1, help="Sequences per generate call.")
     eval_samples_per_prompt: int = knob(2, ge=1, help="Samples per evaluation prompt.")
     eval_temperature: float = knob(1.0, gt=0, help="Evaluation sampling temperature.")
-    generator_process: bool = field(default=False, metadata={"help": "Online mode: generate in a separate process."})
+    generator_process: bool | None = field(
+        default=None, metadata={"help": "Online mode: generate in a separate process (default: when async on a CPU)."}
+    )
     max_fill_rounds: int = knob(4, ge=0, help="Online mode: rounds to replace tied prompts.")
     generation_threads: int | None = knob(None, ge=1, help="CPU threads for generation.")
     training_threads: int | None = knob(None, ge=1, help="CPU threads for training.")

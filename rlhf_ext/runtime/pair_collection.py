@@ -18,6 +18,23 @@ from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
 
+
+def wants_generator_process(requested: bool | None, async_generation: bool, backend: str, reward_fn: RewardFn) -> bool:
+    """Where online mode's generator runs: ``requested`` when given; by default a spawned process where it can run
+    and pays, else a thread. It pays with asynchronous generation on CPUs: the roles then overlap, and in one process
+    they contend for the interpreter lock (on idle cores a thread reached 77% of the ideal speedup and a process 103%,
+    ``benchmarks/async.py``). It can run with HF generation (vLLM has its own engine process; ``auto`` means HF
+    without CUDA) and a reward function that pickles (a lambda or a closure does not: a thread then, silently)."""
+    if requested is not None:
+        return requested
+    if not async_generation or backend == "vllm" or torch.cuda.is_available():
+        return False
+    try:
+        pickle.dumps(reward_fn)
+    except Exception:
+        return False
+    return True
+
 @dataclass(frozen=True)
 class SelectionSettings:
     """How :func:`score_and_select` forms pairs (paper 004, Eq. 9; see :func:`~rlhf_ext.online.select_pairs`)."""

@@ -105,6 +105,7 @@ from rlhf_ext.runtime.pair_collection import (
     OnlinePairGenerator,
     SelectionSettings,
     score_and_select,
+    wants_generator_process,
 )
 from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score, segment_reward_as_e_phi
@@ -1014,6 +1015,7 @@ class IterativeDPOTrainer(DPOTrainer):
         :class:`OneStepAsyncRunner`'s batches (the generator holds its own copy of the policy); saves the final
         policy to ``dest``."""
         a = self.args
+        process = wants_generator_process(a.generator_process, a.async_generation, a.generation_backend, self.reward_fn)
         generator = OnlinePairGenerator(
             prompts=self.prompts[self._dist.process_index :: self._dist.num_processes],
             pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
@@ -1023,7 +1025,7 @@ class IterativeDPOTrainer(DPOTrainer):
             reward_fn=self.reward_fn,
             sampler_spec={**self.sampler_spec(), "policy": last or self.sft_path},
             seed=self._seed("order", 0),  # one prompt order per run, whatever update it resumes at
-            sampler=None if a.generator_process else self.sampler(),
+            sampler=None if process else self.sampler(),
             first_index=offset,
             cursor=self._resume_cursor(offset),
         )
@@ -1033,7 +1035,7 @@ class IterativeDPOTrainer(DPOTrainer):
             load_weights_fn=generator.load_weights,
             sync=not a.async_generation,
             generator_threads=a.generation_threads,
-            process=a.generator_process,
+            process=process,
             name=f"rlhf-ext-generator-{self._dist.process_index}",
         )
 
@@ -1045,7 +1047,7 @@ class IterativeDPOTrainer(DPOTrainer):
                     "ZeRO-3 shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
                 )
             model_fn = lambda: self.accelerator.unwrap_model(self.model)  # noqa: E731
-            self.add_callback(_PublishWeights(runner, model_fn, to_cpu=a.generator_process))
+            self.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
 
         with runner, torch_threads(a.training_threads):
             first = runner.next_batch()

@@ -258,3 +258,24 @@ def test_learner_failure_stops_the_generator_process():
     with pytest.raises(RuntimeError, match="learner boom at batch 1"):
         runner.run(train)
     assert not runner._worker.is_alive()
+
+
+def _module_level_reward(prompts, responses):
+    return [0.0] * len(responses)
+
+
+def test_generator_process_by_default_only_where_it_can_run_and_pays(monkeypatch):
+    from rlhf_ext.algos.pair_selection import OnlineSamplingKnobs
+    from rlhf_ext.runtime.pair_collection import wants_generator_process
+
+    assert OnlineSamplingKnobs().generator_process is None  # the default is decided per run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wants_generator_process(None, True, "auto", _module_level_reward) is True
+    assert wants_generator_process(None, True, "hf", _module_level_reward) is True
+    assert wants_generator_process(None, False, "hf", _module_level_reward) is False  # sync: nothing to overlap
+    assert wants_generator_process(None, True, "vllm", _module_level_reward) is False  # vLLM has its own process
+    assert wants_generator_process(None, True, "hf", lambda p, r: [0.0] * len(r)) is False  # does not pickle
+    assert wants_generator_process(False, True, "hf", _module_level_reward) is False  # asked: kept
+    assert wants_generator_process(True, False, "hf", _module_level_reward) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert wants_generator_process(None, True, "auto", _module_level_reward) is False  # GPU: vLLM or HF on the GPU
