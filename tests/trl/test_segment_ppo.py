@@ -60,7 +60,10 @@ def test_rollout_produces_dense_per_token_advantages(tmp_path, tiny_sft_path, to
     assert trainer.entropy_cutoff == 2.0  # read from the reward model's segment_config.json
     batch = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
     trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); we call compute_loss directly
     out = trainer._generate_and_score_completions(batch)
+    assert "advantages" not in out  # on-policy: finished in the loss, from its own policy forward
+    trainer.compute_loss(trainer.model, out)
     mask = out["completion_mask"].bool()
     adv = out["advantages"]
     assert adv.shape == out["completion_ids"].shape  # [B, T], not one scalar per sequence
