@@ -18,7 +18,6 @@ from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
 
-
 def wants_generator_process(requested: bool | None, async_generation: bool, backend: str, reward_fn: RewardFn) -> bool:
     """Where online mode's generator runs: ``requested`` when given; by default a spawned process where it can run
     and pays, else a thread. It pays with asynchronous generation on CPUs: the roles then overlap, and in one process
@@ -34,6 +33,7 @@ def wants_generator_process(requested: bool | None, async_generation: bool, back
     except Exception:
         return False
     return True
+
 
 @dataclass(frozen=True)
 class SelectionSettings:

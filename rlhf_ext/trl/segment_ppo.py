@@ -19,10 +19,10 @@ replaces the reward and advantage computation of each rollout batch:
 Old log-probs: like ``GRPOTrainer``, an on-policy step (every use of a rollout batch comes before the next optimizer
 step — GRPO's test ``gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0``, e.g. the usual
 ``num_iterations=1``, ``steps_per_generation=gradient_accumulation_steps`` — with no asynchronous rollouts and no vLLM
-importance sampling) runs no extra policy forward for them. With the REINFORCE
-estimators and one loss call per rollout batch (``steps_per_generation == 1``) the KL reward and the advantages are
-finished inside the loss from the policy log-probs its own forward computes (at the weights that sampled); GAE,
-off-policy and multi-micro-batch rollouts compute the old log-probs with a no-grad forward at rollout time.
+importance sampling) runs no extra policy forward for them. With one loss call per rollout batch
+(``steps_per_generation == 1``) the KL reward and the advantages (GAE with the critic values taken at rollout time,
+or REINFORCE) are finished inside the loss from the policy log-probs its own forward computes (at the weights that
+sampled); off-policy and multi-micro-batch rollouts compute the old log-probs with a no-grad forward at rollout time.
 
 The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo"``) with GRPO's own KL term off
 (``beta = 0``: the KL is in the reward, as in PPO-RLHF). TRL samples at least two responses per prompt
@@ -64,6 +64,7 @@ from rlhf_ext.runtime.segment_data import check_bandit_reward_model, check_share
 from rlhf_ext.runtime.token_scores import (
     CRITIC_DIR,
     TokenScoreCapture,
+    critic_optimizer,
     load_critic,
     load_value_model,
     save_critic_state,
@@ -237,7 +238,7 @@ class DensePPOTrainer(GRPOTrainer):
         self._captured_funcs = capture_sources(self.reward_funcs)
         from transformers import AutoModelForCausalLM
 
-        # on-policy REINFORCE steps finish the advantages from the loss's own policy forward (see the module doc)
+        # on-policy steps finish the advantages from the loss's own policy forward (see the module doc)
         self._reuse_policy_logps = True
         self._loss_inputs: dict | None = None
         self._rewards_per_func: torch.Tensor | None = None
@@ -310,7 +311,7 @@ class DensePPOTrainer(GRPOTrainer):
                 )
             if critic is None:
                 critic = load_value_model(args.critic_model_path or rm_source or policy_id, "critic")
-            optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, betas=(0.9, 0.95))
+            optimizer = critic_optimizer(critic, args.critic_learning_rate)
             self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
             self._critic_capture = TokenScoreCapture(self.critic)
             self._critic_micro_steps = 0
@@ -384,14 +385,14 @@ class DensePPOTrainer(GRPOTrainer):
         reward and advantages are finished in the loss instead of after an extra no-grad policy forward.
 
         Needs: GRPO found the step on-policy (it computed no ``old_per_token_logps``), no asynchronous behaviour
-        policy, a critic-free estimator, and one loss call for the whole rollout batch (advantages are whitened over
-        it), i.e. ``steps_per_generation == 1`` in training (evaluation never splits its batch).
+        policy, and one loss call for the whole rollout batch (advantages are whitened over it), i.e.
+        ``steps_per_generation == 1`` in training (evaluation never splits its batch). The estimator may be any: GAE's
+        critic values are taken at rollout time (the critic steps only after the policy loss).
         """
         return (
             self._reuse_policy_logps
             and "old_per_token_logps" not in out
             and not (self.args.async_generation and mode == "train")
-            and self.critic is None
             and (mode == "eval" or self.args.steps_per_generation == 1)
         )
 
@@ -435,11 +436,15 @@ class DensePPOTrainer(GRPOTrainer):
                     tau=self.seg_tau, chunk_size=args.chunk_size,
                 )  # fmt: skip
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
+            values = None
+            if self.critic is not None:
+                values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
+                out["old_values"] = values
             if finish_in_loss:
                 # the per-row part now (group baseline before GRPO shuffles the rows, reward clip); the KL term,
-                # reward-to-go and whitening in the loss (_finish_advantages) from the loss forward's log-probs
+                # GAE or reward-to-go and whitening in the loss (_finish_advantages) from the loss forward's log-probs
                 shaped, _, _ = ppo_advantages(
-                    dense.rewards, torch.zeros_like(ref_logps), mask, 0.0, None, args.advantage_estimator,
+                    dense.rewards, torch.zeros_like(ref_logps), mask, 0.0, values, args.advantage_estimator,
                     args.gamma, args.lam, self.num_generations, False, clip_range,
                 )  # fmt: skip
                 out.pop("advantages")  # GRPO's sequence advantages; ours are set in the loss
@@ -447,15 +452,12 @@ class DensePPOTrainer(GRPOTrainer):
                 out["ppo_sequence_reward"] = dense.sequence_reward
             else:
                 kl = torch.where(mask, per_token_kl(old_logps, ref_logps, args.kl_estimator), 0.0)
-                values = None
-                if self.critic is not None:
-                    values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
                 _, advantages, returns = ppo_advantages(
                     dense.rewards, kl, mask, args.kl_coef, values, args.advantage_estimator, args.gamma, args.lam,
                     self.num_generations, args.whiten_advantages, clip_range,
                 )  # fmt: skip
                 if values is not None:
-                    out["old_values"], out["returns"] = values, returns
+                    out["returns"] = returns
                 out["advantages"] = advantages
                 out["old_per_token_logps"] = old_logps
 
@@ -509,15 +511,19 @@ class DensePPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _finish_advantages(self, inputs: dict, policy_logps: torch.Tensor) -> None:
         """The rest of :func:`ppo_advantages` for a rollout left to the loss: KL of the sampling policy (the loss
-        forward's log-probs, same weights), ``r_t = shaped_t - kl_coef * KL_t``, reward-to-go, whitening."""
+        forward's log-probs ``[B, C]``, same weights), ``r_t = shaped_t - kl_coef * KL_t`` (paper 003 Eq. 5), GAE
+        with the rollout's critic values (``returns`` for the critic step) or reward-to-go, whitening."""
         args = self.args
         mask = inputs["completion_mask"]
         mask = (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
         kl = torch.where(mask, per_token_kl(policy_logps, inputs.pop("ppo_ref_logps"), args.kl_estimator), 0.0)
-        _, inputs["advantages"], _ = ppo_advantages(
-            inputs.pop("ppo_shaped_rewards"), kl, mask, args.kl_coef, None, "reinforce", args.gamma, args.lam, 1,
-            args.whiten_advantages, None,
+        values = inputs.get("old_values")
+        _, inputs["advantages"], returns = ppo_advantages(
+            inputs.pop("ppo_shaped_rewards"), kl, mask, args.kl_coef, values, "reinforce" if values is None else "gae",
+            args.gamma, args.lam, 1, args.whiten_advantages, None,
         )  # fmt: skip
+        if values is not None:
+            inputs["returns"] = returns
         self._log_reward("train" if self.model.training else "eval", inputs.pop("ppo_sequence_reward"), kl)
 
     # ------------------------------------------------------------------------------------------------ losses

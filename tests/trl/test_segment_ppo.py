@@ -60,7 +60,10 @@ def test_rollout_produces_dense_per_token_advantages(tmp_path, tiny_sft_path, to
     assert trainer.entropy_cutoff == 2.0  # read from the reward model's segment_config.json
     batch = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
     trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); we call compute_loss directly
     out = trainer._generate_and_score_completions(batch)
+    assert "advantages" not in out  # on-policy: finished in the loss, from its own policy forward
+    trainer.compute_loss(trainer.model, out)
     mask = out["completion_mask"].bool()
     adv = out["advantages"]
     assert adv.shape == out["completion_ids"].shape  # [B, T], not one scalar per sequence
@@ -248,11 +251,11 @@ def _even_token_reward(completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline"])
-def test_on_policy_reinforce_runs_no_extra_policy_forward(tmp_path, tiny_sft_path, tiny_base_path, toy_tok,
-                                                          segment_rm, prompts, estimator):  # fmt: skip
-    """On-policy REINFORCE: one policy forward per step outside generation (the loss's), as stock GRPO with beta > 0
-    (whose reference forward runs on its own model); the old log-probs' no-grad forward changes nothing."""
+@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", pytest.param("gae", marks=pytest.mark.slow)])
+def test_on_policy_steps_run_no_extra_policy_forward(tmp_path, tiny_sft_path, tiny_base_path, toy_tok,
+                                                     segment_rm, prompts, estimator):  # fmt: skip
+    """On-policy REINFORCE or GAE: one policy forward per step outside generation (the loss's), as stock GRPO with
+    beta > 0 (whose reference forward runs on its own model); the old log-probs' no-grad forward changes nothing."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
@@ -449,3 +452,59 @@ def test_reward_funcs_with_gae_say_once_that_a_critic_trains(tmp_path, tiny_sft_
     assert sum("advantage_estimator 'gae'" in m and "reinforce_baseline" in m for m in lines) == 1
     assert f"critic: {tiny_sft_path} with a fresh value head" in lines
     assert "LOAD REPORT" not in capfd.readouterr().err and "MISSING" not in caplog.text
+
+
+def test_on_policy_gae_takes_old_logps_from_the_loss_forward(tmp_path, tiny_sft_path, tiny_base_path, toy_tok,
+                                                             segment_rm, prompts):  # fmt: skip
+    """GAE + critic, on-policy: one policy forward per step outside generation (the loss's; before, a no-grad
+    old-log-prob forward ran too), and the very same step -- loss, advantages, returns, updated policy and critic
+    weights bit for bit -- as with that forward (same rollout, one thread)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
+
+    args = _config(tmp_path, segment_rm, advantage_estimator="gae", normalizer_kind="none", max_completion_length=16,
+                   learning_rate=1e-3)  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(tiny_base_path)  # a different reference: KL != 0
+    trainer = SegmentPPOTrainer(tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
+                                ref_model=ref)  # fmt: skip
+    assert all(group["fused"] for group in trainer.critic_optimizer.param_groups)  # torch's fused AdamW kernel
+    trainer.create_optimizer()
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); we run the step by hand
+    start = copy.deepcopy((trainer.model.state_dict(), trainer.critic.state_dict(), trainer.optimizer.state_dict(),
+                           trainer.critic_optimizer.state_dict()))  # fmt: skip
+    counts = _count_policy_forwards(trainer)
+    rows = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
+    torch.set_num_threads(1)
+    results = {}
+    for reuse in (True, False):
+        for module, state in zip((trainer.model, trainer.critic, trainer.optimizer, trainer.critic_optimizer), start):
+            module.load_state_dict(copy.deepcopy(state))
+        trainer._reuse_policy_logps = reuse
+        counts["forwards"] = 0
+        torch.manual_seed(0)
+        batch = trainer._generate_and_score_completions(rows)
+        left_to_loss = "advantages" not in batch and "old_per_token_logps" not in batch
+        loss = trainer.compute_loss(trainer.model, batch)  # finishes the advantages (reuse), steps the critic
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        results[reuse] = dict(
+            forwards=counts["forwards"], left_to_loss=left_to_loss, loss=loss.detach(), ids=batch["completion_ids"],
+            advantages=batch["advantages"], returns=batch["returns"], kl=trainer._metrics["train"]["segment/kl"][-1],
+            policy=[p.detach().clone() for p in trainer.model.parameters()],
+            critic={name: p.detach().clone() for name, p in trainer.critic.named_parameters()},
+        )  # fmt: skip
+    on, off = results[True], results[False]
+    assert on["forwards"] == 1 and off["forwards"] == 2  # the loss forward only; before: + the old-log-prob forward
+    assert on["left_to_loss"] and not off["left_to_loss"]
+    assert torch.equal(on["ids"], off["ids"]) and on["kl"] == off["kl"] != 0.0
+    for key in ("loss", "advantages", "returns"):
+        assert torch.equal(on[key], off[key]), key
+    assert all(torch.equal(a, b) for a, b in zip(on["policy"], off["policy"], strict=True))
+    assert on["critic"].keys() == off["critic"].keys()
+    assert all(torch.equal(on["critic"][name], off["critic"][name]) for name in on["critic"])
+    assert any(not torch.equal(p, start[1][name]) for name, p in on["critic"].items()), "the critic never stepped"
