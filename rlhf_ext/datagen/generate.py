@@ -16,21 +16,30 @@ this run**: counted under ``retry_later:<reason>``, never cached, and attempted 
 command; ``run_stats["errors"]`` keeps one redacted line of the server's message per reason. If the server becomes
 unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
 
-After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format
-and the seeded train/test split applied there) and saved. The dataset (``stages/`` and ``continual_dataset.json``)
-depends only on the config and seed, so with the ``offline`` backend the same config and seed give byte-identical
-files however often the run was interrupted; the stage data is also identical for any ``max_concurrency`` (which
-the metadata records as part of the config).
+``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
+its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file); the dataset is
+byte-identical for any ``N``. Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
+
+After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format and the
+seeded train/test split applied there) and streamed to disk record by record (``arrow_stage``): memory holds the cache's
+index (~40 bytes per sample) and one batch of rows, never the samples. The dataset (``stages/`` and
+``continual_dataset.json``) depends only on the config and seed, so with the ``offline`` backend the same config and
+seed give byte-identical files however often the run was interrupted; the stage data is also identical for any
+``max_concurrency`` (which the metadata records as part of the config).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import json
+import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +52,8 @@ from rlhf_ext.datagen.backends import (
     ChatRequest,
     make_backend,
 )
-from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
-from rlhf_ext.datagen.dataset import ContinualDataset, build_stage, swap_decision
+from rlhf_ext.datagen.cache import CACHE_DIR, SampleAppender, SampleCache
+from rlhf_ext.datagen.dataset import ContinualDataset, swap_decision, test_mask, write_continual_dataset
 from rlhf_ext.datagen.drift import Stage, allocate_sources, build_schedule, derive_seed, drift_summary
 from rlhf_ext.datagen.judge import make_judge
 from rlhf_ext.datagen.mappers import (
@@ -87,18 +96,49 @@ class SampleJob:
 
 @dataclass
 class GenerationPlan:
-    """Everything a run will do, computed without calling a backend (``rlhf-ext data generate --dry-run``)."""
+    """Everything a run will do, computed without calling a backend (``rlhf-ext data generate --dry-run``). Sample
+    jobs are made per stage on demand (:meth:`stage_jobs`), never held all at once."""
 
     config: DatagenConfig
     stages: list[Stage]
     tasks: dict[str, ResolvedTask]
-    jobs: list[SampleJob]
     drift: dict[str, Any]
-    jobs_by_stage: dict[int, list[SampleJob]] = field(default_factory=dict)
+    generation_fingerprint: str
 
-    def __post_init__(self):
-        for job in self.jobs:
-            self.jobs_by_stage.setdefault(job.stage.index, []).append(job)
+    @property
+    def num_jobs(self) -> int:
+        return sum(stage.num_samples for stage in self.stages)
+
+    @property
+    def jobs(self) -> list[SampleJob]:
+        """Every job, in stage and index order (materialised: for small plans and tests)."""
+        return [job for stage in self.stages for job in self.stage_jobs(stage)]
+
+    def stage_keys(self, stage: Stage, sources: Sequence[str] | None = None) -> list[str]:
+        """The cache key of each of ``stage``'s samples: ``stable_hash(generation fingerprint, task fingerprint,
+        stage seed, index, length=20)``, hashing the shared prefix once per task."""
+        sources = allocate_sources(stage) if sources is None else sources
+        prefixes = {}
+        for name, task in self.tasks.items():
+            h = hashlib.sha256()
+            for part in (self.generation_fingerprint, task.fingerprint, stage.seed):
+                h.update(json.dumps(part, sort_keys=True, default=str).encode() + b"\0")
+            prefixes[name] = h
+        keys = []
+        for j, name in enumerate(sources):
+            h = prefixes[name].copy()
+            h.update(b"%d\0" % j)
+            keys.append(h.hexdigest()[:20])
+        return keys
+
+    def stage_jobs(self, stage: Stage, positions: Iterable[int] | None = None) -> Iterator[SampleJob]:
+        """The jobs of ``stage`` at ``positions`` (default: all), in that order."""
+        sources = allocate_sources(stage)
+        keys = self.stage_keys(stage, sources)
+        for j in range(len(sources)) if positions is None else positions:
+            j = int(j)
+            seed = derive_seed("sample", stage.seed, j)
+            yield SampleJob(stage=stage, index=j, task=self.tasks[sources[j]], seed=seed, key=keys[j])
 
     @property
     def requests_per_sample(self) -> int:
@@ -111,7 +151,7 @@ class GenerationPlan:
     def example(self, job: SampleJob | None = None) -> dict[str, str]:
         """The rendered meta-prompt and response prompt(s) of ``job`` (default: the first), with a placeholder for
         the prompt the backend would generate."""
-        job = job or self.jobs[0]
+        job = job or next(self.stage_jobs(self.stages[0]))
         task = job.task.spec
         rng = random.Random(job.seed)
         words = sample_seed_words(task, rng)
@@ -130,7 +170,7 @@ class GenerationPlan:
         """A human-readable summary of the plan."""
         gen = self.config.generation
         lines = [
-            f"dataset {self.config.name!r}: {len(self.stages)} stages, {len(self.jobs)} samples "
+            f"dataset {self.config.name!r}: {len(self.stages)} stages, {self.num_jobs} samples "
             f"({cached} already cached), {self.requests_per_sample} requests per sample",
             f"drift: {self.drift['type']} / mode {self.drift['mode']}"
             + (f" / {self.drift['cycles']} cycles" if self.drift["cycles"] > 1 else "")
@@ -203,21 +243,7 @@ def plan_generation(
     bank = bank if bank is not None else load_phrase_bank(config.generation.phrase_bank)
     tasks = resolve_tasks(config, bank)
     gen_fp = stable_hash(config.generation.content_fingerprint())
-    stages = build_schedule(config)
-    jobs = []
-    for stage in stages:
-        for j, name in enumerate(allocate_sources(stage)):
-            task = tasks[name]
-            jobs.append(
-                SampleJob(
-                    stage=stage,
-                    index=j,
-                    task=task,
-                    seed=derive_seed("sample", stage.seed, j),
-                    key=stable_hash(gen_fp, task.fingerprint, stage.seed, j, length=20),
-                )
-            )
-    return GenerationPlan(config=config, stages=stages, tasks=tasks, jobs=jobs, drift=drift_summary(config))
+    return GenerationPlan(config, build_schedule(config), tasks, drift_summary(config), gen_fp)
 
 
 # -------------------------------------------------------------------------------------------------------- run
@@ -332,17 +358,18 @@ class _Runner:
 
 async def _run_jobs(
     runner: _Runner,
-    pending: list[SampleJob],
-    cache: SampleCache,
+    jobs: Iterable[SampleJob],
+    num_jobs: int,
+    sink: SampleCache | SampleAppender,
     bar,
     counts: Counter,
     max_concurrency: int,
-    errors: dict[str, str] | None = None,
+    errors: dict[str, str],
 ) -> None:
-    """Run ``pending`` with ``max_concurrency`` workers; ``counts`` gets the outcomes and ``errors`` the first
-    (redacted, one-line) message of each failure reason."""
-    jobs = iter(pending)
-    errors = {} if errors is None else errors
+    """Start the backend, run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers, appending each record
+    to ``sink``, and close the backend; ``counts`` gets the outcomes and ``errors`` the first (redacted, one-line)
+    message of each failure reason."""
+    jobs = iter(jobs)
 
     async def worker() -> None:
         for job in jobs:  # one shared iterator: every job is taken exactly once
@@ -355,63 +382,181 @@ async def _run_jobs(
                 errors.setdefault(e.reason, " ".join(runner.backend.redact(str(e)).split())[:300])
                 bar.update(1)
                 continue
-            cache.append(record)
+            sink.append(record)
             counts["generated" if record["status"] == "ok" else f"skipped:{record['reason']}"] += 1
             bar.update(1)
             skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if ":" in k}
             if skipped:
                 bar.set_postfix(skipped, refresh=False)
 
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, len(pending))))]
+    await runner.backend.start()
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, num_jobs)))]
     try:
         done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         for t in done:
+            if isinstance(t.exception(), BackendUnavailable):
+                raise BackendUnavailable(runner.backend.redact(str(t.exception()))) from t.exception()
             if t.exception() is not None:
                 raise t.exception()
     finally:
         for t in workers:
             t.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+        await runner.backend.close()
 
 
-def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
-    """Build the ``ContinualDataset`` from cached records, in stage and index order. Depends only on the plan and
-    the cache (never on the current run), so a rerun that generates nothing rewrites the same bytes."""
+Pending = list[tuple[int, Any]]  # (position of the stage in plan.stages, numpy array of sample indices)
+
+
+def _pending(plan: GenerationPlan, cache: SampleCache) -> Pending:
+    """The samples of each stage that are not cached (failures never were: they are tried again)."""
+    out = []
+    for s, stage in enumerate(plan.stages):
+        where, _ = cache.locate(plan.stage_keys(stage))
+        out.append((s, (where < 0).nonzero()[0]))
+    return out
+
+
+def _jobs(plan: GenerationPlan, pending: Pending) -> Iterator[SampleJob]:
+    for s, positions in pending:
+        yield from plan.stage_jobs(plan.stages[s], positions)
+
+
+class _QueueBar:
+    """The progress-bar interface of a worker process: forwards counts to the parent every ``every`` samples."""
+
+    def __init__(self, queue, every: int = 200):
+        self.queue, self.every, self.n = queue, every, 0
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if self.n >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.n:
+            self.queue.put(("progress", self.n))
+            self.n = 0
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue):
+    """One process of a sharded run: every ``num_workers``-th pending sample from ``worker`` on, appended to the
+    worker's own cache file; reports ``("progress", n)`` and finally ``("done", counts, errors)`` or
+    ``("error", exception)`` on ``queue``."""
+    bar = _QueueBar(queue)
+    try:
+        plan = plan_generation(config)
+        gen = config.generation
+        bank = load_phrase_bank(gen.phrase_bank)
+        concurrency = max(1, math.ceil(gen.max_concurrency / num_workers))
+        runner = _Runner(plan, make_backend(dataclasses.replace(gen, max_concurrency=concurrency), bank), bank)
+        share = [(s, positions[worker::num_workers]) for s, positions in pending]
+        counts: Counter = Counter()
+        errors: dict[str, str] = {}
+        appender = SampleAppender(SampleCache(cache_dir).shard_path(worker))
+        try:
+            n = sum(len(p) for _, p in share)
+            asyncio.run(_run_jobs(runner, _jobs(plan, share), n, appender, bar, counts, concurrency, errors))
+        finally:
+            appender.close()
+            bar.flush()
+        queue.put(("done", dict(counts), errors))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        bar.flush()
+        queue.put(("error", e))
+
+
+async def _run_sharded(plan: GenerationPlan, cache: SampleCache, pending: Pending, workers: int, bar, counts, errors):
+    """Run ``pending`` in ``workers`` spawned processes; the first error stops them all and is raised here."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_shard_worker,
+            args=(plan.config, str(cache.directory), w, workers, pending, messages),
+            daemon=True,
+        )
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    finished = 0
+    try:
+        while finished < workers:
+            try:
+                message = await asyncio.to_thread(messages.get, True, 0.5)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a generation worker died (exit code {dead[0].exitcode})") from None
+                continue
+            if message[0] == "progress":
+                bar.update(message[1])
+            elif message[0] == "done":
+                finished += 1
+                counts.update(message[1])
+                for reason, line in message[2].items():
+                    errors.setdefault(reason, line)
+            else:
+                raise message[1]
+    finally:
+        for p in procs:
+            if p.is_alive() and finished < workers:
+                p.terminate()
+            p.join()
+
+
+def write_dataset(plan: GenerationPlan, cache: SampleCache, path: Path) -> dict[str, Any]:
+    """Write the dataset from cached records, in stage and index order, streaming each stage's rows into its split
+    files; returns the metadata. Depends only on the plan and the cache (never on the current run), so a rerun that
+    generates nothing rewrites the same bytes."""
+    from rlhf_ext.datagen.arrow_stage import SplitWriter, write_dataset_dict
+    from rlhf_ext.datagen.dataset import SPLITS
+
     config = plan.config
     fmt = config.output.format
     swap_p = config.generation.preference_swap
-    stages, infos = [], []
+    infos = []
     totals: Counter = Counter()
     models: set[str] = set()
     for stage in plan.stages:
-        rows, skipped, sources, missing = [], Counter(), Counter(), 0
-        for job in plan.jobs_by_stage.get(stage.index, []):
-            record = cache.get(job.key)
-            if record is None:
-                missing += 1
-                continue
-            if record["status"] != "ok":
-                skipped[record["reason"]] += 1
-                continue
+        where, ok = cache.locate(plan.stage_keys(stage))
+        skipped = Counter(cache.read(p)["reason"] for p in where[(where >= 0) & ~ok])
+        info = stage.to_dict()
+        info.update(generated=int(ok.sum()), skipped=dict(sorted(skipped.items())), missing=int((where < 0).sum()))
+        infos.append(info)
+        totals.update(generated=info["generated"], missing=info["missing"], skipped=sum(skipped.values()))
+    for info in infos:
+        info["source_counts"] = Counter()
+
+    def write_stage(i: int, info: dict[str, Any], directory: Path) -> tuple[int, int]:
+        stage = plan.stages[i]
+        where, ok = cache.locate(plan.stage_keys(stage))
+        positions = where[ok]
+        is_test = test_mask(len(positions), stage.test_ratio, derive_seed("split", stage.seed))
+        writers = [SplitWriter(directory / split, fmt) for split in SPLITS]
+        for position, test in zip(positions.tolist(), is_test.tolist()):
+            record = cache.read(position)
             row = dict(record["sample"])
             if record.get("info", {}).get("model"):
                 models.add(record["info"]["model"])
-            row["sample_id"] = job.key
-            row["swapped"] = swap_decision(job.key, swap_p, config.seed)
+            row["sample_id"] = record["key"]
+            row["swapped"] = swap_decision(record["key"], swap_p, config.seed)
             if row["swapped"]:
                 row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
-            rows.append(row)
-            sources[row["source_task"]] += 1
-        stages.append(build_stage(rows, fmt, stage.test_ratio, derive_seed("split", stage.seed)))
-        info = stage.to_dict()
-        info.update(
-            generated=len(rows),
-            skipped=dict(sorted(skipped.items())),
-            missing=missing,
-            source_counts=dict(sorted(sources.items())),
-        )
-        infos.append(info)
-        totals.update(generated=len(rows), missing=missing, skipped=sum(skipped.values()))
+            writers[test].add(row)
+            info["source_counts"][row["source_task"]] += 1
+        info["source_counts"] = dict(sorted(info["source_counts"].items()))
+        metadata["generator"]["models"] = sorted(models)
+        write_dataset_dict(directory, SPLITS)
+        return writers[0].close(), writers[1].close()
+
     from rlhf_ext import __version__
 
     metadata = {
@@ -425,14 +570,14 @@ def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
             for name, t in plan.tasks.items()
         },
         "stages": infos,
-        "stats": {"planned": len(plan.jobs), **dict(sorted(totals.items()))},
+        "stats": {"planned": plan.num_jobs, **dict(sorted(totals.items()))},
         "generator": {
             "backend": config.generation.backend,
-            "models": sorted(models),  # as the backend reported them (e.g. resolved from the server's /models)
+            "models": [],  # as the backend reported them (e.g. resolved from the server's /models)
             "rlhf_ext_version": __version__,
         },
     }
-    return ContinualDataset(stages, metadata)
+    return write_continual_dataset(path, metadata, write_stage)
 
 
 async def agenerate_dataset(
@@ -443,55 +588,70 @@ async def agenerate_dataset(
     num_samples: int | None = None,
     backend: Backend | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> ContinualDataset:
     """Async :func:`generate_dataset` (for callers already inside an event loop)."""
+    if workers < 1:
+        raise RecipeError(f"workers must be >= 1, got {workers}")
+    if backend is not None and workers > 1:
+        raise RecipeError(
+            "workers > 1 runs the backend the config names in each worker process; pass backend= only with workers=1"
+        )
     plan = plan_generation(config, overrides, num_samples)
     config = plan.config
     bank = load_phrase_bank(config.generation.phrase_bank)
-    backend = backend if backend is not None else make_backend(config.generation, bank)
-    runner = _Runner(plan, backend, bank)
     out = Path(output_dir)
     counts: Counter = Counter()
     errors: dict[str, str] = {}
     started = time.monotonic()
     generating = 0.0
+    backend_stats = None
     with SampleCache(out / CACHE_DIR) as cache:
-        pending = [job for job in plan.jobs if job.key not in cache]  # failures were never cached: tried again
-        reused = len(plan.jobs) - len(pending)
-        if pending:
-            with log_progress(len(plan.jobs), reused, config.name, "samples", progress) as bar:
-                await backend.start()
+        pending = _pending(plan, cache)
+        attempted = sum(len(p) for _, p in pending)
+        reused = plan.num_jobs - attempted
+        if attempted:
+            workers = min(workers, attempted)
+            with log_progress(plan.num_jobs, reused, config.name, "samples", progress) as bar:
+                t0 = time.monotonic()
                 try:
-                    t0 = time.monotonic()
-                    await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency, errors)
+                    if workers == 1:
+                        backend = backend if backend is not None else make_backend(config.generation, bank)
+                        runner = _Runner(plan, backend, bank)
+                        max_concurrency = config.generation.max_concurrency
+                        await _run_jobs(runner, _jobs(plan, pending), attempted, cache, bar, counts, max_concurrency,
+                                        errors)  # fmt: skip
+                        backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
+                    else:
+                        await _run_sharded(plan, cache, pending, workers, bar, counts, errors)
                     generating = time.monotonic() - t0
                 except BackendUnavailable as e:
-                    done = sum(1 for job in plan.jobs if job.key in cache)
+                    cache.refresh()
+                    done = int(sum((cache.locate(plan.stage_keys(st))[0] >= 0).sum() for st in plan.stages))
                     raise BackendUnavailable(
-                        f"{backend.redact(str(e))}\n{done}/{len(plan.jobs)} samples are finished and cached in "
+                        f"{e}\n{done}/{plan.num_jobs} samples are finished and cached in "
                         f"{cache.directory}; rerun the same command to resume"
                     ) from e
-                finally:
-                    await backend.close()
         cache.sync()
-        dataset = assemble(plan, cache)
-        dataset.save(out)
+        cache.refresh()
+        write_dataset(plan, cache, out)
         elapsed = time.monotonic() - started
         run = {
             "time": time.time(),
             "elapsed_s": round(elapsed, 3),
             "generate_s": round(generating, 3),
-            "samples_per_s": round(len(pending) / generating, 2) if generating > 0 else None,
-            "planned": len(plan.jobs),
+            "samples_per_s": round(attempted / generating, 2) if generating > 0 else None,
+            "planned": plan.num_jobs,
             "reused": reused,
-            "attempted": len(pending),
+            "attempted": attempted,
             **{k: v for k, v in sorted(counts.items())},
         }
         if errors:
             run["errors"] = dict(sorted(errors.items()))
-        if hasattr(backend, "stats"):
-            run["backend"] = dict(backend.stats)
+        if backend_stats is not None:
+            run["backend"] = backend_stats
         cache.log_run(run)
+    dataset = ContinualDataset.load(out)
     dataset.run_stats = run
     return dataset
 
@@ -504,6 +664,7 @@ def generate_dataset(
     num_samples: int | None = None,
     backend: Backend | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> ContinualDataset:
     """Generate (or resume generating) a continual preference dataset into ``output_dir``.
 
@@ -512,8 +673,11 @@ def generate_dataset(
         output_dir: the dataset directory (created); its ``.cache`` makes reruns resume.
         overrides: ``key.sub=value`` strings applied to the config (``generation.backend=openai``).
         num_samples: replace every task's ``num_samples`` (run a packaged config small).
-        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here).
+        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here;
+            only with ``workers=1``).
         progress: show a progress bar with rate and ETA (default: when stderr is a terminal).
+        workers: processes to shard the samples over (the dataset is byte-identical for any number); each runs the
+            config's backend with ``max_concurrency / workers`` requests in flight.
 
     Returns:
         The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing, including
@@ -521,11 +685,18 @@ def generate_dataset(
         one redacted line of the server's message per reason.
 
     Raises:
-        RecipeError: invalid config (names the key). BackendUnavailable: the backend cannot serve requests (finished
-        samples stay cached; rerun to resume). CacheLockedError: another run is writing ``output_dir``.
+        RecipeError: invalid config (names the key) or ``workers``. BackendUnavailable: the backend cannot serve
+        requests (finished samples stay cached; rerun to resume). CacheLockedError: another run is writing
+        ``output_dir``.
     """
     return asyncio.run(
         agenerate_dataset(
-            config, output_dir, overrides=overrides, num_samples=num_samples, backend=backend, progress=progress
+            config,
+            output_dir,
+            overrides=overrides,
+            num_samples=num_samples,
+            backend=backend,
+            progress=progress,
+            workers=workers,
         )
     )
