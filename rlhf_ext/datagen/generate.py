@@ -31,10 +31,8 @@ seed give byte-identical files however often the run was interrupted; the stage 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
-import math
 import random
 import time
 from collections import Counter
@@ -43,34 +41,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_ext.algos.knobs import check_value, knob, knob_specs
 from rlhf_ext.config import RecipeError, to_dict
-from rlhf_ext.datagen.backends import (
-    Backend,
-    BackendError,
-    BackendUnavailable,
-    ChatCompletion,
-    ChatRequest,
-    make_backend,
-)
-from rlhf_ext.datagen.cache import CACHE_DIR, SampleAppender, SampleCache
+from rlhf_ext.datagen.backends import Backend, BackendUnavailable, make_backend
+from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
 from rlhf_ext.datagen.dataset import ContinualDataset, swap_decision, test_mask, write_continual_dataset
 from rlhf_ext.datagen.drift import Stage, allocate_sources, build_schedule, derive_seed, drift_summary
-from rlhf_ext.datagen.judge import make_judge
-from rlhf_ext.datagen.mappers import (
-    PromptMapper,
-    ResponseMapper,
-    UnparseableOutput,
-    parse_pair,
-    sample_axes,
-    sample_seed_words,
-)
+from rlhf_ext.datagen.mappers import sample_axes, sample_seed_words
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
+from rlhf_ext.datagen.runner import (
+    PROMPT_MAPPER,
+    RESPONSE_MAPPER,
+    SampleRunner,
+    job_stream,
+    pending_jobs,
+    run_jobs,
+    run_sharded,
+)
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec, load_task_config
 from rlhf_ext.runtime.io import stable_hash
 from rlhf_ext.runtime.log import progress as log_progress
 
-PROMPT_MAPPER = PromptMapper()
-RESPONSE_MAPPER = ResponseMapper()
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options of a generation run that never change the dataset (so neither the config nor the metadata has them)."""
+
+    workers: int = knob(1, ge=1, le=256, help="Processes to shard the samples over (the dataset is the same).")
 
 
 @dataclass(frozen=True)
@@ -130,6 +127,10 @@ class GenerationPlan:
             h.update(b"%d\0" % j)
             keys.append(h.hexdigest()[:20])
         return keys
+
+    def cached(self, cache: SampleCache) -> int:
+        """How many of the plan's samples ``cache`` holds."""
+        return sum(int((cache.locate(self.stage_keys(stage))[0] >= 0).sum()) for stage in self.stages)
 
     def stage_jobs(self, stage: Stage, positions: Iterable[int] | None = None) -> Iterator[SampleJob]:
         """The jobs of ``stage`` at ``positions`` (default: all), in that order."""
@@ -246,272 +247,6 @@ def plan_generation(
     return GenerationPlan(config, build_schedule(config), tasks, drift_summary(config), gen_fp)
 
 
-# -------------------------------------------------------------------------------------------------------- run
-class _Skip(Exception):
-    """A sample cannot be used (permanent): ``reason`` is counted and cached."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
-
-
-def _user(content: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
-
-
-def _text(completion: ChatCompletion, request: ChatRequest) -> str:
-    if completion.finish_reason == "length":
-        raise _Skip("truncated", f"the {request.kind} answer hit max_tokens={request.max_tokens}")
-    text = completion.text.strip()
-    if not text:
-        raise _Skip("empty_output", f"the {request.kind} answer is empty")
-    return text
-
-
-async def _gather(*aws):
-    """``asyncio.gather`` that cancels the other awaitables when one fails."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _record(job: SampleJob, **fields: Any) -> dict[str, Any]:
-    """A cache record: the job's identity plus ``status`` and its payload."""
-    ident = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
-    return {**ident, "task": job.task.spec.name, **fields}
-
-
-class _Runner:
-    def __init__(self, plan: GenerationPlan, backend: Backend, bank: PhraseBank):
-        self.plan = plan
-        self.gen = plan.config.generation
-        self.backend = backend
-        self.judge = make_judge(self.gen.resolved_judge(), backend, bank, self.gen.max_tokens_judge)
-
-    def _request(self, kind: str, content: str, seed: int, max_tokens: int, ctx: dict[str, Any]) -> ChatRequest:
-        return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
-
-    async def sample(self, job: SampleJob) -> dict[str, Any]:
-        """Generate one sample; returns its cache record (``status`` ok or skipped). A failed request raises
-        :class:`BackendError` (never a record: only answers are cached)."""
-        try:
-            sample, info = await self._generate(job)
-            info["model"] = self.backend.describe().get("model")
-        except _Skip as s:
-            return _record(job, status="skipped", reason=s.reason, detail=self.backend.redact(str(s))[:200])
-        return _record(job, status="ok", sample=sample, info=info)
-
-    async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
-        task, gen = job.task.spec, self.gen
-        rng = random.Random(job.seed)
-        words = sample_seed_words(task, rng)
-        axes = sample_axes(task, rng)
-        ctx = {"objective_kind": job.task.objective_kind, "seed_words": words, "style": job.task.style, "axes": axes}
-        meta = PROMPT_MAPPER.meta_prompt(task, words)
-        seeds = [derive_seed(job.seed, k) for k in range(4)]
-        request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
-        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
-        info: dict[str, Any] = {"axes": [list(a) for a in axes]}
-        if gen.response_mode == "pair":
-            request = self._request(
-                "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
-            )
-            answer = _text(await self.backend.complete(request), request)
-            try:
-                chosen, rejected = parse_pair(answer)
-            except UnparseableOutput as e:
-                raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
-        else:
-            stances = RESPONSE_MAPPER.sample_stances(task, rng)
-            requests = [
-                self._request(
-                    "response",
-                    RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes),
-                    seeds[1 + k],
-                    gen.max_tokens_response,
-                    {**ctx, "stance": stance},
-                )
-                for k, stance in enumerate(stances)
-            ]
-            answers = await _gather(*(self.backend.complete(r) for r in requests))
-            first, second = [_text(c, r) for c, r in zip(answers, requests)]
-            verdict = await self.judge.judge(task, job.task.style, prompt, first, second, seeds[3])
-            if verdict.winner is None:
-                raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
-            chosen, rejected = (first, second) if verdict.winner == 0 else (second, first)
-            info.update(stances=list(stances), winner=verdict.winner, judge=verdict.raw)
-        sample = {
-            "prompt": prompt,
-            "chosen": chosen,
-            "rejected": rejected,
-            "source_task": task.name,
-            "style": job.task.style or "",
-            "seed_words": words,
-        }
-        return sample, info
-
-
-async def _run_jobs(
-    runner: _Runner,
-    jobs: Iterable[SampleJob],
-    num_jobs: int,
-    sink: SampleCache | SampleAppender,
-    bar,
-    counts: Counter,
-    max_concurrency: int,
-    errors: dict[str, str],
-) -> None:
-    """Start the backend, run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers, appending each record
-    to ``sink``, and close the backend; ``counts`` gets the outcomes and ``errors`` the first (redacted, one-line)
-    message of each failure reason."""
-    jobs = iter(jobs)
-
-    async def worker() -> None:
-        for job in jobs:  # one shared iterator: every job is taken exactly once
-            try:
-                record = await runner.sample(job)
-            except BackendUnavailable:
-                raise
-            except BackendError as e:  # not cached: the next run attempts the sample again
-                counts[f"retry_later:{e.reason}"] += 1
-                errors.setdefault(e.reason, " ".join(runner.backend.redact(str(e)).split())[:300])
-                bar.update(1)
-                continue
-            sink.append(record)
-            counts["generated" if record["status"] == "ok" else f"skipped:{record['reason']}"] += 1
-            bar.update(1)
-            skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if ":" in k}
-            if skipped:
-                bar.set_postfix(skipped, refresh=False)
-
-    await runner.backend.start()
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, num_jobs)))]
-    try:
-        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if isinstance(t.exception(), BackendUnavailable):
-                raise BackendUnavailable(runner.backend.redact(str(t.exception()))) from t.exception()
-            if t.exception() is not None:
-                raise t.exception()
-    finally:
-        for t in workers:
-            t.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        await runner.backend.close()
-
-
-Pending = list[tuple[int, Any]]  # (position of the stage in plan.stages, numpy array of sample indices)
-
-
-def _pending(plan: GenerationPlan, cache: SampleCache) -> Pending:
-    """The samples of each stage that are not cached (failures never were: they are tried again)."""
-    out = []
-    for s, stage in enumerate(plan.stages):
-        where, _ = cache.locate(plan.stage_keys(stage))
-        out.append((s, (where < 0).nonzero()[0]))
-    return out
-
-
-def _jobs(plan: GenerationPlan, pending: Pending) -> Iterator[SampleJob]:
-    for s, positions in pending:
-        yield from plan.stage_jobs(plan.stages[s], positions)
-
-
-class _QueueBar:
-    """The progress-bar interface of a worker process: forwards counts to the parent every ``every`` samples."""
-
-    def __init__(self, queue, every: int = 200):
-        self.queue, self.every, self.n = queue, every, 0
-
-    def update(self, n: int) -> None:
-        self.n += n
-        if self.n >= self.every:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.n:
-            self.queue.put(("progress", self.n))
-            self.n = 0
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue):
-    """One process of a sharded run: every ``num_workers``-th pending sample from ``worker`` on, appended to the
-    worker's own cache file; reports ``("progress", n)`` and finally ``("done", counts, errors)`` or
-    ``("error", exception)`` on ``queue``."""
-    bar = _QueueBar(queue)
-    try:
-        plan = plan_generation(config)
-        gen = config.generation
-        bank = load_phrase_bank(gen.phrase_bank)
-        concurrency = max(1, math.ceil(gen.max_concurrency / num_workers))
-        runner = _Runner(plan, make_backend(dataclasses.replace(gen, max_concurrency=concurrency), bank), bank)
-        share = [(s, positions[worker::num_workers]) for s, positions in pending]
-        counts: Counter = Counter()
-        errors: dict[str, str] = {}
-        appender = SampleAppender(SampleCache(cache_dir).shard_path(worker))
-        try:
-            n = sum(len(p) for _, p in share)
-            asyncio.run(_run_jobs(runner, _jobs(plan, share), n, appender, bar, counts, concurrency, errors))
-        finally:
-            appender.close()
-            bar.flush()
-        queue.put(("done", dict(counts), errors))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        bar.flush()
-        queue.put(("error", e))
-
-
-async def _run_sharded(plan: GenerationPlan, cache: SampleCache, pending: Pending, workers: int, bar, counts, errors):
-    """Run ``pending`` in ``workers`` spawned processes; the first error stops them all and is raised here."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_shard_worker,
-            args=(plan.config, str(cache.directory), w, workers, pending, messages),
-            daemon=True,
-        )
-        for w in range(workers)
-    ]
-    for p in procs:
-        p.start()
-    finished = 0
-    try:
-        while finished < workers:
-            try:
-                message = await asyncio.to_thread(messages.get, True, 0.5)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a generation worker died (exit code {dead[0].exitcode})") from None
-                continue
-            if message[0] == "progress":
-                bar.update(message[1])
-            elif message[0] == "done":
-                finished += 1
-                counts.update(message[1])
-                for reason, line in message[2].items():
-                    errors.setdefault(reason, line)
-            else:
-                raise message[1]
-    finally:
-        for p in procs:
-            if p.is_alive() and finished < workers:
-                p.terminate()
-            p.join()
-
-
 def write_dataset(plan: GenerationPlan, cache: SampleCache, path: Path) -> dict[str, Any]:
     """Write the dataset from cached records, in stage and index order, streaming each stage's rows into its split
     files; returns the metadata. Depends only on the plan and the cache (never on the current run), so a rerun that
@@ -591,8 +326,7 @@ async def agenerate_dataset(
     workers: int = 1,
 ) -> ContinualDataset:
     """Async :func:`generate_dataset` (for callers already inside an event loop)."""
-    if workers < 1:
-        raise RecipeError(f"workers must be >= 1, got {workers}")
+    check_value(knob_specs(RunOptions)["workers"], workers, "workers")
     if backend is not None and workers > 1:
         raise RecipeError(
             "workers > 1 runs the backend the config names in each worker process; pass backend= only with workers=1"
@@ -607,7 +341,7 @@ async def agenerate_dataset(
     generating = 0.0
     backend_stats = None
     with SampleCache(out / CACHE_DIR) as cache:
-        pending = _pending(plan, cache)
+        pending = pending_jobs(plan, cache)
         attempted = sum(len(p) for _, p in pending)
         reused = plan.num_jobs - attempted
         if attempted:
@@ -617,19 +351,18 @@ async def agenerate_dataset(
                 try:
                     if workers == 1:
                         backend = backend if backend is not None else make_backend(config.generation, bank)
-                        runner = _Runner(plan, backend, bank)
-                        max_concurrency = config.generation.max_concurrency
-                        await _run_jobs(runner, _jobs(plan, pending), attempted, cache, bar, counts, max_concurrency,
-                                        errors)  # fmt: skip
+                        runner = SampleRunner(plan, backend, bank)
+                        jobs = job_stream(plan, pending)
+                        limit = config.generation.max_concurrency
+                        await run_jobs(runner, jobs, attempted, cache, bar, counts, limit, errors)
                         backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
                     else:
-                        await _run_sharded(plan, cache, pending, workers, bar, counts, errors)
+                        await run_sharded(plan, cache, pending, workers, bar, counts, errors)
                     generating = time.monotonic() - t0
                 except BackendUnavailable as e:
                     cache.refresh()
-                    done = int(sum((cache.locate(plan.stage_keys(st))[0] >= 0).sum() for st in plan.stages))
                     raise BackendUnavailable(
-                        f"{e}\n{done}/{plan.num_jobs} samples are finished and cached in "
+                        f"{e}\n{plan.cached(cache)}/{plan.num_jobs} samples are finished and cached in "
                         f"{cache.directory}; rerun the same command to resume"
                     ) from e
         cache.sync()
@@ -685,7 +418,8 @@ def generate_dataset(
         one redacted line of the server's message per reason.
 
     Raises:
-        RecipeError: invalid config (names the key) or ``workers``. BackendUnavailable: the backend cannot serve
+        RecipeError: invalid config (names the key), or ``backend`` with ``workers > 1``. KnobError: ``workers``
+        out of range. BackendUnavailable: the backend cannot serve
         requests (finished samples stay cached; rerun to resume). CacheLockedError: another run is writing
         ``output_dir``.
     """
