@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import pickle
 import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -263,6 +264,10 @@ def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_worker
         queue.put(("done", dict(counts), errors))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         bar.flush()
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - what cannot travel is sent as its text
+            e = RuntimeError(f"{type(e).__name__}: {e}")
         queue.put(("error", e))
 
 
@@ -289,9 +294,10 @@ async def run_sharded(plan: GenerationPlan, cache: SampleCache, pending: Pending
             try:
                 message = await asyncio.to_thread(messages.get, True, 0.5)
             except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a generation worker died (exit code {dead[0].exitcode})") from None
+                # a process's messages are all in the queue once it has exited: one that exited unreported died
+                if all(p.exitcode is not None for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"a generation worker stopped without reporting (exit codes {codes})") from None
                 continue
             if message[0] == "progress":
                 bar.update(message[1])

@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 
 from rlhf_ext.algos.knobs import KnobError
-from rlhf_ext.datagen import OfflineBackend, SampleCache, generate_dataset, load_phrase_bank
+from rlhf_ext.datagen import BackendUnavailable, OfflineBackend, SampleCache, generate_dataset, load_phrase_bank
 from rlhf_ext.datagen.cache import CACHE_DIR, SAMPLES_FILE
 from tests.datagen.test_datagen_generate import small_config, tree_digest
 
@@ -165,3 +165,14 @@ def test_memory_does_not_grow_with_the_sample_count(tmp_path):
     +17 MB); streaming needs the index (~40 B per sample) and a batch per split."""
     small, large = generation_peak(tmp_path, 200), generation_peak(tmp_path, 800)
     assert large - small < 5400 * 200, (small, large)
+
+
+def test_a_worker_that_cannot_reach_its_server_stops_the_run_with_the_resume_message(tmp_path):
+    from tests.datagen.test_openai_backend import closed_port
+
+    url = f"generation.api_base=http://127.0.0.1:{closed_port()}/v1"
+    with pytest.raises(BackendUnavailable, match="rerun the same command to resume") as err:
+        generate_dataset(small_config(), tmp_path / "a", overrides=["generation.backend=openai", url], workers=2,
+                         progress=False)  # fmt: skip
+    assert "ConnectError" in str(err.value) and "0/52 samples are finished" in str(err.value)
+    assert not (tmp_path / "a" / "continual_dataset.json").exists()
