@@ -185,7 +185,16 @@ class SampleCache:
     def _scan(self, path: Path, file_no: int, start: int) -> tuple | None:
         """Index entries ``(keys, file, offsets, lengths, ok)`` of ``path`` from byte ``start``; ``None`` when it
         holds records of :data:`NOT_FINAL_REASONS`."""
+        chunks: list[tuple] = []
         keys, offs, lens, oks = [], [], [], []
+
+        def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
+            if keys:
+                chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
+                               np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
+                for column in (keys, offs, lens, oks):
+                    column.clear()
+
         with open(path, "rb") as f:
             f.seek(start)
             off = start
@@ -205,14 +214,14 @@ class SampleCache:
                         offs.append(off)
                         lens.append(n)
                         oks.append(record.get("status") == "ok")
+                        if len(keys) == 1 << 16:
+                            flush()
                 off += n
-        return (
-            np.array(keys, dtype=bytes) if keys else np.zeros(0, dtype="S1"),
-            np.full(len(keys), file_no, dtype=np.int16),
-            np.array(offs, dtype=np.int64),
-            np.array(lens, dtype=np.int32),
-            np.array(oks, dtype=bool),
-        )
+        flush()
+        if not chunks:
+            chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
+        key_arr, off_arr, len_arr, ok_arr = (np.concatenate([c[i] for c in chunks]) for i in range(4))
+        return key_arr, np.full(len(key_arr), file_no, dtype=np.int16), off_arr, len_arr, ok_arr
 
     def _drop_not_final(self, path: Path) -> None:
         """Rewrite ``path`` without the records of :data:`NOT_FINAL_REASONS` (their details may quote what a server
