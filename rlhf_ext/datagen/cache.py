@@ -90,14 +90,19 @@ class SampleCache:
         self.ignored_records = 0
         self._appender: SampleAppender | None = None
         self._lock_fd: int | None = None
-        self._files: list[Path] = []  # index i of _file refers to _files[i]
-        self._scanned: dict[Path, int] = {}  # bytes of each file already in the index
+        self._files: list[Path]  # index i of _file refers to _files[i]
+        self._scanned: dict[Path, int]  # bytes of each file already in the index
+        self._drop_index()
+        self._readers: dict[int, int] = {}
+
+    def _drop_index(self) -> None:
+        """An empty index (on creation, and on close: its memory is freed even while the object lives on)."""
+        self._files, self._scanned = [], {}
         self._keys = np.zeros(0, dtype="S1")  # sorted; the arrays below in the same order
         self._file = np.zeros(0, dtype=np.int16)
         self._off = np.zeros(0, dtype=np.int64)
         self._len = np.zeros(0, dtype=np.int32)
         self._ok = np.zeros(0, dtype=bool)
-        self._readers: dict[int, int] = {}
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def open(self) -> SampleCache:
@@ -123,6 +128,7 @@ class SampleCache:
         for fd in self._readers.values():
             os.close(fd)
         self._readers.clear()
+        self._drop_index()
         if self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
