@@ -15,6 +15,8 @@ one cache at once. A failed request is never a record; records that older versio
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -37,6 +39,13 @@ NOT_FINAL_REASONS = frozenset({"request_rejected"})
 
 class CacheLockedError(RuntimeError):
     """Another process is generating into the same output directory."""
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS: glibc keeps the pages of large freed numpy temporaries (the index merge's
+    copies) in the process, so its peak RSS would otherwise stay for the rest of the run."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class SampleAppender:
@@ -103,6 +112,7 @@ class SampleCache:
         self._off = np.zeros(0, dtype=np.int64)
         self._len = np.zeros(0, dtype=np.int32)
         self._ok = np.zeros(0, dtype=bool)
+        release_freed_memory()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def open(self) -> SampleCache:
@@ -251,6 +261,7 @@ class SampleCache:
         """Merge new entries into the sorted index; an existing key (or the earlier of two new ones) wins."""
         parts = [(self._keys, self._file, self._off, self._len, self._ok), *chunks]
         keys, file, off, length, ok = (np.concatenate([p[i] for p in parts]) for i in range(5))
+        chunks.clear()  # the caller's list: its arrays are freed with the copies below
         order = np.argsort(keys, kind="stable")  # stable: the first record of a key comes first
         keys = keys[order]
         first = np.ones(len(keys), dtype=bool)
@@ -263,6 +274,8 @@ class SampleCache:
             length[order],
             ok[order],
         )
+        del parts, keys, file, off, length, ok, order, first
+        release_freed_memory()
 
     def __len__(self) -> int:
         return len(self._keys)
