@@ -11,12 +11,23 @@
 Rates are measured over the generation phase (``run_stats["generate_s"]``: from the first request to the last
 sample cached). Each configuration runs in a fresh output directory.
 
+3. ``--offline-scale`` (issue 28): the ``offline`` backend at 100k and (without ``--quick``) 1M samples, 1 vs 2
+   worker processes, each run a fresh subprocess: samples per second end to end and in the generation phase, and the
+   peak RSS of the whole process tree (parent plus workers, polled every 20 ms with ``psutil``). ``--baseline-repo``
+   measures another checkout (e.g. main before issue 28) at 100k with 1 worker, for the before/after figure. The
+   sharded speedup is the wall-time ratio 1 worker / 2 workers, printed beside ``machine_probe(parallelism=True)``
+   taken before and after (2.0: two idle cores; on a shared machine less), and as a fraction of that parallelism.
+   Summary rows: "data generate offline, peak RSS at N samples" (against the 250 MB bound) and "sharded speedup on 2
+   cores". Wall times, because the work is spread over processes: the only figure here a loaded machine distorts.
+
     python benchmarks/datagen.py [--latency 0.05] [--seconds 4] [--offline-samples 2000]
+    python benchmarks/datagen.py --offline-scale [--quick] [--baseline-repo DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +42,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from _timing import machine_probe, spread, summary_row  # noqa: E402
+
 from rlhf_ext.datagen import OpenAIBackend, generate_dataset  # noqa: E402
+
+RSS_BOUND_MB = 250
+STAGES = 9  # continual-lipschitz: --num-samples is per task, one task's worth per stage
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from rlhf_ext.datagen import generate_dataset
+ds = generate_dataset("continual-lipschitz", sys.argv[1], num_samples=int(sys.argv[2]), progress=False, **WORKERS)
+print("RESULT " + json.dumps({"wall_s": time.perf_counter() - t0, "run": ds.run_stats}))
+"""
 
 
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
@@ -92,13 +115,158 @@ def run_offline(samples: int, root: Path) -> dict:
     }
 
 
+def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict:
+    """One offline run of ``samples`` samples in a fresh subprocess (code from ``repo``); peak RSS of its tree."""
+    import psutil
+
+    out = root / f"scale-{samples}-w{workers}-{len(list(root.iterdir()))}"
+    code = CHILD.replace("**WORKERS", f"workers={workers}" if workers > 1 else "")
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(out), str(samples // STAGES)],
+        env=env,
+        cwd=repo,  # `python -c` puts the working directory first on sys.path
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    peak = 0
+    parent = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            tree = [parent, *parent.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    text = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline run failed (exit {proc.returncode}): {text[-500:]}")
+    result = json.loads(text.split("RESULT ", 1)[1])
+    run = result["run"]
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "samples": run["planned"],
+        "workers": workers,
+        "repo": str(repo),
+        "peak_rss_mb": round(peak / 2**20, 1),
+        "wall_s": round(wall, 2),
+        "generate_s": run["generate_s"],
+        "samples_per_s_end_to_end": round(run["planned"] / wall, 1),
+        "samples_per_s_generate": round(run["planned"] / run["generate_s"], 1),
+        "assemble_s": round(run["elapsed_s"] - run["generate_s"], 2),
+    }
+
+
+def offline_scale(args) -> None:
+    sizes = [100_000] if args.quick else [100_000, 1_000_000]
+    rounds = 1 if args.quick else args.rounds
+    rows, summary = [], []
+    probe_before = machine_probe(parallelism=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if args.baseline_repo is not None:
+            rows.append({**run_scale(sizes[0], 1, root, args.baseline_repo), "contender": "baseline"})
+        for samples in sizes:
+            for r in range(rounds if samples == sizes[0] else 1):
+                for workers in (1, 2) if r % 2 == 0 else (2, 1):  # order alternating between rounds
+                    rows.append({**run_scale(samples, workers, root), "contender": "ours", "round": r})
+                    print(json.dumps(rows[-1]), flush=True)
+    probe_after = machine_probe(parallelism=True)
+    machine = {**probe_before, "parallelism_after": probe_after["parallelism"]}
+    parallelism = min(probe_before["parallelism"], probe_after["parallelism"])
+    speedups = {}
+    for samples in sizes:
+        ours = [
+            r
+            for r in rows
+            if r["contender"] == "ours" and r["samples"] >= samples * 0.99 and r["samples"] <= samples * 1.01
+        ]
+        one = [r for r in ours if r["workers"] == 1]
+        two = [r for r in ours if r["workers"] == 2]
+        rss = spread([r["peak_rss_mb"] for r in one])
+        n = f"{samples // 1000}k" if samples < 1_000_000 else f"{samples // 1_000_000}M"
+        summary.append(
+            summary_row(
+                f"data generate offline, peak RSS at {n} samples",
+                f"{rss['median']:.0f} MB",
+                f"bound {RSS_BOUND_MB} MB",
+                {k: v / RSS_BOUND_MB if k != "n" else v for k, v in rss.items()},
+                f"<= {RSS_BOUND_MB} MB (ratio <= 1)",
+                machine,
+                unit="x the bound",
+            )
+        )
+        ratio = spread([a["wall_s"] / b["wall_s"] for a, b in zip(one, two)])
+        gen_ratio = spread([a["generate_s"] / b["generate_s"] for a, b in zip(one, two)])
+        speedups[n] = {
+            "wall": ratio,
+            "generate_phase": gen_ratio,
+            "fraction_of_parallelism": ratio["median"] / parallelism,
+        }
+        summary.append(
+            summary_row(
+                f"data generate offline, sharded speedup on 2 cores at {n} samples",
+                f"{spread([r['wall_s'] for r in two])['median']:.1f} s (2 workers)",
+                f"{spread([r['wall_s'] for r in one])['median']:.1f} s (1 worker)",
+                ratio,
+                f">= 1.8x on 2 idle cores (machine parallelism now {parallelism:.2f}; "
+                f"{ratio['median'] / parallelism:.0%} of it)",
+                machine,
+                unit="x wall time, 1 worker / 2 workers",
+            )
+        )
+    header = f"{'contender':9s} {'samples':>8s} {'workers':>7s} {'peak RSS MB':>11s} {'wall s':>7s} {'gen s':>7s} "
+    print(header + f"{'assemble s':>10s} {'samples/s':>9s}")
+    for r in rows:
+        print(
+            f"{r['contender']:9s} {r['samples']:8d} {r['workers']:7d} {r['peak_rss_mb']:11.1f} {r['wall_s']:7.1f} "
+            f"{r['generate_s']:7.1f} {r['assemble_s']:10.1f} {r['samples_per_s_end_to_end']:9.0f}"
+        )
+    for n, sp in speedups.items():
+        wall = sp["wall"]
+        print(
+            f"sharded speedup at {n}: {wall['median']:.2f}x wall [{wall['p25']:.2f}-{wall['p75']:.2f}]"
+            f", generation phase {sp['generate_phase']['median']:.2f}x; machine parallelism {parallelism:.2f} "
+            f"({sp['fraction_of_parallelism']:.0%} of it)"
+        )
+    out = args.out or RESULTS / ("datagen_scale_quick.json" if args.quick else "datagen_scale.json")
+    result = {
+        "rows": rows,
+        "speedups": speedups,
+        "machine": machine,
+        "summary": summary,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine_info": machine_info(),
+        "note": "wall times of separate processes on a shared machine: read them beside the parallelism probe",
+    }
+    atomic_write_json(out, result)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency", type=float, default=0.05, help="Server latency per request (s).")
     parser.add_argument("--seconds", type=float, default=4.0, help="Approximate generation time per openai run.")
     parser.add_argument("--offline-samples", type=int, default=2000, help="Samples per task (9 Lipschitz stages).")
-    parser.add_argument("--out", type=Path, default=RESULTS / "datagen.json")
+    parser.add_argument("--offline-scale", action="store_true", help="Peak RSS and 1 vs 2 workers at 100k/1M samples.")
+    parser.add_argument("--quick", action="store_true", help="--offline-scale at 100k samples only, one round.")
+    parser.add_argument("--rounds", type=int, default=3, help="--offline-scale: 1-vs-2-worker rounds at 100k.")
+    parser.add_argument(
+        "--baseline-repo",
+        type=Path,
+        default=None,
+        help="--offline-scale: also run this checkout's code at 100k, 1 worker (before figure).",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="JSON to write (default under benchmarks/results/).")
     args = parser.parse_args()
+    if args.offline_scale or args.quick:
+        offline_scale(args)
+        return
+    args.out = args.out or RESULTS / "datagen.json"
 
     rows = []
     proc, url = start_server(args.latency)

@@ -1,28 +1,37 @@
 """The append-only sample cache that makes generation resumable (one JSON line per finished sample).
 
-Every finished sample (or a sample whose answer cannot be used) is one line of
-``<output>/.cache/samples.jsonl``, keyed by a hash of the task, the sample index and the seed (plus the generation
-settings that change a sample's text). The line is written with a single ``write`` on an ``O_APPEND`` descriptor as
-soon as the sample is done, so a ``kill -9`` loses only the requests in flight: the kernel keeps what was written.
-``fsync`` runs at most every ``fsync_interval`` seconds and when the cache closes, which bounds what a power cut can
-lose. On open, a torn last line (a process killed in the middle of a write) is cut off, and duplicate keys keep their
-first record, so a rerun resumes without duplicates. An exclusive non-blocking lock stops two runs from writing one
-cache at once. A failed request is never a record; records that older versions wrote for HTTP 4xx answers (``skipped``
-/ ``request_rejected``) are ignored on open, so those samples are generated again.
+Every finished sample (or a sample whose answer cannot be used) is one line of ``<output>/.cache/samples.jsonl`` (worker
+``k > 0`` of a sharded run appends to ``samples-<k>.jsonl``), keyed by a hash of the task, the sample index and the seed
+(plus the generation settings that change a sample's text). The line is written with a single ``write`` on an
+``O_APPEND`` descriptor as soon as the sample is done, so a ``kill -9`` loses only the requests in flight: the kernel
+keeps what was written. ``fsync`` runs at most every ``fsync_interval`` seconds and when the cache closes, which bounds
+what a power cut can lose. On open, a torn last line (a process killed in the middle of a write) is cut off, and
+duplicate keys keep their first record, so a rerun resumes without duplicates. In memory the cache is an index, not the
+records: each key's file, byte offset, length and status in sorted arrays (about 40 bytes per sample);
+:meth:`SampleCache.get` reads a record back from its file. An exclusive non-blocking lock stops two runs from writing
+one cache at once. A failed request is never a record; records that older versions wrote for HTTP 4xx answers
+(``skipped`` / ``request_rejected``) are ignored on open, so those samples are generated again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 CACHE_DIR = ".cache"
 SAMPLES_FILE = "samples.jsonl"
 RUNS_FILE = "runs.jsonl"
+#: the samples file of sharded-run worker ``k > 0``: ``SHARD_FILE.format(k)``
+SHARD_FILE = "samples-{}.jsonl"
 LOCK_FILE = "lock"
 #: skip reasons that are not final answers (written by older versions for failed requests): ignored when loading
 NOT_FINAL_REASONS = frozenset({"request_rejected"})
@@ -32,21 +41,78 @@ class CacheLockedError(RuntimeError):
     """Another process is generating into the same output directory."""
 
 
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS: glibc keeps the pages of large freed numpy temporaries (the index merge's
+    copies) in the process, so its peak RSS would otherwise stay for the rest of the run."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class SampleAppender:
+    """Append records to one samples file, one ``write`` per line, ``fsync`` at most every ``fsync_interval`` s."""
+
+    def __init__(self, path: str | Path, fsync_interval: float = 0.5):
+        self.path = Path(path)
+        self.fsync_interval = fsync_interval
+        self._fd: int | None = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        self._last_sync = time.monotonic()
+        self._dirty = False
+
+    def append(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            raise RuntimeError("SampleCache is not open")
+        line = (json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n").encode()
+        view = memoryview(line)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self._dirty = True
+        if time.monotonic() - self._last_sync >= self.fsync_interval:
+            self.sync()
+
+    def sync(self) -> None:
+        if self._fd is not None and self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+        self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+
+
 class SampleCache:
-    """Append-only JSONL of finished samples; use as a context manager (``with SampleCache(dir) as cache``)."""
+    """Append-only JSONL of finished samples; use as a context manager (``with SampleCache(dir) as cache``).
+
+    ``key in cache``, :meth:`get` and :meth:`locate` see the records present when the cache was opened or last
+    :meth:`refresh`-ed (records appended since, by this process or by workers, appear after ``refresh``).
+    """
 
     def __init__(self, directory: str | Path, fsync_interval: float = 0.5):
         self.directory = Path(directory)
         self.path = self.directory / SAMPLES_FILE
         self.fsync_interval = fsync_interval
-        self.records: dict[str, dict[str, Any]] = {}
         self.repaired_bytes = 0
         self.corrupt_lines = 0
         self.ignored_records = 0
-        self._fd: int | None = None
+        self._appender: SampleAppender | None = None
         self._lock_fd: int | None = None
-        self._last_sync = 0.0
-        self._dirty = False
+        self._files: list[Path]  # index i of _file refers to _files[i]
+        self._scanned: dict[Path, int]  # bytes of each file already in the index
+        self._drop_index()
+        self._readers: dict[int, int] = {}
+
+    def _drop_index(self) -> None:
+        """An empty index (on creation, and on close: its memory is freed even while the object lives on)."""
+        self._files, self._scanned = [], {}
+        self._keys = np.zeros(0, dtype="S1")  # sorted; the arrays below in the same order
+        self._file = np.zeros(0, dtype=np.int16)
+        self._off = np.zeros(0, dtype=np.int64)
+        self._len = np.zeros(0, dtype=np.int32)
+        self._ok = np.zeros(0, dtype=bool)
+        release_freed_memory()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def open(self) -> SampleCache:
@@ -61,16 +127,18 @@ class SampleCache:
                 f"another generation run is writing {self.directory.parent}; wait for it to finish or choose another "
                 "output directory"
             ) from None
-        self._load_and_repair()
-        self._fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
-        self._last_sync = time.monotonic()
+        self.refresh()
+        self._appender = SampleAppender(self.path, self.fsync_interval)
         return self
 
     def close(self) -> None:
-        if self._fd is not None:
-            self.sync()
-            os.close(self._fd)
-            self._fd = None
+        if self._appender is not None:
+            self._appender.close()
+            self._appender = None
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
+        self._drop_index()
         if self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -82,71 +150,175 @@ class SampleCache:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------------------------------ read/write
-    def _load_and_repair(self) -> None:
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):  # a torn final line: the writer died mid-write
-            self.repaired_bytes = len(data) - end
-            with open(self.path, "r+b") as f:
+    def shard_path(self, worker: int) -> Path:
+        """The samples file worker ``worker`` of a sharded run appends to (worker 0: :data:`SAMPLES_FILE`)."""
+        return self.path if worker == 0 else self.directory / SHARD_FILE.format(worker)
+
+    # ------------------------------------------------------------------------------------------------ index
+    def _sample_files(self) -> list[Path]:
+        shards = sorted(self.directory.glob(SHARD_FILE.format("*")), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return [self.path, *shards]
+
+    def refresh(self) -> None:
+        """Add the records appended to the samples files since the last scan to the index (torn last lines cut off,
+        duplicate keys keep their first record, records of :data:`NOT_FINAL_REASONS` dropped from the file)."""
+        chunks = []
+        for path in self._sample_files():
+            if not path.exists():
+                continue
+            if path not in self._scanned:
+                self._files.append(path)
+                self._scanned[path] = 0
+            self._repair_tail(path)
+            entries = self._scan(path, self._files.index(path), self._scanned[path])
+            if entries is None:  # records to drop: rewrite the file without them and index it again
+                self._drop_not_final(path)
+                entries = self._scan(path, self._files.index(path), self._scanned[path])
+            chunks.append(entries)
+            self._scanned[path] = path.stat().st_size
+        if chunks:
+            self._merge(chunks)
+
+    def _repair_tail(self, path: Path) -> None:
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            end = size
+            while end > self._scanned.get(path, 0):  # find the last newline, reading backwards
+                start = max(end - (1 << 16), 0)
+                f.seek(start)
+                block = f.read(end - start)
+                i = block.rfind(b"\n")
+                if i >= 0:
+                    end = start + i + 1
+                    break
+                end = start
+            if end < size:  # a torn final line: the writer died mid-write
+                self.repaired_bytes += size - end
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
-        kept = []
-        for line in data[:end].splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                key = record["key"]
-            except (ValueError, KeyError, TypeError):
-                self.corrupt_lines += 1
-                kept.append(line)
-                continue
-            if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
-                self.ignored_records += 1
-                continue
-            kept.append(line)
-            self.records.setdefault(key, record)
-        if self.ignored_records:  # drop them from the file too (their details may quote what a server echoed back)
-            self._rewrite(b"".join(line + b"\n" for line in kept))
 
-    def _rewrite(self, data: bytes) -> None:
-        """Replace the samples file atomically with ``data`` (the permissions ``open`` would give it)."""
+    def _scan(self, path: Path, file_no: int, start: int) -> tuple | None:
+        """Index entries ``(keys, file, offsets, lengths, ok)`` of ``path`` from byte ``start``; ``None`` when it
+        holds records of :data:`NOT_FINAL_REASONS`."""
+        chunks: list[tuple] = []
+        keys, offs, lens, oks = [], [], [], []
+
+        def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
+            if keys:
+                chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
+                               np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
+                for column in (keys, offs, lens, oks):
+                    column.clear()
+
+        with open(path, "rb") as f:
+            f.seek(start)
+            off = start
+            for line in f:
+                n = len(line)
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                        key = record["key"]
+                    except (ValueError, KeyError, TypeError):
+                        self.corrupt_lines += 1
+                        key = None
+                    if key is not None:
+                        if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
+                            return None
+                        keys.append(str(key).encode())
+                        offs.append(off)
+                        lens.append(n)
+                        oks.append(record.get("status") == "ok")
+                        if len(keys) == 1 << 16:
+                            flush()
+                off += n
+        flush()
+        if not chunks:
+            chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
+        key_arr, off_arr, len_arr, ok_arr = (np.concatenate([c[i] for c in chunks]) for i in range(4))
+        return key_arr, np.full(len(key_arr), file_no, dtype=np.int16), off_arr, len_arr, ok_arr
+
+    def _drop_not_final(self, path: Path) -> None:
+        """Rewrite ``path`` without the records of :data:`NOT_FINAL_REASONS` (their details may quote what a server
+        echoed back). Only caches written by older versions hold them."""
         from rlhf_ext.runtime.io import atomic_write_bytes
 
-        atomic_write_bytes(self.path, data)
+        kept = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    drop = record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS
+                except (ValueError, AttributeError):
+                    drop = False
+                self.ignored_records += drop
+                if not drop:
+                    kept.append(line)
+        atomic_write_bytes(path, b"".join(kept))
 
+    def _merge(self, chunks: list[tuple]) -> None:
+        """Merge new entries into the sorted index; an existing key (or the earlier of two new ones) wins."""
+        parts = [(self._keys, self._file, self._off, self._len, self._ok), *chunks]
+        keys, file, off, length, ok = (np.concatenate([p[i] for p in parts]) for i in range(5))
+        chunks.clear()  # the caller's list: its arrays are freed with the copies below
+        order = np.argsort(keys, kind="stable")  # stable: the first record of a key comes first
+        keys = keys[order]
+        first = np.ones(len(keys), dtype=bool)
+        first[1:] = keys[1:] != keys[:-1]
+        order = order[first]
+        self._keys, self._file, self._off, self._len, self._ok = (
+            keys[first],
+            file[order],
+            off[order],
+            length[order],
+            ok[order],
+        )
+        del parts, keys, file, off, length, ok, order, first
+        release_freed_memory()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys(self) -> list[str]:
+        return [k.decode() for k in self._keys]
+
+    def locate(self, keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """For each of ``keys``: its position in the index (``-1``: not cached) and whether its record is ``ok``."""
+        wanted = np.array([k.encode() for k in keys], dtype=bytes) if len(keys) else np.zeros(0, dtype="S1")
+        pos = np.searchsorted(self._keys, wanted)
+        pos = np.minimum(pos, max(len(self._keys) - 1, 0))
+        hit = (self._keys[pos] == wanted) if len(self._keys) else np.zeros(len(wanted), dtype=bool)
+        where = np.where(hit, pos, -1)
+        return where, hit & self._ok[pos] if len(self._keys) else hit
+
+    def read(self, position: int) -> dict[str, Any]:
+        """The record at index ``position`` (from :meth:`locate`), read back from its file."""
+        file_no = int(self._file[position])
+        fd = self._readers.get(file_no)
+        if fd is None:
+            fd = self._readers[file_no] = os.open(self._files[file_no], os.O_RDONLY)
+        return json.loads(os.pread(fd, int(self._len[position]), int(self._off[position])))
+
+    # ------------------------------------------------------------------------------------------------ read/write
     def __contains__(self, key: str) -> bool:
-        return key in self.records
+        return bool(self.locate([key])[0][0] >= 0)
 
     def get(self, key: str) -> dict[str, Any] | None:
-        return self.records.get(key)
+        position = int(self.locate([key])[0][0])
+        return None if position < 0 else self.read(position)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line (no-op if its key is already cached)."""
-        if self._fd is None:
+        """Write one record as one line (no-op if its key is in the index)."""
+        if self._appender is None:
             raise RuntimeError("SampleCache is not open")
-        key = record["key"]
-        if key in self.records:
+        if record["key"] in self:
             return
-        line = (json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n").encode()
-        view = memoryview(line)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        self.records[key] = record
-        self._dirty = True
-        if time.monotonic() - self._last_sync >= self.fsync_interval:
-            self.sync()
+        self._appender.append(record)
 
     def sync(self) -> None:
-        if self._fd is not None and self._dirty:
-            os.fsync(self._fd)
-            self._dirty = False
-        self._last_sync = time.monotonic()
+        if self._appender is not None:
+            self._appender.sync()
 
     def log_run(self, summary: dict[str, Any]) -> None:
         """Append a run summary (timings, counts) to ``runs.jsonl`` next to the samples (not part of the dataset)."""

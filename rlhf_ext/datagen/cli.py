@@ -31,6 +31,7 @@ from rlhf_ext.config import KnobType, RecipeError
 GENERATION = "rlhf_ext.datagen.schema:GenerationSpec"
 TASK = "rlhf_ext.datagen.schema:TaskSpec"
 CONFIG = "rlhf_ext.datagen.schema:DatagenConfig"
+RUN = "rlhf_ext.datagen.generate:RunOptions"
 OPTIONS = "rlhf_ext.datagen.cli:DataOptions"
 
 
@@ -155,6 +156,9 @@ def _failure_lines(stats: dict) -> list[str]:
 @click.option("--num-samples", type=KnobType(TASK, "num_samples"), default=None,
               help="Samples per task (run a config small).")  # fmt: skip
 @click.option("--seed", type=KnobType(CONFIG, "seed"), default=None, help="Override the config seed.")
+@click.option("--workers", type=KnobType(RUN, "workers"), default=1, show_default=True,
+              help="Processes to shard the samples over; the dataset is the same for any number. Worth it for the "
+              "CPU-bound offline backend (each worker takes max-concurrency / workers of the requests).")  # fmt: skip
 @click.option(
     "--format",
     "formats",
@@ -176,6 +180,7 @@ def generate(
     max_concurrency,
     num_samples,
     seed,
+    workers,
     formats,
     dry_run,
     progress,
@@ -212,14 +217,14 @@ def generate(
         cache_dir = Path(output) / CACHE_DIR
         if cache_dir.is_dir():
             with SampleCache(cache_dir) as cache:
-                cached = sum(1 for job in plan.jobs if job.key in cache)
+                cached = plan.cached(cache)
         click.echo(plan.describe(cached))
         for name, text in plan.example().items():
             click.secho(f"\n--- {name} (first sample) ---", bold=True)
             click.echo(text)
         return
     try:
-        ds = generate_dataset(plan.config, output, progress=progress)
+        ds = generate_dataset(plan.config, output, progress=progress, workers=workers)
     except (BackendUnavailable, CacheLockedError, RecipeError) as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -32,9 +32,11 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rlhf_ext.datagen.drift import derive_seed, stage_dirname
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock, recover_directory
@@ -51,35 +53,11 @@ SPLITS = ("train", "test")
 
 def features(fmt: str):
     """The ``datasets.Features`` of a stage split in format ``plain`` or ``conversational``."""
-    from datasets import Features, List, Value
+    from datasets import Features
 
-    if fmt == "plain":
-        text = Value("string")
-        cols = {"prompt": text, "chosen": text, "rejected": text}
-    elif fmt == "conversational":
-        msgs = List({"role": Value("string"), "content": Value("string")})
-        cols = {"prompt": msgs, "chosen": msgs, "rejected": msgs}
-    else:
-        raise ValueError(f"unknown format {fmt!r}; choose plain or conversational")
-    cols.update(
-        source_task=Value("string"),
-        style=Value("string"),
-        seed_words=List(Value("string")),
-        sample_id=Value("string"),
-        swapped=Value("bool"),
-    )
-    return Features(cols)
+    from rlhf_ext.datagen.arrow_stage import feature_dict
 
-
-def to_format(row: dict[str, Any], fmt: str) -> dict[str, Any]:
-    """A plain-text row in format ``fmt`` (conversational: user prompt, assistant responses)."""
-    if fmt == "plain":
-        return row
-    out = dict(row)
-    out["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    out["chosen"] = [{"role": "assistant", "content": row["chosen"]}]
-    out["rejected"] = [{"role": "assistant", "content": row["rejected"]}]
-    return out
+    return Features.from_dict(feature_dict(fmt))
 
 
 def swap_decision(sample_id: str, p: float, seed: int) -> bool:
@@ -91,31 +69,41 @@ def swap_decision(sample_id: str, p: float, seed: int) -> bool:
     return random.Random(derive_seed("swap", seed, sample_id)).random() < p
 
 
-def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded train/test split of ``range(n)``: ``round(n * test_ratio)`` test rows; both keep the input order."""
+def test_mask(n: int, test_ratio: float, seed: int) -> np.ndarray:
+    """Seeded train/test split of ``n`` rows as a ``[n]`` bool mask (True: test): ``round(n * test_ratio)`` test
+    rows (at most ``n - 1``)."""
     if not 0.0 <= test_ratio < 1.0:
         raise ValueError(f"test_ratio must be in [0, 1), got {test_ratio}")
-    n_test = min(round(n * test_ratio), max(n - 1, 0))
-    test = set(random.Random(seed).sample(range(n), n_test))
-    return [i for i in range(n) if i not in test], sorted(test)
+    mask = np.zeros(n, dtype=bool)
+    mask[random.Random(seed).sample(range(n), min(round(n * test_ratio), max(n - 1, 0)))] = True
+    return mask
 
 
-def build_stage(rows: list[dict[str, Any]], fmt: str, test_ratio: float, seed: int):
-    """A ``DatasetDict`` (train/test) from plain rows in stream order."""
-    from datasets import Dataset, DatasetDict
+def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """:func:`test_mask` as train and test indices, both in input order."""
+    mask = test_mask(n, test_ratio, seed)
+    return np.flatnonzero(~mask).tolist(), np.flatnonzero(mask).tolist()
 
-    feats = features(fmt)
-    train_idx, test_idx = split_indices(len(rows), test_ratio, seed)
 
-    def make(idx: list[int]):
-        cols: dict[str, list] = {k: [] for k in feats}
-        for i in idx:
-            row = to_format(rows[i], fmt)
-            for k in feats:
-                cols[k].append(row[k])
-        return Dataset.from_dict(cols, features=feats)
-
-    return DatasetDict(train=make(train_idx), test=make(test_idx))
+def write_continual_dataset(
+    path: str | Path, metadata: dict[str, Any], write_stage: Callable[[int, dict[str, Any], Path], tuple[int, int]]
+) -> dict[str, Any]:
+    """Write a dataset directory: ``write_stage(i, info, directory)`` writes each stage ``i`` of ``metadata["stages"]``
+    (and returns its train and test sizes) into a temporary ``stages/`` that is swapped in as a whole, then the metadata
+    (completed here, and by ``write_stage``, in place) is written. Under the dataset's lock; what a killed earlier write
+    left (a temporary copy of the stages, an unfinished swap) is finished or deleted first."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    metadata["format_version"] = FORMAT_VERSION
+    with file_lock(path / LOCK_FILE):
+        _recover(path)
+        with atomic_directory(path / STAGES_DIR) as tmp:
+            for i, info in enumerate(metadata["stages"]):
+                info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
+                info["train"], info["test"] = write_stage(i, info, tmp / _stage_dirname(info))
+            atomic_write_json(tmp / Path(PENDING_METADATA).name, metadata)
+        _publish_metadata(path)
+    return metadata
 
 
 @contextlib.contextmanager
@@ -182,21 +170,15 @@ class ContinualDataset(collections.abc.Sequence):
         lock; what a killed earlier save left (a temporary copy of the stages, an unfinished swap) is finished or
         deleted first."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        meta = copy.deepcopy(self.metadata)
-        meta["format_version"] = FORMAT_VERSION
-        with file_lock(path / LOCK_FILE):
-            _recover(path)
-            with _quiet_datasets(), atomic_directory(path / STAGES_DIR) as tmp:
-                for info, dd in zip(meta["stages"], self.stages):
-                    info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
-                    info["train"], info["test"] = len(dd["train"]), len(dd["test"])
-                    # one shard per split: datasets writes no shard for an empty split unless asked, and then cannot
-                    # load it back
-                    dd.save_to_disk(str(tmp / _stage_dirname(info)), num_shards={k: 1 for k in dd})
-                atomic_write_json(tmp / Path(PENDING_METADATA).name, meta)
-            _publish_metadata(path)
-        self.metadata = meta
+
+        def write_stage(i: int, info: dict[str, Any], directory: Path) -> tuple[int, int]:
+            dd = self.stages[i]
+            # one shard per split: datasets writes no shard for an empty split unless asked, and cannot load it back
+            dd.save_to_disk(str(directory), num_shards={k: 1 for k in dd})
+            return len(dd["train"]), len(dd["test"])
+
+        with _quiet_datasets():
+            self.metadata = write_continual_dataset(path, copy.deepcopy(self.metadata), write_stage)
         self.path = path
         return path
 

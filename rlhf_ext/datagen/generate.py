@@ -16,52 +16,58 @@ this run**: counted under ``retry_later:<reason>``, never cached, and attempted 
 command; ``run_stats["errors"]`` keeps one redacted line of the server's message per reason. If the server becomes
 unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
 
-After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format
-and the seeded train/test split applied there) and saved. The dataset (``stages/`` and ``continual_dataset.json``)
-depends only on the config and seed, so with the ``offline`` backend the same config and seed give byte-identical
-files however often the run was interrupted; the stage data is also identical for any ``max_concurrency`` (which
-the metadata records as part of the config).
+``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
+its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file); the dataset is
+byte-identical for any ``N``. Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
+
+After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format and the
+seeded train/test split applied there) and streamed to disk record by record (``arrow_stage``): memory holds the cache's
+index (~40 bytes per sample) and one batch of rows, never the samples. The dataset (``stages/`` and
+``continual_dataset.json``) depends only on the config and seed, so with the ``offline`` backend the same config and
+seed give byte-identical files however often the run was interrupted; the stage data is also identical for any
+``max_concurrency`` (which the metadata records as part of the config).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_ext.algos.knobs import check_value, knob, knob_specs
 from rlhf_ext.config import RecipeError, to_dict
-from rlhf_ext.datagen.backends import (
-    Backend,
-    BackendError,
-    BackendUnavailable,
-    ChatCompletion,
-    ChatRequest,
-    make_backend,
-)
+from rlhf_ext.datagen.backends import Backend, BackendUnavailable, make_backend
 from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
-from rlhf_ext.datagen.dataset import ContinualDataset, build_stage, swap_decision
+from rlhf_ext.datagen.dataset import ContinualDataset, swap_decision, test_mask, write_continual_dataset
 from rlhf_ext.datagen.drift import Stage, allocate_sources, build_schedule, derive_seed, drift_summary
-from rlhf_ext.datagen.judge import make_judge
-from rlhf_ext.datagen.mappers import (
-    PromptMapper,
-    ResponseMapper,
-    UnparseableOutput,
-    parse_pair,
-    sample_axes,
-    sample_seed_words,
-)
+from rlhf_ext.datagen.mappers import sample_axes, sample_seed_words
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
+from rlhf_ext.datagen.runner import (
+    PROMPT_MAPPER,
+    RESPONSE_MAPPER,
+    SampleRunner,
+    job_stream,
+    pending_jobs,
+    run_jobs,
+    run_sharded,
+)
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec, load_task_config
 from rlhf_ext.runtime.io import stable_hash
 from rlhf_ext.runtime.log import progress as log_progress
 
-PROMPT_MAPPER = PromptMapper()
-RESPONSE_MAPPER = ResponseMapper()
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options of a generation run that never change the dataset (so neither the config nor the metadata has them)."""
+
+    workers: int = knob(1, ge=1, le=256, help="Processes to shard the samples over (the dataset is the same).")
 
 
 @dataclass(frozen=True)
@@ -87,18 +93,53 @@ class SampleJob:
 
 @dataclass
 class GenerationPlan:
-    """Everything a run will do, computed without calling a backend (``rlhf-ext data generate --dry-run``)."""
+    """Everything a run will do, computed without calling a backend (``rlhf-ext data generate --dry-run``). Sample
+    jobs are made per stage on demand (:meth:`stage_jobs`), never held all at once."""
 
     config: DatagenConfig
     stages: list[Stage]
     tasks: dict[str, ResolvedTask]
-    jobs: list[SampleJob]
     drift: dict[str, Any]
-    jobs_by_stage: dict[int, list[SampleJob]] = field(default_factory=dict)
+    generation_fingerprint: str
 
-    def __post_init__(self):
-        for job in self.jobs:
-            self.jobs_by_stage.setdefault(job.stage.index, []).append(job)
+    @property
+    def num_jobs(self) -> int:
+        return sum(stage.num_samples for stage in self.stages)
+
+    @property
+    def jobs(self) -> list[SampleJob]:
+        """Every job, in stage and index order (materialised: for small plans and tests)."""
+        return [job for stage in self.stages for job in self.stage_jobs(stage)]
+
+    def stage_keys(self, stage: Stage, sources: Sequence[str] | None = None) -> list[str]:
+        """The cache key of each of ``stage``'s samples: ``stable_hash(generation fingerprint, task fingerprint,
+        stage seed, index, length=20)``, hashing the shared prefix once per task."""
+        sources = allocate_sources(stage) if sources is None else sources
+        prefixes = {}
+        for name, task in self.tasks.items():
+            h = hashlib.sha256()
+            for part in (self.generation_fingerprint, task.fingerprint, stage.seed):
+                h.update(json.dumps(part, sort_keys=True, default=str).encode() + b"\0")
+            prefixes[name] = h
+        keys = []
+        for j, name in enumerate(sources):
+            h = prefixes[name].copy()
+            h.update(b"%d\0" % j)
+            keys.append(h.hexdigest()[:20])
+        return keys
+
+    def cached(self, cache: SampleCache) -> int:
+        """How many of the plan's samples ``cache`` holds."""
+        return sum(int((cache.locate(self.stage_keys(stage))[0] >= 0).sum()) for stage in self.stages)
+
+    def stage_jobs(self, stage: Stage, positions: Iterable[int] | None = None) -> Iterator[SampleJob]:
+        """The jobs of ``stage`` at ``positions`` (default: all), in that order."""
+        sources = allocate_sources(stage)
+        keys = self.stage_keys(stage, sources)
+        for j in range(len(sources)) if positions is None else positions:
+            j = int(j)
+            seed = derive_seed("sample", stage.seed, j)
+            yield SampleJob(stage=stage, index=j, task=self.tasks[sources[j]], seed=seed, key=keys[j])
 
     @property
     def requests_per_sample(self) -> int:
@@ -111,7 +152,7 @@ class GenerationPlan:
     def example(self, job: SampleJob | None = None) -> dict[str, str]:
         """The rendered meta-prompt and response prompt(s) of ``job`` (default: the first), with a placeholder for
         the prompt the backend would generate."""
-        job = job or self.jobs[0]
+        job = job or next(self.stage_jobs(self.stages[0]))
         task = job.task.spec
         rng = random.Random(job.seed)
         words = sample_seed_words(task, rng)
@@ -130,7 +171,7 @@ class GenerationPlan:
         """A human-readable summary of the plan."""
         gen = self.config.generation
         lines = [
-            f"dataset {self.config.name!r}: {len(self.stages)} stages, {len(self.jobs)} samples "
+            f"dataset {self.config.name!r}: {len(self.stages)} stages, {self.num_jobs} samples "
             f"({cached} already cached), {self.requests_per_sample} requests per sample",
             f"drift: {self.drift['type']} / mode {self.drift['mode']}"
             + (f" / {self.drift['cycles']} cycles" if self.drift["cycles"] > 1 else "")
@@ -203,215 +244,54 @@ def plan_generation(
     bank = bank if bank is not None else load_phrase_bank(config.generation.phrase_bank)
     tasks = resolve_tasks(config, bank)
     gen_fp = stable_hash(config.generation.content_fingerprint())
-    stages = build_schedule(config)
-    jobs = []
-    for stage in stages:
-        for j, name in enumerate(allocate_sources(stage)):
-            task = tasks[name]
-            jobs.append(
-                SampleJob(
-                    stage=stage,
-                    index=j,
-                    task=task,
-                    seed=derive_seed("sample", stage.seed, j),
-                    key=stable_hash(gen_fp, task.fingerprint, stage.seed, j, length=20),
-                )
-            )
-    return GenerationPlan(config=config, stages=stages, tasks=tasks, jobs=jobs, drift=drift_summary(config))
+    return GenerationPlan(config, build_schedule(config), tasks, drift_summary(config), gen_fp)
 
 
-# -------------------------------------------------------------------------------------------------------- run
-class _Skip(Exception):
-    """A sample cannot be used (permanent): ``reason`` is counted and cached."""
+def write_dataset(plan: GenerationPlan, cache: SampleCache, path: Path) -> dict[str, Any]:
+    """Write the dataset from cached records, in stage and index order, streaming each stage's rows into its split
+    files; returns the metadata. Depends only on the plan and the cache (never on the current run), so a rerun that
+    generates nothing rewrites the same bytes."""
+    from rlhf_ext.datagen.arrow_stage import SplitWriter, write_dataset_dict
+    from rlhf_ext.datagen.dataset import SPLITS
 
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
-
-
-def _user(content: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
-
-
-def _text(completion: ChatCompletion, request: ChatRequest) -> str:
-    if completion.finish_reason == "length":
-        raise _Skip("truncated", f"the {request.kind} answer hit max_tokens={request.max_tokens}")
-    text = completion.text.strip()
-    if not text:
-        raise _Skip("empty_output", f"the {request.kind} answer is empty")
-    return text
-
-
-async def _gather(*aws):
-    """``asyncio.gather`` that cancels the other awaitables when one fails."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _record(job: SampleJob, **fields: Any) -> dict[str, Any]:
-    """A cache record: the job's identity plus ``status`` and its payload."""
-    ident = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
-    return {**ident, "task": job.task.spec.name, **fields}
-
-
-class _Runner:
-    def __init__(self, plan: GenerationPlan, backend: Backend, bank: PhraseBank):
-        self.plan = plan
-        self.gen = plan.config.generation
-        self.backend = backend
-        self.judge = make_judge(self.gen.resolved_judge(), backend, bank, self.gen.max_tokens_judge)
-
-    def _request(self, kind: str, content: str, seed: int, max_tokens: int, ctx: dict[str, Any]) -> ChatRequest:
-        return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
-
-    async def sample(self, job: SampleJob) -> dict[str, Any]:
-        """Generate one sample; returns its cache record (``status`` ok or skipped). A failed request raises
-        :class:`BackendError` (never a record: only answers are cached)."""
-        try:
-            sample, info = await self._generate(job)
-            info["model"] = self.backend.describe().get("model")
-        except _Skip as s:
-            return _record(job, status="skipped", reason=s.reason, detail=self.backend.redact(str(s))[:200])
-        return _record(job, status="ok", sample=sample, info=info)
-
-    async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
-        task, gen = job.task.spec, self.gen
-        rng = random.Random(job.seed)
-        words = sample_seed_words(task, rng)
-        axes = sample_axes(task, rng)
-        ctx = {"objective_kind": job.task.objective_kind, "seed_words": words, "style": job.task.style, "axes": axes}
-        meta = PROMPT_MAPPER.meta_prompt(task, words)
-        seeds = [derive_seed(job.seed, k) for k in range(4)]
-        request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
-        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
-        info: dict[str, Any] = {"axes": [list(a) for a in axes]}
-        if gen.response_mode == "pair":
-            request = self._request(
-                "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
-            )
-            answer = _text(await self.backend.complete(request), request)
-            try:
-                chosen, rejected = parse_pair(answer)
-            except UnparseableOutput as e:
-                raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
-        else:
-            stances = RESPONSE_MAPPER.sample_stances(task, rng)
-            requests = [
-                self._request(
-                    "response",
-                    RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes),
-                    seeds[1 + k],
-                    gen.max_tokens_response,
-                    {**ctx, "stance": stance},
-                )
-                for k, stance in enumerate(stances)
-            ]
-            answers = await _gather(*(self.backend.complete(r) for r in requests))
-            first, second = [_text(c, r) for c, r in zip(answers, requests)]
-            verdict = await self.judge.judge(task, job.task.style, prompt, first, second, seeds[3])
-            if verdict.winner is None:
-                raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
-            chosen, rejected = (first, second) if verdict.winner == 0 else (second, first)
-            info.update(stances=list(stances), winner=verdict.winner, judge=verdict.raw)
-        sample = {
-            "prompt": prompt,
-            "chosen": chosen,
-            "rejected": rejected,
-            "source_task": task.name,
-            "style": job.task.style or "",
-            "seed_words": words,
-        }
-        return sample, info
-
-
-async def _run_jobs(
-    runner: _Runner,
-    pending: list[SampleJob],
-    cache: SampleCache,
-    bar,
-    counts: Counter,
-    max_concurrency: int,
-    errors: dict[str, str] | None = None,
-) -> None:
-    """Run ``pending`` with ``max_concurrency`` workers; ``counts`` gets the outcomes and ``errors`` the first
-    (redacted, one-line) message of each failure reason."""
-    jobs = iter(pending)
-    errors = {} if errors is None else errors
-
-    async def worker() -> None:
-        for job in jobs:  # one shared iterator: every job is taken exactly once
-            try:
-                record = await runner.sample(job)
-            except BackendUnavailable:
-                raise
-            except BackendError as e:  # not cached: the next run attempts the sample again
-                counts[f"retry_later:{e.reason}"] += 1
-                errors.setdefault(e.reason, " ".join(runner.backend.redact(str(e)).split())[:300])
-                bar.update(1)
-                continue
-            cache.append(record)
-            counts["generated" if record["status"] == "ok" else f"skipped:{record['reason']}"] += 1
-            bar.update(1)
-            skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if ":" in k}
-            if skipped:
-                bar.set_postfix(skipped, refresh=False)
-
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, len(pending))))]
-    try:
-        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()
-    finally:
-        for t in workers:
-            t.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-
-
-def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
-    """Build the ``ContinualDataset`` from cached records, in stage and index order. Depends only on the plan and
-    the cache (never on the current run), so a rerun that generates nothing rewrites the same bytes."""
     config = plan.config
     fmt = config.output.format
     swap_p = config.generation.preference_swap
-    stages, infos = [], []
+    infos = []
     totals: Counter = Counter()
     models: set[str] = set()
     for stage in plan.stages:
-        rows, skipped, sources, missing = [], Counter(), Counter(), 0
-        for job in plan.jobs_by_stage.get(stage.index, []):
-            record = cache.get(job.key)
-            if record is None:
-                missing += 1
-                continue
-            if record["status"] != "ok":
-                skipped[record["reason"]] += 1
-                continue
+        where, ok = cache.locate(plan.stage_keys(stage))
+        skipped = Counter(cache.read(p)["reason"] for p in where[(where >= 0) & ~ok])
+        info = stage.to_dict()
+        info.update(generated=int(ok.sum()), skipped=dict(sorted(skipped.items())), missing=int((where < 0).sum()))
+        infos.append(info)
+        totals.update(generated=info["generated"], missing=info["missing"], skipped=sum(skipped.values()))
+    for info in infos:
+        info["source_counts"] = Counter()
+
+    def write_stage(i: int, info: dict[str, Any], directory: Path) -> tuple[int, int]:
+        stage = plan.stages[i]
+        where, ok = cache.locate(plan.stage_keys(stage))
+        positions = where[ok]
+        is_test = test_mask(len(positions), stage.test_ratio, derive_seed("split", stage.seed))
+        writers = [SplitWriter(directory / split, fmt) for split in SPLITS]
+        for position, test in zip(positions.tolist(), is_test.tolist()):
+            record = cache.read(position)
             row = dict(record["sample"])
             if record.get("info", {}).get("model"):
                 models.add(record["info"]["model"])
-            row["sample_id"] = job.key
-            row["swapped"] = swap_decision(job.key, swap_p, config.seed)
+            row["sample_id"] = record["key"]
+            row["swapped"] = swap_decision(record["key"], swap_p, config.seed)
             if row["swapped"]:
                 row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
-            rows.append(row)
-            sources[row["source_task"]] += 1
-        stages.append(build_stage(rows, fmt, stage.test_ratio, derive_seed("split", stage.seed)))
-        info = stage.to_dict()
-        info.update(
-            generated=len(rows),
-            skipped=dict(sorted(skipped.items())),
-            missing=missing,
-            source_counts=dict(sorted(sources.items())),
-        )
-        infos.append(info)
-        totals.update(generated=len(rows), missing=missing, skipped=sum(skipped.values()))
+            writers[test].add(row)
+            info["source_counts"][row["source_task"]] += 1
+        info["source_counts"] = dict(sorted(info["source_counts"].items()))
+        metadata["generator"]["models"] = sorted(models)
+        write_dataset_dict(directory, SPLITS)
+        return writers[0].close(), writers[1].close()
+
     from rlhf_ext import __version__
 
     metadata = {
@@ -425,14 +305,14 @@ def assemble(plan: GenerationPlan, cache: SampleCache) -> ContinualDataset:
             for name, t in plan.tasks.items()
         },
         "stages": infos,
-        "stats": {"planned": len(plan.jobs), **dict(sorted(totals.items()))},
+        "stats": {"planned": plan.num_jobs, **dict(sorted(totals.items()))},
         "generator": {
             "backend": config.generation.backend,
-            "models": sorted(models),  # as the backend reported them (e.g. resolved from the server's /models)
+            "models": [],  # as the backend reported them (e.g. resolved from the server's /models)
             "rlhf_ext_version": __version__,
         },
     }
-    return ContinualDataset(stages, metadata)
+    return write_continual_dataset(path, metadata, write_stage)
 
 
 async def agenerate_dataset(
@@ -443,55 +323,68 @@ async def agenerate_dataset(
     num_samples: int | None = None,
     backend: Backend | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> ContinualDataset:
     """Async :func:`generate_dataset` (for callers already inside an event loop)."""
+    check_value(knob_specs(RunOptions)["workers"], workers, "workers")
+    if backend is not None and workers > 1:
+        raise RecipeError(
+            "workers > 1 runs the backend the config names in each worker process; pass backend= only with workers=1"
+        )
     plan = plan_generation(config, overrides, num_samples)
     config = plan.config
     bank = load_phrase_bank(config.generation.phrase_bank)
-    backend = backend if backend is not None else make_backend(config.generation, bank)
-    runner = _Runner(plan, backend, bank)
     out = Path(output_dir)
     counts: Counter = Counter()
     errors: dict[str, str] = {}
     started = time.monotonic()
     generating = 0.0
+    backend_stats = None
     with SampleCache(out / CACHE_DIR) as cache:
-        pending = [job for job in plan.jobs if job.key not in cache]  # failures were never cached: tried again
-        reused = len(plan.jobs) - len(pending)
-        if pending:
-            with log_progress(len(plan.jobs), reused, config.name, "samples", progress) as bar:
-                await backend.start()
+        pending = pending_jobs(plan, cache)
+        attempted = sum(len(p) for _, p in pending)
+        reused = plan.num_jobs - attempted
+        if attempted:
+            workers = min(workers, attempted)
+            with log_progress(plan.num_jobs, reused, config.name, "samples", progress) as bar:
+                t0 = time.monotonic()
                 try:
-                    t0 = time.monotonic()
-                    await _run_jobs(runner, pending, cache, bar, counts, config.generation.max_concurrency, errors)
+                    if workers == 1:
+                        backend = backend if backend is not None else make_backend(config.generation, bank)
+                        runner = SampleRunner(plan, backend, bank)
+                        jobs = job_stream(plan, pending)
+                        limit = config.generation.max_concurrency
+                        await run_jobs(runner, jobs, attempted, cache, bar, counts, limit, errors)
+                        backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
+                    else:
+                        await run_sharded(plan, cache, pending, workers, bar, counts, errors)
                     generating = time.monotonic() - t0
                 except BackendUnavailable as e:
-                    done = sum(1 for job in plan.jobs if job.key in cache)
+                    cache.refresh()
                     raise BackendUnavailable(
-                        f"{backend.redact(str(e))}\n{done}/{len(plan.jobs)} samples are finished and cached in "
+                        f"{e}\n{plan.cached(cache)}/{plan.num_jobs} samples are finished and cached in "
                         f"{cache.directory}; rerun the same command to resume"
                     ) from e
-                finally:
-                    await backend.close()
         cache.sync()
-        dataset = assemble(plan, cache)
-        dataset.save(out)
+        cache.refresh()
+        write_dataset(plan, cache, out)
         elapsed = time.monotonic() - started
         run = {
             "time": time.time(),
             "elapsed_s": round(elapsed, 3),
             "generate_s": round(generating, 3),
-            "samples_per_s": round(len(pending) / generating, 2) if generating > 0 else None,
-            "planned": len(plan.jobs),
+            "samples_per_s": round(attempted / generating, 2) if generating > 0 else None,
+            "planned": plan.num_jobs,
             "reused": reused,
-            "attempted": len(pending),
+            "attempted": attempted,
             **{k: v for k, v in sorted(counts.items())},
         }
         if errors:
             run["errors"] = dict(sorted(errors.items()))
-        if hasattr(backend, "stats"):
-            run["backend"] = dict(backend.stats)
+        if backend_stats is not None:
+            run["backend"] = backend_stats
         cache.log_run(run)
+    dataset = ContinualDataset.load(out)
     dataset.run_stats = run
     return dataset
 
@@ -504,6 +397,7 @@ def generate_dataset(
     num_samples: int | None = None,
     backend: Backend | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> ContinualDataset:
     """Generate (or resume generating) a continual preference dataset into ``output_dir``.
 
@@ -512,8 +406,11 @@ def generate_dataset(
         output_dir: the dataset directory (created); its ``.cache`` makes reruns resume.
         overrides: ``key.sub=value`` strings applied to the config (``generation.backend=openai``).
         num_samples: replace every task's ``num_samples`` (run a packaged config small).
-        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here).
+        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here;
+            only with ``workers=1``).
         progress: show a progress bar with rate and ETA (default: when stderr is a terminal).
+        workers: processes to shard the samples over (the dataset is byte-identical for any number); each runs the
+            config's backend with ``max_concurrency / workers`` requests in flight.
 
     Returns:
         The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing, including
@@ -521,11 +418,19 @@ def generate_dataset(
         one redacted line of the server's message per reason.
 
     Raises:
-        RecipeError: invalid config (names the key). BackendUnavailable: the backend cannot serve requests (finished
-        samples stay cached; rerun to resume). CacheLockedError: another run is writing ``output_dir``.
+        RecipeError: invalid config (names the key), or ``backend`` with ``workers > 1``. KnobError: ``workers``
+        out of range. BackendUnavailable: the backend cannot serve
+        requests (finished samples stay cached; rerun to resume). CacheLockedError: another run is writing
+        ``output_dir``.
     """
     return asyncio.run(
         agenerate_dataset(
-            config, output_dir, overrides=overrides, num_samples=num_samples, backend=backend, progress=progress
+            config,
+            output_dir,
+            overrides=overrides,
+            num_samples=num_samples,
+            backend=backend,
+            progress=progress,
+            workers=workers,
         )
     )

@@ -142,3 +142,14 @@ def test_cli_end_to_end_on_offline_data(tmp_path, tiny_base_path):
     assert "embedding_diversity" not in swapped["stages"][0]
     missing = runner.invoke(main, ["data", "validate", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "is not a continual dataset" in missing.output
+
+
+def test_workers_command_of_the_readme_writes_the_one_process_dataset(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    command = "rlhf-ext data generate continual-lipschitz -o runs/lip --num-samples 200 --workers 2"
+    result = CliRunner().invoke(main, command.split()[1:])
+    assert result.exit_code == 0, result.output
+    assert "samples: 1800/1800" in result.output
+    generate_dataset("continual-lipschitz", tmp_path / "one", num_samples=200, progress=False)
+    assert tree_digest(tmp_path / "runs" / "lip") == tree_digest(tmp_path / "one")
+    assert (tmp_path / "runs" / "lip" / CACHE_DIR / "samples-1.jsonl").is_file()

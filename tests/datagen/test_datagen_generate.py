@@ -223,7 +223,7 @@ def test_cache_lock_and_repair(tmp_path):
             SampleCache(tmp_path).open()
     (tmp_path / SAMPLES_FILE).open("a").write('{"key": "b", "status": "ok"}\n{"key": "c", "sta')
     with SampleCache(tmp_path) as cache:
-        assert set(cache.records) == {"a", "b"} and cache.repaired_bytes == len('{"key": "c", "sta')
+        assert set(cache.keys()) == {"a", "b"} and cache.repaired_bytes == len('{"key": "c", "sta')
         assert cache.get("a")["status"] == "ok"
         cache.append({"key": "c", "status": "ok"})
     assert (tmp_path / SAMPLES_FILE).read_text().endswith('{"key": "c", "status": "ok"}\n')

@@ -146,6 +146,9 @@ WHERE: dict[str, str] = {
     "rlhf-ext data generate continual-piecewise-preference -o runs/pp --num-samples 200": "wheel-smoke",
     "rlhf-ext data generate continual-mixed -o runs/mixed --num-samples 50 --dry-run": "wheel-smoke",
     "rlhf-ext data generate continual-mixed -o runs/mixed --num-samples 50": "wheel-smoke",
+    "rlhf-ext data generate continual-lipschitz -o runs/lip --num-samples 200 --workers 2": (
+        "pytest:tests/cli/test_datagen_cli.py::test_workers_command_of_the_readme_writes_the_one_process_dataset"
+    ),
     "rlhf-ext data generate my_tasks.yaml -o runs/mine --backend openai --api-base http://localhost:8000/v1 "
     "--model Qwen/Qwen2.5-7B-Instruct --max-concurrency 64": (
         "not run: the user's task file and an OpenAI-compatible server (vllm serve) on localhost:8000"

@@ -1,0 +1,315 @@
+"""Running sample jobs: one sample's backend calls (:class:`SampleRunner`), a pool of ``max_concurrency`` asyncio
+workers over a job stream (:func:`run_jobs`), and the sharded run that spreads the pending samples over worker
+processes (:func:`run_sharded`). ``rlhf_ext.datagen.generate`` plans the jobs and assembles the dataset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import pickle
+import random
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from rlhf_ext.datagen.backends import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    ChatCompletion,
+    ChatRequest,
+    make_backend,
+)
+from rlhf_ext.datagen.cache import SampleAppender, SampleCache
+from rlhf_ext.datagen.drift import derive_seed
+from rlhf_ext.datagen.judge import make_judge
+from rlhf_ext.datagen.mappers import (
+    PromptMapper,
+    ResponseMapper,
+    UnparseableOutput,
+    parse_pair,
+    sample_axes,
+    sample_seed_words,
+)
+from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
+
+if TYPE_CHECKING:
+    from rlhf_ext.datagen.generate import GenerationPlan, SampleJob
+    from rlhf_ext.datagen.schema import DatagenConfig
+
+PROMPT_MAPPER = PromptMapper()
+RESPONSE_MAPPER = ResponseMapper()
+
+
+class _Skip(Exception):
+    """A sample cannot be used (permanent): ``reason`` is counted and cached."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+def _user(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def _text(completion: ChatCompletion, request: ChatRequest) -> str:
+    if completion.finish_reason == "length":
+        raise _Skip("truncated", f"the {request.kind} answer hit max_tokens={request.max_tokens}")
+    text = completion.text.strip()
+    if not text:
+        raise _Skip("empty_output", f"the {request.kind} answer is empty")
+    return text
+
+
+async def _gather(*aws):
+    """``asyncio.gather`` that cancels the other awaitables when one fails."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _record(job: SampleJob, **fields: Any) -> dict[str, Any]:
+    """A cache record: the job's identity plus ``status`` and its payload."""
+    ident = {"key": job.key, "stage": job.stage.index, "index": job.index, "seed": job.seed}
+    return {**ident, "task": job.task.spec.name, **fields}
+
+
+class SampleRunner:
+    def __init__(self, plan: GenerationPlan, backend: Backend, bank: PhraseBank):
+        self.plan = plan
+        self.gen = plan.config.generation
+        self.backend = backend
+        self.judge = make_judge(self.gen.resolved_judge(), backend, bank, self.gen.max_tokens_judge)
+
+    def _request(self, kind: str, content: str, seed: int, max_tokens: int, ctx: dict[str, Any]) -> ChatRequest:
+        return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
+
+    async def sample(self, job: SampleJob) -> dict[str, Any]:
+        """Generate one sample; returns its cache record (``status`` ok or skipped). A failed request raises
+        :class:`BackendError` (never a record: only answers are cached)."""
+        try:
+            sample, info = await self._generate(job)
+            info["model"] = self.backend.describe().get("model")
+        except _Skip as s:
+            return _record(job, status="skipped", reason=s.reason, detail=self.backend.redact(str(s))[:200])
+        return _record(job, status="ok", sample=sample, info=info)
+
+    async def _generate(self, job: SampleJob) -> tuple[dict[str, Any], dict[str, Any]]:
+        task, gen = job.task.spec, self.gen
+        rng = random.Random(job.seed)
+        words = sample_seed_words(task, rng)
+        axes = sample_axes(task, rng)
+        ctx = {"objective_kind": job.task.objective_kind, "seed_words": words, "style": job.task.style, "axes": axes}
+        meta = PROMPT_MAPPER.meta_prompt(task, words)
+        seeds = [derive_seed(job.seed, k) for k in range(4)]
+        request = self._request("prompt", meta, seeds[0], gen.max_tokens_prompt, ctx)
+        prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
+        info: dict[str, Any] = {"axes": [list(a) for a in axes]}
+        if gen.response_mode == "pair":
+            request = self._request(
+                "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
+            )
+            answer = _text(await self.backend.complete(request), request)
+            try:
+                chosen, rejected = parse_pair(answer)
+            except UnparseableOutput as e:
+                raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
+        else:
+            stances = RESPONSE_MAPPER.sample_stances(task, rng)
+            requests = [
+                self._request(
+                    "response",
+                    RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes),
+                    seeds[1 + k],
+                    gen.max_tokens_response,
+                    {**ctx, "stance": stance},
+                )
+                for k, stance in enumerate(stances)
+            ]
+            answers = await _gather(*(self.backend.complete(r) for r in requests))
+            first, second = [_text(c, r) for c, r in zip(answers, requests)]
+            verdict = await self.judge.judge(task, job.task.style, prompt, first, second, seeds[3])
+            if verdict.winner is None:
+                raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
+            chosen, rejected = (first, second) if verdict.winner == 0 else (second, first)
+            info.update(stances=list(stances), winner=verdict.winner, judge=verdict.raw)
+        sample = {
+            "prompt": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "source_task": task.name,
+            "style": job.task.style or "",
+            "seed_words": words,
+        }
+        return sample, info
+
+
+async def run_jobs(
+    runner: SampleRunner,
+    jobs: Iterable[SampleJob],
+    num_jobs: int,
+    sink: SampleCache | SampleAppender,
+    bar,
+    counts: Counter,
+    max_concurrency: int,
+    errors: dict[str, str],
+) -> None:
+    """Start the backend, run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers, appending each record
+    to ``sink``, and close the backend; ``counts`` gets the outcomes and ``errors`` the first (redacted, one-line)
+    message of each failure reason."""
+    jobs = iter(jobs)
+
+    async def worker() -> None:
+        for job in jobs:  # one shared iterator: every job is taken exactly once
+            try:
+                record = await runner.sample(job)
+            except BackendUnavailable:
+                raise
+            except BackendError as e:  # not cached: the next run attempts the sample again
+                counts[f"retry_later:{e.reason}"] += 1
+                errors.setdefault(e.reason, " ".join(runner.backend.redact(str(e)).split())[:300])
+                bar.update(1)
+                continue
+            sink.append(record)
+            counts["generated" if record["status"] == "ok" else f"skipped:{record['reason']}"] += 1
+            bar.update(1)
+            skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if ":" in k}
+            if skipped:
+                bar.set_postfix(skipped, refresh=False)
+
+    await runner.backend.start()
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, num_jobs)))]
+    try:
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if isinstance(t.exception(), BackendUnavailable):
+                raise BackendUnavailable(runner.backend.redact(str(t.exception()))) from t.exception()
+            if t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in workers:
+            t.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        await runner.backend.close()
+
+
+Pending = list[tuple[int, Any]]  # (position of the stage in plan.stages, numpy array of sample indices)
+
+
+def pending_jobs(plan: GenerationPlan, cache: SampleCache) -> Pending:
+    """The samples of each stage that are not cached (failures never were: they are tried again)."""
+    out = []
+    for s, stage in enumerate(plan.stages):
+        where, _ = cache.locate(plan.stage_keys(stage))
+        out.append((s, (where < 0).nonzero()[0]))
+    return out
+
+
+def job_stream(plan: GenerationPlan, pending: Pending) -> Iterator[SampleJob]:
+    for s, positions in pending:
+        yield from plan.stage_jobs(plan.stages[s], positions)
+
+
+class _QueueBar:
+    """The progress-bar interface of a worker process: forwards counts to the parent every ``every`` samples."""
+
+    def __init__(self, queue, every: int = 200):
+        self.queue, self.every, self.n = queue, every, 0
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if self.n >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.n:
+            self.queue.put(("progress", self.n))
+            self.n = 0
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue):
+    """One process of a sharded run: every ``num_workers``-th pending sample from ``worker`` on, appended to the
+    worker's own cache file; reports ``("progress", n)`` and finally ``("done", counts, errors)`` or
+    ``("error", exception)`` on ``queue``."""
+    bar = _QueueBar(queue)
+    try:
+        from rlhf_ext.datagen.generate import plan_generation
+
+        plan = plan_generation(config)
+        gen = config.generation
+        bank = load_phrase_bank(gen.phrase_bank)
+        concurrency = max(1, math.ceil(gen.max_concurrency / num_workers))
+        runner = SampleRunner(plan, make_backend(dataclasses.replace(gen, max_concurrency=concurrency), bank), bank)
+        share = [(s, positions[worker::num_workers]) for s, positions in pending]
+        counts: Counter = Counter()
+        errors: dict[str, str] = {}
+        appender = SampleAppender(SampleCache(cache_dir).shard_path(worker))
+        try:
+            n = sum(len(p) for _, p in share)
+            asyncio.run(run_jobs(runner, job_stream(plan, share), n, appender, bar, counts, concurrency, errors))
+        finally:
+            appender.close()
+            bar.flush()
+        queue.put(("done", dict(counts), errors))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        bar.flush()
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - what cannot travel is sent as its text
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        queue.put(("error", e))
+
+
+async def run_sharded(plan: GenerationPlan, cache: SampleCache, pending: Pending, workers: int, bar, counts, errors):
+    """Run ``pending`` in ``workers`` spawned processes; the first error stops them all and is raised here."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_shard_worker,
+            args=(plan.config, str(cache.directory), w, workers, pending, messages),
+            daemon=True,
+        )
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    finished = 0
+    try:
+        while finished < workers:
+            try:
+                message = await asyncio.to_thread(messages.get, True, 0.5)
+            except queue_mod.Empty:
+                # a process's messages are all in the queue once it has exited: one that exited unreported died
+                if all(p.exitcode is not None for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"a generation worker stopped without reporting (exit codes {codes})") from None
+                continue
+            if message[0] == "progress":
+                bar.update(message[1])
+            elif message[0] == "done":
+                finished += 1
+                counts.update(message[1])
+                for reason, line in message[2].items():
+                    errors.setdefault(reason, line)
+            else:
+                raise message[1]
+    finally:
+        for p in procs:
+            if p.is_alive() and finished < workers:
+                p.terminate()
+            p.join()
