@@ -86,8 +86,8 @@ class SegmentRewardKnobs:
 
 @torch.no_grad()
 def logprobs_and_entropy(
-    logits: Tensor, labels: Tensor | None = None, chunk_size: int | None = None
-) -> tuple[Tensor | None, Tensor]:
+    logits: Tensor, labels: Tensor | None = None, chunk_size: int | None = None, entropy: bool = True
+) -> tuple[Tensor | None, Tensor | None]:
     """Log-probabilities of ``labels`` and Shannon entropies (nats) of the rows of ``logits``, in one pass per chunk.
 
     The log-softmax the log-probs need and the entropy share their statistics. Per row, ``m = max_v z_v``,
@@ -107,11 +107,12 @@ def logprobs_and_entropy(
         logits: ``[N, V]`` or ``[B, T, V]``, any float dtype (computed in fp32, chunk by chunk). A slice of a larger
             tensor such as ``logits[:, -A - 1 : -1]`` is read in place, not copied.
         labels: token ids of shape ``logits.shape[:-1]``, or None for entropies only.
+        entropy: False skips the entropy's pass (log-probs only, as the log-softmax alone would give them).
         chunk_size: rows per chunk (at least 2); by default 256k logits (1 MB in fp32), so that a chunk and its
             ``exp`` buffer stay in cache across the passes. The results do not depend on it.
 
     Returns:
-        ``(log_probs, entropy)``: fp32 of shape ``logits.shape[:-1]`` (``log_probs`` is None without labels).
+        ``(log_probs, entropy)``: fp32 of shape ``logits.shape[:-1]`` (None for the one not asked for).
         Entropies are clamped at 0 (fp32 rounding). Not differentiable.
     """
     if logits.dim() not in (2, 3):
@@ -119,10 +120,12 @@ def logprobs_and_entropy(
     lead, v = logits.shape[:-1], logits.shape[-1]
     if labels is not None and labels.shape != lead:
         raise ValueError(f"labels {tuple(labels.shape)} must have the logits' leading shape {tuple(lead)}")
+    if labels is None and not entropy:
+        raise ValueError("logprobs_and_entropy: nothing to compute (no labels and entropy=False)")
     blocks = _row_blocks(logits)
     n = lead.numel()
     rows = max(2, chunk_size or _ENTROPY_CHUNK_ELEMENTS // max(v, 1))
-    entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(n, dtype=torch.float32, device=logits.device) if entropy else None
     log_probs = None if labels is None else torch.empty(n, dtype=torch.float32, device=logits.device)
     flat_labels = None if labels is None else labels.reshape(n, 1)
     buf = torch.empty(min(rows + 1, n), v, dtype=torch.float32, device=logits.device)
@@ -137,17 +140,20 @@ def logprobs_and_entropy(
             lse = total.log().add_(m.squeeze(-1))
             if log_probs is not None:
                 log_probs[start : start + k] = z.gather(-1, flat_labels[start : start + k]).squeeze(-1) - lse
-            entropy[start : start + k] = lse - e.mul_(z).sum(-1) / total
+            if ent is not None:
+                ent[start : start + k] = lse - e.mul_(z).sum(-1) / total
             start += k
-    bad = entropy.isnan().nonzero().squeeze(-1)
+    log_probs = None if log_probs is None else log_probs.view(lead)
+    if ent is None:
+        return log_probs, None
+    bad = ent.isnan().nonzero().squeeze(-1)
     if bad.numel():  # rows with -inf (or nan) logits: the masked formula, on those rows only
         offset = 0
         for block in blocks:
             mine = bad[(bad >= offset) & (bad < offset + block.shape[0])]
-            entropy[mine] = _masked_entropy(block[mine - offset].float())
+            ent[mine] = _masked_entropy(block[mine - offset].float())
             offset += block.shape[0]
-    entropy = entropy.clamp_min_(0.0).view(lead)
-    return (None if log_probs is None else log_probs.view(lead)), entropy
+    return log_probs, ent.clamp_min_(0.0).view(lead)
 
 
 def _row_blocks(logits: Tensor) -> list[Tensor]:
