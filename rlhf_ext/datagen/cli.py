@@ -194,7 +194,8 @@ def generate(
     """
     from rlhf_ext.datagen.backends import BackendUnavailable
     from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
-    from rlhf_ext.datagen.generate import generate_dataset, plan_generation
+    from rlhf_ext.datagen.generate import generate_dataset
+    from rlhf_ext.datagen.plan import plan_generation
     from rlhf_ext.datagen.schema import load_task_config
     from rlhf_ext.runtime.rundir import check_output_dir
 

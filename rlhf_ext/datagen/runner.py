@@ -26,21 +26,17 @@ from rlhf_ext.datagen.cache import SampleAppender, SampleCache
 from rlhf_ext.datagen.drift import derive_seed
 from rlhf_ext.datagen.judge import make_judge
 from rlhf_ext.datagen.mappers import (
-    PromptMapper,
-    ResponseMapper,
     UnparseableOutput,
     parse_pair,
     sample_axes,
     sample_seed_words,
 )
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
+from rlhf_ext.datagen.plan import PROMPT_MAPPER, RESPONSE_MAPPER, plan_generation
 
 if TYPE_CHECKING:
-    from rlhf_ext.datagen.generate import GenerationPlan, SampleJob
+    from rlhf_ext.datagen.plan import GenerationPlan, SampleJob
     from rlhf_ext.datagen.schema import DatagenConfig
-
-PROMPT_MAPPER = PromptMapper()
-RESPONSE_MAPPER = ResponseMapper()
 
 
 class _Skip(Exception):
@@ -244,8 +240,6 @@ def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_worker
     ``("error", exception)`` on ``queue``."""
     bar = _QueueBar(queue)
     try:
-        from rlhf_ext.datagen.generate import plan_generation
-
         plan = plan_generation(config)
         gen = config.generation
         bank = load_phrase_bank(gen.phrase_bank)

@@ -3,8 +3,9 @@
 Three subclasses, installed on OpenRLHF's modules by :func:`install_in_process` (in the driver and in every Ray
 worker: :mod:`rlhf_ext.openrlhf.train_ppo_ray`, the runnable module, does both):
 
-* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)``: the entropies come from
-  the logits OpenRLHF's reference forward already computes for the KL term, so no forward pass is added.
+* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)``: both come from one pass
+  over the logits OpenRLHF's reference forward already computes for the KL term (no forward pass, no second
+  log-softmax is added).
 * ``SegmentRewardModelActor`` — the reward-model actor returns the score at *every* position ``[B, T]`` (read from the
   value head during the normal forward) instead of the last one.
 * ``SegmentExperienceMaker`` — after OpenRLHF's ``make_experience`` it turns scores and entropies into dense rewards
@@ -41,7 +42,7 @@ from rlhf_ext.algos.segment_dense import (
     dense_segment_rewards,
     segmentation_rates,
 )
-from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, token_entropy
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, logprobs_and_entropy
 from rlhf_ext.openrlhf.compat import import_shims
 from rlhf_ext.runtime.calibration import load_normalizer
 from rlhf_ext.runtime.token_scores import TokenScoreCapture
@@ -126,33 +127,33 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
 
-        Action ``j`` is the sequence token at position ``T - A + j``; its entropy is that of the logits at the
-        position before it, computed chunk-wise from the logits the forward already produced for the log-probs —
-        over those ``A`` positions only, or, with ``--ds.packing_samples``, over the packed real tokens, which
-        :func:`padded` puts back in their rows.
+        Action ``j`` is the sequence token at position ``T - A + j``; its log-prob and entropy are those of the logits
+        at the position before it. OpenRLHF's ``Actor`` is asked for its (fp32, temperature-scaled) logits only, and
+        both come from one :func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy` pass that shares the
+        log-softmax (OpenRLHF's own forward would take ``log_probs_from_logits`` and then a second log-softmax for
+        the entropy): over those ``A`` positions only, or, with ``--ds.packing_samples``, over the packed real tokens
+        (as OpenRLHF's own log-probs), which :func:`padded` puts back in their rows.
         """
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("segment rewards are not supported for vision-language inputs")
         device = _device()
-        attention_mask = attention_mask.to(device)
+        sequences, attention_mask = sequences.to(device), attention_mask.to(device)
         a = action_mask.shape[1]
+        group = self.strategy.ring_attn_group
         with torch.no_grad():
-            log_probs, output = self.model(
-                sequences.to(device),
-                action_mask.to(device),
-                attention_mask,
-                return_output=True,
-                ring_attn_group=self.strategy.ring_attn_group,
-                packed_seq_lens=packed_seq_lens,
-            )
+            output = self.model(sequences, None, attention_mask, return_output=True, ring_attn_group=group,
+                                packed_seq_lens=packed_seq_lens)  # fmt: skip
             logits = output["logits"]  # logits at t predict t + 1
-            if self.strategy.args.ds.packing_samples:  # [1, N, V] over the real tokens of all rows
-                entropy = padded(token_entropy(logits, shift=False), attention_mask, self.strategy.ring_attn_group)
-                entropy = entropy[:, -a - 1 : -1]
+            if self.strategy.args.ds.packing_samples:  # [1, N, V] over the real tokens of all rows (this rank's)
+                from openrlhf.models.ring_attn_utils import unpad_and_slice_tensor
+
+                labels = unpad_and_slice_tensor(sequences, attention_mask, group)[2]  # the rolled sequences
+                log_probs, entropy = logprobs_and_entropy(logits, labels)
+                log_probs, entropy = (padded(x, attention_mask, group)[:, -a - 1 : -1] for x in (log_probs, entropy))
             else:  # only the A positions whose distributions sampled the action tokens
-                entropy = token_entropy(logits[:, -a - 1 : -1], shift=False)
-            entropy = entropy * action_mask.to(device)
-        return log_probs.to("cpu"), entropy.to("cpu")
+                log_probs, entropy = logprobs_and_entropy(logits[:, -a - 1 : -1], sequences[:, -a:])
+            mask = action_mask.to(device).float()
+        return (log_probs * mask).to("cpu"), (entropy * mask).to("cpu")
 
 
 class _SegmentRewardActor(RewardModelActor.__ray_actor_class__):

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from rlhf_ext.algos.segment_reward import DEFAULT_ENTROPY_CUTOFF, DEFAULT_TAU, Aggregation, token_entropy
+from rlhf_ext.algos.segment_reward import (
+    DEFAULT_ENTROPY_CUTOFF,
+    DEFAULT_TAU,
+    Aggregation,
+    logprobs_and_entropy,
+    token_entropy,
+)
 from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
 
 logger = logging.getLogger(__name__)
@@ -179,9 +185,46 @@ def _tokenize_row(example: dict, index: int, **kwargs: Any) -> dict[str, Any]:
         raise DatasetFormatError(f"row {index} of the preference data: {e}") from None
 
 
-def _output_head_is_plain(model) -> bool:
+#: Config fields by which a model's logits are more than ``lm_head(hidden)`` (soft-capping, scales; as TRL reads them).
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
+
+
+def output_head_is_plain(model) -> bool:
+    """Whether ``model``'s logits are its output embedding applied to its base model's last hidden state."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return not (getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+    return config is model.config and not any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS)
+
+
+@torch.no_grad()
+def head_logprobs_and_entropy(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy` of ``head(hidden) / temperature`` without the
+    ``[N, V]`` logits at once: ``hidden`` ``[N, H]`` is projected 16M logits at a time (big enough for an efficient
+    matmul), each block passed through the one-pass log-softmax + entropy. ``labels`` ``[N]`` or None."""
+    rows = max(2, (1 << 24) // head.out_features)
+    n = hidden.shape[0]
+    out = [torch.empty(n, dtype=torch.float32, device=hidden.device) if want else None
+           for want in (labels is not None, entropy)]  # fmt: skip
+    for start in range(0, n, rows):
+        logits = head(hidden[start : start + rows])
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
+        part = logprobs_and_entropy(logits, None if labels is None else labels[start : start + rows], entropy=entropy)
+        for dest, values in zip(out, part):
+            if dest is not None:
+                dest[start : start + rows] = values
+    return out[0], out[1]
 
 
 @torch.no_grad()
@@ -189,24 +232,18 @@ def sft_token_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True).
 
     For models whose logits are a plain linear map of the last hidden state (Llama, Qwen, Mistral, Phi, GPT-2 ...)
-    the ``[B, T, V]`` logits are never materialised at once: the output head is applied chunk by chunk inside the
-    entropy computation. Models with logit soft-capping or scaling fall back to their full forward.
+    the ``[B, T, V]`` logits are never materialised at once (:func:`head_logprobs_and_entropy`). Models with logit
+    soft-capping or scaling fall back to their full forward.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     head = model.get_output_embeddings()
     base = getattr(model, "model", None) or getattr(model, "transformer", None)
-    if head is None or base is None or not _output_head_is_plain(model):
+    if head is None or base is None or not output_head_is_plain(model):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         return token_entropy(logits, shift=True)
     hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     b, t, _ = hidden.shape
-    rows_per_chunk = max(1, (1 << 24) // head.out_features)
-    flat = hidden.reshape(b * t, -1)
-    ent = torch.empty(b * t, dtype=torch.float32, device=hidden.device)
-    for start in range(0, b * t, rows_per_chunk):
-        logits = head(flat[start : start + rows_per_chunk]).unsqueeze(0)
-        ent[start : start + rows_per_chunk] = token_entropy(logits, shift=False)[0]
-    ent = ent.view(b, t)
+    ent = head_logprobs_and_entropy(head, hidden.reshape(b * t, -1), None)[1].view(b, t)
     return torch.cat([ent.new_zeros(b, 1), ent[:, :-1]], dim=1)
 
 

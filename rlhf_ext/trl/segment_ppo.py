@@ -341,14 +341,9 @@ class DensePPOTrainer(GRPOTrainer):
         return out
 
     def _add_fused_head(self, model, entropy: bool = False) -> None:
-        from trl.trainer.utils import add_fused_lm_head
+        from rlhf_ext.trl.reference_head import add_reference_head
 
-        add_fused_lm_head(
-            model,
-            temperature=self.temperature,
-            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-            outputs=("log_probs", "entropy") if entropy else ("log_probs",),
-        )
+        add_reference_head(model, self.temperature, entropy, self.args.cast_lm_head_to_fp32)
 
     def _critic_values(self, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
         """``[B, C]`` V(s_t) for each completion token t: the critic's head at the position that predicts t."""

@@ -86,7 +86,7 @@ def test_split_writer_writes_the_files_save_to_disk_writes(fmt, tmp_path):
 
 def test_stage_keys_are_the_stable_hash_of_each_sample():
     from rlhf_ext.datagen.drift import allocate_sources
-    from rlhf_ext.datagen.generate import plan_generation
+    from rlhf_ext.datagen.plan import plan_generation
     from rlhf_ext.runtime.io import stable_hash
 
     plan = plan_generation("continual-lipschitz", num_samples=30)

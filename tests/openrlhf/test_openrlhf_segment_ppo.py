@@ -226,6 +226,39 @@ def test_reference_actor_returns_entropies_from_the_same_forward(seg_ppo, tiny_s
     torch.testing.assert_close(log_probs, expected_lp, atol=1e-4, rtol=1e-4)
 
 
+def test_reference_actor_takes_one_log_softmax_and_returns_openrlhfs_log_probs(seg_ppo, tiny_sft_path, monkeypatch):
+    """The reference forward shares one log-softmax between the KL's log-probs and the entropies: OpenRLHF's
+    ``log_probs_from_logits`` and every ``torch.logsumexp`` stay uncalled (before: OpenRLHF's log-probs, then
+    ``token_entropy``'s own logsumexp), and the log-probs are the stock reference actor's bit for bit."""
+    import openrlhf.models.actor as actor_module
+    from openrlhf.models import Actor
+    from openrlhf.models.utils import compute_entropy
+
+    actor_model = Actor(tiny_sft_path, attn_implementation="sdpa", param_dtype="bf16").float().eval()
+    actor = seg_ppo._SegmentReferenceActor.__new__(seg_ppo._SegmentReferenceActor)
+    actor.model = actor_model
+    actor.strategy = SimpleNamespace(
+        ring_attn_group=None, args=SimpleNamespace(ds=SimpleNamespace(packing_samples=False))
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (3, 14), generator=g)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :2] = 0  # a left-padded prompt
+    action_mask = torch.ones(3, 6, dtype=torch.bool)
+    action_mask[1, 4:] = False  # a shorter response
+    with torch.no_grad():
+        stock_lp, output = actor_model(ids, action_mask, attention_mask, return_output=True)
+        stock_ent = compute_entropy(output["logits"])[:, -7:-1] * action_mask
+    calls = []
+    real_lp, real_lse = actor_module.log_probs_from_logits, torch.logsumexp
+    monkeypatch.setattr(actor_module, "log_probs_from_logits", lambda *a, **k: calls.append("lp") or real_lp(*a, **k))
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **k: calls.append("lse") or real_lse(*a, **k))
+    log_probs, entropy = actor.forward(ids, action_mask, attention_mask)
+    assert calls == []
+    assert torch.equal(log_probs, stock_lp)
+    torch.testing.assert_close(entropy, stock_ent, atol=1e-5, rtol=0)
+
+
 def test_flatten_results_splits_reference_tuples(seg_ppo):
     import ray
 
