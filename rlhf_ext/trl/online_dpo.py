@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -112,7 +111,7 @@ from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_re
 from rlhf_ext.runtime.rundir import RunDir
 from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
 from rlhf_ext.trl.args import HardwareBF16Default
-from rlhf_ext.trl.release import drop_instance_forwards, free_memory_without_collection, release_accelerator
+from rlhf_ext.trl.release import free_memory_without_collection, release_trainer_run
 
 logger = logging.getLogger(__name__)
 
@@ -627,32 +626,9 @@ class IterativeDPOTrainer(DPOTrainer):
         return self._load_model(path)
 
     def _release_dpo_run(self, keep_model: bool = False) -> None:
-        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference) so the next step
-        does not hold them in memory.
-
-        They are freed by reference counting, at once and without a garbage collection (a full ``gc.collect()``
-        costs a third of a second here, several per iteration before): the reference cycles that would need one
-        are broken first (:func:`drop_instance_forwards` on each model, :func:`release_accelerator`). With a CUDA
-        device, dropping the models also runs one collection (a safety net for cycles made outside this trainer,
-        e.g. by user callbacks) and empties the device cache."""
-        self.optimizer = self.lr_scheduler = None
-        handler = getattr(self, "callback_handler", None)
-        if handler is not None:
-            handler.optimizer = handler.lr_scheduler = None
-        if not keep_model:
-            for model in (getattr(self, "model", None), getattr(self, "ref_model", None)):
-                # a model the user passed in is theirs to keep (with whatever forward they gave it)
-                if _is_model(model) and not any(m in self._given_models for m in model.modules()):
-                    drop_instance_forwards(model)
-            self.model = self.model_wrapped = self.ref_model = None
-            if handler is not None:
-                handler.model = None
-        if getattr(self, "accelerator", None) is not None:
-            release_accelerator(self.accelerator)
-        if torch.cuda.is_available():
-            if not keep_model:
-                gc.collect()
-            torch.cuda.empty_cache()
+        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference) without a full
+        garbage collection (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
+        release_trainer_run(self, keep_model, self._given_models)
 
     def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, setup=None) -> TrainOutput:
         """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference

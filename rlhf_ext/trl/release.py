@@ -9,7 +9,9 @@ those cycles and drop the references, so what a run held is freed at once, deter
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,3 +53,32 @@ def free_memory_without_collection(accelerator) -> Iterator[None]:
         yield
     finally:
         del accelerator.free_memory  # (the closure on the accelerator is a cycle)
+
+
+def release_trainer_run(trainer: Any, keep_model: bool, given_models: Any = ()) -> None:
+    """Drop a finished ``Trainer`` run's optimizer and scheduler (and, unless ``keep_model``, its policy and
+    reference) so the next run does not hold them in memory.
+
+    They are freed by reference counting, at once and without a garbage collection (a full ``gc.collect()`` costs a
+    third of a second in such a process): the reference cycles that would need one are broken first
+    (:func:`drop_instance_forwards` on each model, :func:`release_accelerator`). A model in ``given_models`` (one the
+    user passed in, a container supporting ``in``) is theirs to keep, with whatever forward they gave it. With a CUDA
+    device, dropping the models also runs one collection (a safety net for cycles made elsewhere, e.g. by user
+    callbacks) and empties the device cache."""
+    trainer.optimizer = trainer.lr_scheduler = None
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is not None:
+        handler.optimizer = handler.lr_scheduler = None
+    if not keep_model:
+        for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
+            if isinstance(model, torch.nn.Module) and not any(m in given_models for m in model.modules()):
+                drop_instance_forwards(model)
+        trainer.model = trainer.model_wrapped = trainer.ref_model = None
+        if handler is not None:
+            handler.model = None
+    if getattr(trainer, "accelerator", None) is not None:
+        release_accelerator(trainer.accelerator)
+    if torch.cuda.is_available():
+        if not keep_model:
+            gc.collect()
+        torch.cuda.empty_cache()
