@@ -15,8 +15,8 @@ from rlhf_ext.zoo.models import tiny_reward_model
 def _value_loss_step(critic, optimizer, seed: int) -> None:
     """One step on a fixed random batch: squared error of every position's value to a random target."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, critic.config.vocab_size, (4, 12), generator=generator)
-    target = torch.randn(4, 12, generator=generator)
+    ids = torch.randint(0, critic.config.vocab_size, (4, 12), generator=generator).to(critic.device)
+    target = torch.randn(4, 12, generator=generator).to(critic.device)
     values = critic.model(input_ids=ids).last_hidden_state @ critic.score.weight.T  # [B, T, 1]
     ((values.squeeze(-1) - target) ** 2).mean().backward()
     optimizer.step()
