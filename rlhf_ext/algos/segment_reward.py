@@ -41,9 +41,12 @@ AGGREGATIONS: tuple[str, ...] = Aggregation.values()
 DEFAULT_ENTROPY_CUTOFF = 2.0
 DEFAULT_TAU = 0.5
 
-#: 256k logits (1 MB in fp32) per chunk: the chunk and its exp buffer stay in cache (1.8x faster than 4.7M-logit
-#: chunks on [4, 24, 49152], measured).
-_ENTROPY_CHUNK_ELEMENTS = 1 << 18
+#: Logits per chunk. CPU: 256k (1 MB in fp32), so the chunk and its exp buffer stay in cache (1.8x faster than
+#: 4.7M-logit chunks on [4, 24, 49152]). An accelerator needs large launches instead: 64M (a 256 MB fp32 buffer; on an
+#: H200, [8, 1024, 151936] bf16 took 18 ms against 22 ms for OpenRLHF's log-probs + entropy, which allocate 9.5 GB,
+#: and 823 ms in 256k-logit chunks; ``benchmarks/entropy_gpu.py``).
+_ENTROPY_CHUNK_ELEMENTS = {"cpu": 1 << 18}
+_ENTROPY_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
 def check_aggregation(kind: str) -> str:
@@ -108,8 +111,9 @@ def logprobs_and_entropy(
             tensor such as ``logits[:, -A - 1 : -1]`` is read in place, not copied.
         labels: token ids of shape ``logits.shape[:-1]``, or None for entropies only.
         entropy: False skips the entropy's pass (log-probs only, as the log-softmax alone would give them).
-        chunk_size: rows per chunk (at least 2); by default 256k logits (1 MB in fp32), so that a chunk and its
-            ``exp`` buffer stay in cache across the passes. The results do not depend on it.
+        chunk_size: rows per chunk (at least 2); by default 256k logits (1 MB in fp32) on a CPU, so that a chunk and
+            its ``exp`` buffer stay in cache across the passes, and 64M logits on an accelerator (few, large
+            launches). The results do not depend on it.
 
     Returns:
         ``(log_probs, entropy)``: fp32 of shape ``logits.shape[:-1]`` (None for the one not asked for).
@@ -124,7 +128,8 @@ def logprobs_and_entropy(
         raise ValueError("logprobs_and_entropy: nothing to compute (no labels and entropy=False)")
     blocks = _row_blocks(logits)
     n = lead.numel()
-    rows = max(2, chunk_size or _ENTROPY_CHUNK_ELEMENTS // max(v, 1))
+    per_chunk = _ENTROPY_CHUNK_ELEMENTS.get(logits.device.type, _ENTROPY_CHUNK_ELEMENTS_ACCELERATOR)
+    rows = max(2, chunk_size or per_chunk // max(v, 1))
     ent = torch.empty(n, dtype=torch.float32, device=logits.device) if entropy else None
     log_probs = None if labels is None else torch.empty(n, dtype=torch.float32, device=logits.device)
     flat_labels = None if labels is None else labels.reshape(n, 1)
@@ -190,7 +195,7 @@ def token_entropy(logits: Tensor, shift: bool = True, chunk_size: int | None = N
         logits: ``[B, T, V]`` (any float dtype). ``logits[b, t]`` predicts token ``t + 1``.
         shift: if True (default) the result is aligned to the *sampled* token: ``out[b, i] = H(logits[b, i - 1])``
             and ``out[b, 0] = 0`` (token 0 has no predictive distribution). If False, ``out[b, t] = H(logits[b, t])``.
-        chunk_size: positions per chunk (default: 256k logits per chunk, whatever the batch).
+        chunk_size: positions per chunk (default: as :func:`logprobs_and_entropy`, by device).
 
     Returns:
         ``[B, T]`` float32 entropies. Not differentiable (segmentation is a preprocessing step).

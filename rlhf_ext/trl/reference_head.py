@@ -7,8 +7,9 @@ on a plain output head (the rollout's reference forward) :func:`add_reference_he
 :func:`~rlhf_ext.runtime.segment_data.head_logprobs_and_entropy`: only the positions with a label are projected, and
 their log-probs and entropies come from one pass per cache-sized chunk
 (:func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy`, the function OpenRLHF's reference actor uses too).
-Calls with gradients, pre-shifted labels, router logits, or models whose logits are soft-capped or scaled go to TRL's
-head unchanged.
+Calls with gradients, pre-shifted labels, router logits, models whose logits are soft-capped or scaled, and models on
+a device where TRL folds the tiles in its Triton kernel (CUDA, XPU; not measured against ours) go to TRL's head
+unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import types
 import torch
 
 from rlhf_ext.runtime.segment_data import head_logprobs_and_entropy, output_head_is_plain
+
+#: Devices where TRL's fused head runs its Triton kernel (``trl.kernels.chunked_logprob._use_triton``).
+TRITON_DEVICES = ("cuda", "xpu")
 
 
 def add_reference_head(model, temperature: float = 1.0, entropy: bool = False, cast_lm_head_to_fp32: bool = False):
@@ -37,7 +41,8 @@ def add_reference_head(model, temperature: float = 1.0, entropy: bool = False, c
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against the signature
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, **kwargs):
         if (not fused_lm_head or torch.is_grad_enabled() or args or shift_labels is not None
-                or kwargs.get("output_router_logits") or kwargs.get("num_items_in_batch") is not None):  # fmt: skip
+                or kwargs.get("output_router_logits") or kwargs.get("num_items_in_batch") is not None
+                or self.get_output_embeddings().weight.device.type in TRITON_DEVICES):  # fmt: skip
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels, **kwargs)
         kwargs["use_cache"] = False
         hidden = self.base_model(**kwargs).last_hidden_state[:, :-1]
