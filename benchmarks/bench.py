@@ -28,10 +28,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
-#: The scripts ``make bench`` runs with ``--quick``, in the issue's order (edit here to add or drop one).
+#: The scripts ``make bench`` runs with ``--quick``, in the issue's order (edit here to add or drop one). The
+#: OpenRLHF make_experience figure comes from ``entropy_fused.py`` (in-process); ``openrlhf_ppo.py`` is a Ray smoke run.
 BENCHMARKS = [
     "entropy_fused.py",
-    "openrlhf_ppo.py",
     "segment_ppo_step.py",
     "online_dpo_step.py",
     "async.py",

@@ -2,7 +2,7 @@
 writes JSON; never part of the test run.
 
     python benchmarks/online_dpo_step.py [--prompts 64] [--rounds 5] [--out benchmarks/results/online_dpo_step.json]
-    python benchmarks/online_dpo_step.py --quick      # 16 prompts, 3 rounds -> online_dpo_step_quick.json
+    python benchmarks/online_dpo_step.py --quick      # the target's 64 prompts, 3 rounds -> online_dpo_step_quick.json
 
 Both contenders start from the builtin tiny SFT policy, sample 2 responses per prompt (temperature 1.0, the same
 ``max_new_tokens``), score them with the same reward model (a sequence classifier on the tiny trunk, built once), and
@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--profile", action="store_true", help="also cProfile one more iteration of ours")
-    parser.add_argument("--quick", action="store_true", help="16 prompts, 3 rounds; writes *_quick.json")
+    parser.add_argument("--quick", action="store_true", help="64 prompts (the target's), 3 rounds; *_quick.json")
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args(argv)
     if a.quick:
-        a.prompts, a.rounds = 16, 3
+        a.prompts, a.rounds = 64, 3
     if a.prompts % a.batch:
         parser.error(f"--prompts ({a.prompts}) must be a multiple of --batch ({a.batch})")
     out = a.out or RESULTS / ("online_dpo_step_quick.json" if a.quick else "online_dpo_step.json")
