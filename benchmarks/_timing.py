@@ -123,11 +123,11 @@ def machine_probe(parallelism: bool = False) -> dict[str, float]:
 
 
 def commit() -> str:
-    """The repository's short commit hash (with ``+dirty`` when the tree has changes), or ``unknown``."""
+    """The repository's short commit hash (``+dirty`` when tracked files other than results changed), or ``unknown``."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True)  # fmt: skip
+        changed = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"]
+        dirty = subprocess.run(changed, cwd=ROOT, capture_output=True, text=True)  # results: written by the run itself
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
     except OSError:
         return "unknown"

@@ -50,8 +50,8 @@ FIGURES = [
     "one-step async vs sync",
     "serve rm vs per-request scoring at concurrency 1",
     "serve rm vs per-request scoring at concurrency 64",
-    "data generate offline",
-    "sharded speedup",
+    "data generate offline, peak RSS",
+    "data generate offline, sharded speedup",
 ]
 
 HEADER = """# Benchmark summary
