@@ -154,14 +154,13 @@ def openrlhf_make_experience(smol: str, rounds: int, prompt: int = 32, actions: 
             "action_tokens": actions, "ms": _ms(times), "ratio": paired_ratio(times, "segment", "stock")}  # fmt: skip
 
 
-def trl_reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, completion: int, rounds: int) -> dict:
-    """Stock bandit (TRL's fused head on the reference model) vs segment reward production for one PPO batch."""
+def reward_trainer(policy_dir: str, rm_dir: str, batch: int, completion: int):
+    """The ``SegmentPPOTrainer`` (REINFORCE, no normaliser, entropy cutoff 2.0, CPU) whose reward path the TRL
+    reward-cost benchmarks time (here and ``segment_ppo.py``)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.trainer.utils import add_fused_lm_head
+    from transformers import AutoTokenizer
 
-    from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards
-    from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer, position_scores
+    from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer
 
     tok = AutoTokenizer.from_pretrained(policy_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,9 +169,20 @@ def trl_reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, comple
             per_device_train_batch_size=batch, num_generations=2, max_completion_length=completion, bf16=False,
             use_cpu=True, report_to="none", gradient_checkpointing=False, entropy_cutoff=2.0,
         )  # fmt: skip
-        trainer = SegmentPPOTrainer(
+        return SegmentPPOTrainer(
             model=policy_dir, args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=tok
         )
+
+
+def trl_reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, completion: int, rounds: int) -> dict:
+    """Stock bandit (TRL's fused head on the reference model) vs segment reward production for one PPO batch."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards
+    from rlhf_ext.trl.segment_ppo import position_scores
+
+    trainer = reward_trainer(policy_dir, rm_dir, batch, completion)
     stock_ref = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     add_fused_lm_head(stock_ref, temperature=trainer.temperature)  # what TRL's own trainers put on a reference model
     g = torch.Generator().manual_seed(0)

@@ -33,22 +33,12 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 def reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, completion: int, repeats: int) -> dict:
     """Median wall-clock of bandit vs segment reward production for one rollout batch (interleaved)."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+    from entropy_fused import reward_trainer
 
     from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards
-    from rlhf_ext.trl.segment_ppo import SegmentPPOConfig, SegmentPPOTrainer, position_scores
+    from rlhf_ext.trl.segment_ppo import position_scores
 
-    tok = AutoTokenizer.from_pretrained(policy_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = SegmentPPOConfig(
-            output_dir=tmp, reward_model_path=rm_dir, advantage_estimator="reinforce", normalizer_kind="none",
-            per_device_train_batch_size=batch, num_generations=2, max_completion_length=completion, bf16=False,
-            use_cpu=True, report_to="none", gradient_checkpointing=False, entropy_cutoff=2.0,
-        )  # fmt: skip
-        trainer = SegmentPPOTrainer(
-            model=policy_dir, args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=tok
-        )
+    trainer = reward_trainer(policy_dir, rm_dir, batch, completion)
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
     prompt = 32
