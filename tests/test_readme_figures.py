@@ -1,0 +1,76 @@
+"""The simulator figures the README prints are the ones the runs wrote (`benchmarks/results/`): every table row under
+"Simulator" matches its method's row in the results table it was copied from, cell by cell on the columns both share,
+and the SFT-against-itself figure matches `sim_sft_bias.json`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+
+
+def tables(text: str) -> list[tuple[list[str], dict[str, list[str]]]]:
+    """Every markdown table of ``text``: (header cells, {first cell: row cells})."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("| ") and set(lines[i + 1].replace("|", "").strip()) <= {"-", ":"} and lines[i + 1]:
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = {}
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                rows[cells[0]] = cells
+            found.append((header, rows))
+    return found
+
+
+def numbers(cell: str) -> list[str]:
+    """The numbers of a cell, as printed (``0.535 ± 0.008`` -> ['0.535', '0.008']; ``–`` -> [])."""
+    return NUMBER.findall(cell)
+
+
+#: README column -> results column, where the README shortens the name.
+SAME_COLUMN = {"AlpacaFarm sim. (% vs Davinci003)": "AlpacaFarm sim. win rate vs Davinci003 (%)",
+               "win rate": "win rate vs SFT", "gold": "gold reward", "KL to SFT": "KL to SFT (nats)"}  # fmt: skip
+
+
+def readme_section(title: str) -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+@pytest.mark.parametrize("results_md", ["sim_compare.md"])
+def test_readme_simulator_tables_match_the_results_they_quote(results_md):
+    section = readme_section("Simulator")
+    assert f"benchmarks/results/{results_md.removesuffix('.md')}" in section, f"the README does not quote {results_md}"
+    (result_header, result_rows), *_ = tables((RESULTS / results_md).read_text())
+    quoted = [(h, rows) for h, rows in tables(section) if set(rows) and set(rows) <= set(result_rows)]
+    assert quoted, f"no README table has the methods of {results_md}"
+    header, rows = max(quoted, key=lambda t: len(t[1]))
+    compared = 0
+    for method, cells in rows.items():
+        for name, cell in zip(header[1:], cells[1:]):
+            column = SAME_COLUMN.get(name, name)
+            if column not in result_header:
+                continue
+            expected = numbers(result_rows[method][result_header.index(column)])
+            shown = numbers(cell)
+            assert shown == expected[: len(shown)] and (shown or not expected), (method, name, cell, expected)
+            compared += 1
+    assert compared >= 4 * len(rows)
+
+
+def test_readme_sft_against_itself_matches_the_30_draws():
+    bias = json.loads((RESULTS / "sim_sft_bias.json").read_text())
+    mean, stderr = bias["mean_win_rate"], bias["stderr_of_mean"]
+    shown = f"over {bias['draws']} independent draws it reads {mean:.3f} ± {stderr:.3f}"
+    assert shown in " ".join(readme_section("Simulator").split())
