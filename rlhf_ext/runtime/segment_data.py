@@ -99,6 +99,7 @@ def tokenize_pair(
     prompt_key: str | None = "prompt",
     chosen_key: str = "chosen",
     rejected_key: str = "rejected",
+    chosen_offsets: bool = False,
 ) -> dict[str, Any]:
     """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
 
@@ -106,6 +107,11 @@ def tokenize_pair(
     is appended to responses that do not end with it. With ``max_length``: the prompt is cut from the left to
     ``max_prompt_length`` (default: ``max_length - 1``), then responses are cut from the right with their last kept
     token set to EOS.
+
+    ``chosen_offsets``: also ``chosen_text`` (the chosen response as rendered: a chat response by the chat template),
+    ``is_chat``, and ``chosen_tokens``: ``(ids, offsets)`` of that text's own tokens from the same tokenizer call as
+    ``chosen_ids`` (before EOS and the cut; ``offsets``: each token's ``(start, end)`` characters from a fast
+    tokenizer's offset mapping, None from a slow tokenizer).
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -118,12 +124,17 @@ def tokenize_pair(
     # Plain-text prompts get the tokenizer's special tokens (e.g. BOS); a chat template already renders them.
     prompt_ids = tokenizer(prompt_text, add_special_tokens=not is_chat)["input_ids"] if prompt_text else []
 
-    def response_ids(text: str) -> list[int]:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-        return ids if ids and ids[-1] == eos else ids + [eos]
+    def response_ids(text: str, offsets: bool = False) -> tuple[list[int], list[int], list[tuple[int, int]] | None]:
+        """``text``'s ids with EOS, its own ids, and their offsets if asked (of a fast tokenizer): one call."""
+        offsets = offsets and getattr(tokenizer, "is_fast", False)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets) if text else \
+            {"input_ids": [], "offset_mapping": []}  # fmt: skip
+        own = encoded["input_ids"]
+        mapping = [tuple(o) for o in encoded["offset_mapping"]] if offsets else None
+        return (own if own and own[-1] == eos else own + [eos]), own, mapping
 
-    chosen_ids = response_ids(chosen_text)
-    responses = [chosen_ids, chosen_ids if rejected_text == chosen_text else response_ids(rejected_text)]
+    chosen_ids, own, mapping = response_ids(chosen_text, chosen_offsets)
+    responses = [chosen_ids, chosen_ids if rejected_text == chosen_text else response_ids(rejected_text)[0]]
     if max_length is not None:
         if max_length < 2:
             raise DatasetFormatError(f"max_length must be >= 2 (one prompt and one response token), got {max_length}")
@@ -140,6 +151,8 @@ def tokenize_pair(
     }
     if "margin" in example and example["margin"] is not None:
         out["margin"] = float(example["margin"])
+    if chosen_offsets:
+        out.update(chosen_text=chosen_text, is_chat=is_chat, chosen_tokens=(own, mapping))
     return out
 
 

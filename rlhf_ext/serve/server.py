@@ -1,5 +1,6 @@
 """``rlhf-ext serve rm``: a segment reward model's sequence evaluation e_phi over HTTP, in OpenRLHF's remote-reward
-protocol (:mod:`rlhf_ext.serve.protocol`), on FastAPI + uvicorn as OpenRLHF's own ``openrlhf.cli.serve_rm``.
+protocol (:mod:`rlhf_ext.serve.protocol`), on uvicorn (as OpenRLHF's own ``openrlhf.cli.serve_rm``) with its routes as
+a plain ASGI app.
 
 A segment reward model scores a response by ``e_phi(x, y) = tau * logsumexp(r_seg / tau)`` over its segment rewards
 (paper 003 Eq. 4; ``"sum"`` / ``"mean"`` for the ablations), the segments starting where the SFT model's entropy
@@ -45,9 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rlhf_ext.runtime.dense_sources import EncodedResponse
@@ -63,7 +61,8 @@ logger = logging.getLogger(__name__)
 #: The most bytes of a too-large body read (and dropped) before answering 413, so that the client reads the answer
 #: rather than a reset connection; beyond it the connection is closed.
 DISCARD_LIMIT = 256 * 1024 * 1024
-_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: An ASGI app's reply: status, JSON payload, extra headers.
+Reply = tuple[int, dict[str, Any], dict[str, str]]
 
 
 def model_name(path: str | None) -> str | None:
@@ -73,9 +72,23 @@ def model_name(path: str | None) -> str | None:
     return Path(path).name if Path(path).is_absolute() or Path(path).exists() else path
 
 
-def _json(status: int, payload: dict[str, Any], close: bool = False, headers: dict[str, str] | None = None):
-    extra = {**(headers or {}), **({"Connection": "close"} if close else {})}
-    return Response(json.dumps(payload).encode(), status, extra, media_type="application/json")
+def _reply(status: int, payload: dict[str, Any], close: bool = False, headers: dict[str, str] | None = None) -> Reply:
+    return status, payload, {**(headers or {}), **({"Connection": "close"} if close else {})}
+
+
+async def _send_json(send, reply: Reply) -> None:
+    """Send ``reply`` as an ASGI response: its headers, then ``content-length`` and ``content-type``."""
+    status, payload, headers = reply
+    body = json.dumps(payload).encode()
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw += [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    """The first value of the request header ``name`` (lower case), or None."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
 
 
 class _RequestGuard:
@@ -182,54 +195,54 @@ class RewardServer:
         self.in_flight = 0  # scoring requests between their head and their answer (changed on the event loop only)
         self._prepare_pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="rm-prepare")
         protocol = type("Protocol", (_GuardedProtocol,), {"read_timeout_s": self.settings.read_timeout_s})
-        config = uvicorn.Config(self._app(), http=protocol, lifespan="off", log_config=None, access_log=False,
-                                proxy_headers=False, backlog=2048)  # fmt: skip
+        config = uvicorn.Config(self._app, http=protocol, interface="asgi3", lifespan="off", log_config=None,
+                                access_log=False, proxy_headers=False, backlog=2048)  # fmt: skip
         self._server = _Server(config)
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------------------ routes
-    def _app(self) -> FastAPI:
-        """The routes take the request and return the response as they are (``add_route``: no validation or
-        serialisation layer, which would cost more per request than the HTTP parsing)."""
-        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_route(HEALTH_PATH, self._health, methods=["GET"])
-        for path in REWARD_PATHS:
-            app.add_route(path, self._score, methods=["POST"])
-        app.add_route("/{path:path}", self._no_route, methods=_METHODS)
-        return app
-
-    async def _no_route(self, request: Request) -> Response:
-        if request.method == "POST":
-            message = f"no route POST {request.url.path}; POST /get_reward or GET {HEALTH_PATH}"
+    async def _app(self, scope: dict[str, Any], receive, send) -> None:
+        """The routes, as a plain ASGI app on uvicorn (a framework's request objects, routing and middleware would
+        cost more per request than the HTTP parsing): ``GET`` (or ``HEAD``) :data:`HEALTH_PATH`, ``POST``
+        :data:`REWARD_PATHS`, 404 for anything else."""
+        if scope["type"] != "http":  # lifespan is off: nothing else reaches the app
+            return
+        method, path = scope["method"], scope["path"]
+        if path == HEALTH_PATH and method in ("GET", "HEAD"):
+            reply = self._health()
+        elif path in REWARD_PATHS and method == "POST":
+            reply = await self._score(scope, receive)
+        elif method == "POST":
+            reply = _reply(404, {"error": f"no route POST {path}; POST /get_reward or GET {HEALTH_PATH}"})
         else:
-            message = f"no route {request.method} {request.url.path}; GET {HEALTH_PATH} or POST /get_reward"
-        return _json(404, {"error": message})
+            reply = _reply(404, {"error": f"no route {method} {path}; GET {HEALTH_PATH} or POST /get_reward"})
+        await _send_json(send, reply)
 
-    async def _health(self, request: Request) -> Response:
+    def _health(self) -> Reply:
         if self._busy():
-            return _json(503, {"error": self._busy_message()})
+            return _reply(503, {"error": self._busy_message()})
         health = self.health()
-        return _json(200 if health["status"] == "ok" else 503, health)
+        return _reply(200 if health["status"] == "ok" else 503, health)
 
-    async def _score(self, request: Request) -> Response:
+    async def _score(self, scope: dict[str, Any], receive) -> Reply:
         try:
             if self._busy():
                 raise RequestError(503, self._busy_message())
-            self._authorise(request.headers.get("authorization"))
+            self._authorise(_header(scope, b"authorization"))
             self.in_flight += 1
             try:
-                body = await self._read_body(request)
+                body = await self._read_body(scope, receive)
                 pairs = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, body)
                 values, segments, spans = await self._scores(pairs)
             finally:
                 self.in_flight -= 1
         except RequestError as e:
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-            return _json(e.status, {"error": e.message}, close=e.status in (408, 413), headers=headers)
+            return _reply(e.status, {"error": e.message}, close=e.status in (408, 413), headers=headers)
         except Exception as e:  # a scoring failure: the request fails, the server goes on
             logger.exception("a request failed")
-            return _json(500, {"error": " ".join(f"scoring failed: {type(e).__name__}: {e}".split())})
-        return _json(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}, "spans": spans})
+            return _reply(500, {"error": " ".join(f"scoring failed: {type(e).__name__}: {e}".split())})
+        return _reply(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}, "spans": spans})
 
     # ----------------------------------------------------------------------------------------------------- checks
     def _busy(self) -> bool:
@@ -254,12 +267,12 @@ class RewardServer:
             raise RequestError(401, f"missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
                                f"server was started with (--api-key or {API_KEY_ENV})")  # fmt: skip
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, scope: dict[str, Any], receive) -> bytes:
         """The request body (``Content-Length`` or chunked, both checked by the HTTP parser), read within
         ``read_timeout_s``; a body over ``max_body_bytes`` is read to its end and dropped (up to :data:`DISCARD_LIMIT`
         bytes), then 413."""
         limit = self.settings.max_body_bytes
-        declared = int(request.headers.get("content-length", "0"))  # the parser refused a malformed one
+        declared = int(_header(scope, b"content-length") or "0")  # the parser refused a malformed one
         if declared > DISCARD_LIMIT:
             raise RequestError(413, self._too_large(declared))
         parts: list[bytes] = []
@@ -267,7 +280,12 @@ class RewardServer:
 
         async def read() -> None:
             nonlocal size
-            async for chunk in request.stream():
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise RequestError(400, "the client closed the connection before its body ended")
+                chunk, more = message.get("body", b""), message.get("more_body", False)
                 size += len(chunk)
                 if size <= limit:
                     parts.append(chunk)
@@ -281,8 +299,6 @@ class RewardServer:
         except asyncio.TimeoutError:
             raise RequestError(408, f"request body not received within {self.settings.read_timeout_s:g} s; send it "
                                "at once") from None  # fmt: skip
-        except ClientDisconnect:
-            raise RequestError(400, "the client closed the connection before its body ended") from None
         if size > limit:
             raise RequestError(413, self._too_large(size))
         return b"".join(parts)

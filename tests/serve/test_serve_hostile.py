@@ -316,11 +316,11 @@ def test_port_in_use_is_one_line_from_the_cli_and_the_library(rm_dir, scorer):
 
 
 def test_cli_without_the_serve_extra_names_it(rm_dir):
-    result = subprocess.run([sys.executable, "-m", "tests.helpers.without_packages", "fastapi", "--", "serve", "rm",
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.without_packages", "uvicorn", "--", "serve", "rm",
                              "--model", rm_dir, "--port", "0"], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert (result.returncode, result.stderr.splitlines()[-1]) == (
-        2, "error: needs the optional package fastapi: pip install 'rlhf-ext[serve]'"
+        2, "error: needs the optional package uvicorn: pip install 'rlhf-ext[serve]'"
     )  # fmt: skip
 
 

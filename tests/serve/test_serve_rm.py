@@ -210,6 +210,14 @@ def test_unknown_routes_are_404(server):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("method", ["TRACE", "PROPFIND"])
+def test_any_other_method_is_404_with_one_line(server, method):
+    """Every refusal is ``{"error": ...}``, for a method no route takes too (FastAPI answered 405 ``{"detail"}``)."""
+    assert post(f"{server.url}/x", b"", method=method) == (
+        404, {"error": f"no route {method} /x; GET /health or POST /get_reward"}
+    )  # fmt: skip
+
+
 def test_server_still_scores_after_malformed_requests(server, scorer):
     pair = ("Question: Owls?\nAnswer:", " Owls hunt at night.")
     for body, _, _ in MALFORMED:
