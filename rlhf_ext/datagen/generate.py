@@ -17,15 +17,17 @@ command; ``run_stats["errors"]`` keeps one redacted line of the server's message
 unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
 
 ``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
-its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file); the dataset is
-byte-identical for any ``N``. Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
+its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file, then writes whole
+stages of the dataset, balanced by sample count: this process merges the index entries the workers scanned from their
+own files and writes only the metadata, and never imports ``datasets``); the dataset is byte-identical for any ``N``.
+Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
 
-After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format and the
-seeded train/test split applied there) and streamed to disk record by record (``arrow_stage``): memory holds the cache's
-index (~40 bytes per sample) and one batch of rows, never the samples. The dataset (``stages/`` and
-``continual_dataset.json``) depends only on the config and seed, so with the ``offline`` backend the same config and
-seed give byte-identical files however often the run was interrupted; the stage data is also identical for any
-``max_concurrency`` (which the metadata records as part of the config).
+After all jobs ran, the stages are assembled from the cache in index order (``rlhf_ext.datagen.assemble``;
+preference-swap noise, output format and the seeded train/test split applied there) and streamed to disk record by
+record (``arrow_stage``): memory holds the cache's index (~40 bytes per sample) and one batch of rows, never the
+samples. The dataset (``stages/`` and ``continual_dataset.json``) depends only on the config and seed, so with the
+``offline`` backend the same config and seed give byte-identical files however often the run was interrupted; the
+stage data is also identical for any ``max_concurrency`` (which the metadata records as part of the config).
 """
 
 from __future__ import annotations
