@@ -13,7 +13,10 @@ sample cached). Each configuration runs in a fresh output directory.
 
 3. ``--offline-scale`` (issue 28): the ``offline`` backend at 100k and (without ``--quick``) 1M samples, 1 vs 2
    worker processes, each run a fresh subprocess: samples per second end to end and in the generation phase, and the
-   peak RSS of the whole process tree (parent plus workers, polled every 20 ms with ``psutil``). ``--baseline-repo``
+   peak RSS of the whole process tree (parent plus workers, polled every 20 ms with ``psutil``) and each process's
+   own peak (``VmHWM`` from ``/proc``: ``vmhwm_parent_mb``, ``vmhwm_workers_mb``). ``--samples N [N ...]`` and
+   ``--workers W [W ...]`` choose the sizes and worker counts (e.g. the 1M figure alone: ``--samples 1000000
+   --workers 1 --rounds 1``, written to ``datagen_scale_1000000_w1.json``). ``--baseline-repo``
    measures another checkout (e.g. main before issue 28) at 100k with 1 worker, for the before/after figure. The
    sharded speedup is the wall-time ratio 1 worker / 2 workers, printed beside ``machine_probe(parallelism=True)``
    taken before and after (2.0: two idle cores; on a shared machine less), and as a fraction of that parallelism.
@@ -21,7 +24,7 @@ sample cached). Each configuration runs in a fresh output directory.
    cores". Wall times, because the work is spread over processes: the only figure here a loaded machine distorts.
 
     python benchmarks/datagen.py [--latency 0.05] [--seconds 4] [--offline-samples 2000]
-    python benchmarks/datagen.py --offline-scale [--quick] [--baseline-repo DIR]
+    python benchmarks/datagen.py --offline-scale [--quick] [--baseline-repo DIR] [--samples N ...] [--workers W ...]
 """
 
 from __future__ import annotations
