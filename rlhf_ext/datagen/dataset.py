@@ -123,27 +123,6 @@ def _quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-class _StagesOnDisk(collections.abc.Sequence):
-    """The stages of a saved dataset: ``self[i]`` loads stage directory ``i`` on first access and keeps it."""
-
-    def __init__(self, directories: list[Path]):
-        self.directories = directories
-        self.loaded: dict[int, Any] = {}
-
-    def __len__(self) -> int:
-        return len(self.directories)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        i = range(len(self))[i]  # negative indices; IndexError past the end
-        if i not in self.loaded:
-            from datasets import load_from_disk
-
-            self.loaded[i] = load_from_disk(str(self.directories[i]))
-        return self.loaded[i]
-
-
 class ContinualDataset(collections.abc.Sequence):
     """A sequence of ``DatasetDict`` (one per time step, in order) with ``metadata``.
 
@@ -158,7 +137,7 @@ class ContinualDataset(collections.abc.Sequence):
         self.path: Path | None = None
         if len(stages) != len(metadata.get("stages", [])):
             raise ValueError(f"{len(stages)} stages but metadata describes {len(metadata.get('stages', []))}")
-        self.stages = stages if isinstance(stages, _StagesOnDisk) else list(stages)
+        self.stages = list(stages)
         self.metadata = metadata
 
     # ------------------------------------------------------------------------------------------------ sequence
@@ -177,11 +156,7 @@ class ContinualDataset(collections.abc.Sequence):
         return iter(self.stages)
 
     def __repr__(self) -> str:
-        if isinstance(self.stages, _StagesOnDisk):  # the saved sizes: a repr loads nothing
-            sizes = [(info["train"], info["test"]) for info in self.metadata["stages"]]
-        else:
-            sizes = [(len(d["train"]), len(d["test"])) for d in self.stages]
-        counts = ", ".join(f"{n}: {train}/{test}" for n, (train, test) in zip(self.names, sizes))
+        counts = ", ".join(f"{n}: {len(d['train'])}/{len(d['test'])}" for n, d in zip(self.names, self.stages))
         return f"ContinualDataset({len(self)} stages, train/test = {counts})"
 
     @property
@@ -212,8 +187,8 @@ class ContinualDataset(collections.abc.Sequence):
 
     @classmethod
     def load(cls, path: str | Path) -> ContinualDataset:
-        """The dataset at ``path``; each stage is loaded (``datasets.load_from_disk``, memory-mapped) when first used,
-        so reading the metadata alone (``rlhf-ext data generate``'s summary) never imports ``datasets``."""
+        from datasets import load_from_disk
+
         path = Path(path)
         _recover_if_needed(path)
         # a save that is finishing (or a killed one this process could not finish): the metadata of its stages
@@ -239,8 +214,8 @@ class ContinualDataset(collections.abc.Sequence):
                     f"{path}: stage {info['name']!r} is missing ({stage_dir}); the dataset was modified or its last "
                     "write was interrupted: regenerate or restore it"
                 )
-            stages.append(stage_dir)
-        ds = cls(_StagesOnDisk(stages), meta)
+            stages.append(load_from_disk(str(stage_dir)))
+        ds = cls(stages, meta)
         ds.path = path
         return ds
 

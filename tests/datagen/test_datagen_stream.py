@@ -197,28 +197,3 @@ def test_workers_write_the_stages_the_parent_only_the_metadata(tmp_path, monkeyp
     assert ds.run_stats["generated"] == 52 and [len(s["train"]) + len(s["test"]) for s in ds] == [12, 8, 6] * 2
     with pytest.raises(AssertionError, match="the parent wrote a stage"):  # all cached: no workers, the parent writes
         generate_dataset(small_config(), tmp_path / "n", progress=False, workers=workers)
-
-
-def test_a_sharded_run_never_imports_datasets_in_the_parent(tmp_path):
-    """The parent of ``workers=2`` writes only the metadata, and the returned dataset loads a stage on first use."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, json\n"
-        "from rlhf_ext.datagen import generate_dataset\n"
-        "from tests.datagen.test_datagen_generate import small_config\n"
-        "if __name__ == '__main__':\n"
-        "    ds = generate_dataset(small_config(), sys.argv[1], progress=False, workers=2)\n"
-        "    before = 'datasets' in sys.modules\n"
-        "    rows = len(ds[1]['train']) + len(ds[-1]['test'])\n"
-        "    print(json.dumps([before, 'datasets' in sys.modules, rows, repr(ds)]))\n"
-    )
-    script = tmp_path / "run.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, check=True)
-    before, after, rows, text = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (before, after) == (False, True)
-    # stage 1: task expert, 8 samples, test_ratio 0; the last: task rapper, 6 samples, test_ratio 0.15: 1 test row
-    assert rows == 8 + 1
-    assert text.startswith("ContinualDataset(6 stages, train/test = ") and ": 8/0, " in text
