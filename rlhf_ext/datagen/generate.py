@@ -19,7 +19,8 @@ unreachable the run stops with :class:`BackendUnavailable`; every finished sampl
 ``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
 its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file, then writes whole
 stages of the dataset, balanced by sample count: this process merges the index entries the workers scanned from their
-own files and writes only the metadata, and never imports ``datasets``); the dataset is byte-identical for any ``N``.
+own files and writes only the metadata; ``datasets`` is imported only to load the result); the dataset is
+byte-identical for any ``N``.
 Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
 
 After all jobs ran, the stages are assembled from the cache in index order (``rlhf_ext.datagen.assemble``;
