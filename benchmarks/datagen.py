@@ -143,9 +143,10 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
         except psutil.Error:
             pass
         for p in tree:
-            with contextlib.suppress(OSError, ValueError):
-                line = next(x for x in Path(f"/proc/{p.pid}/status").read_text().splitlines() if x.startswith("VmHWM"))
-                hwm[p.pid] = int(line.split()[1])
+            with contextlib.suppress(OSError):  # an exited process (a zombie's status has no VmHWM line): keep the last
+                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM"):
+                        hwm[p.pid] = int(line.split()[1])
         time.sleep(0.02)
     wall = time.perf_counter() - t0
     text = proc.stdout.read()
