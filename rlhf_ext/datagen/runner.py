@@ -310,10 +310,13 @@ class ShardedRun:
             p.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         for p, commands in zip(self.procs, self.commands):
             if p.is_alive():
-                commands.put(("stop",))
+                if exc_type is None:
+                    commands.put(("stop",))
+                else:  # a failed run: the workers may still be generating
+                    p.terminate()
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
