@@ -13,7 +13,10 @@ sample cached). Each configuration runs in a fresh output directory.
 
 3. ``--offline-scale`` (issue 28): the ``offline`` backend at 100k and (without ``--quick``) 1M samples, 1 vs 2
    worker processes, each run a fresh subprocess: samples per second end to end and in the generation phase, and the
-   peak RSS of the whole process tree (parent plus workers, polled every 20 ms with ``psutil``). ``--baseline-repo``
+   peak RSS of the whole process tree (parent plus workers, polled every 20 ms with ``psutil``) and each process's
+   own peak (``VmHWM`` from ``/proc``: ``vmhwm_parent_mb``, ``vmhwm_workers_mb``). ``--samples N [N ...]`` and
+   ``--workers W [W ...]`` choose the sizes and worker counts (e.g. the 1M figure alone: ``--samples 1000000
+   --workers 1 --rounds 1``, written to ``datagen_scale_1000000_w1.json``). ``--baseline-repo``
    measures another checkout (e.g. main before issue 28) at 100k with 1 worker, for the before/after figure. The
    sharded speedup is the wall-time ratio 1 worker / 2 workers, printed beside ``machine_probe(parallelism=True)``
    taken before and after (2.0: two idle cores; on a shared machine less), and as a fraction of that parallelism.
@@ -21,12 +24,13 @@ sample cached). Each configuration runs in a fresh output directory.
    cores". Wall times, because the work is spread over processes: the only figure here a loaded machine distorts.
 
     python benchmarks/datagen.py [--latency 0.05] [--seconds 4] [--offline-samples 2000]
-    python benchmarks/datagen.py --offline-scale [--quick] [--baseline-repo DIR]
+    python benchmarks/datagen.py --offline-scale [--quick] [--baseline-repo DIR] [--samples N ...] [--workers W ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -130,7 +134,7 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
         stdout=subprocess.PIPE,
         text=True,
     )
-    peak = 0
+    peak, hwm = 0, {}  # hwm: pid -> VmHWM (kB), the kernel's own peak, read until the process is gone
     parent = psutil.Process(proc.pid)
     while proc.poll() is None:
         try:
@@ -138,6 +142,11 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
             peak = max(peak, sum(p.memory_info().rss for p in tree))
         except psutil.Error:
             pass
+        for p in tree:
+            with contextlib.suppress(OSError):  # an exited process (a zombie's status has no VmHWM line): keep the last
+                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM"):
+                        hwm[p.pid] = int(line.split()[1])
         time.sleep(0.02)
     wall = time.perf_counter() - t0
     text = proc.stdout.read()
@@ -153,6 +162,8 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
         "workers": workers,
         "repo": str(repo),
         "peak_rss_mb": round(peak / 2**20, 1),
+        "vmhwm_parent_mb": round(hwm.get(proc.pid, 0) / 1024, 1),
+        "vmhwm_workers_mb": [round(v / 1024, 1) for pid, v in sorted(hwm.items()) if pid != proc.pid],
         "wall_s": round(wall, 2),
         "generate_s": run["generate_s"],
         "samples_per_s_end_to_end": round(run["planned"] / wall, 1),
@@ -162,7 +173,7 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
 
 
 def offline_scale(args) -> None:
-    sizes = [100_000] if args.quick else [100_000, 1_000_000]
+    sizes = args.samples or ([100_000] if args.quick else [100_000, 1_000_000])
     rounds = 1 if args.quick else args.rounds
     rows, summary = [], []
     probe_before = machine_probe(parallelism=True)
@@ -172,7 +183,7 @@ def offline_scale(args) -> None:
             rows.append({**run_scale(sizes[0], 1, root, args.baseline_repo), "contender": "baseline"})
         for samples in sizes:
             for r in range(rounds if samples == sizes[0] else 1):
-                for workers in (1, 2) if r % 2 == 0 else (2, 1):  # order alternating between rounds
+                for workers in args.workers if r % 2 == 0 else args.workers[::-1]:  # order alternating
                     rows.append({**run_scale(samples, workers, root), "contender": "ours", "round": r})
                     print(json.dumps(rows[-1]), flush=True)
     probe_after = machine_probe(parallelism=True)
@@ -187,7 +198,7 @@ def offline_scale(args) -> None:
         ]
         one = [r for r in ours if r["workers"] == 1]
         two = [r for r in ours if r["workers"] == 2]
-        rss = spread([r["peak_rss_mb"] for r in one])
+        rss = spread([r["peak_rss_mb"] for r in one or two])
         n = f"{samples // 1000}k" if samples < 1_000_000 else f"{samples // 1_000_000}M"
         summary.append(
             summary_row(
@@ -200,6 +211,8 @@ def offline_scale(args) -> None:
                 unit="x the bound",
             )
         )
+        if not (one and two):
+            continue
         ratio = spread([a["wall_s"] / b["wall_s"] for a, b in zip(one, two)])
         gen_ratio = spread([a["generate_s"] / b["generate_s"] for a, b in zip(one, two)])
         speedups[n] = {
@@ -233,7 +246,10 @@ def offline_scale(args) -> None:
             f", generation phase {sp['generate_phase']['median']:.2f}x; machine parallelism {parallelism:.2f} "
             f"({sp['fraction_of_parallelism']:.0%} of it)"
         )
-    out = args.out or RESULTS / ("datagen_scale_quick.json" if args.quick else "datagen_scale.json")
+    default = "datagen_scale_quick.json" if args.quick else "datagen_scale.json"
+    if args.samples:
+        default = f"datagen_scale_{'_'.join(map(str, sizes))}_w{'_'.join(map(str, args.workers))}.json"
+    out = args.out or RESULTS / default
     result = {
         "rows": rows,
         "speedups": speedups,
@@ -254,6 +270,8 @@ def main() -> None:
     parser.add_argument("--offline-samples", type=int, default=2000, help="Samples per task (9 Lipschitz stages).")
     parser.add_argument("--offline-scale", action="store_true", help="Peak RSS and 1 vs 2 workers at 100k/1M samples.")
     parser.add_argument("--quick", action="store_true", help="--offline-scale at 100k samples only, one round.")
+    parser.add_argument("--samples", type=int, nargs="+", default=None, help="--offline-scale: sample counts.")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="--offline-scale: worker counts.")
     parser.add_argument("--rounds", type=int, default=3, help="--offline-scale: 1-vs-2-worker rounds at 100k.")
     parser.add_argument(
         "--baseline-repo",

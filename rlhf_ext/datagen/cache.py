@@ -170,11 +170,13 @@ class SampleCache:
                 self._files.append(path)
                 self._scanned[path] = 0
             self._repair_tail(path)
-            entries = self._scan(path, self._files.index(path), self._scanned[path])
-            if entries is None:  # records to drop: rewrite the file without them and index it again
+            scanned = scan_records(path, self._scanned[path])
+            if scanned is None:  # records to drop: rewrite the file without them and index it again
                 self._drop_not_final(path)
-                entries = self._scan(path, self._files.index(path), self._scanned[path])
-            chunks.append(entries)
+                scanned = scan_records(path, self._scanned[path])
+            entries, corrupt = scanned
+            self.corrupt_lines += corrupt
+            chunks.append(self._with_file(path, entries))
             self._scanned[path] = path.stat().st_size
         if chunks:
             self._merge(chunks)
@@ -198,47 +200,6 @@ class SampleCache:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def _scan(self, path: Path, file_no: int, start: int) -> tuple | None:
-        """Index entries ``(keys, file, offsets, lengths, ok)`` of ``path`` from byte ``start``; ``None`` when it
-        holds records of :data:`NOT_FINAL_REASONS`."""
-        chunks: list[tuple] = []
-        keys, offs, lens, oks = [], [], [], []
-
-        def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
-            if keys:
-                chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
-                               np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
-                for column in (keys, offs, lens, oks):
-                    column.clear()
-
-        with open(path, "rb") as f:
-            f.seek(start)
-            off = start
-            for line in f:
-                n = len(line)
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                        key = record["key"]
-                    except (ValueError, KeyError, TypeError):
-                        self.corrupt_lines += 1
-                        key = None
-                    if key is not None:
-                        if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
-                            return None
-                        keys.append(str(key).encode())
-                        offs.append(off)
-                        lens.append(n)
-                        oks.append(record.get("status") == "ok")
-                        if len(keys) == 1 << 16:
-                            flush()
-                off += n
-        flush()
-        if not chunks:
-            chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
-        key_arr, off_arr, len_arr, ok_arr = (np.concatenate([c[i] for c in chunks]) for i in range(4))
-        return key_arr, np.full(len(key_arr), file_no, dtype=np.int16), off_arr, len_arr, ok_arr
-
     def _drop_not_final(self, path: Path) -> None:
         """Rewrite ``path`` without the records of :data:`NOT_FINAL_REASONS` (their details may quote what a server
         echoed back). Only caches written by older versions hold them."""
@@ -256,6 +217,38 @@ class SampleCache:
                 if not drop:
                     kept.append(line)
         atomic_write_bytes(path, b"".join(kept))
+
+    def _with_file(self, path: Path, entries: tuple) -> tuple:
+        keys, offs, lens, ok = entries
+        return keys, np.full(len(keys), self._files.index(path), dtype=np.int16), offs, lens, ok
+
+    def add_records(self, path: Path, start: int, end: int, entries: tuple) -> None:
+        """Index the records another process appended to ``path`` between bytes ``start`` and ``end`` (``entries``:
+        its :func:`scan_records` of them), without reading the file again (a sharded run's workers scan their own
+        files in parallel)."""
+        path = Path(path)
+        if path not in self._scanned:
+            self._files.append(path)
+            self._scanned[path] = 0
+        if self._scanned[path] != start:
+            raise RuntimeError(f"{path}: records from byte {start} given, but the index covers {self._scanned[path]}")
+        self._merge([self._with_file(path, entries)])
+        self._scanned[path] = end
+
+    def index_state(self) -> dict[str, Any]:
+        """The index (its arrays and files): :meth:`from_index_state` rebuilds a read-only cache in another process."""
+        arrays = {name: getattr(self, f"_{name}") for name in ("keys", "file", "off", "len", "ok")}
+        return {"files": [str(f) for f in self._files], **arrays}
+
+    @classmethod
+    def from_index_state(cls, directory: str | Path, state: dict[str, Any]) -> SampleCache:
+        """A read-only view (:meth:`locate`, :meth:`read`) of the cache whose :meth:`index_state` is ``state``; it
+        takes no lock (the process that owns the cache holds it)."""
+        cache = cls(directory)
+        cache._files = [Path(f) for f in state["files"]]
+        for name in ("keys", "file", "off", "len", "ok"):
+            setattr(cache, f"_{name}", state[name])
+        return cache
 
     def _merge(self, chunks: list[tuple]) -> None:
         """Merge new entries into the sorted index; an existing key (or the earlier of two new ones) wins."""
@@ -324,3 +317,45 @@ class SampleCache:
         """Append a run summary (timings, counts) to ``runs.jsonl`` next to the samples (not part of the dataset)."""
         with open(self.directory / RUNS_FILE, "a") as f:
             f.write(json.dumps(summary, sort_keys=True) + "\n")
+
+
+def scan_records(path: Path, start: int = 0) -> tuple[tuple, int] | None:
+    """Index entries ``((keys, offsets, lengths, ok), corrupt lines)`` of the records of ``path`` from byte ``start``;
+    ``None`` when it holds records of :data:`NOT_FINAL_REASONS`."""
+    chunks: list[tuple] = []
+    corrupt = 0
+    keys, offs, lens, oks = [], [], [], []
+
+    def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
+        if keys:
+            chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
+                           np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
+            for column in (keys, offs, lens, oks):
+                column.clear()
+
+    with open(path, "rb") as f:
+        f.seek(start)
+        off = start
+        for line in f:
+            n = len(line)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                    key = record["key"]
+                except (ValueError, KeyError, TypeError):
+                    corrupt += 1
+                    key = None
+                if key is not None:
+                    if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
+                        return None
+                    keys.append(str(key).encode())
+                    offs.append(off)
+                    lens.append(n)
+                    oks.append(record.get("status") == "ok")
+                    if len(keys) == 1 << 16:
+                        flush()
+            off += n
+    flush()
+    if not chunks:
+        chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
+    return tuple(np.concatenate([c[i] for c in chunks]) for i in range(4)), corrupt

@@ -86,21 +86,24 @@ def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list
 
 
 def write_continual_dataset(
-    path: str | Path, metadata: dict[str, Any], write_stage: Callable[[int, dict[str, Any], Path], tuple[int, int]]
+    path: str | Path, metadata: dict[str, Any], write_stages: Callable[[list[Path]], list[tuple[int, int]]]
 ) -> dict[str, Any]:
-    """Write a dataset directory: ``write_stage(i, info, directory)`` writes each stage ``i`` of ``metadata["stages"]``
-    (and returns its train and test sizes) into a temporary ``stages/`` that is swapped in as a whole, then the metadata
-    (completed here, and by ``write_stage``, in place) is written. Under the dataset's lock; what a killed earlier write
-    left (a temporary copy of the stages, an unfinished swap) is finished or deleted first."""
+    """Write a dataset directory: ``write_stages(directories)`` writes the stages of ``metadata["stages"]`` (one
+    directory each, in order; returns their train and test sizes) into a temporary ``stages/`` that is swapped in as a
+    whole, then the metadata (completed here, and by ``write_stages``, in place) is written. Under the dataset's lock;
+    what a killed earlier write left (a temporary copy of the stages, an unfinished swap) is finished or deleted
+    first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     metadata["format_version"] = FORMAT_VERSION
     with file_lock(path / LOCK_FILE):
         _recover(path)
         with atomic_directory(path / STAGES_DIR) as tmp:
-            for i, info in enumerate(metadata["stages"]):
+            for info in metadata["stages"]:
                 info["dir"] = f"{STAGES_DIR}/{_stage_dirname(info)}"
-                info["train"], info["test"] = write_stage(i, info, tmp / _stage_dirname(info))
+            sizes = write_stages([tmp / _stage_dirname(info) for info in metadata["stages"]])
+            for info, (train, test) in zip(metadata["stages"], sizes):
+                info["train"], info["test"] = train, test
             atomic_write_json(tmp / Path(PENDING_METADATA).name, metadata)
         _publish_metadata(path)
     return metadata
@@ -171,14 +174,14 @@ class ContinualDataset(collections.abc.Sequence):
         deleted first."""
         path = Path(path)
 
-        def write_stage(i: int, info: dict[str, Any], directory: Path) -> tuple[int, int]:
-            dd = self.stages[i]
-            # one shard per split: datasets writes no shard for an empty split unless asked, and cannot load it back
-            dd.save_to_disk(str(directory), num_shards={k: 1 for k in dd})
-            return len(dd["train"]), len(dd["test"])
+        def write_stages(directories: list[Path]) -> list[tuple[int, int]]:
+            for dd, directory in zip(self.stages, directories):
+                # one shard per split: datasets writes no shard for an empty split unless asked, and cannot load it
+                dd.save_to_disk(str(directory), num_shards={k: 1 for k in dd})
+            return [(len(dd["train"]), len(dd["test"])) for dd in self.stages]
 
         with _quiet_datasets():
-            self.metadata = write_continual_dataset(path, copy.deepcopy(self.metadata), write_stage)
+            self.metadata = write_continual_dataset(path, copy.deepcopy(self.metadata), write_stages)
         self.path = path
         return path
 

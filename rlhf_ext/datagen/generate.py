@@ -17,41 +17,44 @@ command; ``run_stats["errors"]`` keeps one redacted line of the server's message
 unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
 
 ``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
-its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file); the dataset is
-byte-identical for any ``N``. Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
+its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file, then writes whole
+stages of the dataset, balanced by sample count: this process merges the index entries the workers scanned from their
+own files and writes only the metadata; ``datasets`` is imported only to load the result); the dataset is
+byte-identical for any ``N``.
+Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
 
-After all jobs ran, the stages are assembled from the cache in index order (preference-swap noise, output format and the
-seeded train/test split applied there) and streamed to disk record by record (``arrow_stage``): memory holds the cache's
-index (~40 bytes per sample) and one batch of rows, never the samples. The dataset (``stages/`` and
-``continual_dataset.json``) depends only on the config and seed, so with the ``offline`` backend the same config and
-seed give byte-identical files however often the run was interrupted; the stage data is also identical for any
-``max_concurrency`` (which the metadata records as part of the config).
+After all jobs ran, the stages are assembled from the cache in index order (``rlhf_ext.datagen.assemble``;
+preference-swap noise, output format and the seeded train/test split applied there) and streamed to disk record by
+record (``arrow_stage``): memory holds the cache's index (~40 bytes per sample) and one batch of rows, never the
+samples. The dataset (``stages/`` and ``continual_dataset.json``) depends only on the config and seed, so with the
+``offline`` backend the same config and seed give byte-identical files however often the run was interrupted; the
+stage data is also identical for any ``max_concurrency`` (which the metadata records as part of the config).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rlhf_ext.algos.knobs import check_value, knob, knob_specs
 from rlhf_ext.config import RecipeError
+from rlhf_ext.datagen.assemble import write_dataset
 from rlhf_ext.datagen.backends import Backend, BackendUnavailable, make_backend
 from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
-from rlhf_ext.datagen.dataset import ContinualDataset, swap_decision, test_mask, write_continual_dataset
-from rlhf_ext.datagen.drift import derive_seed
+from rlhf_ext.datagen.dataset import ContinualDataset
 from rlhf_ext.datagen.phrasebank import load_phrase_bank
-from rlhf_ext.datagen.plan import GenerationPlan, plan_generation
+from rlhf_ext.datagen.plan import plan_generation
 from rlhf_ext.datagen.runner import (
     SampleRunner,
+    ShardedRun,
     job_stream,
     pending_jobs,
     run_jobs,
-    run_sharded,
 )
 from rlhf_ext.datagen.schema import DatagenConfig
 from rlhf_ext.runtime.log import progress as log_progress
@@ -62,74 +65,6 @@ class RunOptions:
     """Options of a generation run that never change the dataset (so neither the config nor the metadata has them)."""
 
     workers: int = knob(1, ge=1, le=256, help="Processes to shard the samples over (the dataset is the same).")
-
-
-def write_dataset(plan: GenerationPlan, cache: SampleCache, path: Path) -> dict[str, Any]:
-    """Write the dataset from cached records, in stage and index order, streaming each stage's rows into its split
-    files; returns the metadata. Depends only on the plan and the cache (never on the current run), so a rerun that
-    generates nothing rewrites the same bytes."""
-    from rlhf_ext.datagen.arrow_stage import SplitWriter, write_dataset_dict
-    from rlhf_ext.datagen.dataset import SPLITS
-
-    config = plan.config
-    fmt = config.output.format
-    swap_p = config.generation.preference_swap
-    infos = []
-    totals: Counter = Counter()
-    models: set[str] = set()
-    for stage in plan.stages:
-        where, ok = cache.locate(plan.stage_keys(stage))
-        skipped = Counter(cache.read(p)["reason"] for p in where[(where >= 0) & ~ok])
-        info = stage.to_dict()
-        info.update(generated=int(ok.sum()), skipped=dict(sorted(skipped.items())), missing=int((where < 0).sum()))
-        infos.append(info)
-        totals.update(generated=info["generated"], missing=info["missing"], skipped=sum(skipped.values()))
-    for info in infos:
-        info["source_counts"] = Counter()
-
-    def write_stage(i: int, info: dict[str, Any], directory: Path) -> tuple[int, int]:
-        stage = plan.stages[i]
-        where, ok = cache.locate(plan.stage_keys(stage))
-        positions = where[ok]
-        is_test = test_mask(len(positions), stage.test_ratio, derive_seed("split", stage.seed))
-        writers = [SplitWriter(directory / split, fmt) for split in SPLITS]
-        for position, test in zip(positions.tolist(), is_test.tolist()):
-            record = cache.read(position)
-            row = dict(record["sample"])
-            if record.get("info", {}).get("model"):
-                models.add(record["info"]["model"])
-            row["sample_id"] = record["key"]
-            row["swapped"] = swap_decision(record["key"], swap_p, config.seed)
-            if row["swapped"]:
-                row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
-            writers[test].add(row)
-            info["source_counts"][row["source_task"]] += 1
-        info["source_counts"] = dict(sorted(info["source_counts"].items()))
-        metadata["generator"]["models"] = sorted(models)
-        write_dataset_dict(directory, SPLITS)
-        return writers[0].close(), writers[1].close()
-
-    from rlhf_ext import __version__
-
-    metadata = {
-        "name": config.name,
-        "format": fmt,
-        "seed": config.seed,
-        "config": config.to_dict(),
-        "drift": plan.drift,
-        "tasks": {
-            name: {"style": t.style, "objective_kind": t.objective_kind, "fingerprint": t.fingerprint}
-            for name, t in plan.tasks.items()
-        },
-        "stages": infos,
-        "stats": {"planned": plan.num_jobs, **dict(sorted(totals.items()))},
-        "generator": {
-            "backend": config.generation.backend,
-            "models": [],  # as the backend reported them (e.g. resolved from the server's /models)
-            "rlhf_ext_version": __version__,
-        },
-    }
-    return write_continual_dataset(path, metadata, write_stage)
 
 
 async def agenerate_dataset(
@@ -157,16 +92,19 @@ async def agenerate_dataset(
     started = time.monotonic()
     generating = 0.0
     backend_stats = None
-    with SampleCache(out / CACHE_DIR) as cache:
+    with SampleCache(out / CACHE_DIR) as cache, contextlib.ExitStack() as stack:
         pending = pending_jobs(plan, cache)
         attempted = sum(len(p) for _, p in pending)
         reused = plan.num_jobs - attempted
+        shards = None
         if attempted:
             workers = min(workers, attempted)
+            if workers > 1:
+                shards = stack.enter_context(ShardedRun(plan, cache, pending, workers))
             with log_progress(plan.num_jobs, reused, config.name, "samples", progress) as bar:
                 t0 = time.monotonic()
                 try:
-                    if workers == 1:
+                    if shards is None:
                         backend = backend if backend is not None else make_backend(config.generation, bank)
                         runner = SampleRunner(plan, backend, bank)
                         jobs = job_stream(plan, pending)
@@ -174,7 +112,7 @@ async def agenerate_dataset(
                         await run_jobs(runner, jobs, attempted, cache, bar, counts, limit, errors)
                         backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
                     else:
-                        await run_sharded(plan, cache, pending, workers, bar, counts, errors)
+                        await shards.generate(bar, counts, errors)
                     generating = time.monotonic() - t0
                 except BackendUnavailable as e:
                     cache.refresh()
@@ -184,7 +122,7 @@ async def agenerate_dataset(
                     ) from e
         cache.sync()
         cache.refresh()
-        write_dataset(plan, cache, out)
+        write_dataset(plan, cache, out, shards.write_stages if shards is not None else None)
         elapsed = time.monotonic() - started
         run = {
             "time": time.time(),

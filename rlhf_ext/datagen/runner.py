@@ -1,6 +1,7 @@
 """Running sample jobs: one sample's backend calls (:class:`SampleRunner`), a pool of ``max_concurrency`` asyncio
 workers over a job stream (:func:`run_jobs`), and the sharded run that spreads the pending samples over worker
-processes (:func:`run_sharded`). ``rlhf_ext.datagen.generate`` plans the jobs and assembles the dataset.
+processes, which then write the dataset's stages (:class:`ShardedRun`). ``rlhf_ext.datagen.generate`` plans the
+jobs; ``rlhf_ext.datagen.assemble`` writes the dataset.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pickle
 import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_ext.datagen.backends import (
@@ -22,7 +24,7 @@ from rlhf_ext.datagen.backends import (
     ChatRequest,
     make_backend,
 )
-from rlhf_ext.datagen.cache import SampleAppender, SampleCache
+from rlhf_ext.datagen.cache import SampleAppender, SampleCache, scan_records
 from rlhf_ext.datagen.drift import derive_seed
 from rlhf_ext.datagen.judge import make_judge
 from rlhf_ext.datagen.mappers import (
@@ -234,10 +236,16 @@ class _QueueBar:
         pass
 
 
-def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue):
-    """One process of a sharded run: every ``num_workers``-th pending sample from ``worker`` on, appended to the
-    worker's own cache file; reports ``("progress", n)`` and finally ``("done", counts, errors)`` or
-    ``("error", exception)`` on ``queue``."""
+def _shard_worker(
+    config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue, commands
+):
+    """One process of a sharded run. Generates every ``num_workers``-th pending sample from ``worker`` on, appended to
+    the worker's own cache file, and reports ``("progress", n)`` and ``("done", counts, errors, records)`` (``records``:
+    ``(path, start, end, scan_records entries)`` of what it appended) on ``queue``; then waits on ``commands`` for
+    ``("assemble", index_state, [(stage position, directory), ...])``, writes those stages and reports
+    ``("assembled", worker, results)``, or for ``("stop",)``. An exception is reported as ``("error", exception)``."""
+    from rlhf_ext.datagen.assemble import write_stage
+
     bar = _QueueBar(queue)
     try:
         plan = plan_generation(config)
@@ -248,14 +256,25 @@ def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_worker
         share = [(s, positions[worker::num_workers]) for s, positions in pending]
         counts: Counter = Counter()
         errors: dict[str, str] = {}
-        appender = SampleAppender(SampleCache(cache_dir).shard_path(worker))
+        path = SampleCache(cache_dir).shard_path(worker)
+        start = path.stat().st_size if path.exists() else 0  # the parent's index covers the file up to here
+        appender = SampleAppender(path)
         try:
             n = sum(len(p) for _, p in share)
             asyncio.run(run_jobs(runner, job_stream(plan, share), n, appender, bar, counts, concurrency, errors))
         finally:
             appender.close()
             bar.flush()
-        queue.put(("done", dict(counts), errors))
+        entries, _ = scan_records(path, start)  # this run's records: never a NOT_FINAL reason, never torn
+        queue.put(("done", dict(counts), errors, (str(path), start, path.stat().st_size, entries)))
+        command = commands.get()
+        if command[0] == "assemble":
+            cache = SampleCache.from_index_state(cache_dir, command[1])
+            try:
+                results = [write_stage(plan, cache, i, Path(d)) for i, d in command[2]]
+            finally:
+                cache.close()
+            queue.put(("assembled", worker, results))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         bar.flush()
         try:
@@ -265,45 +284,92 @@ def _shard_worker(config: DatagenConfig, cache_dir: str, worker: int, num_worker
         queue.put(("error", e))
 
 
-async def run_sharded(plan: GenerationPlan, cache: SampleCache, pending: Pending, workers: int, bar, counts, errors):
-    """Run ``pending`` in ``workers`` spawned processes; the first error stops them all and is raised here."""
-    import multiprocessing as mp
-    import queue as queue_mod
+class ShardedRun:
+    """``workers`` spawned processes that generate ``pending`` (:meth:`generate`) and then write the dataset's stages
+    (:meth:`write_stages`, the ``write_stages`` of ``assemble.write_dataset``): this process only merges their index
+    entries and writes the metadata. Use as a context manager: on exit every worker is stopped."""
 
-    ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_shard_worker,
-            args=(plan.config, str(cache.directory), w, workers, pending, messages),
-            daemon=True,
-        )
-        for w in range(workers)
-    ]
-    for p in procs:
-        p.start()
-    finished = 0
-    try:
-        while finished < workers:
+    def __init__(self, plan: GenerationPlan, cache: SampleCache, pending: Pending, workers: int):
+        import multiprocessing as mp
+
+        self.plan, self.cache, self.workers = plan, cache, workers
+        ctx = mp.get_context("spawn")
+        self.messages = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(workers)]
+        self.procs = [
+            ctx.Process(
+                target=_shard_worker,
+                args=(plan.config, str(cache.directory), w, workers, pending, self.messages, self.commands[w]),
+                daemon=True,
+            )
+            for w in range(workers)
+        ]
+
+    def __enter__(self) -> ShardedRun:
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        for p, commands in zip(self.procs, self.commands):
+            if p.is_alive():
+                if exc_type is None:
+                    commands.put(("stop",))
+                else:  # a failed run: the workers may still be generating
+                    p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+    def _receive(self) -> tuple:
+        """The next message of any worker; an error message is raised, a worker that died unreported too."""
+        import queue as queue_mod
+
+        while True:
             try:
-                message = await asyncio.to_thread(messages.get, True, 0.5)
+                message = self.messages.get(True, 0.5)
             except queue_mod.Empty:
                 # a process's messages are all in the queue once it has exited: one that exited unreported died
-                if all(p.exitcode is not None for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
-                    codes = [p.exitcode for p in procs]
+                if any(p.exitcode is not None for p in self.procs):
+                    codes = [p.exitcode for p in self.procs]
                     raise RuntimeError(f"a generation worker stopped without reporting (exit codes {codes})") from None
                 continue
+            if message[0] == "error":
+                raise message[1]
+            return message
+
+    async def generate(self, bar, counts: Counter, errors: dict[str, str]) -> None:
+        """Run the pending samples; the first error stops them all and is raised here. The workers' records are
+        added to the cache's index from their own scans."""
+        finished = 0
+        while finished < self.workers:
+            message = await asyncio.to_thread(self._receive)
             if message[0] == "progress":
                 bar.update(message[1])
-            elif message[0] == "done":
+            else:  # done
                 finished += 1
                 counts.update(message[1])
                 for reason, line in message[2].items():
                     errors.setdefault(reason, line)
-            else:
-                raise message[1]
-    finally:
-        for p in procs:
-            if p.is_alive() and finished < workers:
-                p.terminate()
-            p.join()
+                path, start, end, entries = message[3]
+                self.cache.add_records(Path(path), start, end, entries)
+
+    def write_stages(self, jobs: list[tuple[int, Path]]) -> list[dict[str, Any]]:
+        """Write the stages ``[(stage position, directory), ...]`` in the workers, whole stages each, balanced by
+        sample count (largest first, to the least loaded worker); returns their results in ``jobs`` order."""
+        shares: list[list[tuple[int, str]]] = [[] for _ in range(self.workers)]
+        loads = [0] * self.workers
+        for i, directory in sorted(jobs, key=lambda job: (-self.plan.stages[job[0]].num_samples, job[0])):
+            w = loads.index(min(loads))
+            shares[w].append((i, str(directory)))
+            loads[w] += self.plan.stages[i].num_samples
+        state = self.cache.index_state()
+        for commands, share in zip(self.commands, shares):
+            commands.put(("assemble", state, sorted(share)))
+        results: dict[int, dict[str, Any]] = {}
+        for _ in range(self.workers):
+            _, worker, done = self._receive()
+            results.update((i, r) for (i, _), r in zip(sorted(shares[worker]), done))
+        return [results[i] for i, _ in jobs]

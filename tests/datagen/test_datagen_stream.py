@@ -177,3 +177,48 @@ def test_a_worker_that_cannot_reach_its_server_stops_the_run_with_the_resume_mes
                          progress=False)  # fmt: skip
     assert "ConnectError" in str(err.value) and "0/52 samples are finished" in str(err.value)
     assert not (tmp_path / "a" / "continual_dataset.json").exists()
+
+
+@pytest.mark.parametrize("workers", [3, 5])
+def test_workers_write_the_stages_the_parent_only_the_metadata(tmp_path, monkeypatch, workers):
+    """``workers=N``: the stages are written in the worker processes (the parent's ``write_stage`` fails here, the
+    spawned workers import their own), on uneven shares (52 samples in stages of 12, 8 and 6 samples over 3 or 5
+    workers), and the bytes are those of one process."""
+    from rlhf_ext.datagen import assemble
+
+    generate_dataset(small_config(), tmp_path / "one", progress=False)
+
+    def parent_writes(*args):
+        raise AssertionError("the parent wrote a stage")
+
+    monkeypatch.setattr(assemble, "write_stage", parent_writes)
+    ds = generate_dataset(small_config(), tmp_path / "n", progress=False, workers=workers)
+    assert tree_digest(tmp_path / "n") == tree_digest(tmp_path / "one")
+    assert ds.run_stats["generated"] == 52 and [len(s["train"]) + len(s["test"]) for s in ds] == [12, 8, 6] * 2
+    with pytest.raises(AssertionError, match="the parent wrote a stage"):  # all cached: no workers, the parent writes
+        generate_dataset(small_config(), tmp_path / "n", progress=False, workers=workers)
+
+
+def test_a_sharded_run_imports_datasets_only_to_load_the_result(tmp_path):
+    """The parent of ``workers=2`` writes only the metadata: ``datasets`` is first imported by the final load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json\n"
+        "from rlhf_ext.datagen import dataset, generate_dataset\n"
+        "from tests.datagen.test_datagen_generate import small_config\n"
+        "load, seen = dataset.ContinualDataset.load, []\n"
+        "def spy(path):\n"
+        "    seen.append('datasets' in sys.modules)\n"
+        "    return load(path)\n"
+        "dataset.ContinualDataset.load = spy\n"
+        "if __name__ == '__main__':\n"
+        "    ds = generate_dataset(small_config(), sys.argv[1], progress=False, workers=2)\n"
+        "    print(json.dumps([seen, len(ds[1]['train'])]))\n"
+    )
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, check=True)
+    seen, train = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == [False] and train == 8  # stage 1: task expert, 8 samples, test_ratio 0
