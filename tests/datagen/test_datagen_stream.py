@@ -5,8 +5,10 @@ on a rerun and after a resumed run."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -219,6 +221,9 @@ def test_a_sharded_run_imports_datasets_only_to_load_the_result(tmp_path):
     )
     script = tmp_path / "run.py"
     script.write_text(code)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, check=True)
+    root = str(Path(__file__).resolve().parents[2])  # the script imports this repository's tests package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True, text=True, check=True,
+                         env=env)  # fmt: skip
     seen, train = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == [False] and train == 8  # stage 1: task expert, 8 samples, test_ratio 0
