@@ -327,12 +327,8 @@ class SimRun:
             atomic_write_json(path, {"texts": s.texts, "num_tokens": s.num_tokens, "truncated": s.truncated,
                                      "temperatures": s.temperatures})  # fmt: skip
         d = json.loads(path.read_text())
-        return Samples(
-            d["texts"],
-            torch.tensor(d["num_tokens"]),
-            torch.tensor(d["truncated"], dtype=torch.bool),
-            d["temperatures"],
-        )
+        return Samples(d["texts"], torch.tensor(d["num_tokens"]), torch.tensor(d["truncated"], dtype=torch.bool),
+                       d["temperatures"])  # fmt: skip
 
     def eval_split(self):
         """The prompts (and styles) the win rate is measured on: the ``eval`` split, or with ``eval.split:
@@ -508,11 +504,7 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
             "seed": seed,
             **metrics,
             "policy_path": spec.path,
-            "prompt_prefix": spec.prompt_prefix,
-            "best_of_n": spec.best_of_n,
-            "info": spec.info,
-            "labels": spec.labels,
-            "samples": spec.samples,
+            **{k: getattr(spec, k) for k in ("prompt_prefix", "best_of_n", "info", "labels", "samples")},
             "train_seconds": t1 - t0,
             "eval_seconds": t2 - t1,
         }

@@ -12,6 +12,7 @@ from typing import Any
 
 from rlhf_ext.config import to_dict
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text, machine_info
+from rlhf_ext.sim.fidelity import mean_and_stderr
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
@@ -64,15 +65,10 @@ def summed_counts(counts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str
     return out
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return float("nan"), float("nan")
-    mean = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-    return mean, math.sqrt(var / len(vals))
+def mean_se(values: list[float | None]) -> tuple[float, float]:
+    """:func:`~rlhf_ext.sim.fidelity.mean_and_stderr` of the known ``values`` (None and NaN left out; none: NaN)."""
+    known = [v for v in values if v is not None and not math.isnan(v)]
+    return mean_and_stderr(known) if known else (float("nan"), float("nan"))
 
 
 #: Per-seed result keys averaged over seeds in the summary (mean ± s.e.).
