@@ -1,5 +1,5 @@
-"""The results of ``rlhf-ext sim compare`` (paper 002, sections 4-5): where each finished (method, seed) is stored,
-their summary over seeds (mean ± standard error) and its reports: ``sim_compare.json``, the Markdown table
+"""The results of ``rlhf-ext sim compare`` (paper 002; its Table 2 for reference): where each finished (method, seed)
+is stored, their summary over seeds (mean ± standard error) and its reports: ``sim_compare.json``, the Markdown table
 ``sim_compare.md`` and the win-rate and win-rate/KL plots. The runs themselves are :mod:`rlhf_ext.sim.compare`'s.
 """
 
@@ -241,17 +241,15 @@ def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
     rows = summary["methods"]
     if not rows:
         return {}
-    names = [r["method"] for r in rows]
     out = {}
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
     x = range(len(rows))
-    means = [r["win_rate"] for r in rows]
     errs = [0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"] for r in rows]
-    ax.bar(x, means, yerr=errs, color="#4c78a8", capsize=3)
+    ax.bar(x, [r["win_rate"] for r in rows], yerr=errs, color="#4c78a8", capsize=3)
     for i, r in enumerate(rows):
         ax.scatter([i] * len(r["per_seed"]), [p["win_rate"] for p in r["per_seed"]], color="k", s=8, zorder=3)
     ax.axhline(0.5, color="grey", ls="--", lw=1)
-    ax.set_xticks(list(x), names, rotation=35, ha="right")
+    ax.set_xticks(list(x), [r["method"] for r in rows], rotation=35, ha="right")
     ax.set_ylabel("win rate vs SFT (p_eval)")
     ax.set_ylim(0, 1)
     ax.set_title("Simulated win rate against the SFT model (mean ± s.e. over seeds)")
