@@ -252,7 +252,7 @@ def markdown_metric(report: dict[str, Any], metric: str) -> str:
 
 def analyse(summary: dict[str, Any], resamples: int, bootstrap_seed: int) -> dict[str, Any]:
     """Per metric (:data:`METRICS` present in the results): the AlpacaFarm correlations and the PPO order tables."""
-    from rlhf_ext.sim.compare import ALPACAFARM_SIM_WINRATE
+    from rlhf_ext.sim.report import ALPACAFARM_SIM_WINRATE
 
     out = {}
     for metric in METRICS:

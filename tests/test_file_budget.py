@@ -12,10 +12,7 @@ BUDGET = 600
 
 #: Files over the budget and their line counts when it was set (``wc -l``): a ceiling each, lowered as they shrink.
 OVER_BUDGET = {
-    "algos/location_norm.py": 611,
     "datagen/backends.py": 722,
-    "sim/annotators.py": 773,
-    "sim/compare.py": 784,
     "trl/online_dpo.py": 1043,
 }
 

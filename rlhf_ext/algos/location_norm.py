@@ -80,8 +80,6 @@ class StdLink(StrEnum):
 
 
 NORMALIZER_KINDS: tuple[str, ...] = NormalizerKind.values()
-FIT_METHODS: tuple[str, ...] = FitMethod.values()
-STD_LINKS: tuple[str, ...] = StdLink.values()
 FORMAT = "rlhf_ext.LocationNormalizer/1"
 MIN_POINTS = 8
 STD_FLOOR = 1e-4
@@ -260,17 +258,13 @@ class LocationNormalizer:
             check_knobs(self)  # every coefficient a finite number (a string or NaN in a file is refused here)
         except KnobError as e:
             raise NormalizerError(f"normalizer {e}") from None
-        if self.kind not in NORMALIZER_KINDS:
-            raise NormalizerError(f"normalizer kind must be one of {', '.join(NORMALIZER_KINDS)}; got {self.kind!r}")
-        self.kind = NormalizerKind(self.kind).value  # a plain str, so that to_dict() stays JSON/YAML-safe
+        for name, kinds in (("kind", NormalizerKind), ("method", FitMethod), ("std_link", StdLink)):
+            value = getattr(self, name)
+            if value not in kinds.values():
+                raise NormalizerError(f"normalizer {name} must be one of {', '.join(kinds.values())}; got {value!r}")
+            setattr(self, name, kinds(value).value)  # a plain str, so that to_dict() stays JSON/YAML-safe
         if self.basis not in ("linear", "log"):
             raise NormalizerError(f"normalizer basis must be 'linear' or 'log'; got {self.basis!r}")
-        if self.method not in FIT_METHODS:
-            raise NormalizerError(f"normalizer method must be one of {', '.join(FIT_METHODS)}; got {self.method!r}")
-        self.method = FitMethod(self.method).value
-        if self.std_link not in STD_LINKS:
-            raise NormalizerError(f"normalizer std_link must be one of {', '.join(STD_LINKS)}; got {self.std_link!r}")
-        self.std_link = StdLink(self.std_link).value
         if self.std_floor is not None and self.std_link != StdLink.IDENTITY:
             raise NormalizerError("std_floor applies to std_link='identity' only (a log-link Std is positive)")
         if (self.mu_last is None) != (self.sigma_last is None):
@@ -320,8 +314,8 @@ class LocationNormalizer:
             std_floor: ``method="huber"`` only: clamp the linear Std(p) below at this value (see the module
                 docstring); without it a fit whose Std is not positive at some calibration location warns.
         """
-        if method not in FIT_METHODS:
-            raise ValueError(f"fit method must be one of {', '.join(FIT_METHODS)}; got {method!r}")
+        if method not in FitMethod.values():
+            raise ValueError(f"fit method must be one of {', '.join(FitMethod.values())}; got {method!r}")
         if std_floor is not None and method != FitMethod.HUBER:
             raise ValueError("std_floor applies to method='huber' (a linear Std); method='ols' fits log Std")
         if basis is None:
@@ -344,9 +338,8 @@ class LocationNormalizer:
             positions, rewards = positions[keep], rewards[keep]
             base["num_points"] = int(positions.numel())
         if kind in (NormalizerKind.GLOBAL, NormalizerKind.LAST) or positions.numel() < min_points:
-            if kind == NormalizerKind.REGRESSION:
-                return cls._scalar(positions, rewards, base, f"only {positions.numel()} points (< {min_points})")
-            return cls._scalar(positions, rewards, base, None)
+            reason = f"only {positions.numel()} points (< {min_points})" if kind == NormalizerKind.REGRESSION else None
+            return cls._scalar(positions, rewards, base, reason)
         if method == FitMethod.HUBER:
             return cls._fit_huber(positions, rewards, base, std_floor)
         # the last segment's own statistics, then the regression on D_norm = {(p, mu_p, sigma_p)} over p < 1
@@ -359,8 +352,7 @@ class LocationNormalizer:
         locs, inverse, counts = torch.unique(positions, return_inverse=True, return_counts=True)
         if locs.numel() < 2:
             return cls._scalar(positions, rewards, base, "a single location in the calibration data")
-        sums = torch.zeros_like(locs).index_add_(0, inverse, rewards)
-        mu = sums / counts
+        mu = torch.zeros_like(locs).index_add_(0, inverse, rewards) / counts
         sq = torch.zeros_like(locs).index_add_(0, inverse, (rewards - mu[inverse]) ** 2)
         x = locs if basis == "linear" else locs.log()
         w_mu, b_mu, r2_mu = _ols(x, mu)
@@ -468,12 +460,9 @@ class LocationNormalizer:
             NormalizerError: ``params`` is not four finite numbers, or Std(p) <= 0 for some p in
                 ``[1 / max_segments, 1]`` and no ``std_floor`` is given (the message names that p range).
         """
-        numbers = list(params) if isinstance(params, list | tuple) else None
-        if (
-            numbers is None
-            or len(numbers) != 4
-            or not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
-        ):
+        numbers = list(params) if isinstance(params, list | tuple) else []
+        finite = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
+        if len(numbers) != 4 or not finite:
             raise NormalizerError(f"{source} must be four finite numbers [a, b, c, d]; got {params!r}")
         check_knob(ReferenceImport, "max_segments", max_segments)
         a, b, c, d = (float(v) for v in numbers)

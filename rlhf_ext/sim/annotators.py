@@ -14,9 +14,7 @@ Here an annotator is anything that returns ``P(a preferred over b)`` for a batch
   different temperatures). Any reward model is a utility too (:meth:`AnnotatorPool.from_reward_models`, through
   :func:`rlhf_ext.runtime.rewards.load_reward`: a sequence-classification RM or an rlhf-ext segment RM; temperature
   1 is the reward model's own Bradley-Terry probability).
-* :class:`LLMAnnotator` — an LLM judge through the dataset generator's backends (``openai``: any OpenAI-compatible
-  server), with :class:`rlhf_ext.datagen.LLMJudge`'s prompt, strict A/B parsing and randomised presentation order
-  (Appendix C.1); an answer that is neither ``A`` nor ``B`` is unparseable (see below).
+* :class:`~rlhf_ext.sim.llm_annotator.LLMAnnotator` — an LLM judge (:meth:`AnnotatorPool.from_llm`).
 * :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAnnotator` — AlpacaFarm's own annotators, loaded as shipped from a
   pool's ``configs.yaml`` and templates (:meth:`AnnotatorPool.from_alpaca_farm`; ``annotator_pool_v0`` has 13), with
   AlpacaFarm's per-example annotator choice.
@@ -42,20 +40,19 @@ the flip applied — which is what makes the measured flip rate exactly the inje
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rlhf_ext.algos.knobs import check_knobs, knob
 from rlhf_ext.sim.gold import GoldScorer, PhraseCredit, StyleSpec
+from rlhf_ext.sim.llm_annotator import LLMAnnotator
 
 UtilityFn = Callable[[list[Any], list[str], list[str | None]], Tensor]
 #: AlpacaFarm's intra-annotator noise for training labels (section 3.2, Appendix C.1).
@@ -151,87 +148,9 @@ DEFAULT_ANNOTATORS: tuple[AnnotatorSpec, ...] = (
 )
 
 
-def gold_annotator(
-    spec: AnnotatorSpec, style: StyleSpec = None, bank=None, phrase_credit: PhraseCredit = "partial"
-) -> BTAnnotator:
-    """The :class:`BTAnnotator` of a gold-scorer variant (the gold's ``phrase_credit``, the spec's weights)."""
-    scorer = GoldScorer(
-        style,
-        bank=bank,
-        positive_weight=spec.positive_weight,
-        negative_weight=spec.negative_weight,
-        length_weight=spec.length_weight,
-        phrase_credit=phrase_credit,
-    )
-    return BTAnnotator(spec.name, scorer.score, spec.temperature)
-
-
 def reward_model_annotator(name: str, reward_fn, temperature: float = 1.0) -> BTAnnotator:
     """A :class:`BTAnnotator` whose utility is a reward function ``(prompts, responses) -> [N]`` (styles ignored)."""
     return BTAnnotator(name, lambda prompts, responses, styles: reward_fn(prompts, responses), temperature)
-
-
-@dataclass(frozen=True)
-class JudgeTask:
-    """What :func:`rlhf_ext.datagen.mappers.judge_prompt` needs of a task: its name and preference text."""
-
-    name: str
-    preference: str
-
-
-class LLMAnnotator:
-    """An LLM judge (through a :mod:`rlhf_ext.datagen` backend, e.g. ``OpenAIBackend``) as an annotator.
-
-    Args:
-        name: annotator id.
-        backend: an unstarted :class:`rlhf_ext.datagen.Backend`; started and closed around each batch.
-        preference: the preference the judge checks: one text for all rows, or a mapping ``style -> text``.
-        max_tokens: judge answer budget.
-        seed: seeds the judge's presentation order and requests.
-
-    ``probability`` is 1 / 0 for the judge's choice and ``NaN`` when it answered neither ``A`` nor ``B`` (the pool
-    counts and settles those, see the module docstring).
-    """
-
-    def __init__(self, name: str, backend, preference: str | Mapping[str, str], max_tokens: int = 128, seed: int = 0):
-        self.name = name
-        self.backend = backend
-        self.preference = preference
-        self.max_tokens = max_tokens
-        self.seed = seed
-        self.stats = {"requests": 0, "unparseable": 0}
-
-    def task(self, style: str | None) -> JudgeTask:
-        if isinstance(self.preference, str):
-            return JudgeTask(self.name, self.preference)
-        if style not in self.preference:
-            raise ValueError(
-                f"LLM annotator {self.name!r} has no preference text for style {style!r}; "
-                f"known styles: {', '.join(map(str, self.preference))}"
-            )
-        return JudgeTask(f"{self.name}:{style}", self.preference[style])
-
-    def probability(self, prompts: list[Any], a: list[str], b: list[str], styles: list[str | None]) -> Tensor:
-        from rlhf_ext.datagen.judge import LLMJudge
-
-        judge = LLMJudge(self.backend, max_tokens=self.max_tokens)
-
-        async def run() -> list:
-            async with self.backend:
-                jobs = [
-                    judge.judge(self.task(s), s, p, x, y, seed=_digest_int(self.seed, p, x, y) % (2**31))
-                    for p, x, y, s in zip(prompts, a, b, styles)
-                ]
-                return await asyncio.gather(*jobs)
-
-        verdicts = asyncio.run(run())
-        self.stats["requests"] += len(verdicts)
-        self.stats["unparseable"] += sum(v.winner is None for v in verdicts)
-        return torch.tensor([math.nan if v.winner is None else float(v.winner == 0) for v in verdicts])
-
-
-def _digest_int(*parts: Any) -> int:
-    return int.from_bytes(hashlib.sha256(json.dumps(parts, default=str).encode()).digest()[:8], "big")
 
 
 def pair_uniforms(seed: int, prompts: Sequence[Any], a: Sequence[str], b: Sequence[str]) -> tuple[Tensor, Tensor]:
@@ -416,9 +335,15 @@ class AnnotatorPool:
         specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS,
         phrase_credit: PhraseCredit = "partial",
     ) -> AnnotatorPool:
-        """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``), all with the gold's ``phrase_credit``."""
+        """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``): :class:`BTAnnotator` s on variants of the
+        gold scorer, all with the gold's ``phrase_credit`` and each with its spec's weights and temperature."""
         gold = GoldScorer(style, bank=bank, phrase_credit=phrase_credit)
-        return cls([gold_annotator(s, style, bank, phrase_credit) for s in specs], flip_prob, seed, gold=gold)
+        annotators = []
+        for s in specs:
+            weights = {w: getattr(s, w) for w in ("positive_weight", "negative_weight", "length_weight")}
+            scorer = GoldScorer(style, bank=bank, phrase_credit=phrase_credit, **weights)
+            annotators.append(BTAnnotator(s.name, scorer.score, s.temperature))
+        return cls(annotators, flip_prob, seed, gold=gold)
 
     @classmethod
     def gold_only(cls, style: StyleSpec = None, *, flip_prob: float = 0.0, seed: int = 0, bank=None) -> AnnotatorPool:
@@ -529,8 +454,7 @@ class AnnotatorPool:
                         100 * bad / len(rows), "settled by a coin (pool.unparseable: drop drops them, as AlpacaEval)"
                         if self.unparseable == "coin" else "dropped from training labels",
                     )  # fmt: skip
-        unparseable = p.isnan()
-        return p.nan_to_num(0.5), tie, unparseable
+        return p.nan_to_num(0.5), tie, p.isnan()
 
     def decide(
         self,
@@ -583,20 +507,6 @@ class AnnotatorPool:
         """``[N]`` float: 1 where ``a`` wins, 0 where ``b`` wins, 1/2 for a draw (see :class:`Decisions`)."""
         return self.decide(prompts, responses_a, responses_b, styles, train=train).outcome
 
-    def probability(
-        self,
-        prompts: Sequence[Any],
-        responses_a: Sequence[str],
-        responses_b: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
-        *,
-        train: bool,
-    ) -> Tensor:
-        """``[N]`` P(a preferred) averaged over the pool's annotators (and the training flips when ``train``)."""
-        prompts, a, b, styles = self._check(prompts, responses_a, responses_b, styles)
-        p = self._all_probabilities(prompts, a, b, styles).mean(0)
-        return (self._noisy(p) if train else p).float()
-
     def _noisy(self, p: Tensor) -> Tensor:
         return self.flip_prob + (1.0 - 2.0 * self.flip_prob) * p
 
@@ -631,9 +541,8 @@ class AnnotatorPool:
                 f"relabel needs columns {prompt_key!r}, {chosen_key!r}, {rejected_key!r}; missing {missing} "
                 f"(columns: {', '.join(cols)}). Pass prompt_key=/chosen_key=/rejected_key="
             )
-        for name in ("sim_annotator", "sim_swapped"):
-            if name in cols:
-                dataset = dataset.remove_columns(name)  # relabelling a relabelled dataset starts from its current label
+        # relabelling a relabelled dataset starts from its current label
+        dataset = dataset.remove_columns([name for name in ("sim_annotator", "sim_swapped") if name in cols])
         styles = dataset[style_key] if style_key and style_key in cols else None
         chosen, rejected = dataset[chosen_key], dataset[rejected_key]
         dec = self.decide(dataset[prompt_key], chosen, rejected, styles, train=train)
@@ -673,101 +582,19 @@ class AnnotatorPool:
 
         matrix = agree(p.unsqueeze(1), p.unsqueeze(0))  # [K, K]
         noisy = self._noisy(p)
-        if decided.any():
-            with_gold = agree(p[:, decided], target[decided])
-            with_gold_train = agree(noisy[:, decided], target[decided])
-        else:
-            with_gold = with_gold_train = torch.full((len(self.annotators),), float("nan"), dtype=torch.float64)
-        pool_p, pool_noisy = p.mean(0), noisy.mean(0)  # uniform annotator draw per pair
         names = self.names
-
-        def pool_gold(x: Tensor) -> float:
-            return float(agree(x[decided], target[decided])) if decided.any() else float("nan")
-
-        # two independent pool annotations of one pair: annotators i, j drawn independently, then their coins
-        pool_self = float(matrix.mean())
-        pool_self_train = float(agree(noisy.unsqueeze(1), noisy.unsqueeze(0)).mean())
+        # gold columns over the pairs gold decides (NaN, a mean over none, when it decides none); the pool draws its
+        # annotator uniformly per pair, and two independent pool annotations draw annotators i, j and their coins
         return AgreementReport(
             names=names,
             matrix=matrix.tolist(),
-            with_gold=dict(zip(names, with_gold.tolist())),
-            with_gold_train=dict(zip(names, with_gold_train.tolist())),
-            pool_eval_with_gold=pool_gold(pool_p),
-            pool_train_with_gold=pool_gold(pool_noisy),
-            pool_eval_self=pool_self,
-            pool_train_self=pool_self_train,
+            with_gold=dict(zip(names, agree(p[:, decided], target[decided]).tolist())),
+            with_gold_train=dict(zip(names, agree(noisy[:, decided], target[decided]).tolist())),
+            pool_eval_with_gold=float(agree(p.mean(0)[decided], target[decided])),
+            pool_train_with_gold=float(agree(noisy.mean(0)[decided], target[decided])),
+            pool_eval_self=float(matrix.mean()),
+            pool_train_self=float(agree(noisy.unsqueeze(1), noisy.unsqueeze(0)).mean()),
             gold_tie_fraction=float((~decided).double().mean()),
             num_pairs=len(a),
             flip_prob=self.flip_prob,
         )
-
-
-@dataclass
-class PoolConfig:
-    """A pool in a recipe: ``backend: gold`` (gold-scorer variants; ``annotators`` empty = the default six),
-    ``reward_model`` (``reward_models`` paths, ``temperatures``), ``llm`` (``api_base``/``models`` of an
-    OpenAI-compatible server and the ``preference`` text) or ``alpaca_farm`` (AlpacaFarm's annotators as shipped:
-    ``alpaca_farm_pool`` = ``annotator_pool_v0``, ``alpaca_eval:<evaluator>`` or a directory with a ``configs.yaml``,
-    run against ``api_base``; ``models``: one served model for all annotators, ``config_model=served`` pairs, or
-    empty for the configs' own model names). ``unparseable``: ``coin`` or ``drop`` (AlpacaEval) for an LLM / AlpacaFarm
-    annotator's answer that names no response (see :class:`AnnotatorPool`)."""
-
-    backend: str = "gold"
-    flip_prob: float = knob(TRAIN_FLIP_PROB, ge=0, le=0.5)
-    annotators: list[AnnotatorSpec] = field(default_factory=list)
-    reward_models: list[str] = field(default_factory=list)
-    temperatures: list[float] = knob(default_factory=list, gt=0)
-    api_base: str = "http://localhost:8000/v1"
-    models: list[str] = field(default_factory=list)
-    api_key_env: str = "OPENAI_API_KEY"
-    preference: str = "The response follows the requested style."
-    alpaca_farm_pool: str = "annotator_pool_v0"
-    unparseable: str = "coin"
-
-    def __post_init__(self):
-        if self.unparseable not in UNPARSEABLE_POLICIES:
-            raise ValueError(f"pool.unparseable must be coin or drop; got {self.unparseable!r}")
-        if self.backend not in ("gold", "reward_model", "llm", "alpaca_farm"):
-            raise ValueError(f"pool.backend must be gold, reward_model, llm or alpaca_farm; got {self.backend!r}")
-        check_knobs(self, "pool.")
-        if self.backend == "reward_model" and not self.reward_models:
-            raise ValueError("pool.backend reward_model needs pool.reward_models (checkpoint paths)")
-        if self.backend == "llm" and not self.models:
-            raise ValueError("pool.backend llm needs pool.models (served model names, one annotator each)")
-
-    def build(self, gold: GoldScorer | None = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
-        """The :class:`AnnotatorPool` this config describes; ``gold`` (default ``GoldScorer()``) reports agreement, and
-        the ``gold`` backend's annotators are variants of it (its style and phrase credit, the specs' weights)."""
-        pool = self._build(gold if gold is not None else GoldScorer(), seed, sft_model)
-        pool.unparseable = self.unparseable
-        return pool
-
-    def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
-        if self.backend == "gold":
-            return AnnotatorPool.default(
-                gold.style,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                bank=gold.bank,
-                specs=self.annotators or DEFAULT_ANNOTATORS,
-                phrase_credit=gold.phrase_credit,
-            )
-        if self.backend == "reward_model":
-            temps = self.temperatures or 1.0
-            return AnnotatorPool.from_reward_models(
-                self.reward_models, temps, flip_prob=self.flip_prob, seed=seed, gold=gold, sft_model=sft_model
-            )
-        if self.backend == "alpaca_farm":
-            return AnnotatorPool.from_alpaca_farm(
-                self.alpaca_farm_pool,
-                api_base=self.api_base,
-                models=self.models,
-                api_key_env=self.api_key_env,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                gold=gold,
-            )
-        from rlhf_ext.datagen.backends import OpenAIBackend
-
-        backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
-        return AnnotatorPool.from_llm(backends, self.preference, flip_prob=self.flip_prob, seed=seed, gold=gold)

@@ -41,8 +41,9 @@ def compare(config_path, methods, seeds, out, report_only, budget, tuning_dir, o
     Each finished (method, seed) is written to OUT/results/ at once and skipped when the command is rerun.
     """
     from rlhf_ext.recipes import recipe_path
-    from rlhf_ext.sim.compare import markdown_table, run_compare, summarise, write_reports
+    from rlhf_ext.sim.compare import run_compare
     from rlhf_ext.sim.recipe import load_compare_recipe
+    from rlhf_ext.sim.report import markdown_table, summarise, write_reports
 
     extra = list(overrides)
     if out is not None:

@@ -37,32 +37,26 @@ import torch
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.config import RecipeError, from_dict, to_dict
-from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, machine_info
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
-from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
+from rlhf_ext.sim.recipe import SimCompareRecipe
+from rlhf_ext.sim.report import (  # noqa: F401  (feedback_lines, markdown_table: re-exported from before the split)
+    RESULTS_DIR,
+    feedback_lines,
+    markdown_table,
+    result_path,
+    result_stage,
+    summarise,
+    unparseable_text,
+    write_reports,
+)
 
 logger = logging.getLogger(__name__)
 
-#: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
-#: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
-ALPACAFARM_SIM_WINRATE: dict[str, float] = {
-    "sft": 36.7,
-    "best_of_n": 45.0,
-    "expert_iteration": 41.9,
-    "feedme": 36.6,
-    "reward_conditioning": 32.4,
-    "quark": 35.6,
-    "dpo": 46.8,
-    "bandit_ppo": 46.8,
-}
 #: Entropy cutoffs of the bandit and token reward models (the segment model uses the recipe's ``entropy_cutoff``).
 RM_CUTOFFS = {"bandit": math.inf, "token": 0.0}
-#: The surrogate reward models a seed can have (``segment`` at the recipe's cutoff).
-RM_KINDS = ("bandit", "segment", "token")
 #: Keys of the recipe that may change between runs of one output directory.
 FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets", "tuning")
-#: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
-RESULTS_DIR = "results"
 
 Progress = Callable[[str], None]
 
@@ -333,12 +327,8 @@ class SimRun:
             atomic_write_json(path, {"texts": s.texts, "num_tokens": s.num_tokens, "truncated": s.truncated,
                                      "temperatures": s.temperatures})  # fmt: skip
         d = json.loads(path.read_text())
-        return Samples(
-            d["texts"],
-            torch.tensor(d["num_tokens"]),
-            torch.tensor(d["truncated"], dtype=torch.bool),
-            d["temperatures"],
-        )
+        return Samples(d["texts"], torch.tensor(d["num_tokens"]), torch.tensor(d["truncated"], dtype=torch.bool),
+                       d["temperatures"])  # fmt: skip
 
     def eval_split(self):
         """The prompts (and styles) the win rate is measured on: the ``eval`` split, or with ``eval.split:
@@ -385,7 +375,7 @@ class SimRun:
         result = win_rate(
             policy,
             reference,
-            self.eval_prompts(),
+            prompts,
             styles=list(self.eval_split()["style"]),
             judge=self.pool(seed) if ev.judge == "pool" else self.gold,
             gold=self.gold,
@@ -403,15 +393,6 @@ class SimRun:
 
 
 # ---------------------------------------------------------------------------------------------------- running
-def result_stage(method: str, seed: int) -> str:
-    """The run-directory stage of one (method, seed); its marker is :func:`result_path`."""
-    return f"{method}/seed-{seed}"
-
-
-def result_path(root: Path, method: str, seed: int) -> Path:
-    return root / RESULTS_DIR / f"{result_stage(method, seed)}.json"
-
-
 def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> dict[str, Any]:
     """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write the summary.
     ``progress`` receives one line per step of the run (default: the ``rlhf_ext.sim.compare`` logger at ``INFO``).
@@ -420,7 +401,7 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
     threads) after the shared artefacts (task splits, base and SFT models) are built here; every (method, seed) gives
     the same result either way. Workers write their progress lines to standard error, prefixed with their seed.
 
-    Returns the summary (also written as ``sim_compare.json``; see :func:`summarise`).
+    Returns the summary (also written as ``sim_compare.json``; see :func:`~rlhf_ext.sim.report.summarise`).
     """
     from rlhf_ext.runtime.rundir import claim_output_dir
 
@@ -437,8 +418,6 @@ def _run_compare(recipe: SimCompareRecipe, progress: Progress) -> dict[str, Any]
     start = time.time()
     pending = [s for s in recipe.seeds if not all(run_dir.done(result_stage(m, s)) for m in recipe.methods)]
     if recipe.workers > 1 and len(pending) > 1:
-        from rlhf_ext.runtime.async_runner import torch_threads
-
         with torch_threads(recipe.threads):
             run.sft_model()  # built once, before the workers share it
         jobs = [(f"seed {s}", from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]})) for s in pending]
@@ -525,11 +504,7 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
             "seed": seed,
             **metrics,
             "policy_path": spec.path,
-            "prompt_prefix": spec.prompt_prefix,
-            "best_of_n": spec.best_of_n,
-            "info": spec.info,
-            "labels": spec.labels,
-            "samples": spec.samples,
+            **{k: getattr(spec, k) for k in ("prompt_prefix", "best_of_n", "info", "labels", "samples")},
             "train_seconds": t1 - t0,
             "eval_seconds": t2 - t1,
         }
@@ -539,246 +514,3 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
             f"KL {metrics['kl']:.2f}, gold {metrics['gold_mean']:+.2f}, {metrics['avg_length_chars']:.0f} chars"
             + unparseable_text(metrics["unparseable"], "comparisons", "a coin")
         )
-
-
-def unparseable_text(counts: dict[str, dict[str, Any]], what: str, settled: str) -> str:
-    """``"; unparseable answers: llm0 3 of 40 (7.5%), ... settled by a coin"`` for the annotators that gave any
-    (``counts``: :meth:`~rlhf_ext.sim.annotators.AnnotatorPool.label_counts`); empty when none did."""
-    bad = {k: v for k, v in counts.items() if v["unparseable"]}
-    if not bad:
-        return ""
-    parts = [f"{k} {v['unparseable']} of {v['labels']} ({v['rate']:.1%})" for k, v in bad.items()]
-    return f"; unparseable {what}: {', '.join(parts)}, settled by {settled}"
-
-
-def summed_counts(counts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """:meth:`~rlhf_ext.sim.annotators.AnnotatorPool.label_counts` results added up (over seeds)."""
-    out: dict[str, dict[str, Any]] = {}
-    for c in counts:
-        for name, v in c.items():
-            total = out.setdefault(name, {"labels": 0, "unparseable": 0})
-            total["labels"] += v["labels"]
-            total["unparseable"] += v["unparseable"]
-    for v in out.values():
-        v["rate"] = v["unparseable"] / v["labels"] if v["labels"] else 0.0
-    return out
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return float("nan"), float("nan")
-    mean = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-    return mean, math.sqrt(var / len(vals))
-
-
-#: Per-seed result keys averaged over seeds in the summary (mean ± s.e.).
-SUMMARY_KEYS = (
-    "win_rate", "lc_win_rate", "gold_mean", "kl", "avg_length_chars", "segments_per_response", "tokens_per_response",
-    "above_cutoff_share", "train_seconds", "eval_seconds",
-)  # fmt: skip
-
-
-def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> dict[str, Any]:
-    """Mean ± standard error over seeds of every method's finished results (methods in :data:`METHODS` order)."""
-    root = Path(recipe.output_dir)
-    rows = []
-    for method in [m for m in METHODS if m in recipe.methods]:
-        per_seed = []
-        for seed in recipe.seeds:
-            path = result_path(root, method, seed)
-            if path.exists():
-                per_seed.append(json.loads(path.read_text()))
-        if not per_seed:
-            continue
-        row: dict[str, Any] = {"method": method, "seeds": [r["seed"] for r in per_seed]}
-        for key in SUMMARY_KEYS:
-            row[key], row[f"{key}_se"] = mean_se([r.get(key) for r in per_seed])
-        row["per_seed"] = [
-            {k: r.get(k) for k in ("seed", "stderr", "lc_stderr", "num_comparisons", *SUMMARY_KEYS)}
-            | ({"curve": r["info"]["curve"]} if "curve" in r.get("info", {}) else {})
-            for r in per_seed
-        ]
-        row["labels"] = per_seed[0].get("labels")
-        row["unparseable"] = summed_counts([r.get("unparseable") or {} for r in per_seed])
-        row["samples"] = per_seed[0].get("samples")
-        row["alpacafarm_sim_winrate"] = ALPACAFARM_SIM_WINRATE.get(method)
-        rows.append(row)
-    first = next((json.loads(p.read_text()) for p in sorted((root / RESULTS_DIR).rglob("seed-*.json"))), None)
-    feedback = {}
-    for seed in recipe.seeds:
-        path = root / f"seed-{seed}" / "feedback" / "agreement.json"
-        if path.exists():
-            feedback[str(seed)] = json.loads(path.read_text())
-    rms = {}
-    for seed in recipe.seeds:
-        for kind in RM_KINDS:
-            path = root / f"seed-{seed}" / f"rm_{kind}" / "metrics.json"
-            if path.exists():
-                ev = json.loads(path.read_text()).get("eval", {})
-                rms.setdefault(kind, {})[str(seed)] = ev.get("eval_accuracy")
-    return {
-        "recipe": to_dict(recipe),
-        "methods": rows,
-        "sample_sizes": {
-            "eval_prompts": first["num_prompts"] if first else None,
-            "samples_per_prompt": first["samples_per_prompt"] if first else None,
-            "comparisons_per_seed": first["num_comparisons"] if first else None,
-        },
-        "reward_model_heldout_accuracy": rms,
-        "feedback": feedback,
-        "wall_seconds": wall_seconds,
-        "machine": machine_info(),
-    }
-
-
-def fmt(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
-    if mean is None or math.isnan(mean):
-        return "–"
-    m = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
-    return m if se is None or math.isnan(se) else f"{m} ± {se:.{digits}f}"
-
-
-def _count(value: int | None) -> str:
-    return "–" if value is None else str(value)
-
-
-def markdown_table(summary: dict[str, Any]) -> str:
-    """The comparison as a Markdown table (mean ± s.e. over seeds)."""
-    lines = [
-        "| method | win rate vs SFT | LC win rate | gold reward | KL to SFT (nats) | length (chars) | segments / "
-        "response | tokens / response | seeds | labels | samples | train s | AlpacaFarm sim. win rate vs Davinci003 "
-        "(%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary["methods"]:
-        af = r["alpacafarm_sim_winrate"]
-        lines.append(
-            f"| {r['method']} | {fmt(r['win_rate'], r['win_rate_se'])} | "
-            f"{fmt(r.get('lc_win_rate'), r.get('lc_win_rate_se'))} | "
-            f"{fmt(r['gold_mean'], r['gold_mean_se'], 2, signed=True)} | {fmt(r['kl'], r['kl_se'], 2)} | "
-            f"{fmt(r['avg_length_chars'], r['avg_length_chars_se'], 0)} | "
-            f"{fmt(r.get('segments_per_response'), r.get('segments_per_response_se'), 1)} | "
-            f"{fmt(r.get('tokens_per_response'), r.get('tokens_per_response_se'), 1)} | {len(r['seeds'])} | "
-            f"{_count(r.get('labels'))} | {_count(r.get('samples'))} | {r['train_seconds']:.0f} | "
-            f"{'–' if af is None else f'{af:.1f}'} |"
-        )
-    s = summary["sample_sizes"]
-    lines.append("")
-    lines.append(
-        f"Win rate: fraction of {s['comparisons_per_seed']} comparisons per seed ({s['eval_prompts']} held-out "
-        f"prompts x {s['samples_per_prompt']} samples) in which the evaluation annotators prefer the method's "
-        "response to the SFT model's (ties 1/2); mean ± standard error over seeds. LC win rate: length-controlled "
-        "(AlpacaEval 2.0's GLM on the length difference, read off at zero difference). Segments / response: how the "
-        "SFT model's entropies segment the method's evaluation responses at the segment reward model's cutoff "
-        "(the reward-hacking monitor's view); tokens / response: their length in tokens. Budget beyond the shared SFT "
-        "model: labels = simulated preference labels used (directly or through a surrogate reward model), samples = "
-        "responses generated while training, train s = wall-clock seconds."
-    )
-    for r in summary["methods"]:
-        if text := unparseable_text(r.get("unparseable") or {}, "evaluation comparisons", "a coin"):
-            lines.append(f"\n{r['method']}{text}.")
-    lines += feedback_lines(summary)
-    return "\n".join(lines)
-
-
-def feedback_lines(summary: dict[str, Any]) -> list[str]:
-    """The feedback's quality in words: gold tie rates of the pairs, label agreement with gold, and the surrogate
-    reward models' held-out accuracy (mean over seeds)."""
-
-    def mean(values: list[float]) -> float:
-        return mean_se(values)[0]
-
-    fb = [f["labels"] for f in summary.get("feedback", {}).values() if "labels" in f]
-    if not fb:
-        return []
-    pairs = summary["recipe"]["feedback"]["pairs"]
-    kind = "two SFT samples per prompt" if pairs == "sft_samples" else "the dataset's pairs"
-    out = [
-        "",
-        f"Feedback ({kind}, {len(fb)} seed(s)): {fb[0]['pairs']} labelled pairs; gold ties "
-        f"{mean([f['gold_tied_fraction'] for f in fb]):.1%} of training pairs and "
-        f"{mean([f.get('heldout_gold_tied_fraction') for f in fb]):.1%} of held-out pairs; training labels agree "
-        f"with gold on {mean([f['labels_agreeing_with_gold'] for f in fb]):.1%} of untied pairs.",
-    ]
-    counts = summed_counts([f.get("unparseable") or {} for f in fb])
-    policy = fb[0].get("unparseable_policy", "coin")
-    settled = "a coin (pool.unparseable: drop leaves them out, as AlpacaEval)" if policy == "coin" else "dropping rows"
-    total = sum(v["unparseable"] for v in counts.values())
-    if counts:  # (results written before the count have none)
-        out.append(
-            f"Unparseable annotator answers in the training labels: {total} of "
-            f"{sum(v['labels'] for v in counts.values())}"
-            + (unparseable_text(counts, "per annotator", settled) if total else "")
-            + "."
-        )
-    accs = summary.get("reward_model_heldout_accuracy", {})
-    if accs:
-        parts = [f"{k} {mean(list(v.values())):.3f}" for k, v in accs.items()]
-        out.append(
-            f"Surrogate reward models, accuracy on held-out gold-ordered pairs of the same kind (gold ties dropped): "
-            f"{', '.join(parts)}."
-        )
-    return out
-
-
-def write_reports(summary: dict[str, Any], root: Path) -> dict[str, str]:
-    """Write ``sim_compare.json``, ``sim_compare.md`` and the PNG plots into ``root``; returns their paths."""
-    paths = {"json": str(root / "sim_compare.json"), "markdown": str(root / "sim_compare.md")}
-    atomic_write_json(paths["json"], summary)
-    atomic_write_text(paths["markdown"], markdown_table(summary) + "\n")
-    try:
-        paths.update(plot(summary, root))
-    except ImportError:  # matplotlib is optional; the table and JSON are complete without it
-        paths["plots"] = "not written: matplotlib is not installed (pip install 'rlhf-ext[plots]')"
-    return paths
-
-
-def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
-    """Two PNGs: win rate per method (mean ± s.e., seeds as dots) and the win rate / KL trade-off."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = summary["methods"]
-    if not rows:
-        return {}
-    names = [r["method"] for r in rows]
-    out = {}
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
-    x = range(len(rows))
-    means = [r["win_rate"] for r in rows]
-    errs = [0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"] for r in rows]
-    ax.bar(x, means, yerr=errs, color="#4c78a8", capsize=3)
-    for i, r in enumerate(rows):
-        ax.scatter([i] * len(r["per_seed"]), [p["win_rate"] for p in r["per_seed"]], color="k", s=8, zorder=3)
-    ax.axhline(0.5, color="grey", ls="--", lw=1)
-    ax.set_xticks(list(x), names, rotation=35, ha="right")
-    ax.set_ylabel("win rate vs SFT (p_eval)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Simulated win rate against the SFT model (mean ± s.e. over seeds)")
-    fig.tight_layout()
-    out["winrate_png"] = str(root / "sim_compare_winrate.png")
-    fig.savefig(out["winrate_png"], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for r in rows:
-        ax.errorbar(
-            r["kl"], r["win_rate"], xerr=0 if math.isnan(r["kl_se"]) else r["kl_se"],
-            yerr=0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"], fmt="o", capsize=2,
-        )  # fmt: skip
-        ax.annotate(r["method"], (r["kl"], r["win_rate"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(0.5, color="grey", ls="--", lw=1)
-    ax.set_xlabel("KL(policy || SFT), nats")
-    ax.set_ylabel("win rate vs SFT")
-    ax.set_title("Win rate vs KL to the SFT model")
-    fig.tight_layout()
-    out["tradeoff_png"] = str(root / "sim_compare_tradeoff.png")
-    fig.savefig(out["tradeoff_png"], dpi=120)
-    plt.close(fig)
-    return out

@@ -17,7 +17,14 @@ from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
-from rlhf_ext.sim.annotators import PoolConfig
+from rlhf_ext.sim.annotators import (
+    DEFAULT_ANNOTATORS,
+    TRAIN_FLIP_PROB,
+    UNPARSEABLE_POLICIES,
+    AnnotatorPool,
+    AnnotatorSpec,
+)
+from rlhf_ext.sim.gold import GoldScorer
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
 METHODS: tuple[str, ...] = (
@@ -113,12 +120,83 @@ class SFTSection(TrainSettings):
 
 
 @dataclass
+class PoolConfig:
+    """A pool in a recipe: ``backend: gold`` (gold-scorer variants; ``annotators`` empty = the default six),
+    ``reward_model`` (``reward_models`` paths, ``temperatures``), ``llm`` (``api_base``/``models`` of an
+    OpenAI-compatible server and the ``preference`` text) or ``alpaca_farm`` (AlpacaFarm's annotators as shipped:
+    ``alpaca_farm_pool`` = ``annotator_pool_v0``, ``alpaca_eval:<evaluator>`` or a directory with a ``configs.yaml``,
+    run against ``api_base``; ``models``: one served model for all annotators, ``config_model=served`` pairs, or
+    empty for the configs' own model names). ``unparseable``: ``coin`` or ``drop`` (AlpacaEval) for an LLM / AlpacaFarm
+    annotator's answer that names no response (see :class:`AnnotatorPool`)."""
+
+    backend: str = "gold"
+    flip_prob: float = knob(TRAIN_FLIP_PROB, ge=0, le=0.5)
+    annotators: list[AnnotatorSpec] = field(default_factory=list)
+    reward_models: list[str] = field(default_factory=list)
+    temperatures: list[float] = knob(default_factory=list, gt=0)
+    api_base: str = "http://localhost:8000/v1"
+    models: list[str] = field(default_factory=list)
+    api_key_env: str = "OPENAI_API_KEY"
+    preference: str = "The response follows the requested style."
+    alpaca_farm_pool: str = "annotator_pool_v0"
+    unparseable: str = "coin"
+
+    def __post_init__(self):
+        if self.unparseable not in UNPARSEABLE_POLICIES:
+            raise ValueError(f"pool.unparseable must be coin or drop; got {self.unparseable!r}")
+        if self.backend not in ("gold", "reward_model", "llm", "alpaca_farm"):
+            raise ValueError(f"pool.backend must be gold, reward_model, llm or alpaca_farm; got {self.backend!r}")
+        check_knobs(self, "pool.")
+        if self.backend == "reward_model" and not self.reward_models:
+            raise ValueError("pool.backend reward_model needs pool.reward_models (checkpoint paths)")
+        if self.backend == "llm" and not self.models:
+            raise ValueError("pool.backend llm needs pool.models (served model names, one annotator each)")
+
+    def build(self, gold: GoldScorer | None = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
+        """The :class:`AnnotatorPool` this config describes; ``gold`` (default ``GoldScorer()``) reports agreement, and
+        the ``gold`` backend's annotators are variants of it (its style and phrase credit, the specs' weights)."""
+        pool = self._build(gold if gold is not None else GoldScorer(), seed, sft_model)
+        pool.unparseable = self.unparseable
+        return pool
+
+    def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
+        if self.backend == "gold":
+            return AnnotatorPool.default(
+                gold.style,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                bank=gold.bank,
+                specs=self.annotators or DEFAULT_ANNOTATORS,
+                phrase_credit=gold.phrase_credit,
+            )
+        if self.backend == "reward_model":
+            temps = self.temperatures or 1.0
+            return AnnotatorPool.from_reward_models(
+                self.reward_models, temps, flip_prob=self.flip_prob, seed=seed, gold=gold, sft_model=sft_model
+            )
+        if self.backend == "alpaca_farm":
+            return AnnotatorPool.from_alpaca_farm(
+                self.alpaca_farm_pool,
+                api_base=self.api_base,
+                models=self.models,
+                api_key_env=self.api_key_env,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                gold=gold,
+            )
+        from rlhf_ext.datagen.backends import OpenAIBackend
+
+        backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
+        return AnnotatorPool.from_llm(backends, self.preference, flip_prob=self.flip_prob, seed=seed, gold=gold)
+
+
+@dataclass
 class FeedbackSection:
     """Simulated human feedback on the PREF split: ``pairs: sft_samples`` draws two SFT responses per PREF prompt and
     lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own chosen/rejected pairs. The annotators
     are chosen by ``pool.backend``: ``gold`` (gold-scorer variants), ``reward_model``, ``llm`` (one LLM judge per
     served model) or ``alpaca_farm`` (AlpacaFarm's own pool as shipped, ``pool.alpaca_farm_pool: annotator_pool_v0``,
-    against the OpenAI-compatible server ``pool.api_base``); see :class:`~rlhf_ext.sim.annotators.PoolConfig`."""
+    against the OpenAI-compatible server ``pool.api_base``); see :class:`PoolConfig`."""
 
     pairs: Literal["sft_samples", "dataset"] = "sft_samples"
     pool: PoolConfig = field(default_factory=PoolConfig)

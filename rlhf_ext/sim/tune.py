@@ -27,8 +27,9 @@ from typing import Any
 from rlhf_ext.config import apply_overrides, from_dict, to_dict
 from rlhf_ext.runtime.async_runner import torch_threads
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
-from rlhf_ext.sim.compare import RM_KINDS, SimRun, mean_se, run_jobs
+from rlhf_ext.sim.compare import SimRun, run_jobs
 from rlhf_ext.sim.recipe import SimCompareRecipe
+from rlhf_ext.sim.report import RM_KINDS, fmt, mean_se, result_path
 
 #: The artefacts a tuning point shares with the main comparison directory (links), at the top and per seed.
 SHARED = ("data", "base", "sft")
@@ -122,8 +123,6 @@ def apply_tuning(recipe: SimCompareRecipe, tuning_dir: str | Path) -> SimCompare
 def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
     """Per method: every grid point's mean (± s.e. over tuning seeds) validation win rate, LC win rate, gold, KL and
     length, and the picked point (best mean LC win rate; ties go to the earlier point)."""
-    from rlhf_ext.sim.compare import result_path
-
     methods = {}
     for method in recipe.tuning.methods:
         rows = []
@@ -149,8 +148,6 @@ def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
 
 def tuning_markdown(summary: dict[str, Any]) -> str:
     """The tuning results: one row per (method, point), the picked point marked."""
-    from rlhf_ext.sim.compare import fmt
-
     lines = [
         f"Tuning on validation prompts, seeds {summary['seeds']}; picked by the mean length-controlled win rate.",
         "",
