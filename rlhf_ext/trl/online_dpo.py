@@ -2,8 +2,9 @@
 online DPO (paper 001).
 
 :class:`IterativeDPOTrainer` *is* a ``DPOTrainer``: it takes TRL's arguments in GRPO / OnlineDPO order (``model``,
-``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is this trainer's own
-``DPOTrainer`` training loop, fed with preference pairs as they are collected:
+``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is a plain
+``trl.DPOTrainer`` (per-batch: one whose train dataloader is the stream of generated batches), fed with preference
+pairs as they are collected:
 
 **per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
 ``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
@@ -210,9 +211,47 @@ def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
     warnings.warn(
         f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return value
+
+
+def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
+                       deprecated: dict[str, Any]) -> tuple[Any, IterativeDPOConfig, Any, Any]:  # fmt: skip
+    """``IterativeDPOTrainer``'s arguments checked, with their deprecated names (``deprecated``: ``prompts``,
+    ``eval_prompts``, ``reward_fn``, ``reward_model``) resolved: ``(reward_funcs, args, train_dataset,
+    eval_dataset)``."""
+    prompts, eval_prompts = deprecated["prompts"], deprecated["eval_prompts"]
+    reward_fn, reward_model = deprecated["reward_fn"], deprecated["reward_model"]
+    if isinstance(reward_funcs, TrainingArguments):
+        raise TypeError(
+            "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
+            "pass the config as args="
+        )
+    train_dataset = _deprecated("prompts", prompts, "train_dataset", train_dataset)
+    eval_dataset = _deprecated("eval_prompts", eval_prompts, "eval_dataset", eval_dataset)
+    if reward_fn is not None and not callable(reward_fn):
+        raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
+    given = [r for r in (reward_funcs, reward_fn, reward_model) if r is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "pass exactly one reward: reward_funcs= (a callable (prompts, responses) -> scores, a reward-model "
+            "path or hub id, or a loaded reward model)"
+        )
+    reward_funcs = _deprecated("reward_fn", reward_fn, "reward_funcs", reward_funcs)
+    reward_funcs = _deprecated("reward_model", reward_model, "reward_funcs", reward_funcs)
+
+    args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
+    if not isinstance(args, IterativeDPOConfig):
+        raise TypeError(f"args must be an IterativeDPOConfig, got {type(args).__name__}")
+    if tuple(optimizers) != (None, None):
+        raise ValueError(
+            "optimizers= is not supported: every DPO run loads its policy from disk and builds its optimizer "
+            "from args (optim, learning_rate, lr_scheduler_type, ...)"
+        )
+    if peft_config is not None and args.online_mode == "online":
+        raise ValueError("peft_config works with online_mode='iterative' only (per-batch mode publishes full weights)")
+    return reward_funcs, args, train_dataset, eval_dataset
 
 
 def _is_model(obj: Any) -> bool:
@@ -247,6 +286,25 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
     )
 
 
+def _dpo_dataset(rows: Sequence[dict[str, Any]]):
+    """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
+    from datasets import Dataset
+
+    def side(prompt, text):
+        return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
+
+    return Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "chosen": side(r["prompt"], r["chosen"]),
+                "rejected": side(r["prompt"], r["rejected"]),
+            }
+            for r in rows
+        ]
+    )
+
+
 @contextlib.contextmanager
 def _quiet_datasets():
     """Silence ``datasets`` progress bars for the small per-batch maps of the per-batch mode."""
@@ -263,12 +321,14 @@ def _quiet_datasets():
 
 # ---------------------------------------------------------------------------------------------- per-batch stream
 class _StreamLoader:
-    """The train dataloader of the per-batch DPO run: ``gradient_accumulation_steps`` collated micro-batches per
-    runner batch, so one optimizer step consumes exactly one generated batch."""
+    """The train dataloader of the per-batch DPO run (``run``, a :class:`_StreamDPOTrainer`):
+    ``gradient_accumulation_steps`` collated micro-batches per runner batch, so one optimizer step consumes exactly one
+    generated batch; ``trainer`` stores each batch's pairs as the run takes it."""
 
     def __init__(self, trainer: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
         self.trainer, self.runner, self.first = trainer, runner, first
         self.total, self.offset = total, offset
+        self.run: DPOTrainer | None = None
 
     def __len__(self) -> int:
         return self.total * self.trainer.args.gradient_accumulation_steps
@@ -282,12 +342,12 @@ class _StreamLoader:
             batch = self.runner.next_batch()  # only asked for after the update on `batch` was published
 
     def _micro_batches(self, batch: Batch):
-        trainer = self.trainer
-        trainer._record_online_batch(batch, self.offset)
+        run = self.run
+        self.trainer._record_online_batch(batch, self.offset)
         with _quiet_datasets():
-            data = trainer._dpo_dataset(batch.data.rows)
-            examples = list(trainer._prepare_dataset(data, trainer.processing_class, trainer.args, "online"))
-        ga = trainer.args.gradient_accumulation_steps
+            data = _dpo_dataset(batch.data.rows)
+            examples = list(run._prepare_dataset(data, run.processing_class, run.args, "online"))
+        ga = run.args.gradient_accumulation_steps
         if len(examples) < ga:
             raise ValueError(
                 f"online batch {self.offset + batch.index} kept {len(examples)} pairs after tokenisation, fewer than "
@@ -295,7 +355,18 @@ class _StreamLoader:
             )
         bounds = [round(i * len(examples) / ga) for i in range(ga + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
-            yield trainer.data_collator(examples[lo:hi])
+            yield run.data_collator(examples[lo:hi])
+
+
+class _StreamDPOTrainer(DPOTrainer):
+    """A plain ``DPOTrainer`` but for its train dataloader: the per-batch run's :class:`_StreamLoader` (``stream``),
+    whose batches are generated while it trains (TRL builds the dataloader from a dataset known in advance)."""
+
+    stream: _StreamLoader
+
+    def get_train_dataloader(self):
+        self.stream.run = self
+        return self.stream
 
 
 class _PublishWeights(TrainerCallback):
@@ -345,16 +416,10 @@ class IterativeDPOTrainer(DPOTrainer):
         summary: after :meth:`train`, what it returned before it was a ``Trainer``: per-iteration pairs and
             evaluations (``iterations``, ``eval``, ``final_policy``, ``skipped_iterations``) or, per-batch, the
             runner's statistics (``runner``, ``updates``, ``resumed_from_update``); also ``output_dir/summary.json``.
-        model: as in ``DPOTrainer``: the policy of the current (or last) DPO run; before :meth:`train`, and after a
-            call that trained nothing, ``pi_0``. The final policy's checkpoint is ``summary["final_policy"]``.
-
-    Resuming a per-batch run (``online_mode="online"``) killed after checkpoint ``k``: synchronous runs end with the
-    uninterrupted run's pairs and weights, bit for bit (same prompt order, prompt cursor stored with every batch,
-    batch seeds from the global update index). The one known difference is asynchronous runs'
-    (``async_generation=True``), by design: the first batch after the resume, ``k``, is generated with the
-    checkpoint's weights ``theta_k`` (stored ``policy_version`` ``k``; the uninterrupted run used ``theta_{k-1}``,
-    which a resumed run no longer has), so from update ``k`` on its pairs and weights differ from the uninterrupted
-    run's; two resumes from the same checkpoint are still identical.
+        model: the policy of the current (or last) DPO run (a plain ``trl.DPOTrainer`` this trainer builds per
+            run); before :meth:`train`, and after a call that trained nothing, ``pi_0``. The final policy's
+            checkpoint is ``summary["final_policy"]``. Logs after a run go through that run (its ``state``,
+            callbacks and console).
     """
 
     _tag_names = ["trl", "dpo", "online-dpo", "rlhf-ext"]
@@ -383,38 +448,12 @@ class IterativeDPOTrainer(DPOTrainer):
         from accelerate import PartialState
         from transformers import AutoTokenizer
 
-        if isinstance(reward_funcs, TrainingArguments):
-            raise TypeError(
-                "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
-                "pass the config as args="
-            )
-        train_dataset = _deprecated("prompts", prompts, "train_dataset", train_dataset)
-        eval_dataset = _deprecated("eval_prompts", eval_prompts, "eval_dataset", eval_dataset)
-        if reward_fn is not None and not callable(reward_fn):
-            raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
-        given = [r for r in (reward_funcs, reward_fn, reward_model) if r is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "pass exactly one reward: reward_funcs= (a callable (prompts, responses) -> scores, a reward-model "
-                "path or hub id, or a loaded reward model)"
-            )
-        reward_funcs = _deprecated("reward_fn", reward_fn, "reward_funcs", reward_funcs)
-        reward_funcs = _deprecated("reward_model", reward_model, "reward_funcs", reward_funcs)
-
-        args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
-        if not isinstance(args, IterativeDPOConfig):
-            raise TypeError(f"args must be an IterativeDPOConfig, got {type(args).__name__}")
-        if tuple(optimizers) != (None, None):
-            raise ValueError(
-                "optimizers= is not supported: every DPO run loads its policy from disk and builds its optimizer "
-                "from args (optim, learning_rate, lr_scheduler_type, ...)"
-            )
-        if peft_config is not None and args.online_mode == "online":
-            raise ValueError(
-                "peft_config works with online_mode='iterative' only (per-batch mode publishes full weights)"
-            )
+        reward_funcs, args, train_dataset, eval_dataset = _checked_arguments(
+            reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
+            deprecated=dict(prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn, reward_model=reward_model),
+        )  # fmt: skip
+        self.args = args  # (Trainer sets it again; _load_model reads it before)
         self._dist = PartialState()
-        self._run_args = args
         self.root = Path(args.output_dir)
         self.prompts = _prompt_list(train_dataset, prompt_key)
         self.eval_prompts = (
@@ -441,7 +480,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self.runner_stats: RunnerStats | None = None
         self._user_callbacks = list(callbacks or [])
         self._peft_config = peft_config
-        self._stream: _StreamLoader | None = None
+        self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
         self._given_models = weakref.WeakSet([model] if _is_model(model) else [])
         base_ref = None
@@ -481,9 +520,6 @@ class IterativeDPOTrainer(DPOTrainer):
             return dataset
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
-    def get_train_dataloader(self):
-        return self._stream if self._stream is not None else super().get_train_dataloader()
-
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
         """Run (or resume) the schedule in ``args.online_mode``.
 
@@ -521,23 +557,9 @@ class IterativeDPOTrainer(DPOTrainer):
         """Checkpoint of ``pi_t`` (``pi_0`` = SFT), or None if it does not exist yet."""
         return self.iteration_steps.policy_path(t)
 
-    def _dpo_dataset(self, rows: Sequence[dict[str, Any]]):
-        """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
-        from datasets import Dataset
-
-        def side(prompt, text):
-            return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
-
-        return Dataset.from_list(
-            [
-                {
-                    "prompt": r["prompt"],
-                    "chosen": side(r["prompt"], r["chosen"]),
-                    "rejected": side(r["prompt"], r["rejected"]),
-                }
-                for r in rows
-            ]
-        )
+    def evaluate_policy(self, t: int) -> dict[str, Any]:
+        """Step 7: the evaluation of ``pi_t`` (:meth:`IterationRun.evaluate_policy`)."""
+        return self.iteration_steps.evaluate_policy(t)
 
     def _dpo_args(self, output_dir: Path, **overrides: Any) -> IterativeDPOConfig:
         return dataclasses.replace(self.args, output_dir=str(output_dir), **overrides)
@@ -545,50 +567,63 @@ class IterativeDPOTrainer(DPOTrainer):
     def _load_model(self, path: str):
         from trl.trainer.utils import create_model_from_path
 
-        return create_model_from_path(path, **dict(self._run_args.model_init_kwargs or {}))
+        return create_model_from_path(path, **dict(self.args.model_init_kwargs or {}))
 
     def _load_causal_lm(self, path: str):
         """The reference model of a DPO run (loaded once per run)."""
         return self._load_model(path)
 
     def _release_dpo_run(self, keep_model: bool = False) -> None:
-        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference) without a full
-        garbage collection (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
-        release_trainer_run(self, keep_model, self._given_models)
+        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference; before the first
+        run: this trainer's own ``pi_0``) without a full garbage collection
+        (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
+        release_trainer_run(self._dpo_run or self, keep_model, self._given_models)
+        if not keep_model:
+            self.model = self.model_wrapped = self.ref_model = None
 
-    def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, setup=None) -> TrainOutput:
-        """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference
-        at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
-        ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log`` through the last DPO run (its state, callbacks and console), where its steps were
+        logged; through this trainer before the first run."""
+        run = self._dpo_run
+        return super().log(logs, start_time) if run is None else run.log(logs, start_time)
+
+    def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, stream=None,
+                 setup: Callable[[DPOTrainer], None] | None = None) -> DPOTrainer:  # fmt: skip
+        """One DPO run: a plain ``trl.DPOTrainer`` (a :class:`_StreamDPOTrainer` reading ``stream`` in per-batch mode)
+        for ``model`` (a path) against the reference at ``ref_path`` on ``train_dataset``, with this trainer's
+        callbacks and console (and ``setup(run)`` before training), trained from the last checkpoint in
+        ``args.output_dir``. The previous run is released first; the new one is kept (``trainer.model`` is its
+        policy) until the next."""
         from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
-        console = console_callback_of(self)  # use_console_output(trainer) lasts over every DPO run
+        console = console_callback_of(self._dpo_run or self)  # use_console_output(trainer) lasts over every run
         self._release_dpo_run()
         ref = self._load_causal_lm(ref_path)
         last = last_checkpoint(args.output_dir)
-        try:
-            super().__init__(
-                model=model,
-                ref_model=ref,
-                args=args,
-                train_dataset=train_dataset,
-                processing_class=self.processing_class,
-                callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
-                peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
-            )
-            if console is not None:
-                use_console_output(self, callback=console)
-            if setup is not None:
-                setup()
-            with torch_threads(self._run_args.training_threads), free_memory_without_collection(self.accelerator):
-                out = super().train(resume_from_checkpoint=last)
-        finally:
-            self.args = self._run_args
+        run = (DPOTrainer if stream is None else _StreamDPOTrainer)(
+            model=model,
+            ref_model=ref,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=self.processing_class,
+            callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
+            peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
+        )
+        self._dpo_run, self.model, self.model_wrapped = run, run.model, run.model_wrapped
+        if console is not None:
+            use_console_output(run, callback=console)
+        if stream is not None:
+            run.stream = stream
+        if setup is not None:
+            setup(run)
+        with torch_threads(self.args.training_threads), free_memory_without_collection(run.accelerator):
+            out = run.train(resume_from_checkpoint=last)
+        self.model, self.model_wrapped = run.model, run.model_wrapped
         done_before = int(Path(last).name.split("-")[-1]) if last else 0
         self._steps_run += out.global_step - done_before
         self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
-        return out
+        return run
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; after :meth:`train` and without ``output_dir`` (as ``push_to_hub`` calls it): the
@@ -611,12 +646,13 @@ class IterativeDPOTrainer(DPOTrainer):
         if self._dist.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         self._dist.wait_for_everyone()
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        run = self._dpo_run
+        unwrapped = run.accelerator.unwrap_model(run.model)
         if _is_peft(unwrapped):
             if self._dist.is_main_process:
                 unwrapped.merge_and_unload().save_pretrained(str(partial))
         else:
-            self.save_model(str(partial))
+            run.save_model(str(partial))
         if self._dist.is_main_process:
             self.processing_class.save_pretrained(str(partial))
             commit_directory(partial, dest)
@@ -626,7 +662,7 @@ class IterativeDPOTrainer(DPOTrainer):
                      dest: Path) -> None:  # fmt: skip
         """Step 6's DPO run (:meth:`IterationRun.train_iteration`): from ``start`` on ``rows`` against the reference
         at ``ref_path``, in ``work``; the trained policy is saved to ``dest``."""
-        self._run_dpo(start, ref_path, self._dpo_args(work, seed=seed), self._dpo_dataset(rows))
+        self._run_dpo(start, ref_path, self._dpo_args(work, seed=seed), _dpo_dataset(rows))
         self._save_policy(dest)
         self._release_dpo_run(keep_model=True)
 
@@ -746,29 +782,26 @@ class IterativeDPOTrainer(DPOTrainer):
             name=f"rlhf-ext-generator-{self._dist.process_index}",
         )
 
-        def setup() -> None:
-            plugin = self.accelerator.state.deepspeed_plugin
+        def setup(run: DPOTrainer) -> None:
+            plugin = run.accelerator.state.deepspeed_plugin
             if plugin is not None and plugin.zero_stage == 3:
                 raise ValueError(
                     "online mode publishes the policy's full weights to the generator after every step, which "
                     "ZeRO-3 shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
                 )
-            model_fn = lambda: self.accelerator.unwrap_model(self.model)  # noqa: E731
-            self.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
+            model_fn = lambda: run.accelerator.unwrap_model(run.model)  # noqa: E731
+            run.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
 
         with runner, torch_threads(a.training_threads):
             first = runner.next_batch()
-            self._stream = _StreamLoader(self, runner, first, total, offset)
-            try:
-                self._run_dpo(
-                    model=self.sft_path,
-                    ref_path=self.ref_path,
-                    args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
-                    train_dataset=self._dpo_dataset(first.data.rows),
-                    setup=setup,
-                )
-            finally:
-                self._stream = None
+            self._run_dpo(
+                model=self.sft_path,
+                ref_path=self.ref_path,
+                args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
+                train_dataset=_dpo_dataset(first.data.rows),
+                stream=_StreamLoader(self, runner, first, total, offset),
+                setup=setup,
+            )
         self._save_policy(dest)
         self._release_dpo_run(keep_model=True)
         return runner.stats
