@@ -620,6 +620,7 @@ class IterativeDPOTrainer(DPOTrainer):
         with torch_threads(self.args.training_threads), free_memory_without_collection(run.accelerator):
             out = run.train(resume_from_checkpoint=last)
         self.model, self.model_wrapped = run.model, run.model_wrapped
+        self.state = run.state  # trainer.state: the last run's steps and log_history, as a Trainer's after train()
         done_before = int(Path(last).name.split("-")[-1]) if last else 0
         self._steps_run += out.global_step - done_before
         self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
