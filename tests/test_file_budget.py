@@ -13,7 +13,7 @@ BUDGET = 600
 #: Files over the budget and their line counts when it was set (``wc -l``): a ceiling each, lowered as they shrink.
 OVER_BUDGET = {
     "datagen/backends.py": 722,
-    "trl/online_dpo.py": 1043,
+    "trl/online_dpo.py": 808,
 }
 
 

@@ -1,15 +1,41 @@
-"""The iteration loop of paper 004's Algorithm 2, written once, engine-free: it calls the steps of an
-:class:`IterationSteps` object (the TRL adapter :class:`rlhf_ext.trl.IterativeDPOTrainer` is one; its ``train()`` runs
-this loop, and so does every pipeline through it).
+"""The iteration loop of paper 004's Algorithm 2, written once, engine-free, and its steps: :func:`run_iterations`
+calls the steps of an :class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run
+(the run directory, prompts, sampling, scoring, pair selection and storage, evaluation, summary). The TRL adapter
+:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`; its
+``train()`` runs this loop, and so does every pipeline through it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import warnings
+from pathlib import Path
 from typing import Any, Protocol
+
+import torch
+
+from rlhf_ext.runtime.async_runner import torch_threads
+from rlhf_ext.runtime.io import atomic_write_json, recover_directory, stable_hash
+from rlhf_ext.runtime.pair_collection import SelectionSettings, score_and_select
+from rlhf_ext.runtime.pair_store import PairStore
+from rlhf_ext.runtime.rewards import RewardFn, score
+from rlhf_ext.runtime.rundir import RunDir
+from rlhf_ext.runtime.sampling import Samples, make_sampler
+
+logger = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+STATE_FILE = "state.json"
+RUN_KIND = "iterative-dpo"
+#: Where every policy of a run is saved (``policy_000`` ... and ``online_final``). ``Trainer.push_to_hub`` uploads
+#: ``output_dir`` without ``_*``, so only the final policy (``IterativeDPOTrainer.save_model``) goes to the hub.
+POLICIES_DIR = "_policies"
 
 
 class IterationSteps(Protocol):
-    """The steps :func:`run_iterations` calls (see :class:`rlhf_ext.trl.IterativeDPOTrainer` for their contracts)."""
+    """The steps :func:`run_iterations` calls (see :class:`IterationRun` for their contracts)."""
 
     args: Any
 
@@ -28,9 +54,10 @@ class IterationSteps(Protocol):
 
 
 def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
-    """Paper 004's Algorithm 2, iterative best/worst-of-n online DPO, on ``trainer`` (the TRL adapter
-    :class:`~rlhf_ext.trl.IterativeDPOTrainer` with ``online_mode="iterative"``, whose ``train()`` calls this);
-    returns the run's summary.
+    """Paper 004's Algorithm 2, iterative best/worst-of-n online DPO, on ``trainer``'s steps (an
+    :class:`IterationSteps`, or the TRL adapter :class:`~rlhf_ext.trl.IterativeDPOTrainer` with
+    ``online_mode="iterative"``, whose ``train()`` calls this, holding one as ``iteration_steps``); returns the run's
+    summary.
 
     ``pi_0`` is the SFT model; it is evaluated first. Then, for each iteration ``t = 0 .. num_iterations - 1``:
 
@@ -53,6 +80,7 @@ def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
     Every step's result is on disk before the next starts (pairs, ``state.json``, ``eval/``), so rerunning a killed
     run resumes at the last finished step and produces the same pairs and weights.
     """
+    trainer = getattr(trainer, "iteration_steps", trainer)  # the TRL adapter holds its steps (an IterationRun)
     args = trainer.args
     if args.online_mode != "iterative":
         raise ValueError("run_iterations runs online_mode='iterative'; per-batch online DPO is trainer.train()")
@@ -76,3 +104,316 @@ def run_iteration(trainer: IterationSteps, t: int) -> dict[str, Any]:
     trainer.train_iteration(t)  # 6. DPO on the accumulated pairs, SFT reference -> pi_{t+1}
     evaluation = trainer.evaluate_policy(t + 1)  # 7. evaluate pi_{t+1}
     return trainer.log_iteration(t, pairs, evaluation)
+
+
+class _Scores:
+    """A reward function that returns scores computed before (step 3), for the selection of step 4."""
+
+    def __init__(self, rewards: torch.Tensor):
+        self.rewards = rewards
+
+    def __call__(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
+        return self.rewards.flatten()
+
+
+class IterationEngine(Protocol):
+    """What :class:`IterationRun` needs from the training engine (the TRL adapter
+    :class:`rlhf_ext.trl.IterativeDPOTrainer` is one)."""
+
+    def train_policy(self, start: str, ref_path: str, rows: list[dict[str, Any]], work: Path, seed: int,
+                     dest: Path) -> None: ...  # fmt: skip
+    def log(self, logs: dict[str, Any]) -> None: ...
+
+
+class IterationRun:
+    """The engine-free part of an online DPO run in ``root`` (its ``output_dir``): the run directory (``run.json``),
+    the policy record (``state.json``), the prompts of each iteration, sampling, scoring, pair selection and storage
+    (``pairs/``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`), evaluations (``eval/``), log rows and the
+    summary. It is :func:`run_iterations`'s :class:`IterationSteps`; the DPO run of step 6 and the logger are the
+    ``engine``'s.
+
+    Args:
+        args: the run's ``IterativeDPOConfig``.
+        prompts, eval_prompts: the training prompts and the evaluation prompts (text or chat messages).
+        sft_path, ref_path: checkpoints of ``pi_0`` and of the SFT reference.
+        tokenizer: the policy's tokenizer (for the samplers).
+        reward_fn, gold_fn: ``(prompts, responses) -> scores``; ``gold_fn`` is reported at evaluation only.
+        dist: the process group (``accelerate.PartialState``: ``is_main_process``, ``wait_for_everyone``,
+            ``num_processes``, ``process_index``).
+        engine: an :class:`IterationEngine`.
+    """
+
+    def __init__(self, args, prompts: list[Any], eval_prompts: list[Any], sft_path: str, ref_path: str, tokenizer,
+                 reward_fn: RewardFn, gold_fn: RewardFn | None, dist, engine: IterationEngine):  # fmt: skip
+        self.args, self.prompts, self.eval_prompts = args, prompts, eval_prompts
+        self.sft_path, self.ref_path, self.tokenizer = sft_path, ref_path, tokenizer
+        self.reward_fn, self.gold_fn, self.dist, self.engine = reward_fn, gold_fn, dist, engine
+        self.root = Path(args.output_dir)
+        self.store = PairStore(self.root / "pairs")
+        self._sampler = None
+
+    # ------------------------------------------------------------------------------------------ run directory
+    def open_run(self) -> RunDir:
+        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it.
+
+        Raises:
+            FileExistsError: a run exists and ``args.resume`` is false.
+            RunSettingsChanged: (a ``ValueError``) the run there was started with other settings.
+        """
+        settings = {**self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
+        run_file = self.root / RUN_FILE
+        old = json.loads(run_file.read_text()) if run_file.exists() else None
+        if old is not None and not self.args.resume:
+            raise FileExistsError(
+                f"{self.root} already holds a run; delete it, choose another output_dir, or set resume=True"
+            )
+        # a run.json from before RunDir: {"settings", "sft", "prompts"}; the same run is taken over, not refused
+        legacy = {"settings": self.args.settings(), "sft": self.sft_path, "prompts": settings["prompts"]}
+        legacy = old is not None and "fingerprint" not in old and old == json.loads(json.dumps(legacy))
+        run = None
+        if self.dist.is_main_process:
+            run = RunDir(self.root, settings, kind=RUN_KIND, force=legacy)
+        elif old is not None and not legacy:
+            run = RunDir(self.root, settings, kind=RUN_KIND)  # read-only here: the same run, or the same error
+        self.dist.wait_for_everyone()
+        return run or RunDir(self.root, settings, kind=RUN_KIND)
+
+    def read_state(self) -> dict[str, Any]:
+        """``state.json``: the checkpoint of every policy so far (``policies``) and the iterations without pairs."""
+        path = self.root / STATE_FILE
+        return json.loads(path.read_text()) if path.exists() else {"policies": {"0": self.sft_path}, "skipped": []}
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        if self.dist.is_main_process:
+            atomic_write_json(self.root / STATE_FILE, state)
+        self.dist.wait_for_everyone()
+
+    def policy_path(self, t: int) -> str | None:
+        """Checkpoint of ``pi_t`` (``pi_0`` = SFT), or None if it does not exist yet."""
+        return self.read_state()["policies"].get(str(t))
+
+    def seed(self, *parts: Any) -> int:
+        """The run's seed for ``parts`` (e.g. ``("collect", t)``)."""
+        return int(stable_hash(self.args.seed, *parts), 16) % (2**31 - 1)
+
+    def sampler_spec(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
+        a = self.args
+        return dict(
+            backend=a.generation_backend,
+            policy=self.sft_path,
+            tokenizer=self.tokenizer,
+            max_new_tokens=a.max_completion_length,
+            temperatures=a.temperatures,
+            batch_size=a.generation_batch_size,
+            max_prompt_length=a.max_prompt_length,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
+        )
+
+    def sampler(self):
+        if self._sampler is None:
+            self._sampler = make_sampler(**self.sampler_spec())
+        return self._sampler
+
+    # ---------------------------------------------------------------------------- Algorithm 2, one iteration
+    def iteration_prompts(self, t: int) -> tuple[list[Any], list[int]]:
+        """Step 1: (prompts, their indices in the prompt set) of iteration ``t``: a fixed shuffled order,
+        consecutive slices of ``prompts_per_iteration`` (default ``len(prompts) // num_iterations``), wrapping."""
+        total = len(self.prompts)
+        m = self.args.prompts_per_iteration or max(1, total // self.args.num_iterations)
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed("order")))
+        positions = (t * m + torch.arange(m)) % total
+        ids = order[positions].tolist()
+        return [self.prompts[i] for i in ids], ids
+
+    def should_collect(self, t: int) -> bool:
+        """Whether this process collects iteration ``t``'s pairs: the main process, once per run (a write of them
+        that a kill interrupted is finished or cleaned up first)."""
+        if not self.dist.is_main_process:
+            return False
+        recover_directory(self.store.path(t))
+        return not self.store.has(t)
+
+    def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
+        """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
+        sampler = self.sampler()
+        sampler.load_policy(self.policy_path(t))
+        with torch_threads(self.args.generation_threads):
+            samples = sampler.sample(prompts, self.args.num_samples, seed=self.seed("collect", t))
+        sampler.release()
+        return samples
+
+    def score_responses(self, prompts: list[Any], samples: Samples) -> torch.Tensor:
+        """Step 3: the reward of every response, ``[len(prompts), num_samples]``."""
+        n = len(samples.temperatures)
+        flat_prompts = [p for p in prompts for _ in range(n)]
+        return score(self.reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
+
+    def select_pairs(
+        self, t: int, prompts: list[Any], ids: list[int], samples: Samples, rewards: torch.Tensor
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
+        whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
+        rows, stats = score_and_select(
+            prompts,
+            ids,
+            samples,
+            _Scores(rewards),
+            SelectionSettings.from_args(self.args),
+            torch.Generator().manual_seed(self.seed("select", t)),
+        )
+        for r in rows:
+            r.update(iteration=t, policy=t)
+        return rows, {**stats, "policy": self.policy_path(t)}
+
+    def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+        """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
+        if not rows:
+            warnings.warn(
+                f"iteration {t}: every prompt's {self.args.num_samples} responses tied under the reward "
+                "(equal scores or identical text), so no preference pairs were collected",
+                stacklevel=2,
+            )
+        self.store.write(t, rows, stats)
+        logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
+
+    def pairs_summary(self, t: int) -> dict[str, Any]:
+        """What iteration ``t``'s collection measured (waits for the main process to store it)."""
+        self.dist.wait_for_everyone()
+        return self.store.summary(t)
+
+    def train_iteration(self, t: int) -> str:
+        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
+        (skipped if it exists; the DPO run is the engine's :meth:`~IterationEngine.train_policy`). Returns the path
+        of ``pi_{t+1}``.
+
+        ``pi_{t+1}`` is saved atomically before ``state.json`` records it; a run killed in between left the complete
+        policy, which the rerun records instead of training it again (same pairs, settings and seed: the same
+        weights)."""
+        state = self.read_state()
+        if str(t + 1) in state["policies"]:
+            return state["policies"][str(t + 1)]
+        start = state["policies"][str(t)]
+        rows = self.store.training_pairs(t, self.args.pair_data)
+        if not rows:
+            warnings.warn(
+                f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})",
+                stacklevel=2,
+            )
+            state["policies"][str(t + 1)] = start
+            state["skipped"].append(t)
+            self.write_state(state)
+            return start
+        work = self.root / "iterations" / f"iter_{t:03d}"
+        dest = self.root / POLICIES_DIR / f"policy_{t + 1:03d}"
+        if self.dist.is_main_process:
+            recover_directory(dest)  # a save of pi_{t+1} that a kill interrupted: finished or cleaned up
+        self.dist.wait_for_everyone()
+        if not dest.is_dir():  # (else: saved by a run killed before state.json recorded it)
+            ref_path = self.ref_path if self.args.reference == "sft" else start
+            self.engine.train_policy(start, ref_path, rows, work, self.args.seed + t, dest)
+        if self.dist.is_main_process:
+            for ckpt in work.glob("checkpoint-*"):
+                shutil.rmtree(ckpt, ignore_errors=True)
+        state["policies"][str(t + 1)] = str(dest)
+        self.write_state(state)
+        return str(dest)
+
+    def evaluate_policy(self, t: int) -> dict[str, Any]:
+        """Step 7: mean reward (and ``gold_fn``) of ``pi_t``'s samples on the evaluation prompts (cached on disk)."""
+        return self.evaluate_checkpoint(self.policy_path(t), f"policy_{t:03d}", {"policy": t})
+
+    def evaluate_checkpoint(self, path: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """Sample ``eval_samples_per_prompt`` responses per evaluation prompt from the checkpoint at ``path`` and
+        score them; written to ``output_dir/eval/{name}.json``. Every policy is evaluated on the same prompts with
+        the same sampling seed (common random numbers), so differences between policies are not prompt noise."""
+        out = self.root / "eval" / f"{name}.json"
+        if not out.exists() and self.dist.is_main_process:
+            a = self.args
+            sampler = self.sampler()
+            sampler.load_policy(path)
+            with torch_threads(a.generation_threads):
+                samples = sampler.sample(
+                    self.eval_prompts, a.eval_samples_per_prompt, temperatures=[a.eval_temperature],
+                    seed=self.seed("eval"),
+                )  # fmt: skip
+            sampler.release()
+            flat_prompts = [p for p in self.eval_prompts for _ in range(a.eval_samples_per_prompt)]
+            rewards = score(self.reward_fn, flat_prompts, samples.flat())
+            metrics = {
+                **extra,
+                "path": str(path),
+                "num_samples": int(rewards.numel()),
+                "mean_reward": float(rewards.mean()),
+                "std_reward": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+                "mean_length_chars": float(samples.num_chars().mean()),
+                "mean_length_tokens": float(samples.num_tokens.float().mean()),
+                "truncated_fraction": float(samples.truncated.float().mean()),
+            }
+            if self.gold_fn is not None:
+                metrics["mean_gold"] = float(score(self.gold_fn, flat_prompts, samples.flat()).mean())
+            atomic_write_json(out, metrics)
+        self.dist.wait_for_everyone()
+        return json.loads(out.read_text())
+
+    # -------------------------------------------------------------------------------------------- reporting
+    def log_iteration(self, t: int, pairs: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+        """Log iteration ``t``'s pairs and the evaluation of ``pi_{t+1}`` through the engine's loggers; returns
+        the summary's record of the iteration."""
+        logs = {
+            "iteration": t,
+            "pairs/num_pairs": pairs["num_pairs"],
+            "pairs/dropped": pairs["dropped"],
+            "pairs/mean_reward": pairs["mean_reward"],
+            **eval_logs(evaluation),
+        }
+        self.engine.log(logs)
+        return {"iteration": t, "pairs": pairs, "eval": evaluation}
+
+    def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
+        """The per-iteration run's summary, written to ``output_dir/summary.json``."""
+        state = self.read_state()
+        summary = {
+            "mode": "iterative",
+            "output_dir": str(self.root),
+            "final_policy": state["policies"][str(self.args.num_iterations)],
+            "skipped_iterations": state["skipped"],
+            "eval": evals,
+            "iterations": iterations,
+        }
+        if self.dist.is_main_process:
+            atomic_write_json(self.root / "summary.json", summary)
+        return summary
+
+    # ----------------------------------------------------------------------------------------------- per-batch
+    def record_online_batch(self, index: int, version: int, batch_rows: list[dict[str, Any]],
+                            generate_seconds: float, cursors: list[int]) -> None:  # fmt: skip
+        """Write the pairs of the batch that trains update ``index`` (generated by policy ``version``) to the store,
+        with every process's prompt cursor after it (``prompt_cursors``, one per rank: where a resumed run
+        continues)."""
+        rows = [{**r, "update": index, "policy_version": version} for r in batch_rows]
+        if self.dist.is_main_process:
+            stats = {"policy_version": version, "generate_seconds": generate_seconds, "prompt_cursors": cursors}
+            self.store.write(index, rows, stats)
+
+    def resume_cursor(self, offset: int) -> int:
+        """This process's prompt cursor after update ``offset - 1`` (0 at the start of a run), from the stored
+        batch of that update."""
+        if offset == 0:
+            return 0
+        cursors = self.store.summary(offset - 1).get("prompt_cursors")
+        if cursors is None or len(cursors) != self.dist.num_processes:
+            raise ValueError(
+                f"{self.store.path(offset - 1)} holds no prompt cursor for {self.dist.num_processes} process(es) "
+                "(written by an older rlhf-ext or another number of processes), so the run cannot resume from "
+                f"checkpoint-{offset} with the uninterrupted run's prompts; start it again in a new output_dir"
+            )
+        return int(cursors[self.dist.process_index])
+
+
+def eval_logs(evaluation: dict[str, Any]) -> dict[str, float]:
+    """The logged metrics of an evaluation (:meth:`IterationRun.evaluate_checkpoint`)."""
+    keys = ("mean_reward", "mean_gold", "mean_length_chars", "truncated_fraction")
+    return {f"policy_eval/{k}": evaluation[k] for k in keys if k in evaluation}

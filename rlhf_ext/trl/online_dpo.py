@@ -2,21 +2,23 @@
 online DPO (paper 001).
 
 :class:`IterativeDPOTrainer` *is* a ``DPOTrainer``: it takes TRL's arguments in GRPO / OnlineDPO order (``model``,
-``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is this trainer's own
-``DPOTrainer`` training loop, fed with preference pairs as they are collected:
+``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is a plain
+``trl.DPOTrainer`` (per-batch: one whose train dataloader is the stream of generated batches), fed with preference
+pairs as they are collected:
 
 **per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
 ``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
 SFT reference ``pi_0`` (``reference="sft"``, the authors' choice) or ``pi_t`` (``"previous"``), saved as
-``pi_{t+1}``. The steps of one iteration are methods (Algorithm 2's numbering):
+``pi_{t+1}``. The steps of one iteration are the methods of the trainer's engine-free
+:class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``; Algorithm 2's numbering):
 
-1. :meth:`~IterativeDPOTrainer.iteration_prompts` — the iteration's prompts;
-2. :meth:`~IterativeDPOTrainer.sample_responses` — ``n`` responses per prompt from ``pi_t`` at the temperatures;
-3. :meth:`~IterativeDPOTrainer.score_responses` — the reward of every response;
-4. :meth:`~IterativeDPOTrainer.select_pairs` — best vs worst of ``r - lambda * |a|`` (Eq. 9), ties dropped;
-5. :meth:`~IterativeDPOTrainer.store_pairs` — the iteration's pairs, written atomically, exactly once;
-6. :meth:`~IterativeDPOTrainer.train_iteration` — the DPO run ``pi_t -> pi_{t+1}``;
-7. :meth:`~IterativeDPOTrainer.evaluate_policy` — the reward of ``pi_{t+1}``'s samples on the evaluation prompts.
+1. ``iteration_prompts`` — the iteration's prompts;
+2. ``sample_responses`` — ``n`` responses per prompt from ``pi_t`` at the temperatures;
+3. ``score_responses`` — the reward of every response;
+4. ``select_pairs`` — best vs worst of ``r - lambda * |a|`` (Eq. 9), ties dropped;
+5. ``store_pairs`` — the iteration's pairs, written atomically, exactly once;
+6. ``train_iteration`` — the DPO run ``pi_t -> pi_{t+1}`` (this trainer's :meth:`~IterativeDPOTrainer.train_policy`);
+7. ``evaluate_policy`` — the reward of ``pi_{t+1}``'s samples on the evaluation prompts.
 
 The loop over iterations, step by step, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written once:
 :meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on its
@@ -95,32 +97,21 @@ from rlhf_ext.runtime.io import (
     atomic_write_json,
     commit_directory,
     recover_directory,
-    stable_hash,
     temporary_sibling,
 )
-from rlhf_ext.runtime.iterations import run_iterations
+from rlhf_ext.runtime.iterations import POLICIES_DIR, IterationRun, eval_logs, run_iterations
 from rlhf_ext.runtime.pair_collection import (
     OnlineBatchPairs,
     OnlinePairGenerator,
     SelectionSettings,
-    score_and_select,
     wants_generator_process,
 )
-from rlhf_ext.runtime.pair_store import PairStore
-from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, score, segment_reward_as_e_phi
-from rlhf_ext.runtime.rundir import RunDir
-from rlhf_ext.runtime.sampling import Samples, is_conversation, make_sampler, split_temperatures
+from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, segment_reward_as_e_phi
+from rlhf_ext.runtime.sampling import is_conversation, split_temperatures
 from rlhf_ext.trl.args import HardwareBF16Default
 from rlhf_ext.trl.release import free_memory_without_collection, release_trainer_run
 
 logger = logging.getLogger(__name__)
-
-RUN_FILE = "run.json"
-STATE_FILE = "state.json"
-RUN_KIND = "iterative-dpo"
-#: Where every policy of a run is saved (``policy_000`` ... and ``online_final``). ``Trainer.push_to_hub`` uploads
-#: ``output_dir`` without ``_*``, so only the final policy (:meth:`IterativeDPOTrainer.save_model`) goes to the hub.
-POLICIES_DIR = "_policies"
 
 
 @dataclass
@@ -220,9 +211,47 @@ def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
     warnings.warn(
         f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return value
+
+
+def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
+                       deprecated: dict[str, Any]) -> tuple[Any, IterativeDPOConfig, Any, Any]:  # fmt: skip
+    """``IterativeDPOTrainer``'s arguments checked, with their deprecated names (``deprecated``: ``prompts``,
+    ``eval_prompts``, ``reward_fn``, ``reward_model``) resolved: ``(reward_funcs, args, train_dataset,
+    eval_dataset)``."""
+    prompts, eval_prompts = deprecated["prompts"], deprecated["eval_prompts"]
+    reward_fn, reward_model = deprecated["reward_fn"], deprecated["reward_model"]
+    if isinstance(reward_funcs, TrainingArguments):
+        raise TypeError(
+            "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
+            "pass the config as args="
+        )
+    train_dataset = _deprecated("prompts", prompts, "train_dataset", train_dataset)
+    eval_dataset = _deprecated("eval_prompts", eval_prompts, "eval_dataset", eval_dataset)
+    if reward_fn is not None and not callable(reward_fn):
+        raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
+    given = [r for r in (reward_funcs, reward_fn, reward_model) if r is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "pass exactly one reward: reward_funcs= (a callable (prompts, responses) -> scores, a reward-model "
+            "path or hub id, or a loaded reward model)"
+        )
+    reward_funcs = _deprecated("reward_fn", reward_fn, "reward_funcs", reward_funcs)
+    reward_funcs = _deprecated("reward_model", reward_model, "reward_funcs", reward_funcs)
+
+    args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
+    if not isinstance(args, IterativeDPOConfig):
+        raise TypeError(f"args must be an IterativeDPOConfig, got {type(args).__name__}")
+    if tuple(optimizers) != (None, None):
+        raise ValueError(
+            "optimizers= is not supported: every DPO run loads its policy from disk and builds its optimizer "
+            "from args (optim, learning_rate, lr_scheduler_type, ...)"
+        )
+    if peft_config is not None and args.online_mode == "online":
+        raise ValueError("peft_config works with online_mode='iterative' only (per-batch mode publishes full weights)")
+    return reward_funcs, args, train_dataset, eval_dataset
 
 
 def _is_model(obj: Any) -> bool:
@@ -257,14 +286,23 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
     )
 
 
-class _Scores:
-    """A reward function that returns scores computed before (step 3), for the selection of step 4."""
+def _dpo_dataset(rows: Sequence[dict[str, Any]]):
+    """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
+    from datasets import Dataset
 
-    def __init__(self, rewards: torch.Tensor):
-        self.rewards = rewards
+    def side(prompt, text):
+        return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
 
-    def __call__(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
-        return self.rewards.flatten()
+    return Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "chosen": side(r["prompt"], r["chosen"]),
+                "rejected": side(r["prompt"], r["rejected"]),
+            }
+            for r in rows
+        ]
+    )
 
 
 @contextlib.contextmanager
@@ -283,12 +321,14 @@ def _quiet_datasets():
 
 # ---------------------------------------------------------------------------------------------- per-batch stream
 class _StreamLoader:
-    """The train dataloader of the per-batch DPO run: ``gradient_accumulation_steps`` collated micro-batches per
-    runner batch, so one optimizer step consumes exactly one generated batch."""
+    """The train dataloader of the per-batch DPO run (``run``, a :class:`_StreamDPOTrainer`):
+    ``gradient_accumulation_steps`` collated micro-batches per runner batch, so one optimizer step consumes exactly one
+    generated batch; ``trainer`` stores each batch's pairs as the run takes it."""
 
     def __init__(self, trainer: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
         self.trainer, self.runner, self.first = trainer, runner, first
         self.total, self.offset = total, offset
+        self.run: DPOTrainer | None = None
 
     def __len__(self) -> int:
         return self.total * self.trainer.args.gradient_accumulation_steps
@@ -302,12 +342,12 @@ class _StreamLoader:
             batch = self.runner.next_batch()  # only asked for after the update on `batch` was published
 
     def _micro_batches(self, batch: Batch):
-        trainer = self.trainer
-        trainer._record_online_batch(batch, self.offset)
+        run = self.run
+        self.trainer._record_online_batch(batch, self.offset)
         with _quiet_datasets():
-            data = trainer._dpo_dataset(batch.data.rows)
-            examples = list(trainer._prepare_dataset(data, trainer.processing_class, trainer.args, "online"))
-        ga = trainer.args.gradient_accumulation_steps
+            data = _dpo_dataset(batch.data.rows)
+            examples = list(run._prepare_dataset(data, run.processing_class, run.args, "online"))
+        ga = run.args.gradient_accumulation_steps
         if len(examples) < ga:
             raise ValueError(
                 f"online batch {self.offset + batch.index} kept {len(examples)} pairs after tokenisation, fewer than "
@@ -315,7 +355,18 @@ class _StreamLoader:
             )
         bounds = [round(i * len(examples) / ga) for i in range(ga + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
-            yield trainer.data_collator(examples[lo:hi])
+            yield run.data_collator(examples[lo:hi])
+
+
+class _StreamDPOTrainer(DPOTrainer):
+    """A plain ``DPOTrainer`` but for its train dataloader: the per-batch run's :class:`_StreamLoader` (``stream``),
+    whose batches are generated while it trains (TRL builds the dataloader from a dataset known in advance)."""
+
+    stream: _StreamLoader
+
+    def get_train_dataloader(self):
+        self.stream.run = self
+        return self.stream
 
 
 class _PublishWeights(TrainerCallback):
@@ -365,16 +416,10 @@ class IterativeDPOTrainer(DPOTrainer):
         summary: after :meth:`train`, what it returned before it was a ``Trainer``: per-iteration pairs and
             evaluations (``iterations``, ``eval``, ``final_policy``, ``skipped_iterations``) or, per-batch, the
             runner's statistics (``runner``, ``updates``, ``resumed_from_update``); also ``output_dir/summary.json``.
-        model: as in ``DPOTrainer``: the policy of the current (or last) DPO run; before :meth:`train`, and after a
-            call that trained nothing, ``pi_0``. The final policy's checkpoint is ``summary["final_policy"]``.
-
-    Resuming a per-batch run (``online_mode="online"``) killed after checkpoint ``k``: synchronous runs end with the
-    uninterrupted run's pairs and weights, bit for bit (same prompt order, prompt cursor stored with every batch,
-    batch seeds from the global update index). The one known difference is asynchronous runs'
-    (``async_generation=True``), by design: the first batch after the resume, ``k``, is generated with the
-    checkpoint's weights ``theta_k`` (stored ``policy_version`` ``k``; the uninterrupted run used ``theta_{k-1}``,
-    which a resumed run no longer has), so from update ``k`` on its pairs and weights differ from the uninterrupted
-    run's; two resumes from the same checkpoint are still identical.
+        model: the policy of the current (or last) DPO run (a plain ``trl.DPOTrainer`` this trainer builds per
+            run); before :meth:`train`, and after a call that trained nothing, ``pi_0``. The final policy's
+            checkpoint is ``summary["final_policy"]``. Logs after a run go through that run (its ``state``,
+            callbacks and console).
     """
 
     _tag_names = ["trl", "dpo", "online-dpo", "rlhf-ext"]
@@ -403,38 +448,12 @@ class IterativeDPOTrainer(DPOTrainer):
         from accelerate import PartialState
         from transformers import AutoTokenizer
 
-        if isinstance(reward_funcs, TrainingArguments):
-            raise TypeError(
-                "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
-                "pass the config as args="
-            )
-        train_dataset = _deprecated("prompts", prompts, "train_dataset", train_dataset)
-        eval_dataset = _deprecated("eval_prompts", eval_prompts, "eval_dataset", eval_dataset)
-        if reward_fn is not None and not callable(reward_fn):
-            raise TypeError("reward_fn must be callable: (prompts, responses) -> one score per response")
-        given = [r for r in (reward_funcs, reward_fn, reward_model) if r is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "pass exactly one reward: reward_funcs= (a callable (prompts, responses) -> scores, a reward-model "
-                "path or hub id, or a loaded reward model)"
-            )
-        reward_funcs = _deprecated("reward_fn", reward_fn, "reward_funcs", reward_funcs)
-        reward_funcs = _deprecated("reward_model", reward_model, "reward_funcs", reward_funcs)
-
-        args = args if args is not None else IterativeDPOConfig(output_dir="iterative-dpo")
-        if not isinstance(args, IterativeDPOConfig):
-            raise TypeError(f"args must be an IterativeDPOConfig, got {type(args).__name__}")
-        if tuple(optimizers) != (None, None):
-            raise ValueError(
-                "optimizers= is not supported: every DPO run loads its policy from disk and builds its optimizer "
-                "from args (optim, learning_rate, lr_scheduler_type, ...)"
-            )
-        if peft_config is not None and args.online_mode == "online":
-            raise ValueError(
-                "peft_config works with online_mode='iterative' only (per-batch mode publishes full weights)"
-            )
+        reward_funcs, args, train_dataset, eval_dataset = _checked_arguments(
+            reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
+            deprecated=dict(prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn, reward_model=reward_model),
+        )  # fmt: skip
+        self.args = args  # (Trainer sets it again; _load_model reads it before)
         self._dist = PartialState()
-        self._run_args = args
         self.root = Path(args.output_dir)
         self.prompts = _prompt_list(train_dataset, prompt_key)
         self.eval_prompts = (
@@ -453,14 +472,15 @@ class IterativeDPOTrainer(DPOTrainer):
         self.ref_path = self._as_path(ref_model, "reference", processing_class) if ref_model is not None else None
         self.ref_path = self.ref_path or self.sft_path
         self.reward_fn = _reward_function(reward_funcs, processing_class, args.reward_batch_size)
-        self.gold_fn = gold_fn
-        self.store = PairStore(self.root / "pairs")
+        self.iteration_steps = IterationRun(
+            args, self.prompts, self.eval_prompts, self.sft_path, self.ref_path, processing_class, self.reward_fn,
+            gold_fn, self._dist, engine=self,
+        )  # fmt: skip
         self.summary: dict[str, Any] | None = None
         self.runner_stats: RunnerStats | None = None
         self._user_callbacks = list(callbacks or [])
         self._peft_config = peft_config
-        self._sampler = None
-        self._stream: _StreamLoader | None = None
+        self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
         self._given_models = weakref.WeakSet([model] if _is_model(model) else [])
         base_ref = None
@@ -500,14 +520,11 @@ class IterativeDPOTrainer(DPOTrainer):
             return dataset
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
-    def get_train_dataloader(self):
-        return self._stream if self._stream is not None else super().get_train_dataloader()
-
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
         """Run (or resume) the schedule in ``args.online_mode``.
 
-        Per-iteration mode runs, for ``t = 0 .. num_iterations-1``, steps 1-5 (:meth:`collect`), 6
-        (:meth:`train_iteration`) and 7 (:meth:`evaluate_policy`), after evaluating ``pi_0``. Resuming is automatic
+        Per-iteration mode runs :func:`~rlhf_ext.runtime.iterations.run_iterations` over :attr:`iteration_steps`:
+        for ``t = 0 .. num_iterations-1``, steps 1-7 of Algorithm 2, after evaluating ``pi_0``. Resuming is automatic
         (``args.resume``), so ``resume_from_checkpoint`` is only accepted as ``None`` / ``True``.
 
         Returns:
@@ -526,92 +543,23 @@ class IterativeDPOTrainer(DPOTrainer):
             self.open_run()
             summary = self._train_online()
         else:
-            summary = run_iterations(self)  # paper 004's Algorithm 2, steps 1-7, over this trainer's step methods
+            summary = run_iterations(self.iteration_steps)  # paper 004's Algorithm 2, steps 1-7
         return self._train_output(summary, time.perf_counter() - start)
 
-    # ------------------------------------------------------------------------------------------ run directory
-    def open_run(self) -> RunDir:
-        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it.
-
-        Raises:
-            FileExistsError: a run exists and ``args.resume`` is false.
-            RunSettingsChanged: (a ``ValueError``) the run there was started with other settings.
-        """
-        settings = {**self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
-        run_file = self.root / RUN_FILE
-        old = json.loads(run_file.read_text()) if run_file.exists() else None
-        if old is not None and not self.args.resume:
-            raise FileExistsError(
-                f"{self.root} already holds a run; delete it, choose another output_dir, or set resume=True"
-            )
-        # a run.json from before RunDir: {"settings", "sft", "prompts"}; the same run is taken over, not refused
-        legacy = {"settings": self.args.settings(), "sft": self.sft_path, "prompts": settings["prompts"]}
-        legacy = old is not None and "fingerprint" not in old and old == json.loads(json.dumps(legacy))
-        run = None
-        if self._dist.is_main_process:
-            run = RunDir(self.root, settings, kind=RUN_KIND, force=legacy)
-        elif old is not None and not legacy:
-            run = RunDir(self.root, settings, kind=RUN_KIND)  # read-only here: the same run, or the same error
-        self._dist.wait_for_everyone()
-        return run or RunDir(self.root, settings, kind=RUN_KIND)
+    # ------------------------------------------------------------------------------ the engine-free steps
+    def open_run(self):
+        """Check ``output_dir`` against this run's settings (:meth:`IterationRun.open_run`)."""
+        return self.iteration_steps.open_run()
 
     _check_run_dir = open_run
 
-    def _read_state(self) -> dict[str, Any]:
-        path = self.root / STATE_FILE
-        return json.loads(path.read_text()) if path.exists() else {"policies": {"0": self.sft_path}, "skipped": []}
-
-    def _write_state(self, state: dict[str, Any]) -> None:
-        if self._dist.is_main_process:
-            atomic_write_json(self.root / STATE_FILE, state)
-        self._dist.wait_for_everyone()
-
     def policy_path(self, t: int) -> str | None:
         """Checkpoint of ``pi_t`` (``pi_0`` = SFT), or None if it does not exist yet."""
-        return self._read_state()["policies"].get(str(t))
+        return self.iteration_steps.policy_path(t)
 
-    # ------------------------------------------------------------------------------------------------ helpers
-    def _seed(self, *parts: Any) -> int:
-        return int(stable_hash(self.args.seed, *parts), 16) % (2**31 - 1)
-
-    def sampler_spec(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
-        a = self.args
-        return dict(
-            backend=a.generation_backend,
-            policy=self.sft_path,
-            tokenizer=self.processing_class,
-            max_new_tokens=a.max_completion_length,
-            temperatures=a.temperatures,
-            batch_size=a.generation_batch_size,
-            max_prompt_length=a.max_prompt_length,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
-        )
-
-    def sampler(self):
-        if self._sampler is None:
-            self._sampler = make_sampler(**self.sampler_spec())
-        return self._sampler
-
-    def _dpo_dataset(self, rows: Sequence[dict[str, Any]]):
-        """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
-        from datasets import Dataset
-
-        def side(prompt, text):
-            return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
-
-        return Dataset.from_list(
-            [
-                {
-                    "prompt": r["prompt"],
-                    "chosen": side(r["prompt"], r["chosen"]),
-                    "rejected": side(r["prompt"], r["rejected"]),
-                }
-                for r in rows
-            ]
-        )
+    def evaluate_policy(self, t: int) -> dict[str, Any]:
+        """Step 7: the evaluation of ``pi_t`` (:meth:`IterationRun.evaluate_policy`)."""
+        return self.iteration_steps.evaluate_policy(t)
 
     def _dpo_args(self, output_dir: Path, **overrides: Any) -> IterativeDPOConfig:
         return dataclasses.replace(self.args, output_dir=str(output_dir), **overrides)
@@ -619,50 +567,64 @@ class IterativeDPOTrainer(DPOTrainer):
     def _load_model(self, path: str):
         from trl.trainer.utils import create_model_from_path
 
-        return create_model_from_path(path, **dict(self._run_args.model_init_kwargs or {}))
+        return create_model_from_path(path, **dict(self.args.model_init_kwargs or {}))
 
     def _load_causal_lm(self, path: str):
         """The reference model of a DPO run (loaded once per run)."""
         return self._load_model(path)
 
     def _release_dpo_run(self, keep_model: bool = False) -> None:
-        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference) without a full
-        garbage collection (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
-        release_trainer_run(self, keep_model, self._given_models)
+        """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference; before the first
+        run: this trainer's own ``pi_0``) without a full garbage collection
+        (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
+        release_trainer_run(self._dpo_run or self, keep_model, self._given_models)
+        if not keep_model:
+            self.model = self.model_wrapped = self.ref_model = None
 
-    def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, setup=None) -> TrainOutput:
-        """One DPO run of this trainer: ``DPOTrainer``'s initialisation for ``model`` (a path) against the reference
-        at ``ref_path`` on ``train_dataset``, then its training loop, resumed from the last checkpoint in
-        ``args.output_dir``. ``self.args`` is the run's config again afterwards."""
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log`` through the last DPO run (its state, callbacks and console), where its steps were
+        logged; through this trainer before the first run."""
+        run = self._dpo_run
+        return super().log(logs, start_time) if run is None else run.log(logs, start_time)
+
+    def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, stream=None,
+                 setup: Callable[[DPOTrainer], None] | None = None) -> DPOTrainer:  # fmt: skip
+        """One DPO run: a plain ``trl.DPOTrainer`` (a :class:`_StreamDPOTrainer` reading ``stream`` in per-batch mode)
+        for ``model`` (a path) against the reference at ``ref_path`` on ``train_dataset``, with this trainer's
+        callbacks and console (and ``setup(run)`` before training), trained from the last checkpoint in
+        ``args.output_dir``. The previous run is released first; the new one is kept (``trainer.model`` is its
+        policy) until the next."""
         from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
-        console = console_callback_of(self)  # use_console_output(trainer) lasts over every DPO run
+        console = console_callback_of(self._dpo_run or self)  # use_console_output(trainer) lasts over every run
         self._release_dpo_run()
         ref = self._load_causal_lm(ref_path)
         last = last_checkpoint(args.output_dir)
-        try:
-            super().__init__(
-                model=model,
-                ref_model=ref,
-                args=args,
-                train_dataset=train_dataset,
-                processing_class=self.processing_class,
-                callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
-                peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
-            )
-            if console is not None:
-                use_console_output(self, callback=console)
-            if setup is not None:
-                setup()
-            with torch_threads(self._run_args.training_threads), free_memory_without_collection(self.accelerator):
-                out = super().train(resume_from_checkpoint=last)
-        finally:
-            self.args = self._run_args
+        run = (DPOTrainer if stream is None else _StreamDPOTrainer)(
+            model=model,
+            ref_model=ref,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=self.processing_class,
+            callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
+            peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
+        )
+        self._dpo_run, self.model, self.model_wrapped = run, run.model, run.model_wrapped
+        if console is not None:
+            use_console_output(run, callback=console)
+        if stream is not None:
+            run.stream = stream
+        if setup is not None:
+            setup(run)
+        with torch_threads(self.args.training_threads), free_memory_without_collection(run.accelerator):
+            out = run.train(resume_from_checkpoint=last)
+        self.model, self.model_wrapped = run.model, run.model_wrapped
+        self.state = run.state  # trainer.state: the last run's steps and log_history, as a Trainer's after train()
         done_before = int(Path(last).name.split("-")[-1]) if last else 0
         self._steps_run += out.global_step - done_before
         self._loss_sum += out.training_loss * out.global_step  # this call's summed loss (Trainer divides by all)
-        return out
+        return run
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; after :meth:`train` and without ``output_dir`` (as ``push_to_hub`` calls it): the
@@ -685,199 +647,25 @@ class IterativeDPOTrainer(DPOTrainer):
         if self._dist.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         self._dist.wait_for_everyone()
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        run = self._dpo_run
+        unwrapped = run.accelerator.unwrap_model(run.model)
         if _is_peft(unwrapped):
             if self._dist.is_main_process:
                 unwrapped.merge_and_unload().save_pretrained(str(partial))
         else:
-            self.save_model(str(partial))
+            run.save_model(str(partial))
         if self._dist.is_main_process:
             self.processing_class.save_pretrained(str(partial))
             commit_directory(partial, dest)
         self._dist.wait_for_everyone()
 
-    # ---------------------------------------------------------------------------- Algorithm 2, one iteration
-    def iteration_prompts(self, t: int) -> tuple[list[Any], list[int]]:
-        """Step 1: (prompts, their indices in the prompt set) of iteration ``t``: a fixed shuffled order,
-        consecutive slices of ``prompts_per_iteration`` (default ``len(prompts) // num_iterations``), wrapping."""
-        total = len(self.prompts)
-        m = self.args.prompts_per_iteration or max(1, total // self.args.num_iterations)
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(self._seed("order")))
-        positions = (t * m + torch.arange(m)) % total
-        ids = order[positions].tolist()
-        return [self.prompts[i] for i in ids], ids
-
-    def should_collect(self, t: int) -> bool:
-        """Whether this process collects iteration ``t``'s pairs: the main process, once per run (a write of them
-        that a kill interrupted is finished or cleaned up first)."""
-        if not self._dist.is_main_process:
-            return False
-        recover_directory(self.store.path(t))
-        return not self.store.has(t)
-
-    def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
-        """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
-        sampler = self.sampler()
-        sampler.load_policy(self.policy_path(t))
-        with torch_threads(self.args.generation_threads):
-            samples = sampler.sample(prompts, self.args.num_samples, seed=self._seed("collect", t))
-        sampler.release()
-        return samples
-
-    def score_responses(self, prompts: list[Any], samples: Samples) -> torch.Tensor:
-        """Step 3: the reward of every response, ``[len(prompts), num_samples]``."""
-        n = len(samples.temperatures)
-        flat_prompts = [p for p in prompts for _ in range(n)]
-        return score(self.reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
-
-    def select_pairs(
-        self, t: int, prompts: list[Any], ids: list[int], samples: Samples, rewards: torch.Tensor
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
-        whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
-        rows, stats = score_and_select(
-            prompts,
-            ids,
-            samples,
-            _Scores(rewards),
-            SelectionSettings.from_args(self.args),
-            torch.Generator().manual_seed(self._seed("select", t)),
-        )
-        for r in rows:
-            r.update(iteration=t, policy=t)
-        return rows, {**stats, "policy": self.policy_path(t)}
-
-    def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
-        """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
-        if not rows:
-            warnings.warn(
-                f"iteration {t}: every prompt's {self.args.num_samples} responses tied under the reward "
-                "(equal scores or identical text), so no preference pairs were collected",
-                stacklevel=2,
-            )
-        self.store.write(t, rows, stats)
-        logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
-
-    def pairs_summary(self, t: int) -> dict[str, Any]:
-        """What iteration ``t``'s collection measured (waits for the main process to store it)."""
-        self._dist.wait_for_everyone()
-        return self.store.summary(t)
-
-    def train_iteration(self, t: int) -> str:
-        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
-        (skipped if it exists). Returns the path of ``pi_{t+1}``.
-
-        ``pi_{t+1}`` is saved atomically before ``state.json`` records it; a run killed in between left the complete
-        policy, which the rerun records instead of training it again (same pairs, settings and seed: the same
-        weights)."""
-        state = self._read_state()
-        if str(t + 1) in state["policies"]:
-            return state["policies"][str(t + 1)]
-        start = state["policies"][str(t)]
-        rows = self.store.training_pairs(t, self.args.pair_data)
-        if not rows:
-            warnings.warn(
-                f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})",
-                stacklevel=2,
-            )
-            state["policies"][str(t + 1)] = start
-            state["skipped"].append(t)
-            self._write_state(state)
-            return start
-        work = self.root / "iterations" / f"iter_{t:03d}"
-        dest = self.root / POLICIES_DIR / f"policy_{t + 1:03d}"
-        if self._dist.is_main_process:
-            recover_directory(dest)  # a save of pi_{t+1} that a kill interrupted: finished or cleaned up
-        self._dist.wait_for_everyone()
-        if not dest.is_dir():  # (else: saved by a run killed before state.json recorded it)
-            self._run_dpo(
-                model=start,
-                ref_path=self.ref_path if self.args.reference == "sft" else start,
-                args=self._dpo_args(work, seed=self.args.seed + t),
-                train_dataset=self._dpo_dataset(rows),
-            )
-            self._save_policy(dest)
-            self._release_dpo_run(keep_model=True)
-        if self._dist.is_main_process:
-            for ckpt in work.glob("checkpoint-*"):
-                shutil.rmtree(ckpt, ignore_errors=True)
-        state["policies"][str(t + 1)] = str(dest)
-        self._write_state(state)
-        return str(dest)
-
-    def evaluate_policy(self, t: int) -> dict[str, Any]:
-        """Step 7: mean reward (and ``gold_fn``) of ``pi_t``'s samples on the evaluation prompts (cached on disk)."""
-        return self._evaluate_policy(self.policy_path(t), f"policy_{t:03d}", {"policy": t})
-
-    def _evaluate_policy(self, path: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-        """Sample ``eval_samples_per_prompt`` responses per evaluation prompt from the checkpoint at ``path`` and
-        score them; written to ``output_dir/eval/{name}.json``. Every policy is evaluated on the same prompts with
-        the same sampling seed (common random numbers), so differences between policies are not prompt noise."""
-        out = self.root / "eval" / f"{name}.json"
-        if not out.exists() and self._dist.is_main_process:
-            a = self.args
-            sampler = self.sampler()
-            sampler.load_policy(path)
-            with torch_threads(a.generation_threads):
-                samples = sampler.sample(
-                    self.eval_prompts,
-                    a.eval_samples_per_prompt,
-                    temperatures=[a.eval_temperature],
-                    seed=self._seed("eval"),
-                )
-            sampler.release()
-            flat_prompts = [p for p in self.eval_prompts for _ in range(a.eval_samples_per_prompt)]
-            rewards = score(self.reward_fn, flat_prompts, samples.flat())
-            metrics = {
-                **extra,
-                "path": str(path),
-                "num_samples": int(rewards.numel()),
-                "mean_reward": float(rewards.mean()),
-                "std_reward": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-                "mean_length_chars": float(samples.num_chars().mean()),
-                "mean_length_tokens": float(samples.num_tokens.float().mean()),
-                "truncated_fraction": float(samples.truncated.float().mean()),
-            }
-            if self.gold_fn is not None:
-                metrics["mean_gold"] = float(score(self.gold_fn, flat_prompts, samples.flat()).mean())
-            atomic_write_json(out, metrics)
-        self._dist.wait_for_everyone()
-        return json.loads(out.read_text())
-
-    # -------------------------------------------------------------------------------------------- reporting
-    def log_iteration(self, t: int, pairs: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
-        """Log iteration ``t``'s pairs and the evaluation of ``pi_{t+1}`` through the Trainer's loggers; returns
-        the summary's record of the iteration."""
-        logs = {
-            "iteration": t,
-            "pairs/num_pairs": pairs["num_pairs"],
-            "pairs/dropped": pairs["dropped"],
-            "pairs/mean_reward": pairs["mean_reward"],
-            **self._eval_logs(evaluation),
-        }
-        self.log(logs)
-        return {"iteration": t, "pairs": pairs, "eval": evaluation}
-
-    @staticmethod
-    def _eval_logs(evaluation: dict[str, Any]) -> dict[str, float]:
-        keys = ("mean_reward", "mean_gold", "mean_length_chars", "truncated_fraction")
-        return {f"policy_eval/{k}": evaluation[k] for k in keys if k in evaluation}
-
-    def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
-        """The per-iteration run's summary (:attr:`summary`), written to ``output_dir/summary.json``."""
-        state = self._read_state()
-        summary = {
-            "mode": "iterative",
-            "output_dir": str(self.root),
-            "final_policy": state["policies"][str(self.args.num_iterations)],
-            "skipped_iterations": state["skipped"],
-            "eval": evals,
-            "iterations": iterations,
-        }
-        if self._dist.is_main_process:
-            atomic_write_json(self.root / "summary.json", summary)
-        self.summary = summary
-        return summary
+    def train_policy(self, start: str, ref_path: str, rows: list[dict[str, Any]], work: Path, seed: int,
+                     dest: Path) -> None:  # fmt: skip
+        """Step 6's DPO run (:meth:`IterationRun.train_iteration`): from ``start`` on ``rows`` against the reference
+        at ``ref_path``, in ``work``; the trained policy is saved to ``dest``."""
+        self._run_dpo(start, ref_path, self._dpo_args(work, seed=seed), _dpo_dataset(rows))
+        self._save_policy(dest)
+        self._release_dpo_run(keep_model=True)
 
     def _train_output(self, summary: dict[str, Any], runtime: float) -> TrainOutput:
         steps = self._steps_run
@@ -900,38 +688,18 @@ class IterativeDPOTrainer(DPOTrainer):
     # ----------------------------------------------------------------------------------------------- per-batch
     def _record_online_batch(self, batch: Batch[OnlineBatchPairs], offset: int) -> None:
         """Write a batch's pairs to the store as the training loop takes it (index = the update it feeds), with
-        every process's prompt cursor after it (``prompt_cursors``, one per rank: where a resumed run continues)."""
+        every process's prompt cursor after it (:meth:`IterationRun.record_online_batch`)."""
         from accelerate.utils import gather_object
 
-        index = offset + batch.index
         cursors = [int(c) for c in gather_object([batch.data.cursor])]
-        rows = [{**r, "update": index, "policy_version": offset + batch.version} for r in batch.data.rows]
-        if self._dist.is_main_process:
-            stats = {
-                "policy_version": offset + batch.version,
-                "generate_seconds": batch.generate_seconds,
-                "prompt_cursors": cursors,
-            }
-            self.store.write(index, rows, stats)
-
-    def _resume_cursor(self, offset: int) -> int:
-        """This process's prompt cursor after update ``offset - 1`` (0 at the start of a run), from the stored
-        batch of that update."""
-        if offset == 0:
-            return 0
-        cursors = self.store.summary(offset - 1).get("prompt_cursors")
-        if cursors is None or len(cursors) != self._dist.num_processes:
-            raise ValueError(
-                f"{self.store.path(offset - 1)} holds no prompt cursor for {self._dist.num_processes} process(es) "
-                "(written by an older rlhf-ext or another number of processes), so the run cannot resume from "
-                f"checkpoint-{offset} with the uninterrupted run's prompts; start it again in a new output_dir"
-            )
-        return int(cursors[self._dist.process_index])
+        self.iteration_steps.record_online_batch(
+            offset + batch.index, offset + batch.version, batch.data.rows, batch.generate_seconds, cursors
+        )
 
     def _train_online(self) -> dict[str, Any]:
         from rlhf_ext.trl.args import last_checkpoint
 
-        a = self.args
+        a, steps = self.args, self.iteration_steps
         if self._dist.num_processes > 1 and a.generation_backend == "vllm":
             raise ValueError("online mode with vLLM runs on one process; launch a single process")
         pairs_per_update = a.per_device_train_batch_size * a.gradient_accumulation_steps
@@ -948,11 +716,11 @@ class IterativeDPOTrainer(DPOTrainer):
         offset = int(Path(last).name.split("-")[-1]) if last else 0
         # batches generated after the last checkpoint belong to updates that were lost: they are generated again
         if self._dist.is_main_process:
-            for it in self.store.completed():
+            for it in steps.store.completed():
                 if it >= offset:
-                    shutil.rmtree(self.store.path(it))
+                    shutil.rmtree(steps.store.path(it))
         self._dist.wait_for_everyone()
-        evals = [self.evaluate_policy(0)]
+        evals = [steps.evaluate_policy(0)]
         if self._dist.is_main_process:
             recover_directory(dest)
             shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
@@ -967,11 +735,11 @@ class IterativeDPOTrainer(DPOTrainer):
                     self.processing_class.save_pretrained(tmp)
             self._dist.wait_for_everyone()
         self.runner_stats = stats
-        state = self._read_state()
+        state = steps.read_state()
         state["policies"]["final"] = str(dest)
-        self._write_state(state)
-        final_eval = self._evaluate_policy(str(dest), "online_final", {"policy": "final"})
-        self.log({"update": total, **self._eval_logs(final_eval)})
+        steps.write_state(state)
+        final_eval = steps.evaluate_checkpoint(str(dest), "online_final", {"policy": "final"})
+        self.log({"update": total, **eval_logs(final_eval)})
         summary = {
             "mode": "online",
             "async_generation": a.async_generation,
@@ -990,7 +758,7 @@ class IterativeDPOTrainer(DPOTrainer):
         """Updates ``offset .. total-1``: one DPO run of this trainer whose train dataloader is a
         :class:`OneStepAsyncRunner`'s batches (the generator holds its own copy of the policy); saves the final
         policy to ``dest``."""
-        a = self.args
+        a, steps = self.args, self.iteration_steps
         process = wants_generator_process(a.generator_process, a.async_generation, a.generation_backend, self.reward_fn)
         generator = OnlinePairGenerator(
             prompts=self.prompts[self._dist.process_index :: self._dist.num_processes],
@@ -999,11 +767,11 @@ class IterativeDPOTrainer(DPOTrainer):
             max_fill_rounds=a.max_fill_rounds,
             selection=SelectionSettings.from_args(a),
             reward_fn=self.reward_fn,
-            sampler_spec={**self.sampler_spec(), "policy": last or self.sft_path},
-            seed=self._seed("order", 0),  # one prompt order per run, whatever update it resumes at
-            sampler=None if process else self.sampler(),
+            sampler_spec={**steps.sampler_spec(), "policy": last or self.sft_path},
+            seed=steps.seed("order", 0),  # one prompt order per run, whatever update it resumes at
+            sampler=None if process else steps.sampler(),
             first_index=offset,
-            cursor=self._resume_cursor(offset),
+            cursor=steps.resume_cursor(offset),
         )
         runner = OneStepAsyncRunner(
             generator.generate,
@@ -1015,29 +783,26 @@ class IterativeDPOTrainer(DPOTrainer):
             name=f"rlhf-ext-generator-{self._dist.process_index}",
         )
 
-        def setup() -> None:
-            plugin = self.accelerator.state.deepspeed_plugin
+        def setup(run: DPOTrainer) -> None:
+            plugin = run.accelerator.state.deepspeed_plugin
             if plugin is not None and plugin.zero_stage == 3:
                 raise ValueError(
                     "online mode publishes the policy's full weights to the generator after every step, which "
                     "ZeRO-3 shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
                 )
-            model_fn = lambda: self.accelerator.unwrap_model(self.model)  # noqa: E731
-            self.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
+            model_fn = lambda: run.accelerator.unwrap_model(run.model)  # noqa: E731
+            run.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
 
         with runner, torch_threads(a.training_threads):
             first = runner.next_batch()
-            self._stream = _StreamLoader(self, runner, first, total, offset)
-            try:
-                self._run_dpo(
-                    model=self.sft_path,
-                    ref_path=self.ref_path,
-                    args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
-                    train_dataset=self._dpo_dataset(first.data.rows),
-                    setup=setup,
-                )
-            finally:
-                self._stream = None
+            self._run_dpo(
+                model=self.sft_path,
+                ref_path=self.ref_path,
+                args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
+                train_dataset=_dpo_dataset(first.data.rows),
+                stream=_StreamLoader(self, runner, first, total, offset),
+                setup=setup,
+            )
         self._save_policy(dest)
         self._release_dpo_run(keep_model=True)
         return runner.stats
