@@ -48,7 +48,7 @@ def readme_section(title: str) -> str:
     return text[start : end if end > 0 else None]
 
 
-@pytest.mark.parametrize("results_md", ["sim_compare.md", "sim_compare_ppo_seeds123.md"])
+@pytest.mark.parametrize("results_md", ["sim_compare.md", "sim_compare_seeds123.md"])
 def test_readme_simulator_tables_match_the_results_they_quote(results_md):
     section = readme_section("Simulator")
     assert f"benchmarks/results/{results_md.removesuffix('.md')}" in section, f"the README does not quote {results_md}"
