@@ -93,7 +93,8 @@ def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
 
 def run_iteration(trainer: IterationSteps, t: int) -> dict[str, Any]:
     """Iteration ``t`` of :func:`run_iterations` (steps 1-7); returns the record :meth:`log_iteration` made of it
-    (``pairs``, ``eval`` of ``pi_{t+1}``)."""
+    (``pairs``, ``eval`` of ``pi_{t+1}``). ``trainer``: the steps, or a trainer holding them as ``iteration_steps``."""
+    trainer = getattr(trainer, "iteration_steps", trainer)
     if trainer.should_collect(t):  # the main process, when iteration t's pairs are not stored yet
         prompts, ids = trainer.iteration_prompts(t)  # 1. take prompts
         samples = trainer.sample_responses(t, prompts)  # 2. n responses from pi_t at the temperatures
