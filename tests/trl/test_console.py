@@ -189,7 +189,7 @@ def test_console_output_lasts_over_every_dpo_run_of_an_iterative_trainer(tmp_pat
     pairs = [it["pairs"] for it in trainer.summary["iterations"]]
     assert all(p["num_pairs"] > 0 for p in pairs)  # two DPO runs, each with its own DPOTrainer initialisation
     assert len([line for line in lines if line.startswith("dpo finished in ")]) == 3  # 2 runs, then the whole
-    online = [r.getMessage() for r in caplog.records if r.name == "rlhf_ext.trl.online_dpo"]
+    online = [r.getMessage() for r in caplog.records if r.name == "rlhf_ext.runtime.iterations"]  # step 5 logs
     assert online == [f"iteration {t}: {p['num_pairs']} pairs ({p['dropped']} prompts dropped)" for t, p in
                       enumerate(pairs)]  # fmt: skip
     assert "{'loss'" not in capsys.readouterr().out
