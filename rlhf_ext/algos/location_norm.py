@@ -7,14 +7,15 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
   distinct locations and regress Mean and Std on ``x = p`` (``basis="linear"``, the paper) or ``x = ln p``
   (``basis="log"``, the feature of paper 003's public code). Two fit methods:
 
-  - ``method="ols"`` (default): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by ordinary
+  - ``method="ols"`` (default): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by weighted
     least squares in closed form (``std_link="log"``: the std is positive by construction), fitted on the interior
     locations ``p < 1``; the last segment (``p = 1``) gets its own sample mean and std (``mu_last``, ``sigma_last``).
-    This is rlhf-ext's own variant, *not* the public code's fit: locations seen once have no sample std and are left
-    out of the std fit, and the last segment is not a point of the line. The last segment is where a soft-max
-    aggregated reward model puts its verdict (its EOS score sits far above the interior ones), and it is one location
-    among hundreds in D_norm: on a line through all of them it stays several standard deviations above 0, a constant
-    bonus for ending a segment. With its own statistics every location is centred, p = 1 included; at p = 1 the
+    This is rlhf-ext's own variant, *not* the public code's fit: each location's ``mu_p`` is weighted by its segment
+    count and its ``log sigma_p`` by the count less one (locations seen once have no sample std and are left out of
+    the std fit; unweighted, D_norm's many rare locations left whole buckets of p 0.2 std off centre), and the last
+    segment is not a point of the line. The last segment is where a soft-max aggregated reward model puts its verdict
+    (its EOS score sits far above the interior ones), and it is one location among hundreds in D_norm: on a line
+    through all of them it stays several standard deviations above 0, a constant bonus for ending a segment. With its own statistics every location is centred, p = 1 included; at p = 1 the
     normalizer is the classical bandit one (Appendix E).
   - ``method="huber"``: the public code's fit exactly (its ``useful_code/plot_logfit_function_sklearn.py`` on the
     statistics of ``reward-bench/rewardbench/calc_train_reward_mean_std.py``): locations bucketed to 3 decimals,
@@ -100,21 +101,20 @@ class NormalizerError(ValueError):
     not positive where it is used."""
 
 
-def _ols(x: Tensor, y: Tensor) -> tuple[float, float, float]:
-    """Closed-form least squares ``y = w x + b``; returns (w, b, R^2). Requires var(x) > 0."""
+def _ols(x: Tensor, y: Tensor, weight: Tensor | None = None) -> tuple[float, float, float]:
+    """Closed-form (weighted) least squares ``y = w x + b``; returns (w, b, R^2). Requires var(x) > 0."""
     x, y = x.double(), y.double()
-    xm, ym = x.mean(), y.mean()
-    sxx = ((x - xm) ** 2).sum()
-    w = ((x - xm) * (y - ym)).sum() / sxx
-    b = ym - w * xm
-    return float(w), float(b), _r2(y, w * x + b)
+    weight = torch.ones_like(x) if weight is None else weight.double()
+    xm, ym = (weight * x).sum() / weight.sum(), (weight * y).sum() / weight.sum()
+    w = (weight * (x - xm) * (y - ym)).sum() / (weight * (x - xm) ** 2).sum()
+    return float(w), float(ym - w * xm), _r2(y, w * x + ym - w * xm, weight)
 
 
-def _r2(y: Tensor, predicted: Tensor) -> float:
-    """Coefficient of determination ``1 - SS_res / SS_tot`` (1.0 when ``y`` is constant)."""
-    ss_tot = ((y - y.mean()) ** 2).sum()
-    ss_res = ((y - predicted) ** 2).sum()
-    return float(1.0 - ss_res / ss_tot) if ss_tot > 0 else 1.0
+def _r2(y: Tensor, predicted: Tensor, weight: Tensor | None = None) -> float:
+    """(Weighted) coefficient of determination ``1 - SS_res / SS_tot`` (1.0 when ``y`` is constant)."""
+    weight = torch.ones_like(y) if weight is None else weight
+    ss_tot = (weight * (y - (weight * y).sum() / weight.sum()) ** 2).sum()
+    return float(1.0 - (weight * (y - predicted) ** 2).sum() / ss_tot) if ss_tot > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -355,14 +355,14 @@ class LocationNormalizer:
         mu = torch.zeros_like(locs).index_add_(0, inverse, rewards) / counts
         sq = torch.zeros_like(locs).index_add_(0, inverse, (rewards - mu[inverse]) ** 2)
         x = locs if basis == "linear" else locs.log()
-        w_mu, b_mu, r2_mu = _ols(x, mu)
+        w_mu, b_mu, r2_mu = _ols(x, mu, weight=counts)  # each segment counts once, not each distinct location
         has_std = counts >= 2
         sigma = (sq[has_std] / (counts[has_std] - 1)).sqrt()
         positive = sigma > 0
         xs, log_sigma = x[has_std][positive], sigma[positive].log()
         fallback = None
         if xs.numel() >= 2 and float(xs.var()) > 0:
-            w_s, b_s, r2_s = _ols(xs, log_sigma)
+            w_s, b_s, r2_s = _ols(xs, log_sigma, weight=counts[has_std][positive] - 1)  # a std's degrees of freedom
         else:
             pooled = rewards.std() if rewards.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
             w_s, b_s, r2_s = 0.0, math.log(max(float(pooled), STD_FLOOR)), None
