@@ -176,8 +176,7 @@ def configure_cli_output() -> None:
 
 @contextlib.contextmanager
 def quiet_datasets() -> Iterator[None]:
-    """Silence ``datasets`` progress bars for many small saves or maps (the data generator's stages, the per-batch
-    online DPO batches); those enabled before are enabled again after."""
+    """Silence ``datasets`` progress bars while saving or mapping many small datasets (re-enabled after)."""
     from datasets.utils import logging as ds_logging
 
     was = ds_logging.is_progress_bar_enabled()

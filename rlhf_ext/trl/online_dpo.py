@@ -9,20 +9,12 @@ pairs as they are collected:
 **per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
 ``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
 SFT reference ``pi_0`` (``reference="sft"``, the authors' choice) or ``pi_t`` (``"previous"``), saved as
-``pi_{t+1}``. The steps of one iteration are the methods of the trainer's engine-free
-:class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``; Algorithm 2's numbering):
-
-1. ``iteration_prompts`` — the iteration's prompts;
-2. ``sample_responses`` — ``n`` responses per prompt from ``pi_t`` at the temperatures;
-3. ``score_responses`` — the reward of every response;
-4. ``select_pairs`` — best vs worst of ``r - lambda * |a|`` (Eq. 9), ties dropped;
-5. ``store_pairs`` — the iteration's pairs, written atomically, exactly once;
-6. ``train_iteration`` — the DPO run ``pi_t -> pi_{t+1}`` (this trainer's :meth:`~IterativeDPOTrainer.train_policy`);
-7. ``evaluate_policy`` — the reward of ``pi_{t+1}``'s samples on the evaluation prompts.
-
-The loop over iterations, step by step, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written once:
-:meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on its
-own, as a TRL trainer does.
+``pi_{t+1}``. The loop, with the steps of Algorithm 2, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written
+once: :meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on
+its own, as a TRL trainer does. The steps (``iteration_prompts``, ``sample_responses``, ``score_responses``,
+``select_pairs``, ``store_pairs``, ``train_iteration``, ``evaluate_policy``) are the methods of the trainer's
+engine-free :class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``); step 6's DPO run is this
+trainer's :meth:`~IterativeDPOTrainer.train_policy`.
 
 **per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
 stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`, which also says how it resumes).
@@ -227,14 +219,6 @@ def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimize
     return reward_funcs, args, train_dataset, eval_dataset
 
 
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, torch.nn.Module)
-
-
-def _is_peft(model: Any) -> bool:
-    return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
-
-
 def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardFn:
     """One ``(prompts, responses) -> scores`` function from TRL-style ``reward_funcs``: a callable, a reward-model
     path / hub id (:func:`~rlhf_ext.runtime.rewards.load_reward`), a loaded sequence-classification model, or a
@@ -248,7 +232,7 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
         reward_funcs = reward_funcs[0]
     if isinstance(reward_funcs, str | os.PathLike):
         return load_reward(str(reward_funcs), batch_size=batch_size)
-    if _is_model(reward_funcs):
+    if isinstance(reward_funcs, torch.nn.Module):
         segment_reward_as_e_phi(reward_funcs, "reward_funcs")  # a loaded segment reward model is refused
         return SequenceClassifierReward(reward_funcs, tokenizer=processing_class, batch_size=batch_size)
     if callable(reward_funcs):
@@ -357,7 +341,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._peft_config = peft_config
         self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
-        self._given_models = weakref.WeakSet([model] if _is_model(model) else [])
+        self._given_models = weakref.WeakSet([model] if isinstance(model, torch.nn.Module) else [])
         base_ref = None
         if not isinstance(model, str | Path):  # DPOTrainer would load its reference from the model's config name
             base_ref = self._load_model(self.ref_path)
@@ -374,7 +358,7 @@ class IterativeDPOTrainer(DPOTrainer):
     def _as_path(self, model, name: str, processing_class) -> str:
         if isinstance(model, str | Path):
             return str(model)
-        if not _is_model(model):
+        if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected a checkpoint path or a causal LM, got {type(model).__name__}")
         path = self.root / POLICIES_DIR / name
         if not (path / "config.json").exists() and self._dist.is_main_process:
@@ -433,9 +417,6 @@ class IterativeDPOTrainer(DPOTrainer):
     def evaluate_policy(self, t: int) -> dict[str, Any]:
         """Step 7: the evaluation of ``pi_t`` (:meth:`IterationRun.evaluate_policy`)."""
         return self.iteration_steps.evaluate_policy(t)
-
-    def _dpo_args(self, output_dir: Path, **overrides: Any) -> IterativeDPOConfig:
-        return dataclasses.replace(self.args, output_dir=str(output_dir), **overrides)
 
     def _load_model(self, path: str):
         from trl.trainer.utils import create_model_from_path
@@ -518,7 +499,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dist.wait_for_everyone()
         run = self._dpo_run
         unwrapped = run.accelerator.unwrap_model(run.model)
-        if _is_peft(unwrapped):
+        if hasattr(unwrapped, "merge_and_unload") and hasattr(unwrapped, "peft_config"):  # a PEFT model
             if self._dist.is_main_process:
                 unwrapped.merge_and_unload().save_pretrained(str(partial))
         else:
@@ -532,7 +513,8 @@ class IterativeDPOTrainer(DPOTrainer):
                      dest: Path) -> None:  # fmt: skip
         """Step 6's DPO run (:meth:`IterationRun.train_iteration`): from ``start`` on ``rows`` against the reference
         at ``ref_path``, in ``work``; the trained policy is saved to ``dest``."""
-        self._run_dpo(start, ref_path, self._dpo_args(work, seed=seed), dpo_dataset(rows))
+        args = dataclasses.replace(self.args, output_dir=str(work), seed=seed)
+        self._run_dpo(start, ref_path, args, dpo_dataset(rows))
         self._save_policy(dest)
         self._release_dpo_run(keep_model=True)
 

@@ -19,6 +19,7 @@ the same pairs and end with the same weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Sequence
@@ -231,7 +232,7 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
         trainer._run_dpo(
             model=trainer.sft_path,
             ref_path=trainer.ref_path,
-            args=trainer._dpo_args(work, max_steps=total, ignore_data_skip=True),
+            args=dataclasses.replace(a, output_dir=str(work), max_steps=total, ignore_data_skip=True),
             train_dataset=dpo_dataset(first.data.rows),
             stream=_StreamLoader(trainer, runner, first, total, offset),
             setup=setup,
