@@ -124,7 +124,7 @@ USER_ERROR_TYPES: tuple[tuple[str, str], ...] = (
     ("rlhf_ext.runtime.segment_data", "DatasetFormatError"),
     ("rlhf_ext.algos.location_norm", "NormalizerError"),
     ("rlhf_ext.datagen.cache", "CacheLockedError"),
-    ("rlhf_ext.datagen.backends", "BackendUnavailable"),
+    ("rlhf_ext.datagen.chat", "BackendUnavailable"),
     ("rlhf_ext.runtime.resources", "PlanError"),
     ("rlhf_ext.openrlhf.train_ppo_ray", "ExtArgsError"),
 )

@@ -11,10 +11,7 @@ PACKAGE = ROOT / "rlhf_ext"
 BUDGET = 600
 
 #: Files over the budget and their line counts when it was set (``wc -l``): a ceiling each, lowered as they shrink.
-OVER_BUDGET = {
-    "datagen/backends.py": 722,
-    "trl/online_dpo.py": 808,
-}
+OVER_BUDGET: dict[str, int] = {}
 
 
 def line_counts() -> dict[str, int]:

@@ -192,8 +192,8 @@ def generate(
     Rerunning the same command resumes: finished samples come from OUTPUT/.cache. AIF-Gen's task configs
     (task_specs) are read as they are; model, temperature and token limits come from the options and overrides.
     """
-    from rlhf_ext.datagen.backends import BackendUnavailable
     from rlhf_ext.datagen.cache import CACHE_DIR, CacheLockedError, SampleCache
+    from rlhf_ext.datagen.chat import BackendUnavailable
     from rlhf_ext.datagen.generate import generate_dataset
     from rlhf_ext.datagen.plan import plan_generation
     from rlhf_ext.datagen.schema import load_task_config
@@ -291,7 +291,8 @@ def validate(
     dataset, output, judge, embedding_model, max_embed, max_judge, backend, model, api_base, max_concurrency, seed
 ) -> None:
     """Counts, token entropy, embedding diversity and judge agreement of DATASET, per stage."""
-    from rlhf_ext.datagen.backends import BackendUnavailable, make_backend
+    from rlhf_ext.datagen.backends import make_backend
+    from rlhf_ext.datagen.chat import BackendUnavailable
     from rlhf_ext.datagen.validate import format_report, validate_dataset
     from rlhf_ext.runtime.io import atomic_write_json
 

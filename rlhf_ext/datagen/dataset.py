@@ -32,7 +32,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ import numpy as np
 
 from rlhf_ext.datagen.drift import derive_seed, stage_dirname
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock, recover_directory
+from rlhf_ext.runtime.log import quiet_datasets
 
 METADATA_FILE = "continual_dataset.json"
 STAGES_DIR = "stages"
@@ -109,20 +110,6 @@ def write_continual_dataset(
     return metadata
 
 
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Silence ``datasets`` progress bars while saving/converting many small stages."""
-    from datasets.utils import logging as ds_logging
-
-    was = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            ds_logging.enable_progress_bar()
-
-
 class ContinualDataset(collections.abc.Sequence):
     """A sequence of ``DatasetDict`` (one per time step, in order) with ``metadata``.
 
@@ -180,7 +167,7 @@ class ContinualDataset(collections.abc.Sequence):
                 dd.save_to_disk(str(directory), num_shards={k: 1 for k in dd})
             return [(len(dd["train"]), len(dd["test"])) for dd in self.stages]
 
-        with _quiet_datasets():
+        with quiet_datasets():
             self.metadata = write_continual_dataset(path, copy.deepcopy(self.metadata), write_stages)
         self.path = path
         return path
@@ -272,7 +259,7 @@ class ContinualDataset(collections.abc.Sequence):
         if fmt == "aif-gen":
             self.to_aif_gen(root / self.export_files(fmt)[0])
             return self.export_files(fmt)
-        with _quiet_datasets():
+        with quiet_datasets():
             for info, dd in zip(self.metadata["stages"], self.stages):
                 (root / _stage_dirname(info)).mkdir(parents=True)
                 for split in SPLITS:
@@ -438,7 +425,7 @@ def preference_swap(ds: ContinualDataset, p: float = 1.0, seed: int = 0) -> Cont
             row["swapped"] = not row["swapped"]
         return row
 
-    with _quiet_datasets():
+    with quiet_datasets():
         stages = [type(dd)({k: dd[k].map(flip) for k in dd}) for dd in ds]
     return ds.with_stages(stages, {"type": "preference_swap", "p": p, "seed": seed})
 

@@ -44,8 +44,9 @@ from pathlib import Path
 from rlhf_ext.algos.knobs import check_value, knob, knob_specs
 from rlhf_ext.config import RecipeError
 from rlhf_ext.datagen.assemble import write_dataset
-from rlhf_ext.datagen.backends import Backend, BackendUnavailable, make_backend
+from rlhf_ext.datagen.backends import make_backend
 from rlhf_ext.datagen.cache import CACHE_DIR, SampleCache
+from rlhf_ext.datagen.chat import Backend, BackendUnavailable
 from rlhf_ext.datagen.dataset import ContinualDataset
 from rlhf_ext.datagen.phrasebank import load_phrase_bank
 from rlhf_ext.datagen.plan import plan_generation

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlhf_ext.datagen.backends import Backend, ChatRequest
+from rlhf_ext.datagen.chat import Backend, ChatRequest
 from rlhf_ext.datagen.mappers import UnparseableOutput, judge_prompt, parse_judge
 from rlhf_ext.datagen.phrasebank import PhraseBank, rubric_for
 from rlhf_ext.datagen.schema import TaskSpec

@@ -16,15 +16,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf_ext.datagen.backends import (
-    Backend,
-    BackendError,
-    BackendUnavailable,
-    ChatCompletion,
-    ChatRequest,
-    make_backend,
-)
+from rlhf_ext.datagen.backends import make_backend
 from rlhf_ext.datagen.cache import SampleAppender, SampleCache, scan_records
+from rlhf_ext.datagen.chat import Backend, BackendError, BackendUnavailable, ChatCompletion, ChatRequest
 from rlhf_ext.datagen.drift import derive_seed
 from rlhf_ext.datagen.judge import make_judge
 from rlhf_ext.datagen.mappers import (

@@ -164,7 +164,7 @@ def validate_dataset(
         embedding_model: compute embedding diversity with this model (see :func:`load_embedder`); None skips it.
         max_embed: texts per column and stage to embed (a seeded sample).
         judge: ``rule``, ``llm`` or None (skip judge agreement). ``llm`` needs ``backend`` (an unstarted
-            :class:`~rlhf_ext.datagen.backends.Backend`).
+            :class:`~rlhf_ext.datagen.chat.Backend`).
         max_judge: judge at most this many rows per stage (a seeded sample).
     """
     from datasets import concatenate_datasets

@@ -239,10 +239,14 @@ class IterationRun:
 
     def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
         """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
+        return self._sample(self.policy_path(t), prompts, self.args.num_samples, None, self.seed("collect", t))
+
+    def _sample(self, path: str, prompts: list[Any], n: int, temperatures: list[float] | None, seed: int) -> Samples:
+        """``n`` responses per prompt from the checkpoint at ``path`` at ``temperatures`` (None: the run's)."""
         sampler = self.sampler()
-        sampler.load_policy(self.policy_path(t))
+        sampler.load_policy(path)
         with torch_threads(self.args.generation_threads):
-            samples = sampler.sample(prompts, self.args.num_samples, seed=self.seed("collect", t))
+            samples = sampler.sample(prompts, n, temperatures=temperatures, seed=seed)
         sampler.release()
         return samples
 
@@ -332,16 +336,9 @@ class IterationRun:
         the same sampling seed (common random numbers), so differences between policies are not prompt noise."""
         out = self.root / "eval" / f"{name}.json"
         if not out.exists() and self.dist.is_main_process:
-            a = self.args
-            sampler = self.sampler()
-            sampler.load_policy(path)
-            with torch_threads(a.generation_threads):
-                samples = sampler.sample(
-                    self.eval_prompts, a.eval_samples_per_prompt, temperatures=[a.eval_temperature],
-                    seed=self.seed("eval"),
-                )  # fmt: skip
-            sampler.release()
-            flat_prompts = [p for p in self.eval_prompts for _ in range(a.eval_samples_per_prompt)]
+            n = self.args.eval_samples_per_prompt
+            samples = self._sample(path, self.eval_prompts, n, [self.args.eval_temperature], self.seed("eval"))
+            flat_prompts = [p for p in self.eval_prompts for _ in range(n)]
             rewards = score(self.reward_fn, flat_prompts, samples.flat())
             metrics = {
                 **extra,

@@ -16,11 +16,13 @@ A script that wants the command line's output calls :func:`enable_console_loggin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import TextIO
 
 #: The name of the library's top logger; every module logger (``rlhf_ext.x.y``) propagates to it.
@@ -170,6 +172,20 @@ def configure_cli_output() -> None:
             from datasets.utils.logging import disable_progress_bar
 
             disable_progress_bar()
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """Silence ``datasets`` progress bars while saving or mapping many small datasets (re-enabled after)."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
 
 
 #: Seconds between two lines of :class:`ProgressLines` (a bar redraws continuously; a log gets a line this often).

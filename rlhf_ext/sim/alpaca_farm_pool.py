@@ -383,8 +383,8 @@ class AlpacaFarmAnnotator:
         return out
 
     def chat_request(self, prompt: str):
-        """The :class:`rlhf_ext.datagen.backends.ChatRequest` for one formatted prompt."""
-        from rlhf_ext.datagen.backends import ChatRequest
+        """The :class:`rlhf_ext.datagen.chat.ChatRequest` for one formatted prompt."""
+        from rlhf_ext.datagen.chat import ChatRequest
 
         messages = (
             chatml_to_messages(prompt)
@@ -472,7 +472,7 @@ def alpaca_farm_annotators(
     """One :class:`AlpacaFarmAnnotator` per entry of ``pool``, each with its own backend
     (``backend_factory(model)``; default an ``OpenAIBackend`` at ``api_base``)."""
     if backend_factory is None:
-        from rlhf_ext.datagen.backends import OpenAIBackend
+        from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
         def backend_factory(model: str):
             return OpenAIBackend(api_base, model=model, api_key_env=api_key_env)

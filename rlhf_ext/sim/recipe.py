@@ -184,7 +184,7 @@ class PoolConfig:
                 seed=seed,
                 gold=gold,
             )
-        from rlhf_ext.datagen.backends import OpenAIBackend
+        from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
         backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
         return AnnotatorPool.from_llm(backends, self.preference, flip_prob=self.flip_prob, seed=seed, gold=gold)

@@ -9,28 +9,15 @@ pairs as they are collected:
 **per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
 ``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
 SFT reference ``pi_0`` (``reference="sft"``, the authors' choice) or ``pi_t`` (``"previous"``), saved as
-``pi_{t+1}``. The steps of one iteration are the methods of the trainer's engine-free
-:class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``; Algorithm 2's numbering):
-
-1. ``iteration_prompts`` — the iteration's prompts;
-2. ``sample_responses`` — ``n`` responses per prompt from ``pi_t`` at the temperatures;
-3. ``score_responses`` — the reward of every response;
-4. ``select_pairs`` — best vs worst of ``r - lambda * |a|`` (Eq. 9), ties dropped;
-5. ``store_pairs`` — the iteration's pairs, written atomically, exactly once;
-6. ``train_iteration`` — the DPO run ``pi_t -> pi_{t+1}`` (this trainer's :meth:`~IterativeDPOTrainer.train_policy`);
-7. ``evaluate_policy`` — the reward of ``pi_{t+1}``'s samples on the evaluation prompts.
-
-The loop over iterations, step by step, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written once:
-:meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on its
-own, as a TRL trainer does.
+``pi_{t+1}``. The loop, with the steps of Algorithm 2, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written
+once: :meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on
+its own, as a TRL trainer does. The steps (``iteration_prompts``, ``sample_responses``, ``score_responses``,
+``select_pairs``, ``store_pairs``, ``train_iteration``, ``evaluate_policy``) are the methods of the trainer's
+engine-free :class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``); step 6's DPO run is this
+trainer's :meth:`~IterativeDPOTrainer.train_policy`.
 
 **per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
-stream: a generator thread (or process) samples ``num_samples`` responses (2, or K for best/worst-of-K) for
-``per_device_train_batch_size * gradient_accumulation_steps`` prompts, scores them and selects pairs (topping up
-with further prompts when some tie) while the training loop trains on the previous batch
-(:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go to the generator after each optimizer step.
-``async_generation=False`` is the synchronous on-policy baseline through the same code. Reward scoring belongs to
-the generation side (section 4.2).
+stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`, which also says how it resumes).
 
 Resuming: the run directory (``output_dir``) remembers the settings it was started with (``run.json``, a
 :class:`~rlhf_ext.runtime.rundir.RunDir`), the policy after each iteration (``state.json``) and each iteration's pairs
@@ -40,16 +27,6 @@ half-finished DPO run continues from its last complete checkpoint (``save_steps`
 removed), a policy saved before ``state.json`` recorded it is recorded instead of trained again, and with the same
 seed a resumed run produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's
 responses tie yields no pairs: a warning, and ``pi_{t+1} = pi_t`` without training.
-
-In per-batch mode each trained batch's pairs are stored with the generator's prompt cursor after it, and a killed run
-resumes from the last checkpoint (``save_steps``) and regenerates the batches after it: the prompt order is seeded
-once per run, the cursor continues from the last trained batch's, and every batch is sampled with the seed of its
-global update index. Synchronous (``async_generation=False``) resumed runs therefore store the same pairs and end
-with the same weights as uninterrupted ones. Asynchronous runs differ in one known, intended way: the first batch
-after a resume is generated with the checkpoint's weights (``theta_k``, on-policy; no older weights exist any more),
-where the uninterrupted run generated it with ``theta_{k-1}``, so its pairs and every later update differ from the
-uninterrupted run's (its stored ``policy_version`` is one higher). A resume is still deterministic: two resumes from
-the same checkpoint store the same pairs and end with the same weights.
 
 Example::
 
@@ -68,7 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -78,7 +54,7 @@ import shutil
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,24 +67,13 @@ from trl import DPOConfig, DPOTrainer
 from rlhf_ext.algos.knobs import check_knob, knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, OnlineSamplingKnobs
-from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
-from rlhf_ext.runtime.io import (
-    atomic_directory,
-    atomic_write_json,
-    commit_directory,
-    recover_directory,
-    temporary_sibling,
-)
-from rlhf_ext.runtime.iterations import POLICIES_DIR, IterationRun, eval_logs, run_iterations
-from rlhf_ext.runtime.pair_collection import (
-    OnlineBatchPairs,
-    OnlinePairGenerator,
-    SelectionSettings,
-    wants_generator_process,
-)
+from rlhf_ext.runtime.async_runner import RunnerStats, torch_threads
+from rlhf_ext.runtime.io import atomic_directory, commit_directory, temporary_sibling
+from rlhf_ext.runtime.iterations import POLICIES_DIR, IterationRun, run_iterations
 from rlhf_ext.runtime.rewards import RewardFn, SequenceClassifierReward, load_reward, segment_reward_as_e_phi
 from rlhf_ext.runtime.sampling import is_conversation, split_temperatures
 from rlhf_ext.trl.args import HardwareBF16Default
+from rlhf_ext.trl.online_stream import StreamDPOTrainer, dpo_dataset, train_online
 from rlhf_ext.trl.release import free_memory_without_collection, release_trainer_run
 
 logger = logging.getLogger(__name__)
@@ -254,14 +219,6 @@ def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimize
     return reward_funcs, args, train_dataset, eval_dataset
 
 
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, torch.nn.Module)
-
-
-def _is_peft(model: Any) -> bool:
-    return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
-
-
 def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardFn:
     """One ``(prompts, responses) -> scores`` function from TRL-style ``reward_funcs``: a callable, a reward-model
     path / hub id (:func:`~rlhf_ext.runtime.rewards.load_reward`), a loaded sequence-classification model, or a
@@ -275,7 +232,7 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
         reward_funcs = reward_funcs[0]
     if isinstance(reward_funcs, str | os.PathLike):
         return load_reward(str(reward_funcs), batch_size=batch_size)
-    if _is_model(reward_funcs):
+    if isinstance(reward_funcs, torch.nn.Module):
         segment_reward_as_e_phi(reward_funcs, "reward_funcs")  # a loaded segment reward model is refused
         return SequenceClassifierReward(reward_funcs, tokenizer=processing_class, batch_size=batch_size)
     if callable(reward_funcs):
@@ -284,104 +241,6 @@ def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardF
         "reward_funcs must be a callable (prompts, responses) -> one score per response, a reward-model path or "
         f"hub id, or a loaded reward model; got {type(reward_funcs).__name__}"
     )
-
-
-def _dpo_dataset(rows: Sequence[dict[str, Any]]):
-    """The prompt / chosen / rejected columns TRL's DPOTrainer expects (chat prompts get assistant turns)."""
-    from datasets import Dataset
-
-    def side(prompt, text):
-        return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
-
-    return Dataset.from_list(
-        [
-            {
-                "prompt": r["prompt"],
-                "chosen": side(r["prompt"], r["chosen"]),
-                "rejected": side(r["prompt"], r["rejected"]),
-            }
-            for r in rows
-        ]
-    )
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """Silence ``datasets`` progress bars for the small per-batch maps of the per-batch mode."""
-    from datasets.utils import logging as ds_logging
-
-    enabled = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            ds_logging.enable_progress_bar()
-
-
-# ---------------------------------------------------------------------------------------------- per-batch stream
-class _StreamLoader:
-    """The train dataloader of the per-batch DPO run (``run``, a :class:`_StreamDPOTrainer`):
-    ``gradient_accumulation_steps`` collated micro-batches per runner batch, so one optimizer step consumes exactly one
-    generated batch; ``trainer`` stores each batch's pairs as the run takes it."""
-
-    def __init__(self, trainer: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
-        self.trainer, self.runner, self.first = trainer, runner, first
-        self.total, self.offset = total, offset
-        self.run: DPOTrainer | None = None
-
-    def __len__(self) -> int:
-        return self.total * self.trainer.args.gradient_accumulation_steps
-
-    def __iter__(self):
-        batch = self.first
-        while True:
-            yield from self._micro_batches(batch)
-            if self.runner.delivered >= self.runner.num_batches:
-                return
-            batch = self.runner.next_batch()  # only asked for after the update on `batch` was published
-
-    def _micro_batches(self, batch: Batch):
-        run = self.run
-        self.trainer._record_online_batch(batch, self.offset)
-        with _quiet_datasets():
-            data = _dpo_dataset(batch.data.rows)
-            examples = list(run._prepare_dataset(data, run.processing_class, run.args, "online"))
-        ga = run.args.gradient_accumulation_steps
-        if len(examples) < ga:
-            raise ValueError(
-                f"online batch {self.offset + batch.index} kept {len(examples)} pairs after tokenisation, fewer than "
-                f"gradient_accumulation_steps={ga}: prompts longer than max_length are dropped; raise max_length"
-            )
-        bounds = [round(i * len(examples) / ga) for i in range(ga + 1)]
-        for lo, hi in zip(bounds, bounds[1:]):
-            yield run.data_collator(examples[lo:hi])
-
-
-class _StreamDPOTrainer(DPOTrainer):
-    """A plain ``DPOTrainer`` but for its train dataloader: the per-batch run's :class:`_StreamLoader` (``stream``),
-    whose batches are generated while it trains (TRL builds the dataloader from a dataset known in advance)."""
-
-    stream: _StreamLoader
-
-    def get_train_dataloader(self):
-        self.stream.run = self
-        return self.stream
-
-
-class _PublishWeights(TrainerCallback):
-    """After every optimizer step, report the update to the runner; the weights snapshot (cloned tensors) is only
-    taken when the generator will use that version."""
-
-    def __init__(self, runner: OneStepAsyncRunner, model_fn: Callable[[], torch.nn.Module], to_cpu: bool = False):
-        self.runner, self.model_fn, self.to_cpu = runner, model_fn, to_cpu
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        sd = self.model_fn().state_dict()
-        return {k: (v.detach().cpu() if self.to_cpu else v.detach()).clone() for k, v in sd.items()}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.runner.publish(self.snapshot)
 
 
 # ------------------------------------------------------------------------------------------------------ trainer
@@ -482,7 +341,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._peft_config = peft_config
         self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
-        self._given_models = weakref.WeakSet([model] if _is_model(model) else [])
+        self._given_models = weakref.WeakSet([model] if isinstance(model, torch.nn.Module) else [])
         base_ref = None
         if not isinstance(model, str | Path):  # DPOTrainer would load its reference from the model's config name
             base_ref = self._load_model(self.ref_path)
@@ -499,7 +358,7 @@ class IterativeDPOTrainer(DPOTrainer):
     def _as_path(self, model, name: str, processing_class) -> str:
         if isinstance(model, str | Path):
             return str(model)
-        if not _is_model(model):
+        if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected a checkpoint path or a causal LM, got {type(model).__name__}")
         path = self.root / POLICIES_DIR / name
         if not (path / "config.json").exists() and self._dist.is_main_process:
@@ -540,8 +399,8 @@ class IterativeDPOTrainer(DPOTrainer):
         start = time.perf_counter()
         self._steps_run, self._loss_sum = 0, 0.0
         if self.args.online_mode == "online":
-            self.open_run()
-            summary = self._train_online()
+            self.iteration_steps.open_run()
+            summary = train_online(self)
         else:
             summary = run_iterations(self.iteration_steps)  # paper 004's Algorithm 2, steps 1-7
         return self._train_output(summary, time.perf_counter() - start)
@@ -551,8 +410,6 @@ class IterativeDPOTrainer(DPOTrainer):
         """Check ``output_dir`` against this run's settings (:meth:`IterationRun.open_run`)."""
         return self.iteration_steps.open_run()
 
-    _check_run_dir = open_run
-
     def policy_path(self, t: int) -> str | None:
         """Checkpoint of ``pi_t`` (``pi_0`` = SFT), or None if it does not exist yet."""
         return self.iteration_steps.policy_path(t)
@@ -561,17 +418,10 @@ class IterativeDPOTrainer(DPOTrainer):
         """Step 7: the evaluation of ``pi_t`` (:meth:`IterationRun.evaluate_policy`)."""
         return self.iteration_steps.evaluate_policy(t)
 
-    def _dpo_args(self, output_dir: Path, **overrides: Any) -> IterativeDPOConfig:
-        return dataclasses.replace(self.args, output_dir=str(output_dir), **overrides)
-
     def _load_model(self, path: str):
         from trl.trainer.utils import create_model_from_path
 
         return create_model_from_path(path, **dict(self.args.model_init_kwargs or {}))
-
-    def _load_causal_lm(self, path: str):
-        """The reference model of a DPO run (loaded once per run)."""
-        return self._load_model(path)
 
     def _release_dpo_run(self, keep_model: bool = False) -> None:
         """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference; before the first
@@ -589,19 +439,19 @@ class IterativeDPOTrainer(DPOTrainer):
 
     def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, stream=None,
                  setup: Callable[[DPOTrainer], None] | None = None) -> DPOTrainer:  # fmt: skip
-        """One DPO run: a plain ``trl.DPOTrainer`` (a :class:`_StreamDPOTrainer` reading ``stream`` in per-batch mode)
-        for ``model`` (a path) against the reference at ``ref_path`` on ``train_dataset``, with this trainer's
-        callbacks and console (and ``setup(run)`` before training), trained from the last checkpoint in
-        ``args.output_dir``. The previous run is released first; the new one is kept (``trainer.model`` is its
-        policy) until the next."""
+        """One DPO run: a plain ``trl.DPOTrainer`` (a :class:`~rlhf_ext.trl.online_stream.StreamDPOTrainer` reading
+        ``stream`` in per-batch mode) for ``model`` (a path) against the reference at ``ref_path`` on
+        ``train_dataset``, with this trainer's callbacks and console (and ``setup(run)`` before training), trained
+        from the last checkpoint in ``args.output_dir``. The previous run is released first; the new one is kept
+        (``trainer.model`` is its policy) until the next."""
         from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
         console = console_callback_of(self._dpo_run or self)  # use_console_output(trainer) lasts over every run
         self._release_dpo_run()
-        ref = self._load_causal_lm(ref_path)
+        ref = self._load_model(ref_path)
         last = last_checkpoint(args.output_dir)
-        run = (DPOTrainer if stream is None else _StreamDPOTrainer)(
+        run = (DPOTrainer if stream is None else StreamDPOTrainer)(
             model=model,
             ref_model=ref,
             args=args,
@@ -649,7 +499,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dist.wait_for_everyone()
         run = self._dpo_run
         unwrapped = run.accelerator.unwrap_model(run.model)
-        if _is_peft(unwrapped):
+        if hasattr(unwrapped, "merge_and_unload") and hasattr(unwrapped, "peft_config"):  # a PEFT model
             if self._dist.is_main_process:
                 unwrapped.merge_and_unload().save_pretrained(str(partial))
         else:
@@ -663,7 +513,8 @@ class IterativeDPOTrainer(DPOTrainer):
                      dest: Path) -> None:  # fmt: skip
         """Step 6's DPO run (:meth:`IterationRun.train_iteration`): from ``start`` on ``rows`` against the reference
         at ``ref_path``, in ``work``; the trained policy is saved to ``dest``."""
-        self._run_dpo(start, ref_path, self._dpo_args(work, seed=seed), _dpo_dataset(rows))
+        args = dataclasses.replace(self.args, output_dir=str(work), seed=seed)
+        self._run_dpo(start, ref_path, args, dpo_dataset(rows))
         self._save_policy(dest)
         self._release_dpo_run(keep_model=True)
 
@@ -684,125 +535,3 @@ class IterativeDPOTrainer(DPOTrainer):
         self.summary = summary
         self.log(dict(metrics))
         return TrainOutput(steps, loss, metrics)
-
-    # ----------------------------------------------------------------------------------------------- per-batch
-    def _record_online_batch(self, batch: Batch[OnlineBatchPairs], offset: int) -> None:
-        """Write a batch's pairs to the store as the training loop takes it (index = the update it feeds), with
-        every process's prompt cursor after it (:meth:`IterationRun.record_online_batch`)."""
-        from accelerate.utils import gather_object
-
-        cursors = [int(c) for c in gather_object([batch.data.cursor])]
-        self.iteration_steps.record_online_batch(
-            offset + batch.index, offset + batch.version, batch.data.rows, batch.generate_seconds, cursors
-        )
-
-    def _train_online(self) -> dict[str, Any]:
-        from rlhf_ext.trl.args import last_checkpoint
-
-        a, steps = self.args, self.iteration_steps
-        if self._dist.num_processes > 1 and a.generation_backend == "vllm":
-            raise ValueError("online mode with vLLM runs on one process; launch a single process")
-        pairs_per_update = a.per_device_train_batch_size * a.gradient_accumulation_steps
-        total = (
-            a.max_steps
-            if a.max_steps > 0
-            else max(1, len(self.prompts) // (pairs_per_update * self._dist.num_processes))
-        )
-        work = self.root / "online"
-        dest = self.root / POLICIES_DIR / "online_final"
-        if dest.exists() and (self.root / "summary.json").exists():
-            return json.loads((self.root / "summary.json").read_text())  # the run already finished
-        last = last_checkpoint(work)
-        offset = int(Path(last).name.split("-")[-1]) if last else 0
-        # batches generated after the last checkpoint belong to updates that were lost: they are generated again
-        if self._dist.is_main_process:
-            for it in steps.store.completed():
-                if it >= offset:
-                    shutil.rmtree(steps.store.path(it))
-        self._dist.wait_for_everyone()
-        evals = [steps.evaluate_policy(0)]
-        if self._dist.is_main_process:
-            recover_directory(dest)
-            shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
-        self._dist.wait_for_everyone()
-        if offset < total:
-            stats = self._run_online(total, offset, last, work, dest)
-        else:  # killed after the last update's checkpoint, before the final policy was saved
-            stats = RunnerStats()
-            if self._dist.is_main_process:
-                with atomic_directory(dest) as tmp:
-                    self._load_model(last).save_pretrained(tmp)
-                    self.processing_class.save_pretrained(tmp)
-            self._dist.wait_for_everyone()
-        self.runner_stats = stats
-        state = steps.read_state()
-        state["policies"]["final"] = str(dest)
-        steps.write_state(state)
-        final_eval = steps.evaluate_checkpoint(str(dest), "online_final", {"policy": "final"})
-        self.log({"update": total, **eval_logs(final_eval)})
-        summary = {
-            "mode": "online",
-            "async_generation": a.async_generation,
-            "output_dir": str(self.root),
-            "final_policy": str(dest),
-            "updates": total,
-            "resumed_from_update": offset,
-            "runner": stats.as_dict(),
-            "eval": [*evals, final_eval],
-        }
-        if self._dist.is_main_process:
-            atomic_write_json(self.root / "summary.json", summary)
-        return summary
-
-    def _run_online(self, total: int, offset: int, last: str | None, work: Path, dest: Path) -> RunnerStats:
-        """Updates ``offset .. total-1``: one DPO run of this trainer whose train dataloader is a
-        :class:`OneStepAsyncRunner`'s batches (the generator holds its own copy of the policy); saves the final
-        policy to ``dest``."""
-        a, steps = self.args, self.iteration_steps
-        process = wants_generator_process(a.generator_process, a.async_generation, a.generation_backend, self.reward_fn)
-        generator = OnlinePairGenerator(
-            prompts=self.prompts[self._dist.process_index :: self._dist.num_processes],
-            pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
-            num_samples=a.num_samples,
-            max_fill_rounds=a.max_fill_rounds,
-            selection=SelectionSettings.from_args(a),
-            reward_fn=self.reward_fn,
-            sampler_spec={**steps.sampler_spec(), "policy": last or self.sft_path},
-            seed=steps.seed("order", 0),  # one prompt order per run, whatever update it resumes at
-            sampler=None if process else steps.sampler(),
-            first_index=offset,
-            cursor=steps.resume_cursor(offset),
-        )
-        runner = OneStepAsyncRunner(
-            generator.generate,
-            num_batches=total - offset,
-            load_weights_fn=generator.load_weights,
-            sync=not a.async_generation,
-            generator_threads=a.generation_threads,
-            process=process,
-            name=f"rlhf-ext-generator-{self._dist.process_index}",
-        )
-
-        def setup(run: DPOTrainer) -> None:
-            plugin = run.accelerator.state.deepspeed_plugin
-            if plugin is not None and plugin.zero_stage == 3:
-                raise ValueError(
-                    "online mode publishes the policy's full weights to the generator after every step, which "
-                    "ZeRO-3 shards; use ZeRO-2 / DDP for online mode (iterative mode supports ZeRO-3)"
-                )
-            model_fn = lambda: run.accelerator.unwrap_model(run.model)  # noqa: E731
-            run.add_callback(_PublishWeights(runner, model_fn, to_cpu=process))
-
-        with runner, torch_threads(a.training_threads):
-            first = runner.next_batch()
-            self._run_dpo(
-                model=self.sft_path,
-                ref_path=self.ref_path,
-                args=self._dpo_args(work, max_steps=total, ignore_data_skip=True),
-                train_dataset=_dpo_dataset(first.data.rows),
-                stream=_StreamLoader(self, runner, first, total, offset),
-                setup=setup,
-            )
-        self._save_policy(dest)
-        self._release_dpo_run(keep_model=True)
-        return runner.stats

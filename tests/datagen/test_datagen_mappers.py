@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_ext.config import RecipeError, from_dict
 from rlhf_ext.datagen import OfflineBackend, load_phrase_bank, load_task_config, rubric_for
-from rlhf_ext.datagen.backends import ChatRequest
+from rlhf_ext.datagen.chat import ChatRequest
 from rlhf_ext.datagen.mappers import (
     PromptMapper,
     ResponseMapper,

@@ -17,8 +17,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlhf_ext.datagen import BackendError, BackendUnavailable, ChatRequest, OpenAIBackend, generate_dataset
-from rlhf_ext.datagen.backends import RequestRejected, redact_secrets
 from rlhf_ext.datagen.cache import CACHE_DIR, SAMPLES_FILE
+from rlhf_ext.datagen.chat import RequestRejected, redact_secrets
 from rlhf_ext.datagen.mappers import PAIR_PROMPT_TEMPLATE
 from tests.helpers.chat_server import FakeChatServer, ForwardProxy, last_user_message
 

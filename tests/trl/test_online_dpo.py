@@ -194,13 +194,13 @@ def test_peft_config_trains_an_adapter_per_iteration_and_saves_merged_policies(t
 def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, tiny_sft_path, prompts, monkeypatch):
     train, test = prompts
     refs = []
-    original = IterativeDPOTrainer._load_causal_lm
+    original = IterativeDPOTrainer._load_model
 
     def recording(self, path):
         refs.append(path)
         return original(self, path)
 
-    monkeypatch.setattr(IterativeDPOTrainer, "_load_causal_lm", recording)
+    monkeypatch.setattr(IterativeDPOTrainer, "_load_model", recording)
     sizes = RecordData()
     args = make_args(
         tmp_path,
@@ -245,13 +245,13 @@ def test_a_killed_run_resumes_to_the_same_pairs_and_weights(tmp_path, tiny_sft_p
     train, test = prompts
     common = dict(num_iterations=3, reference="previous", pair_data="latest")
     refs: list[str] = []
-    original = IterativeDPOTrainer._load_causal_lm
+    original = IterativeDPOTrainer._load_model
 
     def recording(self, path):
         refs.append(path)
         return original(self, path)
 
-    monkeypatch.setattr(IterativeDPOTrainer, "_load_causal_lm", recording)
+    monkeypatch.setattr(IterativeDPOTrainer, "_load_model", recording)
 
     def run(out, reward_fn=keyphrase_gold_reward, callbacks=(), **kw):
         args = make_args(out, **common, **kw)
@@ -357,7 +357,7 @@ def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, pr
     trainer = IterativeDPOTrainer(
         tiny_sft_path, args=make_args(tmp_path), train_dataset=train, reward_funcs=lambda p, r: torch.zeros(len(r))
     )
-    trainer._check_run_dir()
+    trainer.open_run()
     other = IterativeDPOTrainer(
         tiny_sft_path, args=make_args(tmp_path, num_samples=6), train_dataset=train, reward_funcs=keyphrase_gold_reward
     )
