@@ -13,10 +13,9 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
     This is rlhf-ext's own variant, *not* the public code's fit: each location's ``mu_p`` is weighted by its segment
     count and its ``log sigma_p`` by the count less one (locations seen once have no sample std and are left out of
     the std fit; unweighted, D_norm's many rare locations left whole buckets of p 0.2 std off centre), and the last
-    segment is not a point of the line. The last segment is where a soft-max aggregated reward model puts its verdict
-    (its EOS score sits far above the interior ones), and it is one location among hundreds in D_norm: on a line
-    through all of them it stays several standard deviations above 0, a constant bonus for ending a segment. With its own statistics every location is centred, p = 1 included; at p = 1 the
-    normalizer is the classical bandit one (Appendix E).
+    segment is not a point of the line: a soft-max aggregated reward model puts its verdict there (its EOS score far
+    above the interior ones), and on a line through hundreds of locations it stays several standard deviations above
+    0, a constant bonus for ending a segment. At p = 1 the normalizer is the classical bandit one (Appendix E).
   - ``method="huber"``: the public code's fit exactly (its ``useful_code/plot_logfit_function_sklearn.py`` on the
     statistics of ``reward-bench/rewardbench/calc_train_reward_mean_std.py``): locations bucketed to 3 decimals,
     per-bucket mean and *population* std (a location seen once has std 0 and is kept), then ``Mean(p)`` and ``Std(p)``
