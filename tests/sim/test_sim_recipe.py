@@ -39,7 +39,7 @@ def test_named_budget_applies_its_overrides_under_the_command_line():
     assert recipe_fingerprint(full) != recipe_fingerprint(default)
     # the command line still wins over the budget
     assert load_compare_recipe(path, ["ppo.max_steps=3"], budget="full").ppo.max_steps == 3
-    with pytest.raises(RecipeError, match="unknown budget 'huge'; the recipe defines: full, smoke"):
+    with pytest.raises(RecipeError, match="unknown budget 'huge'; the recipe defines: full, gate, smoke"):
         load_compare_recipe(path, budget="huge")
     with pytest.raises(RecipeError, match="budgets.x must be a list of key=value overrides"):
         load_compare_recipe(path, ["budgets={x: [3]}"])
@@ -111,4 +111,4 @@ def test_cli_budget_option_reaches_the_recipe():
     from rlhf_ext.cli import main
 
     res = CliRunner().invoke(main, ["sim", "compare", "--config", "sim_compare", "--budget", "huge"])
-    assert res.exit_code == 2 and "unknown budget 'huge'; the recipe defines: full, smoke" in res.output
+    assert res.exit_code == 2 and "unknown budget 'huge'; the recipe defines: full, gate, smoke" in res.output
