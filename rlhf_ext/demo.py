@@ -191,7 +191,7 @@ class DemoPipeline:
                 "train": len(stage["train"]), "test": len(stage["test"])}  # fmt: skip
 
     def stage_sft(self, results) -> dict[str, Any]:
-        from rlhf_ext.trl.sft import fine_tune
+        from rlhf_ext.pipelines.trl_runs import fine_tune
         from rlhf_ext.zoo.models import tiny_causal_lm
         from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
 

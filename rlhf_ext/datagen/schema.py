@@ -34,7 +34,7 @@ Example (the structure of every packaged config under ``rlhf_ext/datagen/configs
 
 AIF-Gen's own task configs (``task_specs: [{num_samples, alignment_task: {objective, preference, domain}}]``) load
 as they are: :func:`load_task_config` detects ``task_specs`` (or is told ``config_format="aif-gen"``) and maps them
-onto this schema with :func:`rlhf_ext.datagen.aif_gen.config_to_rlhf_ext` (one piecewise stage per task, built-in
+onto this schema with :func:`rlhf_ext.datagen.aif_gen_config.config_to_rlhf_ext` (one piecewise stage per task, built-in
 seed vocabularies for components given without words, a derived phrase-bank style for free-form preferences).
 
 Defaults are the paper's (section 6.1 and Appendix D): temperature 0.99, 1024 prompt tokens, 2048 response tokens,
@@ -358,11 +358,11 @@ def load_task_config(
     """Load and validate a task config from a YAML path, a packaged config name or a mapping.
 
     ``config_format``: ``rlhf-ext`` (this module's schema), ``aif-gen`` (AIF-Gen's ``task_specs`` configs, mapped by
-    :func:`rlhf_ext.datagen.aif_gen.config_to_rlhf_ext`) or ``auto`` (``aif-gen`` when the mapping has
+    :func:`rlhf_ext.datagen.aif_gen_config.config_to_rlhf_ext`) or ``auto`` (``aif-gen`` when the mapping has
     ``task_specs``). ``overrides`` are ``key.sub=value`` strings (``generation.backend=openai``) on the rlhf-ext keys,
     applied after an AIF-Gen config is mapped. Errors are :class:`rlhf_ext.config.RecipeError` naming the file and key.
     """
-    from rlhf_ext.datagen.aif_gen import CONFIG_FORMATS, config_to_rlhf_ext, detect_config_format
+    from rlhf_ext.datagen.aif_gen_config import CONFIG_FORMATS, config_to_rlhf_ext, detect_config_format
 
     if config_format not in CONFIG_FORMATS:
         raise RecipeError(f"unknown config format {config_format!r}; choose {', '.join(CONFIG_FORMATS)}")

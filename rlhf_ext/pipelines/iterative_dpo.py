@@ -187,8 +187,6 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rlhf_ext.pipelines.builtins import resolve_model
-    from rlhf_ext.trl.console import use_console_output
-    from rlhf_ext.trl.online_dpo import IterativeDPOTrainer
     from rlhf_ext.zoo.builtins import resolve_reward as load_reward
 
     args = trl_config(recipe)
@@ -200,7 +198,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
         reward = load_reward(r.function)
     else:
         reward = load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
-    trainer = IterativeDPOTrainer(
+    return train_online(
         sft,
         reward,
         args=args,
@@ -209,6 +207,23 @@ def train_with_trl(recipe) -> dict[str, Any]:
         processing_class=tokenizer,
         gold_fn=load_reward(r.gold) if r.gold else None,
     )
+
+
+def train_online(policy: Any, reward: Any, **kwargs: Any) -> dict[str, Any]:
+    """Train :class:`~rlhf_ext.trl.IterativeDPOTrainer` ``(policy, reward, **kwargs)`` with console step lines;
+    returns the run's summary."""
+    from rlhf_ext.trl.console import use_console_output
+    from rlhf_ext.trl.online_dpo import IterativeDPOTrainer
+
+    trainer = IterativeDPOTrainer(policy, reward, **kwargs)
     use_console_output(trainer)
     trainer.train()  # Algorithm 2 (rlhf_ext.runtime.iterations.run_iterations) or per-batch online DPO
     return trainer.summary
+
+
+def cpu_config(**kwargs: Any):
+    """:class:`~rlhf_ext.trl.IterativeDPOConfig` of ``kwargs`` for a CPU run (:data:`rlhf_ext.trl.args.CPU_RUN`)."""
+    from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.trl.online_dpo import IterativeDPOConfig
+
+    return IterativeDPOConfig(**kwargs, **CPU_RUN)

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
@@ -65,7 +63,7 @@ def fine_tune(
     (reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref`` (default ``init``)."""
     if (out / "config.json").exists():
         return str(out)
-    from rlhf_ext.trl.sft import fine_tune as sft_fine_tune
+    from rlhf_ext.pipelines.trl_runs import fine_tune as sft_fine_tune
 
     return sft_fine_tune(
         init, rows, out,
@@ -171,12 +169,7 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
     """DPO (AlpacaFarm 3.4, App. A.1 Eq. 1 / B.3): TRL's DPOTrainer on the simulated pairs with the SFT model as the
     reference (beta 0.1). ``cfg`` (default: the recipe's ``dpo`` section) and ``name`` (the output directory under
     the seed's) let a benchmark train variants, e.g. with a smaller label budget (``max_pairs``)."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-
-    from rlhf_ext.trl.args import CPU_RUN
-    from rlhf_ext.trl.console import use_console_output
+    from rlhf_ext.pipelines.trl_runs import train_dpo
 
     cfg, out = cfg or run.recipe.dpo, run.seed_dir(seed) / name
     if not (out / "config.json").exists():
@@ -185,37 +178,13 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
             if cfg.max_pairs > len(rows):
                 raise ValueError(f"dpo.max_pairs={cfg.max_pairs} but the simulated feedback has only {len(rows)} pairs")
             rows = rows[: cfg.max_pairs]
-        tokenizer = AutoTokenizer.from_pretrained(run.sft_model())
-        with atomic_directory(out) as tmp:
-            t = cfg.train
-            args = DPOConfig(
-                output_dir=str(tmp / "trainer"),
-                beta=cfg.beta,
-                max_steps=t.max_steps if t.max_steps is not None else -1,
-                num_train_epochs=t.epochs,
-                per_device_train_batch_size=t.batch_size,
-                learning_rate=t.learning_rate,
-                lr_scheduler_type=t.lr_scheduler,
-                warmup_steps=t.warmup_ratio,
-                max_length=run.recipe.task.max_length,
-                seed=seed,
-                **CPU_RUN,
-                logging_steps=10,
-            )
-            trainer = DPOTrainer(
-                model=run.sft_model(),
-                ref_model=AutoModelForCausalLM.from_pretrained(run.sft_model(), dtype=torch.float32),
-                args=args,
-                train_dataset=Dataset.from_list(rows),
-                processing_class=tokenizer,
-            )
-            use_console_output(trainer)
-            trainer.train()
-            trainer.save_model(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-            import shutil
-
-            shutil.rmtree(tmp / "trainer", ignore_errors=True)
+        t = cfg.train
+        train_dpo(
+            run.sft_model(), rows, out,
+            beta=cfg.beta, max_steps=t.max_steps if t.max_steps is not None else -1, num_train_epochs=t.epochs,
+            per_device_train_batch_size=t.batch_size, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler,
+            warmup_steps=t.warmup_ratio, max_length=run.recipe.task.max_length, seed=seed,
+        )  # fmt: skip
     return PolicySpec(str(out), labels=cfg.max_pairs or _num_labels(run, seed))
 
 
@@ -353,9 +322,7 @@ def sim_online_dpo(
     """
     from transformers import AutoTokenizer
 
-    from rlhf_ext.trl.args import CPU_RUN
-    from rlhf_ext.trl.console import use_console_output
-    from rlhf_ext.trl.online_dpo import IterativeDPOConfig, IterativeDPOTrainer
+    from rlhf_ext.pipelines.iterative_dpo import cpu_config, train_online
 
     name = name or {"iterative": "online_dpo", "async": "online_dpo_async", "sync": "online_dpo_sync"}[mode]
     out = run.seed_dir(seed) / name
@@ -371,12 +338,11 @@ def sim_online_dpo(
         generation_threads=r.threads,
         training_threads=r.threads,
         seed=seed,
-        **CPU_RUN,
         logging_steps=10,
     )
     if mode != "iterative":
         c = cfg or r.online_dpo_async
-        args = IterativeDPOConfig(
+        args = cpu_config(
             **common,
             online_mode="online",
             async_generation=mode == "async",
@@ -390,7 +356,7 @@ def sim_online_dpo(
         )
     else:
         c = cfg or r.online_dpo
-        args = IterativeDPOConfig(
+        args = cpu_config(
             **common,
             **knob_values(c, OnlineDPOKnobs),
             beta=c.beta,
@@ -401,7 +367,7 @@ def sim_online_dpo(
             warmup_steps=c.train.warmup_ratio,
         )
     splits = run.splits()
-    trainer = IterativeDPOTrainer(
+    summary = train_online(
         run.sft_model(),
         run.reward_model(seed, "bandit"),
         args=args,
@@ -409,9 +375,6 @@ def sim_online_dpo(
         processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
         gold_fn=run.gold,
     )
-    use_console_output(trainer)
-    trainer.train()
-    summary = trainer.summary
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]
