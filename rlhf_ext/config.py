@@ -484,10 +484,3 @@ def load_recipe(cls: type[T], path: str | Path | None = None, overrides: typing.
     except RecipeError as e:
         where = f"{path}: " if path is not None else ""
         raise RecipeError(f"{where}{e}") from None
-
-
-def save_recipe(obj: Any, path: str | Path) -> None:
-    """Write a recipe dataclass as YAML (atomically)."""
-    from rlhf_ext.runtime.io import atomic_write_text
-
-    atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))

@@ -260,10 +260,6 @@ class Segments(NamedTuple):
     mask: Tensor
     ends: Tensor
 
-    @property
-    def num_segments(self) -> int:
-        return self.mask.shape[1]
-
 
 def segment_ids(starts: Tensor, action_mask: Tensor) -> Segments:
     """Number the segments of each response given their start tokens.
