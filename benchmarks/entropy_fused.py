@@ -179,8 +179,8 @@ def trl_reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, comple
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
+    from rlhf_ext.runtime.token_scores import position_scores
     from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards
-    from rlhf_ext.trl.segment_ppo import position_scores
 
     trainer = reward_trainer(policy_dir, rm_dir, batch, completion)
     stock_ref = AutoModelForCausalLM.from_pretrained(policy_dir).eval()

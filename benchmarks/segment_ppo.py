@@ -35,8 +35,8 @@ def reward_cost(label: str, policy_dir: str, rm_dir: str, batch: int, completion
     """Median wall-clock of bandit vs segment reward production for one rollout batch (interleaved)."""
     from entropy_fused import reward_trainer
 
+    from rlhf_ext.runtime.token_scores import position_scores
     from rlhf_ext.segment import LocationNormalizer, dense_segment_rewards
-    from rlhf_ext.trl.segment_ppo import position_scores
 
     trainer = reward_trainer(policy_dir, rm_dir, batch, completion)
     g = torch.Generator().manual_seed(0)

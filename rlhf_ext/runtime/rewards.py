@@ -149,6 +149,37 @@ def segment_reward_as_e_phi(reward: Any, where: str) -> Any:
     )
 
 
+def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -> tuple[list | None, bool]:
+    """The reward of a ``DensePPOConfig`` run (:class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer`): GRPO's
+    ``reward_funcs`` as a list (a segment reward model's directory scored by its e_phi) or ``None``, and
+    whether the run trains on GRPO's sequence rewards (reward functions or an environment's reward) rather than a
+    segment reward model (``reward_model`` or ``args.reward_model_path``); refuses both and neither."""
+    if isinstance(reward_funcs, list) and not reward_funcs:
+        reward_funcs = None
+    if reward_funcs is not None:  # a segment reward model's directory is scored by e_phi, not at its last token
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        reward_funcs = [segment_reward_as_e_phi(f, f"reward_funcs[{i}]") for i, f in enumerate(funcs)]
+    has_segment_rm = reward_model is not None or args.reward_model_path is not None
+    if reward_funcs is not None and has_segment_rm:
+        raise ValueError(
+            "DensePPOTrainer got both reward_funcs= and a segment reward model (DensePPOConfig."
+            "reward_model_path / reward_model=): pass only one — drop reward_funcs to train on segment rewards, "
+            "or unset reward_model_path/reward_model to train on the reward functions' sequence reward"
+        )
+    # GRPO's reward sources (reward_funcs, or an environment's reward) give a sequence-level reward
+    uses_reward_funcs = reward_funcs is not None or (not has_segment_rm and environment_factory is not None)
+    if not uses_reward_funcs and not has_segment_rm:
+        raise ValueError(
+            "DensePPOTrainer needs a reward: set DensePPOConfig.reward_model_path (or reward_model=) for "
+            "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
+        )
+    if uses_reward_funcs:
+        from rlhf_ext.algos.spans import check_span_granularity
+
+        check_span_granularity(args.granularity)
+    return reward_funcs, uses_reward_funcs
+
+
 def load_reward(
     spec: str,
     kind: str = "auto",

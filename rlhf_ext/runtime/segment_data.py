@@ -23,6 +23,7 @@ whose EOS was cut off gets its last kept token replaced by EOS.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -435,7 +436,6 @@ SEGMENT_CONFIG_NAME = "segment_config.json"
 def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> None:
     """Record next to a reward-model checkpoint how it segments text (cutoff, aggregation, tau, SFT model)."""
     import json
-    import math
     import os
 
     from rlhf_ext.runtime.io import atomic_write_text
@@ -470,18 +470,19 @@ def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
 
 def resolve_segment_settings(
     reward_model: str | Path | None, entropy_cutoff: float | None = None, aggregation: str | None = None,
-    tau: float | None = None, warn_unrecorded: bool = False,
+    tau: float | None = None, warn_unrecorded: bool = False, stacklevel: int = 3,
 ) -> tuple[float, str, float]:  # fmt: skip
     """``(entropy_cutoff, aggregation, tau)`` of a PPO run: each knob as given, else the value recorded next to the
     ``reward_model`` directory (:func:`load_segment_settings`), else the paper's default (2.0, softmax, 0.5), with a
-    warning if ``warn_unrecorded`` and the directory records none. Both engines call this."""
+    warning (attributed ``stacklevel`` frames up) if ``warn_unrecorded`` and the directory records none. Both engines
+    call this."""
     recorded: dict[str, Any] = {}
     if reward_model and (Path(reward_model) / SEGMENT_CONFIG_NAME).exists():
         recorded = load_segment_settings(reward_model)
     elif reward_model and warn_unrecorded:
         warnings.warn(
             f"{reward_model} records no segment settings; using cutoff/aggregation/tau defaults 2.0/softmax/0.5",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return (
         entropy_cutoff if entropy_cutoff is not None else recorded.get("entropy_cutoff", DEFAULT_ENTROPY_CUTOFF),
@@ -524,8 +525,6 @@ def check_bandit_reward_model(
         where: how the user named the reward model (``--reward.model_name_or_path``), for the message.
         granularity_flag: how the user names the granularity setting (``--ext.granularity``), for the message.
     """
-    import math
-
     path = segment_model_dir(reward_model)
     if granularity != "bandit" or path is None:
         return
@@ -537,3 +536,27 @@ def check_bandit_reward_model(
             "'segment_as_bandit' (its sequence score e_phi as one reward per response) or 'segment' (dense segment "
             "rewards)"
         )
+
+
+def reward_model_source(args: Any, reward_model) -> str | None:
+    """Where the segment ``reward_model`` came from (the normalizer's record, the critic's default initialisation);
+    ``None`` without one. Refuses a segment reward model under ``granularity="bandit"``."""
+    if reward_model is None:
+        return None
+    check_bandit_reward_model(args.granularity, args.reward_model_path or reward_model, "reward model")
+    return args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
+
+
+def segment_settings(args: Any, has_reward_model: bool) -> tuple[float, str, float]:
+    """``(entropy_cutoff, aggregation, tau)`` of the run (:func:`resolve_segment_settings`); refuses an infinite
+    cutoff for a reward model's scores under a granularity that segments them."""
+    settings = resolve_segment_settings(
+        args.reward_model_path, args.entropy_cutoff, args.aggregation, args.tau,
+        warn_unrecorded=args.granularity in ("segment", "segment_as_bandit"), stacklevel=4,
+    )  # fmt: skip
+    if has_reward_model and args.granularity in ("segment", "bandit_as_segment") and math.isinf(settings[0]):
+        raise ValueError(
+            f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
+            "entropy_cutoff (e.g. 2.0) or granularity='bandit'"
+        )
+    return settings

@@ -460,3 +460,10 @@ def render_html(views: list[SegmentView], title: str = "Segment rewards") -> str
         + render_segments(views)
         + "</body></html>"
     )
+
+
+def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask) -> torch.Tensor:
+    """``[B, L]`` output of a scalar head at every position (one forward; gradients flow if enabled)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return capture.pop().float()

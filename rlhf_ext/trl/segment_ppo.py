@@ -38,12 +38,13 @@ Segment entropies are those of the reference model at the sampling temperature (
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import get_config_model_id
 
 from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.knobs import knob, knob_like
@@ -59,17 +60,20 @@ from rlhf_ext.algos.segment_dense import (
 )
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import run_normalizer, save_normalizer
-from rlhf_ext.runtime.rewards import segment_reward_as_e_phi
-from rlhf_ext.runtime.segment_data import check_bandit_reward_model, check_shared_vocabulary, resolve_segment_settings
+from rlhf_ext.runtime.rewards import reward_sources
+from rlhf_ext.runtime.segment_data import check_shared_vocabulary, reward_model_source, segment_settings
+from rlhf_ext.runtime.spans import SourceOutput, capture_sources, dense_rewards
 from rlhf_ext.runtime.token_scores import (
     CRITIC_DIR,
     TokenScoreCapture,
     critic_optimizer,
     load_critic,
     load_value_model,
+    position_scores,
     save_critic_state,
 )
 from rlhf_ext.trl.args import CheckpointRecords, HardwareBF16Default
+from rlhf_ext.trl.reference_head import add_reference_head
 
 
 @dataclass
@@ -128,11 +132,16 @@ def segment_reward(prompts, completions, **kwargs):
     raise RuntimeError("segment rewards are computed by DensePPOTrainer from token ids, not as a reward function")
 
 
-def position_scores(capture: TokenScoreCapture, model, input_ids, attention_mask) -> torch.Tensor:
-    """``[B, L]`` output of a scalar head at every position (one forward; gradients flow if enabled)."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return capture.pop().float()
+def async_rollout_func(args: DensePPOConfig, rollout_func):
+    """The :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout` of ``args.async_generation`` (it is then GRPO's
+    ``rollout_func``, so none may be given), else ``None``."""
+    if not args.async_generation:
+        return None
+    if rollout_func is not None:
+        raise ValueError("async_generation=True supplies its own rollout_func; pass one or the other")
+    from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
+
+    return OneStepAsyncRollout(generator_threads=args.generation_threads)
 
 
 class DensePPOTrainer(GRPOTrainer):
@@ -165,123 +174,57 @@ class DensePPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "rlhf-ext", "segment-ppo"]
 
     def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: DensePPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-        *,
-        reward_model=None,
-        ref_model=None,
-        critic=None,
-        normalizer: LocationNormalizer | None = None,
-        calibration_dataset=None,
-        prev_model=None,
-    ):
+        self, model, reward_funcs=None, args: DensePPOConfig | None = None, train_dataset=None, eval_dataset=None,
+        processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+        quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None, *,
+        reward_model=None, ref_model=None, critic=None, normalizer: LocationNormalizer | None = None,
+        calibration_dataset=None, prev_model=None,
+    ):  # fmt: skip
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DensePPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SegmentPPO")
         if not isinstance(args, DensePPOConfig):
             raise TypeError(f"args must be a DensePPOConfig, got {type(args).__name__}")
-        if isinstance(reward_funcs, list) and not reward_funcs:
-            reward_funcs = None
-        if reward_funcs is not None:  # a segment reward model's directory is scored by e_phi, not at its last token
-            funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-            reward_funcs = [segment_reward_as_e_phi(f, f"reward_funcs[{i}]") for i, f in enumerate(funcs)]
-        has_segment_rm = reward_model is not None or args.reward_model_path is not None
-        if reward_funcs is not None and has_segment_rm:
-            raise ValueError(
-                "DensePPOTrainer got both reward_funcs= and a segment reward model (DensePPOConfig."
-                "reward_model_path / reward_model=): pass only one — drop reward_funcs to train on segment rewards, "
-                "or unset reward_model_path/reward_model to train on the reward functions' sequence reward"
-            )
-        # GRPO's reward sources (reward_funcs, or an environment's reward) give a sequence-level reward
-        self.uses_reward_funcs = reward_funcs is not None or (not has_segment_rm and environment_factory is not None)
-        if not self.uses_reward_funcs and not has_segment_rm:
-            raise ValueError(
-                "DensePPOTrainer needs a reward: set DensePPOConfig.reward_model_path (or reward_model=) for "
-                "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
-            )
-        if self.uses_reward_funcs:
-            from rlhf_ext.algos.spans import check_span_granularity
-
-            check_span_granularity(args.granularity)
-        async_rollout = None
-        if args.async_generation:
-            if rollout_func is not None:
-                raise ValueError("async_generation=True supplies its own rollout_func; pass one or the other")
-            from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
-
-            async_rollout = rollout_func = OneStepAsyncRollout(generator_threads=args.generation_threads)
+        reward_funcs, self.uses_reward_funcs = reward_sources(args, reward_funcs, reward_model, environment_factory)
+        self.async_rollout = async_rollout_func(args, rollout_func)
+        rollout_func = rollout_func if self.async_rollout is None else self.async_rollout
         funcs = reward_funcs if reward_funcs is not None else ([] if self.uses_reward_funcs else [segment_reward])
         super().__init__(
             model, funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks,
             optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )  # fmt: skip
         self.add_callback(CheckpointRecords())  # rlhf-ext's record in every checkpoint (resume and clean-up)
-        self.async_rollout = async_rollout
-        if async_rollout is not None:
-            async_rollout.attach(self)
-        from rlhf_ext.runtime.spans import capture_sources
-
+        if self.async_rollout is not None:
+            self.async_rollout.attach(self)
         # what GRPO's reward loop calls: each function wrapped so that its spans wait for the rollout's dense rewards
         self._captured_funcs = capture_sources(self.reward_funcs)
-        from transformers import AutoModelForCausalLM
-
         # on-policy steps finish the advantages from the loss's own policy forward (see the module doc)
         self._reuse_policy_logps = True
         self._loss_inputs: dict | None = None
         self._rewards_per_func: torch.Tensor | None = None
-        self.reward_model = None
-        rm_source = None
+        self._last_policy_logps: torch.Tensor | None = None
+        self._in_policy_loss = False
         if not self.uses_reward_funcs and reward_model is None:
             reward_model = load_value_model(args.reward_model_path, "reward model", self.model.dtype)
-        if reward_model is not None:
-            rm_source = args.reward_model_path or getattr(reward_model.config, "_name_or_path", "reward_model")
-            check_bandit_reward_model(args.granularity, args.reward_model_path or reward_model, "reward model")
-        self.entropy_cutoff, self.aggregation, self.seg_tau = resolve_segment_settings(
-            args.reward_model_path, args.entropy_cutoff, args.aggregation, args.tau,
-            warn_unrecorded=args.granularity in ("segment", "segment_as_bandit"),
-        )  # fmt: skip
-        if (
-            reward_model is not None
-            and args.granularity in ("segment", "bandit_as_segment")
-            and math.isinf(self.entropy_cutoff)
-        ):
-            raise ValueError(
-                f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
-                "entropy_cutoff (e.g. 2.0) or granularity='bandit'"
-            )
-        from trl.trainer.utils import get_config_model_id
-
+        rm_source = reward_model_source(args, reward_model)
+        self.entropy_cutoff, self.aggregation, self.seg_tau = segment_settings(args, reward_model is not None)
         policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
         # the reference (SFT) model: log-probs for the KL reward and, when the granularity segments responses,
-        # entropies for the segmentation, in one forward (the fused head computes entropies only then)
+        # entropies for the segmentation, in one forward (the fused head computes entropies only then); dense
+        # granularities also need them for the reward-hacking monitor (entropies above the cutoff)
         granularity = Granularity(args.granularity)
-        # dense granularities also need them for the reward-hacking monitor (entropies above the cutoff)
         self.needs_reference_entropy = not self.uses_reward_funcs and (
             granularity.needs_entropy or not granularity.is_bandit
         )
         if ref_model is None:
             ref_model = AutoModelForCausalLM.from_pretrained(policy_id, dtype=self.model.dtype)
-        self._add_fused_head(ref_model, entropy=self.needs_reference_entropy)
-        self.segment_ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
+        self.segment_ref_model = self._frozen(ref_model, entropy=self.needs_reference_entropy)
+        self.reward_model = None
         if reward_model is not None:
             check_shared_vocabulary(reward_model, self.accelerator.unwrap_model(self.model))
             self.reward_model = self.accelerator.prepare_model(reward_model.eval(), evaluation_mode=True)
             self._reward_capture = TokenScoreCapture(self.reward_model)
-
         self.normalizer = run_normalizer(
             args, normalizer, calibration_dataset, self._tokenizer if self.uses_reward_funcs else self.processing_class,
             rm_source, span_funcs=self._captured_funcs if self.uses_reward_funcs else None,
@@ -290,31 +233,43 @@ class DensePPOTrainer(GRPOTrainer):
             aggregation=self.aggregation, tau=self.seg_tau,
         )  # fmt: skip
         self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, args.granularity)
+        self.prev_model = self._previous_policy(prev_model)
+        self._setup_critic(critic, args.critic_model_path or rm_source or policy_id)
 
-        # paper 000 Eq. 7: the KL to the previous task's policy, when one is given (the first task has none) and c > 0
-        self.prev_model = None
-        if args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None):
-            if prev_model is None:
-                prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=self.model.dtype)
-            self._add_fused_head(prev_model)
-            self.prev_model = self.accelerator.prepare_model(prev_model.eval(), evaluation_mode=True)
-        self._last_policy_logps: torch.Tensor | None = None
-        self._in_policy_loss = False
+    def _frozen(self, model, entropy: bool = False):
+        """``model`` with TRL's fused head (:func:`~rlhf_ext.trl.reference_head.add_reference_head`; entropies too
+        with ``entropy``), prepared for no-grad evaluation: the reference and the previous-task policy."""
+        add_reference_head(model, self.temperature, entropy, self.args.cast_lm_head_to_fp32)
+        return self.accelerator.prepare_model(model.eval(), evaluation_mode=True)
 
+    def _previous_policy(self, prev_model):
+        """Paper 000 Eq. 7's frozen previous-task policy: ``prev_model``, else ``args.continual_previous_model``
+        (the first task has none); ``None`` without one or with ``continual_kl_coef`` 0."""
+        args = self.args
+        if not (args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None)):
+            return None
+        if prev_model is None:
+            prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=self.model.dtype)
+        return self._frozen(prev_model)
+
+    def _setup_critic(self, critic, source: str) -> None:
+        """The GAE critic (``critic``, else a value model loaded from ``source``) and its optimizer, prepared;
+        ``self.critic`` is ``None`` for the critic-free estimators."""
         self.critic = None
-        if args.advantage_estimator == "gae":
-            if self.uses_reward_funcs:
-                logging.getLogger("rlhf_ext").warning(
-                    "DensePPOTrainer: advantage_estimator 'gae' (the default, paper 003's PPO) trains a critic on "
-                    "the reward functions' rewards; pass advantage_estimator='reinforce_baseline' for critic-free "
-                    "advantages with the prompt group's mean as baseline (as GRPO)"
-                )
-            if critic is None:
-                critic = load_value_model(args.critic_model_path or rm_source or policy_id, "critic")
-            optimizer = critic_optimizer(critic, args.critic_learning_rate)
-            self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
-            self._critic_capture = TokenScoreCapture(self.critic)
-            self._critic_micro_steps = 0
+        if self.args.advantage_estimator != "gae":
+            return
+        if self.uses_reward_funcs:
+            logging.getLogger("rlhf_ext").warning(
+                "DensePPOTrainer: advantage_estimator 'gae' (the default, paper 003's PPO) trains a critic on "
+                "the reward functions' rewards; pass advantage_estimator='reinforce_baseline' for critic-free "
+                "advantages with the prompt group's mean as baseline (as GRPO)"
+            )
+        if critic is None:
+            critic = load_value_model(source, "critic")
+        optimizer = critic_optimizer(critic, self.args.critic_learning_rate)
+        self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
+        self._critic_capture = TokenScoreCapture(self.critic)
+        self._critic_micro_steps = 0
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -340,11 +295,6 @@ class DensePPOTrainer(GRPOTrainer):
             self._last_policy_logps = out[0]
         return out
 
-    def _add_fused_head(self, model, entropy: bool = False) -> None:
-        from rlhf_ext.trl.reference_head import add_reference_head
-
-        add_reference_head(model, self.temperature, entropy, self.args.cast_lm_head_to_fp32)
-
     def _critic_values(self, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
         """``[B, C]`` V(s_t) for each completion token t: the critic's head at the position that predicts t."""
         scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
@@ -355,8 +305,6 @@ class DensePPOTrainer(GRPOTrainer):
         this rollout (:meth:`_calculate_rewards`): the spans a function returned (kept by its
         :class:`~rlhf_ext.runtime.spans.CapturedSource`), else its column of GRPO's rewards, weighted by
         ``reward_weights`` (:func:`rlhf_ext.runtime.spans.dense_rewards`)."""
-        from rlhf_ext.runtime.spans import SourceOutput, dense_rewards
-
         per_func, self._rewards_per_func = self._rewards_per_func, None
         if per_func is None:
             raise RuntimeError("no reward-function output for this rollout")
@@ -420,16 +368,7 @@ class DensePPOTrainer(GRPOTrainer):
                 out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
                 )
-            if self.uses_reward_funcs:  # sequence rewards on the last token, spans mapped onto the tokens
-                dense = self._reward_func_rewards(completion_ids, mask)
-                scores = dense.sequence_reward[:, None].expand(-1, c)
-            else:
-                scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
-                dense = dense_segment_rewards(
-                    scores, mask, ref_entropy, normalizer=self.normalizer, granularity=args.granularity,
-                    interpolation=args.interpolation, entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation,
-                    tau=self.seg_tau, chunk_size=args.chunk_size,
-                )  # fmt: skip
+            dense, scores = self._dense_rewards(input_ids, attention_mask, completion_ids, mask, ref_entropy)
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
             values = None
             if self.critic is not None:
@@ -480,6 +419,21 @@ class DensePPOTrainer(GRPOTrainer):
         if not self.uses_reward_funcs and not Granularity(args.granularity).is_bandit:
             self._monitor_segmentation(mode, dense.segments_per_response, mask, ref_entropy)
         return out
+
+    def _dense_rewards(self, input_ids, attention_mask, completion_ids, mask, ref_entropy):
+        """The rollout's :class:`~rlhf_ext.runtime.spans.DenseBatch` and the ``[B, C]`` scores it came from: the reward
+        functions' (sequence rewards on the last token, spans mapped onto the tokens), or the segment reward model's
+        at every completion position made dense by :func:`dense_segment_rewards`."""
+        c, args = completion_ids.size(1), self.args
+        if self.uses_reward_funcs:
+            dense = self._reward_func_rewards(completion_ids, mask)
+            return dense, dense.sequence_reward[:, None].expand(-1, c)
+        scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
+        return dense_segment_rewards(
+            scores, mask, ref_entropy, normalizer=self.normalizer, granularity=args.granularity,
+            interpolation=args.interpolation, entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation,
+            tau=self.seg_tau, chunk_size=args.chunk_size,
+        ), scores  # fmt: skip
 
     def _monitor_segmentation(self, mode: str, counts: torch.Tensor, mask: torch.Tensor, entropy) -> None:
         """Log the batch's segments per token and share of tokens above the cutoff (and their ratio to the SFT
