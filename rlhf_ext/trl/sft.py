@@ -12,25 +12,11 @@ import torch
 
 
 def fine_tune(
-    model: Any,
-    rows: list[dict[str, str]],
-    out: str | Path,
-    *,
-    learning_rate: float,
-    batch_size: int,
-    seed: int,
-    epochs: float = 1.0,
-    max_steps: int | None = None,
-    lr_scheduler: str = "cosine",
-    warmup_steps: float = 0.0,
-    max_length: int = 1024,
-    logging_steps: int = 10,
-    tokenizer: Any = None,
-    kl_coef: float = 0.0,
-    ref_model: Any = None,
-    disable_tqdm: bool = False,
-    report_to: str | list[str] = "none",
-) -> str:
+    model: Any, rows: list[dict[str, str]], out: str | Path, *, learning_rate: float, batch_size: int, seed: int,
+    epochs: float = 1.0, max_steps: int | None = None, lr_scheduler: str = "cosine", warmup_steps: float = 0.0,
+    max_length: int = 1024, logging_steps: int = 10, tokenizer: Any = None, kl_coef: float = 0.0, ref_model: Any = None,
+    disable_tqdm: bool = False, report_to: str | list[str] = "none",
+) -> str:  # fmt: skip
     """Fine-tune ``model`` (a checkpoint path or a loaded model) on ``rows`` and write model + tokenizer to ``out``.
 
     Args:
@@ -66,20 +52,12 @@ def fine_tune(
     with atomic_directory(out) as tmp:
         if max_steps != 0:
             args = KLSFTConfig(
-                output_dir=str(tmp / "trainer"),
-                kl_coef=kl_coef,
-                num_train_epochs=epochs,
-                max_steps=max_steps if max_steps is not None else -1,
-                per_device_train_batch_size=batch_size,
-                learning_rate=learning_rate,
-                lr_scheduler_type=lr_scheduler,
-                warmup_steps=warmup_steps,
-                max_length=max_length,
-                completion_only_loss=True,
-                seed=seed,
-                logging_steps=logging_steps,
+                output_dir=str(tmp / "trainer"), kl_coef=kl_coef, num_train_epochs=epochs,
+                max_steps=max_steps if max_steps is not None else -1, per_device_train_batch_size=batch_size,
+                learning_rate=learning_rate, lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps,
+                max_length=max_length, completion_only_loss=True, seed=seed, logging_steps=logging_steps,
                 **{**CPU_RUN, "disable_tqdm": disable_tqdm, "report_to": report_to},
-            )
+            )  # fmt: skip
             common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
             if kl_coef > 0:
                 if ref_model is None:
