@@ -26,13 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlhf_ext.config import RecipeError
-from rlhf_ext.datagen.aif_gen_config import (  # noqa: F401 (VOCABULARIES, preference_style: importable here too)
-    VOCABULARIES,
-    _check_keys,
-    _mapping,
-    config_to_rlhf_ext,
-    preference_style,
-)
+from rlhf_ext.datagen.aif_gen_config import _check_keys, _mapping, config_to_rlhf_ext
 
 if TYPE_CHECKING:
     from rlhf_ext.datagen.dataset import ContinualDataset

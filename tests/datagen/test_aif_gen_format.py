@@ -16,13 +16,8 @@ from click.testing import CliRunner
 from rlhf_ext.cli import main
 from rlhf_ext.config import RecipeError
 from rlhf_ext.datagen import ContinualDataset, load_continual_dataset
-from rlhf_ext.datagen.aif_gen import (
-    VOCABULARIES,
-    config_to_rlhf_ext,
-    dataset_from_aif_gen,
-    dataset_to_aif_gen,
-    preference_style,
-)
+from rlhf_ext.datagen.aif_gen import dataset_from_aif_gen, dataset_to_aif_gen
+from rlhf_ext.datagen.aif_gen_config import VOCABULARIES, config_to_rlhf_ext, preference_style
 from rlhf_ext.datagen.phrasebank import load_phrase_bank, preference_style_name, rubric_for
 from rlhf_ext.datagen.schema import GenerationSpec, load_task_config
 
