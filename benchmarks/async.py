@@ -233,12 +233,11 @@ def margin_table(sft, tokenizer, prompts, reward, ns: list[int], seed: int = 0) 
 def summary_rows(result: dict, probe: dict) -> list[dict]:
     """``make bench``'s rows, one per generator design: each repetition's achieved speedup as a fraction of its
     ceiling ``min(ideal, machine parallelism)``, median [p25-p75] over the repetitions (target >= 0.95 in each)."""
-    from dataclasses import fields
+    from rlhf_ext.runtime.pair_collection import wants_generator_process
 
-    from rlhf_ext.algos.pair_selection import OnlineSamplingKnobs
-
-    process = next(f.default for f in fields(OnlineSamplingKnobs) if f.name == "generator_process")
-    default, args = "process" if process else "thread", result["args"]
+    # generator_process=None (the default) picks per run: a process for async HF generation without CUDA
+    default = "process" if wants_generator_process(None, True, "auto", None) else "thread"
+    args = result["args"]
     rows = []
     for r in result["speedup"]:
         probes = r["machine_parallelism_per_rep"]

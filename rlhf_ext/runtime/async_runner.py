@@ -44,13 +44,14 @@ uses them.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import queue
 import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -157,6 +158,45 @@ def _picklable(e: BaseException) -> BaseException | None:
         return None
 
 
+class SharedTensors:
+    """A dict of CPU tensors packed into one shared-memory buffer per dtype, for a generator process.
+
+    A process queue sends each tensor of a plain dict as its own shared-memory segment, whose file descriptor the
+    receiver fetches over a socket, one connection per tensor: ~1 ms each, paid on the critical path of every update.
+    Packed, a state dict travels as one segment per dtype (usually one), and :meth:`unpack` gives views into it with
+    the original names, shapes and dtypes. Each instance is a fresh buffer, so a generator may keep the views.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        sizes: dict[torch.dtype, int] = {}
+        self.layout: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        for name, tensor in tensors.items():
+            offset = sizes.get(tensor.dtype, 0)
+            self.layout.append((name, tensor.dtype, tuple(tensor.shape), offset))
+            sizes[tensor.dtype] = offset + tensor.numel()
+        self.buffers = {dtype: torch.empty(n, dtype=dtype).share_memory_() for dtype, n in sizes.items()}
+        with torch.no_grad():
+            for tensor, view in zip(tensors.values(), self._views()):
+                view.copy_(tensor)
+
+    @staticmethod
+    def packable(payload: Any) -> bool:
+        """Whether ``payload`` is a non-empty dict of CPU tensors (what a policy's state dict snapshot is)."""
+        return (
+            isinstance(payload, Mapping)
+            and len(payload) > 0
+            and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in payload.values())
+        )
+
+    def _views(self) -> list[torch.Tensor]:
+        return [self.buffers[dtype][offset : offset + math.prod(shape)].view(shape)
+                for _, dtype, shape, offset in self.layout]  # fmt: skip
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """The tensors, as views into the shared buffers."""
+        return {name: view for (name, *_), view in zip(self.layout, self._views())}
+
+
 def _generator_loop(generate_fn, load_weights_fn, num_batches: int, lag: int, threads, batches, weights, stop, errors):
     """The generator side of Appendix D (runs in a thread or in a spawned process).
 
@@ -175,6 +215,8 @@ def _generator_loop(generate_fn, load_weights_fn, num_batches: int, lag: int, th
                 if item is None:
                     return
                 version, payload = item
+                if isinstance(payload, SharedTensors):
+                    payload = payload.unpack()
                 if load_weights_fn is not None:
                     load_weights_fn(payload, version)
                 loaded = version
@@ -428,6 +470,8 @@ class OneStepAsyncRunner(Generic[T]):
         if self._version > self.version_for(self.num_batches - 1):
             return
         payload = weights() if callable(weights) else weights
+        if self.process and SharedTensors.packable(payload):
+            payload = SharedTensors(payload)
         if not _put(self._weights, (self._version, payload), self._stop):
             self._raise_generator_error(wait=5.0)
             raise RuntimeError("the runner was closed while publishing weights")

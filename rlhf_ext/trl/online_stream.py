@@ -116,15 +116,17 @@ class StreamDPOTrainer(DPOTrainer):
 
 
 class _PublishWeights(TrainerCallback):
-    """After every optimizer step, report the update to the runner; the weights snapshot (cloned tensors) is only
-    taken when the generator will use that version."""
+    """After every optimizer step, report the update to the runner; the weights snapshot (cloned tensors, or for a
+    generator process the runner's shared-memory copy) is only taken when the generator will use that version."""
 
     def __init__(self, runner: OneStepAsyncRunner, model_fn: Callable[[], torch.nn.Module], to_cpu: bool = False):
         self.runner, self.model_fn, self.to_cpu = runner, model_fn, to_cpu
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         sd = self.model_fn().state_dict()
-        return {k: (v.detach().cpu() if self.to_cpu else v.detach()).clone() for k, v in sd.items()}
+        if self.to_cpu:  # for a generator process: the runner copies them into shared memory as it publishes
+            return {k: v.detach().cpu() for k, v in sd.items()}
+        return {k: v.detach().clone() for k, v in sd.items()}
 
     def on_step_end(self, args, state, control, **kwargs):
         self.runner.publish(self.snapshot)

@@ -29,9 +29,12 @@ class VersionProbe:
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         if int(weights["version"]) != version:
             raise AssertionError(f"weights of version {int(weights['version'])} published as version {version}")
+        if not torch.equal(weights["matrix"], version_weights(version)["matrix"]):
+            raise AssertionError(f"the matrix of version {version} arrived as {weights['matrix']}")
         self.weights = version
 
 
 def version_weights(version: int) -> dict[str, torch.Tensor]:
     """What a learner publishes to a :class:`VersionProbe` after reaching ``version``."""
-    return {"version": torch.tensor([version])}
+    matrix = torch.arange(6, dtype=torch.bfloat16).view(2, 3).t() + version  # another dtype, not contiguous
+    return {"version": torch.tensor([version]), "matrix": matrix}

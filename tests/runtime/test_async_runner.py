@@ -260,6 +260,35 @@ def test_learner_failure_stops_the_generator_process():
     assert not runner._worker.is_alive()
 
 
+def test_shared_tensors_pack_a_state_dict_exactly():
+    """A generator process receives a state dict as one shared buffer per dtype: the same names, dtypes, shapes and
+    values as sent (a copy: the learner goes on changing its own tensors)."""
+    from rlhf_ext.runtime.async_runner import SharedTensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(3, 4, generator=g).t(),  # not contiguous
+        "b": torch.randn(5, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(7),
+        "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 2),
+        "v": torch.randn(2, 2, generator=g),
+    }
+    packed = SharedTensors(tensors)
+    assert set(packed.buffers) == {torch.float32, torch.bfloat16, torch.int64, torch.bool}
+    assert all(b.is_shared() for b in packed.buffers.values())
+    assert packed.buffers[torch.float32].numel() == 12 + 0 + 4
+    out = packed.unpack()
+    assert list(out) == list(tensors)
+    for name, tensor in tensors.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name], tensor), name
+    tensors["w"].add_(1.0)
+    assert not torch.equal(out["w"], tensors["w"])
+    assert SharedTensors.packable(tensors)
+    assert not SharedTensors.packable({}) and not SharedTensors.packable({"a": 1}) and not SharedTensors.packable([1])
+
+
 def _module_level_reward(prompts, responses):
     return [0.0] * len(responses)
 
