@@ -105,7 +105,7 @@ with tempfile.TemporaryDirectory() as tmp:
     done.set()
     thread.join()
 params = sum(p.numel() for p in trainer.model.parameters())
-critic = sum(p.numel() for p in trainer.critic.parameters()) if trainer.critic is not None else 0
+critic = sum(p.numel() for p in trainer.critic.model.parameters()) if trainer.critic is not None else 0
 print(json.dumps({"rss_before_mb": base, "peak_rss_during_steps_mb": peak[0], "step_delta_mb": peak[0] - base,
                   "policy_params": params, "critic_params": critic}))
 """

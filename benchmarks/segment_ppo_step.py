@@ -141,7 +141,7 @@ def make_trainers(policy: str, rm: str | None, tmp: str, batch: int, completion:
             trainers[name]._reuse_policy_logps = False  # the no-grad old-log-prob forward of every rollout, as before
     if "g0" in trainers:  # torch's default AdamW (per-parameter on CPU), as the critic's optimizer was
         critic = trainers["g0"].critic
-        trainers["g0"].critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=9e-6, betas=(0.9, 0.95))
+        critic.optimizer = torch.optim.AdamW(critic.model.parameters(), lr=9e-6, betas=(0.9, 0.95))
     for trainer in trainers.values():
         trainer.create_optimizer()
         trainer.current_gradient_accumulation_steps = 1
@@ -208,10 +208,10 @@ def critic_cost(trainer, policy: str, rows: list[dict], rounds: int) -> dict:
 
     def ours() -> None:
         with torch.no_grad():  # the rollout's value forward
-            trainer._critic_values(input_ids, attention_mask, c)
+            trainer.critic.values(input_ids, attention_mask, c)
         trainer._critic_step(inputs)  # forward, clipped value loss, backward, clip, fused AdamW (every step)
 
-    dtype = next(trainer.critic.parameters()).dtype
+    dtype = next(trainer.critic.model.parameters()).dtype
     theirs = get_llm_for_sequence_regression(policy, "critic", param_dtype="bf16", attn_implementation="sdpa",
                                              init_value_head=True).to(dtype)  # fmt: skip
     value_loss = ValueLoss(trainer.args.value_clip)

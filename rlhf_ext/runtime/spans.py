@@ -443,6 +443,28 @@ def dense_rewards(
     return DenseBatch(rewards, rewards.sum(dim=1), counts, dense)
 
 
+def captured_dense_rewards(
+    funcs: Sequence,
+    names: Sequence[str],
+    rewards_per_func: Tensor,
+    weights: Sequence[float],
+    tokenizer,
+    completion_ids: Tensor,
+    mask: Tensor,
+    **kwargs,
+) -> DenseBatch:
+    """:func:`dense_rewards` of reward functions' answers to a rollout (TRL's ``reward_funcs``): for each function the
+    spans its :class:`CapturedSource` kept, else its column of ``rewards_per_func`` ``[B, F]`` (GRPO's rewards, one
+    row per completion of ``completion_ids`` ``[B, C]``) as sequence rewards; on ``completion_ids``' device."""
+    outputs = [SourceOutput.captured(func, name, rewards_per_func[:, i]) for i, (func, name) in
+               enumerate(zip(funcs, names))]  # fmt: skip
+    batch = dense_rewards(outputs, weights, tokenizer, completion_ids, mask, **kwargs)
+    device = completion_ids.device
+    batch.rewards, batch.sequence_reward = batch.rewards.to(device), batch.sequence_reward.to(device)
+    batch.segments_per_response = batch.segments_per_response.to(device)
+    return batch
+
+
 def _is_async(func) -> bool:
     import asyncio
     import functools

@@ -37,7 +37,6 @@ Segment entropies are those of the reference model at the sampling temperature (
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 
@@ -49,31 +48,23 @@ from trl.trainer.utils import get_config_model_id
 from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.knobs import knob, knob_like
 from rlhf_ext.algos.location_norm import LocationNormalizer
-from rlhf_ext.algos.ppo import PPOKnobs, clipped_value_loss, per_token_kl, ppo_advantages
-from rlhf_ext.algos.segment_dense import (
-    DenseRewardKnobs,
-    Granularity,
-    SegmentationMonitor,
-    SegmentationRates,
-    dense_segment_rewards,
-    segmentation_totals,
-)
+from rlhf_ext.algos.ppo import PPOKnobs, per_token_kl, ppo_advantages
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, Granularity, SegmentationMonitor, dense_segment_rewards
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.runtime.calibration import run_normalizer, save_normalizer
 from rlhf_ext.runtime.rewards import reward_sources
 from rlhf_ext.runtime.segment_data import check_shared_vocabulary, reward_model_source, segment_settings
-from rlhf_ext.runtime.spans import SourceOutput, capture_sources, dense_rewards
-from rlhf_ext.runtime.token_scores import (
-    CRITIC_DIR,
-    TokenScoreCapture,
-    critic_optimizer,
-    load_critic,
-    load_value_model,
-    position_scores,
-    save_critic_state,
-)
+from rlhf_ext.runtime.spans import capture_sources, captured_dense_rewards
+from rlhf_ext.runtime.token_scores import TokenScoreCapture, load_value_model, position_scores
 from rlhf_ext.trl.args import CheckpointRecords, HardwareBF16Default
+from rlhf_ext.trl.critic import gae_critic
 from rlhf_ext.trl.reference_head import add_reference_head
+from rlhf_ext.trl.rollout_metrics import (
+    drop_grpo_reward_metrics,
+    log_dense_rewards,
+    log_kl_reward,
+    monitor_segmentation,
+)
 
 
 @dataclass
@@ -142,6 +133,33 @@ def async_rollout_func(args: DensePPOConfig, rollout_func):
     from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
 
     return OneStepAsyncRollout(generator_threads=args.generation_threads)
+
+
+def previous_policy(args: DensePPOConfig, prev_model, dtype: torch.dtype):
+    """Paper 000 Eq. 7's frozen previous-task policy: ``prev_model``, else ``args.continual_previous_model`` loaded
+    (the first task has none); ``None`` without one or with ``continual_kl_coef`` 0."""
+    if not (args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None)):
+        return None
+    if prev_model is None:
+        prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=dtype)
+    return prev_model
+
+
+def finishes_in_loss(args: DensePPOConfig, out: dict, mode: str) -> bool:
+    """Whether a rollout's old log-probs can be the loss forward's own (detached) policy log-probs (``out``: GRPO's
+    rollout dict), so the KL reward and advantages are finished in the loss instead of after an extra no-grad policy
+    forward.
+
+    Needs: GRPO found the step on-policy (it computed no ``old_per_token_logps``), no asynchronous behaviour
+    policy, and one loss call for the whole rollout batch (advantages are whitened over it), i.e.
+    ``steps_per_generation == 1`` in training (evaluation never splits its batch). The estimator may be any: GAE's
+    critic values are taken at rollout time (the critic steps only after the policy loss).
+    """
+    return (
+        "old_per_token_logps" not in out
+        and not (args.async_generation and mode == "train")
+        and (mode == "eval" or args.steps_per_generation == 1)
+    )
 
 
 class DensePPOTrainer(GRPOTrainer):
@@ -233,43 +251,16 @@ class DensePPOTrainer(GRPOTrainer):
             aggregation=self.aggregation, tau=self.seg_tau,
         )  # fmt: skip
         self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, args.granularity)
-        self.prev_model = self._previous_policy(prev_model)
-        self._setup_critic(critic, args.critic_model_path or rm_source or policy_id)
+        prev_model = previous_policy(args, prev_model, self.model.dtype)
+        self.prev_model = self._frozen(prev_model) if prev_model is not None else None
+        source = args.critic_model_path or rm_source or policy_id
+        self.critic = gae_critic(args, critic, source, self.accelerator, self.uses_reward_funcs)
 
     def _frozen(self, model, entropy: bool = False):
         """``model`` with TRL's fused head (:func:`~rlhf_ext.trl.reference_head.add_reference_head`; entropies too
         with ``entropy``), prepared for no-grad evaluation: the reference and the previous-task policy."""
         add_reference_head(model, self.temperature, entropy, self.args.cast_lm_head_to_fp32)
         return self.accelerator.prepare_model(model.eval(), evaluation_mode=True)
-
-    def _previous_policy(self, prev_model):
-        """Paper 000 Eq. 7's frozen previous-task policy: ``prev_model``, else ``args.continual_previous_model``
-        (the first task has none); ``None`` without one or with ``continual_kl_coef`` 0."""
-        args = self.args
-        if not (args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None)):
-            return None
-        if prev_model is None:
-            prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=self.model.dtype)
-        return self._frozen(prev_model)
-
-    def _setup_critic(self, critic, source: str) -> None:
-        """The GAE critic (``critic``, else a value model loaded from ``source``) and its optimizer, prepared;
-        ``self.critic`` is ``None`` for the critic-free estimators."""
-        self.critic = None
-        if self.args.advantage_estimator != "gae":
-            return
-        if self.uses_reward_funcs:
-            logging.getLogger("rlhf_ext").warning(
-                "DensePPOTrainer: advantage_estimator 'gae' (the default, paper 003's PPO) trains a critic on "
-                "the reward functions' rewards; pass advantage_estimator='reinforce_baseline' for critic-free "
-                "advantages with the prompt group's mean as baseline (as GRPO)"
-            )
-        if critic is None:
-            critic = load_value_model(source, "critic")
-        optimizer = critic_optimizer(critic, self.args.critic_learning_rate)
-        self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
-        self._critic_capture = TokenScoreCapture(self.critic)
-        self._critic_micro_steps = 0
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -295,50 +286,6 @@ class DensePPOTrainer(GRPOTrainer):
             self._last_policy_logps = out[0]
         return out
 
-    def _critic_values(self, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
-        """``[B, C]`` V(s_t) for each completion token t: the critic's head at the position that predicts t."""
-        scores = position_scores(self._critic_capture, self.critic, input_ids, attention_mask)
-        return scores[:, -completion_len - 1 : -1]
-
-    def _reward_func_rewards(self, completion_ids: torch.Tensor, mask: torch.Tensor):
-        """:class:`~rlhf_ext.runtime.spans.DenseBatch` of this process's rows from the reward functions' answers to
-        this rollout (:meth:`_calculate_rewards`): the spans a function returned (kept by its
-        :class:`~rlhf_ext.runtime.spans.CapturedSource`), else its column of GRPO's rewards, weighted by
-        ``reward_weights`` (:func:`rlhf_ext.runtime.spans.dense_rewards`)."""
-        per_func, self._rewards_per_func = self._rewards_per_func, None
-        if per_func is None:
-            raise RuntimeError("no reward-function output for this rollout")
-        n = completion_ids.size(0)
-        rows = per_func[self.accelerator.process_index * n :][:n]
-        outputs = [SourceOutput.captured(func, name, rows[:, i]) for i, (func, name) in
-                   enumerate(zip(self._captured_funcs, self.reward_func_names))]  # fmt: skip
-        args = self.args
-        batch = dense_rewards(
-            outputs, self.reward_weights.tolist(), self._tokenizer, completion_ids, mask, normalizer=self.normalizer,
-            granularity=args.granularity, interpolation=args.interpolation, aggregation=self.aggregation,
-            tau=self.seg_tau,
-        )  # fmt: skip
-        device = completion_ids.device
-        batch.rewards, batch.sequence_reward = batch.rewards.to(device), batch.sequence_reward.to(device)
-        batch.segments_per_response = batch.segments_per_response.to(device)
-        return batch
-
-    def _finishes_in_loss(self, out: dict, mode: str) -> bool:
-        """Whether this rollout's old log-probs are the loss forward's own (detached) policy log-probs, so the KL
-        reward and advantages are finished in the loss instead of after an extra no-grad policy forward.
-
-        Needs: GRPO found the step on-policy (it computed no ``old_per_token_logps``), no asynchronous behaviour
-        policy, and one loss call for the whole rollout batch (advantages are whitened over it), i.e.
-        ``steps_per_generation == 1`` in training (evaluation never splits its batch). The estimator may be any: GAE's
-        critic values are taken at rollout time (the critic steps only after the policy loss).
-        """
-        return (
-            self._reuse_policy_logps
-            and "old_per_token_logps" not in out
-            and not (self.args.async_generation and mode == "train")
-            and (mode == "eval" or self.args.steps_per_generation == 1)
-        )
-
     # ------------------------------------------------------------------------------------------- the rollout
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)  # generation; GRPO's reward/advantages are replaced
@@ -351,7 +298,7 @@ class DensePPOTrainer(GRPOTrainer):
         c = completion_ids.size(1)
         mask = completion_mask.bool() if "tool_mask" not in out else (completion_mask * out["tool_mask"]).bool()
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-        finish_in_loss = self._finishes_in_loss(out, mode)
+        finish_in_loss = self._reuse_policy_logps and finishes_in_loss(args, out, mode)
         with torch.no_grad():
             old_logps = out.get("old_per_token_logps")
             if old_logps is None and self.args.async_generation and mode == "train":
@@ -372,7 +319,7 @@ class DensePPOTrainer(GRPOTrainer):
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
             values = None
             if self.critic is not None:
-                values = torch.where(mask, self._critic_values(input_ids, attention_mask, c), 0.0)
+                values = torch.where(mask, self.critic.values(input_ids, attention_mask, c), 0.0)
                 out["old_values"] = values
             if finish_in_loss:
                 # the per-row part now (group baseline before GRPO shuffles the rows, reward clip); the KL term,
@@ -395,29 +342,17 @@ class DensePPOTrainer(GRPOTrainer):
                 out["advantages"] = advantages
                 out["old_per_token_logps"] = old_logps
 
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        # GRPO logged its own reward (a placeholder, or the reward functions' without the KL); ours includes the KL
-        for key in ("reward", "reward_std"):
-            if metrics.get(key):
-                metrics[key].pop()
-        if not self.uses_reward_funcs:  # GRPO's stats of its placeholder reward function (zeros) are not ours
-            for name in self.reward_func_names:
-                for stat in ("mean", "std"):
-                    metrics.pop(f"rewards/{name}/{stat}", None)
-            if metrics.get("frac_reward_zero_std"):  # the true fraction: prompt groups whose rewards are all equal
-                groups = gather(dense.sequence_reward).view(-1, self.num_generations)
-                metrics["frac_reward_zero_std"][-1] = (groups.std(dim=1) == 0).float().mean().item()
+        metrics, gather = self._metrics[mode], self.accelerator.gather
+        placeholder_names = None if self.uses_reward_funcs else self.reward_func_names
+        drop_grpo_reward_metrics(metrics, gather, placeholder_names, dense.sequence_reward, self.num_generations)
         if not finish_in_loss:
-            self._log_reward(mode, dense.sequence_reward, kl)
-        metrics["segment/score"].append(gather(dense.sequence_reward).mean().item())
-        metrics["segment/raw_last_score"].append(
-            gather(scores.gather(1, (mask.long().cumsum(1).argmax(1, keepdim=True)))).mean().item()
-        )
-        metrics["segment/segments_per_response"].append(gather(dense.segments_per_response.float()).mean().item())
-        metrics["segment/response_length"].append(gather(mask.sum(dim=1).float()).mean().item())
+            log_kl_reward(metrics, gather, dense.sequence_reward, kl, args.kl_coef)
+        log_dense_rewards(metrics, gather, dense, scores, mask)
         if not self.uses_reward_funcs and not Granularity(args.granularity).is_bandit:
-            self._monitor_segmentation(mode, dense.segments_per_response, mask, ref_entropy)
+            monitor_segmentation(
+                metrics, gather, self.monitor, dense.segments_per_response, mask, ref_entropy, self.entropy_cutoff,
+                self.state.global_step if mode == "train" else None, self.accelerator.is_main_process,
+            )  # fmt: skip
         return out
 
     def _dense_rewards(self, input_ids, attention_mask, completion_ids, mask, ref_entropy):
@@ -425,8 +360,14 @@ class DensePPOTrainer(GRPOTrainer):
         functions' (sequence rewards on the last token, spans mapped onto the tokens), or the segment reward model's
         at every completion position made dense by :func:`dense_segment_rewards`."""
         c, args = completion_ids.size(1), self.args
-        if self.uses_reward_funcs:
-            dense = self._reward_func_rewards(completion_ids, mask)
+        if self.uses_reward_funcs:  # this process's rows of GRPO's rewards per function (_calculate_rewards)
+            n, per_func, self._rewards_per_func = len(mask), self._rewards_per_func, None
+            dense = captured_dense_rewards(
+                self._captured_funcs, self.reward_func_names, per_func[self.accelerator.process_index * n :][:n],
+                self.reward_weights.tolist(), self._tokenizer, completion_ids, mask, normalizer=self.normalizer,
+                granularity=args.granularity, interpolation=args.interpolation, aggregation=self.aggregation,
+                tau=self.seg_tau,
+            )  # fmt: skip
             return dense, dense.sequence_reward[:, None].expand(-1, c)
         scores = position_scores(self._reward_capture, self.reward_model, input_ids, attention_mask)[:, -c:]
         return dense_segment_rewards(
@@ -434,28 +375,6 @@ class DensePPOTrainer(GRPOTrainer):
             interpolation=args.interpolation, entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation,
             tau=self.seg_tau, chunk_size=args.chunk_size,
         ), scores  # fmt: skip
-
-    def _monitor_segmentation(self, mode: str, counts: torch.Tensor, mask: torch.Tensor, entropy) -> None:
-        """Log the batch's segments per token and share of tokens above the cutoff (and their ratio to the SFT
-        model's on the calibration responses); warn once when either passes 1.5x (:class:`SegmentationMonitor`)."""
-        totals = segmentation_totals(counts, mask, entropy, self.entropy_cutoff)  # [3]: ranks' lengths T may differ
-        rates = SegmentationRates.of_totals(self.accelerator.gather(totals.unsqueeze(0)).sum(0))
-        metrics = self._metrics[mode]
-        for name, value in zip(rates._fields, rates):
-            metrics[f"segment/{name}"].append(value)
-        for name, ratio in self.monitor.ratios(rates).items():
-            metrics[f"segment/{name}_vs_sft"].append(ratio)
-        message = self.monitor.check(rates, self.state.global_step) if mode == "train" else None
-        if message is not None and self.accelerator.is_main_process:
-            logging.getLogger("rlhf_ext").warning(message)
-
-    def _log_reward(self, mode: str, sequence_reward: torch.Tensor, kl: torch.Tensor) -> None:
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        total_reward = sequence_reward - self.args.kl_coef * kl.sum(dim=1)
-        metrics["reward"].append(gather(total_reward).mean().item())
-        metrics["reward_std"].append(gather(total_reward).std().item() if total_reward.numel() > 1 else 0.0)
-        metrics["segment/kl"].append(gather(kl.sum(dim=1)).mean().item())
 
     @torch.no_grad()
     def _finish_advantages(self, inputs: dict, policy_logps: torch.Tensor) -> None:
@@ -473,7 +392,8 @@ class DensePPOTrainer(GRPOTrainer):
         )  # fmt: skip
         if values is not None:
             inputs["returns"] = returns
-        self._log_reward("train" if self.model.training else "eval", inputs.pop("ppo_sequence_reward"), kl)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        log_kl_reward(metrics, self.accelerator.gather, inputs.pop("ppo_sequence_reward"), kl, args.kl_coef)
 
     # ------------------------------------------------------------------------------------------------ losses
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -499,26 +419,13 @@ class DensePPOTrainer(GRPOTrainer):
         return loss
 
     def _critic_step(self, inputs) -> None:
-        """Clipped value loss on this micro-batch; the critic's optimizer steps every accumulation boundary."""
-        self.critic.train()
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        c = inputs["completion_ids"].size(1)
-        mask = inputs["completion_mask"].bool()
-        values = self._critic_values(input_ids, attention_mask, c)
-        loss, clip_frac = clipped_value_loss(
-            values, inputs["old_values"], inputs["returns"], mask, self.args.value_clip
-        )
-        accumulation = self.current_gradient_accumulation_steps
-        self.accelerator.backward(loss / accumulation)
-        self._critic_micro_steps += 1
-        if self._critic_micro_steps % accumulation == 0:
-            self.accelerator.clip_grad_norm_(self.critic.parameters(), self.args.max_grad_norm)
-            self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
+        """The critic's clipped value-loss step on this micro-batch (:meth:`Critic.step`), logged."""
+        args = self.args
+        loss, clip_frac = self.critic.step(inputs, self.current_gradient_accumulation_steps, args.max_grad_norm,
+                                           args.value_clip)  # fmt: skip
         metrics = self._metrics["train"]
-        metrics["critic/value_loss"].append(self.accelerator.gather(loss.detach()).mean().item())
-        metrics["critic/value_clip_frac"].append(self.accelerator.gather(clip_frac.detach()).mean().item())
+        metrics["critic/value_loss"].append(self.accelerator.gather(loss).mean().item())
+        metrics["critic/value_clip_frac"].append(self.accelerator.gather(clip_frac).mean().item())
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
@@ -526,7 +433,7 @@ class DensePPOTrainer(GRPOTrainer):
         if self.args.should_save:
             save_normalizer(self.normalizer, os.path.join(output_dir, "normalizer.json"))
             if self.critic is not None:
-                self.accelerator.unwrap_model(self.critic).save_pretrained(os.path.join(output_dir, CRITIC_DIR))
+                self.critic.save_weights(output_dir)
 
     # ----------------------------------------------------------------------------------- checkpoint / resume
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -534,15 +441,14 @@ class DensePPOTrainer(GRPOTrainer):
         next to the critic's weights (``critic/``, written by :meth:`save_model` for the same checkpoint)."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.critic is not None and self.args.should_save:
-            save_critic_state(self.critic_optimizer, self._critic_micro_steps, output_dir)
+            self.critic.save_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """On resume, the policy's optimizer and scheduler (``Trainer``), then the critic: its weights and its
         optimizer state from ``checkpoint/critic`` (otherwise the critic would restart from its initial weights)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.critic is not None:
-            steps = load_critic(self.accelerator.unwrap_model(self.critic), self.critic_optimizer, checkpoint)
-            self._critic_micro_steps = self._critic_micro_steps if steps is None else steps
+            self.critic.load(checkpoint)
 
 
 #: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` with its default

@@ -118,9 +118,9 @@ def test_gae_training_step_updates_critic_and_saves(tmp_path, tiny_sft_path, toy
         model=tiny_sft_path, args=_config(tmp_path, segment_rm, max_steps=2), train_dataset=prompts,
         processing_class=toy_tok, calibration_dataset=toy_data["test"],
     )  # fmt: skip
-    critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
+    critic_before = [p.detach().clone() for p in trainer.critic.model.parameters()]
     trainer.train()
-    changed = any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.parameters()))
+    changed = any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.model.parameters()))
     assert changed, "the critic's optimizer never stepped"
     logs = [h for h in trainer.state.log_history if "critic/value_loss" in h]
     assert logs and all(math.isfinite(h["critic/value_loss"]) for h in logs)
@@ -332,11 +332,12 @@ def test_advantages_finished_in_the_loss_equal_the_rollouts(tmp_path, tiny_sft_p
     torch.testing.assert_close(grad_on, grad_off, rtol=1e-4, atol=1e-7)
     assert grad_on.abs().sum() > 0 and m_on == pytest.approx(m_off, rel=1e-5) and m_on["segment/kl"] != 0.0
     # off-policy rollouts (GRPO computed old log-probs) and several loss calls per rollout keep the old forward
-    trainer._reuse_policy_logps = True
-    assert trainer._finishes_in_loss({}, "train")
-    assert not trainer._finishes_in_loss({"old_per_token_logps": adv_off}, "train")
+    from rlhf_ext.trl.segment_ppo import finishes_in_loss
+
+    assert finishes_in_loss(trainer.args, {}, "train")
+    assert not finishes_in_loss(trainer.args, {"old_per_token_logps": adv_off}, "train")
     trainer.args.steps_per_generation = 2
-    assert not trainer._finishes_in_loss({}, "train") and trainer._finishes_in_loss({}, "eval")
+    assert not finishes_in_loss(trainer.args, {}, "train") and finishes_in_loss(trainer.args, {}, "eval")
 
 
 def test_grpo_positional_arguments_and_reward_funcs(tmp_path, tiny_sft_path, toy_tok, prompts):
@@ -470,18 +471,19 @@ def test_on_policy_gae_takes_old_logps_from_the_loss_forward(tmp_path, tiny_sft_
     ref = AutoModelForCausalLM.from_pretrained(tiny_base_path)  # a different reference: KL != 0
     trainer = SegmentPPOTrainer(tiny_sft_path, args=args, train_dataset=prompts, processing_class=toy_tok,
                                 ref_model=ref)  # fmt: skip
-    assert all(group["fused"] for group in trainer.critic_optimizer.param_groups)  # torch's fused AdamW kernel
+    assert all(group["fused"] for group in trainer.critic.optimizer.param_groups)  # torch's fused AdamW kernel
     trainer.create_optimizer()
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by train(); we run the step by hand
-    start = copy.deepcopy((trainer.model.state_dict(), trainer.critic.state_dict(), trainer.optimizer.state_dict(),
-                           trainer.critic_optimizer.state_dict()))  # fmt: skip
+    critic = trainer.critic
+    start = copy.deepcopy((trainer.model.state_dict(), critic.model.state_dict(), trainer.optimizer.state_dict(),
+                           critic.optimizer.state_dict()))  # fmt: skip
     counts = _count_policy_forwards(trainer)
     rows = [{"prompt": p} for p in prompts["prompt"][:4] for _ in range(2)]
     torch.set_num_threads(1)
     results = {}
     for reuse in (True, False):
-        for module, state in zip((trainer.model, trainer.critic, trainer.optimizer, trainer.critic_optimizer), start):
+        for module, state in zip((trainer.model, critic.model, trainer.optimizer, critic.optimizer), start):
             module.load_state_dict(copy.deepcopy(state))
         trainer._reuse_policy_logps = reuse
         counts["forwards"] = 0
@@ -496,7 +498,7 @@ def test_on_policy_gae_takes_old_logps_from_the_loss_forward(tmp_path, tiny_sft_
             forwards=counts["forwards"], left_to_loss=left_to_loss, loss=loss.detach(), ids=batch["completion_ids"],
             advantages=batch["advantages"], returns=batch["returns"], kl=trainer._metrics["train"]["segment/kl"][-1],
             policy=[p.detach().clone() for p in trainer.model.parameters()],
-            critic={name: p.detach().clone() for name, p in trainer.critic.named_parameters()},
+            critic={name: p.detach().clone() for name, p in trainer.critic.model.named_parameters()},
         )  # fmt: skip
     on, off = results[True], results[False]
     assert on["forwards"] == 1 and off["forwards"] == 2  # the loss forward only; before: + the old-log-prob forward

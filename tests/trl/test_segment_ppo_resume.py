@@ -76,5 +76,5 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_policy_and
     resumed.train(resume_from_checkpoint=last_checkpoint(run_dir))
 
     assert resumed.state.global_step == uninterrupted.state.global_step == 4
-    assert_equal_parameters(parameters(resumed.critic), parameters(uninterrupted.critic))
+    assert_equal_parameters(parameters(resumed.critic.model), parameters(uninterrupted.critic.model))
     assert_equal_parameters(parameters(resumed.model), parameters(uninterrupted.model))
