@@ -22,14 +22,14 @@ def prompts(toy_data):
 def _record(trainer) -> list:
     """The dense rewards the trainer computes for each rollout, with the completion ids and mask they are for."""
     seen = []
-    original = trainer._reward_func_rewards
+    original = trainer._dense_rewards
 
-    def recording(completion_ids, mask):
-        out = original(completion_ids, mask)
-        seen.append((completion_ids.clone(), mask.clone(), out))
-        return out
+    def recording(input_ids, attention_mask, completion_ids, mask, ref_entropy):
+        dense, scores = original(input_ids, attention_mask, completion_ids, mask, ref_entropy)
+        seen.append((completion_ids.clone(), mask.clone(), dense))
+        return dense, scores
 
-    trainer._reward_func_rewards = recording
+    trainer._dense_rewards = recording
     return seen
 
 
