@@ -174,7 +174,7 @@ def run_scale(samples: int, workers: int, root: Path, repo: Path = REPO) -> dict
 
 def offline_scale(args) -> None:
     sizes = args.samples or ([100_000] if args.quick else [100_000, 1_000_000])
-    rounds = 1 if args.quick else args.rounds
+    rounds = args.rounds
     rows, summary = [], []
     probe_before = machine_probe(parallelism=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="Approximate generation time per openai run.")
     parser.add_argument("--offline-samples", type=int, default=2000, help="Samples per task (9 Lipschitz stages).")
     parser.add_argument("--offline-scale", action="store_true", help="Peak RSS and 1 vs 2 workers at 100k/1M samples.")
-    parser.add_argument("--quick", action="store_true", help="--offline-scale at 100k samples only, one round.")
+    parser.add_argument("--quick", action="store_true", help="--offline-scale at 100k samples only.")
     parser.add_argument("--samples", type=int, nargs="+", default=None, help="--offline-scale: sample counts.")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="--offline-scale: worker counts.")
     parser.add_argument("--rounds", type=int, default=3, help="--offline-scale: 1-vs-2-worker rounds at 100k.")
