@@ -343,7 +343,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
                 if per_token(scores, exp.action_mask):
                     mask = exp.action_mask.bool()
                     bandit = dense_segment_rewards(scores[:, -mask.shape[1] :], mask, normalizer=self.normalizer,
-                                                   granularity="bandit")  # fmt: skip
+                                                   granularity=Granularity.BANDIT)  # fmt: skip
                     scores = bandit.sequence_reward
                 exp.rewards = scores.float()
                 exp.info["reward"] = exp.rewards

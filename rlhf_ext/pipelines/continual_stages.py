@@ -14,6 +14,7 @@ from trl.trainer.utils import create_model_from_path
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.algos.segment_dense import Granularity
 from rlhf_ext.trl.args import activation_checkpointing, check_report_to, make_config
 from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
 
@@ -184,8 +185,8 @@ class PPOPolicyStage:
             num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
             learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
             report_to=_report_to(r), save_strategy="no", **activation_checkpointing(False), disable_tqdm=True,
-            logging_steps=1,
-            reward_model_path=str(task.reward_model_dirs[task.index]), granularity="bandit", normalizer_kind="last",
+            logging_steps=1, reward_model_path=str(task.reward_model_dirs[task.index]),
+            granularity=Granularity.BANDIT, normalizer_kind="last",
             **knob_values(ppo, PPOKnobs),
             continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
             continual_kl_coef=task.kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,

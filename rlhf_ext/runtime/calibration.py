@@ -25,6 +25,7 @@ from rlhf_ext.algos.segment_dense import (
     dense_segment_rewards,
     segmentation_totals,
 )
+from rlhf_ext.algos.segment_reward import DEFAULT_ENTROPY_CUTOFF, DEFAULT_TAU, Aggregation
 from rlhf_ext.runtime.io import atomic_write_json
 from rlhf_ext.runtime.segment_data import collate_segment_pairs, prepare_segment_dataset
 from rlhf_ext.runtime.token_scores import token_scores
@@ -44,10 +45,10 @@ def fit_normalizer(
     dataset,
     kind: str = "regression",
     basis: str | None = "linear",
-    granularity: str = "segment",
-    entropy_cutoff: float = 2.0,
-    aggregation: str = "softmax",
-    tau: float = 0.5,
+    granularity: str = Granularity.SEGMENT,
+    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     reward_model_id: str | None = None,
     max_length: int | None = None,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from rlhf_ext.algos.segment_dense import Granularity
 from rlhf_ext.algos.segment_reward import (
     DEFAULT_ENTROPY_CUTOFF,
     DEFAULT_TAU,
@@ -548,13 +549,15 @@ def reward_model_source(args: Any, reward_model) -> str | None:
 
 
 def segment_settings(args: Any, has_reward_model: bool) -> tuple[float, str, float]:
-    """``(entropy_cutoff, aggregation, tau)`` of the run (:func:`resolve_segment_settings`); refuses an infinite
-    cutoff for a reward model's scores under a granularity that segments them."""
+    """``(entropy_cutoff, aggregation, tau)`` of the run (:func:`resolve_segment_settings`, which warns when the reward
+    model records none and the granularity segments at the cutoff); refuses an infinite cutoff for a reward model's
+    scores under a granularity that segments them at it (one segment per response is ``bandit``)."""
+    segments_at_entropy = Granularity(args.granularity).needs_entropy  # the cutoff matters
     settings = resolve_segment_settings(
         args.reward_model_path, args.entropy_cutoff, args.aggregation, args.tau,
-        warn_unrecorded=args.granularity in ("segment", "segment_as_bandit"), stacklevel=4,
+        warn_unrecorded=segments_at_entropy, stacklevel=4,
     )  # fmt: skip
-    if has_reward_model and args.granularity in ("segment", "bandit_as_segment") and math.isinf(settings[0]):
+    if has_reward_model and segments_at_entropy and math.isinf(settings[0]):
         raise ValueError(
             f"granularity {args.granularity!r} with an infinite cutoff is the bandit setting: set "
             "entropy_cutoff (e.g. 2.0) or granularity='bandit'"

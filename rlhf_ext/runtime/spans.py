@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from rlhf_ext.algos.location_norm import LocationNormalizer
-from rlhf_ext.algos.segment_dense import DenseRewards
+from rlhf_ext.algos.segment_dense import DenseRewards, Granularity, Interpolation
+from rlhf_ext.algos.segment_reward import DEFAULT_TAU, Aggregation
 
 #: ``(char_start, char_end, reward)``: characters ``[char_start, char_end)`` of the completion earned ``reward``.
 Span = tuple[int, int, float]
@@ -394,10 +395,10 @@ def dense_rewards(
     completion_ids: Tensor,
     mask: Tensor,
     normalizer: LocationNormalizer | None = None,
-    granularity: str = "segment",
-    interpolation: str = "even_split",
-    aggregation: str = "softmax",
-    tau: float = 0.5,
+    granularity: str = Granularity.SEGMENT,
+    interpolation: str = Interpolation.EVEN_SPLIT,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
 ) -> DenseBatch:
     """Per-token rewards ``[B, C]`` of completions ``completion_ids`` (``[B, C]``, ``mask`` true at their tokens) from
     the parsed answers of reward sources weighted by ``weights``: each dense source's spans through
@@ -511,9 +512,9 @@ def fit_span_normalizer(
     dataset,
     kind: str = "regression",
     basis: str = "linear",
-    granularity: str = "segment",
-    aggregation: str = "softmax",
-    tau: float = 0.5,
+    granularity: str = Granularity.SEGMENT,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
     max_pairs: int | None = None,
 ) -> LocationNormalizer:
     """A :class:`~rlhf_ext.algos.location_norm.LocationNormalizer` (paper 003 Eq. 6) fitted to the one dense source

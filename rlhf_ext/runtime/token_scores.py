@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from rlhf_ext.algos.segment_reward import (
+    DEFAULT_TAU,
+    Aggregation,
     SequenceEvaluation,
     aggregate_segments,
     evaluate_sequences,
@@ -282,8 +284,8 @@ def preference_accuracy(
     model,
     prepared_rows,
     entropy_cutoff: float,
-    aggregation: str = "softmax",
-    tau: float = 0.5,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
     batch_size: int = 16,
 ) -> dict[str, float]:
     """Held-out accuracy of a segment reward model: the fraction of pairs with e(x, y_w) > e(x, y_l).

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rlhf_ext.algos.segment_dense import Granularity
 from rlhf_ext.config import to_dict
 from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text, machine_info
 from rlhf_ext.sim.fidelity import mean_and_stderr
@@ -28,7 +29,7 @@ ALPACAFARM_SIM_WINRATE: dict[str, float] = {
     "bandit_ppo": 46.8,
 }
 #: The surrogate reward models a seed can have (``segment`` at the recipe's cutoff).
-RM_KINDS = ("bandit", "segment", "token")
+RM_KINDS = tuple(g.value for g in (Granularity.BANDIT, Granularity.SEGMENT, Granularity.TOKEN))
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
 RESULTS_DIR = "results"
 

@@ -139,3 +139,41 @@ def test_trainers_take_their_trl_parents_positional_order():
     assert positional(ContinualDPOTrainer, 3) == positional(DPOTrainer, 3)
     assert positional(DensePPOTrainer, 10) == positional(GRPOTrainer, 10)
     assert positional(IterativeDPOTrainer, 2) == ["model", "reward_funcs"]
+
+
+def test_no_literal_choice_tuples_or_knob_defaults_outside_algos():
+    """Outside ``rlhf_ext/algos`` no tuple, list or set of a choice knob's strings (granularity, interpolation,
+    aggregation: the enums carry their properties, e.g. ``Granularity.needs_entropy``) and no function default or
+    keyword argument for a paper knob written as a literal (``tau: float = 0.5``): each is the knob's one ``DEFAULT_*``
+    or enum member, so a changed default cannot leave a stale copy behind."""
+    import ast
+    from pathlib import Path
+
+    from rlhf_ext.algos.segment_dense import GRANULARITIES, INTERPOLATIONS
+    from rlhf_ext.algos.segment_reward import AGGREGATIONS
+
+    choices = [set(GRANULARITIES), set(INTERPOLATIONS), set(AGGREGATIONS)]
+    knobs = {"entropy_cutoff", "tau", "aggregation", "granularity", "interpolation"}
+    package = Path(__file__).resolve().parents[2] / "rlhf_ext"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "algos":
+            continue
+        where = path.relative_to(package.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2:
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(values) == len(node.elts) and any(values <= c for c in choices):
+                    found.append(f"{where}:{node.lineno} {sorted(values)}")
+            pairs = []
+            if isinstance(node, ast.keyword):
+                pairs = [(node.arg, node.value)]
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                positional = node.args.posonlyargs + node.args.args
+                pairs = list(zip((a.arg for a in positional[len(positional) - len(node.args.defaults) :]),
+                                 node.args.defaults))  # fmt: skip
+                pairs += [(a.arg, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+            for name, value in pairs:
+                if name in knobs and isinstance(value, ast.Constant) and value.value is not None:
+                    found.append(f"{where}:{value.lineno} {name}={value.value!r}")
+    assert not found, "literal knob values outside rlhf_ext/algos:\n" + "\n".join(found)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from rlhf_ext.algos.segment_dense import GRANULARITIES
 from rlhf_ext.runtime.segment_data import (
     DatasetFormatError,
     add_entropy_columns,
@@ -176,3 +177,30 @@ def test_segment_settings_survive_a_new_working_directory_and_a_move(tmp_path, m
     assert "sft_model_relative_path" not in settings
     save_segment_settings(moved / "rm", {"entropy_cutoff": 2.0, "sft_model_name_or_path": "org/hub-model"})
     assert load_segment_settings(moved / "rm")["sft_model_name_or_path"] == "org/hub-model"  # hub ids unchanged
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_run_settings_treat_every_entropy_granularity_alike(granularity, tmp_path):
+    """The granularities that segment at the cutoff (``Granularity.needs_entropy``) warn when the reward model records
+    no settings and refuse an infinite cutoff; the others do neither (they never read the cutoff)."""
+    import math
+    import warnings
+    from types import SimpleNamespace
+
+    from rlhf_ext.algos.segment_dense import Granularity
+    from rlhf_ext.runtime.segment_data import segment_settings
+
+    segments = Granularity(granularity).needs_entropy
+    assert segments == (granularity in ("segment", "bandit_as_segment", "segment_as_bandit"))
+    unrecorded = SimpleNamespace(reward_model_path=str(tmp_path), granularity=granularity, entropy_cutoff=None,
+                                 aggregation=None, tau=None)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert segment_settings(unrecorded, True) == (2.0, "softmax", 0.5)
+    assert any("records no segment settings" in str(w.message) for w in caught) == segments
+    infinite = SimpleNamespace(**{**vars(unrecorded), "entropy_cutoff": math.inf})
+    if segments:
+        with pytest.raises(ValueError, match="infinite cutoff is the bandit setting"):
+            segment_settings(infinite, True)
+    else:
+        assert segment_settings(infinite, True)[0] == math.inf
