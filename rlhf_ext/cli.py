@@ -437,13 +437,13 @@ SEGMENT_KNOBS = "rlhf_ext.algos.segment_reward:SegmentRewardKnobs"
 @click.option("--prompt", default="", help="Prompt text.")
 @click.option("--response", required=True, help="Response text to segment and score.")
 @click.option("--sft-model", default=None, help="SFT model for segmentation (default: the one recorded in MODEL).")
-@click.option("--cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"), default=None,
-              help="Entropy cutoff (default: the training value).")  # fmt: skip
+@click.option("--entropy-cutoff", "--cutoff", "entropy_cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"),
+              default=None, help="Entropy cutoff (default: the training value).")  # fmt: skip
 @click.option("--html", "html_path", type=click.Path(), default=None, help="Also write a coloured HTML view here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text (NaN and inf are written as null).")
 @click.option("--policy-tokenizer", default=None,
               help="Also show the rewards on this policy tokenizer's tokens (directory or builtin:NAME).")  # fmt: skip
-def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_json, policy_tokenizer) -> None:
+def segment_show(model_dir, prompt, response, sft_model, entropy_cutoff, html_path, as_json, policy_tokenizer) -> None:
     """Split RESPONSE into segments and print each segment's reward (paper Figure 3), and on policy tokens."""
     from rlhf_ext.pipelines.builtins import load_tokenizer, resolve_model
     from rlhf_ext.runtime.io import atomic_write_text
@@ -452,7 +452,7 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
     tokenizer = load_tokenizer(policy_tokenizer, "--policy-tokenizer") if policy_tokenizer else None
     try:
         scorer = SegmentScorer(
-            model_dir, sft_model=resolve_model(sft_model) if sft_model else None, entropy_cutoff=cutoff
+            model_dir, sft_model=resolve_model(sft_model) if sft_model else None, entropy_cutoff=entropy_cutoff
         )
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
@@ -476,8 +476,8 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
 @click.option("--dataset", required=True, help="Reward-fit dataset key, e.g. preference700k_60000.")
 @click.option("--method", "segment_method", required=True, help="Segmentation method key, e.g. peak.")
 @click.option("--aggregation", required=True, help="Aggregation key, e.g. avg.")
-@click.option("--cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"), required=True,
-              help="Entropy cutoff (matched numerically: 2 finds '2.0').")  # fmt: skip
+@click.option("--entropy-cutoff", "--cutoff", "entropy_cutoff", type=KnobType(SEGMENT_KNOBS, "entropy_cutoff"),
+              required=True, help="Entropy cutoff (matched numerically: 2 finds '2.0').")  # fmt: skip
 @click.option("-o", "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Normalizer JSON.")
 @click.option("--reward-model", default=None, help="The reward model it belongs to (PPO refuses it for another).")
 @click.option("--std-floor", type=KnobType("rlhf_ext.algos.location_norm:LocationNormalizer", "std_floor"),
@@ -486,7 +486,7 @@ def segment_show(model_dir, prompt, response, sft_model, cutoff, html_path, as_j
               default=1024, show_default=True,
               help="Most segments a response has (p >= 1/N); the public PPO generates <= 1024 tokens.")  # fmt: skip
 def segment_import_normalizer(
-    param_json, model_type, dataset, segment_method, aggregation, cutoff, out_path, reward_model, std_floor,
+    param_json, model_type, dataset, segment_method, aggregation, entropy_cutoff, out_path, reward_model, std_floor,
     max_segments,
 ) -> None:  # fmt: skip
     """Import one of paper 003's released normalizers from its public code's PARAM_JSON (Mean(p) = a ln p + c,
@@ -494,7 +494,7 @@ def segment_import_normalizer(
     from rlhf_ext.runtime.calibration import import_reference_normalizer, model_id, save_normalizer
 
     norm = import_reference_normalizer(
-        param_json, model_type, dataset, segment_method, aggregation, cutoff,
+        param_json, model_type, dataset, segment_method, aggregation, entropy_cutoff,
         reward_model=model_id(reward_model) if reward_model else None, std_floor=std_floor, max_segments=max_segments,
     )  # fmt: skip
     save_normalizer(norm, out_path)

@@ -67,7 +67,7 @@ class TaskContext:
     previous_policy: str | None  # frozen pi_{t-1} for the KL term; None for task 0
     reference_policy: str  # the SFT model: DPO reference (paper 000 Eq. 6) and reward-model initialisation
     tokenizer_path: str
-    kl_coef: float
+    continual_kl_coef: float
     seed: int
     task_dir: Path
     reward_model_dirs: list[Path] | None = None  # every task's reward model, when reward models are enabled
@@ -289,7 +289,7 @@ class ContinualRunner:
             previous_policy=previous,
             reference_policy=sft,
             tokenizer_path=resolve_model(self.recipe.model.tokenizer) if self.recipe.model.tokenizer else sft,
-            kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks),
+            continual_kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks),
             seed=self.recipe.seed + t,
             task_dir=self.out / self.names[t],
             reward_model_dirs=[self.out / n / "reward_model" for n in self.names] if self.reward_stage else None,
@@ -329,7 +329,12 @@ class ContinualRunner:
         return self._run_stage(self.reward_stage, "reward", task, test_sets, record, stage)
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
-        record = {"task": task.index, "kl_coef": task.kl_coef, "seed": task.seed, "policy_dir": str(task.policy_dir)}
+        record = {
+            "task": task.index,
+            "continual_kl_coef": task.continual_kl_coef,
+            "seed": task.seed,
+            "policy_dir": str(task.policy_dir),
+        }
         return self._run_stage(self.policy_stage, "policy", task, test_sets, record, f"{task.name}/{RESULT_STAGE}")
 
     def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, marker: str) -> dict:
@@ -357,7 +362,7 @@ class ContinualRunner:
         summary: dict[str, Any] = {
             "tasks": self.names,
             "finished_tasks": done,
-            "kl_coefs": [self.recipe.continual.coef_for_task(t, k) for t in range(k)],
+            "continual_kl_coefs": [self.recipe.continual.coef_for_task(t, k) for t in range(k)],
             "performance_matrix": matrix,
             "matrix_layout": "performance_matrix[k][t] = score on task k's test split of the snapshot after task t",
             "metric": "dpo implicit-reward accuracy"
@@ -465,7 +470,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for k, row in enumerate(summary["performance_matrix"]):
         cells = "".join(f"{'-' if v is None else format(v, '.3f'):>10}" for v in row)
         lines.append(f"{names[k]:<{width}}{cells}")
-    lines.append("KL weight per task: " + ", ".join(f"{c:g}" for c in summary["kl_coefs"]))
+    lines.append("KL weight per task: " + ", ".join(f"{c:g}" for c in summary["continual_kl_coefs"]))
     metrics = summary.get("metrics")
     if metrics:
 

@@ -76,14 +76,14 @@ class DPOPolicyStage:
             beta=r.dpo.beta,
             loss_type=[r.dpo.loss_type],
             max_length=r.data.max_length,
-            continual_kl_coef=task.kl_coef,
+            continual_kl_coef=task.continual_kl_coef,
             continual_kl_estimator=r.continual.continual_kl_estimator,
         )
         args = make_config(ContinualDPOConfig, kwargs, r.train.trl_args)
         trainer = ContinualDPOTrainer(
             model=task.init_policy,
             ref_model=create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {})),
-            prev_model=task.previous_policy if task.kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
+            prev_model=task.previous_policy if task.continual_kl_coef > 0 else None,  # c = 0: plain DPO, no frozen copy
             args=args,
             train_dataset=task.train,
             processing_class=tokenizer,
@@ -188,8 +188,8 @@ class PPOPolicyStage:
             logging_steps=1, reward_model_path=str(task.reward_model_dirs[task.index]),
             granularity=Granularity.BANDIT, normalizer_kind="last",
             **knob_values(ppo, PPOKnobs),
-            continual_previous_model=task.previous_policy if task.kl_coef > 0 else None,
-            continual_kl_coef=task.kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
+            continual_previous_model=task.previous_policy if task.continual_kl_coef > 0 else None,
+            continual_kl_coef=task.continual_kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
         trainer = DensePPOTrainer(
             model=task.init_policy,

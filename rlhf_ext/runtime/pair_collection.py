@@ -8,12 +8,13 @@ DPO (thread or process).
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from rlhf_ext.algos.pair_selection import select_pairs
+from rlhf_ext.algos.names import knob_defaults
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, select_pairs
 from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
@@ -35,19 +36,23 @@ def wants_generator_process(requested: bool | None, async_generation: bool, back
     return True
 
 
+_SELECTION = knob_defaults(OnlineDPOKnobs)
+
+
 @dataclass(frozen=True)
 class SelectionSettings:
-    """How :func:`score_and_select` forms pairs (paper 004, Eq. 9; see :func:`~rlhf_ext.online.select_pairs`)."""
+    """How :func:`score_and_select` forms pairs (paper 004, Eq. 9; see :func:`~rlhf_ext.online.select_pairs`): the
+    selection knobs of :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, under their names and defaults."""
 
-    rule: str = "max_min"
-    length_penalty: float = 0.0
-    length_unit: str = "chars"
-    tie_tolerance: float = 0.0
+    selection_rule: str = _SELECTION["selection_rule"]
+    length_penalty: float = _SELECTION["length_penalty"]
+    length_unit: str = _SELECTION["length_unit"]
+    tie_tolerance: float = _SELECTION["tie_tolerance"]
 
     @classmethod
     def from_args(cls, args) -> SelectionSettings:
-        """From an :class:`~rlhf_ext.trl.IterativeDPOConfig`."""
-        return cls(args.selection_rule, args.length_penalty, args.length_unit, args.tie_tolerance)
+        """From an :class:`~rlhf_ext.trl.IterativeDPOConfig` (or any object with the knobs)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def score_and_select(
@@ -69,7 +74,7 @@ def score_and_select(
     sel = select_pairs(
         rewards,
         lengths=lengths,
-        rule=settings.rule,
+        rule=settings.selection_rule,
         length_penalty=settings.length_penalty,
         texts=samples.texts,
         tie_tolerance=settings.tie_tolerance,

@@ -367,7 +367,7 @@ class SegmentScorer:
             )
         else:
             settings = {}
-        self.cutoff = settings["entropy_cutoff"] if entropy_cutoff is None else float(entropy_cutoff)
+        self.entropy_cutoff = settings["entropy_cutoff"] if entropy_cutoff is None else float(entropy_cutoff)
         self.aggregation = aggregation or settings["aggregation"]
         self.tau = settings["tau"] if tau is None else float(tau)
         sft_path = sft_model or settings.get("sft_model_name_or_path")
@@ -385,11 +385,18 @@ class SegmentScorer:
         ).eval()
         self.sft_model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
 
+    @property
+    def cutoff(self) -> float:
+        """Deprecated name of :attr:`entropy_cutoff`."""
+        warnings.warn("SegmentScorer.cutoff is deprecated; use SegmentScorer.entropy_cutoff", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return self.entropy_cutoff
+
     def evaluate(self, input_ids, attention_mask, response_mask, entropy=None) -> SequenceEvaluation:
         """:func:`segment_evaluation` of a batch with this scorer's models and settings."""
         return segment_evaluation(
             self.reward_model, input_ids, attention_mask, response_mask, sft_model=self.sft_model, entropy=entropy,
-            entropy_cutoff=self.cutoff, aggregation=self.aggregation, tau=self.tau,
+            entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation, tau=self.tau,
         )  # fmt: skip
 
     def encode(self, prompt, response, max_length: int | None = None) -> dict[str, Any]:

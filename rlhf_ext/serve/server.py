@@ -356,7 +356,7 @@ class RewardServer:
             "sft_model": model_name(getattr(self.scorer.sft_model.config, "_name_or_path", None)),
             "aggregation": self.scorer.aggregation,
             "tau": self.scorer.tau,
-            "entropy_cutoff": self.scorer.cutoff,
+            "entropy_cutoff": self.scorer.entropy_cutoff,
             "max_batch_size": self.settings.max_batch_size,
             "max_request_pairs": self.settings.max_request_pairs,
             "in_flight": self.in_flight,
@@ -431,7 +431,7 @@ def serve_reward_model(
         listener.close()
         raise
     auth = ", bearer token required" if settings.api_key else ""
-    echo(f"serving {model_dir} (e_phi: {scorer.aggregation}, tau={scorer.tau:g}, cutoff={scorer.cutoff:g}) at "
+    echo(f"serving {model_dir} (e_phi: {scorer.aggregation}, tau={scorer.tau:g}, cutoff={scorer.entropy_cutoff:g}) at "
          f"{server.url}: POST /get_reward, GET {HEALTH_PATH}{auth}")  # fmt: skip
     server.serve_forever()
     echo("stopped")

@@ -100,7 +100,7 @@ def test_segment_show_prints_segments_and_writes_html(trained_rm, tmp_path):
     assert html.read_text().count('class="seg"') == len(view["segments"])
     # a cutoff of infinity gives the bandit view: one segment
     bandit = CliRunner().invoke(
-        main, ["segment", "show", "--model", str(out), "--response", response, "--cutoff", "inf"]
+        main, ["segment", "show", "--model", str(out), "--response", response, "--entropy-cutoff", "inf"]
     )
     assert bandit.exit_code == 0 and "(1 segments)" in bandit.output
 

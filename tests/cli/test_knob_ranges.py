@@ -310,7 +310,7 @@ def test_each_numeric_cli_option_refuses_out_of_range_values_in_one_line_exit_2_
 def test_a_cli_option_and_its_recipe_key_share_one_declaration():
     from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 
-    cutoff = next(o for p, o in cli_number_options() if p == ["segment", "show"] and o.opts[0] == "--cutoff")
+    cutoff = next(o for p, o in cli_number_options() if p == ["segment", "show"] and o.opts[0] == "--entropy-cutoff")
     assert cutoff.type.convert("inf", cutoff, None) == math.inf
     spec = knob_specs(SegmentRewardKnobs)["entropy_cutoff"]
     for value in (-1.0, math.nan, "abc"):

@@ -17,7 +17,7 @@ def _summary(matrix: list[list[float | None]]) -> dict:
     return {
         "tasks": names,
         "finished_tasks": len(names),
-        "kl_coefs": [0.0] + [0.5] * (len(names) - 1),
+        "continual_kl_coefs": [0.0] + [0.5] * (len(names) - 1),
         "performance_matrix": matrix,
         "metric": "mean score of the task's reward model on the policy's samples",
         "output_dir": "run",

@@ -40,7 +40,7 @@ def test_continual_ppo_applies_the_kl_to_the_previous_task_only_after_the_first(
     out = tmp_path / "cppo"
     recipe = load_recipe(ContinualRecipe, recipe_path("continual_ppo_tiny"), [*SMALL, f"output_dir={out}"])
     summary = run_continual(recipe)
-    assert summary["finished_tasks"] == 2 and summary["kl_coefs"] == [0.0, 1.0]
+    assert summary["finished_tasks"] == 2 and summary["continual_kl_coefs"] == [0.0, 1.0]
     matrix = json.loads((out / "performance.json").read_text())["performance_matrix"]
     assert len(matrix) == 2 and all(len(row) == 2 for row in matrix)
     assert all(math.isfinite(v) for row in matrix for v in row)

@@ -78,7 +78,7 @@ def test_cli_run_and_resumed_run_equal_the_uninterrupted_one(tiny_sft_path, tmp_
     assert "after 01" in result.output and "backward transfer" in result.output
     full = json.loads((full_dir / "performance.json").read_text())
     assert full["finished_tasks"] == 2 and (full_dir / "performance.png").exists()
-    assert full["kl_coefs"] == [0.0, 0.5]
+    assert full["continual_kl_coefs"] == [0.0, 0.5]
     logged_kl = json.loads((full_dir / "task_01" / "result.json").read_text())["metrics"]["kl_to_previous"]
     assert len(logged_kl) == 2 and logged_kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == snapshot
 

@@ -74,7 +74,7 @@ def test_snapshots_and_kl_weights_are_wired_task_to_task(tmp_path, tasks):
     assert summary["performance_matrix"][2] == pytest.approx([0.92, 0.92, 0.92])
     assert summary["metrics"]["backward_transfer"] == pytest.approx(((0.5 - 0.9) / 0.9 + (0.71 - 0.91) / 0.91) / 2)
     assert json.loads((run / "performance.json").read_text())["performance_matrix"] == summary["performance_matrix"]
-    assert json.loads((run / "task_01" / "result.json").read_text())["kl_coef"] == 0.25
+    assert json.loads((run / "task_01" / "result.json").read_text())["continual_kl_coef"] == 0.25
     assert "after 02" in format_summary(summary) and "backward transfer" in format_summary(summary)
 
 
