@@ -63,10 +63,10 @@ def test_snapshots_and_kl_weights_are_wired_task_to_task(tmp_path, tasks):
     assert summary["plots"] == {"performance": str(run / "performance.png")}
     assert (run / "performance.png").stat().st_size > 10_000
     first, second, third = stage.calls
-    assert (first.init_policy, first.previous_policy, first.kl_coef) == (str(tmp_path / "sft"), None, 0.0)
+    assert (first.init_policy, first.previous_policy, first.continual_kl_coef) == (str(tmp_path / "sft"), None, 0.0)
     assert second.init_policy == second.previous_policy == str(run / "task_00" / "policy")
     assert third.previous_policy == str(run / "task_01" / "policy")
-    assert [second.kl_coef, third.kl_coef] == [0.25, 0.0]
+    assert [second.continual_kl_coef, third.continual_kl_coef] == [0.25, 0.0]
     assert all(c.reference_policy == str(tmp_path / "sft") for c in stage.calls)
     assert [c.seed for c in stage.calls] == [42, 43, 44]
     # R[k][t] is column t of the stage's scores

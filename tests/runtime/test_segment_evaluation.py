@@ -93,7 +93,7 @@ def test_equals_the_segment_scorer_and_the_segment_reward(segment_rm_dir, loaded
     ours = segment_evaluation(rm, ids, mask, response, sft_model=sft).values
     scorer = SegmentScorer(segment_rm_dir)
     with pytest.warns(DeprecationWarning, match="entropy_cutoff"):  # the old name still answers
-        assert scorer.cutoff == scorer.entropy_cutoff == 2.0
+        assert scorer.cutoff == scorer.entropy_cutoff == 1.0  # the fixture model's recorded cutoff
     rows = [toy_data["test"][i] for i in range(3)]
     from_scorer = torch.tensor([scorer.score(r["prompt"], r["chosen"]).evaluation for r in rows])
     torch.testing.assert_close(ours, from_scorer, atol=1e-6, rtol=0)
