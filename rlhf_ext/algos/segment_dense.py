@@ -302,6 +302,10 @@ class SegmentationMonitor:
                 out[name] = now / ref
         return out
 
+    def values(self, rates: SegmentationRates) -> dict[str, float]:
+        """What the engines log: the batch's rates and, as ``<rate>_vs_sft``, their :meth:`ratios`."""
+        return {**rates._asdict(), **{f"{name}_vs_sft": ratio for name, ratio in self.ratios(rates).items()}}
+
     def check(self, rates: SegmentationRates, step: int | None = None) -> str | None:
         """The warning for this batch (the first time a ratio passes the threshold), else None."""
         ratios = self.ratios(rates)

@@ -387,11 +387,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         tokens above the cutoff, and their ratios to the SFT model's, in ``info`` (one value per sample, the batch's
         token-weighted rate, so OpenRLHF's mean logs it); a one-line warning the first time either passes 1.5x."""
         rates = segmentation_rates(counts, action_mask, entropy, self.entropy_cutoff)
-        size = counts.shape[0]
-        ratios = {f"{name}_vs_sft": ratio for name, ratio in self.monitor.ratios(rates).items()}
-        for name, value in {**rates._asdict(), **ratios}.items():
+        for name, value in self.monitor.values(rates).items():
             if math.isfinite(value):
-                exp.info[name] = torch.full((size,), value, dtype=torch.float32)
+                exp.info[name] = torch.full((counts.shape[0],), value, dtype=torch.float32)
         message = self.monitor.check(rates, self._batches)
         if message is not None:
             logging.getLogger("rlhf_ext").warning(message)

@@ -162,7 +162,8 @@ class SharedTensors:
     """A dict of CPU tensors packed into one shared-memory buffer per dtype, for a generator process.
 
     A process queue sends each tensor of a plain dict as its own shared-memory segment, whose file descriptor the
-    receiver fetches over a socket, one connection per tensor: ~1 ms each, paid on the critical path of every update.
+    receiver fetches over a socket, one connection per tensor (~0.4 ms each for a small model, measured), paid on the
+    critical path of every update.
     Packed, a state dict travels as one segment per dtype (usually one), and :meth:`unpack` gives views into it with
     the original names, shapes and dtypes. Each instance is a fresh buffer, so a generator may keep the views.
     """

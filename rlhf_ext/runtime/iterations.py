@@ -18,7 +18,7 @@ import torch
 
 from rlhf_ext.runtime.async_runner import torch_threads
 from rlhf_ext.runtime.io import atomic_write_json, recover_directory, stable_hash
-from rlhf_ext.runtime.pair_collection import SelectionSettings, score_and_select
+from rlhf_ext.runtime.pair_collection import score_and_select
 from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.rundir import RunDir
@@ -266,7 +266,7 @@ class IterationRun:
             ids,
             samples,
             _Scores(rewards),
-            SelectionSettings.from_args(self.args),
+            self.args,  # the selection knobs (OnlineDPOKnobs)
             torch.Generator().manual_seed(self.seed("select", t)),
         )
         for r in rows:

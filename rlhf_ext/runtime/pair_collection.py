@@ -8,12 +8,11 @@ DPO (thread or process).
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, select_pairs
 from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
@@ -36,34 +35,17 @@ def wants_generator_process(requested: bool | None, async_generation: bool, back
     return True
 
 
-_SELECTION = knob_defaults(OnlineDPOKnobs)
-
-
-@dataclass(frozen=True)
-class SelectionSettings:
-    """How :func:`score_and_select` forms pairs (paper 004, Eq. 9; see :func:`~rlhf_ext.online.select_pairs`): the
-    selection knobs of :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, under their names and defaults."""
-
-    selection_rule: str = _SELECTION["selection_rule"]
-    length_penalty: float = _SELECTION["length_penalty"]
-    length_unit: str = _SELECTION["length_unit"]
-    tie_tolerance: float = _SELECTION["tie_tolerance"]
-
-    @classmethod
-    def from_args(cls, args) -> SelectionSettings:
-        """From an :class:`~rlhf_ext.trl.IterativeDPOConfig` (or any object with the knobs)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
 def score_and_select(
     prompts: list[Any],
     ids: list[int],
     samples,
     reward_fn: RewardFn,
-    settings: SelectionSettings,
+    settings: OnlineDPOKnobs,
     generator: torch.Generator,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9).
+    """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9) with
+    the selection knobs of ``settings`` (``selection_rule``, ``length_penalty``, ``length_unit``, ``tie_tolerance``:
+    an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it).
 
     Returns the pair rows (one dict per kept prompt, in prompt order) and statistics of the scored samples.
     """
@@ -146,7 +128,7 @@ class OnlinePairGenerator:
         pairs_per_update: int,
         num_samples: int,
         max_fill_rounds: int,
-        selection: SelectionSettings,
+        selection: OnlineDPOKnobs,
         reward_fn: RewardFn,
         sampler_spec: dict[str, Any],
         seed: int,

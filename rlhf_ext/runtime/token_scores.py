@@ -39,69 +39,6 @@ from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_sett
 logger = logging.getLogger(__name__)
 
 
-#: Where a checkpoint keeps a trained critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
-#: optimizer state and micro-step count.
-CRITIC_DIR = "critic"
-CRITIC_STATE_FILE = "training_state.pt"
-
-
-def save_critic_state(optimizer: torch.optim.Optimizer, micro_steps: int, checkpoint: str) -> None:
-    """Write the critic's optimizer state and micro-step count into ``checkpoint/critic/`` (its weights go there
-    with ``save_pretrained``)."""
-    critic_dir = os.path.join(checkpoint, CRITIC_DIR)
-    os.makedirs(critic_dir, exist_ok=True)
-    state = {"optimizer": optimizer.state_dict(), "micro_steps": micro_steps}
-    torch.save(state, os.path.join(critic_dir, CRITIC_STATE_FILE))
-
-
-def critic_optimizer(critic: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """The critic's AdamW, fused (one multi-tensor kernel per step instead of torch's per-parameter loop, which on CPU
-    is torch's default: 480 ms vs 84 ms per step for SmolLM2-135M); the per-parameter one, with a warning saying why,
-    where torch has no fused kernel for a parameter's device or dtype. Both give the same update to fp32 rounding."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    devices = _get_fused_kernels_supported_devices()
-    params = list(critic.parameters())
-    unsupported = sorted({f"{p.dtype} on {p.device.type}" for p in params
-                          if not (p.is_floating_point() and p.device.type in devices)})  # fmt: skip
-    if unsupported:
-        logger.warning(
-            "critic optimizer: torch has no fused AdamW for parameters of %s (fused kernels need floating-point "
-            "parameters on %s); using the slower per-parameter AdamW",
-            ", ".join(unsupported), "/".join(devices),
-        )  # fmt: skip
-    return torch.optim.AdamW(params, lr=lr, betas=betas, fused=not unsupported)
-
-
-def load_critic(critic, optimizer: torch.optim.Optimizer, checkpoint: str) -> int | None:
-    """Restore a critic (unwrapped) and its optimizer from ``checkpoint/critic/``; the micro-step count, or ``None``
-    (with a warning) when the checkpoint holds its weights but not its optimizer state."""
-    critic_dir = os.path.join(checkpoint, CRITIC_DIR)
-    if not os.path.isfile(os.path.join(critic_dir, "config.json")):
-        raise ValueError(
-            f"cannot resume the GAE critic from {checkpoint}: it has no {CRITIC_DIR}/ (was it saved by a run "
-            "without a critic, e.g. advantage_estimator='reinforce'?); resume with the checkpoint's settings or "
-            "start in a new output_dir"
-        )
-    saved = type(critic).from_pretrained(critic_dir, dtype=next(critic.parameters()).dtype)
-    critic.load_state_dict(saved.state_dict())
-    del saved
-    state_file = os.path.join(critic_dir, CRITIC_STATE_FILE)
-    if not os.path.isfile(state_file):
-        warnings.warn(
-            f"{checkpoint} has the critic's weights but not its optimizer state ({CRITIC_DIR}/{CRITIC_STATE_FILE}: "
-            "saved with save_only_model, or by an older rlhf-ext); the critic's optimizer starts afresh",
-            stacklevel=2,
-        )
-        return None
-    state = torch.load(state_file, map_location="cpu", weights_only=True)
-    fused = [group.get("fused") for group in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
-    for group, kernel in zip(optimizer.param_groups, fused):  # a checkpoint of the per-parameter AdamW resumes fused
-        group["fused"] = kernel
-    return state["micro_steps"]
-
-
 def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     """A reward model, critic or value head: ``AutoModelForSequenceClassification.from_pretrained(path,
     num_labels=1)``, saying in one line what was loaded (``critic: runs/sft with a fresh value head``; a warning for a

@@ -30,11 +30,13 @@ import torch
 from transformers import TrainerCallback
 from trl import DPOTrainer
 
+from rlhf_ext.algos.names import knob_values
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.runtime.async_runner import Batch, OneStepAsyncRunner, RunnerStats, torch_threads
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, recover_directory
 from rlhf_ext.runtime.iterations import POLICIES_DIR, eval_logs
 from rlhf_ext.runtime.log import quiet_datasets
-from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, SelectionSettings, wants_generator_process
+from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, wants_generator_process
 from rlhf_ext.runtime.sampling import is_conversation
 
 if TYPE_CHECKING:
@@ -201,7 +203,7 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
         pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
         num_samples=a.num_samples,
         max_fill_rounds=a.max_fill_rounds,
-        selection=SelectionSettings.from_args(a),
+        selection=OnlineDPOKnobs(**knob_values(a, OnlineDPOKnobs)),  # a plain dataclass: pickles to a process
         reward_fn=trainer.reward_fn,
         sampler_spec={**steps.sampler_spec(), "policy": last or trainer.sft_path},
         seed=steps.seed("order", 0),  # one prompt order per run, whatever update it resumes at

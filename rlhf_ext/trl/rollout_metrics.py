@@ -78,10 +78,8 @@ def monitor_segmentation(
     monitor's one warning line when either passes 1.5x (``step`` ``None``: evaluation, never warns)."""
     totals = segmentation_totals(counts, mask, entropy, entropy_cutoff)  # [3]: ranks' lengths may differ
     rates = SegmentationRates.of_totals(gather(totals.unsqueeze(0)).sum(0))
-    for name, value in zip(rates._fields, rates):
+    for name, value in monitor.values(rates).items():
         metrics[f"segment/{name}"].append(value)
-    for name, ratio in monitor.ratios(rates).items():
-        metrics[f"segment/{name}_vs_sft"].append(ratio)
     message = monitor.check(rates, step) if step is not None else None
     if message is not None and is_main_process:
         logging.getLogger("rlhf_ext").warning(message)

@@ -30,10 +30,10 @@ def test_logprobs_and_entropy_on_cuda_equal_the_fp64_values_to_fp32_rounding(dty
 
 
 def test_fused_critic_adamw_on_cuda_gives_torchs_default_update():
-    from rlhf_ext.runtime.token_scores import critic_optimizer
+    from rlhf_ext.trl.critic import critic_optimizer
     from rlhf_ext.zoo.builtins import toy_tokenizer
     from rlhf_ext.zoo.models import tiny_reward_model
-    from tests.runtime.test_critic_optimizer import _value_loss_step
+    from tests.trl.test_critic_optimizer import _value_loss_step
 
     fused_critic = tiny_reward_model(toy_tokenizer(), seed=3).cuda()
     plain_critic = copy.deepcopy(fused_critic)

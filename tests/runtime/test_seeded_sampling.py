@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from rlhf_ext.runtime.pair_collection import OnlinePairGenerator, SelectionSettings
+from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
+from rlhf_ext.runtime.pair_collection import OnlinePairGenerator
 from rlhf_ext.runtime.sampling import HFSampler, SeededTokenSampler, sampling_seed
 
 PROMPTS = [
@@ -85,7 +86,7 @@ def test_an_online_batch_is_the_same_in_every_run_with_the_same_seed(tiny_sft_pa
             pairs_per_update=4,
             num_samples=4,
             max_fill_rounds=4,
-            selection=SelectionSettings(),
+            selection=OnlineDPOKnobs(),
             reward_fn=response_length_reward,
             sampler_spec={"policy": tiny_sft_path},
             seed=11,

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from rlhf_ext.runtime.token_scores import CRITIC_DIR, critic_optimizer, load_critic, save_critic_state
+from rlhf_ext.trl.critic import Critic, critic_optimizer
 from rlhf_ext.zoo.models import tiny_reward_model
 
 
@@ -42,13 +42,18 @@ def test_fused_critic_adamw_gives_the_per_parameter_update(tmp_path):
     assert moved > 0
 
     # a checkpoint of the per-parameter AdamW (older runs) resumes on the fused kernel, at the same state
-    save_critic_state(plain, 6, str(tmp_path))
-    plain_critic.save_pretrained(tmp_path / CRITIC_DIR)
-    resumed_critic = tiny_reward_model(seed=4)
-    resumed = critic_optimizer(resumed_critic, lr=1e-3)
-    assert load_critic(resumed_critic, resumed, str(tmp_path)) == 6
-    assert resumed.param_groups[0]["fused"]
-    _value_loss_step(resumed_critic, resumed, seed=9)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    saved = Critic(plain_critic, accelerator, 1e-3)
+    saved.optimizer, saved.micro_steps = plain, 6
+    saved.save_weights(str(tmp_path))
+    saved.save_state(str(tmp_path))
+    resumed = Critic(tiny_reward_model(seed=4), accelerator, 1e-3)
+    resumed.load(str(tmp_path))
+    assert resumed.micro_steps == 6 and resumed.optimizer.param_groups[0]["fused"]
+    resumed_critic = resumed.model
+    _value_loss_step(resumed_critic, resumed.optimizer, seed=9)
     _value_loss_step(plain_critic, plain, seed=9)
     for a, b in zip(resumed_critic.parameters(), plain_critic.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -56,7 +61,7 @@ def test_fused_critic_adamw_gives_the_per_parameter_update(tmp_path):
 
 def test_critic_without_a_fused_kernel_falls_back_and_says_why(caplog):
     critic = torch.nn.Linear(3, 1, device="meta")  # no fused AdamW on the meta device
-    with caplog.at_level(logging.WARNING, logger="rlhf_ext.runtime.token_scores"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_ext.trl.critic"):
         optimizer = critic_optimizer(critic, lr=1e-3)
     assert not optimizer.param_groups[0]["fused"]
     assert [r.getMessage() for r in caplog.records] == [
