@@ -8,16 +8,15 @@ keeps what was written. ``fsync`` runs at most every ``fsync_interval`` seconds 
 what a power cut can lose. On open, a torn last line (a process killed in the middle of a write) is cut off, and
 duplicate keys keep their first record, so a rerun resumes without duplicates. In memory the cache is an index, not the
 records: each key's file, byte offset, length and status in sorted arrays (about 40 bytes per sample);
-:meth:`SampleCache.get` reads a record back from its file. An exclusive non-blocking lock stops two runs from writing
-one cache at once. A failed request is never a record; records that older versions wrote for HTTP 4xx answers
-(``skipped`` / ``request_rejected``) are ignored on open, so those samples are generated again.
+:meth:`SampleCache.get` reads a record back from its file. An exclusive ``filelock``, taken without waiting, stops two
+runs from writing one cache at once. A failed request is never a record; records that older versions wrote for HTTP
+4xx answers (``skipped`` / ``request_rejected``) are ignored on open, so those samples are generated again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import json
 import os
 import time
@@ -98,7 +97,7 @@ class SampleCache:
         self.corrupt_lines = 0
         self.ignored_records = 0
         self._appender: SampleAppender | None = None
-        self._lock_fd: int | None = None
+        self._lock: Any = None  # a held filelock.FileLock
         self._files: list[Path]  # index i of _file refers to _files[i]
         self._scanned: dict[Path, int]  # bytes of each file already in the index
         self._drop_index()
@@ -117,16 +116,17 @@ class SampleCache:
     # ------------------------------------------------------------------------------------------------ lifecycle
     def open(self) -> SampleCache:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.directory / LOCK_FILE))
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            lock.acquire(timeout=0)
+        except Timeout:
             raise CacheLockedError(
                 f"another generation run is writing {self.directory.parent}; wait for it to finish or choose another "
                 "output directory"
             ) from None
+        self._lock = lock
         self.refresh()
         self._appender = SampleAppender(self.path, self.fsync_interval)
         return self
@@ -139,10 +139,9 @@ class SampleCache:
             os.close(fd)
         self._readers.clear()
         self._drop_index()
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> SampleCache:
         return self.open()
