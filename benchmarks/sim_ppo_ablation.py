@@ -37,30 +37,35 @@ PER_SEED = ("feedback", "rm_bandit", "rm_segment", "rm_token", "reference_sample
 CURVE = ("segment/segments_per_response", "segment/response_length", "segment/score", "segment/kl")
 
 
-def prepare(source: Path, dest: Path, seed: int) -> None:
-    """Copy the shared and the seed's artefacts of the comparison at ``source`` into ``dest`` (once)."""
+def prepare(source: Path, dest: Path, seed: int, per_seed: tuple[str, ...] = PER_SEED) -> None:
+    """Copy the shared and the seed's artefacts (``per_seed``) of the comparison at ``source`` into ``dest`` (once)."""
     for name in SHARED:
         if not (dest / name).exists():
             shutil.copytree(source / name, dest / name)
-    for name in PER_SEED:
+    for name in per_seed:
         src, out = source / f"seed-{seed}" / name, dest / f"seed-{seed}" / name
         if src.exists() and not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             (shutil.copytree if src.is_dir() else shutil.copy)(src, out)
 
 
-def run_variant(source: Path, out: Path, seed: int, name: str, method: str, overrides: list[str]) -> dict[str, Any]:
+def variant_run(source: Path, work: Path, name: str, overrides: list[str]):
+    """A :class:`~rlhf_ext.sim.compare.SimRun` of the comparison at ``source`` with ``overrides``, in ``work``/NAME."""
     from rlhf_ext.config import apply_overrides, from_dict, normalize_overrides
     from rlhf_ext.sim.compare import SimRun
-    from rlhf_ext.sim.methods import METHOD_FUNCTIONS
     from rlhf_ext.sim.recipe import SimCompareRecipe
 
-    dest = out / "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    prepare(source, dest, seed)
+    dest = work / "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     settings = json.loads((source / "recipe.json").read_text())["settings"]  # the comparison's exact settings
     data = apply_overrides(settings, normalize_overrides([f"output_dir={dest}", *overrides]))
-    recipe = from_dict(SimCompareRecipe, data)
-    run = SimRun(recipe, progress=print)
+    return SimRun(from_dict(SimCompareRecipe, data), progress=print)
+
+
+def run_variant(source: Path, out: Path, seed: int, name: str, method: str, overrides: list[str]) -> dict[str, Any]:
+    from rlhf_ext.sim.methods import METHOD_FUNCTIONS
+
+    run = variant_run(source, out, name, overrides)
+    prepare(source, Path(run.recipe.output_dir), seed)
     start = time.time()
     spec = METHOD_FUNCTIONS[method](run, seed)
     metrics = run.evaluate(seed, spec)

@@ -5,7 +5,7 @@ simulated feedback and bandit reward model on one seed, then SFT, best-of-16 and
 model on 64 held-out prompts x 2 samples by the evaluation annotators. Best-of-n with a reward model learnt from the
 simulated labels must beat both the SFT model itself and FeedME (supervised fine-tuning on the preferred responses)
 on the length-controlled win rate by more than three standard errors of the difference: in the packaged 3-seed
-comparison it leads them by 0.27 and 0.24 (``benchmarks/results/sim_compare_seeds123.md``). A simulator whose
+comparison it leads them by 0.23 and 0.23 (``benchmarks/results/sim_compare_seeds123.md``). A simulator whose
 annotators, reward model or best-of-n stopped carrying the gold preference fails here.
 """
 
