@@ -18,7 +18,7 @@ Usage::
         --variant "segment 3 epochs: segment reward_model.epochs=3"
 
 Each ``--variant`` is ``"NAME: KIND OVERRIDE..."`` (KIND: bandit, segment or token). Writes
-``OUT/sim_rm_ablation.json`` / ``.md`` (per row: accuracy mean ± s.e. over seeds, each seed's, training seconds) and
+``OUT/sim_rm_ablation.json`` / ``.md`` (per row: accuracy mean ± s.e. over seeds, and each seed's) and
 prints the markdown.
 """
 
@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,11 @@ def accuracy(rm_dir: Path) -> float:
 def run_variant(source: Path, work: Path, seeds: list[int], name: str, kind: str, overrides: list[str]) -> dict:
     """Retrain reward model ``kind`` of every seed with ``overrides`` in ``work``/NAME (reused when finished)."""
     run = variant_run(source, work, name, overrides)
-    per_seed, seconds = {}, {}
+    per_seed = {}
     for seed in seeds:
         prepare(source, Path(run.recipe.output_dir), seed, per_seed=("feedback",))
-        start = time.process_time()
         per_seed[seed] = accuracy(Path(run.reward_model(seed, kind)))
-        seconds[seed] = time.process_time() - start
-    return {"variant": name, "kind": kind, "overrides": overrides, "per_seed": per_seed, "cpu_seconds": seconds}
+    return {"variant": name, "kind": kind, "overrides": overrides, "per_seed": per_seed}
 
 
 def baseline(source: Path, seeds: list[int], kind: str) -> dict[str, Any]:
