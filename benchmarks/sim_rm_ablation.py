@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +58,14 @@ def baseline(source: Path, seeds: list[int], kind: str) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]], source: str) -> str:
+    from rlhf_ext.sim.report import mean_se
+
     lines = ["| reward model | overrides | held-out accuracy | per seed |", "|---|---|---|---|"]
     for r in rows:
         accs = list(r["per_seed"].values())
-        se = statistics.stdev(accs) / len(accs) ** 0.5 if len(accs) > 1 else float("nan")
+        mean, se = mean_se(accs)
         seeds = " / ".join(f"{a:.3f}" for a in accs)
-        lines.append(
-            f"| {r['variant']} | {' '.join(r['overrides']) or '–'} | {statistics.mean(accs):.3f} ± {se:.3f} | {seeds} |"
-        )
+        lines.append(f"| {r['variant']} | {' '.join(r['overrides']) or '–'} | {mean:.3f} ± {se:.3f} | {seeds} |")
     seeds = ", ".join(str(s) for s in rows[0]["per_seed"]) if rows else "–"
     lines += ["", f"Seeds {seeds} of {source}; mean ± s.e. over seeds; held-out gold-ordered SFT-sample pairs."]
     return "\n".join(lines) + "\n"
@@ -86,8 +85,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         name, _, rest = spec.partition(":")
         kind, *overrides = rest.split()
         variants.append(run_variant(source, Path(args.work), seeds, name.strip(), kind, overrides))
-    rows = [baseline(source, seeds, kind) for kind in ("bandit", "segment", "token")] + variants
     from rlhf_ext.runtime.io import atomic_write_json, atomic_write_text
+    from rlhf_ext.sim.report import RM_KINDS
+
+    rows = [baseline(source, seeds, kind) for kind in RM_KINDS] + variants
 
     text = markdown(rows, str(source))
     atomic_write_json(Path(args.out) / "sim_rm_ablation.json", {"source": str(source), "rows": rows})

@@ -22,9 +22,12 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 CACHE_DIR = ".cache"
 SAMPLES_FILE = "samples.jsonl"
@@ -97,7 +100,7 @@ class SampleCache:
         self.corrupt_lines = 0
         self.ignored_records = 0
         self._appender: SampleAppender | None = None
-        self._lock: Any = None  # a held filelock.FileLock
+        self._lock: FileLock | None = None
         self._files: list[Path]  # index i of _file refers to _files[i]
         self._scanned: dict[Path, int]  # bytes of each file already in the index
         self._drop_index()
@@ -118,6 +121,8 @@ class SampleCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         from filelock import FileLock, Timeout
 
+        # held from open() to close(), and a second cache on the same directory -- in this thread too -- is another run
+        # (CacheLockedError), so not runtime.io.file_lock: a context manager whose same-thread re-entry is a bug report
         lock = FileLock(str(self.directory / LOCK_FILE))
         try:
             lock.acquire(timeout=0)
