@@ -170,7 +170,13 @@ def step_cost(models: list[str], reps: int, batch_size: int, max_length: int, ou
 
 # -------------------------------------------------------------------------------------------------------- forgetting
 def forgetting(
-    tasks: list[str], seeds: list[int], coefs: list[float], overrides: list[str], out: Path, recipe: str
+    tasks: list[str],
+    seeds: list[int],
+    coefs: list[float],
+    overrides: list[str],
+    out: Path,
+    recipe: str,
+    work: Path | None = None,
 ) -> dict:
     from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.continual import run_continual
@@ -178,8 +184,8 @@ def forgetting(
     from rlhf_ext.recipes import recipe_path
 
     runs = []
-    # every sequence runs in runs/benchmarks/<result name>/: a rerun resumes it at its last finished task
-    work = Path("runs") / "benchmarks" / out.stem
+    # every sequence runs in WORK (default runs/benchmarks/<result name>/): a rerun resumes it at its last finished task
+    work = work or Path("runs") / "benchmarks" / out.stem
     for source in tasks:
         for coef in coefs:
             for seed in seeds:
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--coefs", nargs="+", type=float, default=[0.0, 1.0])
     f.add_argument("--out", type=Path, default=RESULTS / "continual_forgetting.json")
     f.add_argument("--recipe", default="continual_dpo_tiny", help="continual_dpo_tiny or continual_ppo_tiny (CPPO)")
+    f.add_argument("--runs", type=Path, default=None, help="the runs' directory (default runs/benchmarks/<--out name>)")
     f.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.learning_rate=5e-4")
     args = parser.parse_args(argv)
     if args.what == "step-cost":
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(args.threads)
         step_cost(args.models, args.reps, args.batch_size, args.max_length, args.out)
     else:
-        forgetting(args.tasks, args.seeds, args.coefs, args.overrides, args.out, args.recipe)
+        forgetting(args.tasks, args.seeds, args.coefs, args.overrides, args.out, args.recipe, args.runs)
 
 
 if __name__ == "__main__":

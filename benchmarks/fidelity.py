@@ -8,11 +8,13 @@ Steps, each a command users run, in one output directory per budget (finished wo
 3. the same comparison of SFT and the PPO variants on another task stage (``task.stage=1``), at the picks of stage 0:
    settings chosen on one stage and seed, checked on others;
 4. ``benchmarks/sim_fidelity.py`` on both (rank correlation with AlpacaFarm, paper 003's order, LC and raw);
-5. ``benchmarks/online_dpo_sim.py`` (papers 004 and 001) in the comparison's directory (same SFT model and feedback);
+5. ``benchmarks/online_dpo_sim.py`` (papers 004 and 001) with the comparison's SFT model, feedback and reward models
+   (``--from``: linked, since its gold-judged evaluation is a setting of its own directory);
 6. ``benchmarks/continual.py forgetting --recipe continual_ppo_tiny`` from the comparison's SFT model (paper 000);
 7. ``fidelity.md``: one row per paper claim -- the claim, ours, seeds and standard errors -- from the files above.
 
-    python benchmarks/fidelity.py [--budget default|smoke|full] [--results benchmarks/results] [--skip STEP ...]
+    python benchmarks/fidelity.py [--budget default|smoke|full] [--results benchmarks/results] [--out DIR]
+        [--skip STEP ...]
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", default="default", choices=sorted(BUDGETS))
     parser.add_argument("--results", default=str(REPO / "benchmarks" / "results"), help="where result files go")
+    parser.add_argument("--out", default=None, help="the runs' directory (default: the budget's, under runs/)")
     parser.add_argument("--skip", nargs="*", default=[], choices=STEPS)
     args = parser.parse_args(argv)
     b = BUDGETS[args.budget]
-    out, stage_out = b["out"], b["out"] + "_stage1"
+    out = args.out or b["out"]
+    stage_out = out + "_stage1"
     budget = ["--budget", b["sim"]] if b["sim"] else []
     results = Path(args.results)
     suffix = "" if args.budget == "default" else f"_{args.budget}"
@@ -81,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
             run([sys.executable, "benchmarks/sim_fidelity.py", "--results", f"{source}/sim_compare.json",
                  "--out", str(results), "--name", name + suffix])  # fmt: skip
     if "online_dpo" not in args.skip:
-        run([sys.executable, "benchmarks/online_dpo_sim.py", "--config", "sim_compare", "--out", out, "--seeds",
+        run([sys.executable, "benchmarks/online_dpo_sim.py", "--config", "sim_compare", "--out",
+             f"{out}/online_dpo_sim", "--from", out, "--seeds",
              *map(str, b["seeds"]), "--json", str(results / f"online_dpo_sim{suffix}.json"), *budget_overrides(b),
              *b["online_dpo"]])  # fmt: skip
     if "continual" not in args.skip:
         run([sys.executable, "benchmarks/continual.py", "forgetting", "--recipe", "continual_ppo_tiny",
              "--tasks", "builtin:continual-piecewise-preference", "builtin:continual-lipschitz",
              "--coefs", "0", "1", "--out", str(results / f"continual_forgetting_ppo{suffix}.json"),
+             "--runs", f"{out}/continual_ppo",
              f"model.sft_model={out}/sft", "ppo.steps_per_task=24", "data.num_tasks=3", *b["continual"]])  # fmt: skip
     if "claims" not in args.skip:
         text = claims_markdown(results, suffix, args.budget, time.time() - start)

@@ -18,7 +18,8 @@ scorer, and reports, for each seed:
 Each evaluation is the gold-judged win rate against the SFT model on the held-out prompts (ties count 1/2), the
 mean gold reward and the mean length. Every finished run/evaluation is kept under ``--out`` and skipped on rerun.
 
-    python benchmarks/online_dpo_sim.py [--out runs/online_dpo_sim] [--seeds 0 1 2] [--length-penalty 0.001 0.005]
+    python benchmarks/online_dpo_sim.py [--out runs/online_dpo_sim] [--from runs/sim_compare] [--seeds 0 1 2]
+        [--length-penalty 0.001 0.005]
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="sim_compare", help="sim compare recipe (file or packaged name)")
     parser.add_argument("--out", default="runs/online_dpo_sim")
+    parser.add_argument(
+        "--from", dest="comparison", default=None,
+        help="a `sim compare` directory of the same recipe and budget: its task splits, SFT model, feedback and reward "
+        "models are linked into --out instead of built again",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--length-penalty", type=float, nargs="+", default=[0.001, 0.005], help="lambdas of Eq. 9, per character"
@@ -167,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = SimRun(recipe, progress=lambda m: print(m, file=sys.stderr, flush=True))
     run.check_directory()
+    if args.comparison:
+        from rlhf_ext.sim.tune import link_shared
+
+        for seed in args.seeds:
+            link_shared(Path(args.comparison), Path(args.out), seed)
     start = time.time()
     with torch_threads(recipe.threads):
         results = [run_seed(run, seed, args.length_penalty) for seed in args.seeds]

@@ -7,10 +7,11 @@ evaluated by its win rate against the SFT model on held-out prompts, judged by `
 with the gold reward, response length and KL to the SFT model alongside. All of it is repeated for several seeds
 and summarised as mean ± standard error over seeds.
 
-Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds`` and the
-other :data:`FREE_KEYS` may change between runs of one directory)::
+Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds``, the
+other :data:`FREE_KEYS` and the ``method_overrides`` of methods that have not run here may change between runs of one
+directory)::
 
-    recipe.json                  the settings (the recipe less --methods/--seeds) and their fingerprint
+    recipe.json                  the settings (the recipe less --methods/--seeds and method_overrides), fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
     base/, sft/                  the initial model and the SFT model                      shared by all seeds
     seed-<s>/feedback/           simulated feedback (train) + gold-ordered held-out pairs (test), agreement.json
@@ -18,6 +19,7 @@ other :data:`FREE_KEYS` may change between runs of one directory)::
     seed-<s>/<method>/           the method's checkpoint
     seed-<s>/reference_samples.json    the SFT model's evaluation samples (shared by all methods of the seed)
     results/<method>/seed-<s>.json     one finished (method, seed): win rate, s.e., KL, length, gold, times
+    results/<method>/overrides.json    the method_overrides the method runs with here (written when it first trains)
     sim_compare.json / .md / _winrate.png / _tradeoff.png   the summary over all finished results
 """
 
@@ -56,18 +58,48 @@ logger = logging.getLogger(__name__)
 #: Entropy cutoffs of the bandit and token reward models (the segment model uses the recipe's ``entropy_cutoff``).
 RM_CUTOFFS = {"bandit": math.inf, "token": 0.0}
 #: Keys of the recipe that may change between runs of one output directory.
-FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets", "tuning")
+FREE_KEYS = ("output_dir", "seeds", "methods", "threads", "workers", "budgets", "tuning", "method_overrides")
 
 Progress = Callable[[str], None]
 
 
 def recipe_settings(recipe: SimCompareRecipe) -> dict[str, Any]:
-    """The recipe less :data:`FREE_KEYS`: what every result of one output directory must share."""
+    """The recipe less :data:`FREE_KEYS`: what every result of one output directory must share (a method's own
+    ``method_overrides`` are checked per method: :func:`record_method_overrides`)."""
     return {k: v for k, v in to_dict(recipe).items() if k not in FREE_KEYS}
 
 
 def recipe_fingerprint(recipe: SimCompareRecipe) -> str:
     return fingerprint(recipe_settings(recipe))
+
+
+def overrides_stage(method: str) -> str:
+    """The run-directory stage that records the ``method_overrides`` ``method`` runs with in one directory."""
+    return f"{method}/overrides"
+
+
+def record_method_overrides(run_dir: RunDir, recipe: SimCompareRecipe, method: str) -> None:
+    """Record, before ``method`` first trains in ``run_dir``, the ``method_overrides`` it runs with (checked by
+    :meth:`SimRun.check_directory` on every later run of the method there)."""
+    if not run_dir.done(overrides_stage(method)):
+        run_dir.mark_done(overrides_stage(method), {"overrides": recipe.method_overrides.get(method, [])})
+
+
+def _migrate_method_overrides(run_file: Path) -> None:
+    """A directory whose ``recipe.json`` fingerprinted ``method_overrides`` with the other settings (made before
+    per-method records): record them per method that has results there and fingerprint the rest, so its results
+    stay usable."""
+    old = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    settings = old.get("settings")
+    if not isinstance(settings, dict) or "method_overrides" not in settings:
+        return
+    overrides = settings.pop("method_overrides") or {}
+    results = run_file.parent / RESULTS_DIR
+    for method_dir in sorted(p for p in results.glob("*") if p.is_dir()) if results.is_dir() else []:
+        marker = method_dir / "overrides.json"
+        if not marker.exists():
+            atomic_write_json(marker, {"overrides": overrides.get(method_dir.name, [])})
+    atomic_write_json(run_file, {**old, "settings": settings, "fingerprint": fingerprint(settings)})
 
 
 def order_by_gold(gold, pairs):
@@ -102,8 +134,9 @@ class SimRun:
 
     # ---------------------------------------------------------------------------------------- shared artefacts
     def check_directory(self) -> RunDir:
-        """Open the run directory, refusing one that holds a run with other settings (its results would be mixed
-        with new ones)."""
+        """Open the run directory, refusing one that holds a run with other settings, or a method of this run that
+        ran there with other ``method_overrides`` (its results would be mixed with new ones)."""
+        _migrate_method_overrides(self.root / "recipe.json")
         try:
             self.run_dir = RunDir(
                 self.root,
@@ -117,6 +150,15 @@ class SimRun:
                 f"{self.root} holds a comparison with different settings (changed: {e.changes}); use another "
                 "output_dir or restore the settings (only --methods and --seeds may change)"
             ) from e
+        for method in self.recipe.methods:
+            ran = self.run_dir.result(overrides_stage(method))
+            now = self.recipe.method_overrides.get(method, [])
+            if ran is not None and ran["overrides"] != now:
+                raise RecipeError(
+                    f"{self.root}: {method} was run here with method_overrides {ran['overrides']}, now {now}; use "
+                    f"another output_dir, or delete {self.root}/seed-*/ of {method} and {self.root}/{RESULTS_DIR}/"
+                    f"{method}/ to rerun it"
+                )
         return self.run_dir
 
     def splits(self):
@@ -493,6 +535,7 @@ def run_seed(run: SimRun, run_dir: RunDir, seed: int, progress: Progress) -> Non
             progress(f"[{method} seed {seed}] done earlier, skipped")
             continue
         progress(f"[{method} seed {seed}] training")
+        record_method_overrides(run_dir, run.recipe, method)
         t0 = time.time()
         spec = METHOD_FUNCTIONS[method](run.for_method(method), seed)
         t1 = time.time()

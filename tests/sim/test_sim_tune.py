@@ -98,3 +98,51 @@ def test_tuned_comparison_runs_each_method_at_its_picked_point(tmp_path):
     tuned = apply_tuning(recipe, tmp_path)
     assert tuned.method_overrides == {"dpo": ["dpo.beta=0.3"], "segment_ppo": ["ppo.kl_coef=0.2"]}
     assert SimRun(tuned).for_method("segment_ppo").recipe.ppo.kl_coef == 0.2
+
+
+def test_compare_with_tuning_runs_in_the_directory_sim_tune_used(tmp_path):
+    """The recipe's workflow: `sim tune --out X`, then `sim compare --tuning X --out X`. The picks are new
+    per-method settings, not a changed comparison: the directory that holds the shared SFT model accepts them."""
+    from rlhf_ext.sim.tune import apply_tuning
+
+    recipe = packaged(f"output_dir={tmp_path}")
+    SimRun(recipe).check_directory()  # what `sim tune` does with the main directory
+    (tmp_path / "tuning").mkdir()
+    picks = {"segment_ppo": {"picked": {"ppo.kl_coef": 0.2}, "overrides": ["ppo.kl_coef=0.2"]}}
+    (tmp_path / "tuning" / "tuning.json").write_text(json.dumps({"methods": picks}))
+    SimRun(apply_tuning(recipe, tmp_path)).check_directory()
+
+
+def test_a_method_that_ran_is_not_rerun_silently_at_other_overrides(tmp_path):
+    from rlhf_ext.sim.compare import record_method_overrides
+
+    tuned = packaged(f"output_dir={tmp_path}", "method_overrides={segment_ppo: [ppo.kl_coef=0.2]}")
+    run = SimRun(tuned)
+    record_method_overrides(run.check_directory(), tuned, "segment_ppo")  # what training segment_ppo records
+    SimRun(tuned).check_directory()  # the same overrides: reused
+    other = packaged(f"output_dir={tmp_path}", "method_overrides={segment_ppo: [ppo.kl_coef=0.5]}")
+    with pytest.raises(RecipeError, match=r"segment_ppo was run here with method_overrides \['ppo.kl_coef=0.2'\]"):
+        SimRun(other).check_directory()
+    # a method that has not run here may take any overrides; one that is not run now is not checked
+    both = "method_overrides={segment_ppo: [ppo.kl_coef=0.2], token_ppo: [ppo.kl_coef=0.5]}"
+    SimRun(packaged(f"output_dir={tmp_path}", both)).check_directory()
+    SimRun(packaged(f"output_dir={tmp_path}", "methods=[sft]")).check_directory()
+
+
+def test_a_directory_from_before_per_method_records_keeps_its_results(tmp_path):
+    """Directories whose recipe.json fingerprinted method_overrides with the rest: the overrides of every method
+    with results become its record, and the directory is reused."""
+    from rlhf_ext.runtime.io import atomic_write_json
+    from rlhf_ext.runtime.rundir import fingerprint
+    from rlhf_ext.sim.compare import recipe_settings
+
+    tuned = packaged(f"output_dir={tmp_path}", "method_overrides={segment_ppo: [ppo.kl_coef=0.2]}")
+    old = {**recipe_settings(tuned), "method_overrides": {"segment_ppo": ["ppo.kl_coef=0.2"]}}
+    atomic_write_json(tmp_path / "recipe.json", {"kind": "sim-compare", "fingerprint": fingerprint(old),
+                                                 "settings": old})  # fmt: skip
+    _result(tmp_path, "segment_ppo", 1, lc=0.5, win=0.5)
+    _result(tmp_path, "bandit_ppo", 1, lc=0.5, win=0.5)
+    SimRun(tuned).check_directory()
+    assert result_path(tmp_path, "segment_ppo", 1).exists()
+    with pytest.raises(RecipeError, match=r"bandit_ppo was run here with method_overrides \[\]"):
+        SimRun(packaged(f"output_dir={tmp_path}", "method_overrides={bandit_ppo: [ppo.kl_coef=0.5]}")).check_directory()
