@@ -184,7 +184,8 @@ def forgetting(
     from rlhf_ext.recipes import recipe_path
 
     runs = []
-    # every sequence runs in WORK (default runs/benchmarks/<result name>/): a rerun resumes it at its last finished task
+    # each sequence runs in WORK/<tasks>_c<coef>_seed<seed> (WORK default runs/benchmarks/<result name>): a rerun
+    # resumes it at its last finished task, with other --coefs or --seeds too
     work = work or Path("runs") / "benchmarks" / out.stem
     for source in tasks:
         for coef in coefs:
@@ -198,7 +199,7 @@ def forgetting(
                         f"data.seed={seed}",
                         f"seed={seed}",
                         f"continual.continual_kl_coef={coef}",
-                        f"output_dir={work}/run{len(runs)}",
+                        f"output_dir={work}/{Path(source).name.removeprefix('builtin:')}_c{coef:g}_seed{seed}",
                         "plots=false",
                         *overrides,
                     ],

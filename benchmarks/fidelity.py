@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     if "continual" not in args.skip:
         run([sys.executable, "benchmarks/continual.py", "forgetting", "--recipe", "continual_ppo_tiny",
              "--tasks", "builtin:continual-piecewise-preference", "builtin:continual-lipschitz",
-             "--coefs", "0", "1", "--out", str(results / f"continual_forgetting_ppo{suffix}.json"),
+             "--coefs", "0", "1", "10", "--out", str(results / f"continual_forgetting_ppo{suffix}.json"),
              "--runs", f"{out}/continual_ppo",
              f"model.sft_model={out}/sft", "ppo.steps_per_task=24", "data.num_tasks=3", *b["continual"]])  # fmt: skip
     if "claims" not in args.skip:

@@ -33,7 +33,7 @@ def test_every_fidelity_step_runs_at_the_smoke_budget(tmp_path):
     assert [r["seed"] for r in online["results"]] == [1] and len(online["results"][0]["online"]) == 3
     assert (out / "online_dpo_sim" / "sft").resolve() == (out / "sft").resolve()  # the comparison's SFT model
     continual = json.loads((results / "continual_forgetting_ppo_smoke.json").read_text())
-    assert f"model.sft_model={out}/sft" in continual["overrides"] and (out / "continual_ppo" / "run0").is_dir()
+    assert f"model.sft_model={out}/sft" in continual["overrides"] and (out / "continual_ppo").is_dir()
     claims = (results / "fidelity_smoke.md").read_text()
     rows = [line for line in claims.splitlines() if line.startswith("| 00")]
     assert [r.split("|")[1].strip() for r in rows] == ["002", "003", "003", "003", "003"], claims

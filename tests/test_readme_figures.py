@@ -74,3 +74,16 @@ def test_readme_sft_against_itself_matches_the_30_draws():
     mean, stderr = bias["mean_win_rate"], bias["stderr_of_mean"]
     shown = f"over {bias['draws']} independent draws it reads {mean:.3f} ± {stderr:.3f}"
     assert shown in " ".join(readme_section("Simulator").split())
+
+
+def test_readme_online_dpo_tables_are_the_run_they_quote():
+    """Each table of the README's simulator paragraph on online DPO is, row for row, a table `online_dpo_sim.py`
+    wrote into `online_dpo_sim.json`."""
+    section = readme_section("Iterative online DPO and one-step async")
+    paragraph = section[section.index("**In the simulator**") :]
+    markdown = json.loads((RESULTS / "online_dpo_sim.json").read_text())["markdown"]
+    written = [(header, rows) for header, rows in tables(markdown)]
+    shown = tables(paragraph)
+    assert len(shown) == 3
+    for table in shown:
+        assert table in written, table
