@@ -257,11 +257,27 @@ def forgetting(
         },
         "overrides": overrides,
         "machine": machine_info(),
+        "markdown": forgetting_markdown(table),
         "table": table,
         "runs": runs,
     }
     _write(out, result)
     return result
+
+
+def forgetting_markdown(table: list[dict]) -> str:
+    """The forgetting table as the README prints it: one row per (task sequence, c), mean ± std over seeds."""
+    columns = {"average_performance": "final avg. performance",
+               "backward_transfer_absolute": "backward transfer (abs.)", "forgetting": "forgetting",
+               "newest_task": "newest task", "plasticity": "plasticity"}  # fmt: skip
+    lines = ["| sequence | c | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 2) + "|"]
+    shown = None
+    for row in table:
+        name = Path(row["tasks"]).name.removeprefix("builtin:")
+        cells = [f"{row[k][0]:+.3f} ± {row[k][1]:.3f}" for k in columns]
+        lines.append(f"| {name if name != shown else ''} | {row['kl_coef']:g} | " + " | ".join(cells) + " |")
+        shown = name
+    return "\n".join(lines)
 
 
 def _write(path: Path, obj: dict) -> None:

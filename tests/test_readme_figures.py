@@ -87,3 +87,21 @@ def test_readme_online_dpo_tables_are_the_run_they_quote():
     assert len(shown) == 3
     for table in shown:
         assert table in written, table
+
+
+def test_readme_continual_ppo_table_is_the_run_it_quotes():
+    """The README's sequential vs CPPO-style PPO table is the table `benchmarks/continual.py forgetting` wrote."""
+    section = readme_section("Continual RLHF")
+    paragraph = section[section.index("Sequential PPO vs CPPO-style PPO") :]
+    written = json.loads((RESULTS / "continual_forgetting_ppo.json").read_text())["markdown"]
+    lines = paragraph.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| sequence |"))
+    shown = "\n".join(lines[first : next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))])
+    assert shown == written
+
+
+def test_readme_claims_table_is_the_one_make_fidelity_wrote():
+    section = readme_section("Simulator")
+    paragraph = section[section.index("**Every fidelity result from one command**") :]
+    written = (RESULTS / "fidelity.md").read_text()
+    assert tables(paragraph)[0] == tables(written)[0]

@@ -65,6 +65,8 @@ _SERVER_RECIPE = (
 WHERE: dict[str, str] = {
     # Quickstart
     "make demo": "ci",
+    "make fidelity BUDGET=smoke": "pytest:tests/test_fidelity_smoke.py::test_make_fidelity_smoke_runs_every_step",
+    "make fidelity": "not run: the results of record take a few hours on 2 cores; its smoke budget runs in make test",
     "make test": "ci",
     # Install into your own environment
     'pip install "rlhf-ext[trl]"': _PYPI,
