@@ -41,7 +41,7 @@ from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.config import RecipeError, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
-from rlhf_ext.sim.recipe import SimCompareRecipe
+from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 from rlhf_ext.sim.report import (  # noqa: F401  (feedback_lines, markdown_table: re-exported from before the split)
     RESULTS_DIR,
     feedback_lines,
@@ -87,18 +87,19 @@ def record_method_overrides(run_dir: RunDir, recipe: SimCompareRecipe, method: s
 
 def _migrate_method_overrides(run_file: Path) -> None:
     """A directory whose ``recipe.json`` fingerprinted ``method_overrides`` with the other settings (made before
-    per-method records): record them per method that has results there and fingerprint the rest, so its results
-    stay usable."""
+    per-method records): record them for every method with results or a checkpoint there and fingerprint the rest,
+    so its results stay usable."""
     old = json.loads(run_file.read_text()) if run_file.is_file() else {}
     settings = old.get("settings")
     if not isinstance(settings, dict) or "method_overrides" not in settings:
         return
     overrides = settings.pop("method_overrides") or {}
-    results = run_file.parent / RESULTS_DIR
-    for method_dir in sorted(p for p in results.glob("*") if p.is_dir()) if results.is_dir() else []:
-        marker = method_dir / "overrides.json"
-        if not marker.exists():
-            atomic_write_json(marker, {"overrides": overrides.get(method_dir.name, [])})
+    root = run_file.parent
+    for method in METHODS:
+        marker = root / RESULTS_DIR / method / "overrides.json"
+        ran = (root / RESULTS_DIR / method).is_dir() or any(root.glob(f"seed-*/{method}"))
+        if ran and not marker.exists():
+            atomic_write_json(marker, {"overrides": overrides.get(method, [])})
     atomic_write_json(run_file, {**old, "settings": settings, "fingerprint": fingerprint(settings)})
 
 
@@ -156,8 +157,8 @@ class SimRun:
             if ran is not None and ran["overrides"] != now:
                 raise RecipeError(
                     f"{self.root}: {method} was run here with method_overrides {ran['overrides']}, now {now}; use "
-                    f"another output_dir, or delete {self.root}/seed-*/ of {method} and {self.root}/{RESULTS_DIR}/"
-                    f"{method}/ to rerun it"
+                    f"another output_dir, or delete {self.root}/seed-*/{method} and {self.root}/{RESULTS_DIR}/{method} "
+                    "to rerun it"
                 )
         return self.run_dir
 

@@ -142,7 +142,13 @@ def test_a_directory_from_before_per_method_records_keeps_its_results(tmp_path):
                                                  "settings": old})  # fmt: skip
     _result(tmp_path, "segment_ppo", 1, lc=0.5, win=0.5)
     _result(tmp_path, "bandit_ppo", 1, lc=0.5, win=0.5)
+    (tmp_path / "seed-2" / "token_ppo").mkdir(parents=True)  # a checkpoint whose evaluation never finished
     SimRun(tuned).check_directory()
     assert result_path(tmp_path, "segment_ppo", 1).exists()
-    with pytest.raises(RecipeError, match=r"bandit_ppo was run here with method_overrides \[\]"):
-        SimRun(packaged(f"output_dir={tmp_path}", "method_overrides={bandit_ppo: [ppo.kl_coef=0.5]}")).check_directory()
+    for method in ("bandit_ppo", "token_ppo"):
+        changed = f"method_overrides={{segment_ppo: [ppo.kl_coef=0.2], {method}: [ppo.kl_coef=0.5]}}"
+        with pytest.raises(RecipeError, match=rf"{method} was run here with method_overrides \[\]"):
+            SimRun(packaged(f"output_dir={tmp_path}", changed)).check_directory()
+    SimRun(
+        packaged(f"output_dir={tmp_path}", "method_overrides={dpo: [dpo.beta=0.5]}", "methods=[dpo]")
+    ).check_directory()
