@@ -199,7 +199,7 @@ def forgetting(
                         f"data.seed={seed}",
                         f"seed={seed}",
                         f"continual.continual_kl_coef={coef}",
-                        f"output_dir={work}/{Path(source).name.removeprefix('builtin:')}_c{coef:g}_seed{seed}",
+                        f"output_dir={work}/{sequence_name(source)}_c{coef:g}_seed{seed}",
                         "plots=false",
                         *overrides,
                     ],
@@ -265,6 +265,12 @@ def forgetting(
     return result
 
 
+def sequence_name(source: str) -> str:
+    """A task sequence's short name: ``builtin:continual-lipschitz`` or ``path/to/continual-lipschitz`` ->
+    ``continual-lipschitz``."""
+    return Path(source).name.removeprefix("builtin:")
+
+
 def forgetting_markdown(table: list[dict]) -> str:
     """The forgetting table as the README prints it: one row per (task sequence, c), mean ± std over seeds."""
     columns = {"average_performance": "final avg. performance",
@@ -273,7 +279,7 @@ def forgetting_markdown(table: list[dict]) -> str:
     lines = ["| sequence | c | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 2) + "|"]
     shown = None
     for row in table:
-        name = Path(row["tasks"]).name.removeprefix("builtin:")
+        name = sequence_name(row["tasks"])
         cells = [f"{row[k][0]:+.3f} ± {row[k][1]:.3f}" for k in columns]
         lines.append(f"| {name if name != shown else ''} | {row['kl_coef']:g} | " + " | ".join(cells) + " |")
         shown = name

@@ -151,6 +151,8 @@ def online_dpo_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, 
 def continual_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
     """Paper 000 from ``continual_forgetting_ppo.json``: per task sequence, the KL to the previous task's policy
     (c = 1) forgets less than sequential PPO (c = 0), by more than two standard errors of the difference."""
+    from continual import sequence_name  # benchmarks/continual.py, beside this script
+
     if not data:
         return []
     rows = []
@@ -159,7 +161,7 @@ def continual_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, s
         if not all(per.values()):
             continue
         gap, se = _difference(per[0], per[1])
-        name = Path(source).name.removeprefix("builtin:")
+        name = sequence_name(source)
         rows.append(("000", f"CPPO's KL to the previous policy reduces forgetting ({name}, c = 1 vs 0)",
                      f"forgetting {statistics.fmean(per[0]):+.3f} -> {statistics.fmean(per[1]):+.3f}: "
                      f"{_pm(gap, se)} less", "holds" if gap > 2 * se else "not shown"))  # fmt: skip

@@ -42,11 +42,8 @@ from rlhf_ext.config import RecipeError, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
-from rlhf_ext.sim.report import (  # noqa: F401  (feedback_lines, markdown_table: re-exported from before the split)
+from rlhf_ext.sim.report import (
     RESULTS_DIR,
-    feedback_lines,
-    markdown_table,
-    result_path,
     result_stage,
     summarise,
     unparseable_text,

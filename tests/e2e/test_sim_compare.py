@@ -32,7 +32,7 @@ def recipe_file(tmp_path, tiny_sft_path):
 
 def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
     from rlhf_ext.cli import main
-    from rlhf_ext.sim.compare import result_path
+    from rlhf_ext.sim.report import result_path
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run = tmp_path / "run"
@@ -93,7 +93,7 @@ def test_sim_compare_end_to_end(recipe_file, tmp_path, monkeypatch):
 def test_seeds_in_worker_processes_give_the_same_results(recipe_file, tmp_path, monkeypatch):
     # workers: 2 runs the two seeds in two spawned processes; every (method, seed) must equal the sequential run's
     from rlhf_ext.cli import main
-    from rlhf_ext.sim.compare import result_path
+    from rlhf_ext.sim.report import result_path
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     methods = "sft,best_of_n,dpo"

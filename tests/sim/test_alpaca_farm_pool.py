@@ -217,7 +217,7 @@ def test_sim_compare_with_the_alpaca_farm_pool(tmp_path, tiny_sft_path, monkeypa
     from click.testing import CliRunner
 
     from rlhf_ext.cli import main
-    from rlhf_ext.sim.compare import result_path
+    from rlhf_ext.sim.report import result_path
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with FakeChatServer(alpaca_farm_responder) as server:

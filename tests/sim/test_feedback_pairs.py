@@ -7,7 +7,8 @@ from datasets import Dataset
 
 from rlhf_ext.datagen import rubric_for
 from rlhf_ext.sim import GoldScorer
-from rlhf_ext.sim.compare import feedback_lines, order_by_gold
+from rlhf_ext.sim.compare import order_by_gold
+from rlhf_ext.sim.report import feedback_lines
 
 POS, NEG = rubric_for("rapper").positive, rubric_for("rapper").negative
 

@@ -225,7 +225,7 @@ def test_unparseable_answers_are_counted_warned_and_settled_or_dropped(caplog):
 
 
 def test_unparseable_counts_in_sim_compare_md():
-    from rlhf_ext.sim.compare import feedback_lines, markdown_table
+    from rlhf_ext.sim.report import feedback_lines, markdown_table
 
     counts = {"llm0:m": {"labels": 40, "unparseable": 3, "rate": 0.075}, "llm1:m": {"labels": 38, "unparseable": 0,
                                                                                      "rate": 0.0}}  # fmt: skip

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from rlhf_ext.config import RecipeError, load_recipe
-from rlhf_ext.sim.compare import markdown_table, recipe_fingerprint, result_path, summarise
+from rlhf_ext.sim.compare import recipe_fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
+from rlhf_ext.sim.report import markdown_table, result_path, summarise
 
 
 def packaged(*overrides: str) -> SimCompareRecipe:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from rlhf_ext.config import RecipeError, load_recipe
-from rlhf_ext.sim.compare import SimRun, result_path
+from rlhf_ext.sim.compare import SimRun
 from rlhf_ext.sim.recipe import SimCompareRecipe
+from rlhf_ext.sim.report import result_path
 from rlhf_ext.sim.tune import grid_points, link_shared, point_name, point_recipe, summarise_tuning
 
 
