@@ -128,6 +128,11 @@ def _difference(a: list[float], b: list[float]) -> tuple[float, float]:
     return statistics.fmean(a) - statistics.fmean(b), math.hypot(*se)
 
 
+def _verdict(se: float, holds: bool, yes: str, no: str) -> str:
+    """``yes``/``no`` by ``holds``; "–" where one seed gives no standard error to judge by."""
+    return "–" if math.isnan(se) else yes if holds else no
+
+
 def online_dpo_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
     """Papers 004 and 001 from ``online_dpo_sim.json``: online beats offline DPO on the same labels (by more than two
     standard errors of the difference), and one-step async is level with sync (within two)."""
@@ -139,12 +144,12 @@ def online_dpo_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, 
     gap, se = _difference(online, offline)
     rows = [("004", f"iterative online DPO beats offline DPO on the same labels ({k} iterations, gold judge)",
              f"online {statistics.fmean(online):.3f}, offline {statistics.fmean(offline):.3f}: {_pm(gap, se)}",
-             "holds" if gap > 2 * se else "does not hold")]  # fmt: skip
+             _verdict(se, gap > 2 * se, "holds", "does not hold"))]  # fmt: skip
     asynchronous, sync = [r["async"]["win_rate"] for r in seeds], [r["sync"]["win_rate"] for r in seeds]
     gap, se = _difference(asynchronous, sync)
     rows.append(("001", "one-step off-policy (async) online DPO is level with on-policy (sync)",
                  f"async {statistics.fmean(asynchronous):.3f}, sync {statistics.fmean(sync):.3f}: {_pm(gap, se)}",
-                 "holds: not separated (2 s.e.)" if abs(gap) <= 2 * se else "does not hold"))  # fmt: skip
+                 _verdict(se, abs(gap) <= 2 * se, "holds: not separated (2 s.e.)", "does not hold")))  # fmt: skip
     return rows
 
 
@@ -164,7 +169,7 @@ def continual_claims(data: dict[str, Any] | None) -> list[tuple[str, str, str, s
         name = sequence_name(source)
         rows.append(("000", f"CPPO's KL to the previous policy reduces forgetting ({name}, c = 1 vs 0)",
                      f"forgetting {statistics.fmean(per[0]):+.3f} -> {statistics.fmean(per[1]):+.3f}: "
-                     f"{_pm(gap, se)} less", "holds" if gap > 2 * se else "not shown"))  # fmt: skip
+                     f"{_pm(gap, se)} less", _verdict(se, gap > 2 * se, "holds", "not shown")))  # fmt: skip
     return rows
 
 
