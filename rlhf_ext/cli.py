@@ -187,6 +187,20 @@ def main() -> None:
     configure_cli_output()  # log lines on stderr at INFO (RLHF_EXT_VERBOSITY), no progress bars when piped
 
 
+@main.result_callback()
+def release_process_group(*_: object, **__: object) -> None:
+    """Destroy the torch.distributed process group a finished command trained in (torchrun, accelerate, deepspeed).
+
+    Left to interpreter finalization, gloo's worker threads may still hold tensors and torch aborts the process
+    (SIGABRT, "terminate called without an active exception") after training has finished."""
+    if "torch.distributed" not in sys.modules:  # a command that never imported torch has no process group
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 main.add_command(data)
 main.add_command(sim_group)
 
