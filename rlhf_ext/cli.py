@@ -71,13 +71,8 @@ def _hub_repo_id(exc: BaseException) -> str | None:
 
 def _hub_offline_message(exc: BaseException) -> str | None:
     """A model or tokenizer named by hub id while the hub is switched off (HF_HUB_OFFLINE=1)."""
-    hub_errors = tuple(
-        t
-        for t in (
-            _loaded_type("huggingface_hub.errors", n) for n in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
-        )
-        if t is not None
-    )
+    names = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+    hub_errors = tuple(t for t in (_loaded_type("huggingface_hub.errors", n) for n in names) if t is not None)
     for e in _chain(exc):
         if isinstance(e, HubOfflineError):
             return str(e)
@@ -189,15 +184,10 @@ def main() -> None:
 
 @main.result_callback()
 def release_process_group(*_: object, **__: object) -> None:
-    """Destroy the torch.distributed process group a finished command trained in (torchrun, accelerate, deepspeed).
-
-    Left to interpreter finalization, gloo's worker threads may still hold tensors and torch aborts the process
-    (SIGABRT, "terminate called without an active exception") after training has finished."""
-    if "torch.distributed" not in sys.modules:  # a command that never imported torch has no process group
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    """Destroy the process group a finished command ran in (torchrun, accelerate, deepspeed): left to interpreter
+    exit, gloo's threads can abort the process (SIGABRT) after training has finished (pytorch/pytorch#179291)."""
+    dist = sys.modules.get("torch.distributed")  # a command that never imported torch has no process group
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -268,8 +258,7 @@ def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str,
     recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
     if engine is not None:
         recipe.engine = engine
-    summary = run_segment_rm(recipe)
-    print_rm_summary(summary)
+    print_rm_summary(run_segment_rm(recipe))
 
 
 def print_rm_summary(summary: dict) -> None:
@@ -386,9 +375,7 @@ def recipe_list() -> None:
 def recipe_copy(name: str, dest: str) -> None:
     """Copy packaged recipe NAME to DEST (a file or a directory; default: ./NAME.yaml)."""
     src = recipe_path(name)
-    target = Path(dest)
-    if target.is_dir():
-        target = target / src.name
+    target = Path(dest) / src.name if Path(dest).is_dir() else Path(dest)
     if target.exists():
         _fail(f"{target} exists; choose another destination or delete it first")
     target.parent.mkdir(parents=True, exist_ok=True)
