@@ -165,7 +165,8 @@ def reward_trainer(policy_dir: str, rm_dir: str, batch: int, completion: int):
     tok = AutoTokenizer.from_pretrained(policy_dir)
     with tempfile.TemporaryDirectory() as tmp:
         args = SegmentPPOConfig(
-            output_dir=tmp, reward_model_path=rm_dir, advantage_estimator="reinforce", normalizer_kind="none",
+            output_dir=tmp, reward_model_path=rm_dir, granularity="segment", advantage_estimator="reinforce",
+            normalizer_kind="none",
             per_device_train_batch_size=batch, num_generations=2, max_completion_length=completion, bf16=False,
             use_cpu=True, report_to="none", gradient_checkpointing=False, entropy_cutoff=2.0,
         )  # fmt: skip

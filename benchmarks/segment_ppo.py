@@ -90,7 +90,8 @@ policy, rm, estimator = sys.argv[1], sys.argv[2], sys.argv[3]
 tok = AutoTokenizer.from_pretrained(policy)
 prompts = Dataset.from_list([{"prompt": "Question: What should I know about tides?\nAnswer:"}] * 64)
 with tempfile.TemporaryDirectory() as tmp:
-    args = SegmentPPOConfig(output_dir=tmp, reward_model_path=rm, advantage_estimator=estimator, normalizer_kind="none",
+    args = SegmentPPOConfig(output_dir=tmp, reward_model_path=rm, granularity="segment", advantage_estimator=estimator,
+        normalizer_kind="none",
         per_device_train_batch_size=16, num_generations=2, max_completion_length=64, max_steps=2, bf16=False,
         use_cpu=True, report_to="none", save_strategy="no", gradient_checkpointing=False, disable_tqdm=True)
     trainer = SegmentPPOTrainer(model=policy, args=args, train_dataset=prompts, processing_class=tok)

@@ -35,7 +35,7 @@ from typing import Any
 from rlhf_ext.algos.knobs import knob, seed_knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, resolve_granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
@@ -301,7 +301,7 @@ class DemoPipeline:
             load_from_disk(results["labels"]["path"]),
             kind=self.recipe.dense.normalizer_kind,
             basis=self.recipe.dense.normalizer_basis,
-            granularity=self.recipe.dense.granularity,
+            granularity=resolve_granularity(self.recipe.dense.granularity, spans=False),
             entropy_cutoff=settings["entropy_cutoff"],
             reward_model_id=model_id(rm),
         )

@@ -86,6 +86,17 @@ class Granularity(StrEnum):
         return self in (Granularity.BANDIT, Granularity.SEGMENT_AS_BANDIT)
 
 
+def resolve_granularity(granularity: Granularity | str | None, spans: bool) -> str:
+    """The granularity of a run (its value, as the knobs store it): as given, else its reward source's default. On a
+    reward model's token scores that is ``chunk``: under the simulator's fair protocol
+    (``docs/segment_ppo_evidence.md``) it beat the paper's ``segment``, whose boundaries the policy learns to buy. On
+    span rewards (reward functions, rules, process reward models, a reward server) it is ``segment``: the source's
+    spans are the segments, and ``chunk`` is not defined there."""
+    if granularity is None:
+        return (Granularity.SEGMENT if spans else Granularity.CHUNK).value
+    return Granularity(granularity).value
+
+
 INTERPOLATIONS: tuple[str, ...] = Interpolation.values()
 GRANULARITIES: tuple[str, ...] = Granularity.values()
 #: ``chunk``'s segment length in tokens when none is given.
@@ -346,7 +357,9 @@ class DenseRewardKnobs:
     Args:
         granularity: the action definition (paper 003 Table 1): ``segment`` (the paper's), ``chunk`` (fixed-length
             segments: the reward positions are not a lever for the policy), ``token``, ``bandit`` (stock
-            sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``.
+            sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``; ``None`` (the default): the reward
+            source's own (:func:`resolve_granularity`: ``chunk`` on a reward model's token scores, ``segment`` on
+            span rewards).
         chunk_size: tokens per segment for ``granularity="chunk"``.
         interpolation: how a segment's reward is spread over its tokens (paper 003 Table 3): ``even_split`` (the
             paper's), ``repeat``, ``segment_end``.
@@ -355,7 +368,9 @@ class DenseRewardKnobs:
         normalizer_basis: the regression's location feature: ``linear`` (``p``, the paper's) or ``log`` (``log p``).
     """
 
-    granularity: Granularity = field(default=Granularity.SEGMENT.value, metadata={"help": "paper 003 Table 1"})
+    granularity: Granularity | None = field(
+        default=None, metadata={"help": "paper 003 Table 1; unset: chunk on a reward model, segment on span rewards"}
+    )
     interpolation: Interpolation = field(default=Interpolation.EVEN_SPLIT.value, metadata={"help": "paper 003 Table 3"})
     normalizer_kind: NormalizerKind = field(
         default=NormalizerKind.REGRESSION.value, metadata={"help": "Eq. 6 / Table 2"}
@@ -376,5 +391,5 @@ class DenseRewardKnobs:
             ("normalizer_kind", NORMALIZER_KINDS),
             ("normalizer_basis", ("linear", "log")),
         ):
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in allowed and not (name == "granularity" and self.granularity is None):
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

@@ -54,6 +54,8 @@ def ext_argument_parser(
         choices: Any = None
         if key in fields:
             f, hint, spec = fields[key]
+            if type(None) in typing.get_args(hint):  # X | None: X's choices
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
             text = f.metadata.get("help", "")
             if spec is not None:
                 text = f"{text} ({spec.describe()})".strip()

@@ -40,6 +40,7 @@ from rlhf_ext.algos.segment_dense import (
     Granularity,
     SegmentationMonitor,
     dense_segment_rewards,
+    resolve_granularity,
     segmentation_rates,
 )
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, logprobs_and_entropy
@@ -214,8 +215,10 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         ext = validate_segment_ext({k: v for k, v in vars(self.args.ext).items() if k != "continual"})
+        self.source = reward_source(ext)
+        ext["granularity"] = resolve_granularity(ext["granularity"], spans=self.source is not None)
         self.ext = ext
-        self.dense = ext["granularity"] != "bandit"
+        self.dense = ext["granularity"] != "bandit" or self.source is not None
         from rlhf_ext.runtime.segment_data import resolve_segment_settings
 
         reward_path = getattr(getattr(self.args, "reward", None), "model_name_or_path", None)
@@ -228,8 +231,6 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             else LocationNormalizer()
         )
         self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, ext["granularity"])
-        self.source = reward_source(ext)
-        self.dense = self.dense or self.source is not None
         if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
                 f"dense segment rewards need --algo.advantage.estimator {' | '.join(ESTIMATORS)} (got "

@@ -12,11 +12,12 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
 
 ``--ext`` flags (:data:`EXT_DEFAULTS`):
 
-* segment rewards — ``granularity`` (``segment`` | ``token`` | ``bandit`` | ``bandit_as_segment`` |
-  ``segment_as_bandit``), ``interpolation``, ``entropy_cutoff`` / ``aggregation`` / ``tau`` (default: the reward
-  model's ``segment_config.json``), ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file),
-  ``reward_model_id``. ``bandit`` runs the same subclasses with the scalar reward at the last token: identical to
-  stock OpenRLHF (tested), which makes it the control arm of paper 003's Table 1.
+* segment rewards — ``granularity`` (``segment`` | ``chunk`` | ``token`` | ``bandit`` | ``bandit_as_segment`` |
+  ``segment_as_bandit``; unset: ``chunk`` on a reward model, ``segment`` on span rewards), ``interpolation``,
+  ``entropy_cutoff`` / ``aggregation`` / ``tau`` (default: the reward model's ``segment_config.json``),
+  ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file), ``reward_model_id``. ``bandit`` runs
+  the same subclasses with the scalar reward at the last token: identical to stock OpenRLHF (tested), which makes it
+  the control arm of paper 003's Table 1.
 * continual RLHF — ``continual_previous_model``, ``continual_kl_coef``, ``continual_kl_estimator``,
   ``continual_retention`` (:class:`~rlhf_ext.openrlhf.continual_actor.ContinualActorSettings`); the policy actor
   becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual_*`` flag is
@@ -58,7 +59,7 @@ from rlhf_ext.algos.continual_kl import ContinualKnobs
 from rlhf_ext.algos.knobs import knob_specs
 from rlhf_ext.algos.names import knob_defaults
 from rlhf_ext.algos.ppo import ESTIMATORS
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs, Granularity
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, Granularity, resolve_granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
 from rlhf_ext.algos.spans import SPAN_GRANULARITIES
 from rlhf_ext.openrlhf.cli_runner import (
@@ -394,12 +395,15 @@ def with_reward_source(rest: list[str], ext: dict[str, Any]) -> list[str]:
 def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
     """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
     ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
-    engine count, so it must be on the command line) and the reward source routed (:func:`with_reward_source`)."""
+    engine count, so it must be on the command line), the reward source routed (:func:`with_reward_source`) and an
+    unset granularity set to the source's default (:func:`~rlhf_ext.algos.segment_dense.resolve_granularity`)."""
     from rlhf_ext.runtime.dense_sources import absolute_source_spec
 
     rest = with_reward_source(rest, ext)
+    spans = flag_value(rest, "--reward.remote_url", None) is not None  # a reward source or server answers in spans
     ext = {**ext, "rollout_engine": resolve_rollout_engine(ext["rollout_engine"], cluster),
-           "reward_source": absolute_source_spec(ext.get("reward_source"))}  # fmt: skip
+           "reward_source": absolute_source_spec(ext.get("reward_source")),
+           "granularity": resolve_granularity(ext["granularity"], spans)}  # fmt: skip
     if ext["rollout_engine"] == "hf" and flag_value(rest, "--vllm.num_engines", None) is None:
         rest = [*rest, "--vllm.num_engines", "1"]
     return rest, ext

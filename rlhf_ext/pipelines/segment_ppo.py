@@ -15,7 +15,7 @@ from typing import Any, Literal
 from rlhf_ext.algos.knobs import knob, knob_like, seed_knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
-from rlhf_ext.algos.segment_dense import DenseRewardKnobs
+from rlhf_ext.algos.segment_dense import DenseRewardKnobs, resolve_granularity
 from rlhf_ext.algos.segment_reward import Aggregation, SegmentRewardKnobs
 from rlhf_ext.config import TrainSection
 from rlhf_ext.runtime.resources import Cluster, Plan
@@ -117,6 +117,9 @@ class SegmentPPORecipe:
     segment: PPOSegmentSection = field(default_factory=PPOSegmentSection)
     ppo: PPOAlgoSection = field(default_factory=PPOAlgoSection)
     train: PPOTrainSection = field(default_factory=PPOTrainSection)
+
+    def __post_init__(self) -> None:  # an unset granularity: the reward source's default (chunk on a reward model)
+        self.segment.granularity = resolve_granularity(self.segment.granularity, self.model.reward_source is not None)
 
     @classmethod
     def engine_config_fields(cls) -> set[str]:

@@ -153,7 +153,8 @@ def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -
     """The reward of a ``DensePPOConfig`` run (:class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer`): GRPO's
     ``reward_funcs`` as a list (a segment reward model's directory scored by its e_phi) or ``None``, and
     whether the run trains on GRPO's sequence rewards (reward functions or an environment's reward) rather than a
-    segment reward model (``reward_model`` or ``args.reward_model_path``); refuses both and neither."""
+    segment reward model (``reward_model`` or ``args.reward_model_path``); refuses both and neither. Sets an unset
+    ``args.granularity`` to the source's default (:func:`~rlhf_ext.algos.segment_dense.resolve_granularity`)."""
     if isinstance(reward_funcs, list) and not reward_funcs:
         reward_funcs = None
     if reward_funcs is not None:  # a segment reward model's directory is scored by e_phi, not at its last token
@@ -173,6 +174,9 @@ def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -
             "DensePPOTrainer needs a reward: set DensePPOConfig.reward_model_path (or reward_model=) for "
             "segment rewards, or pass reward_funcs= for a sequence-level reward as in GRPO"
         )
+    from rlhf_ext.algos.segment_dense import resolve_granularity
+
+    args.granularity = resolve_granularity(args.granularity, spans=uses_reward_funcs)
     if uses_reward_funcs:
         from rlhf_ext.algos.spans import check_span_granularity
 

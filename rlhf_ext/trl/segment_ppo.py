@@ -451,7 +451,8 @@ class DensePPOTrainer(GRPOTrainer):
             self.critic.load(checkpoint)
 
 
-#: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` with its default
-#: ``granularity="segment"``. Both names are public; use the general one where the rewards are not segment-level.
+#: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` on a segment reward model
+#: (``granularity="segment"`` as the paper writes it, ``"chunk"`` by default). Both names are public; use the general
+#: one where the rewards are not segment-level.
 SegmentPPOConfig = DensePPOConfig
 SegmentPPOTrainer = DensePPOTrainer

@@ -298,7 +298,7 @@ def test_recipe_maps_to_train_ppo_ray_flags(seg_ppo, tmp_path):
     pairs = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--") and not value.startswith("--")}
     assert "--train.async_enable" in argv and pairs["--train.async_queue_size"] == "1"
     assert pairs["--algo.kl.init_coef"] == "0.01" and pairs["--critic.value_clip"] == "0.25"
-    assert pairs["--ext.granularity"] == "segment" and pairs["--ext.normalizer"] == normalizer
+    assert pairs["--ext.granularity"] == "chunk" and pairs["--ext.normalizer"] == normalizer  # the recipe's
     from rlhf_ext.openrlhf.train_ppo_ray import parse_ext_args
 
     rest, ext = parse_ext_args(argv)

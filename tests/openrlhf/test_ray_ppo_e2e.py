@@ -134,7 +134,7 @@ def test_segment_gae_two_ranks_zero2(segment_task0, tiny_sft_path):
     for step in steps:
         _finite(step, ["reward", "return", "policy_loss", "critic_loss", "values", "segments_per_response"])
         assert step["reward"] != 0.0 and step["rollout/reward_mean"] == pytest.approx(step["reward"], rel=1e-5)
-        assert step["segments_per_response"] > 1  # entropy segmentation, not one bandit segment
+        assert step["segments_per_response"] > 1  # dense segments (the recipe: chunks of 4), not one bandit segment
         assert step["prev_task_kl"] == 0.0 and step["staleness"] == 0.0
     assert (out / "normalizer.json").exists() and (out / "prompts.jsonl").exists()
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -26,8 +26,9 @@ def _config(tmp_path, segment_rm, **kw):
     from rlhf_ext.trl.segment_ppo import SegmentPPOConfig
 
     base = dict(
-        output_dir=str(tmp_path / "ppo"), reward_model_path=segment_rm, per_device_train_batch_size=8,
-        num_generations=2, max_completion_length=64, learning_rate=3e-4, critic_learning_rate=1e-4, max_steps=1,
+        output_dir=str(tmp_path / "ppo"), reward_model_path=segment_rm, granularity="segment",  # paper 003's mode
+        per_device_train_batch_size=8, num_generations=2, max_completion_length=64, learning_rate=3e-4,
+        critic_learning_rate=1e-4, max_steps=1,
         logging_steps=1, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
         gradient_checkpointing=False, disable_tqdm=True, seed=0,
     )  # fmt: skip
