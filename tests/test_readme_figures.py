@@ -69,6 +69,16 @@ def test_readme_simulator_tables_match_the_results_they_quote(results_md):
     assert compared >= 4 * len(rows)
 
 
+def test_readme_states_the_default_comparisons_wall_clock_as_recorded():
+    """The packaged recipe's comparison time that the README prints is the results' ``wall_seconds``."""
+    results = json.loads((RESULTS / "sim_compare.json").read_text())
+    wall = results["wall_seconds"]
+    minutes, seconds = divmod(round(wall), 60)
+    text = " ".join(readme_section("Simulator").split())
+    assert f"{len(results['methods'])} methods x {len(results['methods'][0]['seeds'])} seeds" in text
+    assert f"**{minutes} min {seconds} s**" in text and f"({round(wall)} s, the results' `wall_seconds`" in text
+
+
 def test_readme_sft_against_itself_matches_the_30_draws():
     bias = json.loads((RESULTS / "sim_sft_bias.json").read_text())
     mean, stderr = bias["mean_win_rate"], bias["stderr_of_mean"]
