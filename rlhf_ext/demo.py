@@ -96,6 +96,9 @@ class DemoRecipe:
     #: ``out/<stage>/runs``; not a setting of the results, so changing it never invalidates finished stages
     report_to: str | list[str] = "none"
 
+    def __post_init__(self) -> None:  # the demo learns from a segment reward model: unset granularity = chunk
+        self.dense.granularity = resolve_granularity(self.dense.granularity, spans=False)
+
 
 class DemoPipeline:
     """Runs the stages in order, skipping the ones already finished (see the module docstring). ``echo`` receives
@@ -301,7 +304,7 @@ class DemoPipeline:
             load_from_disk(results["labels"]["path"]),
             kind=self.recipe.dense.normalizer_kind,
             basis=self.recipe.dense.normalizer_basis,
-            granularity=resolve_granularity(self.recipe.dense.granularity, spans=False),
+            granularity=self.recipe.dense.granularity,
             entropy_cutoff=settings["entropy_cutoff"],
             reward_model_id=model_id(rm),
         )

@@ -71,6 +71,10 @@ def test_recipes_resolve_it_and_the_packaged_ones_say_which():
                 "segment_ppo_paper": "segment", "segment_ppo_rules_tiny": "segment"}  # fmt: skip
     for name, granularity in expected.items():
         assert load_recipe(SegmentPPORecipe, recipe_path(name), []).segment.granularity == granularity, name
+    from rlhf_ext.demo import DemoRecipe  # the demo learns from a segment reward model
+
+    assert load_recipe(DemoRecipe, recipe_path("demo"), []).dense.granularity == "chunk"
+    assert load_recipe(DemoRecipe, recipe_path("demo"), ["dense.granularity=segment"]).dense.granularity == "segment"
 
 
 @pytest.mark.parametrize(
