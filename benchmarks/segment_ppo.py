@@ -124,7 +124,11 @@ def ppo_curve(out_dir: str) -> list[dict]:
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
     recipe_file = Path(__file__).resolve().parents[1] / "rlhf_ext" / "recipes" / "segment_ppo_tiny.yaml"
-    recipe = load_recipe(SegmentPPORecipe, recipe_file, [f"train.output_dir={out_dir}", "train.max_steps=16"])
+    recipe = load_recipe(
+        SegmentPPORecipe,
+        recipe_file,
+        [f"train.output_dir={out_dir}", "train.max_steps=16", "segment.granularity=segment"],
+    )  # paper mode, as recorded
     return run_segment_ppo(recipe)["curve"]
 
 
