@@ -97,8 +97,6 @@ class SampleCache:
         self.path = self.directory / SAMPLES_FILE
         self.fsync_interval = fsync_interval
         self.repaired_bytes = 0
-        self.corrupt_lines = 0
-        self.ignored_records = 0
         self._appender: SampleAppender | None = None
         self._lock: FileLock | None = None
         self._files: list[Path]  # index i of _file refers to _files[i]
@@ -178,9 +176,7 @@ class SampleCache:
             if scanned is None:  # records to drop: rewrite the file without them and index it again
                 self._drop_not_final(path)
                 scanned = scan_records(path, self._scanned[path])
-            entries, corrupt = scanned
-            self.corrupt_lines += corrupt
-            chunks.append(self._with_file(path, entries))
+            chunks.append(self._with_file(path, scanned))
             self._scanned[path] = path.stat().st_size
         if chunks:
             self._merge(chunks)
@@ -217,7 +213,6 @@ class SampleCache:
                     drop = record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS
                 except (ValueError, AttributeError):
                     drop = False
-                self.ignored_records += drop
                 if not drop:
                     kept.append(line)
         atomic_write_bytes(path, b"".join(kept))
@@ -323,11 +318,10 @@ class SampleCache:
             f.write(json.dumps(summary, sort_keys=True) + "\n")
 
 
-def scan_records(path: Path, start: int = 0) -> tuple[tuple, int] | None:
-    """Index entries ``((keys, offsets, lengths, ok), corrupt lines)`` of the records of ``path`` from byte ``start``;
-    ``None`` when it holds records of :data:`NOT_FINAL_REASONS`."""
+def scan_records(path: Path, start: int = 0) -> tuple | None:
+    """Index entries ``(keys, offsets, lengths, ok)`` of the records of ``path`` from byte ``start`` (a corrupt line is
+    skipped); ``None`` when it holds records of :data:`NOT_FINAL_REASONS`."""
     chunks: list[tuple] = []
-    corrupt = 0
     keys, offs, lens, oks = [], [], [], []
 
     def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
@@ -347,7 +341,6 @@ def scan_records(path: Path, start: int = 0) -> tuple[tuple, int] | None:
                     record = json.loads(line)
                     key = record["key"]
                 except (ValueError, KeyError, TypeError):
-                    corrupt += 1
                     key = None
                 if key is not None:
                     if record.get("status") == "skipped" and record.get("reason") in NOT_FINAL_REASONS:
@@ -362,4 +355,4 @@ def scan_records(path: Path, start: int = 0) -> tuple[tuple, int] | None:
     flush()
     if not chunks:
         chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
-    return tuple(np.concatenate([c[i] for c in chunks]) for i in range(4)), corrupt
+    return tuple(np.concatenate([c[i] for c in chunks]) for i in range(4))

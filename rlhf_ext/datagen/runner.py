@@ -259,7 +259,7 @@ def _shard_worker(
         finally:
             appender.close()
             bar.flush()
-        entries, _ = scan_records(path, start)  # this run's records: never a NOT_FINAL reason, never torn
+        entries = scan_records(path, start)  # this run's records: never a NOT_FINAL reason, never torn
         queue.put(("done", dict(counts), errors, (str(path), start, path.stat().st_size, entries)))
         command = commands.get()
         if command[0] == "assemble":

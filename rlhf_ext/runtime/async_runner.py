@@ -321,11 +321,6 @@ class OneStepAsyncRunner(Generic[T]):
         """How many batches the learner has received."""
         return self._next_index
 
-    @property
-    def stopping(self) -> bool:
-        """True once the run is ending; a long ``generate_fn`` may poll it to stop early (thread mode)."""
-        return self._stop.is_set()
-
     def version_for(self, index: int) -> int:
         """The policy version batch ``index`` is generated with: ``max(index - 1, 0)`` async, ``index`` sync."""
         return max(index - self.lag, 0)

@@ -63,7 +63,6 @@ class OneStepAsyncRollout:
         self.trainer = None
         self.runner: OneStepAsyncRunner | None = None
         self.stats = None  # the runner's RunnerStats (versions, staleness histogram, timings) after training
-        self.last_version: int | None = None
         self._prompt_batches = None
         self._model = None
         self._first_step = 0
@@ -157,5 +156,4 @@ class OneStepAsyncRollout:
                 "the async generator sampled other prompts than the trainer asked for (data loader order changed?); "
                 "run without async_generation"
             )
-        self.last_version = batch.version
         return {k: batch.data[k] for k in ("prompt_ids", "completion_ids", "logprobs")}
