@@ -76,7 +76,7 @@ def run_one(pipeline, shared, out: Path, name: str, seed: int, rm_kind: str, ove
     test = test.select(range(min(pipeline.recipe.data.eval_prompts, len(test))))
     ev = win_rate(
         str(ppo_dir), shared["sft"]["path"], list(test["prompt"]), styles=list(test["style"]),
-        judge=AnnotatorPool.default(seed=0), seed=seed, max_new_tokens=pipeline.recipe.training.max_completion_length,
+        judge=AnnotatorPool.default(seed=0), seed=seed, max_new_tokens=pipeline.recipe.data.max_completion_length,
     )  # fmt: skip
     result = {"name": name, "seed": seed, "rm": rm_kind, "overrides": overrides,
               "rm_accuracy": rm_eval.get("eval_accuracy"), "eval": asdict(ev), "curve": curve}  # fmt: skip

@@ -124,7 +124,28 @@ RENAMED_KEYS: dict[str, str] = {
     "online.selection": "online.selection_rule",
     "online.max_new_tokens": "online.max_completion_length",
     "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
+    # the demo recipe's own training names, now the keys of every recipe's train section (one section per stage)
+    "model.sft_epochs": "train.sft.epochs",
+    "model.sft_learning_rate": "train.sft.learning_rate",
+    "training.rm_epochs": "train.reward_model.epochs",
+    "training.rm_learning_rate": "train.reward_model.learning_rate",
+    "training.ppo_steps": "train.ppo.max_steps",
+    "training.ppo_batch_size": "train.ppo.batch_size",
+    "training.ppo_learning_rate": "train.ppo.learning_rate",
+    "training.annotator_flip_prob": "data.annotator_flip_prob",
+    "training.max_completion_length": "data.max_completion_length",
+    "training.seed": "seed",
 }
+
+
+def _renamed_key(path: str, value: Any) -> str | None:
+    """The error for an old key at ``path`` or inside the section ``value`` (:data:`RENAMED_KEYS`), else None."""
+    if path in RENAMED_KEYS:
+        return f"'{path}' was renamed to '{RENAMED_KEYS[path]}'; use the new key"
+    for key, item in value.items() if isinstance(value, dict) else ():
+        if found := _renamed_key(f"{path}.{key}", item):
+            return found
+    return None
 
 
 def _type_name(tp: Any) -> str:
@@ -221,7 +242,8 @@ class TrainSection:
     """Optimisation keys every recipe's ``train`` section shares (each recipe subclasses it with its own defaults
     and extra keys; :func:`rlhf_ext.trl.args.training_kwargs` maps them to ``TrainingArguments``).
 
-    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch; ``max_steps``
+    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (at most
+    ``batch_size``: a larger one is lowered to it); ``max_steps``
     (``None``: train for ``epochs``); ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed
     through unchanged.
     """
@@ -242,6 +264,7 @@ class TrainSection:
 
     def __post_init__(self):
         check_knobs(self)
+        self.micro_batch_size = min(self.micro_batch_size, self.batch_size)  # a micro batch is at most the batch
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
@@ -279,8 +302,8 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields and path in RENAMED_KEYS:
-            raise RecipeError(f"'{path}' was renamed to '{RENAMED_KEYS[path]}'; use the new key")
+        if key not in fields and (renamed := _renamed_key(path, value)):
+            raise RecipeError(renamed)
         if key not in fields:
             close = (
                 difflib.get_close_matches(str(key), list(fields), n=1)

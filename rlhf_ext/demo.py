@@ -32,11 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_ext.algos.knobs import knob, seed_knob
+from rlhf_ext.algos.knobs import knob, knob_like, seed_knob
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs, resolve_granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.config import TrainSection
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
 from rlhf_ext.runtime.rundir import RunDir, claim_output_dir
@@ -52,6 +53,8 @@ class DemoData:
     num_samples: int = knob(600, ge=10, le=MAX_TASK_SAMPLES, help="Preference pairs generated per task (train + test).")
     stage: int = knob(0, ge=0, help="The generated stage the demo trains on.")
     sft_fraction: float = knob(0.4, gt=0, lt=1, help="Share of the stage's train split used for SFT.")
+    annotator_flip_prob: float = knob(0.25, ge=0, le=1, help="AlpacaFarm's label noise of the training labels.")
+    max_completion_length: int = knob(112, ge=1, help="Tokens per response, in PPO and in the evaluation.")
     eval_prompts: int = knob(64, ge=1)
 
 
@@ -64,20 +67,44 @@ class DemoModel:
     tokenizer_vocab: int = knob(1024, ge=64)
     hidden_size: int = knob(96, ge=8)
     num_layers: int = knob(2, ge=1)
-    sft_epochs: int = knob(10, ge=1)
-    sft_learning_rate: float = knob(3e-3, gt=0)
 
 
 @dataclass
-class DemoTraining:
-    annotator_flip_prob: float = knob(0.25, ge=0, le=1)
-    rm_epochs: float = knob(2.0, gt=0)
-    rm_learning_rate: float = knob(1e-3, gt=0)
-    ppo_steps: int = knob(20, ge=1)
-    ppo_batch_size: int = knob(16, ge=2, help="Rollouts per PPO step (2 per prompt).")
-    ppo_learning_rate: float = knob(3e-4, gt=0)
-    max_completion_length: int = knob(112, ge=1)
-    seed: int = seed_knob(0)
+class DemoSFTTrain(TrainSection):
+    """Supervised fine-tuning on the demonstrations."""
+
+    epochs: float = knob_like(TrainSection, "epochs", 10.0)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 3e-3)
+    warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.05)
+    logging_steps: int = knob_like(TrainSection, "logging_steps", 20)
+
+
+@dataclass
+class DemoRMTrain(TrainSection):
+    """The segment reward model's training (``train`` of :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe`)."""
+
+    epochs: float = knob_like(TrainSection, "epochs", 2.0)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
+
+
+@dataclass
+class DemoPPOTrain(TrainSection):
+    """Segment PPO's training (``train`` of :class:`~rlhf_ext.pipelines.segment_ppo.SegmentPPORecipe`):
+    ``batch_size`` rollouts per step, 2 per prompt."""
+
+    max_steps: int | None = knob_like(TrainSection, "max_steps", 20)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 3e-4)
+    logging_steps: int = knob_like(TrainSection, "logging_steps", 1)
+
+
+@dataclass
+class DemoTrain:
+    """The optimisation of each training stage, in the keys of every recipe's ``train`` section
+    (:class:`~rlhf_ext.config.TrainSection`)."""
+
+    sft: DemoSFTTrain = field(default_factory=DemoSFTTrain)
+    reward_model: DemoRMTrain = field(default_factory=DemoRMTrain)
+    ppo: DemoPPOTrain = field(default_factory=DemoPPOTrain)
 
 
 @dataclass
@@ -85,9 +112,10 @@ class DemoRecipe:
     """Settings of ``rlhf-ext demo`` (``recipes/demo.yaml``); defaults run in a few minutes on 2 CPU cores."""
 
     out: str = "runs/demo"
+    seed: int = seed_knob(0)
     data: DemoData = field(default_factory=DemoData)
     model: DemoModel = field(default_factory=DemoModel)
-    training: DemoTraining = field(default_factory=DemoTraining)
+    train: DemoTrain = field(default_factory=DemoTrain)
     #: the papers' knobs, the same dataclasses (names, defaults) as the TRL configs and the recipes
     segment: SegmentRewardKnobs = field(default_factory=SegmentRewardKnobs)
     dense: DenseRewardKnobs = field(default_factory=DenseRewardKnobs)
@@ -198,12 +226,12 @@ class DemoPipeline:
         from rlhf_ext.zoo.models import tiny_causal_lm
         from rlhf_ext.zoo.tokenizer import train_bpe_tokenizer
 
-        m, t = self.recipe.model, self.recipe.training
+        m, seed = self.recipe.model, self.recipe.seed
         sft_rows, pref_rows, _ = self._stage_split()
         if m.base_model is None:
             texts = [r["prompt"] + r[k] for rows in (sft_rows, pref_rows) for r in rows for k in ("chosen", "rejected")]
             tokenizer = train_bpe_tokenizer(texts, m.tokenizer_vocab)
-            model = tiny_causal_lm(tokenizer, seed=t.seed, hidden_size=m.hidden_size,
+            model = tiny_causal_lm(tokenizer, seed=seed, hidden_size=m.hidden_size,
                                    intermediate_size=2 * m.hidden_size, num_hidden_layers=m.num_layers)  # fmt: skip
         else:  # fine_tune loads the checkpoint (float32) and its tokenizer
             from rlhf_ext.pipelines.builtins import resolve_model
@@ -211,8 +239,7 @@ class DemoPipeline:
             model, tokenizer = resolve_model(m.base_model), None
         demos = [{"prompt": r["prompt"], "completion": " " + r[k]} for r in sft_rows for k in ("chosen", "rejected")]
         dest = self.out / "sft"
-        fine_tune(model, demos, dest, tokenizer=tokenizer, epochs=m.sft_epochs, batch_size=16,
-                  learning_rate=m.sft_learning_rate, warmup_steps=0.05, seed=t.seed, logging_steps=20,
+        fine_tune(model, demos, dest, self.recipe.train.sft, seed=seed, tokenizer=tokenizer,
                   report_to=self.recipe.report_to)  # fmt: skip
         return {"path": str(dest), "demonstrations": len(demos)}
 
@@ -220,7 +247,7 @@ class DemoPipeline:
         from rlhf_ext.sim import AnnotatorPool
 
         _, pref_rows, _ = self._stage_split()
-        pool = AnnotatorPool.default(flip_prob=self.recipe.training.annotator_flip_prob, seed=self.recipe.training.seed)
+        pool = AnnotatorPool.default(flip_prob=self.recipe.data.annotator_flip_prob, seed=self.recipe.seed)
         labelled = pool.relabel(pref_rows, train=True)
         dest = self.out / "labels"
         with atomic_directory(dest) as tmp:
@@ -228,9 +255,12 @@ class DemoPipeline:
         agree = sum(int(a == b) for a, b in zip(labelled["chosen"], pref_rows["chosen"])) / len(labelled)
         return {"path": str(dest), "pairs": len(labelled), "agreement_with_generator_label": agree}
 
-    def _report_to_override(self) -> str:
-        """The ``train.trl_args`` override that hands the demo's ``report_to`` to a stage's recipe."""
-        return f"train.trl_args={json.dumps({'report_to': self.recipe.report_to})}"
+    def _train_overrides(self, stage: str) -> list[str]:
+        """``train.*`` overrides that hand the ``train.<stage>`` section to that stage's recipe, its ``trl_args``
+        with the demo's ``report_to``."""
+        section = getattr(self.recipe.train, stage)
+        trl_args = {**section.trl_args, "report_to": self.recipe.report_to}
+        return _overrides("train", {**knob_values(section, TrainSection), "trl_args": trl_args})
 
     def rm_recipe(self, results, out_dir: Path, *extra: str):
         """The segment reward-model recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
@@ -244,16 +274,13 @@ class DemoPipeline:
             labels = load_from_disk(results["labels"]["path"])
             return DatasetDict(train=labels, test=test.select_columns(["prompt", "chosen", "rejected"]))
 
-        t = self.recipe.training
         data_dir = self._derived_dataset("rm_data", pairs)
         return load_recipe(
             SegmentRMRecipe,
             None,
             [f"model.sft_model={results['sft']['path']}", f"data.train={data_dir}", "data.max_length=160",
-             f"train.output_dir={out_dir}", f"train.epochs={t.rm_epochs}", "train.batch_size=16",
-             "train.micro_batch_size=16", f"train.learning_rate={t.rm_learning_rate}", f"train.seed={t.seed}",
-             "train.logging_steps=10", *_overrides("segment", self.recipe.segment, SegmentRewardKnobs),
-             self._report_to_override(), *extra],
+             f"train.output_dir={out_dir}", f"train.seed={self.recipe.seed}", *self._train_overrides("reward_model"),
+             *_overrides("segment", knob_values(self.recipe.segment, SegmentRewardKnobs)), *extra],
         )  # fmt: skip
 
     def ppo_recipe(self, results, out_dir: Path, reward_model: str, normalizer: str | None, *extra: str):
@@ -266,7 +293,6 @@ class DemoPipeline:
         def prompts() -> DatasetDict:  # the prompts of the preference split
             return DatasetDict(train=self._stage_split()[1].select_columns(["prompt"]))
 
-        t = self.recipe.training
         prompts_dir = self._derived_dataset("ppo_prompts", prompts)
         return load_recipe(
             SegmentPPORecipe,
@@ -274,12 +300,11 @@ class DemoPipeline:
             [f"model.sft_model={results['sft']['path']}", f"model.reward_model={reward_model}",
              f"model.normalizer={normalizer if normalizer else 'null'}", f"data.prompts={prompts_dir}",
              f"data.calibration={results['labels']['path'] if normalizer is None else 'null'}",
-             "data.calibration_split=train", f"data.max_completion_length={t.max_completion_length}",
-             *_overrides("segment", self.recipe.dense, DenseRewardKnobs), *_overrides("ppo", self.recipe.ppo, PPOKnobs),
-             f"train.output_dir={out_dir}",
-             f"train.max_steps={t.ppo_steps}", f"train.batch_size={t.ppo_batch_size}",
-             f"train.micro_batch_size={t.ppo_batch_size}", f"train.learning_rate={t.ppo_learning_rate}",
-             "train.critic_learning_rate=1e-4", f"train.seed={t.seed}", self._report_to_override(), *extra],
+             "data.calibration_split=train", f"data.max_completion_length={self.recipe.data.max_completion_length}",
+             *_overrides("segment", knob_values(self.recipe.dense, DenseRewardKnobs)),
+             *_overrides("ppo", knob_values(self.recipe.ppo, PPOKnobs)),
+             f"train.output_dir={out_dir}", "train.critic_learning_rate=1e-4", f"train.seed={self.recipe.seed}",
+             *self._train_overrides("ppo"), *extra],
         )  # fmt: skip
 
     def stage_rm(self, results) -> dict[str, Any]:
@@ -324,15 +349,15 @@ class DemoPipeline:
 
         _, _, test = self._stage_split()
         test = test.select(range(min(self.recipe.data.eval_prompts, len(test))))
-        pool = AnnotatorPool.default(seed=self.recipe.training.seed)
+        pool = AnnotatorPool.default(seed=self.recipe.seed)
         result = win_rate(
             results["ppo"]["path"],
             results["sft"]["path"],
             list(test["prompt"]),
             styles=list(test["style"]),
             judge=pool,
-            seed=self.recipe.training.seed,
-            max_new_tokens=self.recipe.training.max_completion_length,
+            seed=self.recipe.seed,
+            max_new_tokens=self.recipe.data.max_completion_length,
             kl_estimator="exact",  # KL(PPO || SFT) per response, never negative (a log-ratio mean can be)
         )
         return {"ppo_vs_sft": asdict(result), "rm": results["rm"]["eval"]}
@@ -343,11 +368,11 @@ class DemoPipeline:
         from rlhf_ext.pipelines.reports import collect_provenance, parameter_count, sample_segment_views, write_report
 
         started = time.perf_counter()
-        t = self.recipe.training
+        seed = self.recipe.seed
         _, _, test = self._stage_split()
         policies = {"SFT": results["sft"]["path"], "PPO": results["ppo"]["path"]}
         samples = sample_segment_views(
-            results["rm"]["path"], policies, list(test["prompt"][:4]), t.max_completion_length, seed=t.seed
+            results["rm"]["path"], policies, list(test["prompt"][:4]), self.recipe.data.max_completion_length, seed=seed
         )
         parameters = {
             "policy": parameter_count(results["ppo"]["path"]),
@@ -355,7 +380,7 @@ class DemoPipeline:
         }
         stage_seconds = {stage: results[stage].get("seconds") for stage in STAGES if stage in results}
         stage_seconds["report"] = round(time.perf_counter() - started, 1)  # until the page is written
-        provenance = collect_provenance(asdict(self.recipe), t.seed, parameters, stage_seconds, self.out / "data")
+        provenance = collect_provenance(asdict(self.recipe), seed, parameters, stage_seconds, self.out / "data")
         return write_report(self.out, results, samples, provenance)
 
 
@@ -368,8 +393,6 @@ def _config_file_fingerprint(config: str) -> dict[str, str]:
     return {"data_config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16]}
 
 
-def _overrides(section: str, knobs: Any, knob_class: type) -> list[str]:
-    """``section.name=value`` overrides for the fields of ``knob_class`` (strings bare, other values as JSON, which
-    YAML reads back)."""
-    items = knob_values(knobs, knob_class).items()
-    return [f"{section}.{name}={v if isinstance(v, str) else json.dumps(v)}" for name, v in items]
+def _overrides(section: str, values: dict[str, Any]) -> list[str]:
+    """``section.name=value`` overrides (strings bare, other values as JSON, which YAML reads back)."""
+    return [f"{section}.{name}={v if isinstance(v, str) else json.dumps(v)}" for name, v in values.items()]

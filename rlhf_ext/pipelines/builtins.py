@@ -25,12 +25,14 @@ def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0
     The SFT model learns the language of the task (both kinds of response), which is what segmentation needs: low
     entropy inside a phrase, high entropy where the next phrase is chosen.
     """
+    from rlhf_ext.config import TrainSection
     from rlhf_ext.trl.sft import fine_tune
 
     rows = toy_preference_rows(zoo.TOY_CORPUS_ROWS, seed=12345)
     demos = [{"prompt": r["prompt"], "completion": r[k]} for r in rows for k in ("chosen", "rejected")]
-    fine_tune(base, demos, dest, max_steps=steps, batch_size=32, learning_rate=3e-3, warmup_steps=10, seed=seed,
-              logging_steps=50, disable_tqdm=True)  # fmt: skip
+    train = TrainSection(max_steps=steps, batch_size=32, micro_batch_size=32, learning_rate=3e-3,
+                         warmup_ratio=10 / steps, logging_steps=50)  # 10 warmup steps  # fmt: skip
+    fine_tune(base, demos, dest, train, seed=seed, disable_tqdm=True)
 
 
 def _build_tiny_segment_rm(dest: Path, sft: str) -> None:

@@ -221,9 +221,10 @@ def train_online(policy: Any, reward: Any, **kwargs: Any) -> dict[str, Any]:
     return trainer.summary
 
 
-def cpu_config(**kwargs: Any):
-    """:class:`~rlhf_ext.trl.IterativeDPOConfig` of ``kwargs`` for a CPU run (:data:`rlhf_ext.trl.args.CPU_RUN`)."""
-    from rlhf_ext.trl.args import CPU_RUN
+def cpu_config(train: TrainSection | None = None, **kwargs: Any):
+    """:class:`~rlhf_ext.trl.IterativeDPOConfig` of ``kwargs`` for a CPU run (:data:`rlhf_ext.trl.args.CPU_RUN`),
+    with the optimisation settings of the ``train`` section of a recipe when given."""
+    from rlhf_ext.trl.args import CPU_RUN, optimisation_kwargs
     from rlhf_ext.trl.online_dpo import IterativeDPOConfig
 
-    return IterativeDPOConfig(**kwargs, **CPU_RUN)
+    return IterativeDPOConfig(**kwargs, **(optimisation_kwargs(train) if train else {}), **CPU_RUN)

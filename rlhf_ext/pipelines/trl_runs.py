@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_ext.runtime.io import atomic_directory
+
+if TYPE_CHECKING:
+    from rlhf_ext.config import TrainSection
 
 
 def fine_tune(*args: Any, **kwargs: Any) -> str:
@@ -18,20 +21,23 @@ def fine_tune(*args: Any, **kwargs: Any) -> str:
     return fine_tune(*args, **kwargs)
 
 
-def train_dpo(model: str, rows: list[dict[str, Any]], out: Path, **config: Any) -> None:
+def train_dpo(
+    model: str, rows: list[dict[str, Any]], out: Path, train: TrainSection, *, seed: int, **config: Any
+) -> None:
     """TRL's ``DPOTrainer`` on CPU from ``model`` (its float32 copy the reference) on the preference ``rows``, the
-    model and tokenizer saved into ``out`` atomically; ``config``: :class:`trl.DPOConfig` fields."""
+    model and tokenizer saved into ``out`` atomically; ``train``: a recipe's optimisation settings, ``config``: the
+    other :class:`trl.DPOConfig` fields (``beta``, ``max_length``)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from rlhf_ext.trl.args import CPU_RUN
+    from rlhf_ext.trl.args import CPU_RUN, optimisation_kwargs
     from rlhf_ext.trl.console import use_console_output
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     with atomic_directory(out) as tmp:
-        args = DPOConfig(output_dir=str(tmp / "trainer"), **config, **CPU_RUN, logging_steps=10)
+        args = DPOConfig(output_dir=str(tmp / "trainer"), seed=seed, **optimisation_kwargs(train), **config, **CPU_RUN)
         trainer = DPOTrainer(
             model=model,
             ref_model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),

@@ -23,8 +23,9 @@ from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.runtime.io import atomic_directory, stable_hash
 
 if TYPE_CHECKING:
+    from rlhf_ext.config import TrainSection
     from rlhf_ext.sim.compare import SimRun
-    from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection, TrainSettings
+    from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
 
 @dataclass
@@ -52,24 +53,22 @@ def fine_tune(
     run: SimRun,
     init: str,
     rows: list[dict[str, str]],
-    settings: TrainSettings,
+    train: TrainSection,
     out: Path,
     seed: int,
     *,
     kl_coef: float = 0.0,
     ref: str | None = None,
 ) -> str:
-    """:func:`rlhf_ext.trl.sft.fine_tune` of ``init`` on ``rows`` with a recipe's ``TrainSettings`` into ``out``
+    """:func:`rlhf_ext.trl.sft.fine_tune` of ``init`` on ``rows`` with a recipe's ``train`` section into ``out``
     (reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref`` (default ``init``)."""
     if (out / "config.json").exists():
         return str(out)
     from rlhf_ext.pipelines.trl_runs import fine_tune as sft_fine_tune
 
     return sft_fine_tune(
-        init, rows, out,
-        learning_rate=settings.learning_rate, batch_size=settings.batch_size, seed=seed, epochs=settings.epochs,
-        max_steps=settings.max_steps, lr_scheduler=settings.lr_scheduler, warmup_steps=settings.warmup_ratio,
-        max_length=run.recipe.task.max_length, kl_coef=kl_coef, ref_model=ref or init, disable_tqdm=True,
+        init, rows, out, train, seed=seed, max_length=run.recipe.task.max_length, kl_coef=kl_coef,
+        ref_model=ref or init, disable_tqdm=True,
     )  # fmt: skip
 
 
@@ -178,13 +177,8 @@ def dpo(run: SimRun, seed: int, *, cfg: DPOSection | None = None, name: str = "d
             if cfg.max_pairs > len(rows):
                 raise ValueError(f"dpo.max_pairs={cfg.max_pairs} but the simulated feedback has only {len(rows)} pairs")
             rows = rows[: cfg.max_pairs]
-        t = cfg.train
-        train_dpo(
-            run.sft_model(), rows, out,
-            beta=cfg.beta, max_steps=t.max_steps if t.max_steps is not None else -1, num_train_epochs=t.epochs,
-            per_device_train_batch_size=t.batch_size, learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler,
-            warmup_steps=t.warmup_ratio, max_length=run.recipe.task.max_length, seed=seed,
-        )  # fmt: skip
+        max_length = run.recipe.task.max_length
+        train_dpo(run.sft_model(), rows, out, cfg.train, seed=seed, beta=cfg.beta, max_length=max_length)
     return PolicySpec(str(out), labels=cfg.max_pairs or _num_labels(run, seed))
 
 
@@ -338,12 +332,12 @@ def sim_online_dpo(
         generation_threads=r.threads,
         training_threads=r.threads,
         seed=seed,
-        logging_steps=10,
     )
     if mode != "iterative":
         c = cfg or r.online_dpo_async
         args = cpu_config(
             **common,
+            logging_steps=10,
             online_mode="online",
             async_generation=mode == "async",
             max_steps=c.updates,
@@ -360,11 +354,7 @@ def sim_online_dpo(
             **common,
             **knob_values(c, OnlineDPOKnobs),
             beta=c.beta,
-            num_train_epochs=c.train.epochs,
-            per_device_train_batch_size=c.train.batch_size,
-            learning_rate=c.train.learning_rate,
-            lr_scheduler_type=c.train.lr_scheduler,
-            warmup_steps=c.train.warmup_ratio,
+            train=c.train,
         )
     splits = run.splits()
     summary = train_online(

@@ -16,6 +16,7 @@ from rlhf_ext.algos.knobs import MAX_SEED, check_knobs, knob, knob_like, seed_kn
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
+from rlhf_ext.config import TrainSection
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.sim.annotators import (
     DEFAULT_ANNOTATORS,
@@ -47,18 +48,11 @@ METHODS: tuple[str, ...] = (
 
 
 @dataclass
-class TrainSettings:
-    """Optimisation of one supervised / DPO run: ``max_steps`` (null = ``epochs`` passes), batch in sequences."""
+class MethodTrainSection(TrainSection):
+    """The ``train`` section of a simulated method's supervised or DPO run: every recipe's optimisation keys
+    (:class:`~rlhf_ext.config.TrainSection`), at the tiny simulator models' ``learning_rate``."""
 
-    max_steps: int | None = knob(None, ge=0, help="0 = no training.")
-    epochs: float = knob(1.0, gt=0)
-    batch_size: int = knob(16, ge=1)
-    learning_rate: float = knob(1e-3, gt=0)
-    lr_scheduler: str = "cosine"
-    warmup_ratio: float = knob(0.03, ge=0, lt=1)
-
-    def __post_init__(self):
-        check_knobs(self)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
 
 
 @dataclass
@@ -108,15 +102,17 @@ class ModelSection:
 
 
 @dataclass
-class SFTSection(TrainSettings):
-    """Supervised fine-tuning on the SFT split (trained once, shared by all seeds, with ``seed``). ``responses``:
-    ``both`` (chosen and rejected: a policy of mixed quality, room for LPF methods) or ``chosen``."""
+class SFTSection(TrainSection):
+    """Supervised fine-tuning on the SFT split (trained once, shared by all seeds, with ``seed``): the optimisation
+    keys of every recipe's ``train`` section (:class:`~rlhf_ext.config.TrainSection`) and ``responses``: ``both``
+    (chosen and rejected: a policy of mixed quality, room for LPF methods) or ``chosen``."""
 
     responses: Literal["both", "chosen"] = "both"
     seed: int = seed_knob(0)
-    max_steps: int | None = knob_like(TrainSettings, "max_steps", 200)
-    batch_size: int = knob_like(TrainSettings, "batch_size", 32)
-    learning_rate: float = knob_like(TrainSettings, "learning_rate", 3e-3)
+    max_steps: int | None = knob(200, ge=0, help="0: no training (the base model is saved as the SFT model).")
+    batch_size: int = knob_like(TrainSection, "batch_size", 32)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 32)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 3e-3)
 
 
 @dataclass
@@ -251,12 +247,12 @@ class ExpertIterationSection:
 
     n: int = knob(8, ge=1)
     max_prompts: int = knob(128, ge=1)
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
 
 
 @dataclass
 class FeedMESection:
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
 
 
 @dataclass
@@ -265,7 +261,7 @@ class RewardConditioningSection:
 
     good_token: str = "<|good|> "
     bad_token: str = "<|bad|> "
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=1e-3))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
 
 
 @dataclass
@@ -279,7 +275,9 @@ class QuarkSection:
     samples_per_prompt: int = knob(4, ge=1)
     top_fraction: float = knob(0.25, gt=0, le=1)
     kl_coef: float = knob(0.05, ge=0)
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=1, learning_rate=5e-4, warmup_ratio=0))
+    train: MethodTrainSection = field(
+        default_factory=lambda: MethodTrainSection(epochs=1, learning_rate=5e-4, warmup_ratio=0)
+    )
 
 
 @dataclass
@@ -288,7 +286,7 @@ class DPOSection:
 
     beta: float = knob(0.1, gt=0)
     max_pairs: int | None = knob(None, ge=1, help="Use only the first N simulated pairs (None: all).")
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, learning_rate=5e-4))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2, learning_rate=5e-4))
 
 
 @dataclass
@@ -319,7 +317,9 @@ class OnlineDPOSection(OnlineDPOKnobs):
     ``beta`` and the inner DPO runs' ``train`` settings."""
 
     beta: float = knob(0.1, gt=0)
-    train: TrainSettings = field(default_factory=lambda: TrainSettings(epochs=2, batch_size=8, learning_rate=5e-4))
+    train: MethodTrainSection = field(
+        default_factory=lambda: MethodTrainSection(epochs=2, batch_size=8, micro_batch_size=8, learning_rate=5e-4)
+    )
 
 
 @dataclass

@@ -13,10 +13,13 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from rlhf_ext.config import TrainSection
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -58,23 +61,20 @@ CPU_RUN: dict[str, Any] = dict(
 )
 
 
-def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None = None) -> dict[str, Any]:
-    """``TrainingArguments`` keywords from a recipe ``train`` section.
+def optimisation_kwargs(train: TrainSection) -> dict[str, Any]:
+    """The optimisation keywords of ``TrainingArguments`` from a recipe's ``train`` section (the recipes' one
+    vocabulary, :class:`~rlhf_ext.config.TrainSection`).
 
     Reads ``batch_size`` (global, per optimizer step) and ``micro_batch_size`` (per device, lowered to fit the world
     size: :func:`~rlhf_ext.config.per_device_micro_batch`) and derives the gradient accumulation from the world size;
-    ``epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler``, ``warmup_ratio``, ``max_grad_norm``, ``seed``,
-    ``logging_steps``, ``bf16`` and ``gradient_checkpointing`` map one to one, and the optional ``weight_decay``,
-    ``adam_betas`` and ``save_steps`` when the section has them. CPU runs get ``use_cpu``.
+    ``epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler``, ``warmup_ratio``, ``weight_decay``,
+    ``max_grad_norm`` and ``logging_steps`` map one to one, and ``adam_betas`` when the section has them.
     """
     from rlhf_ext.config import per_device_micro_batch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = per_device_micro_batch(train.batch_size, train.micro_batch_size, world)
-    seed = train.seed if seed is None else seed
-    save_steps = getattr(train, "save_steps", None)
     kwargs: dict[str, Any] = dict(
-        output_dir=output_dir or train.output_dir,
         num_train_epochs=train.epochs,
         max_steps=train.max_steps if train.max_steps is not None else -1,
         per_device_train_batch_size=micro,
@@ -83,10 +83,26 @@ def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None 
         learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler,
         warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
+        weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
+        logging_steps=train.logging_steps,
+    )
+    if hasattr(train, "adam_betas"):
+        kwargs["adam_beta1"], kwargs["adam_beta2"] = train.adam_betas
+    return kwargs
+
+
+def training_kwargs(train: TrainSection, output_dir: str | None = None, seed: int | None = None) -> dict[str, Any]:
+    """``TrainingArguments`` keywords from a recipe ``train`` section: :func:`optimisation_kwargs`, then ``seed``
+    (default ``train.seed``), ``bf16``, ``gradient_checkpointing`` and the optional ``save_steps``; CPU runs get
+    ``use_cpu``."""
+    seed = train.seed if seed is None else seed
+    save_steps = getattr(train, "save_steps", None)
+    return dict(
+        optimisation_kwargs(train),
+        output_dir=output_dir or train.output_dir,
         seed=seed,
         data_seed=seed,
-        logging_steps=train.logging_steps,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         bf16=train.bf16,
@@ -94,11 +110,6 @@ def training_kwargs(train: Any, output_dir: str | None = None, seed: int | None 
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
     )
-    if hasattr(train, "weight_decay"):
-        kwargs["weight_decay"] = train.weight_decay
-    if hasattr(train, "adam_betas"):
-        kwargs["adam_beta1"], kwargs["adam_beta2"] = train.adam_betas
-    return kwargs
 
 
 #: The module each ``report_to`` integration of transformers needs (checked before a trainer is built, so a missing

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from rlhf_ext.config import TrainSection
+
 
 def fine_tune(
-    model: Any, rows: list[dict[str, str]], out: str | Path, *, learning_rate: float, batch_size: int, seed: int,
-    epochs: float = 1.0, max_steps: int | None = None, lr_scheduler: str = "cosine", warmup_steps: float = 0.0,
-    max_length: int = 1024, logging_steps: int = 10, tokenizer: Any = None, kl_coef: float = 0.0, ref_model: Any = None,
+    model: Any, rows: list[dict[str, str]], out: str | Path, train: TrainSection, *, seed: int,
+    max_length: int = 1024, tokenizer: Any = None, kl_coef: float = 0.0, ref_model: Any = None,
     disable_tqdm: bool = False, report_to: str | list[str] = "none",
 ) -> str:  # fmt: skip
     """Fine-tune ``model`` (a checkpoint path or a loaded model) on ``rows`` and write model + tokenizer to ``out``.
@@ -23,8 +24,9 @@ def fine_tune(
         model: path of the initial checkpoint, or a ``PreTrainedModel`` (then ``tokenizer`` is required).
         rows: ``[{"prompt": ..., "completion": ...}]``; must not be empty.
         out: destination directory, written atomically (a crash leaves no half-written checkpoint).
-        max_steps: ``None`` trains for ``epochs``; ``0`` saves the initial model unchanged.
-        warmup_steps: transformers 5 semantics: an integer is a number of steps, a float < 1 a ratio.
+        train: the optimisation settings, the recipes' one vocabulary (:class:`~rlhf_ext.config.TrainSection`,
+            mapped to TRL's fields by :func:`~rlhf_ext.trl.args.training_kwargs`); ``trl_args`` pass through;
+            ``max_steps`` 0 (the simulator's SFT section allows it) saves the initial model unchanged.
         kl_coef, ref_model: Quark's KL penalty to ``ref_model`` (a path or a model) per completion token.
         report_to: TRL's logging integrations; TensorBoard events are saved with the model, in ``out/runs``.
 
@@ -36,7 +38,7 @@ def fine_tune(
     from trl import SFTTrainer
 
     from rlhf_ext.runtime.io import atomic_directory
-    from rlhf_ext.trl.args import CPU_RUN, check_report_to, keep_tensorboard_logs
+    from rlhf_ext.trl.args import CPU_RUN, check_report_to, keep_tensorboard_logs, training_kwargs
     from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.kl_sft import KLRegularizedSFTTrainer, KLSFTConfig
 
@@ -50,14 +52,10 @@ def fine_tune(
         raise ValueError("fine_tune: pass tokenizer= with a loaded model")
     check_report_to(report_to)
     with atomic_directory(out) as tmp:
-        if max_steps != 0:
-            args = KLSFTConfig(
-                output_dir=str(tmp / "trainer"), kl_coef=kl_coef, num_train_epochs=epochs,
-                max_steps=max_steps if max_steps is not None else -1, per_device_train_batch_size=batch_size,
-                learning_rate=learning_rate, lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps,
-                max_length=max_length, completion_only_loss=True, seed=seed, logging_steps=logging_steps,
-                **{**CPU_RUN, "disable_tqdm": disable_tqdm, "report_to": report_to},
-            )  # fmt: skip
+        if train.max_steps != 0:
+            fields = {**training_kwargs(train, str(tmp / "trainer"), seed), **CPU_RUN, **train.trl_args}
+            fields.update(disable_tqdm=disable_tqdm, report_to=report_to)
+            args = KLSFTConfig(**fields, kl_coef=kl_coef, max_length=max_length, completion_only_loss=True)
             common = dict(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
             if kl_coef > 0:
                 if ref_model is None:

@@ -177,3 +177,64 @@ def test_no_literal_choice_tuples_or_knob_defaults_outside_algos():
                 if name in knobs and isinstance(value, ast.Constant) and value.value is not None:
                     found.append(f"{where}:{value.lineno} {name}={value.value!r}")
     assert not found, "literal knob values outside rlhf_ext/algos:\n" + "\n".join(found)
+
+
+def _sections(cls: type) -> set[type]:
+    """``cls`` and every dataclass section below it (nested recipe sections, list items)."""
+    from typing import get_args, get_type_hints
+
+    found, todo = set(), [cls]
+    while todo:
+        current = todo.pop()
+        if current in found:
+            continue
+        found.add(current)
+        for hint in get_type_hints(current).values():
+            todo += [t for t in (hint, *get_args(hint)) if dataclasses.is_dataclass(t) and isinstance(t, type)]
+    return found
+
+
+def test_one_training_vocabulary_in_every_recipe():
+    """Every recipe section that sets optimisation (learning rate, epochs or steps, batch sizes, schedule) is a
+    :class:`~rlhf_ext.config.TrainSection`, so one set of names reaches TRL through one mapping
+    (``rlhf_ext.trl.args.training_kwargs``). Before: the simulator's ``TrainSettings`` (no ``micro_batch_size``,
+    ``weight_decay``, ``max_grad_norm``) and the demo's ``training`` section (``rm_epochs``, ``ppo_steps``,
+    ``ppo_batch_size`` ...) were second vocabularies. The simulator's ``reward_model`` and ``ppo`` sections, whose flat
+    keys (``ppo.learning_rate``) the tuning grid and the recorded tuned settings name, are the one known exception."""
+    import re
+
+    from rlhf_ext.config import TrainSection
+    from rlhf_ext.demo import DemoRecipe
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+    from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+    from rlhf_ext.sim.recipe import PPOSection, RewardModelSection, SimCompareRecipe
+
+    vocabulary = {
+        "epochs",
+        "max_steps",
+        "batch_size",
+        "micro_batch_size",
+        "learning_rate",
+        "lr_scheduler",
+        "warmup_ratio",
+    }
+    known = {PPOSection, RewardModelSection}
+    recipes = (DemoRecipe, ContinualRecipe, OnlineDPORecipe, SegmentPPORecipe, SegmentRMRecipe, SimCompareRecipe)
+    sections = set().union(*map(_sections, recipes))
+    second = sorted(
+        s.__qualname__
+        for s in sections - known
+        if len(vocabulary & {f.name for f in dataclasses.fields(s)}) >= 3 and not issubclass(s, TrainSection)
+    )
+    assert not second, f"sections with their own training vocabulary: {second}"
+    stage_prefixed = sorted(
+        f"{s.__qualname__}.{f.name}"
+        for s in sections
+        for f in dataclasses.fields(s)
+        if re.fullmatch(r"(sft|rm|ppo|dpo)_(epochs|steps|learning_rate|batch_size)", f.name)
+    )
+    assert not stage_prefixed, f"stage-prefixed training names (use the stage's train section): {stage_prefixed}"
+    trained = {s.__qualname__ for s in sections if issubclass(s, TrainSection)}  # the walk reaches them
+    assert {"SFTSection", "MethodTrainSection", "DemoPPOTrain", "PPOTrainSection", "RMTrainSection"} <= trained

@@ -55,9 +55,9 @@ def test_report_to_routes_to_train_trl_args_in_every_recipe(tmp_path):
 
 
 def test_the_demo_hands_report_to_to_every_training_stage(tmp_path, monkeypatch):
-    """The demo's ``report_to`` key: the reward-model and PPO recipes get it in ``train.trl_args`` (the override the
-    pipeline adds to both), the SFT stage as ``fine_tune(report_to=...)``; it is not a result setting, so changing it
-    keeps the finished stages. (The slow end-to-end test below reads the events of all three stages.)"""
+    """The demo's ``report_to`` key: the reward-model and PPO recipes get it in ``train.trl_args`` (with the
+    overrides of their ``train`` sections), the SFT stage as ``fine_tune(report_to=...)``; it is not a result setting,
+    so changing it keeps the finished stages. (The slow end-to-end test below reads the events of all three stages.)"""
     import rlhf_ext.trl.sft as sft
     from rlhf_ext.demo import DemoPipeline, DemoRecipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
@@ -66,8 +66,9 @@ def test_the_demo_hands_report_to_to_every_training_stage(tmp_path, monkeypatch)
     out = tmp_path / "demo"
     recipe = load_recipe(DemoRecipe, recipe_path("demo"), [f"out={out}", "--report_to", "tensorboard"])
     pipeline = DemoPipeline(recipe)
-    for cls in (SegmentRMRecipe, SegmentPPORecipe):
-        assert load_recipe(cls, None, [pipeline._report_to_override()]).train.trl_args == {"report_to": "tensorboard"}
+    for cls, stage in ((SegmentRMRecipe, "reward_model"), (SegmentPPORecipe, "ppo")):
+        recipe = load_recipe(cls, None, pipeline._train_overrides(stage))
+        assert recipe.train.trl_args == {"report_to": "tensorboard"}
     seen = {}
     monkeypatch.setattr(sft, "fine_tune", lambda *args, **kwargs: seen.update(kwargs) or str(out / "sft"))
     monkeypatch.setattr(DemoPipeline, "_stage_split", lambda self: ([], [], []))

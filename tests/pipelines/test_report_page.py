@@ -203,7 +203,7 @@ def test_metrics_json_records_the_provenance(tmp_path):
     assert provenance["parameters"] == {"policy": 1_234_567, "reward model": 1_180_000}
     assert provenance["stage_seconds"]["report"] == 3.5
     assert provenance["total_seconds"] == 54.0  # 2.9 + 26.1 + 0.4 + 6.2 + 1.0 + 9.3 + 4.6 + 3.5
-    assert provenance["recipe"]["training"]["seed"] == 0 and provenance["seed"] == 0
+    assert provenance["recipe"]["seed"] == 0 and provenance["seed"] == 0
     assert provenance["host_cpus"] >= 1 and provenance["date"][:2] == "20"
 
 

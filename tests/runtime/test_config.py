@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -148,6 +149,30 @@ def test_a_renamed_key_names_its_new_name(monkeypatch):
         from_dict(SegmentRMRecipe, {"segment": {"cutoff": 1.0}})
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.ppo_steps=40", "'training.ppo_steps' was renamed to 'train.ppo.max_steps'"),
+        ("training.seed=3", "'training.seed' was renamed to 'seed'"),
+        ("model.sft_epochs=2", "'model.sft_epochs' was renamed to 'train.sft.epochs'"),
+    ],
+)
+def test_the_demos_old_training_keys_name_their_train_section_keys(tmp_path, override, message):
+    """The demo's ``training`` section (``rm_epochs``, ``ppo_steps`` ...) became one ``TrainSection`` per stage under
+    ``train``; an old key, in a file or as an override, is one error naming the new key, even where its whole section
+    is gone (``training``)."""
+    from rlhf_ext.demo import DemoRecipe
+
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(DemoRecipe, None, [override])
+    key, value = override.split("=")
+    section, leaf = key.split(".")
+    path = tmp_path / "demo.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {value}\n")
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(DemoRecipe, path)
+
+
 @dataclasses.dataclass
 class _Sized:
     max_length: int = 1
@@ -184,3 +209,14 @@ def test_a_flat_override_replaces_the_recipe_files_nested_value():
         SegmentRMRecipe, recipe_path("segment_rm_tiny"), ["segment.entropy_cutoff=1.5", "segment.tau=0.25"]
     )
     assert flat == dotted and (flat.segment.entropy_cutoff, flat.segment.tau) == (1.5, 0.25)
+
+
+def test_a_micro_batch_larger_than_the_batch_is_lowered_to_it():
+    """``train: {batch_size: 8}`` against the default micro batch of 16 trains 8 per step without accumulation (before:
+    an error, 'batch_size (8) must be a multiple of micro_batch_size (16)'); a micro batch that does not divide the
+    batch is still one."""
+    from rlhf_ext.config import TrainSection
+
+    assert (TrainSection(batch_size=8).micro_batch_size, TrainSection(batch_size=32).micro_batch_size) == (8, 16)
+    with pytest.raises(ValueError, match=r"batch_size \(24\) must be a multiple of micro_batch_size \(16\)"):
+        TrainSection(batch_size=24)

@@ -90,13 +90,14 @@ def test_format_number(value, signed, text):
 def test_fine_tune_logs_one_line_per_logging_step_and_prints_no_dicts(tmp_path, toy_tok, toy_data, caplog, capsys):
     """Before: transformers' ProgressCallback wrote every logs dict ({'loss': ..., 'grad_norm': ...}) to stdout and
     nothing reached the rlhf_ext logger."""
+    from rlhf_ext.config import TrainSection
     from rlhf_ext.trl.sft import fine_tune
     from rlhf_ext.zoo.models import tiny_causal_lm
 
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in toy_data["train"].select(range(32))]
     with caplog.at_level(logging.INFO, logger="rlhf_ext"):
-        fine_tune(tiny_causal_lm(toy_tok), rows, tmp_path / "sft", tokenizer=toy_tok, learning_rate=1e-3,
-                  batch_size=8, seed=0, max_steps=4, logging_steps=2)  # fmt: skip
+        train = TrainSection(max_steps=4, batch_size=8, micro_batch_size=8, learning_rate=1e-3, logging_steps=2)
+        fine_tune(tiny_causal_lm(toy_tok), rows, tmp_path / "sft", train, seed=0, tokenizer=toy_tok)
     lines = [r.getMessage() for r in caplog.records if r.name == "rlhf_ext.trl.console"]
     number = r"[-+]?\d[\d.e+-]*"
     assert len(lines) == 3, lines
