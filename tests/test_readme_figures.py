@@ -79,6 +79,27 @@ def test_readme_states_the_default_comparisons_wall_clock_as_recorded():
     assert f"**{minutes} min {seconds} s**" in text and f"({round(wall)} s, the results' `wall_seconds`" in text
 
 
+def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
+    """``sim_compare_rerun.json``: the same command again (a later commit, another day, the recipe's resolved form
+    with the new keys of its training sections). Every figure but the wall and per-method times equals
+    ``sim_compare.json``'s, and the README prints its time as recorded."""
+    first, rerun = (json.loads((RESULTS / name).read_text()) for name in ("sim_compare.json", "sim_compare_rerun.json"))
+
+    def figures(results: dict) -> dict:
+        drop = lambda row: {k: v for k, v in row.items() if "seconds" not in k}  # noqa: E731
+        methods = [{**drop(m), "per_seed": [drop(s) for s in m["per_seed"]]} for m in results["methods"]]
+        kept = {k: v for k, v in results.items() if k not in ("wall_seconds", "machine", "recipe")}
+        return {**kept, "methods": methods}
+
+    assert figures(rerun) == figures(first)
+    minutes, seconds = divmod(round(rerun["wall_seconds"]), 60)
+    text = " ".join(readme_section("Simulator").split())
+    assert (
+        f"**{minutes} min {seconds} s** ({round(rerun['wall_seconds'])} s, `benchmarks/results/sim_compare_rerun.json`)"
+        in text
+    )
+
+
 def test_readme_sft_against_itself_matches_the_30_draws():
     bias = json.loads((RESULTS / "sim_sft_bias.json").read_text())
     mean, stderr = bias["mean_win_rate"], bias["stderr_of_mean"]
