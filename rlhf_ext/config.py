@@ -295,7 +295,18 @@ def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: i
     return micro
 
 
-def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+def _section_default(value: Any) -> Any:
+    """``value`` when it is a section instance that a partial section overlays (a recipe's own defaults for that
+    section, e.g. ``MethodTrainSection(epochs=2)``), else None: not a section, or one of alternatives that a
+    recipe replaces whole (its class sets ``replaced_whole``)."""
+    overlaid = dataclasses.is_dataclass(value) and not getattr(value, "replaced_whole", False)
+    return value if overlaid else None
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "", base: Any = None) -> T:
+    """``cls`` from the mapping ``data``: keys checked (renamed, unknown, types, knob ranges); a key ``data`` omits
+    takes ``base``'s value when given (the section's default instance), else the field's default. A nested section
+    written in part starts from its own default instance, so an override changes only the keys it names."""
     hints = get_type_hints(cls)
     specs = knob_specs(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -312,12 +323,24 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
             valid = ", ".join(sorted(fields))
             raise RecipeError(f"unknown key '{path}'{hint}; valid keys here: {valid}")
-        kwargs[key] = _coerce(value, hints[key], path)
+        field = fields[key]
+        if base is not None:
+            default = _section_default(getattr(base, key))
+        elif field.default_factory is not dataclasses.MISSING and isinstance(value, dict):
+            default = _section_default(field.default_factory())
+        else:
+            default = None
+        if isinstance(value, dict) and default is not None:
+            kwargs[key] = _build(type(default), value, path, default)
+        else:
+            kwargs[key] = _coerce(value, hints[key], path)
         if key in specs:  # the knob's declared range (rlhf_ext.algos.knobs), named by its dotted key
             try:
                 kwargs[key] = check_value(specs[key], kwargs[key], path)
             except ValueError as e:
                 raise RecipeError(str(e)) from None
+    if base is not None:
+        kwargs = {name: getattr(base, name) for name in fields} | kwargs
     missing = [
         name
         for name, f in fields.items()

@@ -10,7 +10,7 @@ step, written once) and per-batch mode (paper 001) as one streaming DPO run. Ope
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from rlhf_ext.algos.knobs import check_knobs, knob, knob_like, seed_knob
 from rlhf_ext.algos.names import knob_values
@@ -33,8 +33,10 @@ class RewardSection:
     """Exactly one of ``model`` (a reward-model checkpoint: sequence classification or an rlhf-ext segment RM,
     ``kind: auto`` tells them apart) or ``function`` (``builtin:keyphrase-gold`` or ``package.module:callable``
     taking ``(prompts, responses)`` and returning one score per response — the simulator's annotators plug in
-    here). ``gold``: an optional second scorer reported at evaluation only."""
+    here). ``gold``: an optional second scorer reported at evaluation only. A recipe's ``reward`` replaces the
+    default section whole (naming ``model`` drops the default ``function``)."""
 
+    replaced_whole: ClassVar[bool] = True
     model: str | None = None
     kind: Literal["auto", "segment", "sequence_classification"] = "auto"
     function: str | None = None

@@ -220,3 +220,32 @@ def test_a_micro_batch_larger_than_the_batch_is_lowered_to_it():
     assert (TrainSection(batch_size=8).micro_batch_size, TrainSection(batch_size=32).micro_batch_size) == (8, 16)
     with pytest.raises(ValueError, match=r"batch_size \(24\) must be a multiple of micro_batch_size \(16\)"):
         TrainSection(batch_size=24)
+
+
+def test_a_partial_section_keeps_its_recipes_defaults_for_the_keys_it_omits(tmp_path):
+    """A section written in part starts from the recipe's own default for that section, not from the class's field
+    defaults: the simulator's DPO trains 2 epochs at 5e-4 by default, so ``dpo: {train: {learning_rate: 1e-4}}``
+    changes the learning rate alone (before: epochs fell back to TrainSection's 1.0 and warmup to its 0.03 — the
+    override silently changed two other settings). Nested sections too, and a key given is still checked."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.sim.recipe import SimCompareRecipe
+
+    default = load_recipe(SimCompareRecipe)
+    path = tmp_path / "r.yaml"
+    path.write_text("dpo: {train: {learning_rate: 1.0e-4}}\nonline_dpo: {train: {batch_size: 16}}\n")
+    recipe = load_recipe(SimCompareRecipe, path)
+    assert default.dpo.train.epochs == 2 and default.online_dpo.train.micro_batch_size == 8
+    assert recipe.dpo.train == dataclasses.replace(default.dpo.train, learning_rate=1e-4)
+    assert recipe.online_dpo.train == dataclasses.replace(default.online_dpo.train, batch_size=16)
+    overridden = load_recipe(SimCompareRecipe, None, ["quark.train.epochs=3"])
+    assert overridden.quark.train == dataclasses.replace(default.quark.train, epochs=3)
+    # one of alternatives is replaced whole: naming the reward model drops the default reward function
+    from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
+
+    path.write_text("reward: {model: some/rm}\n")
+    reward = load_recipe(OnlineDPORecipe, path).reward
+    assert (reward.model, reward.function) == ("some/rm", None)
+    assert load_recipe(OnlineDPORecipe).reward.function == "builtin:keyphrase-gold"
+    path.write_text("dpo: {train: {learning_rate: -1}}\n")
+    with pytest.raises(RecipeError, match=r"dpo\.train\.learning_rate"):
+        load_recipe(SimCompareRecipe, path)
