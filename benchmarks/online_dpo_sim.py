@@ -6,9 +6,9 @@ scorer, and reports, for each seed:
 
 1. **Iterative online DPO vs offline DPO on the same budget.** Online DPO runs ``ITERATIONS`` iterations of
    ``online_dpo.prompts_per_iteration`` prompts (best vs worst of ``num_samples`` under the surrogate RM, trained on
-   the accumulated pairs for ``online_dpo.train.epochs`` epochs from the previous iterate). After iteration k it has
-   used ``k * P`` preference pairs and ``epochs * P * k(k+1)/2`` pair-gradient passes. Offline DPO at budget k is
-   TRL's ``DPOTrainer`` from the SFT model on the first ``k * P`` simulated (pool-labelled) pairs for
+   the accumulated pairs for ``online_dpo.train.num_train_epochs`` epochs from the previous iterate). After
+   iteration k it has used ``k * P`` preference pairs and ``epochs * P * k(k+1)/2`` pair-gradient passes. Offline DPO
+   at budget k is TRL's ``DPOTrainer`` from the SFT model on the first ``k * P`` simulated (pool-labelled) pairs for
    ``epochs * (k+1)/2`` epochs: the same number of labels and pair passes. Both are scored after every k.
 2. **Async vs sync.** ``online_dpo_async`` (one-step off-policy) vs ``online_dpo_sync`` (the same loop on-policy):
    final gold reward, win rate and the spread over seeds.
@@ -70,13 +70,15 @@ def run_seed(run, seed: int, length_penalties: list[float]) -> dict[str, Any]:
 
     r = run.recipe
     per_iter = r.online_dpo.prompts_per_iteration
-    epochs = r.online_dpo.train.epochs
+    epochs = r.online_dpo.train.num_train_epochs
     result: dict[str, Any] = {"seed": seed, "online": [], "offline": []}
 
     online = sim_online_dpo(run, seed, "iterative")
     for k in range(1, ITERATIONS + 1):
         result["online"].append(evaluate_cached(run, seed, f"online_dpo_iter{k}", online.info["policies"][k]))
-        budget = replace(r.dpo, max_pairs=k * per_iter, train=replace(r.dpo.train, epochs=epochs * (k + 1) / 2))
+        budget = replace(
+            r.dpo, max_pairs=k * per_iter, train=replace(r.dpo.train, num_train_epochs=epochs * (k + 1) / 2)
+        )
         offline = dpo(run, seed, cfg=budget, name=f"dpo_pairs{k * per_iter}")
         result["offline"].append(evaluate_cached(run, seed, f"dpo_pairs{k * per_iter}", offline.path))
 

@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/sim_rm_ablation.py --from runs/sim_compare --seeds 1,2,3 \\
         --variant "segment softmax: segment reward_model.aggregation=softmax" \\
-        --variant "segment 3 epochs: segment reward_model.epochs=3"
+        --variant "segment 3 epochs: segment reward_model.train.num_train_epochs=3"
 
 Each ``--variant`` is ``"NAME: KIND OVERRIDE..."`` (KIND: bandit, segment or token). Writes
 ``OUT/sim_rm_ablation.json`` / ``.md`` (per row: accuracy mean ± s.e. over seeds, and each seed's) and

@@ -125,9 +125,9 @@ RENAMED_KEYS: dict[str, str] = {
     "online.max_new_tokens": "online.max_completion_length",
     "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
     # the demo recipe's own training names, now the keys of every recipe's train section (one section per stage)
-    "model.sft_epochs": "train.sft.epochs",
+    "model.sft_epochs": "train.sft.num_train_epochs",
     "model.sft_learning_rate": "train.sft.learning_rate",
-    "training.rm_epochs": "train.reward_model.epochs",
+    "training.rm_epochs": "train.reward_model.num_train_epochs",
     "training.rm_learning_rate": "train.reward_model.learning_rate",
     "training.ppo_steps": "train.ppo.max_steps",
     "training.ppo_batch_size": "train.ppo.batch_size",
@@ -135,7 +135,14 @@ RENAMED_KEYS: dict[str, str] = {
     "training.annotator_flip_prob": "data.annotator_flip_prob",
     "training.max_completion_length": "data.max_completion_length",
     "training.seed": "seed",
+    # the simulator's reward-model training keys, now its train section
+    "reward_model.epochs": "reward_model.train.num_train_epochs",
+    "reward_model.batch_size": "reward_model.train.batch_size",
+    "reward_model.learning_rate": "reward_model.train.learning_rate",
 }
+
+#: keys of every ``train`` section (:class:`TrainSection`) renamed to TRL's field names, wherever the section is
+TRAIN_KEY_RENAMES: dict[str, str] = {"epochs": "num_train_epochs", "lr_scheduler": "lr_scheduler_type"}
 
 
 def _renamed_key(path: str, value: Any) -> str | None:
@@ -243,17 +250,17 @@ class TrainSection:
     and extra keys; :func:`rlhf_ext.trl.args.training_kwargs` maps them to ``TrainingArguments``).
 
     ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (at most
-    ``batch_size``: a larger one is lowered to it); ``max_steps``
-    (``None``: train for ``epochs``); ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed
-    through unchanged.
+    ``batch_size``: a larger one is lowered to it); ``max_steps`` (``None``: train for ``num_train_epochs``);
+    ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed through unchanged. The keys are
+    ``TrainingArguments``' names but for the global batch pair and ``warmup_ratio``.
     """
 
-    epochs: float = knob(1.0, gt=0)
+    num_train_epochs: float = knob(1.0, gt=0)
     max_steps: int | None = knob(None, ge=1)
     batch_size: int = knob(16, ge=1)
     micro_batch_size: int = knob(16, ge=1)
     learning_rate: float = knob(1e-5, gt=0)
-    lr_scheduler: str = "cosine"
+    lr_scheduler_type: str = "cosine"
     warmup_ratio: float = knob(0.03, ge=0, lt=1)
     weight_decay: float = knob(0.0, ge=0)
     max_grad_norm: float = knob(1.0, ge=0, help="0: no gradient clipping.")
@@ -297,7 +304,7 @@ def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: i
 
 def _section_default(value: Any) -> Any:
     """``value`` when it is a section instance that a partial section overlays (a recipe's own defaults for that
-    section, e.g. ``MethodTrainSection(epochs=2)``), else None: not a section, or one of alternatives that a
+    section, e.g. ``MethodTrainSection(num_train_epochs=2)``), else None: not a section, or one of alternatives that a
     recipe replaces whole (its class sets ``replaced_whole``)."""
     overlaid = dataclasses.is_dataclass(value) and not getattr(value, "replaced_whole", False)
     return value if overlaid else None
@@ -315,6 +322,9 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "", base: Any = Non
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields and (renamed := _renamed_key(path, value)):
             raise RecipeError(renamed)
+        if key not in fields and issubclass(cls, TrainSection) and key in TRAIN_KEY_RENAMES:
+            new = f"{prefix}.{TRAIN_KEY_RENAMES[key]}" if prefix else TRAIN_KEY_RENAMES[key]
+            raise RecipeError(f"'{path}' was renamed to '{new}' (TRL's name); use the new key")
         if key not in fields:
             close = (
                 difflib.get_close_matches(str(key), list(fields), n=1)
@@ -392,6 +402,8 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     moved: dict[str, dict[str, Any]] = {}
     engine_fields: set[str] | None = None
     for key, value in data.items():
+        if key in TRAIN_KEY_RENAMES and key not in top and key not in leaves:
+            raise RecipeError(f"'{key}' was renamed to '{TRAIN_KEY_RENAMES[key]}' (TRL's name); use the new key")
         sections = leaves.get(key, []) if key not in top else []
         if len(sections) > 1:
             choices = ", ".join(f"{s}.{key}" for s in sections)

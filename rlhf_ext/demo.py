@@ -73,7 +73,7 @@ class DemoModel:
 class DemoSFTTrain(TrainSection):
     """Supervised fine-tuning on the demonstrations."""
 
-    epochs: float = knob_like(TrainSection, "epochs", 10.0)
+    num_train_epochs: float = knob_like(TrainSection, "num_train_epochs", 10.0)
     learning_rate: float = knob_like(TrainSection, "learning_rate", 3e-3)
     warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.05)
     logging_steps: int = knob_like(TrainSection, "logging_steps", 20)
@@ -83,7 +83,7 @@ class DemoSFTTrain(TrainSection):
 class DemoRMTrain(TrainSection):
     """The segment reward model's training (``train`` of :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe`)."""
 
-    epochs: float = knob_like(TrainSection, "epochs", 2.0)
+    num_train_epochs: float = knob_like(TrainSection, "num_train_epochs", 2.0)
     learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
 
 

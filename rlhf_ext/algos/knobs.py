@@ -6,9 +6,9 @@ A numeric knob is a dataclass field made by :func:`knob`, which records its rang
 
 :func:`check_value` checks a value against it, and every entry point calls it: a knob dataclass's ``__post_init__``
 (:func:`check_knobs`: Python users and the TRL configs that embed the knobs), the recipe loader
-(:func:`rlhf_ext.config.load_recipe`, naming the dotted key ``train.epochs``), OpenRLHF's ``--ext.*`` flags and the
-command line's options (:func:`parse_value`: text). A bad value is one :class:`KnobError` line naming the knob, its
-range and the value: ``train.epochs must be a number > 0; got 0``.
+(:func:`rlhf_ext.config.load_recipe`, naming the dotted key ``train.num_train_epochs``), OpenRLHF's ``--ext.*`` flags
+and the command line's options (:func:`parse_value`: text). A bad value is one :class:`KnobError` line naming the
+knob, its range and the value: ``train.num_train_epochs must be a number > 0; got 0``.
 
 Rules: numbers are finite unless the range says ``inf=True`` (an entropy cutoff of inf is the bandit model); an
 ``int`` knob takes integers only; booleans and strings are not numbers; ``None`` only where the annotation allows

@@ -105,20 +105,20 @@ class PPOSection(PPOKnobs):
 @dataclass
 class StageTrainSection(TrainSection):
     """Optimisation settings of one per-task training stage (:class:`~rlhf_ext.config.TrainSection`).
-    ``batch_size`` is the global batch (pairs); every task is trained for ``epochs`` (or ``max_steps``). Defaults
-    are paper 000's DPO settings (Table 5: learning rate 5e-6, 4 epochs, batch 8)."""
+    ``batch_size`` is the global batch (pairs); every task is trained for ``num_train_epochs`` (or ``max_steps``).
+    Defaults are paper 000's DPO settings (Table 5: learning rate 5e-6, 4 epochs, batch 8)."""
 
-    epochs: float = knob_like(TrainSection, "epochs", 4.0)
+    num_train_epochs: float = knob_like(TrainSection, "num_train_epochs", 4.0)
     batch_size: int = knob_like(TrainSection, "batch_size", 8)
     micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 8)
     learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-6)
-    lr_scheduler: str = "linear"
+    lr_scheduler_type: str = "linear"
     warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
 
 
 def _rm_defaults() -> StageTrainSection:
     """Paper 000, Table 3: learning rate 1e-5, 3 epochs, batch 8, weight decay 0.01, warmup ratio 0.1."""
-    return StageTrainSection(epochs=3.0, learning_rate=1e-5, weight_decay=0.01, warmup_ratio=0.1)
+    return StageTrainSection(num_train_epochs=3.0, learning_rate=1e-5, weight_decay=0.01, warmup_ratio=0.1)
 
 
 @dataclass

@@ -84,7 +84,7 @@ class DPOTrainSection(TrainSection):
     ``DPOConfig`` fields passed through unchanged (e.g. ``{label_smoothing: 0.1}``)."""
 
     output_dir: str = "runs/online_dpo"
-    epochs: float = knob_like(TrainSection, "epochs", 2.0)
+    num_train_epochs: float = knob_like(TrainSection, "num_train_epochs", 2.0)
     batch_size: int = knob_like(TrainSection, "batch_size", 128)
     micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 8)
     learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-7)

@@ -351,7 +351,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         "--train.batch_size", str(t.batch_size),
         "--train.micro_batch_size", str(micro),
         "--train.max_epochs", "1",
-        "--train.num_episodes", str(max(1, math.ceil(t.epochs))),
+        "--train.num_episodes", str(max(1, math.ceil(t.num_train_epochs))),
         "--train.seed", str(t.seed),
         "--actor.adam.lr", repr(t.learning_rate),
         "--critic.adam.lr", repr(t.critic_learning_rate),

@@ -322,14 +322,14 @@ def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
         "--ckpt.output_dir", t.output_dir,
         "--ckpt.path", os.path.join(t.output_dir, "checkpoints"),
         "--ckpt.save_steps", str(t.save_steps or -1),
-        "--train.max_epochs", str(max(1, math.ceil(t.epochs))),
+        "--train.max_epochs", str(max(1, math.ceil(t.num_train_epochs))),
         "--train.batch_size", str(t.batch_size),
         "--train.micro_batch_size", str(micro),
         "--train.seed", str(t.seed),
         "--adam.lr", repr(t.learning_rate),
         "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),
         "--adam.weight_decay", repr(t.weight_decay),
-        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler == "cosine" else t.lr_scheduler,
+        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler_type == "cosine" else t.lr_scheduler_type,
         "--lr_warmup_ratio", repr(t.warmup_ratio),
         "--max_norm", repr(t.max_grad_norm),
         "--logger.logging_steps", str(t.logging_steps),
@@ -364,8 +364,8 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
     from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, build_once
     from rlhf_ext.runtime.segment_data import prepare_segment_dataset
 
-    if recipe.train.epochs != math.ceil(recipe.train.epochs):
-        raise ValueError("the OpenRLHF engine trains whole epochs: set train.epochs to an integer")
+    if recipe.train.num_train_epochs != math.ceil(recipe.train.num_train_epochs):
+        raise ValueError("the OpenRLHF engine trains whole epochs: set train.num_train_epochs to an integer")
     recipe.model.sft_model = resolve_model(recipe.model.sft_model)
     from transformers import AutoTokenizer
 

@@ -38,7 +38,7 @@ import torch
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import RecipeError, from_dict, to_dict
+from rlhf_ext.config import RecipeError, TrainSection, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
@@ -330,14 +330,11 @@ class SimRun:
                     ),
                     segment=SegmentSection(**knobs),
                     train=RMTrainSection(
+                        **knob_values(cfg.train, TrainSection)
+                        | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
                         output_dir=str(tmp),
-                        epochs=cfg.epochs,
-                        batch_size=cfg.batch_size,
-                        micro_batch_size=cfg.batch_size,
-                        learning_rate=cfg.learning_rate,
                         seed=seed,
                         resume=False,
-                        trl_args={"disable_tqdm": True},
                     ),
                 )
                 summary = run_segment_rm(recipe)

@@ -203,11 +203,12 @@ class RewardModelSection(SegmentRewardKnobs):
     """Surrogate reward models (paper 002 Eq. 2), trained from the SFT model with :class:`SegmentRewardTrainer`:
     the bandit model at ``entropy_cutoff: inf`` (best-of-n, expert iteration, Quark, bandit PPO, online DPO) and the
     segment model with paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
-    ``entropy_cutoff`` 2.0, ``aggregation``, ``tau``) for segment PPO."""
+    ``entropy_cutoff`` 2.0, ``aggregation``, ``tau``) for segment PPO; every kind with the same ``train``
+    settings."""
 
-    epochs: float = knob(2.0, gt=0)
-    batch_size: int = knob(16, ge=1)
-    learning_rate: float = knob(1e-3, gt=0)
+    train: MethodTrainSection = field(
+        default_factory=lambda: MethodTrainSection(num_train_epochs=2, batch_size=16, micro_batch_size=16)
+    )
 
 
 @dataclass
@@ -247,12 +248,12 @@ class ExpertIterationSection:
 
     n: int = knob(8, ge=1)
     max_prompts: int = knob(128, ge=1)
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
 
 
 @dataclass
 class FeedMESection:
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
 
 
 @dataclass
@@ -261,7 +262,7 @@ class RewardConditioningSection:
 
     good_token: str = "<|good|> "
     bad_token: str = "<|bad|> "
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2))
+    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
 
 
 @dataclass
@@ -276,7 +277,7 @@ class QuarkSection:
     top_fraction: float = knob(0.25, gt=0, le=1)
     kl_coef: float = knob(0.05, ge=0)
     train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(epochs=1, learning_rate=5e-4, warmup_ratio=0)
+        default_factory=lambda: MethodTrainSection(num_train_epochs=1, learning_rate=5e-4, warmup_ratio=0)
     )
 
 
@@ -286,7 +287,9 @@ class DPOSection:
 
     beta: float = knob(0.1, gt=0)
     max_pairs: int | None = knob(None, ge=1, help="Use only the first N simulated pairs (None: all).")
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(epochs=2, learning_rate=5e-4))
+    train: MethodTrainSection = field(
+        default_factory=lambda: MethodTrainSection(num_train_epochs=2, learning_rate=5e-4)
+    )
 
 
 @dataclass
@@ -318,7 +321,9 @@ class OnlineDPOSection(OnlineDPOKnobs):
 
     beta: float = knob(0.1, gt=0)
     train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(epochs=2, batch_size=8, micro_batch_size=8, learning_rate=5e-4)
+        default_factory=lambda: MethodTrainSection(
+            num_train_epochs=2, batch_size=8, micro_batch_size=8, learning_rate=5e-4
+        )
     )
 
 

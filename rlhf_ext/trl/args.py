@@ -67,7 +67,7 @@ def optimisation_kwargs(train: TrainSection) -> dict[str, Any]:
 
     Reads ``batch_size`` (global, per optimizer step) and ``micro_batch_size`` (per device, lowered to fit the world
     size: :func:`~rlhf_ext.config.per_device_micro_batch`) and derives the gradient accumulation from the world size;
-    ``epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler``, ``warmup_ratio``, ``weight_decay``,
+    ``num_train_epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler_type``, ``warmup_ratio``, ``weight_decay``,
     ``max_grad_norm`` and ``logging_steps`` map one to one, and ``adam_betas`` when the section has them.
     """
     from rlhf_ext.config import per_device_micro_batch
@@ -75,13 +75,13 @@ def optimisation_kwargs(train: TrainSection) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = per_device_micro_batch(train.batch_size, train.micro_batch_size, world)
     kwargs: dict[str, Any] = dict(
-        num_train_epochs=train.epochs,
+        num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps if train.max_steps is not None else -1,
         per_device_train_batch_size=micro,
         per_device_eval_batch_size=micro,
         gradient_accumulation_steps=train.batch_size // (micro * world),
         learning_rate=train.learning_rate,
-        lr_scheduler_type=train.lr_scheduler,
+        lr_scheduler_type=train.lr_scheduler_type,
         warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,

@@ -199,8 +199,9 @@ def test_one_training_vocabulary_in_every_recipe():
     :class:`~rlhf_ext.config.TrainSection`, so one set of names reaches TRL through one mapping
     (``rlhf_ext.trl.args.training_kwargs``). Before: the simulator's ``TrainSettings`` (no ``micro_batch_size``,
     ``weight_decay``, ``max_grad_norm``) and the demo's ``training`` section (``rm_epochs``, ``ppo_steps``,
-    ``ppo_batch_size`` ...) were second vocabularies. The simulator's ``reward_model`` and ``ppo`` sections, whose flat
-    keys (``ppo.learning_rate``) the tuning grid and the recorded tuned settings name, are the one known exception."""
+    ``ppo_batch_size`` ...) were second vocabularies, and so was the simulator's ``reward_model`` (``epochs``,
+    ``batch_size``, ``learning_rate``; now its ``train``). The simulator's ``ppo`` section, whose flat keys
+    (``ppo.learning_rate``) the tuning grid and the recorded tuned settings name, is the one known exception."""
     import re
 
     from rlhf_ext.config import TrainSection
@@ -209,18 +210,20 @@ def test_one_training_vocabulary_in_every_recipe():
     from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
     from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
-    from rlhf_ext.sim.recipe import PPOSection, RewardModelSection, SimCompareRecipe
+    from rlhf_ext.sim.recipe import PPOSection, SimCompareRecipe
 
     vocabulary = {
         "epochs",
+        "num_train_epochs",
         "max_steps",
         "batch_size",
         "micro_batch_size",
         "learning_rate",
         "lr_scheduler",
+        "lr_scheduler_type",
         "warmup_ratio",
     }
-    known = {PPOSection, RewardModelSection}
+    known = {PPOSection}
     recipes = (DemoRecipe, ContinualRecipe, OnlineDPORecipe, SegmentPPORecipe, SegmentRMRecipe, SimCompareRecipe)
     sections = set().union(*map(_sections, recipes))
     second = sorted(
@@ -238,3 +241,29 @@ def test_one_training_vocabulary_in_every_recipe():
     assert not stage_prefixed, f"stage-prefixed training names (use the stage's train section): {stage_prefixed}"
     trained = {s.__qualname__ for s in sections if issubclass(s, TrainSection)}  # the walk reaches them
     assert {"SFTSection", "MethodTrainSection", "DemoPPOTrain", "PPOTrainSection", "RMTrainSection"} <= trained
+
+
+def test_the_train_sections_keys_are_trls_field_names():
+    """The keys every ``train`` section shares are ``TrainingArguments``' own field names (``num_train_epochs``,
+    ``lr_scheduler_type`` ...; before: ``epochs`` and ``lr_scheduler``), so a TRL user's key works as written. The
+    exceptions are the engine-neutral global batch (``batch_size``, and ``micro_batch_size`` per device: TRL has only
+    the per-device batch, OpenRLHF's argv names them ``train_batch_size`` / ``micro_train_batch_size``),
+    ``warmup_ratio`` (transformers 5 folded it into ``warmup_steps``; OpenRLHF's ``lr_warmup_ratio``) and the
+    pass-through ``trl_args``; each maps to TRL's fields in ``optimisation_kwargs``."""
+    from transformers import TrainingArguments
+
+    from rlhf_ext.config import TrainSection
+    from rlhf_ext.trl.args import optimisation_kwargs
+
+    trl_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    keys = {f.name for f in dataclasses.fields(TrainSection)}
+    assert sorted(keys - trl_fields) == ["batch_size", "micro_batch_size", "trl_args", "warmup_ratio"]
+    section = TrainSection(
+        num_train_epochs=3, max_steps=7, learning_rate=2e-4, lr_scheduler_type="linear", weight_decay=0.1,
+        max_grad_norm=0.5, logging_steps=3, warmup_ratio=0.1,
+    )  # fmt: skip
+    mapped = optimisation_kwargs(section)
+    same = sorted(k for k in mapped if k in keys)  # every shared key passes through under its own name, unchanged
+    assert same == ["learning_rate", "logging_steps", "lr_scheduler_type", "max_grad_norm", "max_steps",
+                    "num_train_epochs", "weight_decay"]  # fmt: skip
+    assert all(mapped[k] == getattr(section, k) for k in same)

@@ -25,7 +25,7 @@ def test_piped_segment_rm_run_prints_one_compact_line_per_logging_step(tmp_path,
     proc = subprocess.run(
         [sys.executable, "-m", "rlhf_ext.cli", "train", "segment-rm", "--config", "segment_rm_tiny",
          f"train.output_dir={out}", f"data.max_train_samples={TRAIN_PAIRS}", "data.max_eval_samples=16",
-         f"train.batch_size={BATCH}", f"train.micro_batch_size={BATCH}", "train.epochs=1",
+         f"train.batch_size={BATCH}", f"train.micro_batch_size={BATCH}", "train.num_train_epochs=1",
          f"train.logging_steps={LOGGING_STEPS}"],
         capture_output=True, env=env, timeout=1200,
     )  # fmt: skip

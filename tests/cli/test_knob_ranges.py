@@ -324,7 +324,7 @@ def test_a_cli_option_and_its_recipe_key_share_one_declaration():
     [
         ("segment_rm_tiny", "data.max_prompt_length=-5",
          "data.max_prompt_length must be an integer >= 1, or null; got -5"),
-        ("segment_rm_tiny", "train.epochs=0", "train.epochs must be a number > 0; got 0.0"),
+        ("segment_rm_tiny", "train.num_train_epochs=0", "train.num_train_epochs must be a number > 0; got 0.0"),
         ("segment_rm_tiny", "train.seed=-1", "train.seed must be an integer in [0, 4294967295]; got -1"),
         ("segment_rm_tiny", "train.logging_steps=0", "train.logging_steps must be an integer >= 1; got 0"),
         ("segment_rm_tiny", "data.max_prompt_length=128",

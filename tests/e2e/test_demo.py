@@ -11,8 +11,9 @@ from click.testing import CliRunner
 from rlhf_ext.cli import main
 
 SMALL = [
-    "data.num_samples=120", "data.eval_prompts=8", "model.hidden_size=32", "train.sft.epochs=2",
-    "train.reward_model.epochs=1", "train.ppo.max_steps=2", "train.ppo.batch_size=8", "train.ppo.micro_batch_size=8",
+    "data.num_samples=120", "data.eval_prompts=8", "model.hidden_size=32", "train.sft.num_train_epochs=2",
+    "train.reward_model.num_train_epochs=1",
+    "train.ppo.max_steps=2", "train.ppo.batch_size=8", "train.ppo.micro_batch_size=8",
     "data.max_completion_length=48",
 ]  # fmt: skip
 

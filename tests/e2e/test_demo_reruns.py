@@ -55,8 +55,9 @@ def test_a_changed_data_config_file_is_refused_by_name(tmp_path):
 
 
 SMALL = [
-    "data.num_samples=60", "data.eval_prompts=4", "model.hidden_size=32", "train.sft.epochs=1",
-    "train.reward_model.epochs=1", "train.ppo.max_steps=1", "train.ppo.batch_size=8", "train.ppo.micro_batch_size=8",
+    "data.num_samples=60", "data.eval_prompts=4", "model.hidden_size=32", "train.sft.num_train_epochs=1",
+    "train.reward_model.num_train_epochs=1",
+    "train.ppo.max_steps=1", "train.ppo.batch_size=8", "train.ppo.micro_batch_size=8",
     "data.max_completion_length=32",
 ]  # fmt: skip
 

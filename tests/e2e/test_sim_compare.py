@@ -18,7 +18,7 @@ def recipe_file(tmp_path, tiny_sft_path):
         "task": {"source": "toy", "num_samples": 160, "max_eval_prompts": 16, "max_length": 128},
         "model": {"base": tiny_sft_path},  # already fine-tuned on the toy task: SFT only copies it
         "sft": {"max_steps": 0},
-        "reward_model": {"epochs": 1, "batch_size": 16},
+        "reward_model": {"train": {"num_train_epochs": 1, "batch_size": 16}},
         "generation": {"max_new_tokens": 64},
         "eval": {"samples_per_prompt": 2},
         "best_of_n": {"n": 4},

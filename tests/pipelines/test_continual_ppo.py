@@ -15,7 +15,7 @@ from rlhf_ext.recipes import recipe_path
 
 SMALL = [
     "data.num_tasks=2", "data.max_train_samples=32", "data.max_test_samples=8", "ppo.steps_per_task=2",
-    "ppo.batch_size=8", "ppo.max_completion_length=32", "ppo.eval_prompts=8", "reward_model.train.epochs=1",
+    "ppo.batch_size=8", "ppo.max_completion_length=32", "ppo.eval_prompts=8", "reward_model.train.num_train_epochs=1",
     "plots=false",
 ]  # fmt: skip
 

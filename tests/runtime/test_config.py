@@ -56,8 +56,8 @@ def test_ints_are_accepted_for_floats_and_inf_parses():
 def test_overrides_apply_nested_and_typed(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("segment:\n  tau: 0.5\n")
-    recipe = load_recipe(SegmentRMRecipe, path, ["segment.tau=0.3", "train.epochs=2", "data.eval=null"])
-    assert recipe.segment.tau == 0.3 and recipe.train.epochs == 2.0 and recipe.data.eval is None
+    recipe = load_recipe(SegmentRMRecipe, path, ["segment.tau=0.3", "train.num_train_epochs=2", "data.eval=null"])
+    assert recipe.segment.tau == 0.3 and recipe.train.num_train_epochs == 2.0 and recipe.data.eval is None
     assert parse_override("model.sft_model=builtin:tiny") == (["model", "sft_model"], "builtin:tiny")
     with pytest.raises(RecipeError, match="must look like key.sub=value"):
         apply_overrides({}, ["segment.tau"])
@@ -115,7 +115,7 @@ def test_every_train_section_validates_the_shared_optimisation_keys(recipe_cls, 
         "micro_batch_size=3": r"batch_size \(16\) must be a multiple of micro_batch_size \(3\)",
         "learning_rate=0": "learning_rate must be a number > 0; got 0.0",
         "max_steps=0": "max_steps must be an integer >= 1, or null; got 0",
-        "epochs=0": "epochs must be a number > 0; got 0.0",
+        "num_train_epochs=0": "num_train_epochs must be a number > 0; got 0.0",
         "logging_steps=0": "logging_steps must be an integer >= 1; got 0",
     }
     for override, message in bad.items():
@@ -128,9 +128,11 @@ def test_trl_style_flat_yaml_and_flag_overrides_equal_the_nested_recipe(tmp_path
     flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
     flat.write_text("entropy_cutoff: 1.5\ntau: 0.25\nsft_model: builtin:tiny\nengine: trl\n")
     nested.write_text("segment:\n  entropy_cutoff: 1.5\n  tau: 0.25\nmodel:\n  sft_model: builtin:tiny\nengine: trl\n")
-    overrides = ["--aggregation", "mean", "--train.epochs=2", "--train.resume"]
+    overrides = ["--aggregation", "mean", "--train.num_train_epochs=2", "--train.resume"]
     a = load_recipe(SegmentRMRecipe, flat, overrides)
-    b = load_recipe(SegmentRMRecipe, nested, ["segment.aggregation=mean", "train.epochs=2", "train.resume=true"])
+    b = load_recipe(
+        SegmentRMRecipe, nested, ["segment.aggregation=mean", "train.num_train_epochs=2", "train.resume=true"]
+    )
     assert a == b and a.segment.aggregation == "mean" and a.train.resume is True and a.segment.tau == 0.25
 
 
@@ -154,7 +156,7 @@ def test_a_renamed_key_names_its_new_name(monkeypatch):
     [
         ("training.ppo_steps=40", "'training.ppo_steps' was renamed to 'train.ppo.max_steps'"),
         ("training.seed=3", "'training.seed' was renamed to 'seed'"),
-        ("model.sft_epochs=2", "'model.sft_epochs' was renamed to 'train.sft.epochs'"),
+        ("model.sft_epochs=2", "'model.sft_epochs' was renamed to 'train.sft.num_train_epochs'"),
     ],
 )
 def test_the_demos_old_training_keys_name_their_train_section_keys(tmp_path, override, message):
@@ -234,11 +236,11 @@ def test_a_partial_section_keeps_its_recipes_defaults_for_the_keys_it_omits(tmp_
     path = tmp_path / "r.yaml"
     path.write_text("dpo: {train: {learning_rate: 1.0e-4}}\nonline_dpo: {train: {batch_size: 16}}\n")
     recipe = load_recipe(SimCompareRecipe, path)
-    assert default.dpo.train.epochs == 2 and default.online_dpo.train.micro_batch_size == 8
+    assert default.dpo.train.num_train_epochs == 2 and default.online_dpo.train.micro_batch_size == 8
     assert recipe.dpo.train == dataclasses.replace(default.dpo.train, learning_rate=1e-4)
     assert recipe.online_dpo.train == dataclasses.replace(default.online_dpo.train, batch_size=16)
-    overridden = load_recipe(SimCompareRecipe, None, ["quark.train.epochs=3"])
-    assert overridden.quark.train == dataclasses.replace(default.quark.train, epochs=3)
+    overridden = load_recipe(SimCompareRecipe, None, ["quark.train.num_train_epochs=3"])
+    assert overridden.quark.train == dataclasses.replace(default.quark.train, num_train_epochs=3)
     # one of alternatives is replaced whole: naming the reward model drops the default reward function
     from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
 
@@ -249,3 +251,45 @@ def test_a_partial_section_keeps_its_recipes_defaults_for_the_keys_it_omits(tmp_
     path.write_text("dpo: {train: {learning_rate: -1}}\n")
     with pytest.raises(RecipeError, match=r"dpo\.train\.learning_rate"):
         load_recipe(SimCompareRecipe, path)
+
+
+@pytest.mark.parametrize(
+    "recipe, yaml_text, message",
+    [
+        ("segment_rm", "train: {epochs: 2}", "'train.epochs' was renamed to 'train.num_train_epochs' (TRL's name)"),
+        (
+            "segment_rm",
+            "train: {lr_scheduler: linear}",
+            "'train.lr_scheduler' was renamed to 'train.lr_scheduler_type'",
+        ),
+        ("segment_rm", "epochs: 2", "'epochs' was renamed to 'num_train_epochs' (TRL's name)"),
+        ("sim", "dpo: {train: {epochs: 1}}", "'dpo.train.epochs' was renamed to 'dpo.train.num_train_epochs'"),
+        (
+            "sim",
+            "reward_model: {epochs: 3}",
+            "'reward_model.epochs' was renamed to 'reward_model.train.num_train_epochs'",
+        ),
+        ("demo", "train: {sft: {epochs: 3}}", "'train.sft.epochs' was renamed to 'train.sft.num_train_epochs'"),
+    ],
+)
+def test_the_train_sections_old_names_name_trls(tmp_path, recipe, yaml_text, message):
+    """``epochs`` and ``lr_scheduler`` became TRL's ``num_train_epochs`` and ``lr_scheduler_type`` in every ``train``
+    section, and the simulator's reward-model keys moved into its ``train``: an old key, in a file (nested or flat) or
+    as a dotted override, is one error naming the new key."""
+    from rlhf_ext.demo import DemoRecipe
+    from rlhf_ext.sim.recipe import SimCompareRecipe
+
+    cls = {"segment_rm": SegmentRMRecipe, "sim": SimCompareRecipe, "demo": DemoRecipe}[recipe]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(cls, path)
+    if "{" in yaml_text:  # the same key as a dotted override
+        import yaml
+
+        def dotted(d, prefix=""):
+            return [x for k, v in d.items() for x in (dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else
+                                                       [f"{prefix}{k}={v}"])]  # fmt: skip
+
+        with pytest.raises(RecipeError, match=re.escape(message)):
+            load_recipe(cls, None, dotted(yaml.safe_load(yaml_text)))

@@ -187,10 +187,11 @@ def test_reading_a_data_file_logs_its_size(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_training_for_1e12_epochs_prints_progress_lines_in_a_pipe(tmp_path, tiny_sft_path):
-    """Issue 23 item 15: ``train.epochs=1e12`` must not run silently. Its step lines (``rm step N/TOTAL``) reach a pipe
-    while it trains; the test stops it after the second one."""
+    """Issue 23 item 15: ``train.num_train_epochs=1e12`` must not run silently. Its step lines (``rm step N/TOTAL``)
+    reach a pipe while it trains; the test stops it after the second one."""
     cmd = [sys.executable, "-m", "rlhf_ext.launch.train_segment_rm", "--config", "segment_rm_tiny",
-           f"model.sft_model={tiny_sft_path}", "train.epochs=1e12", f"train.output_dir={tmp_path / 'rm'}"]  # fmt: skip
+           f"model.sft_model={tiny_sft_path}", "train.num_train_epochs=1e12",
+           f"train.output_dir={tmp_path / 'rm'}"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     steps: list[str] = []
     try:

@@ -69,12 +69,14 @@ def test_fingerprint_ignores_only_the_free_keys():
 
 def test_a_worker_processes_recipe_has_the_fingerprint_of_the_command_line_one(tmp_path):
     """``workers > 1`` hands each worker a copy made by ``to_dict``/``from_dict``; the defaults and the integers
-    written for float knobs (``epochs: 1``) must come back as the same numbers, or every worker refuses the run
-    directory the command just created (CI: "holds a comparison with different settings")."""
+    written for float knobs (``num_train_epochs: 1``) must come back as the same numbers, or every worker refuses the
+    run directory the command just created (CI: "holds a comparison with different settings")."""
     from rlhf_ext.config import from_dict, to_dict
 
     path = tmp_path / "sim.yaml"
-    path.write_text("task: {source: toy}\nreward_model: {epochs: 1}\ndpo: {train: {learning_rate: 1}}\n")
+    path.write_text(
+        "task: {source: toy}\nreward_model: {train: {num_train_epochs: 1}}\ndpo: {train: {learning_rate: 1}}\n"
+    )
     recipe = load_recipe(SimCompareRecipe, str(path), ["workers=2"])
     assert recipe_fingerprint(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [1]})) == recipe_fingerprint(
         recipe
