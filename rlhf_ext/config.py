@@ -271,6 +271,11 @@ class TrainSection:
 
     def __post_init__(self):
         check_knobs(self)
+        shadowed = sorted(set(self.trl_args) & {f.name for f in dataclasses.fields(self)})
+        if shadowed:  # one knob, one value: trl_args is for the TRL fields the section does not have
+            keys = ", ".join(shadowed)
+            fix = ", ".join(f"train.{k}" for k in shadowed)
+            raise ValueError(f"trl_args sets {keys}: keys of this train section; set {fix}, not trl_args")
         self.micro_batch_size = min(self.micro_batch_size, self.batch_size)  # a micro batch is at most the batch
         if self.batch_size % self.micro_batch_size:
             raise ValueError(

@@ -293,3 +293,16 @@ def test_the_train_sections_old_names_name_trls(tmp_path, recipe, yaml_text, mes
 
         with pytest.raises(RecipeError, match=re.escape(message)):
             load_recipe(cls, None, dotted(yaml.safe_load(yaml_text)))
+
+
+def test_trl_args_cannot_shadow_a_key_of_its_own_train_section(tmp_path):
+    """``train.trl_args`` is for TRL fields the section does not have; naming one it has (``num_train_epochs``,
+    ``learning_rate``, ``seed`` ...) gave that knob two values and ``trl_args`` silently won (before: the recipe said 1
+    epoch, TRL trained 5). Now one error naming the key to set instead; other TRL fields still pass through."""
+    path = tmp_path / "rm.yaml"
+    path.write_text("train: {num_train_epochs: 1, trl_args: {num_train_epochs: 5, seed: 3}}\n")
+    message = "'train': trl_args sets num_train_epochs, seed: keys of this train section; set train.num_train_epochs,"
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(SegmentRMRecipe, path)
+    path.write_text("train: {trl_args: {per_device_train_batch_size: 4, report_to: none}}\n")
+    assert load_recipe(SegmentRMRecipe, path).train.trl_args == {"per_device_train_batch_size": 4, "report_to": "none"}
