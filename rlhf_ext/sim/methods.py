@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
+from rlhf_ext.config import TrainSection
 from rlhf_ext.runtime.io import atomic_directory, stable_hash
 
 if TYPE_CHECKING:
-    from rlhf_ext.config import TrainSection
     from rlhf_ext.sim.compare import SimRun
     from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
@@ -229,16 +229,15 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
                     temperature=run.recipe.generation.temperature,
                 ),
                 train=PPOTrainSection(
-                    output_dir=str(tmp),
-                    max_steps=cfg.max_steps,
-                    batch_size=cfg.batch_size,
-                    micro_batch_size=cfg.batch_size,
-                    learning_rate=cfg.learning_rate,
+                    **knob_values(cfg, TrainSection)
+                    | {
+                        "logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
+                        "trl_args": {**cfg.trl_args, "disable_tqdm": True},
+                    },
                     critic_learning_rate=cfg.critic_learning_rate,
+                    output_dir=str(tmp),
                     seed=seed,
-                    logging_steps=max(1, cfg.max_steps // 6),
                     resume=False,
-                    trl_args={"disable_tqdm": True},
                 ),
             )
             summary = run_segment_ppo(recipe)

@@ -293,19 +293,23 @@ class DPOSection:
 
 
 @dataclass
-class PPOSection(PPOKnobs):
+class PPOSection(PPOKnobs, TrainSection):
     """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`), one setting for the three action spaces of paper 003's
     Table 1 — ``bandit_ppo`` (one reward per response, the reward model at entropy cutoff inf: AlpacaFarm's PPO),
     ``segment_ppo`` (dense rewards of the segment reward model) and ``token_ppo`` (every token a segment, cutoff 0) —
-    so that they compare under the same budget: the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: ``kl_coef``,
-    ``advantage_estimator``, ``value_clip`` ...) plus ``max_steps`` PPO steps of ``batch_size`` rollouts
-    (= prompts x ``num_generations``)."""
+    so that they compare under the same budget. Flat, as TRL's ``PPOConfig``: the PPO knobs
+    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: ``kl_coef``, ``advantage_estimator``, ``value_clip`` ...), every recipe's
+    training keys (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` PPO steps of ``batch_size`` rollouts =
+    prompts x ``num_generations``, ``learning_rate`` ...; ``logging_steps`` null: six points per run) and the
+    critic's ``critic_learning_rate``."""
 
     max_steps: int = knob(96, ge=1)
     batch_size: int = knob(16, ge=2)
-    num_generations: int = knob(2, ge=2)
-    learning_rate: float = knob(1e-4, gt=0)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 16)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-4)
+    logging_steps: int | None = knob(None, ge=1)
     critic_learning_rate: float = knob(1e-4, gt=0)
+    num_generations: int = knob(2, ge=2)
     max_completion_length: int = knob(128, ge=1)
     chunk_size: int = knob(4, ge=1)
     #: the GAE critic's initialisation: ``sft`` (the SFT model with a fresh value head, as paper 003's public code
