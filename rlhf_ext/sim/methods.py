@@ -336,16 +336,12 @@ def sim_online_dpo(
         c = cfg or r.online_dpo_async
         args = cpu_config(
             **common,
-            logging_steps=10,
             online_mode="online",
             async_generation=mode == "async",
-            max_steps=c.updates,
-            per_device_train_batch_size=c.batch_size,
             num_samples=c.num_samples,
             temperatures=[r.generation.temperature],
             beta=c.beta,
-            learning_rate=c.learning_rate,
-            lr_scheduler_type="constant",
+            train=c,
         )
     else:
         c = cfg or r.online_dpo
@@ -370,7 +366,7 @@ def sim_online_dpo(
     if mode == "iterative":
         samples = c.num_iterations * c.prompts_per_iteration * c.num_samples
     else:
-        samples = c.updates * c.batch_size * c.num_samples
+        samples = c.max_steps * c.batch_size * c.num_samples
     return PolicySpec(summary["final_policy"], info=info, labels=_num_labels(run, seed), samples=samples)
 
 

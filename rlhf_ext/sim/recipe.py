@@ -332,16 +332,21 @@ class OnlineDPOSection(OnlineDPOKnobs):
 
 
 @dataclass
-class OnlineDPOAsyncSection:
-    """One-step asynchronous online DPO (paper 001): ``updates`` DPO steps of ``batch_size`` pairs, each pair the
+class OnlineDPOAsyncSection(TrainSection):
+    """One-step asynchronous online DPO (paper 001): ``max_steps`` DPO updates of ``batch_size`` pairs, each pair the
     best and worst of ``num_samples`` responses generated one policy version behind. Method ``online_dpo_sync``
-    runs the same settings on-policy (generation waits for each update), the baseline of paper 001."""
+    runs the same settings on-policy (generation waits for each update), the baseline of paper 001. Flat, as TRL's
+    ``OnlineDPOConfig``: every recipe's training keys (:class:`~rlhf_ext.config.TrainSection`, here a constant
+    learning rate without warm-up) plus ``num_samples`` and ``beta``."""
 
-    updates: int = knob(12, ge=1)
-    batch_size: int = knob(8, ge=1)
+    max_steps: int = knob(12, ge=1)
+    batch_size: int = knob_like(TrainSection, "batch_size", 8)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 8)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-4)
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
     num_samples: int = knob(4, ge=2)
     beta: float = knob(0.1, gt=0)
-    learning_rate: float = knob(5e-4, gt=0)
 
 
 @dataclass

@@ -270,11 +270,17 @@ def test_a_partial_section_keeps_its_recipes_defaults_for_the_keys_it_omits(tmp_
             "'reward_model.epochs' was renamed to 'reward_model.train.num_train_epochs'",
         ),
         ("demo", "train: {sft: {epochs: 3}}", "'train.sft.epochs' was renamed to 'train.sft.num_train_epochs'"),
+        (
+            "sim",
+            "online_dpo_async: {updates: 5}",
+            "'online_dpo_async.updates' was renamed to 'online_dpo_async.max_steps'",
+        ),
     ],
 )
 def test_the_train_sections_old_names_name_trls(tmp_path, recipe, yaml_text, message):
     """``epochs`` and ``lr_scheduler`` became TRL's ``num_train_epochs`` and ``lr_scheduler_type`` in every ``train``
-    section, and the simulator's reward-model keys moved into its ``train``: an old key, in a file (nested or flat) or
+    section, the simulator's reward-model keys moved into its ``train`` and its asynchronous online DPO's ``updates``
+    became ``max_steps`` (the section is a train section itself): an old key, in a file (nested or flat) or
     as a dotted override, is one error naming the new key."""
     from rlhf_ext.demo import DemoRecipe
     from rlhf_ext.sim.recipe import SimCompareRecipe
