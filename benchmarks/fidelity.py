@@ -45,7 +45,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
         "seeds": [1],
         "tune": ["tuning.grid={ppo.learning_rate: [3.0e-4, 1.0e-3]}"],
         "online_dpo": ["online_dpo.num_iterations=3", "online_dpo.prompts_per_iteration=4"],
-        "continual": ["ppo.steps_per_task=1", "data.num_tasks=2", "--seeds", "0"],
+        "continual": ["ppo.max_steps=1", "data.num_tasks=2", "--seeds", "0"],
     },
 }
 STAGE_METHODS = "[sft,bandit_ppo,segment_ppo,chunk_ppo,token_ppo]"
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
              "--tasks", "builtin:continual-piecewise-preference", "builtin:continual-lipschitz",
              "--coefs", "0", "1", "10", "--out", str(results / f"continual_forgetting_ppo{suffix}.json"),
              "--runs", f"{out}/continual_ppo",
-             f"model.sft_model={out}/sft", "ppo.steps_per_task=24", "data.num_tasks=3", *b["continual"]])  # fmt: skip
+             f"model.sft_model={out}/sft", "ppo.max_steps=24", "data.num_tasks=3", *b["continual"]])  # fmt: skip
     if "claims" not in args.skip:
         ran = [s for s in STEPS if s not in args.skip]
         text = claims_markdown(results, suffix, args.budget, time.time() - start, ran)

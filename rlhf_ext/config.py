@@ -140,6 +140,7 @@ RENAMED_KEYS: dict[str, str] = {
     "reward_model.batch_size": "reward_model.train.batch_size",
     "reward_model.learning_rate": "reward_model.train.learning_rate",
     "online_dpo_async.updates": "online_dpo_async.max_steps",  # now a train section, as TRL's OnlineDPOConfig
+    "ppo.steps_per_task": "ppo.max_steps",  # the continual recipe's PPO section, a train section too
 }
 
 #: keys of every ``train`` section (:class:`TrainSection`) renamed to TRL's field names, wherever the section is

@@ -86,17 +86,24 @@ class DPOSection:
 
 
 @dataclass
-class PPOSection(PPOKnobs):
+class PPOSection(PPOKnobs, TrainSection):
     """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
     with ``DensePPOTrainer`` (bandit granularity) against that task's reward model (``reward_model.enabled`` must be
     true; the paper trains one per task), bandit rewards normalized by the last-token statistics of the task's
     preference pairs, a KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL
-    to the previous task's policy in the loss. The PPO knobs are :class:`~rlhf_ext.algos.ppo.PPOKnobs` (the same names
-    and defaults as ``DensePPOConfig``)."""
+    to the previous task's policy in the loss. Flat, as TRL's ``PPOConfig``: the PPO knobs
+    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`, the same names and defaults as ``DensePPOConfig``), the policy's training
+    keys (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` per task, ``batch_size`` rollouts per step,
+    ``learning_rate``, ``trl_args`` ...; with ``algorithm: ppo`` they take the place of ``train``, which is the DPO
+    stage's) and the evaluation's ``eval_prompts``."""
 
-    steps_per_task: int = knob(16, ge=1)
-    batch_size: int = knob(16, ge=1)
-    learning_rate: float = knob(3e-4, gt=0)
+    max_steps: int = knob(16, ge=1)
+    batch_size: int = knob_like(TrainSection, "batch_size", 16)
+    micro_batch_size: int = knob_like(TrainSection, "micro_batch_size", 16)
+    learning_rate: float = knob_like(TrainSection, "learning_rate", 3e-4)
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
+    logging_steps: int = knob_like(TrainSection, "logging_steps", 1)
     num_generations: int = knob(2, ge=2, help="Responses per prompt (the TRL engine samples at least 2).")
     max_completion_length: int = knob(64, ge=1)
     eval_prompts: int = knob(32, ge=1)

@@ -4,6 +4,8 @@ on TRL. PPO stage: CPPO-style continual PPO (Eq. 7 of paper 000) with the task's
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +17,10 @@ from trl.trainer.utils import create_model_from_path
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import Granularity
-from rlhf_ext.trl.args import activation_checkpointing, check_report_to, make_config
+from rlhf_ext.trl.args import check_report_to, make_config
 from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
@@ -161,36 +165,56 @@ def _reward_model_accuracy(trainer, dataset) -> float:
 
 
 class PPOPolicyStage:
-    """``run_task`` trains task ``task.index`` and returns ``{"scores": [mean RM_k score per task k], "metrics"}``."""
+    """``run_task`` trains task ``task.index`` and returns ``{"scores": [mean RM_k score per task k], "metrics"}``.
+    The policy trains with the ``ppo`` section's training keys; a ``train.*`` key set (the DPO stage's section) is
+    not read, and is named in one warning."""
 
     name = "ppo"
 
     def __init__(self, recipe):
+        from rlhf_ext.pipelines.continual_recipe import StageTrainSection
+
         self.recipe = recipe
+        default = StageTrainSection()
+        unread = [f"train.{f.name}" for f in dataclasses.fields(default) if f.name != "trl_args"
+                  and getattr(recipe.train, f.name) != getattr(default, f.name)]  # fmt: skip
+        unread += [f"train.trl_args.{k}" for k in recipe.train.trl_args if k != "report_to"]  # report_to: every stage's
+        if unread:
+            logger.warning(
+                "algorithm: ppo trains the policy with the ppo section's keys (ppo.max_steps, ppo.learning_rate, "
+                "ppo.trl_args ...); %s belong to the DPO stage and are not read: set the ppo.* key instead",
+                ", ".join(unread),
+            )
 
-    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
-        from datasets import Dataset
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer
+    def config(self, task, work: Path):
+        """The ``DensePPOConfig`` of task ``task`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`): the ``ppo``
+        section's knobs and training keys (``ppo.trl_args`` last), the task's reward model and KL to its predecessor."""
+        from rlhf_ext.trl.segment_ppo import DensePPOConfig
 
         r, ppo = self.recipe, self.recipe.ppo
-        if not task.reward_model_dirs:
-            raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
-        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
-        work = task.work_dir / "ppo_trainer"
-        check_report_to(_report_to(r))
-        args = DensePPOConfig(
-            output_dir=str(work), max_steps=ppo.steps_per_task, per_device_train_batch_size=ppo.batch_size,
+        kwargs = dict(
+            **_training_kwargs(ppo, task.seed, str(work)),
             num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
-            learning_rate=ppo.learning_rate, seed=task.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
-            report_to=_report_to(r), save_strategy="no", **activation_checkpointing(False), disable_tqdm=True,
-            logging_steps=1, reward_model_path=str(task.reward_model_dirs[task.index]),
+            reward_model_path=str(task.reward_model_dirs[task.index]),
             granularity=Granularity.BANDIT, normalizer_kind="last",
             **knob_values(ppo, PPOKnobs),
             continual_previous_model=task.previous_policy if task.continual_kl_coef > 0 else None,
             continual_kl_coef=task.continual_kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
+        return make_config(DensePPOConfig, kwargs, {"report_to": _report_to(r), **ppo.trl_args})
+
+    def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_ext.trl.segment_ppo import DensePPOTrainer
+
+        if not task.reward_model_dirs:
+            raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
+        tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
+        work = task.work_dir / "ppo_trainer"
+        check_report_to(_report_to(self.recipe))
+        args = self.config(task, work)
         trainer = DensePPOTrainer(
             model=task.init_policy,
             args=args,

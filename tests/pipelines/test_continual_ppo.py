@@ -14,7 +14,7 @@ from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 from rlhf_ext.recipes import recipe_path
 
 SMALL = [
-    "data.num_tasks=2", "data.max_train_samples=32", "data.max_test_samples=8", "ppo.steps_per_task=2",
+    "data.num_tasks=2", "data.max_train_samples=32", "data.max_test_samples=8", "ppo.max_steps=2",
     "ppo.batch_size=8", "ppo.max_completion_length=32", "ppo.eval_prompts=8", "reward_model.train.num_train_epochs=1",
     "plots=false",
 ]  # fmt: skip
@@ -71,3 +71,30 @@ def test_continual_ppo_applies_the_kl_to_the_previous_task_only_after_the_first(
         logp = logits.log_softmax(-1).gather(-1, call["completion_ids"].unsqueeze(-1)).squeeze(-1)
         mask = call["completion_mask"].bool()
         torch.testing.assert_close(call["prev_per_token_logps"][mask], logp[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_continual_ppo_trains_with_its_sections_training_keys_and_names_the_unread_train_keys(tmp_path, caplog):
+    """``algorithm: ppo`` builds its ``DensePPOConfig`` from the ``ppo`` section through the one mapping of every
+    ``train`` section: ``ppo.max_grad_norm``, ``ppo.weight_decay``, ``ppo.trl_args`` reach the config (before: unknown
+    keys, and TRL options such as ``deepspeed`` could only go to ``train.trl_args``, which the PPO stage did not read),
+    and the ``train.*`` keys it does not read (the DPO stage's) are named in one warning instead of ignored silently."""
+    import logging
+    import types
+
+    from rlhf_ext.pipelines.continual_stages import PPOPolicyStage
+
+    overrides = ["ppo.max_steps=5", "ppo.max_grad_norm=0.5", "ppo.weight_decay=0.1", "ppo.trl_args={adam_beta2: 0.98}"]
+    recipe = load_recipe(ContinualRecipe, recipe_path("continual_ppo_tiny"), overrides)
+    task = types.SimpleNamespace(reward_model_dirs=["rm0", "rm1"], index=1, seed=7, continual_kl_coef=1.0,
+                                 previous_policy="prev")  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        args = PPOPolicyStage(recipe).config(task, tmp_path / "work")
+    assert (args.max_steps, args.max_grad_norm, args.weight_decay, args.adam_beta2) == (5, 0.5, 0.1, 0.98)
+    assert (args.per_device_train_batch_size, args.learning_rate, args.reward_model_path) == (16, 3e-4, "rm1")
+    assert (args.continual_kl_coef, args.continual_previous_model) == (1.0, "prev")
+    assert "not read" not in caplog.text
+    set_for_dpo = ["train.learning_rate=1e-4", "train.trl_args={deepspeed: ds.json, report_to: none}"]
+    unread = load_recipe(ContinualRecipe, recipe_path("continual_ppo_tiny"), set_for_dpo)
+    with caplog.at_level(logging.WARNING):
+        PPOPolicyStage(unread)
+    assert "train.learning_rate, train.trl_args.deepspeed belong to the DPO stage and are not read" in caplog.text
