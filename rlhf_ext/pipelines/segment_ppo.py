@@ -317,7 +317,7 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
     (:func:`openrlhf_layout`)."""
     from rlhf_ext.config import per_device_micro_batch
     from rlhf_ext.openrlhf.cli_runner import flag_value, flags_from_mapping
-    from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags
+    from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags, openrlhf_optimisation_flags
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
     layout = openrlhf_layout(recipe, cluster)
@@ -354,7 +354,9 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
         "--train.num_episodes", str(max(1, math.ceil(t.num_train_epochs))),
         "--train.seed", str(t.seed),
         "--actor.adam.lr", repr(t.learning_rate),
+        *openrlhf_optimisation_flags(t, "actor."),
         "--critic.adam.lr", repr(t.critic_learning_rate),
+        "--critic.max_norm", repr(t.max_grad_norm),  # the TRL engine clips the critic with the same norm
         "--actor.eps_clip", repr(ppo.clip_eps),
         "--algo.kl.init_coef", repr(ppo.kl_coef),
         "--algo.kl.estimator", ppo.kl_estimator,

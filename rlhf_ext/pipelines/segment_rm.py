@@ -300,6 +300,19 @@ def openrlhf_logger_flags(report_to: str | list[str] | None, output_dir: str) ->
     return flags
 
 
+def openrlhf_optimisation_flags(train, prefix: str = "") -> list[str]:
+    """The ``train`` section's optimisation keys as OpenRLHF flags (``prefix``: ``actor.`` / ``critic.`` in
+    ``train_ppo_ray``, none in ``train_rm``): weight decay, scheduler (``cosine`` is OpenRLHF's
+    ``cosine_with_min_lr``), warm-up ratio and gradient clip."""
+    scheduler = "cosine_with_min_lr" if train.lr_scheduler_type == "cosine" else train.lr_scheduler_type
+    return [
+        f"--{prefix}adam.weight_decay", repr(train.weight_decay),
+        f"--{prefix}lr_scheduler", scheduler,
+        f"--{prefix}lr_warmup_ratio", repr(train.warmup_ratio),
+        f"--{prefix}max_norm", repr(train.max_grad_norm),
+    ]  # fmt: skip
+
+
 #: The value of OpenRLHF's ``--logger.wandb.key`` (its on-switch for wandb): wandb itself reads the real key.
 OPENRLHF_WANDB_KEY_PLACEHOLDER = "from-wandb-login-or-WANDB_API_KEY"
 
@@ -328,10 +341,7 @@ def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
         "--train.seed", str(t.seed),
         "--adam.lr", repr(t.learning_rate),
         "--adam.betas", repr(t.adam_betas[0]), repr(t.adam_betas[1]),
-        "--adam.weight_decay", repr(t.weight_decay),
-        "--lr_scheduler", "cosine_with_min_lr" if t.lr_scheduler_type == "cosine" else t.lr_scheduler_type,
-        "--lr_warmup_ratio", repr(t.warmup_ratio),
-        "--max_norm", repr(t.max_grad_norm),
+        *openrlhf_optimisation_flags(t),
         "--logger.logging_steps", str(t.logging_steps),
         "--ds.zero_stage", str(t.zero_stage),
         "--ds.param_dtype", "bf16",

@@ -345,3 +345,27 @@ def test_bandit_granularity_keeps_per_sample_remote_rewards(seg_ppo, estimator):
     assert torch.equal(o.rewards, remote) and torch.equal(o.info["reward"], remote)
     ours = maker.compute_advantages_and_returns([o])[0]
     assert torch.equal(ours.advantages, stock.advantages) and torch.equal(ours.returns, stock.returns)
+
+
+def test_the_train_sections_optimisation_keys_reach_openrlhfs_parsed_args(seg_ppo):
+    """``train.weight_decay``, ``warmup_ratio``, ``lr_scheduler_type`` and ``max_grad_norm`` reach the actor (and the
+    clip the critic, which TRL's engine clips with the same norm) as OpenRLHF's own parser reads them. Before, the PPO
+    argv left them out and OpenRLHF trained with its defaults (weight decay 0, warm-up 0.03, cosine, norm 1.0)
+    whatever the recipe said, while the TRL engine honoured them: the same recipe trained differently per engine."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.openrlhf.cli_runner import parsed_args
+    from rlhf_ext.openrlhf.train_ppo_ray import for_cluster, parse_ext_args
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
+
+    keys = ["train.weight_decay=0.1", "train.warmup_ratio=0.2", "train.lr_scheduler_type=linear",
+            "train.max_grad_norm=0.5"]  # fmt: skip
+    base = ["engine=openrlhf", "train.max_steps=3", "train.batch_size=8", "train.micro_batch_size=8", "train.bf16=true"]
+    recipe = load_recipe(SegmentPPORecipe, None, [*base, *keys])
+    recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
+    cluster = Cluster((0,))
+    rest, _ = for_cluster(*parse_ext_args(openrlhf_argv(recipe, "/tmp/p.jsonl", None, cluster)), cluster)
+    args = parsed_args("openrlhf.cli.train_ppo_ray", rest)
+    actor, critic = vars(args)["actor"], vars(args)["critic"]
+    assert (actor.adam.weight_decay, actor.lr_warmup_ratio, actor.lr_scheduler, actor.max_norm) == (
+        0.1, 0.2, "linear", 0.5)  # fmt: skip
+    assert critic.max_norm == 0.5
