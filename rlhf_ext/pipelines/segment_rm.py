@@ -376,6 +376,11 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
 
     if recipe.train.num_train_epochs != math.ceil(recipe.train.num_train_epochs):
         raise ValueError("the OpenRLHF engine trains whole epochs: set train.num_train_epochs to an integer")
+    if recipe.train.max_steps is not None:  # train_rm has no step limit: the key would be ignored
+        raise ValueError(
+            "the OpenRLHF engine trains whole epochs (train_rm has no step limit): remove train.max_steps and set "
+            "train.num_train_epochs, or use --engine trl"
+        )
     recipe.model.sft_model = resolve_model(recipe.model.sft_model)
     from transformers import AutoTokenizer
 

@@ -162,3 +162,20 @@ def test_openrlhf_train_rm_runs_end_to_end_on_cpu(tmp_path, tiny_sft_path, prepa
     assert metrics["eval_accuracy"] == pytest.approx(sum(c.evaluation > r.evaluation for c, r in views) / 8)
     segments = sum(len(v.segments) for pair in views for v in pair) / 16
     assert metrics["eval_segments_per_response"] == pytest.approx(segments) and segments > 1
+
+
+def test_a_step_limit_is_refused_on_the_openrlhf_engine_not_ignored(tmp_path):
+    """OpenRLHF's ``train_rm`` has no step limit, so ``train.max_steps`` on ``engine: openrlhf`` trained whole epochs
+    as if the key were absent (the TRL engine stops at it). Now it is one error naming the fix, before anything runs."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, train_with_openrlhf
+    from rlhf_ext.recipes import recipe_path
+
+    out = tmp_path / "rm"
+    recipe = load_recipe(SegmentRMRecipe, recipe_path("segment_rm_tiny"),
+                         ["engine=openrlhf", "train.max_steps=4", f"train.output_dir={out}"])  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"remove train\.max_steps and set train\.num_train_epochs, or use --engine trl"
+    ):
+        train_with_openrlhf(recipe)
+    assert not out.exists()
