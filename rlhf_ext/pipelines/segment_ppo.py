@@ -320,6 +320,9 @@ def openrlhf_argv(recipe, prompts_file: str, normalizer_path: str | None, cluste
     from rlhf_ext.pipelines.segment_rm import openrlhf_logger_flags, openrlhf_optimisation_flags
 
     t, ppo, seg, data = recipe.train, recipe.ppo, recipe.segment, recipe.data
+    if t.num_train_epochs != math.ceil(t.num_train_epochs):  # --train.num_episodes is an integer
+        raise ValueError("the OpenRLHF engine runs whole passes over the prompts: set train.num_train_epochs to an "
+                         "integer, or train.max_steps")  # fmt: skip
     layout = openrlhf_layout(recipe, cluster)
     overrides = flags_from_mapping(t.openrlhf_args)
 

@@ -369,3 +369,18 @@ def test_the_train_sections_optimisation_keys_reach_openrlhfs_parsed_args(seg_pp
     assert (actor.adam.weight_decay, actor.lr_warmup_ratio, actor.lr_scheduler, actor.max_norm) == (
         0.1, 0.2, "linear", 0.5)  # fmt: skip
     assert critic.max_norm == 0.5
+
+
+def test_a_fractional_epoch_count_is_refused_on_the_openrlhf_engine_not_rounded(seg_ppo):
+    """OpenRLHF counts passes over the prompts in whole episodes: ``train.num_train_epochs: 1.5`` became 2 episodes
+    (the TRL engine trains 1.5 epochs). Now one error naming the fix, as the reward model's OpenRLHF path does."""
+    from rlhf_ext.config import load_recipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, openrlhf_argv
+
+    recipe = load_recipe(SegmentPPORecipe, None, ["engine=openrlhf", "train.num_train_epochs=1.5", "train.bf16=true"])
+    recipe.model.sft_model, recipe.model.reward_model = "/m/sft", "/m/rm"
+    with pytest.raises(ValueError, match="set train.num_train_epochs to an integer, or train.max_steps"):
+        openrlhf_argv(recipe, "/tmp/p.jsonl", None, Cluster((0,)))
+    recipe.train.num_train_epochs = 2.0
+    argv = openrlhf_argv(recipe, "/tmp/p.jsonl", None, Cluster((0,)))
+    assert argv[argv.index("--train.num_episodes") + 1] == "2"
