@@ -36,6 +36,22 @@ def _report_to(recipe) -> str | list[str]:
     return recipe.train.trl_args.get("report_to", "none")
 
 
+def warn_unread(recipe, sections: tuple[str, ...], algorithm: str) -> None:
+    """One warning naming the keys of ``sections`` that differ from the recipe's defaults: the other algorithm's
+    settings, which this ``algorithm`` stage does not read (``train.trl_args.report_to`` is every stage's)."""
+    defaults = {f.name: f.default_factory() for f in dataclasses.fields(recipe) if f.name in sections}
+    unread = []
+    for name in sections:
+        value, default = getattr(recipe, name), defaults[name]
+        for f in dataclasses.fields(default):
+            if f.name == "trl_args":
+                unread += [f"{name}.trl_args.{k}" for k in value.trl_args if (name, k) != ("train", "report_to")]
+            elif getattr(value, f.name) != getattr(default, f.name):
+                unread.append(f"{name}.{f.name}")
+    if unread:
+        logger.warning("algorithm: %s; not read: %s", algorithm, ", ".join(unread))
+
+
 def _train(trainer, task, stage: str):
     """``trainer.train()`` with its TensorBoard events kept in ``task_dir/runs/<stage>`` (the trainer's own
     ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step."""
@@ -65,6 +81,7 @@ class DPOPolicyStage:
 
     def __init__(self, recipe):
         self.recipe = recipe
+        warn_unread(recipe, ("ppo",), "dpo trains the policy with the train and dpo sections")
 
     def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
         """Train task ``task.index`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`); return
@@ -166,25 +183,15 @@ def _reward_model_accuracy(trainer, dataset) -> float:
 
 class PPOPolicyStage:
     """``run_task`` trains task ``task.index`` and returns ``{"scores": [mean RM_k score per task k], "metrics"}``.
-    The policy trains with the ``ppo`` section's training keys; a ``train.*`` key set (the DPO stage's section) is
-    not read, and is named in one warning."""
+    The policy trains with the ``ppo`` section's training keys; ``train.*`` and ``dpo.*`` keys set (the DPO stage's)
+    are not read, and are named in one warning."""
 
     name = "ppo"
 
     def __init__(self, recipe):
-        from rlhf_ext.pipelines.continual_recipe import StageTrainSection
-
         self.recipe = recipe
-        default = StageTrainSection()
-        unread = [f"train.{f.name}" for f in dataclasses.fields(default) if f.name != "trl_args"
-                  and getattr(recipe.train, f.name) != getattr(default, f.name)]  # fmt: skip
-        unread += [f"train.trl_args.{k}" for k in recipe.train.trl_args if k != "report_to"]  # report_to: every stage's
-        if unread:
-            logger.warning(
-                "algorithm: ppo trains the policy with the ppo section's keys (ppo.max_steps, ppo.learning_rate, "
-                "ppo.trl_args ...); %s belong to the DPO stage and are not read: set the ppo.* key instead",
-                ", ".join(unread),
-            )
+        warn_unread(recipe, ("train", "dpo"), "ppo trains the policy with the ppo section's keys (ppo.max_steps, "
+                    "ppo.learning_rate, ppo.trl_args ...)")  # fmt: skip
 
     def config(self, task, work: Path):
         """The ``DensePPOConfig`` of task ``task`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`): the ``ppo``

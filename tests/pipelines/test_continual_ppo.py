@@ -77,7 +77,8 @@ def test_continual_ppo_trains_with_its_sections_training_keys_and_names_the_unre
     """``algorithm: ppo`` builds its ``DensePPOConfig`` from the ``ppo`` section through the one mapping of every
     ``train`` section: ``ppo.max_grad_norm``, ``ppo.weight_decay``, ``ppo.trl_args`` reach the config (before: unknown
     keys, and TRL options such as ``deepspeed`` could only go to ``train.trl_args``, which the PPO stage did not read),
-    and the ``train.*`` keys it does not read (the DPO stage's) are named in one warning instead of ignored silently."""
+    and the ``train.*`` keys it does not read (the DPO stage's) are named in one warning instead of ignored silently;
+    so are the ``ppo.*`` keys with ``algorithm: dpo``."""
     import logging
     import types
 
@@ -97,4 +98,13 @@ def test_continual_ppo_trains_with_its_sections_training_keys_and_names_the_unre
     unread = load_recipe(ContinualRecipe, recipe_path("continual_ppo_tiny"), set_for_dpo)
     with caplog.at_level(logging.WARNING):
         PPOPolicyStage(unread)
-    assert "train.learning_rate, train.trl_args.deepspeed belong to the DPO stage and are not read" in caplog.text
+    assert "ppo.trl_args ...); not read: train.learning_rate, train.trl_args.deepspeed" in caplog.text
+    caplog.clear()  # the other way round: the DPO stage does not read the ppo section
+    from rlhf_ext.pipelines.continual_stages import DPOPolicyStage
+
+    dpo = load_recipe(ContinualRecipe, recipe_path("continual_dpo_tiny"), ["ppo.learning_rate=1e-4", "dpo.beta=0.2"])
+    with caplog.at_level(logging.WARNING):
+        DPOPolicyStage(dpo)
+    assert "algorithm: dpo trains the policy with the train and dpo sections; not read: ppo.learning_rate" in (
+        caplog.text
+    )
