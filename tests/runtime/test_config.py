@@ -275,17 +275,20 @@ def test_a_partial_section_keeps_its_recipes_defaults_for_the_keys_it_omits(tmp_
             "online_dpo_async: {updates: 5}",
             "'online_dpo_async.updates' was renamed to 'online_dpo_async.max_steps'",
         ),
+        ("continual", "ppo: {steps_per_task: 3}", "'ppo.steps_per_task' was renamed to 'ppo.max_steps'"),
     ],
 )
 def test_the_train_sections_old_names_name_trls(tmp_path, recipe, yaml_text, message):
     """``epochs`` and ``lr_scheduler`` became TRL's ``num_train_epochs`` and ``lr_scheduler_type`` in every ``train``
     section, the simulator's reward-model keys moved into its ``train`` and its asynchronous online DPO's ``updates``
-    became ``max_steps`` (the section is a train section itself): an old key, in a file (nested or flat) or
-    as a dotted override, is one error naming the new key."""
+    became ``max_steps`` (the section is a train section itself), as did the continual PPO's ``steps_per_task``: an
+    old key, in a file (nested or flat) or as a dotted override, is one error naming the new key."""
     from rlhf_ext.demo import DemoRecipe
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
     from rlhf_ext.sim.recipe import SimCompareRecipe
 
-    cls = {"segment_rm": SegmentRMRecipe, "sim": SimCompareRecipe, "demo": DemoRecipe}[recipe]
+    cls = {"segment_rm": SegmentRMRecipe, "sim": SimCompareRecipe, "demo": DemoRecipe, "continual": ContinualRecipe}
+    cls = cls[recipe]
     path = tmp_path / "r.yaml"
     path.write_text(yaml_text + "\n")
     with pytest.raises(RecipeError, match=re.escape(message)):
