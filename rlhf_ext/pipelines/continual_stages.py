@@ -17,7 +17,7 @@ from trl.trainer.utils import create_model_from_path
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import Granularity
-from rlhf_ext.trl.args import check_report_to, make_config
+from rlhf_ext.trl.args import make_config
 from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualDPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -220,8 +220,7 @@ class PPOPolicyStage:
             raise ValueError("the PPO stage needs the per-task reward models (reward_model.enabled: true)")
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "ppo_trainer"
-        check_report_to(_report_to(self.recipe))
-        args = self.config(task, work)
+        args = self.config(task, work)  # make_config checks report_to
         trainer = DensePPOTrainer(
             model=task.init_policy,
             args=args,
