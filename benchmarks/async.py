@@ -90,7 +90,7 @@ def online_run(
         async_generation=asynchronous,
         generator_process=process,
         max_steps=updates,
-        num_samples=k,
+        num_generations=k,
         temperatures=[0.7, 1.0],
         max_completion_length=max_new_tokens,
         per_device_train_batch_size=pairs,

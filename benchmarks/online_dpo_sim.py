@@ -5,7 +5,7 @@ the annotator pool with 25% flips, bandit surrogate reward model trained on it) 
 scorer, and reports, for each seed:
 
 1. **Iterative online DPO vs offline DPO on the same budget.** Online DPO runs ``ITERATIONS`` iterations of
-   ``online_dpo.prompts_per_iteration`` prompts (best vs worst of ``num_samples`` under the surrogate RM, trained on
+   ``online_dpo.prompts_per_iteration`` prompts (best vs worst of ``num_generations`` under the surrogate RM, trained on
    the accumulated pairs for ``online_dpo.train.num_train_epochs`` epochs from the previous iterate). After
    iteration k it has used ``k * P`` preference pairs and ``epochs * P * k(k+1)/2`` pair-gradient passes. Offline DPO
    at budget k is TRL's ``DPOTrainer`` from the SFT model on the first ``k * P`` simulated (pool-labelled) pairs for

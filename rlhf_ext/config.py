@@ -141,6 +141,11 @@ RENAMED_KEYS: dict[str, str] = {
     "reward_model.learning_rate": "reward_model.train.learning_rate",
     "online_dpo_async.updates": "online_dpo_async.max_steps",  # now a train section, as TRL's OnlineDPOConfig
     "ppo.steps_per_task": "ppo.max_steps",  # the continual recipe's PPO section, a train section too
+    # responses per prompt: TRL's num_generations everywhere (num_samples is the rows of a dataset)
+    "online.num_samples": "online.num_generations",
+    "online_dpo.num_samples": "online_dpo.num_generations",
+    "online_dpo_async.num_samples": "online_dpo_async.num_generations",
+    "quark.samples_per_prompt": "quark.num_generations",
 }
 
 #: keys of every ``train`` section (:class:`TrainSection`) renamed to TRL's field names, wherever the section is

@@ -84,7 +84,7 @@ def _check_rewards(rewards: Tensor) -> Tensor:
         rewards = torch.as_tensor(rewards)
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be a [P, n] matrix (prompts x responses); got shape {tuple(rewards.shape)}")
-    check_knob(OnlineDPOKnobs, "num_samples", int(rewards.shape[1]), "responses per prompt (rewards.shape[1])")
+    check_knob(OnlineDPOKnobs, "num_generations", int(rewards.shape[1]), "responses per prompt (rewards.shape[1])")
     rewards = rewards.float() if not rewards.is_floating_point() else rewards
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero()[0].tolist()
@@ -187,7 +187,7 @@ class OnlineDPOKnobs:
             (paper 001's one-step off-policy; queue size 1), or wait for each update (on-policy).
         num_iterations: iterations of Algorithm 2 (paper 004: 3).
         prompts_per_iteration: prompts per iteration (paper 004: 20k); ``None`` = all prompts split evenly.
-        num_samples: ``n`` responses per prompt (>= 2; paper 004: 8 or 16; paper 001: 2, or K = 4).
+        num_generations: ``n`` responses per prompt (>= 2; paper 004: 8 or 16; paper 001: 2, or K = 4).
         temperatures: ``n`` is split evenly across these (paper 004: 0.7 and 1.0).
         selection_rule: ``max_min`` (best vs worst, paper 004), ``max_random`` or ``random`` (:class:`SelectionRule`).
         length_penalty: ``lambda`` of paper 004 Eq. 9, ``r(x, a) - lambda * |a|`` (the concise variant: 0.001).
@@ -200,7 +200,7 @@ class OnlineDPOKnobs:
     async_generation: bool = field(default=True, metadata={"help": "Online mode: one-step async (paper 001)."})
     num_iterations: int = knob(3, ge=1, help="Iterations of Algorithm 2 (3).")
     prompts_per_iteration: int | None = knob(None, ge=1, help="Prompts per iteration.")
-    num_samples: int = knob(8, ge=2, help="Responses sampled per prompt (n = 8; a pair needs 2).")
+    num_generations: int = knob(8, ge=2, help="Responses sampled per prompt (n = 8; a pair needs 2).")
     temperatures: list[float] = knob(default_factory=lambda: [0.7, 1.0], gt=0, help="Sampling temps.")
     selection_rule: SelectionRule = field(default=SelectionRule.MAX_MIN.value, metadata={"help": "max_min (paper)"})
     length_penalty: float = knob(0.0, ge=0, help="lambda of paper 004 Eq. 9.")

@@ -63,7 +63,7 @@ def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
 
     1. take the iteration's ``m = prompts_per_iteration`` prompts (paper: 20k; one fixed shuffle, consecutive
        slices);
-    2. sample ``n = num_samples`` responses per prompt from ``pi_t``, split across the two temperatures
+    2. sample ``n = num_generations`` responses per prompt from ``pi_t``, split across the two temperatures
        (paper: 8 or 16 at 0.7 and 1.0, no top-p / top-k);
     3. score every response with the reward ``r``;
     4. select one pair per prompt: the best vs the worst response under ``r_e(x, a) = r(x, a) - lambda * |a|``
@@ -238,8 +238,8 @@ class IterationRun:
         return not self.store.has(t)
 
     def sample_responses(self, t: int, prompts: list[Any]) -> Samples:
-        """Step 2: ``num_samples`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
-        return self._sample(self.policy_path(t), prompts, self.args.num_samples, None, self.seed("collect", t))
+        """Step 2: ``num_generations`` responses per prompt from ``pi_t``, split evenly across ``temperatures``."""
+        return self._sample(self.policy_path(t), prompts, self.args.num_generations, None, self.seed("collect", t))
 
     def _sample(self, path: str, prompts: list[Any], n: int, temperatures: list[float] | None, seed: int) -> Samples:
         """``n`` responses per prompt from the checkpoint at ``path`` at ``temperatures`` (None: the run's)."""
@@ -251,7 +251,7 @@ class IterationRun:
         return samples
 
     def score_responses(self, prompts: list[Any], samples: Samples) -> torch.Tensor:
-        """Step 3: the reward of every response, ``[len(prompts), num_samples]``."""
+        """Step 3: the reward of every response, ``[len(prompts), num_generations]``."""
         n = len(samples.temperatures)
         flat_prompts = [p for p in prompts for _ in range(n)]
         return score(self.reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
@@ -277,7 +277,7 @@ class IterationRun:
         """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
         if not rows:
             warnings.warn(
-                f"iteration {t}: every prompt's {self.args.num_samples} responses tied under the reward "
+                f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the reward "
                 "(equal scores or identical text), so no preference pairs were collected",
                 stacklevel=2,
             )
@@ -343,7 +343,7 @@ class IterationRun:
             metrics = {
                 **extra,
                 "path": str(path),
-                "num_samples": int(rewards.numel()),
+                "num_responses": int(rewards.numel()),
                 "mean_reward": float(rewards.mean()),
                 "std_reward": float(rewards.std()) if rewards.numel() > 1 else 0.0,
                 "mean_length_chars": float(samples.num_chars().mean()),

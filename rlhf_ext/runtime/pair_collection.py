@@ -82,7 +82,7 @@ def score_and_select(
         )
     stats = {
         "num_prompts": len(prompts),
-        "num_samples": n,
+        "num_generations": n,
         "dropped": sel.dropped,
         "mean_reward": float(rewards.mean()),
         "mean_reward_by_temperature": {
@@ -108,7 +108,7 @@ class OnlineBatchPairs:
 
 
 class OnlinePairGenerator:
-    """The generator side of online DPO (paper 001): for each batch, sample ``num_samples`` responses for as many
+    """The generator side of online DPO (paper 001): for each batch, sample ``num_generations`` responses for as many
     prompts as pairs are still needed, score them, select pairs; prompts whose responses tie are replaced by the
     next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process (the
     sampler is then built there on first use; ``reward_fn`` must be picklable).
@@ -126,7 +126,7 @@ class OnlinePairGenerator:
         self,
         prompts: list[Any],
         pairs_per_update: int,
-        num_samples: int,
+        num_generations: int,
         max_fill_rounds: int,
         selection: OnlineDPOKnobs,
         reward_fn: RewardFn,
@@ -138,7 +138,7 @@ class OnlinePairGenerator:
     ):
         self.prompts = prompts
         self.pairs_per_update = pairs_per_update
-        self.num_samples = num_samples
+        self.num_generations = num_generations
         self.max_fill_rounds = max_fill_rounds
         self.selection = selection
         self.reward_fn = reward_fn
@@ -184,7 +184,7 @@ class OnlinePairGenerator:
         for fill_round in range(self.max_fill_rounds + 1):
             prompts, ids = self._take(self.pairs_per_update - len(rows))
             seed = sampling_seed(self.seed, "online", update, fill_round)
-            samples = self.sampler.sample(prompts, self.num_samples, seed=seed)
+            samples = self.sampler.sample(prompts, self.num_generations, seed=seed)
             new, _ = score_and_select(
                 prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(update)
             )
@@ -193,8 +193,8 @@ class OnlinePairGenerator:
                 return OnlineBatchPairs(rows, self.cursor)
         raise RuntimeError(
             f"online batch {update}: only {len(rows)} of {self.pairs_per_update} prompts gave a preference pair after "
-            f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.num_samples} responses tied). Use a "
-            "reward with finer resolution, more samples per prompt (num_samples), or a larger max_fill_rounds."
+            f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.num_generations} responses tied). Use a "
+            "reward with finer resolution, more samples per prompt (num_generations), or a larger max_fill_rounds."
         )
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

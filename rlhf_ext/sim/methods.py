@@ -151,8 +151,8 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
         if not (out / "config.json").exists():
             start = (r * cfg.prompts_per_round) % len(unlabeled)
             prompts = [unlabeled[(start + i) % len(unlabeled)] for i in range(cfg.prompts_per_round)]
-            samples = run.policy(policy).sample(prompts, cfg.samples_per_prompt, seed=_seed("quark", seed, r))
-            flat_prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+            samples = run.policy(policy).sample(prompts, cfg.num_generations, seed=_seed("quark", seed, r))
+            flat_prompts = [p for p in prompts for _ in range(cfg.num_generations)]
             rewards = score(run.reward_fn(seed), flat_prompts, samples.flat())
             keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
             texts = samples.flat()
@@ -160,7 +160,7 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
             fine_tune(run, policy, rows, cfg.train, out, seed, kl_coef=cfg.kl_coef, ref=run.sft_model())
             stats.append({"round": r, "mean_reward": float(rewards.mean()), "top_mean": float(rewards[keep].mean())})
         policy = str(out)
-    samples = cfg.rounds * cfg.prompts_per_round * cfg.samples_per_prompt
+    samples = cfg.rounds * cfg.prompts_per_round * cfg.num_generations
     return PolicySpec(policy, info={"rounds": stats}, labels=_num_labels(run, seed), samples=samples)
 
 
@@ -338,7 +338,7 @@ def sim_online_dpo(
             **common,
             online_mode="online",
             async_generation=mode == "async",
-            num_samples=c.num_samples,
+            num_generations=c.num_generations,
             temperatures=[r.generation.temperature],
             beta=c.beta,
             train=c,
@@ -364,9 +364,9 @@ def sim_online_dpo(
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]
     if mode == "iterative":
-        samples = c.num_iterations * c.prompts_per_iteration * c.num_samples
+        samples = c.num_iterations * c.prompts_per_iteration * c.num_generations
     else:
-        samples = c.max_steps * c.batch_size * c.num_samples
+        samples = c.max_steps * c.batch_size * c.num_generations
     return PolicySpec(summary["final_policy"], info=info, labels=_num_labels(run, seed), samples=samples)
 
 

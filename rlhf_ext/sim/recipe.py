@@ -267,13 +267,13 @@ class RewardConditioningSection:
 
 @dataclass
 class QuarkSection:
-    """Top-quantile Quark (Appendix B.2): per round, sample ``samples_per_prompt`` responses for
+    """Top-quantile Quark (Appendix B.2): per round, sample ``num_generations`` responses for
     ``prompts_per_round`` unlabeled prompts from the current policy, keep the top ``top_fraction`` by surrogate
     reward (the rollout pool is reset every round), fine-tune with ``kl_coef`` x KL to the SFT model."""
 
     rounds: int = knob(3, ge=1)
     prompts_per_round: int = knob(64, ge=1)
-    samples_per_prompt: int = knob(4, ge=1)
+    num_generations: int = knob(4, ge=1)
     top_fraction: float = knob(0.25, gt=0, le=1)
     kl_coef: float = knob(0.05, ge=0)
     train: MethodTrainSection = field(
@@ -334,10 +334,10 @@ class OnlineDPOSection(OnlineDPOKnobs):
 @dataclass
 class OnlineDPOAsyncSection(TrainSection):
     """One-step asynchronous online DPO (paper 001): ``max_steps`` DPO updates of ``batch_size`` pairs, each pair the
-    best and worst of ``num_samples`` responses generated one policy version behind. Method ``online_dpo_sync``
+    best and worst of ``num_generations`` responses generated one policy version behind. Method ``online_dpo_sync``
     runs the same settings on-policy (generation waits for each update), the baseline of paper 001. Flat, as TRL's
     ``OnlineDPOConfig``: every recipe's training keys (:class:`~rlhf_ext.config.TrainSection`, here a constant
-    learning rate without warm-up) plus ``num_samples`` and ``beta``."""
+    learning rate without warm-up) plus ``num_generations`` and ``beta``."""
 
     max_steps: int = knob(12, ge=1)
     batch_size: int = knob_like(TrainSection, "batch_size", 8)
@@ -345,7 +345,7 @@ class OnlineDPOAsyncSection(TrainSection):
     learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-4)
     lr_scheduler_type: str = "constant"
     warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
-    num_samples: int = knob(4, ge=2)
+    num_generations: int = knob(4, ge=2)
     beta: float = knob(0.1, gt=0)
 
 
@@ -393,7 +393,7 @@ class SimCompareRecipe:
     dpo: DPOSection = field(default_factory=DPOSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     online_dpo: OnlineDPOSection = field(
-        default_factory=lambda: OnlineDPOSection(num_iterations=2, prompts_per_iteration=64, num_samples=4)
+        default_factory=lambda: OnlineDPOSection(num_iterations=2, prompts_per_iteration=64, num_generations=4)
     )
     online_dpo_async: OnlineDPOAsyncSection = field(default_factory=OnlineDPOAsyncSection)
     #: per-method ``key=value`` overrides applied when that method runs (e.g. the settings ``sim tune`` picked)

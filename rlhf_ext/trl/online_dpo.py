@@ -35,7 +35,7 @@ Example::
     trainer = IterativeDPOTrainer(
         "my-sft-checkpoint",
         reward_funcs="my-reward-model",            # or a callable (prompts, responses) -> one score per response
-        args=IterativeDPOConfig(output_dir="runs/idpo", num_iterations=3, num_samples=8, beta=0.1,
+        args=IterativeDPOConfig(output_dir="runs/idpo", num_iterations=3, num_generations=8, beta=0.1,
                                 learning_rate=5e-7, num_train_epochs=2),
         train_dataset=prompt_dataset,              # a "prompt" column (text or chat messages), or a list
     )
@@ -83,13 +83,15 @@ logger = logging.getLogger(__name__)
 class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Default, DPOConfig):
     """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
     settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
-    ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_samples`` 8, ``temperatures`` 0.7 / 1.0,
-    ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data`` accumulate),
-    the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`: ``max_completion_length``,
-    ``top_p``, ``generation_backend``, ``eval_temperature`` ...) and:
+    ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_generations`` 8, ``temperatures``
+    0.7 / 1.0, ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data``
+    accumulate), the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`:
+    ``max_completion_length``, ``top_p``, ``generation_backend``, ``eval_temperature`` ...) and:
 
     Args:
         max_new_tokens: deprecated alias of ``max_completion_length`` (TRL's name, as in ``GRPOConfig``).
+        num_samples: deprecated alias of ``num_generations`` (TRL's name for responses per prompt, as in
+            ``GRPOConfig``; ``num_samples`` is the rows of a dataset everywhere else in rlhf-ext).
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         reward_batch_size: sequences per reward-model forward.
         eval_num_prompts: prompts of the evaluation after each iteration.
@@ -98,6 +100,7 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     """
 
     max_new_tokens: int | None = knob(None, ge=1, help="Deprecated: use max_completion_length.")
+    num_samples: int | None = knob(None, ge=2, help="Deprecated: use num_generations.")
     reference: str = field(default="sft", metadata={"help": "sft | previous"})
     reward_batch_size: int = knob(32, ge=1, help="Sequences per reward-model forward.")
     eval_num_prompts: int | None = knob(64, ge=1, help="Evaluation prompts (None: all).")
@@ -105,17 +108,18 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
     def __post_init__(self):
-        if self.max_new_tokens is not None:  # checked under its own name, then moved to max_completion_length
-            check_knob(type(self), "max_new_tokens", self.max_new_tokens)
-            warnings.warn(
-                "IterativeDPOConfig(max_new_tokens=...) is deprecated and will be removed in the next release; use "
-                "max_completion_length= (TRL's name, as in GRPOConfig)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            self.max_completion_length = self.max_new_tokens
+        for old, new in (("max_new_tokens", "max_completion_length"), ("num_samples", "num_generations")):
+            if getattr(self, old) is not None:  # checked under its own name, then moved to TRL's name
+                check_knob(type(self), old, getattr(self, old))
+                warnings.warn(
+                    f"IterativeDPOConfig({old}=...) is deprecated and will be removed in the next release; use {new}= "
+                    "(TRL's name, as in GRPOConfig)",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+                setattr(self, new, getattr(self, old))
         super().__post_init__()
-        split_temperatures(self.num_samples, self.temperatures)
+        split_temperatures(self.num_generations, self.temperatures)
         if self.reference not in ("sft", "previous"):
             raise ValueError(f"reference must be one of sft, previous; got {self.reference!r}")
 
@@ -131,7 +135,8 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
             "max_length", "max_grad_norm",
         ]  # fmt: skip
         out = {**knob_values(self, OnlineDPOKnobs), **{k: getattr(self, k) for k in keys}}
-        out["max_new_tokens"] = out.pop("max_completion_length")  # its name in run files written before the rename
+        for name, recorded in (("max_completion_length", "max_new_tokens"), ("num_generations", "num_samples")):
+            out[recorded] = out.pop(name)  # its name in run files written before the rename
         return json.loads(json.dumps(out, default=str))  # enums (lr_scheduler_type) as their strings
 
 

@@ -1,6 +1,6 @@
 """The per-batch mode of :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``online_mode="online"``, paper 001 sections
 3.5 and 4.2): one DPO run whose train dataloader is a stream: a generator thread (or process) samples
-``num_samples`` responses (2, or K for best/worst-of-K) for ``per_device_train_batch_size *
+``num_generations`` responses (2, or K for best/worst-of-K) for ``per_device_train_batch_size *
 gradient_accumulation_steps`` prompts, scores them and selects pairs (topping up with further prompts when some tie)
 while the training loop trains on the previous batch (:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go
 to the generator after each optimizer step. ``async_generation=False`` is the synchronous on-policy baseline through
@@ -201,7 +201,7 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
     generator = OnlinePairGenerator(
         prompts=trainer.prompts[trainer._dist.process_index :: trainer._dist.num_processes],
         pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
-        num_samples=a.num_samples,
+        num_generations=a.num_generations,
         max_fill_rounds=a.max_fill_rounds,
         selection=OnlineDPOKnobs(**knob_values(a, OnlineDPOKnobs)),  # a plain dataclass: pickles to a process
         reward_fn=trainer.reward_fn,

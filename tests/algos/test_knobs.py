@@ -267,3 +267,30 @@ def test_the_train_sections_keys_are_trls_field_names():
     assert same == ["learning_rate", "logging_steps", "lr_scheduler_type", "max_grad_norm", "max_steps",
                     "num_train_epochs", "weight_decay"]  # fmt: skip
     assert all(mapped[k] == getattr(section, k) for k in same)
+
+
+def test_num_samples_is_dataset_rows_and_num_generations_is_responses_per_prompt():
+    """Issue 26: ``num_samples`` meant two things, rows of a generated dataset (``task.num_samples``,
+    ``data.num_samples``) and responses per prompt (online DPO's ``n``); the simulator's Quark called the latter
+    ``samples_per_prompt``. Responses per prompt is now TRL's ``num_generations`` in every training section and config
+    (``num_samples`` stays on ``IterativeDPOConfig`` only as a deprecated alias)."""
+    from rlhf_ext.demo import DemoRecipe
+    from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
+    from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe
+    from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
+    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
+    from rlhf_ext.sim.recipe import SimCompareRecipe
+
+    recipes = (DemoRecipe, ContinualRecipe, OnlineDPORecipe, SegmentPPORecipe, SegmentRMRecipe, SimCompareRecipe)
+    sections = set().union(*map(_sections, recipes))
+
+    def having(name: str) -> list[str]:
+        return sorted(s.__qualname__ for s in sections if name in {f.name for f in dataclasses.fields(s)})
+
+    assert having("num_samples") == ["DemoData", "TaskSection"]  # the generated datasets' sizes
+    assert having("samples_per_prompt") == ["EvalSection"]  # the evaluation's sample size, not a training knob
+    assert having("num_generations") == [
+        "OnlineDPOAsyncSection", "OnlineDPOSection", "OnlineSection", "PPOAlgoSection", "PPOSection", "PPOSection",
+        "QuarkSection",
+    ]  # fmt: skip
+    assert "num_samples" not in {f.name for f in dataclasses.fields(OnlineDPOKnobs)}

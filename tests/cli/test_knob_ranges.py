@@ -192,7 +192,7 @@ def test_the_trl_configs_check_every_numeric_knob_rlhf_ext_adds():
             if _admitted(spec, text, default):
                 try:
                     config = cls(**kwargs, **{name: value})
-                except ValueError as e:  # cross-field (temperatures vs num_samples, reward_clip_range low < high)
+                except ValueError as e:  # cross-field (temperatures vs num_generations, reward_clip_range low < high)
                     assert name in str(e), (cls.__name__, name, value, str(e))
                     continue
                 assert getattr(config, name) == value

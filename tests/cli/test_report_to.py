@@ -170,7 +170,7 @@ def test_online_dpo_report_to_wandb_writes_an_offline_run_with_history(tmp_path,
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_ext.cli", "train", "online-dpo", "--config", "online_dpo_tiny",
          "--report_to", "wandb", f"train.output_dir={out}", f"policy.sft_model={tiny_sft_path}",
-         "online.num_iterations=1", "online.prompts_per_iteration=8", "online.num_samples=2",
+         "online.num_iterations=1", "online.prompts_per_iteration=8", "online.num_generations=2",
          "online.eval_samples_per_prompt=1", "data.max_eval_prompts=4", "train.max_steps=2", "train.logging_steps=1"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"},

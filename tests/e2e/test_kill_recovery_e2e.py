@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("cache_dir")
 
 ONLINE_DPO = [
     "train", "online-dpo", "--config", "online_dpo_tiny", "online.num_iterations=2", "online.prompts_per_iteration=8",
-    "online.num_samples=4", "online.max_completion_length=24", "data.max_eval_prompts=4",
+    "online.num_generations=4", "online.max_completion_length=24", "data.max_eval_prompts=4",
     "online.eval_samples_per_prompt=1", "train.batch_size=4", "train.micro_batch_size=4", "train.num_train_epochs=1",
     "train.logging_steps=100",
 ]  # fmt: skip

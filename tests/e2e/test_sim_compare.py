@@ -23,7 +23,7 @@ def recipe_file(tmp_path, tiny_sft_path):
         "eval": {"samples_per_prompt": 2},
         "best_of_n": {"n": 4},
         "dpo": {"max_pairs": 48, "train": {"max_steps": 6, "batch_size": 8, "learning_rate": 5e-4}},
-        "online_dpo_async": {"max_steps": 2, "batch_size": 4, "num_samples": 2},
+        "online_dpo_async": {"max_steps": 2, "batch_size": 4, "num_generations": 2},
     }
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump(cfg))

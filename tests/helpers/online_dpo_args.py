@@ -14,7 +14,7 @@ def make_args(out: Path, **kw) -> IterativeDPOConfig:
         output_dir=str(out),
         num_iterations=2,
         prompts_per_iteration=8,
-        num_samples=4,
+        num_generations=4,
         max_completion_length=64,
         learning_rate=1e-4,
         num_train_epochs=1,

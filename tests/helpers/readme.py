@@ -170,7 +170,7 @@ WHERE: dict[str, str] = {
     "rlhf-ext train online-dpo --config online_dpo_tiny": "wheel-smoke",
     "rlhf-ext train online-dpo --config online_dpo_async_tiny": "wheel-smoke",
     (
-        "python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_samples=4 "
+        "python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_generations=4 "
         "train.output_dir=runs/x"
     ): "wheel-smoke",
     "accelerate launch -m rlhf_ext.launch.train_online_dpo --config online_dpo_paper": (

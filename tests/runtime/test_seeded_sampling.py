@@ -84,7 +84,7 @@ def test_an_online_batch_is_the_same_in_every_run_with_the_same_seed(tiny_sft_pa
         generator = OnlinePairGenerator(
             prompts=[row["prompt"] for row in toy_data["train"].select(range(32))],
             pairs_per_update=4,
-            num_samples=4,
+            num_generations=4,
             max_fill_rounds=4,
             selection=OnlineDPOKnobs(),
             reward_fn=response_length_reward,

@@ -176,9 +176,9 @@ def test_console_output_lasts_over_every_dpo_run_of_an_iterative_trainer(tmp_pat
 
     prompts = toy_preference_dataset(n_train=32, n_test=8, seed=0)
     args = IterativeDPOConfig(
-        output_dir=str(tmp_path), num_iterations=2, prompts_per_iteration=8, num_samples=4, max_completion_length=64,
-        learning_rate=1e-4, num_train_epochs=1, per_device_train_batch_size=4, beta=0.1, **CPU_RUN, logging_steps=1,
-        eval_num_prompts=2, eval_samples_per_prompt=1, max_length=128, seed=0,
+        output_dir=str(tmp_path), num_iterations=2, prompts_per_iteration=8, num_generations=4,
+        max_completion_length=64, learning_rate=1e-4, num_train_epochs=1, per_device_train_batch_size=4, beta=0.1,
+        **CPU_RUN, logging_steps=1, eval_num_prompts=2, eval_samples_per_prompt=1, max_length=128, seed=0,
     )  # fmt: skip
     trainer = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, prompts["train"], prompts["test"])
     use_console_output(trainer)

@@ -137,7 +137,7 @@ def test_deprecated_keywords_warn_and_still_work(tmp_path, tiny_sft_path, prompt
     new = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train, test)
     assert (old.prompts, old.eval_prompts, old.reward_fn) == (new.prompts, new.eval_prompts, new.reward_fn)
     evaluation = old.evaluate_policy(0)  # samples the eval prompts and scores them with the reward
-    assert evaluation["num_samples"] == args.eval_num_prompts and evaluation["policy"] == 0
+    assert evaluation["num_responses"] == args.eval_num_prompts and evaluation["policy"] == 0
     with pytest.warns(DeprecationWarning, match="use reward_funcs="):
         by_name = IterativeDPOTrainer(tiny_sft_path, args=args, train_dataset=train, reward_model=str(tiny_sft_path))
     assert callable(by_name.reward_fn)
@@ -206,7 +206,7 @@ def test_each_iteration_raises_the_mean_reward_of_the_policys_samples(tmp_path, 
         tmp_path,
         num_iterations=3,
         prompts_per_iteration=32,
-        num_samples=8,
+        num_generations=8,
         max_completion_length=72,
         num_train_epochs=2,
         per_device_train_batch_size=8,
@@ -329,7 +329,7 @@ def test_push_to_hub_uploads_the_final_policy_only(tmp_path, tiny_sft_path, prom
     import transformers.trainer
 
     train, _ = prompts
-    args = make_args(tmp_path, num_iterations=2, prompts_per_iteration=4, num_samples=2)
+    args = make_args(tmp_path, num_iterations=2, prompts_per_iteration=4, num_generations=2)
     IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train).train()
     resumed = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, args, train)
     resumed.train()  # everything is done: no DPO run in this process
@@ -345,11 +345,16 @@ def test_push_to_hub_uploads_the_final_policy_only(tmp_path, tiny_sft_path, prom
     assert any(not torch.equal(pushed[n], sft[n]) for n in sft)  # the trained policy, not the SFT model
 
 
-def test_max_new_tokens_is_a_deprecated_alias_of_max_completion_length(tmp_path):
-    with pytest.warns(DeprecationWarning, match="use max_completion_length="):
-        args = make_args(tmp_path, max_completion_length=256, max_new_tokens=24)
-    assert args.max_completion_length == 24
-    assert make_args(tmp_path, max_completion_length=24).settings() == args.settings()
+@pytest.mark.parametrize(
+    ("old", "new", "value"), [("max_new_tokens", "max_completion_length", 24), ("num_samples", "num_generations", 6)]
+)
+def test_deprecated_aliases_set_trls_names(tmp_path, old, new, value):
+    with pytest.warns(DeprecationWarning, match=f"use {new}="):
+        args = make_args(tmp_path, **{new: 4, old: value})
+    assert getattr(args, new) == value
+    assert make_args(tmp_path, **{new: value}).settings() == args.settings()
+    with pytest.raises(ValueError, match=f"{old} must be an integer >= "):  # checked under the name the user gave
+        make_args(tmp_path, **{old: 0})
 
 
 def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, prompts):
@@ -359,9 +364,12 @@ def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, pr
     )
     trainer.open_run()
     other = IterativeDPOTrainer(
-        tiny_sft_path, args=make_args(tmp_path, num_samples=6), train_dataset=train, reward_funcs=keyphrase_gold_reward
+        tiny_sft_path,
+        args=make_args(tmp_path, num_generations=6),
+        train_dataset=train,
+        reward_funcs=keyphrase_gold_reward,
     )
-    with pytest.raises(ValueError, match="num_samples"):
+    with pytest.raises(ValueError, match="num_samples"):  # run.json keeps the name it was written with
         other.train()
     for changed in ({"beta": 0.5}, {"learning_rate": 1e-2}):  # the inner DPO runs' settings count too
         rerun = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, make_args(tmp_path, **changed), train)
@@ -438,7 +446,7 @@ def test_an_instantiated_sft_model_is_saved_once_as_policy_0(tmp_path, tiny_sft_
 def test_bad_configuration_and_inputs_are_clear_errors(tmp_path, tiny_sft_path, prompts):
     train, _ = prompts
     with pytest.raises(ValueError, match=">= 2"):
-        make_args(tmp_path, num_samples=1)
+        make_args(tmp_path, num_generations=1)
     with pytest.raises(ValueError, match="selection_rule"):
         make_args(tmp_path, selection_rule="best")
     with pytest.raises(ValueError, match="reference"):

@@ -17,7 +17,7 @@ from rlhf_ext.pipelines.iterative_dpo import trl_config as recipe_to_config
 SMALL = [
     "online.num_iterations=1",
     "online.prompts_per_iteration=8",
-    "online.num_samples=4",
+    "online.num_generations=4",
     "online.max_completion_length=48",
     "online.eval_samples_per_prompt=1",
     "data.max_eval_prompts=4",
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_paper_recipe_has_paper_004_settings():
     recipe = load_recipe(OnlineDPORecipe, recipe_path("online_dpo_paper"))
     args = recipe_to_config(recipe)
-    assert (args.num_iterations, args.prompts_per_iteration, args.num_samples) == (3, 20000, 8)
+    assert (args.num_iterations, args.prompts_per_iteration, args.num_generations) == (3, 20000, 8)
     assert args.temperatures == [0.7, 1.0] and args.selection_rule == "max_min" and args.reference == "sft"
     assert (args.learning_rate, args.num_train_epochs, args.beta, args.lr_scheduler_type) == (5e-7, 2.0, 0.1, "cosine")
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 128
@@ -45,10 +45,12 @@ def test_tiny_recipes_load(name):
 
 
 def test_recipe_errors_name_the_key(tmp_path):
-    with pytest.raises(RecipeError, match="did you mean 'online.num_samples'"):
-        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_sample=4"])
-    with pytest.raises(RecipeError, match="online.num_samples must be an integer >= 2"):
-        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_samples=1"])
+    with pytest.raises(RecipeError, match="did you mean 'online.num_generations'"):
+        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_generation=4"])
+    with pytest.raises(RecipeError, match="'online.num_samples' was renamed to 'online.num_generations'"):
+        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_samples=4"])
+    with pytest.raises(RecipeError, match="online.num_generations must be an integer >= 2"):
+        load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["online.num_generations=1"])
     with pytest.raises(RecipeError, match="exactly one of reward.model"):
         load_recipe(OnlineDPORecipe, recipe_path("online_dpo_tiny"), ["reward.model=runs/rm"])
     with pytest.raises(RecipeError, match="'online.selection_rule' must be one of"):
@@ -101,7 +103,7 @@ def test_run_iterations_runs_the_same_steps_as_train(tmp_path, tiny_sft_path):
             output_dir=str(out),
             num_iterations=2,
             prompts_per_iteration=8,
-            num_samples=4,
+            num_generations=4,
             max_completion_length=48,
             learning_rate=1e-4,
             num_train_epochs=1,
