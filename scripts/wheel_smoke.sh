@@ -109,7 +109,7 @@ step data-export rlhf-ext data export runs/pp -o runs/pp_jsonl --format jsonl
 EXPECT="policy" step online-dpo rlhf-ext train online-dpo --config online_dpo_tiny
 EXPECT="policy" step online-dpo-accelerate accelerate launch -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny
 EXPECT="policy" step online-dpo-async rlhf-ext train online-dpo --config online_dpo_async_tiny
-EXPECT="policy" step online-dpo-module python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_samples=4 train.output_dir=runs/x
+EXPECT="policy" step online-dpo-module python -m rlhf_ext.launch.train_online_dpo --config online_dpo_tiny online.num_generations=4 train.output_dir=runs/x
 EXPECT="forgetting|transfer" step continual-dpo rlhf-ext train continual --config continual_dpo_tiny continual.continual_kl_coef=0.5 output_dir=runs/my_seq
 EXPECT="forgetting|transfer" step continual-module python -m rlhf_ext.launch.train_continual --config continual_dpo_tiny continual.continual_kl_coef_schedule='[1.0, 0.0]'
 # every sim compare method on the packaged task, two seeds in two spawned worker processes of the installed package
