@@ -126,7 +126,6 @@ class OnlinePairGenerator:
         self,
         prompts: list[Any],
         pairs_per_update: int,
-        num_generations: int,
         max_fill_rounds: int,
         selection: OnlineDPOKnobs,
         reward_fn: RewardFn,
@@ -138,7 +137,6 @@ class OnlinePairGenerator:
     ):
         self.prompts = prompts
         self.pairs_per_update = pairs_per_update
-        self.num_generations = num_generations
         self.max_fill_rounds = max_fill_rounds
         self.selection = selection
         self.reward_fn = reward_fn
@@ -184,7 +182,7 @@ class OnlinePairGenerator:
         for fill_round in range(self.max_fill_rounds + 1):
             prompts, ids = self._take(self.pairs_per_update - len(rows))
             seed = sampling_seed(self.seed, "online", update, fill_round)
-            samples = self.sampler.sample(prompts, self.num_generations, seed=seed)
+            samples = self.sampler.sample(prompts, self.selection.num_generations, seed=seed)
             new, _ = score_and_select(
                 prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(update)
             )
@@ -193,8 +191,9 @@ class OnlinePairGenerator:
                 return OnlineBatchPairs(rows, self.cursor)
         raise RuntimeError(
             f"online batch {update}: only {len(rows)} of {self.pairs_per_update} prompts gave a preference pair after "
-            f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.num_generations} responses tied). Use a "
-            "reward with finer resolution, more samples per prompt (num_generations), or a larger max_fill_rounds."
+            f"{self.max_fill_rounds + 1} sampling rounds (the others' {self.selection.num_generations} responses "
+            "tied). Use a reward with finer resolution, more samples per prompt (num_generations), or a larger "
+            "max_fill_rounds."
         )
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

@@ -345,7 +345,7 @@ class OnlineDPOAsyncSection(TrainSection):
     learning_rate: float = knob_like(TrainSection, "learning_rate", 5e-4)
     lr_scheduler_type: str = "constant"
     warmup_ratio: float = knob_like(TrainSection, "warmup_ratio", 0.0)
-    num_generations: int = knob(4, ge=2)
+    num_generations: int = knob_like(OnlineDPOKnobs, "num_generations", 4)
     beta: float = knob(0.1, gt=0)
 
 

@@ -64,7 +64,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from trl import DPOConfig, DPOTrainer
 
-from rlhf_ext.algos.knobs import check_knob, knob
+from rlhf_ext.algos.knobs import check_knob, knob, knob_like
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs, OnlineSamplingKnobs
 from rlhf_ext.runtime.async_runner import RunnerStats, torch_threads
@@ -100,7 +100,7 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     """
 
     max_new_tokens: int | None = knob(None, ge=1, help="Deprecated: use max_completion_length.")
-    num_samples: int | None = knob(None, ge=2, help="Deprecated: use num_generations.")
+    num_samples: int | None = knob_like(OnlineDPOKnobs, "num_generations", None, help="Deprecated: num_generations.")
     reference: str = field(default="sft", metadata={"help": "sft | previous"})
     reward_batch_size: int = knob(32, ge=1, help="Sequences per reward-model forward.")
     eval_num_prompts: int | None = knob(64, ge=1, help="Evaluation prompts (None: all).")

@@ -201,7 +201,6 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
     generator = OnlinePairGenerator(
         prompts=trainer.prompts[trainer._dist.process_index :: trainer._dist.num_processes],
         pairs_per_update=a.per_device_train_batch_size * a.gradient_accumulation_steps,
-        num_generations=a.num_generations,
         max_fill_rounds=a.max_fill_rounds,
         selection=OnlineDPOKnobs(**knob_values(a, OnlineDPOKnobs)),  # a plain dataclass: pickles to a process
         reward_fn=trainer.reward_fn,

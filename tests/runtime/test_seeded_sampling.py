@@ -84,9 +84,8 @@ def test_an_online_batch_is_the_same_in_every_run_with_the_same_seed(tiny_sft_pa
         generator = OnlinePairGenerator(
             prompts=[row["prompt"] for row in toy_data["train"].select(range(32))],
             pairs_per_update=4,
-            num_generations=4,
             max_fill_rounds=4,
-            selection=OnlineDPOKnobs(),
+            selection=OnlineDPOKnobs(num_generations=4),
             reward_fn=response_length_reward,
             sampler_spec={"policy": tiny_sft_path},
             seed=11,
