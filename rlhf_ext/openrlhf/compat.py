@@ -23,7 +23,8 @@ Two independent pieces, both no-ops where they are not needed:
   ``torch.cuda.synchronize`` (a no-op without CUDA), and the DeepSpeed optimizer config (``torch_adam``, avoiding
   the fused-Adam C++ build). In Ray workers (``worker=True``) also ``torch.cuda.current_device()`` — OpenRLHF's PPO
   path moves tensors with ``.to(torch.cuda.current_device())`` at 18 call sites — returns the CPU device, and the PPO
-  replay buffer targets the CPU.
+  replay buffer targets the CPU, and each model group's rendezvous port comes from :func:`rendezvous_port` (so that
+  several runs can start at once on one machine, as CI's test workers do).
 
 Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
 """
@@ -40,6 +41,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 OPENRLHF_VERSION = "0.11.2"
@@ -217,17 +219,40 @@ def check_version() -> None:
         )
 
 
+def rendezvous_port() -> int:
+    """A free TCP port for a torch.distributed rendezvous, chosen *below* the kernel's ephemeral range.
+
+    OpenRLHF (``BaseDistributedActor._get_free_port``) binds port 0, closes the socket and lets the process group bind
+    the same port seconds later. Port 0 hands out an ephemeral port, which any process on the machine may receive for
+    its own ``bind(0)`` or outgoing connection in that window (seen as ``EADDRINUSE`` when two Ray runs start at once
+    on one machine). The kernel never hands out ports below ``ip_local_port_range``, so a port taken from
+    ``[20000, low)`` can only collide with another explicit choice (above Ray's worker ports, 10002-19999). Falls back
+    to port 0 where that range is empty."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.Random()  # seeded from the OS: the training RNGs stay untouched
+    for _ in range(64):
+        port = pick.randrange(20000, low) if low > 20000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free TCP port for torch.distributed in [20000, {low}); free some ports and rerun")
+
+
 def ensure_single_process_env() -> None:
     """Fill in the torch.distributed rendezvous variables for a plain ``python`` run (launchers set them)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("MASTER_PORT", str(rendezvous_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -342,6 +367,9 @@ def patch_for_cpu(worker: bool = False) -> bool:
     if worker and not _WORKER_PATCHED:
         with import_shims():
             from openrlhf.trainer.ppo_utils import replay_buffer
+            from openrlhf.trainer.ray import launcher
+
+        launcher.BaseDistributedActor._get_free_port = staticmethod(rendezvous_port)
 
         torch.cuda.current_device = _cpu_current_device
         buffer_cls = replay_buffer.NaiveReplayBuffer

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +267,32 @@ def test_running_the_library_module_points_to_the_runnable_one():
     proc = subprocess.run([sys.executable, "-m", "rlhf_ext.openrlhf.segment_ppo", "--help"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "python -m rlhf_ext.openrlhf.train_ppo_ray" in proc.stderr
+
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+@pytest.mark.skipif(not EPHEMERAL_RANGE.exists(), reason="Linux's ephemeral port range is read from /proc")
+def test_ray_rendezvous_ports_are_outside_the_ephemeral_range():
+    """OpenRLHF's model groups took their torch.distributed port from ``bind(0)`` (the kernel's ephemeral range),
+    released it and bound it again later; with two Ray runs starting at once (CI's two test workers) another process
+    received the port in between and the policy actor died with ``EADDRINUSE``. In a Ray worker the port now comes
+    from below the ephemeral range, which the kernel never hands out, and is free when chosen."""
+    code = (
+        "from rlhf_ext.openrlhf.compat import patch_for_cpu, import_shims\n"
+        "patch_for_cpu(worker=True)\n"
+        "with import_shims():\n"
+        "    from openrlhf.trainer.ray.launcher import BaseDistributedActor\n"
+        "print('PORTS', *[BaseDistributedActor._get_free_port() for _ in range(20)])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = [int(p) for p in proc.stdout.split("PORTS ")[-1].split()]
+    assert len(ports) == 20 and all(20000 <= p < low for p in ports), ports
+    for port in ports:  # free: the run's process group can bind it
+        with socket.socket() as sock:
+            sock.bind(("", port))
 
 
 @pytest.mark.parametrize(
