@@ -23,7 +23,7 @@ Two independent pieces, both no-ops where they are not needed:
   ``torch.cuda.synchronize`` (a no-op without CUDA), and the DeepSpeed optimizer config (``torch_adam``, avoiding
   the fused-Adam C++ build). In Ray workers (``worker=True``) also ``torch.cuda.current_device()`` — OpenRLHF's PPO
   path moves tensors with ``.to(torch.cuda.current_device())`` at 18 call sites — returns the CPU device, and the PPO
-  replay buffer targets the CPU, and each model group's rendezvous port comes from :func:`rendezvous_port` (so that
+  replay buffer targets the CPU, and each model group's rendezvous port comes from :func:`free_port` (so that
   several runs can start at once on one machine, as CI's test workers do).
 
 Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
@@ -219,8 +219,9 @@ def check_version() -> None:
         )
 
 
-def rendezvous_port() -> int:
-    """A free TCP port for a torch.distributed rendezvous, chosen *below* the kernel's ephemeral range.
+def free_port() -> int:
+    """A free TCP port to bind later (a torch.distributed rendezvous, a Ray node), chosen *below* the kernel's
+    ephemeral range.
 
     OpenRLHF (``BaseDistributedActor._get_free_port``) binds port 0, closes the socket and lets the process group bind
     the same port seconds later. Port 0 hands out an ephemeral port, which any process on the machine may receive for
@@ -244,7 +245,7 @@ def rendezvous_port() -> int:
             except OSError:
                 continue
             return sock.getsockname()[1]
-    raise RuntimeError(f"no free TCP port for torch.distributed in [20000, {low}); free some ports and rerun")
+    raise RuntimeError(f"no free TCP port in [20000, {low}); free some ports and rerun")
 
 
 def ensure_single_process_env() -> None:
@@ -252,7 +253,7 @@ def ensure_single_process_env() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(rendezvous_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -369,7 +370,7 @@ def patch_for_cpu(worker: bool = False) -> bool:
             from openrlhf.trainer.ppo_utils import replay_buffer
             from openrlhf.trainer.ray import launcher
 
-        launcher.BaseDistributedActor._get_free_port = staticmethod(rendezvous_port)
+        launcher.BaseDistributedActor._get_free_port = staticmethod(free_port)
 
         torch.cuda.current_device = _cpu_current_device
         buffer_cls = replay_buffer.NaiveReplayBuffer
