@@ -172,12 +172,13 @@ class IterationRun:
         legacy = {"settings": self.args.settings(), "sft": self.sft_path, "prompts": settings["prompts"]}
         legacy = old is not None and "fingerprint" not in old and old == json.loads(json.dumps(legacy))
         run = None
+        names = self.args.recorded_names
         if self.dist.is_main_process:
-            run = RunDir(self.root, settings, kind=RUN_KIND, force=legacy)
-        elif old is not None and not legacy:
-            run = RunDir(self.root, settings, kind=RUN_KIND)  # read-only here: the same run, or the same error
+            run = RunDir(self.root, settings, kind=RUN_KIND, force=legacy, recorded_names=names)
+        elif old is not None and not legacy:  # read-only here: the same run, or the same error
+            run = RunDir(self.root, settings, kind=RUN_KIND, recorded_names=names)
         self.dist.wait_for_everyone()
-        return run or RunDir(self.root, settings, kind=RUN_KIND)
+        return run or RunDir(self.root, settings, kind=RUN_KIND, recorded_names=names)
 
     def read_state(self) -> dict[str, Any]:
         """``state.json``: the checkpoint of every policy so far (``policies``) and the iterations without pairs."""

@@ -121,6 +121,9 @@ class RunDir:
         redo: how the caller's user redoes the stages with new settings, named in :class:`RunSettingsChanged`
             (``"rerun with --force"``); ``None``: the caller has no such option, and the error says to delete the
             directory or choose a new one.
+        recorded_names: ``{setting's name: its key in settings}`` for settings recorded under an older name (so
+            that the fingerprint of runs started before a rename holds); :class:`RunSettingsChanged` names them by
+            their current name.
 
     Raises:
         RunSettingsChanged: ``root`` holds a run with other settings (or of another kind) and ``force`` is false.
@@ -136,6 +139,7 @@ class RunDir:
         force: bool = False,
         stages_dir: str = STAGES_DIR,
         redo: str | None = None,
+        recorded_names: Mapping[str, str] | None = None,
     ) -> None:
         self.root = Path(root)
         self.stages = self.root / stages_dir
@@ -150,7 +154,9 @@ class RunDir:
         same = old is not None and old.get("fingerprint") == self.fingerprint and old.get("kind", kind) == kind
         if old is not None and not same and not force:
             old_settings = old.get("settings") if isinstance(old.get("settings"), Mapping) else {}
-            was, now = {"kind": old.get("kind", kind), **old_settings}, {"kind": kind, **self.settings}
+            current = {recorded: name for name, recorded in (recorded_names or {}).items()}
+            was = {"kind": old.get("kind", kind), **{current.get(k, k): v for k, v in old_settings.items()}}
+            now = {"kind": kind, **{current.get(k, k): v for k, v in self.settings.items()}}
             raise RunSettingsChanged(self.root, changed_keys(was, now) or ["fingerprint"], was, now, redo)
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)

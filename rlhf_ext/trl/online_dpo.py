@@ -57,7 +57,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
@@ -123,6 +123,12 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
         if self.reference not in ("sft", "previous"):
             raise ValueError(f"reference must be one of sft, previous; got {self.reference!r}")
 
+    #: settings recorded in ``run.json`` under their names from before a rename (so that earlier runs resume)
+    recorded_names: ClassVar[dict[str, str]] = {
+        "max_completion_length": "max_new_tokens",
+        "num_generations": "num_samples",
+    }
+
     def settings(self) -> dict[str, Any]:
         """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
         settings. A resumed run with any of them changed is refused, naming the changed keys (a rerun with a new
@@ -135,8 +141,8 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
             "max_length", "max_grad_norm",
         ]  # fmt: skip
         out = {**knob_values(self, OnlineDPOKnobs), **{k: getattr(self, k) for k in keys}}
-        for name, recorded in (("max_completion_length", "max_new_tokens"), ("num_generations", "num_samples")):
-            out[recorded] = out.pop(name)  # its name in run files written before the rename
+        for name, recorded in self.recorded_names.items():
+            out[recorded] = out.pop(name)
         return json.loads(json.dumps(out, default=str))  # enums (lr_scheduler_type) as their strings
 
 

@@ -46,6 +46,19 @@ def test_changed_nested_setting_is_refused_naming_the_key(tmp_path):
     assert "; rerun with --force to redo its stages with the new settings, or choose a new output" in str(err.value)
 
 
+def test_a_setting_recorded_under_its_old_name_is_named_by_its_current_name(tmp_path):
+    """Runs recorded before a rename keep the old key (their fingerprint holds); the refusal names the knob the user
+    sets (it used to say ``num_samples`` to a user who had set ``num_generations``)."""
+    names = {"num_generations": "num_samples"}
+    RunDir(tmp_path, {"num_samples": 4, "beta": 0.1}, kind="test", recorded_names=names)
+    with pytest.raises(RunSettingsChanged) as err:
+        RunDir(tmp_path, {"num_samples": 6, "beta": 0.1}, kind="test", recorded_names=names)
+    assert err.value.keys == ["num_generations"] and "changed: num_generations: 4 -> 6)" in str(err.value)
+    assert RunDir(tmp_path, {"num_samples": 4, "beta": 0.1}, kind="test").fingerprint == fingerprint(
+        {"num_samples": 4, "beta": 0.1}
+    )  # the recorded settings and their fingerprint are unchanged
+
+
 def test_other_kind_is_refused(tmp_path):
     RunDir(tmp_path, SETTINGS, kind="demo")
     with pytest.raises(RunSettingsChanged, match='changed: kind: "demo" -> "compare"'):

@@ -369,7 +369,7 @@ def test_resuming_with_different_settings_is_refused(tmp_path, tiny_sft_path, pr
         train_dataset=train,
         reward_funcs=keyphrase_gold_reward,
     )
-    with pytest.raises(ValueError, match="num_samples"):  # run.json keeps the name it was written with
+    with pytest.raises(ValueError, match="changed: num_generations: 4 -> 6"):  # run.json says num_samples
         other.train()
     for changed in ({"beta": 0.5}, {"learning_rate": 1e-2}):  # the inner DPO runs' settings count too
         rerun = IterativeDPOTrainer(tiny_sft_path, keyphrase_gold_reward, make_args(tmp_path, **changed), train)
