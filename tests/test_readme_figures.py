@@ -48,7 +48,9 @@ def readme_section(title: str) -> str:
     return text[start : end if end > 0 else None]
 
 
-@pytest.mark.parametrize("results_md", ["sim_compare.md", "sim_compare_seeds123.md"])
+@pytest.mark.parametrize(
+    "results_md", ["sim_compare.md", "sim_compare_seeds123.md", "sim_compare_full_grid_seeds123.md"]
+)
 def test_readme_simulator_tables_match_the_results_they_quote(results_md):
     section = readme_section("Simulator")
     assert f"benchmarks/results/{results_md.removesuffix('.md')}" in section, f"the README does not quote {results_md}"
@@ -97,6 +99,20 @@ def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
     assert (
         f"**{minutes} min {seconds} s** ({round(rerun['wall_seconds'])} s, `benchmarks/results/sim_compare_rerun.json`)"
         in text
+    )
+
+
+def test_readme_chunk_against_paper_mode_at_the_whole_grids_picks_is_the_results_difference():
+    """The README's "chunk leads paper mode on LC (by D ± S)" at the whole grid's picks: the difference of the two
+    methods' mean LC win rates and the standard error of that difference, from the results file."""
+    methods = {
+        m["method"]: m for m in json.loads((RESULTS / "sim_compare_full_grid_seeds123.json").read_text())["methods"]
+    }
+    chunk, paper = methods["chunk_ppo"], methods["segment_ppo"]
+    diff = chunk["lc_win_rate"] - paper["lc_win_rate"]
+    stderr = (chunk["lc_win_rate_se"] ** 2 + paper["lc_win_rate_se"] ** 2) ** 0.5
+    assert f"chunk leads paper mode on LC (by {diff:.3f} ± {stderr:.3f})" in " ".join(
+        readme_section("Simulator").split()
     )
 
 
