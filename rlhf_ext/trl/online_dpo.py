@@ -107,8 +107,15 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     vllm_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "Extra vllm.LLM arguments."})
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
+    #: renamed settings -> their old names: the deprecated aliases above, and the keys ``run.json`` records them
+    #: under (so that runs started before the renames resume)
+    recorded_names: ClassVar[dict[str, str]] = {
+        "max_completion_length": "max_new_tokens",
+        "num_generations": "num_samples",
+    }
+
     def __post_init__(self):
-        for old, new in (("max_new_tokens", "max_completion_length"), ("num_samples", "num_generations")):
+        for new, old in self.recorded_names.items():
             if getattr(self, old) is not None:  # checked under its own name, then moved to TRL's name
                 check_knob(type(self), old, getattr(self, old))
                 warnings.warn(
@@ -122,12 +129,6 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
         split_temperatures(self.num_generations, self.temperatures)
         if self.reference not in ("sft", "previous"):
             raise ValueError(f"reference must be one of sft, previous; got {self.reference!r}")
-
-    #: settings recorded in ``run.json`` under their names from before a rename (so that earlier runs resume)
-    recorded_names: ClassVar[dict[str, str]] = {
-        "max_completion_length": "max_new_tokens",
-        "num_generations": "num_samples",
-    }
 
     def settings(self) -> dict[str, Any]:
         """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
