@@ -1,5 +1,8 @@
 """Dense reward sources (spans) on OpenRLHF's real experience maker: the same rewards, advantages and returns as the
-TRL trainer's functions on identical tensors, for a rules file and a user's callable as ``--ext.reward_source``."""
+TRL trainer's functions on identical tensors, for every kind of ``--ext.reward_source``: a rules file, a user's
+callable, a segment reward model and a process reward model (both on GPT-2's tokenizer, the policy's is the toy BPE).
+The Ray loop runs one kind end to end (``test_ray_ppo_e2e.py``); the actor loads every kind through the same
+:func:`rlhf_ext.zoo.builtins.resolve_reward_source`."""
 
 from __future__ import annotations
 
@@ -43,7 +46,11 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
     (root / "rules.yaml").write_text("rules:\n- {pattern: thank you, weight: 1.0}\n- {pattern: answer, weight: -0.5}\n")
     (root / "user_source.py").write_text(USER_SOURCE)
-    return {"rules": f"rules:{root / 'rules.yaml'}", "callable": f"{root / 'user_source.py'}:first_words"}
+    from tests.helpers.cross_tokenizer import gpt2_segment_rm
+
+    rm = gpt2_segment_rm(root / "models")
+    return {"rules": f"rules:{root / 'rules.yaml'}", "callable": f"{root / 'user_source.py'}:first_words",
+            "segment-rm": f"segment-rm:{rm}", "prm": f"prm:{rm}"}  # fmt: skip
 
 
 def _rollout(tok, seed=0, prompt_len=3):
@@ -87,7 +94,7 @@ def _args(estimator, granularity, spec):
 
 @pytest.mark.parametrize("granularity", ["segment", "bandit", "segment_as_bandit"])
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_baseline"])
-@pytest.mark.parametrize("source", ["rules", "callable"])
+@pytest.mark.parametrize("source", ["rules", "callable", "segment-rm", "prm"])
 def test_trl_and_openrlhf_give_identical_span_rewards_and_advantages(seg_ppo, sources, toy_tok, source, granularity,
                                                                      estimator):  # fmt: skip
     """``--ext.reward_source`` through OpenRLHF's experience maker (its decode, its GAE loop, reward clip, group

@@ -166,26 +166,18 @@ def pays(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.parametrize("kind", ["callable", "rules", "segment-rm", "prm"])
-def test_span_reward_source_on_the_ray_loop(ray_env, kind):
-    """``--ext.reward_source`` (a user's callable in a file, a rules file, a segment RM and a process RM on another
-    tokenizer than the policy's) instead of a reward model: 2 REINFORCE steps through OpenRLHF's Ray loop with no
-    reward-model actor; the logged reward of each step is the mean of what the callable paid for that step's 8
-    responses (an even split keeps each span's total)."""
+def test_span_reward_source_on_the_ray_loop(ray_env):
+    """``--ext.reward_source`` (a user's callable in a file) instead of a reward model: 2 REINFORCE steps through
+    OpenRLHF's Ray loop with no reward-model actor; the logged reward of each step is the mean of what the callable
+    paid for that step's 8 responses (an even split keeps each span's total). One kind runs here: the actors load
+    every kind through the same resolver, and ``test_openrlhf_span_sources.py`` checks each kind (rules, callable,
+    segment RM, process RM) on OpenRLHF's experience maker against the TRL path."""
     root, (sft, _), prompts = ray_env
-    out = root / f"source_{kind}"
+    out = root / "source_callable"
     out.mkdir()
-    if kind == "callable":
-        log = out / "paid.jsonl"
-        (out / "source.py").write_text(f"LOG = {str(log)!r}\n" + PAYING_SOURCE)
-        spec = f"{out / 'source.py'}:pays"
-    elif kind in ("segment-rm", "prm"):  # GPT-2's tokenizer, the policy's is the toy BPE
-        from tests.helpers.cross_tokenizer import gpt2_segment_rm
-
-        spec = f"{kind}:{gpt2_segment_rm(out / 'models')}"
-    else:
-        (out / "rules.yaml").write_text("rules:\n- {pattern: the, weight: 1.0}\n- {pattern: you, weight: -0.5}\n")
-        spec = f"rules:{out / 'rules.yaml'}"
+    log = out / "paid.jsonl"
+    (out / "source.py").write_text(f"LOG = {str(log)!r}\n" + PAYING_SOURCE)
+    spec = f"{out / 'source.py'}:pays"
     from tests.helpers.openrlhf_runs import run_train_ppo_ray, tiny_ppo_argv
 
     argv = tiny_ppo_argv(sft, "unused", prompts, out / "run")
@@ -198,8 +190,7 @@ def test_span_reward_source_on_the_ray_loop(ray_env, kind):
     assert "RewardActor pid" not in log_text and "RewardModelActor pid" not in log_text
     for step in (steps[1], steps[2]):
         _finite(step, ["reward", "return", "policy_loss", "segments_per_response"])
-    if kind == "callable":
-        paid = [t for line in log.read_text().splitlines() for t in json.loads(line)]
-        assert len(paid) == 16
-        for k, step in ((1, steps[1]), (2, steps[2])):
-            assert step["rollout/reward_mean"] == pytest.approx(sum(paid[8 * (k - 1) : 8 * k]) / 8, rel=1e-5, abs=1e-6)
+    paid = [t for line in log.read_text().splitlines() for t in json.loads(line)]
+    assert len(paid) == 16
+    for k, step in ((1, steps[1]), (2, steps[2])):
+        assert step["rollout/reward_mean"] == pytest.approx(sum(paid[8 * (k - 1) : 8 * k]) / 8, rel=1e-5, abs=1e-6)
