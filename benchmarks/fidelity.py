@@ -3,8 +3,8 @@
 
 Steps, each a command users run, in one output directory per budget (finished work is reused on rerun):
 
-1. ``rlhf-ext sim tune``: the PPO variants' shared grid on the tuning seed, picked on validation prompts;
-2. ``rlhf-ext sim compare --tuning OUT``: every method on the reporting seeds, PPO variants at their picks;
+1. ``rlhf-ext sim tune``: the PPO variants' shared grid and DPO's own on the tuning seed, picked on validation prompts;
+2. ``rlhf-ext sim compare --tuning OUT``: every method on the reporting seeds, the tuned ones at their picks;
 3. the same comparison of SFT and the PPO variants on another task stage (``task.stage=1``), at the picks of stage 0:
    settings chosen on one stage and seed, checked on others;
 4. ``benchmarks/sim_fidelity.py`` on both (rank correlation with AlpacaFarm, paper 003's order, LC and raw);
@@ -43,7 +43,10 @@ BUDGETS: dict[str, dict[str, Any]] = {
         "sim": "smoke",
         "out": "runs/fidelity_smoke",
         "seeds": [1],
-        "tune": ["tuning.grid={ppo.learning_rate: [3.0e-4, 1.0e-3]}"],
+        "tune": [
+            "tuning.grid={ppo.learning_rate: [3.0e-4, 1.0e-3]}",
+            "tuning.method_grids={dpo: {dpo.train.learning_rate: [3.0e-4, 1.0e-3]}}",
+        ],
         "online_dpo": ["online_dpo.num_iterations=3", "online_dpo.prompts_per_iteration=4"],
         "continual": ["ppo.max_steps=1", "data.num_tasks=2", "--seeds", "0"],
     },

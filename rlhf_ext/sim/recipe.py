@@ -353,20 +353,29 @@ class OnlineDPOAsyncSection(TrainSection):
 class TuningSection:
     """``rlhf-ext sim tune``: every method of ``methods`` gets the same ``grid`` (dotted recipe keys -> values; the
     product is tried), trained on the ``seeds`` given here and evaluated on the validation prompts
-    (``eval.split: validation``); the point with the best mean length-controlled win rate is picked. AlpacaFarm
-    tuned each method in its simulator the same way (paper 002, section 4). Report on other seeds than these."""
+    (``eval.split: validation``); the point with the best mean length-controlled win rate is picked. A method whose
+    settings live elsewhere (DPO has no ``ppo.*`` keys) has its own grid in ``method_grids``, which replaces ``grid``
+    for it. AlpacaFarm tuned each method in its simulator the same way (paper 002, section 4). Report on other seeds
+    than these."""
 
     seeds: list[int] = knob(default_factory=lambda: [0], ge=0, le=MAX_SEED)
     methods: list[str] = field(default_factory=list)
     grid: dict[str, list[Any]] = field(default_factory=dict)
+    method_grids: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
     def __post_init__(self):
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in [*self.methods, *self.method_grids] if m not in METHODS]
         if unknown:
-            raise ValueError(f"tuning.methods: unknown method(s) {', '.join(unknown)}")
-        for key, values in self.grid.items():
-            if not isinstance(values, list) or not values:
-                raise ValueError(f"tuning.grid.{key} must be a non-empty list of values, got {values!r}")
+            raise ValueError(f"tuning.methods / tuning.method_grids: unknown method(s) {', '.join(unknown)}")
+        grids = {"tuning.grid": self.grid, **{f"tuning.method_grids.{m}": g for m, g in self.method_grids.items()}}
+        for name, grid in grids.items():
+            for key, values in (grid or {}).items():
+                if not isinstance(values, list) or not values:
+                    raise ValueError(f"{name}.{key} must be a non-empty list of values, got {values!r}")
+
+    def grid_of(self, method: str) -> dict[str, list[Any]]:
+        """The grid ``method`` is tuned on: its own in ``method_grids``, else the shared ``grid``."""
+        return self.method_grids.get(method) or self.grid
 
 
 @dataclass

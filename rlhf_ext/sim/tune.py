@@ -2,12 +2,12 @@
 
 AlpacaFarm compared methods after tuning each in its simulator; comparing one method at its tuned setting against
 another at a setting chosen for something else says little. :func:`run_tuning` gives every method of the recipe's
-``tuning`` section the same grid (the product of ``tuning.grid``'s values), trains each point on ``tuning.seeds``
-and evaluates it exactly as ``sim compare`` does, but on the *validation* prompts (``eval.split: validation``, test
-prompts disjoint from the reported ones), never by gold and never by the surrogate reward. Per method it picks the
-point with the best mean length-controlled win rate (raw win rates reward length; see
-:func:`rlhf_ext.sim.evaluate.length_controlled_win_rate`). The picked points are what ``method_overrides`` of a
-comparison recipe should hold; report on seeds other than the tuning seeds.
+``tuning`` section the same grid (the product of ``tuning.grid``'s values; a method of ``tuning.method_grids``, its
+own), trains each point on ``tuning.seeds`` and evaluates it exactly as ``sim compare`` does, but on the *validation*
+prompts (``eval.split: validation``, test prompts disjoint from the reported ones), never by gold and never by the
+surrogate reward. Per method it picks the point with the best mean length-controlled win rate (raw win rates reward
+length; see :func:`rlhf_ext.sim.evaluate.length_controlled_win_rate`). The picked points are what ``method_overrides``
+of a comparison recipe should hold; report on seeds other than the tuning seeds.
 
 Layout: each (method, point) is a comparison directory of its own under ``OUTPUT_DIR/tuning/`` whose shared
 artefacts (task splits, base and SFT models, the seed's feedback and surrogate reward models) are links to the main
@@ -80,8 +80,9 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
     """Run every (method, grid point, tuning seed) of ``recipe.tuning`` that has no result yet, pick each method's
     best point and write ``OUTPUT_DIR/tuning/tuning.json`` and ``tuning.md``; returns the summary."""
     tuning = recipe.tuning
-    if not tuning.methods or not tuning.grid:
-        raise ValueError("the recipe's tuning section needs methods and a grid (tuning.methods, tuning.grid)")
+    if not tuning.methods or not all(tuning.grid_of(m) for m in tuning.methods):
+        raise ValueError("the recipe's tuning section needs methods and a grid for each (tuning.methods, tuning.grid "
+                         "or tuning.method_grids)")  # fmt: skip
     main = Path(recipe.output_dir)
     shared = SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": tuning.seeds}), progress)
     shared.check_directory()
@@ -92,7 +93,7 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
                 shared.reward_model(seed, kind)
     jobs = []
     for method in tuning.methods:
-        for point in grid_points(tuning.grid):
+        for point in grid_points(tuning.grid_of(method)):
             for seed in tuning.seeds:
                 sub = point_recipe(recipe, method, point, seed)
                 link_shared(main, Path(sub.output_dir), seed)
@@ -126,7 +127,7 @@ def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
     methods = {}
     for method in recipe.tuning.methods:
         rows = []
-        for point in grid_points(recipe.tuning.grid):
+        for point in grid_points(recipe.tuning.grid_of(method)):
             root = Path(point_recipe(recipe, method, point, recipe.tuning.seeds[0]).output_dir)
             paths = [result_path(root, method, seed) for seed in recipe.tuning.seeds]
             results = [json.loads(p.read_text()) for p in paths if p.exists()]
@@ -143,7 +144,9 @@ def summarise_tuning(recipe: SimCompareRecipe) -> dict[str, Any]:
             "picked": picked["point"] if picked else None,
             "overrides": [f"{k}={v}" for k, v in picked["point"].items()] if picked else [],
         }
-    return {"seeds": recipe.tuning.seeds, "grid": recipe.tuning.grid, "criterion": "lc_win_rate", "methods": methods}
+    tuning = recipe.tuning
+    return {"seeds": tuning.seeds, "grid": tuning.grid, "method_grids": tuning.method_grids,
+            "criterion": "lc_win_rate", "methods": methods}  # fmt: skip
 
 
 def tuning_markdown(summary: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ def test_packaged_recipe_lists_every_method_and_three_seeds_other_than_the_tunin
     r = packaged()
     assert r.methods == list(METHODS) and r.seeds == [1, 2, 3]
     assert not set(r.tuning.seeds) & set(r.seeds)  # settings are picked on seeds the comparison does not report
-    assert set(r.tuning.methods) == {"bandit_ppo", "segment_ppo", "chunk_ppo", "token_ppo"}
+    assert set(r.tuning.methods) == {"bandit_ppo", "segment_ppo", "chunk_ppo", "token_ppo", "dpo"}
     assert r.feedback.pool.flip_prob == 0.25 and r.eval.judge == "pool"
     assert r.feedback.pairs == "sft_samples" and r.task.phrase_credit == "partial"  # AlpacaFarm's protocol, graded gold
     assert {"bandit_ppo", "segment_ppo", "chunk_ppo", "token_ppo"} <= set(r.methods)  # one `ppo` section: one budget

@@ -153,3 +153,26 @@ def test_a_directory_from_before_per_method_records_keeps_its_results(tmp_path):
     SimRun(
         packaged(f"output_dir={tmp_path}", "method_overrides={dpo: [dpo.beta=0.5]}", "methods=[dpo]")
     ).check_directory()
+
+
+def test_a_method_with_its_own_grid_is_tuned_and_picked_on_it(tmp_path):
+    """DPO has no ``ppo.*`` keys: ``tuning.method_grids.dpo`` replaces the shared grid for it (the packaged recipe
+    gives it the PPO grid's shape, 3 learning rates x 2 strengths of the pull to the SFT model), and its pick is the
+    best mean LC win rate over its own points."""
+    recipe = packaged(f"output_dir={tmp_path}")
+    assert recipe.tuning.methods[-1] == "dpo" and "dpo" not in recipe.tuning.method_grids.get("bandit_ppo", {})
+    dpo_points = grid_points(recipe.tuning.grid_of("dpo"))
+    assert dpo_points[0] == {"dpo.train.learning_rate": 1e-4, "dpo.beta": 0.1} and len(dpo_points) == 6
+    assert grid_points(recipe.tuning.grid_of("chunk_ppo"))[0] == {"ppo.learning_rate": 1e-4, "ppo.kl_coef": 0.05}
+    sub = point_recipe(recipe, "dpo", dpo_points[5], 0)
+    assert (sub.dpo.train.learning_rate, sub.dpo.beta, sub.methods) == (1e-3, 0.3, ["dpo"])
+    for point, lc in zip(dpo_points, [0.50, 0.55, 0.60, 0.58, 0.70, 0.65]):
+        _result(Path(point_recipe(recipe, "dpo", point, 0).output_dir), "dpo", 0, lc=lc, win=0.5)
+    summary = summarise_tuning(recipe)
+    assert summary["methods"]["dpo"]["overrides"] == ["dpo.train.learning_rate=0.001", "dpo.beta=0.1"]
+    assert summary["methods"]["bandit_ppo"]["points"] == []  # no result yet: nothing picked, nothing invented
+    assert summary["method_grids"] == {"dpo": recipe.tuning.grid_of("dpo")}
+    with pytest.raises(RecipeError, match="unknown method"):
+        packaged("tuning.method_grids={rlhf: {dpo.beta: [0.1]}}")
+    with pytest.raises(RecipeError, match=r"tuning.method_grids.dpo.dpo.beta must be a non-empty list"):
+        packaged("tuning.method_grids={dpo: {dpo.beta: []}}")
