@@ -76,6 +76,15 @@ def link_shared(main: Path, sub: Path, seed: int) -> None:
             dest.symlink_to(src.resolve(), target_is_directory=True)
 
 
+def shared_run(recipe: SimCompareRecipe, progress: Callable[[str], None] | None = None) -> SimRun:
+    """The main directory's run that builds what every tuning point shares (SFT model, feedback and reward models of
+    the tuning seeds). It runs no method there, so the methods a tuned comparison already ran in that directory (at
+    their picks) are not checked against the recipe's own ``method_overrides``: tuning again after ``sim compare
+    --tuning`` (a method added, a grid widened) reuses the directory."""
+    return SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": recipe.tuning.seeds, "methods": ["sft"]}),
+                  progress)  # fmt: skip
+
+
 def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dict[str, Any]:
     """Run every (method, grid point, tuning seed) of ``recipe.tuning`` that has no result yet, pick each method's
     best point and write ``OUTPUT_DIR/tuning/tuning.json`` and ``tuning.md``; returns the summary."""
@@ -84,7 +93,7 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
         raise ValueError("the recipe's tuning section needs methods and a grid for each (tuning.methods, tuning.grid "
                          "or tuning.method_grids)")  # fmt: skip
     main = Path(recipe.output_dir)
-    shared = SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": tuning.seeds}), progress)
+    shared = shared_run(recipe, progress)
     shared.check_directory()
     with torch_threads(recipe.threads):
         shared.sft_model()

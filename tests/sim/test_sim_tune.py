@@ -176,3 +176,24 @@ def test_a_method_with_its_own_grid_is_tuned_and_picked_on_it(tmp_path):
         packaged("tuning.method_grids={rlhf: {dpo.beta: [0.1]}}")
     with pytest.raises(RecipeError, match=r"tuning.method_grids.dpo.dpo.beta must be a non-empty list"):
         packaged("tuning.method_grids={dpo: {dpo.beta: []}}")
+
+
+def test_tuning_again_after_the_tuned_comparison_reuses_the_directory(tmp_path):
+    """`sim tune --out X`, `sim compare --tuning X --out X`, then `sim tune --out X` again (a method added to the
+    tuning, a grid widened): the comparison's methods ran in X at their picks, and tuning runs none of them there, so
+    it does not refuse the directory for the recipe's own (empty) method_overrides."""
+    from rlhf_ext.sim.compare import record_method_overrides
+    from rlhf_ext.sim.tune import apply_tuning, shared_run
+
+    recipe = packaged(f"output_dir={tmp_path}")
+    shared_run(recipe).check_directory()  # the first `sim tune`
+    (tmp_path / "tuning").mkdir()
+    picks = {"bandit_ppo": {"picked": {"ppo.kl_coef": 0.2}, "overrides": ["ppo.kl_coef=0.2"]}}
+    (tmp_path / "tuning" / "tuning.json").write_text(json.dumps({"methods": picks}))
+    tuned = apply_tuning(recipe, tmp_path)
+    record_method_overrides(SimRun(tuned).check_directory(), tuned, "bandit_ppo")  # the comparison ran bandit_ppo
+    with pytest.raises(RecipeError, match=r"bandit_ppo was run here with method_overrides \['ppo.kl_coef=0.2'\]"):
+        SimRun(recipe).check_directory()  # an untuned comparison of it would mix results: refused
+    shared = shared_run(recipe)
+    shared.check_directory()  # tuning again: accepted
+    assert shared.recipe.seeds == recipe.tuning.seeds and shared.recipe.methods == ["sft"]
