@@ -49,7 +49,7 @@ def readme_section(title: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "results_md", ["sim_compare.md", "sim_compare_seeds123.md", "sim_compare_full_grid_seeds123.md"]
+    "results_md", ["sim_compare.md", "sim_compare_seeds123.md", "sim_compare_full_grid_seeds12345.md"]
 )
 def test_readme_simulator_tables_match_the_results_they_quote(results_md):
     section = readme_section("Simulator")
@@ -102,18 +102,19 @@ def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
     )
 
 
-def test_readme_chunk_against_paper_mode_at_the_whole_grids_picks_is_the_results_difference():
-    """The README's "chunk leads paper mode on LC (by D ± S)" at the whole grid's picks: the difference of the two
-    methods' mean LC win rates and the standard error of that difference, from the results file."""
+def test_readme_chunk_against_paper_mode_and_bandit_at_the_whole_grids_picks_are_the_results_differences():
+    """The README's "chunk leads by D ± S" (against bandit) and "chunk leads paper mode on LC (by D ± S)" at the whole
+    grid's picks: differences of the methods' mean LC win rates and the standard errors of those differences, from the
+    results file."""
     methods = {
-        m["method"]: m for m in json.loads((RESULTS / "sim_compare_full_grid_seeds123.json").read_text())["methods"]
+        m["method"]: m for m in json.loads((RESULTS / "sim_compare_full_grid_seeds12345.json").read_text())["methods"]
     }
-    chunk, paper = methods["chunk_ppo"], methods["segment_ppo"]
-    diff = chunk["lc_win_rate"] - paper["lc_win_rate"]
-    stderr = (chunk["lc_win_rate_se"] ** 2 + paper["lc_win_rate_se"] ** 2) ** 0.5
-    assert f"chunk leads paper mode on LC (by {diff:.3f} ± {stderr:.3f})" in " ".join(
-        readme_section("Simulator").split()
-    )
+    text = " ".join(readme_section("Simulator").split())
+    for other, phrase in (("segment_ppo", "chunk leads paper mode on LC (by {}"), ("bandit_ppo", "chunk leads by {}")):
+        chunk, them = methods["chunk_ppo"], methods[other]
+        diff = chunk["lc_win_rate"] - them["lc_win_rate"]
+        stderr = (chunk["lc_win_rate_se"] ** 2 + them["lc_win_rate_se"] ** 2) ** 0.5
+        assert phrase.format(f"{diff:.3f} ± {stderr:.3f}") in text, other
 
 
 def test_readme_sft_against_itself_matches_the_30_draws():
