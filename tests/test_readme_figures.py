@@ -153,3 +153,33 @@ def test_readme_claims_table_is_the_one_make_fidelity_wrote():
     paragraph = section[section.index("**Every fidelity result from one command**") :]
     written = (RESULTS / "fidelity.md").read_text()
     assert tables(paragraph)[0] == tables(written)[0]
+
+
+def test_readme_ranking_with_every_method_tuned_is_the_fidelity_run():
+    """The README's *Every method at the protocol's picks*: DPO's LC win rate, the rank correlations and their
+    bootstrap intervals from `sim_fidelity_full_grid.json`, the two nearly tied methods, and the Spearman rho with
+    those two swapped, recomputed here with the benchmark's own function."""
+    from rlhf_ext.sim.fidelity import spearman_rho
+
+    text = " ".join(readme_section("Simulator").split())
+    metrics = json.loads((RESULTS / "sim_fidelity_full_grid.json").read_text())["metrics"]
+    shown = []
+    for metric in ("lc_win_rate", "win_rate"):
+        stats = metrics[metric]["alpacafarm"]["statistics"]
+        rho, tau = stats["spearman"], stats["kendall_tau_b"]
+        shown += [f"{rho['value']:+.3f}", f"({rho['bootstrap_2.5']:+.3f}..{rho['bootstrap_97.5']:+.3f})",
+                  f"{tau['value']:+.3f}"]  # fmt: skip
+    lc, raw = shown[:3], shown[3:]
+    assert (
+        f"Spearman rho is {lc[0]} on the LC win rate (bootstrap over seeds {lc[1][1:]} and {raw[0]} on the raw one "
+        f"{raw[1]}; Kendall tau-b {lc[2]} and {raw[2]}" in text
+    )
+    rows = {r["method"]: r for r in metrics["lc_win_rate"]["alpacafarm"]["methods"]}
+    sft, rc = rows["sft"]["win_rate_vs_sft"], rows["reward_conditioning"]["win_rate_vs_sft"]
+    assert f"SFT ({sft:.4f}) reading above reward conditioning ({rc:.4f}) by {sft - rc:.5f}" in text
+    swapped = {**{m: r["win_rate_vs_sft"] for m, r in rows.items()}, "sft": rc, "reward_conditioning": sft}
+    alpacafarm = [rows[m]["alpacafarm_sim_winrate_vs_davinci003"] for m in rows]
+    assert f"rho on LC would be {spearman_rho([swapped[m] for m in rows], alpacafarm):+.3f}" in text
+    dpo = {m["method"]: m for m in json.loads((RESULTS / "sim_compare_full_grid_all_seeds123.json").read_text())[
+        "methods"]}["dpo"]  # fmt: skip
+    assert f"DPO reads {dpo['lc_win_rate']:.3f} ± {dpo['lc_win_rate_se']:.3f} LC" in text
