@@ -367,11 +367,10 @@ class TuningSection:
         unknown = [m for m in [*self.methods, *self.method_grids] if m not in METHODS]
         if unknown:
             raise ValueError(f"tuning.methods / tuning.method_grids: unknown method(s) {', '.join(unknown)}")
-        grids = {"tuning.grid": self.grid, **{f"tuning.method_grids.{m}": g for m, g in self.method_grids.items()}}
-        for name, grid in grids.items():
-            for key, values in (grid or {}).items():
-                if not isinstance(values, list) or not values:
-                    raise ValueError(f"{name}.{key} must be a non-empty list of values, got {values!r}")
+        grids = {"grid": self.grid, **{f"method_grids.{m}": g for m, g in self.method_grids.items()}}
+        empty = [f"tuning.{name}.{key}" for name, grid in grids.items() for key, values in grid.items() if not values]
+        if empty:  # the recipe loader has checked the types: every value is a list
+            raise ValueError(f"{empty[0]} must be a non-empty list of values")
 
     def grid_of(self, method: str) -> dict[str, list[Any]]:
         """The grid ``method`` is tuned on: its own in ``method_grids``, else the shared ``grid``."""

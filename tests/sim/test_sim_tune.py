@@ -160,7 +160,7 @@ def test_a_method_with_its_own_grid_is_tuned_and_picked_on_it(tmp_path):
     gives it the PPO grid's shape, 3 learning rates x 2 strengths of the pull to the SFT model), and its pick is the
     best mean LC win rate over its own points."""
     recipe = packaged(f"output_dir={tmp_path}")
-    assert recipe.tuning.methods[-1] == "dpo" and "dpo" not in recipe.tuning.method_grids.get("bandit_ppo", {})
+    assert recipe.tuning.methods[-1] == "dpo" and recipe.tuning.grid_of("bandit_ppo") is recipe.tuning.grid
     dpo_points = grid_points(recipe.tuning.grid_of("dpo"))
     assert dpo_points[0] == {"dpo.train.learning_rate": 1e-4, "dpo.beta": 0.1} and len(dpo_points) == 6
     assert grid_points(recipe.tuning.grid_of("chunk_ppo"))[0] == {"ppo.learning_rate": 1e-4, "ppo.kl_coef": 0.05}
@@ -176,6 +176,8 @@ def test_a_method_with_its_own_grid_is_tuned_and_picked_on_it(tmp_path):
         packaged("tuning.method_grids={rlhf: {dpo.beta: [0.1]}}")
     with pytest.raises(RecipeError, match=r"tuning.method_grids.dpo.dpo.beta must be a non-empty list"):
         packaged("tuning.method_grids={dpo: {dpo.beta: []}}")
+    with pytest.raises(RecipeError, match=r"tuning.grid.ppo.kl_coef must be a non-empty list"):
+        packaged("tuning.grid={ppo.kl_coef: []}")
 
 
 def test_tuning_again_after_the_tuned_comparison_reuses_the_directory(tmp_path):
