@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """``rlhf-ext serve rm`` under load and under hostile clients. Prints tables and writes JSON; not a test.
 
-All contenders serve the same loaded segment reward model (``builtin:tiny-segment-rm``) in this one process, 1 torch
-thread, and take turns on open connections (the order alternates; in table 1 a turn is 4 requests per connection:
-~60 ms at c = 1), so that a shared machine's load, which changes within seconds, falls on all of them.
+All contenders serve the same segment reward model (``builtin:tiny-segment-rm``), 1 torch thread, and take turns on
+open connections (the order alternates; in table 1 a turn is 4 requests per connection: ~60 ms at c = 1), so that a
+shared machine's load, which changes within seconds, falls on all of them. By default they run in this one process,
+beside the client; with ``--processes`` table 1's contenders run each in its own process (``rlhf-ext serve rm``'s
+shape: the client shares neither the server's interpreter lock nor its threads), measured from outside.
 
 1. Concurrency (issue 28): requests of one pair each (what OpenRLHF's rollout sends), ``c`` in flight at a time, for
    c = 1, 8, 64. ``batched``: the server as shipped (a batch takes every pair waiting and closes when none is).
@@ -27,6 +29,7 @@ rounds is the figure; ``make bench``'s summary rows are the c = 1 and c = 64 rat
 
     python benchmarks/serve_rm.py [--rounds 5] [--before 609d424] [--hostile] [--out benchmarks/results/serve_rm.json]
     python benchmarks/serve_rm.py --quick     # table 1 at c = 1 and 64 only, 9 rounds -> serve_rm_quick.json
+    python benchmarks/serve_rm.py --quick --processes   # the same, each server its own process -> *_processes.json
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ from tests.helpers.reward_client import TOLERANCE, Trickler, distinct_pairs, rea
 ROLES = {"rm-batcher": "scoring thread (models)", "rm-serve": "event loop (HTTP)", "rm-prepare": "parse + tokenise",
          "rm-http": "request threads (old: HTTP + parse + tokenise)", "rm-accept": "accept loop (old)",
          "MainThread": "client (this process)"}  # fmt: skip
+#: The CPU of a server running in its own process (``--processes``): models and overhead together.
+SERVER_PROCESS = "server process (all its threads)"
 #: Roles whose CPU is not the server's overhead: the models, and the client (which shares this process).
-NOT_OVERHEAD = ("scoring thread (models)", "client (this process)")
+NOT_OVERHEAD = ("scoring thread (models)", "client (this process)", SERVER_PROCESS)
 
 
 # ------------------------------------------------------------------------------------------------------ servers
@@ -92,9 +97,35 @@ def start_server(kind: str, scorer, ref: str | None, **settings):
     return RewardServer(scorer, ServeSettings(port=0, **settings)).start()
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of every live thread, summed by role (:data:`ROLES`, by thread-name prefix)."""
+class ServerProcess:
+    """A contender in its own process (``--serve``): ``url``, ``pid``; no ``batcher`` to read batch sizes from."""
+
+    batcher = None
+
+    def __init__(self, rm_dir: str, max_batch_size: int | None = None):
+        command = [sys.executable, __file__, "--serve", "new", "--model", rm_dir]
+        command += ["--max-batch-size", str(max_batch_size)] if max_batch_size else []
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self.url, self.pid = self.proc.stdout.readline().split()[1], self.proc.pid
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(servers: dict | None = None) -> dict[str, float]:
+    """CPU seconds of every live thread, summed by role (:data:`ROLES`, by thread-name prefix), and of the
+    ``servers`` that run in their own processes (:data:`SERVER_PROCESS`; only one is busy at a time)."""
     totals: dict[str, float] = {}
+    for server in (servers or {}).values():
+        if isinstance(server, ServerProcess):
+            totals[SERVER_PROCESS] = totals.get(SERVER_PROCESS, 0.0) + process_cpu(server.pid)
     for thread in threading.enumerate():
         role = next((r for prefix, r in ROLES.items() if thread.name.startswith(prefix)), "other")
         try:
@@ -186,10 +217,10 @@ def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurre
                 end, first = begin + (turn or len(bodies)), (round_ * len(starts) + index) % len(names)
                 for name in names[first:] + names[:first]:
                     server = servers[name]
-                    before, b0, p0 = thread_cpu(), server.batcher.batches, server.batcher.pairs
+                    before, b0, p0 = thread_cpu(servers), *batch_counts(server)
                     wall, lat, answers = await fire(f"{server.url}/get_reward", bodies[begin:end], concurrency,
                                                     sessions[name])  # fmt: skip
-                    after = thread_cpu()
+                    after = thread_cpu(servers)
                     if wanted is not None:
                         check(answers, wanted[begin:end])
                     if round_ == 0:
@@ -198,8 +229,9 @@ def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurre
                     latencies[name].extend(lat)
                     for role, seconds in after.items():
                         cpu[name][role] = cpu[name].get(role, 0.0) + seconds - before.get(role, 0.0)
-                    batches[name][0] += server.batcher.batches - b0
-                    batches[name][1] += server.batcher.pairs - p0
+                    b1, p1 = batch_counts(server)
+                    batches[name][0] += b1 - b0
+                    batches[name][1] += p1 - p0
         finally:
             for session in sessions.values():
                 await session.close()
@@ -211,11 +243,16 @@ def run_rounds(servers: dict, bodies: list[bytes], wanted: list | None, concurre
     return {name: {"pairs_per_s": spread(rates[name]), "rates": rates[name],
                    "latency_ms": {"p50": 1e3 * percentile(latencies[name], 0.5),
                                   "p99": 1e3 * percentile(latencies[name], 0.99)},
-                   "mean_batch": batches[name][1] / max(1, batches[name][0]),
+                   "mean_batch": batches[name][1] / batches[name][0] if batches[name][0] else None,
                    "cpu_ms_per_pair": {role: 1e3 * s / (pairs * rounds) for role, s in sorted(cpu[name].items())},
                    "server_overhead_cpu_ms_per_pair": 1e3 * sum(s for role, s in cpu[name].items()
                                                                 if role not in NOT_OVERHEAD) / (pairs * rounds)}
             for name in names}  # fmt: skip
+
+
+def batch_counts(server) -> tuple[int, int]:
+    """Batches scored and pairs in them so far; (0, 0) for a server in its own process (not observable)."""
+    return (server.batcher.batches, server.batcher.pairs) if server.batcher else (0, 0)
 
 
 def requests_at(concurrency: int) -> int:
@@ -230,9 +267,14 @@ def ratio(stats: dict, a: str, b: str) -> dict:
     return spread([x / y for x, y in zip(stats[a]["rates"], stats[b]["rates"])])
 
 
-def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], ref: str | None) -> dict:
-    servers = {"batched": start_server("new", scorer, None),
-               "per_request": start_server("new", scorer, None, max_batch_size=1)}  # fmt: skip
+def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], ref: str | None,
+                      rm_dir: str | None = None) -> dict:  # fmt: skip
+    """Table 1; with ``rm_dir`` each contender runs in its own process (``--processes``)."""
+    if rm_dir:
+        servers = {"batched": ServerProcess(rm_dir), "per_request": ServerProcess(rm_dir, max_batch_size=1)}
+    else:
+        servers = {"batched": start_server("new", scorer, None),
+                   "per_request": start_server("new", scorer, None, max_batch_size=1)}  # fmt: skip
     if ref:
         servers["before"] = start_server("old", scorer, ref)
     results = {}
@@ -250,7 +292,8 @@ def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], r
             r = row["ratio_batched_per_request"]
             print(f"c={c:>3}: batched/per-request {r['median']:.2f}x [{r['p25']:.2f}-{r['p75']:.2f}]"
                   + (f", batched/before {row['ratio_batched_before']['median']:.2f}x" if ref else "")
-                  + f"; {shown}; mean batch {stats['batched']['mean_batch']:.1f}", flush=True)  # fmt: skip
+                  + f"; {shown}; mean batch {stats['batched']['mean_batch'] or float('nan'):.1f}",
+                  flush=True)  # fmt: skip
     finally:
         for server in servers.values():
             server.close()
@@ -305,11 +348,12 @@ def load_200(scorer, expected_of, rounds: int, ref: str | None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ hostile
-def serve_in_process(kind: str, rm_dir: str, ref: str | None) -> None:
+def serve_in_process(kind: str, rm_dir: str, ref: str | None, max_batch_size: int | None = None) -> None:
     """``--serve``: run one server until killed, printing ``URL <url>``."""
     from rlhf_ext.runtime.token_scores import SegmentScorer
 
-    server = start_server(kind, SegmentScorer(rm_dir), ref)
+    settings = {"max_batch_size": max_batch_size} if max_batch_size else {}
+    server = start_server(kind, SegmentScorer(rm_dir), ref, **settings)
     print(f"URL {server.url}", flush=True)
     threading.Event().wait()
 
@@ -415,8 +459,9 @@ async def health_under_load(url: str, body: bytes, n: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------- main
-def summary_rows(concurrency: dict) -> list[dict]:
+def summary_rows(concurrency: dict, processes: bool) -> list[dict]:
     """``make bench``'s rows: batched over per-request pairs/s at c = 1 (target >= 1.0x) and c = 64 (>= 3x)."""
+    where = ", each server in its own process" if processes else ""
     probe = machine_probe()
 
     def text(stats: dict, what: str) -> str:
@@ -424,7 +469,7 @@ def summary_rows(concurrency: dict) -> list[dict]:
         return (f"{what} {stats['pairs_per_s']['median']:.0f} pairs/s, latency p50 {lat['p50']:.1f} ms, "
                 f"p99 {lat['p99']:.1f} ms")  # fmt: skip
 
-    return [summary_row(f"serve rm vs per-request scoring at concurrency {c}",
+    return [summary_row(f"serve rm vs per-request scoring at concurrency {c}{where}",
                         text(concurrency[str(c)]["batched"], "batched server"),
                         text(concurrency[str(c)]["per_request"], "per-request scoring (max_batch_size=1)"),
                         concurrency[str(c)]["ratio_batched_per_request"], target, probe, unit="x pairs/s")
@@ -441,17 +486,22 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="the hostile-client figures (needs --before)")
     parser.add_argument("--flood-mb", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="only table 1, at c = 1 and 64, 9 rounds")
+    parser.add_argument("--processes", action="store_true", help="table 1's servers each in its own process")
     parser.add_argument("--serve", choices=["new", "old"], help=argparse.SUPPRESS)
+    parser.add_argument("--max-batch-size", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.levels = 9, "1,64"
-    args.out = args.out or str(REPO / f"benchmarks/results/serve_rm{'_quick' if args.quick else ''}.json")
+    if args.processes and (args.before or args.hostile):
+        parser.error("--processes measures table 1 of this tree's server only; drop --before / --hostile")
+    name = "serve_rm" + ("_quick" if args.quick else "") + ("_processes" if args.processes else "")
+    args.out = args.out or str(REPO / f"benchmarks/results/{name}.json")
     torch.set_num_threads(1)
     from rlhf_ext.pipelines.builtins import resolve_model
 
     rm_dir = resolve_model(args.model)
     if args.serve:
-        return serve_in_process(args.serve, rm_dir, args.before)
+        return serve_in_process(args.serve, rm_dir, args.before, args.max_batch_size)
     from rlhf_ext.runtime.token_scores import SegmentScorer
 
     scorer = SegmentScorer(rm_dir)
@@ -469,12 +519,15 @@ def main() -> None:
             "machine_note": "2 CPU cores shared with other jobs: read the ratios, not the absolute rates",
             "before": args.before,
             "quick": args.quick,
+            "servers": "each in its own process, the client in this one" if args.processes else "in this process",
         },  # fmt: skip
         "in_process_ms_per_pair_alone": 1e3 * alone,
-        "concurrency": concurrency_table(scorer, pairs, expected, args.rounds, levels, args.before),
+        "concurrency": concurrency_table(
+            scorer, pairs, expected, args.rounds, levels, args.before, rm_dir if args.processes else None
+        ),  # fmt: skip
     }
-    results["summary"] = summary_rows(results["concurrency"])
-    if not args.quick:
+    results["summary"] = summary_rows(results["concurrency"], args.processes)
+    if not args.quick and not args.processes:  # tables 2 and 3 need the server in this process
         load_pairs = distinct_pairs(900, seed=3)
         expected_of = dict(zip(load_pairs, (scorer.score(p, r).evaluation for p, r in load_pairs)))
         results["server_overhead"] = overhead_table(scorer, pairs, args.rounds, args.before)
