@@ -183,3 +183,22 @@ def test_readme_ranking_with_every_method_tuned_is_the_fidelity_run():
     dpo = {m["method"]: m for m in json.loads((RESULTS / "sim_compare_full_grid_all_seeds123.json").read_text())[
         "methods"]}["dpo"]  # fmt: skip
     assert f"DPO reads {dpo['lc_win_rate']:.3f} ± {dpo['lc_win_rate_se']:.3f} LC" in text
+
+
+def test_readme_second_stage_at_the_whole_grids_picks_is_the_run_it_quotes():
+    """The README's second-stage figures at the whole grid's picks: each PPO variant's LC win rate ± s.e. and the
+    three reward models' mean held-out accuracies, from `sim_compare_stage1_full_grid.json` (`make fidelity`'s
+    step 3)."""
+    results = json.loads((RESULTS / "sim_compare_stage1_full_grid.json").read_text())
+    lc = {m["method"]: f"{m['lc_win_rate']:.3f} ± {m['lc_win_rate_se']:.3f}" for m in results["methods"]}
+    accuracy = {
+        kind: sum(seeds.values()) / len(seeds) for kind, seeds in results["reward_model_heldout_accuracy"].items()
+    }
+    text = " ".join(readme_section("Simulator").split())
+    assert (
+        f"bandit PPO {lc['bandit_ppo']} LC, token {lc['token_ppo']}, chunk {lc['chunk_ppo']}, paper mode "
+        f"{lc['segment_ppo']}" in text
+    )
+    assert (
+        f"(segment {accuracy['segment']:.3f}, bandit {accuracy['bandit']:.3f}, token {accuracy['token']:.3f})" in text
+    )
