@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from _timing import machine_probe, spread, summary_row  # noqa: E402
 
@@ -98,12 +99,14 @@ def start_server(kind: str, scorer, ref: str | None, **settings):
 
 
 class ServerProcess:
-    """A contender in its own process (``--serve``): ``url``, ``pid``; no ``batcher`` to read batch sizes from."""
+    """A server in its own process (``--serve``: ``new`` or ``old`` at git ``ref``): ``url``, ``pid``; no
+    ``batcher`` to read batch sizes from."""
 
     batcher = None
 
-    def __init__(self, rm_dir: str, max_batch_size: int | None = None):
-        command = [sys.executable, __file__, "--serve", "new", "--model", rm_dir]
+    def __init__(self, kind: str, rm_dir: str, ref: str | None = None, max_batch_size: int | None = None):
+        command = [sys.executable, __file__, "--serve", kind, "--model", rm_dir]
+        command += ["--before", ref] if ref else []
         command += ["--max-batch-size", str(max_batch_size)] if max_batch_size else []
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         self.url, self.pid = self.proc.stdout.readline().split()[1], self.proc.pid
@@ -113,19 +116,14 @@ class ServerProcess:
         self.proc.wait()
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid``, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def thread_cpu(servers: dict | None = None) -> dict[str, float]:
     """CPU seconds of every live thread, summed by role (:data:`ROLES`, by thread-name prefix), and of the
     ``servers`` that run in their own processes (:data:`SERVER_PROCESS`; only one is busy at a time)."""
     totals: dict[str, float] = {}
     for server in (servers or {}).values():
         if isinstance(server, ServerProcess):
-            totals[SERVER_PROCESS] = totals.get(SERVER_PROCESS, 0.0) + process_cpu(server.pid)
+            cpu = psutil.Process(server.pid).cpu_times()
+            totals[SERVER_PROCESS] = totals.get(SERVER_PROCESS, 0.0) + cpu.user + cpu.system
     for thread in threading.enumerate():
         role = next((r for prefix, r in ROLES.items() if thread.name.startswith(prefix)), "other")
         try:
@@ -271,7 +269,8 @@ def concurrency_table(scorer, pairs, expected, rounds: int, levels: list[int], r
                       rm_dir: str | None = None) -> dict:  # fmt: skip
     """Table 1; with ``rm_dir`` each contender runs in its own process (``--processes``)."""
     if rm_dir:
-        servers = {"batched": ServerProcess(rm_dir), "per_request": ServerProcess(rm_dir, max_batch_size=1)}
+        servers = {"batched": ServerProcess("new", rm_dir),
+                   "per_request": ServerProcess("new", rm_dir, max_batch_size=1)}  # fmt: skip
     else:
         servers = {"batched": start_server("new", scorer, None),
                    "per_request": start_server("new", scorer, None, max_batch_size=1)}  # fmt: skip
@@ -377,9 +376,8 @@ def timed_get(url: str, timeout: float) -> float | None:
 
 
 def hostile(kind: str, rm_dir: str, ref: str, flood_mb: int) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--model", rm_dir, "--before", ref],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
-    url = proc.stdout.readline().split()[1]
+    proc = ServerProcess(kind, rm_dir, ref)
+    url = proc.url
     host, port = url.removeprefix("http://").split(":")
     address = (host, int(port))
     out: dict = {}
@@ -432,8 +430,7 @@ def hostile(kind: str, rm_dir: str, ref: str, flood_mb: int) -> dict:
         # /health while 500 scoring requests of 8 pairs are in flight
         out["scoring_500"] = asyncio.run(health_under_load(url, body_of(distinct_pairs(8, seed=10)), 500))
     finally:
-        proc.kill()
-        proc.wait()
+        proc.close()
     print(f"{kind}: {json.dumps(out)}", flush=True)
     return out
 
