@@ -102,6 +102,49 @@ def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
     )
 
 
+def test_the_default_comparison_on_the_later_machine_as_the_readme_states_it():
+    """``sim_compare_rerun_b624b00.json``: the packaged comparison on a later machine. The README prints its time as
+    recorded and the ratio of its summed method times to the first run's; the SFT evaluation timed at two commits
+    there (``sft_evaluation_by_commit.json``) is quoted as recorded; and the methods whose settings the tuning does not
+    change, the feedback and the reward models' accuracies equal the whole-grid comparison's on that machine."""
+    later, first, grid = (
+        json.loads((RESULTS / name).read_text())
+        for name in ("sim_compare_rerun_b624b00.json", "sim_compare.json", "sim_compare_full_grid_all_seeds123.json")
+    )
+    text = " ".join(readme_section("Simulator").split())
+    minutes, seconds = divmod(round(later["wall_seconds"]), 60)
+    name = "benchmarks/results/sim_compare_rerun_b624b00.json"
+    assert f"**{minutes} min {seconds} s** ({round(later['wall_seconds'])} s, `{name}`" in text
+
+    def method_seconds(results: dict) -> float:
+        return sum(s["train_seconds"] + s["eval_seconds"] for m in results["methods"] for s in m["per_seed"])
+
+    assert f"took {method_seconds(later) / method_seconds(first):.2f}x as long in sum" in text
+    timing = json.loads((RESULTS / "sft_evaluation_by_commit.json").read_text())
+    by_commit = {
+        c: [f"{r['eval_seconds']:.1f} s" for r in timing["runs"] if r["commit"] == c] for c in ("2c4062d", "b624b00")
+    }
+    assert f"({' and '.join(by_commit['2c4062d'])} against {' and '.join(by_commit['b624b00'])}, alternated" in text
+    assert {r["win_rate"] for r in timing["runs"]} == {later["methods"][0]["per_seed"][0]["win_rate"]}
+    assert timing["first_machine_seed1_win_rate_at_2c4062d"] == first["methods"][0]["per_seed"][0]["win_rate"]
+    assert (
+        f"seed-1 win rate there is {later['methods'][0]['per_seed'][0]['win_rate']:.3f} (this table's run: "
+        f"{first['methods'][0]['per_seed'][0]['win_rate']:.3f})" in text
+    )
+
+    def figures(method: dict) -> list[dict]:
+        drop = ("train_seconds", "eval_seconds", "policy", "policy_path", "reference")
+        return [{k: v for k, v in s.items() if k not in drop} for s in method["per_seed"]]
+
+    tuned = json.loads((RESULTS / "sim_tuning_full_grid.json").read_text())["methods"]
+    whole = {m["method"]: m for m in grid["methods"]}
+    same = [m["method"] for m in later["methods"] if m["method"] not in tuned]
+    assert all(figures(whole[name]) == figures(m) for m in later["methods"] if (name := m["method"]) in same)
+    assert f"the {len(same)} methods whose settings the tuning below does not change" in text
+    for key in ("feedback", "reward_model_heldout_accuracy"):
+        assert later[key] == grid[key], key
+
+
 def test_readme_chunk_against_paper_mode_and_bandit_at_the_whole_grids_picks_are_the_results_differences():
     """The README's "chunk leads by D ± S" (against bandit) and "chunk leads paper mode on LC (by D ± S)" at the whole
     grid's picks: differences of the methods' mean LC win rates and the standard errors of those differences, from the

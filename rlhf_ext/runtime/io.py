@@ -331,13 +331,27 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Any, Any]:
     return __getattr__, __dir__
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's name (Linux: ``cpuinfo``'s first ``model name``; else :func:`platform.processor`): results of
+    the same seeded run differ between CPUs by floating-point rounding, so a result names the CPU it ran on."""
+    import platform
+
+    with contextlib.suppress(OSError):
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
-    """What a benchmark result needs to be read against: CPUs, torch threads, 1/5/15-minute load average, versions."""
+    """What a benchmark result needs to be read against: CPU model and count, torch threads, 1/5/15-minute load
+    average, versions."""
     import platform
 
     import torch
 
     return {
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,

@@ -1,16 +1,25 @@
 """Atomic writers: readers see the old or the complete new file, with the permissions the umask gives (not mkstemp's
-private 0600 / mkdtemp's 0700, which lock collaborators on a shared filesystem out of reports and checkpoints)."""
+private 0600 / mkdtemp's 0700, which lock collaborators on a shared filesystem out of reports and checkpoints); and
+the machine a result names."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import platform
 import stat
 import time
 
 import pytest
 
-from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text, file_lock
+from rlhf_ext.runtime.io import (
+    atomic_directory,
+    atomic_write_json,
+    atomic_write_text,
+    cpu_model,
+    file_lock,
+    machine_info,
+)
 
 
 @pytest.fixture
@@ -61,3 +70,12 @@ def test_file_lock_excludes_other_processes(tmp_path):
         p.join(60)
     events = sorted((q.get(timeout=5) for _ in range(4)), key=lambda e: e[1])
     assert [e[0] for e in events] == ["in", "out", "in", "out"]  # never two holders at once
+
+
+def test_machine_info_names_the_cpu_from_cpuinfo_and_falls_back_to_platform(tmp_path):
+    """Seeded results differ between CPUs by rounding, so every result file names its CPU (``machine_info``)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 2.0GHz\nflags\t: a b\n" * 2)
+    assert cpu_model(cpuinfo) == "Example CPU 9000 @ 2.0GHz"
+    assert cpu_model(tmp_path / "missing") == (platform.processor() or platform.machine())
+    assert machine_info()["cpu_model"] == cpu_model()
