@@ -81,6 +81,11 @@ def test_readme_states_the_default_comparisons_wall_clock_as_recorded():
     assert f"**{minutes} min {seconds} s**" in text and f"({round(wall)} s, the results' `wall_seconds`" in text
 
 
+def without_times(row: dict, drop: tuple[str, ...] = ()) -> dict:
+    """A results row without its times (keys naming seconds) and without the keys ``drop``."""
+    return {k: v for k, v in row.items() if "seconds" not in k and k not in drop}
+
+
 def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
     """``sim_compare_rerun.json``: the same command again (a later commit, another day, the recipe's resolved form
     with the new keys of its training sections). Every figure but the wall and per-method times equals
@@ -88,8 +93,7 @@ def test_the_default_comparisons_rerun_is_identical_but_for_its_times():
     first, rerun = (json.loads((RESULTS / name).read_text()) for name in ("sim_compare.json", "sim_compare_rerun.json"))
 
     def figures(results: dict) -> dict:
-        drop = lambda row: {k: v for k, v in row.items() if "seconds" not in k}  # noqa: E731
-        methods = [{**drop(m), "per_seed": [drop(s) for s in m["per_seed"]]} for m in results["methods"]]
+        methods = [{**without_times(m), "per_seed": [*map(without_times, m["per_seed"])]} for m in results["methods"]]
         kept = {k: v for k, v in results.items() if k not in ("wall_seconds", "machine", "recipe")}
         return {**kept, "methods": methods}
 
@@ -113,8 +117,8 @@ def test_the_default_comparison_on_the_later_machine_as_the_readme_states_it():
     )
     text = " ".join(readme_section("Simulator").split())
     minutes, seconds = divmod(round(later["wall_seconds"]), 60)
-    name = "benchmarks/results/sim_compare_rerun_b624b00.json"
-    assert f"**{minutes} min {seconds} s** ({round(later['wall_seconds'])} s, `{name}`" in text
+    path = "benchmarks/results/sim_compare_rerun_b624b00.json"
+    assert f"**{minutes} min {seconds} s** ({round(later['wall_seconds'])} s, `{path}`" in text
 
     def method_seconds(results: dict) -> float:
         return sum(s["train_seconds"] + s["eval_seconds"] for m in results["methods"] for s in m["per_seed"])
@@ -132,14 +136,13 @@ def test_the_default_comparison_on_the_later_machine_as_the_readme_states_it():
         f"{first['methods'][0]['per_seed'][0]['win_rate']:.3f})" in text
     )
 
-    def figures(method: dict) -> list[dict]:
-        drop = ("train_seconds", "eval_seconds", "policy", "policy_path", "reference")
-        return [{k: v for k, v in s.items() if k not in drop} for s in method["per_seed"]]
+    def figures(method: dict) -> list[dict]:  # the run directory's paths differ between the two runs
+        return [without_times(s, drop=("policy", "policy_path", "reference")) for s in method["per_seed"]]
 
     tuned = json.loads((RESULTS / "sim_tuning_full_grid.json").read_text())["methods"]
     whole = {m["method"]: m for m in grid["methods"]}
-    same = [m["method"] for m in later["methods"] if m["method"] not in tuned]
-    assert all(figures(whole[name]) == figures(m) for m in later["methods"] if (name := m["method"]) in same)
+    same = [m for m in later["methods"] if m["method"] not in tuned]
+    assert all(figures(m) == figures(whole[m["method"]]) for m in same)
     assert f"the {len(same)} methods whose settings the tuning below does not change" in text
     for key in ("feedback", "reward_model_heldout_accuracy"):
         assert later[key] == grid[key], key

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import signal
 import tempfile
@@ -334,20 +335,17 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Any, Any]:
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's name (Linux: ``cpuinfo``'s first ``model name``; else :func:`platform.processor`): results of
     the same seeded run differ between CPUs by floating-point rounding, so a result names the CPU it ran on."""
-    import platform
-
     with contextlib.suppress(OSError):
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = cpuinfo.read_text().splitlines()
+        names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        if name := next(names, None):
+            return name
     return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict[str, Any]:
     """What a benchmark result needs to be read against: CPU model and count, torch threads, 1/5/15-minute load
     average, versions."""
-    import platform
-
     import torch
 
     return {

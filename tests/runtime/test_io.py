@@ -75,7 +75,12 @@ def test_file_lock_excludes_other_processes(tmp_path):
 def test_machine_info_names_the_cpu_from_cpuinfo_and_falls_back_to_platform(tmp_path):
     """Seeded results differ between CPUs by rounding, so every result file names its CPU (``machine_info``)."""
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 2.0GHz\nflags\t: a b\n" * 2)
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: X\nmodel\t\t: 1\nmodel name\t: Example CPU 9000 @ 2.0GHz\nflags\t: a b\n" * 2
+    )
     assert cpu_model(cpuinfo) == "Example CPU 9000 @ 2.0GHz"
-    assert cpu_model(tmp_path / "missing") == (platform.processor() or platform.machine())
+    fallback = platform.processor() or platform.machine()
+    assert cpu_model(tmp_path / "missing") == fallback
+    (tmp_path / "arm").write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n")  # no model name
+    assert cpu_model(tmp_path / "arm") == fallback
     assert machine_info()["cpu_model"] == cpu_model()
