@@ -146,16 +146,21 @@ RENAMED_KEYS: dict[str, str] = {
     "online_dpo.num_samples": "online_dpo.num_generations",
     "online_dpo_async.num_samples": "online_dpo_async.num_generations",
     "quark.samples_per_prompt": "quark.num_generations",
+    # keys of every train section (TrainSection), wherever it sits, renamed to TRL's field names
+    "*.epochs": "*.num_train_epochs",
+    "*.lr_scheduler": "*.lr_scheduler_type",
 }
 
-#: keys of every ``train`` section (:class:`TrainSection`) renamed to TRL's field names, wherever the section is
-TRAIN_KEY_RENAMES: dict[str, str] = {"epochs": "num_train_epochs", "lr_scheduler": "lr_scheduler_type"}
 
-
-def _renamed_key(path: str, value: Any) -> str | None:
-    """The error for an old key at ``path`` or inside the section ``value`` (:data:`RENAMED_KEYS`), else None."""
+def _renamed_key(path: str, value: Any, train_section: bool = False) -> str | None:
+    """The error for an old key at ``path`` or inside the section ``value`` (:data:`RENAMED_KEYS`), else None;
+    ``train_section``: ``path`` is a key of a :class:`TrainSection`, where the ``*.`` renames apply too."""
     if path in RENAMED_KEYS:
         return f"'{path}' was renamed to '{RENAMED_KEYS[path]}'; use the new key"
+    section, _, leaf = path.rpartition(".")
+    if train_section and f"*.{leaf}" in RENAMED_KEYS:
+        new = RENAMED_KEYS[f"*.{leaf}"].removeprefix("*.")
+        return f"'{path}' was renamed to '{section + '.' if section else ''}{new}' (TRL's name); use the new key"
     for key, item in value.items() if isinstance(value, dict) else ():
         if found := _renamed_key(f"{path}.{key}", item):
             return found
@@ -332,11 +337,8 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "", base: Any = Non
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields and (renamed := _renamed_key(path, value)):
+        if key not in fields and (renamed := _renamed_key(path, value, issubclass(cls, TrainSection))):
             raise RecipeError(renamed)
-        if key not in fields and issubclass(cls, TrainSection) and key in TRAIN_KEY_RENAMES:
-            new = f"{prefix}.{TRAIN_KEY_RENAMES[key]}" if prefix else TRAIN_KEY_RENAMES[key]
-            raise RecipeError(f"'{path}' was renamed to '{new}' (TRL's name); use the new key")
         if key not in fields:
             close = (
                 difflib.get_close_matches(str(key), list(fields), n=1)
@@ -414,8 +416,8 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     moved: dict[str, dict[str, Any]] = {}
     engine_fields: set[str] | None = None
     for key, value in data.items():
-        if key in TRAIN_KEY_RENAMES and key not in top and key not in leaves:
-            raise RecipeError(f"'{key}' was renamed to '{TRAIN_KEY_RENAMES[key]}' (TRL's name); use the new key")
+        if key not in top and key not in leaves and (renamed := _renamed_key(key, None, train_section=True)):
+            raise RecipeError(renamed)
         sections = leaves.get(key, []) if key not in top else []
         if len(sections) > 1:
             choices = ", ".join(f"{s}.{key}" for s in sections)
