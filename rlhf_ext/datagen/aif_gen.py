@@ -10,12 +10,10 @@
                    "test": [...]},
                   ...]}
 
-:func:`dataset_from_aif_gen` turns each entry into one stage (its ``train`` / ``test`` lists become the stage's
-splits, in order) and keeps the entry's ``task`` verbatim in the metadata; :func:`dataset_to_aif_gen` writes it back
-(the verbatim task when there is one, else the task built from the config), so import -> export reproduces the file's
-JSON value. A single ``AlignmentDataset`` file (``{"task", "train", "test"}``) imports as one stage. Imported rows get
-``source_task`` = the task name, ``style`` as above, ``seed_words`` = [] (the file does not record them),
-``swapped`` = False and a ``sample_id`` hashed from stage, split, position and text.
+:func:`dataset_from_aif_gen` turns each entry into one stage (``train`` / ``test`` as its splits) and keeps its
+``task`` verbatim in the metadata, which :func:`dataset_to_aif_gen` writes back, so import -> export reproduces the
+file's JSON value. A single ``AlignmentDataset`` (``{"task", "train", "test"}``) imports as one stage. Imported rows
+get ``seed_words`` = [], ``swapped`` = False and a ``sample_id`` hashed from stage, split, position and text.
 """
 
 from __future__ import annotations
@@ -69,11 +67,7 @@ def dataset_from_aif_gen(
     data: dict[str, Any], name: str = "aif-gen", source: str | None = None, bank: PhraseBank | None = None
 ) -> ContinualDataset:
     """An AIF-Gen dataset JSON value (see :func:`is_aif_gen_dataset`) as a ``plain``-format ``ContinualDataset``, one
-    stage per entry of ``datasets`` (see the module docstring).
-
-    Raises:
-        ValueError: the value is not an AIF-Gen dataset (names the offending key path).
-    """
+    stage per entry of ``datasets``; ``ValueError`` naming the offending key path otherwise."""
     from rlhf_ext.config import from_dict
     from rlhf_ext.datagen.dataset import ContinualDataset
     from rlhf_ext.datagen.drift import drift_summary, stage_dirname
@@ -116,22 +110,11 @@ def dataset_from_aif_gen(
             for split in ("train", "test")
         }
         stages.append(_stage(rows))
-        n_train, n_test = len(rows["train"]), len(rows["test"])
-        infos.append(
-            {
-                "index": i,
-                "name": task.name,
-                "dir": stage_dirname(i, task.name),
-                "weights": {task.name: 1.0},
-                "num_samples": n_train + n_test,
-                "test_ratio": n_test / (n_train + n_test) if n_train + n_test else 0.0,
-                "seed": None,
-                "generated": n_train + n_test,
-                "skipped": {},
-                "missing": 0,
-                "source_counts": {task.name: n_train + n_test},
-            }
-        )
+        n_test = len(rows["test"])
+        n = len(rows["train"]) + n_test
+        infos.append({"index": i, "name": task.name, "dir": stage_dirname(i, task.name), "weights": {task.name: 1.0},
+                      "num_samples": n, "test_ratio": n_test / n if n else 0.0, "seed": None, "generated": n,
+                      "skipped": {}, "missing": 0, "source_counts": {task.name: n}})  # fmt: skip
         tasks[task.name] = {"style": task.style, "objective_kind": None, "aif_gen_task": copy.deepcopy(entry["task"])}
     total = sum(info["generated"] for info in infos)
     metadata = {
@@ -156,10 +139,7 @@ def _stage(rows: dict[str, list[dict[str, Any]]]):
 
     feats = features("plain")
     return DatasetDict(
-        {
-            split: Dataset.from_dict({k: [r[k] for r in part] for k in feats}, features=feats)
-            for split, part in rows.items()
-        }
+        {s: Dataset.from_dict({k: [r[k] for r in part] for k in feats}, features=feats) for s, part in rows.items()}
     )
 
 
@@ -193,11 +173,8 @@ def _text(value: Any, where: str) -> str:
 
 
 def dataset_to_aif_gen(ds: ContinualDataset) -> dict[str, Any]:
-    """``ds`` as AIF-Gen's continual dataset JSON value (``{"datasets": [...]}``, one entry per stage).
-
-    Raises:
-        ValueError: a stage mixes several tasks (Lipschitz blends: AIF-Gen has one task per dataset), is empty
-            (AIF-Gen's loader divides by the sample count), or its task is not described in the metadata.
+    """``ds`` as AIF-Gen's continual dataset JSON value (``{"datasets": [...]}``, one entry per stage); ``ValueError``
+    for a stage that mixes tasks (AIF-Gen has one per dataset), is empty or whose task the metadata does not describe.
     """
     datasets = []
     for info, dd in zip(ds.metadata["stages"], ds):
@@ -244,12 +221,8 @@ def read_json(path: str | Path) -> Any:
 
 def import_dataset(source: str | Path, fmt: Literal["auto", "aif-gen", "rlhf-ext"] = "auto", name: str | None = None):
     """Read ``source`` as a ``ContinualDataset``: an AIF-Gen dataset JSON file, or an rlhf-ext dataset directory (or
-    its ``continual_dataset.json``). ``fmt`` forces one of the two.
-
-    Raises:
-        FileNotFoundError: ``source`` does not exist. ValueError: ``source`` is neither format (or not ``fmt``), one
-            line saying what it is and what each format looks like.
-    """
+    its ``continual_dataset.json``). ``fmt`` forces one of the two. ``FileNotFoundError`` when ``source`` does not
+    exist, ``ValueError`` (one line) when it is neither format (or not ``fmt``)."""
     from rlhf_ext.datagen.dataset import METADATA_FILE, ContinualDataset
 
     path = Path(source)

@@ -16,24 +16,16 @@ line)::
               weight: 0.5            # on every component or on none (then 1/n each)
               description: optional  # accepted and ignored
 
-:func:`config_to_rlhf_ext` maps it onto rlhf-ext's task schema: ``task_specs[i]`` becomes ``tasks[i]`` named
-``task<i>-<component names>`` (AIF-Gen's tasks have no names) with the same objective, preference, ``num_samples``
-and domain; one stage per task in order (``piecewise`` drift, one cycle), rlhf-ext's default ``test_ratio`` (0.15;
-AIF-Gen's generator puts every sample in ``train``). A component without ``seed_words`` uses its name as the name of a
-built-in vocabulary (``education``, ``finance``, ``healthcare``, ``politics``, ``technology``: :data:`VOCABULARIES`,
-written for rlhf-ext, about 95 words each), as does ``seed_words: <name>``; other names are an error, as in AIF-Gen.
-Repeated seed words are kept once. ``model`` and ``max_concurrency`` at the top level (AIF-Gen's saved
-``config.json``) set ``generation.model`` / ``generation.max_concurrency``; the rlhf-ext sections ``name``, ``seed``,
-``drift``, ``generation`` and ``output`` may be added and pass through (the name defaults to the file's stem).
+:func:`config_to_rlhf_ext` maps ``task_specs[i]`` to ``tasks[i]`` named ``task<i>-<component names>``, one
+``piecewise`` stage per task, rlhf-ext's default ``test_ratio``. A component without ``seed_words`` (or with
+``seed_words: <name>``) names a built-in vocabulary (:data:`VOCABULARIES`, about 95 words each); repeated seed words
+are kept once. Top-level ``model`` / ``max_concurrency`` (AIF-Gen's saved ``config.json``) set the ``generation``
+keys; the rlhf-ext sections ``name``, ``seed``, ``drift``, ``generation`` and ``output`` pass through.
 
-The offline backend needs a phrase-bank style per task: the packaged bank's style when the preference text selects
-exactly one (``five year old`` -> ``eli5``, ``expert level`` -> ``expert``, ...), otherwise the derived style
-``pref:<slug>`` of the preference (:func:`rlhf_ext.datagen.phrasebank.preference_style_name`; "Make the headline
-polarizing" -> ``pref:headline-polarizing``), and an objective kind (the offline prompt templates): the one the
-preference or objective text selects (``question`` -> ``qa``, ``summar`` -> ``summary``, ...), otherwise
-:data:`DEFAULT_OBJECTIVE_KIND` (AIF-Gen's own test configs say ``objective: Mock Objective 1``), so every AIF-Gen
-config generates offline. ``style:`` and ``objective_kind:`` inside ``alignment_task`` (rlhf-ext additions that AIF-Gen
-ignores) choose them explicitly.
+The offline backend's phrase-bank style is the bank's style the preference selects, else the derived
+``pref:<slug>`` (:func:`rlhf_ext.datagen.phrasebank.preference_style_name`); its objective kind is the one the texts
+select, else :data:`DEFAULT_OBJECTIVE_KIND`, so every AIF-Gen config generates offline. ``style:`` and
+``objective_kind:`` inside ``alignment_task`` (rlhf-ext additions) choose them explicitly.
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ def _vocabulary(text: str) -> tuple[str, ...]:
     return tuple(w.strip() for w in text.replace("\n", " ").split(",") if w.strip())
 
 
-EDUCATION_SEED_WORDS = _vocabulary(
-    """
+EDUCATION_SEED_WORDS = _vocabulary("""
     lesson plan, syllabus, lecture hall, tutoring, homework, grading rubric, semester, kindergarten, high school,
     university, community college, vocational training, apprenticeship, literacy, numeracy, phonics, algebra,
     geometry, calculus, statistics, chemistry lab, physics, biology, history, geography, civics, economics,
@@ -80,11 +71,9 @@ EDUCATION_SEED_WORDS = _vocabulary(
     memorization, note taking, attention span, learning disability, bilingual education, curriculum reform,
     school board, accreditation, graduation ceremony, extracurricular, debate club, homeroom, office hours,
     lab report, pop quiz, group project, educational psychology
-    """
-)
+    """)
 
-FINANCE_SEED_WORDS = _vocabulary(
-    """
+FINANCE_SEED_WORDS = _vocabulary("""
     stock market, bond yield, interest rate, inflation, central bank, monetary policy, fiscal deficit, mortgage,
     credit score, savings account, checking account, compound interest, dividend, portfolio, diversification,
     index fund, mutual fund, exchange-traded fund, hedge fund, venture capital, private equity,
@@ -98,11 +87,9 @@ FINANCE_SEED_WORDS = _vocabulary(
     asset allocation, wealth management, financial advisor, brokerage, stock exchange, quarterly earnings, revenue,
     profit margin, operating expenses, working capital, valuation, merger, acquisition, shareholder, bondholder,
     regulation, anti-money laundering, consumer protection, emergency fund, net worth, passive income
-    """
-)
+    """)
 
-HEALTHCARE_SEED_WORDS = _vocabulary(
-    """
+HEALTHCARE_SEED_WORDS = _vocabulary("""
     primary care, emergency room, intensive care unit, nurse practitioner, surgeon, pediatrician, cardiologist,
     oncologist, radiology, diagnosis, prognosis, symptom, chronic illness, infection, antibiotic resistance,
     vaccination, immunity, epidemic, public health, hygiene, nutrition, obesity, diabetes, hypertension,
@@ -115,11 +102,9 @@ HEALTHCARE_SEED_WORDS = _vocabulary(
     eyesight, hearing loss, dermatology, wound care, organ transplant, dialysis, kidney function, liver, lungs,
     immune system, inflammation, metabolism, hydration, exercise, wellness, preventive care, caregiver, hospice,
     palliative care, patient safety, informed consent, medical ethics
-    """
-)
+    """)
 
-POLITICS_SEED_WORDS = _vocabulary(
-    """
+POLITICS_SEED_WORDS = _vocabulary("""
     election, ballot, voter turnout, campaign, candidate, political party, coalition government, parliament,
     congress, senate, house of representatives, legislation, bill, veto, constitution, amendment, supreme court,
     judicial review, separation of powers, checks and balances, federalism, local government, mayor, governor,
@@ -133,11 +118,9 @@ POLITICS_SEED_WORDS = _vocabulary(
     electoral college, proportional representation, term limits, incumbent, debate, political scandal, corruption,
     transparency, accountability, bureaucracy, public opinion, propaganda, misinformation, town hall, petition,
     civic duty, citizenship, sovereignty, geopolitics, united nations
-    """
-)
+    """)
 
-TECHNOLOGY_SEED_WORDS = _vocabulary(
-    """
+TECHNOLOGY_SEED_WORDS = _vocabulary("""
     software, hardware, algorithm, data structure, programming language, compiler, operating system,
     cloud computing, data center, server, database, encryption, cybersecurity, firewall, malware, phishing,
     password manager, two-factor authentication, artificial intelligence, machine learning, neural network,
@@ -151,8 +134,7 @@ TECHNOLOGY_SEED_WORDS = _vocabulary(
     digital camera, video game, game engine, chatbot, voice assistant, recommendation system, API, microservices,
     containers, virtual machine, edge computing, latency, web browser, HTML, JavaScript, Python, Linux, keyboard,
     touchscreen, memory chip, solid-state drive, graphics card, tech support, digital literacy, e-waste
-    """
-)
+    """)
 
 #: Built-in seed vocabularies by name (what ``domain: {education: }`` means).
 VOCABULARIES: dict[str, tuple[str, ...]] = {
@@ -165,11 +147,7 @@ VOCABULARIES: dict[str, tuple[str, ...]] = {
 
 
 def seed_vocabulary(name: str) -> list[str]:
-    """The built-in vocabulary ``name`` (see :data:`VOCABULARIES`).
-
-    Raises:
-        KeyError: no built-in vocabulary has that name.
-    """
+    """The built-in vocabulary ``name`` (:data:`VOCABULARIES`); ``KeyError`` for an unknown name."""
     if name not in VOCABULARIES:
         raise KeyError(name)
     return list(VOCABULARIES[name])
@@ -247,11 +225,7 @@ def _domain_to_rlhf_ext(domain: Any, where: str) -> dict[str, dict[str, Any]]:
 
 def preference_style(preference: str, bank: PhraseBank | None = None) -> str:
     """The offline phrase-bank style of an AIF-Gen preference: the packaged bank's style when its triggers select
-    exactly one, else the derived style ``pref:<slug>`` (see the module docstring).
-
-    Raises:
-        ValueError: the preference has no word to derive a style from.
-    """
+    exactly one, else the derived style ``pref:<slug>``; ``ValueError`` when the preference has no word."""
     from rlhf_ext.datagen.phrasebank import load_phrase_bank, preference_style_name
 
     bank = bank if bank is not None else load_phrase_bank()
@@ -301,10 +275,7 @@ def _task_to_rlhf_ext(index: int, spec: Any, bank: PhraseBank | None) -> dict[st
 
 def config_to_rlhf_ext(data: dict[str, Any], name: str = "aif-gen", bank: PhraseBank | None = None) -> dict[str, Any]:
     """An AIF-Gen task config (loaded YAML) as an rlhf-ext config mapping (see the module docstring); the result is
-    validated by :func:`rlhf_ext.datagen.schema.load_task_config`.
-
-    Raises:
-        RecipeError: naming the AIF-Gen key path (``task_specs[0].alignment_task.domain.physics``).
+    validated by :func:`rlhf_ext.datagen.schema.load_task_config`. Errors are ``RecipeError`` naming the key path.
     """
     if not is_aif_gen_config(data):
         keys = ", ".join(sorted(map(str, data))) if isinstance(data, dict) else type(data).__name__

@@ -1,15 +1,9 @@
 """Stage splits written row by row, in the files ``datasets.Dataset.save_to_disk`` writes, without ``datasets``.
 
-A split directory holds ``data-00000-of-00001.arrow`` (an Arrow IPC stream, record batches of :data:`BATCH_ROWS` rows,
-the ``datasets`` features in the schema metadata), ``dataset_info.json`` and ``state.json``; a stage directory adds
-``dataset_dict.json``. The schema, features and rows are those ``save_to_disk`` writes for the same rows, and the files
-are byte-identical to its files for a split of at most one batch (``tests/datagen/test_datagen_stream.py``); a longer
-split differs only in buffer padding (``save_to_disk`` writes slices of one in-memory table), and ``state.json``'s
-``_fingerprint`` is the sha256 of the Arrow file instead of ``datasets``' hash of the in-memory table.
-``datasets.load_from_disk`` and OpenRLHF's ``--data.dataset PATH`` read the directories as-is.
-
-Memory is one batch per open split, whatever the number of rows: generation streams its samples into these writers
-instead of building a ``Dataset`` per stage (``rlhf_ext.datagen.generate.assemble``).
+A split directory holds ``data-00000-of-00001.arrow`` (an Arrow IPC stream of :data:`BATCH_ROWS`-row batches),
+``dataset_info.json`` and ``state.json``; a stage directory adds ``dataset_dict.json``. The files are byte-identical
+to ``save_to_disk``'s for a split of at most one batch; a longer split differs only in buffer padding, and
+``state.json``'s ``_fingerprint`` is the Arrow file's sha256. Memory is one batch per open split.
 """
 
 from __future__ import annotations

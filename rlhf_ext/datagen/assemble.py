@@ -1,8 +1,6 @@
 """Assembly: the dataset written from the cache's records, stage by stage, in index order (preference-swap noise,
-output format and the seeded train/test split applied here), each stage's rows streamed into its split files
-(``arrow_stage``). A stage depends only on the plan and the cache, so the stages can be written in any process and
-any order: ``write_dataset`` writes them here, or hands them to the workers of a sharded run (``workers=N``), each
-writing whole stages into the dataset's temporary ``stages/`` while this process writes only the metadata.
+output format and the seeded train/test split applied here), streamed into split files (``arrow_stage``). A stage
+depends only on the plan and the cache, so a sharded run's workers can write whole stages in any order.
 """
 
 from __future__ import annotations

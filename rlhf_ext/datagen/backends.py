@@ -1,14 +1,11 @@
 """The inference backends behind the interface of :mod:`rlhf_ext.datagen.chat`: ``offline``, ``hf`` and ``openai``
-(:mod:`rlhf_ext.datagen.openai_backend`); :func:`make_backend` builds the one a config asks for. The generator never
-knows which backend it talks to; the mappers' parsers read every answer, including the offline backend's, so the same
-code path is exercised everywhere.
+(:mod:`rlhf_ext.datagen.openai_backend`); :func:`make_backend` builds the one a config asks for. The mappers' parsers
+read every answer, the offline backend's too, so the same code path is exercised everywhere.
 
-* :class:`OfflineBackend`: deterministic and model-free. It ignores the rendered messages and composes its answer
-  from the request's structured ``context`` (seed words, style, stance, style axes) with the phrase bank
-  (:mod:`rlhf_ext.datagen.phrasebank`), seeded by ``request.seed``. Temperature is ignored.
-* :class:`HFBackend`: a local transformers causal LM (a path, hub id or ``builtin:`` model), one request at a time in
-  a worker thread, seeded per request (``torch.manual_seed(request.seed)``), the tokenizer's chat template when it
-  has one. ``max_tokens`` is clamped to the model's context.
+* :class:`OfflineBackend`: deterministic and model-free: composes its answer from the request's ``context`` with the
+  phrase bank, seeded by ``request.seed``.
+* :class:`HFBackend`: a local transformers causal LM, one request at a time in a worker thread, seeded per request,
+  the tokenizer's chat template when it has one; ``max_tokens`` is clamped to the model's context.
 """
 
 from __future__ import annotations
@@ -58,13 +55,8 @@ class OfflineBackend(Backend):
             rubric = rubric_for(ctx["style"], self.bank)
             a, b = rubric.score(ctx["a"]), rubric.score(ctx["b"])
             return "A" if a > b else "B" if b > a else "TIE"
-        common = dict(
-            style=ctx["style"],
-            objective_kind=ctx["objective_kind"],
-            seed_words=list(ctx["seed_words"]),
-            axes=[tuple(a) for a in ctx.get("axes", ())],
-            markers=self.markers,
-        )
+        common = dict(style=ctx["style"], objective_kind=ctx["objective_kind"], seed_words=list(ctx["seed_words"]),
+                      axes=[tuple(a) for a in ctx.get("axes", ())], markers=self.markers)  # fmt: skip
         if request.kind == "pair":
             chosen = compose_response(self.bank, stance="follow", rng=rng, **common)
             rejected = compose_response(self.bank, stance="violate", rng=rng, **common)
@@ -83,12 +75,8 @@ class HFBackend(Backend):
     name = "hf"
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32"):
-        self.model_spec = model
-        self.device = device
-        self.dtype = dtype
-        self._model = None
-        self._tokenizer = None
-        self._executor = None
+        self.model_spec, self.device, self.dtype = model, device, dtype
+        self._model = self._tokenizer = self._executor = None
 
     async def start(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -146,15 +134,10 @@ class HFBackend(Backend):
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with torch.no_grad():
             out = model.generate(
-                ids,
-                attention_mask=enc["attention_mask"].to(self.device),
-                max_new_tokens=max_new,
-                do_sample=sampling,
-                temperature=request.temperature if sampling else None,
-                top_p=1.0 if sampling else None,
-                top_k=0 if sampling else None,
-                pad_token_id=pad,
-            )
+                ids, attention_mask=enc["attention_mask"].to(self.device), max_new_tokens=max_new, do_sample=sampling,
+                temperature=request.temperature if sampling else None, top_p=1.0 if sampling else None,
+                top_k=0 if sampling else None, pad_token_id=pad,
+            )  # fmt: skip
         new = out[0, ids.shape[1] :].tolist()
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -176,12 +159,7 @@ def make_backend(spec, bank: PhraseBank | None = None) -> Backend:
     if spec.backend == "hf":
         return HFBackend(spec.model)
     if spec.backend == "openai":
-        return OpenAIBackend(
-            api_base=spec.api_base,
-            model=spec.model,
-            api_key_env=spec.api_key_env,
-            max_concurrency=spec.max_concurrency,
-            timeout=spec.request_timeout,
-            max_retries=spec.max_retries,
-        )
+        return OpenAIBackend(api_base=spec.api_base, model=spec.model, api_key_env=spec.api_key_env,
+                             max_concurrency=spec.max_concurrency, timeout=spec.request_timeout,
+                             max_retries=spec.max_retries)  # fmt: skip
     raise ValueError(f"unknown backend {spec.backend!r}; choose offline, hf or openai")

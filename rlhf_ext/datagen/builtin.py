@@ -26,11 +26,8 @@ def is_builtin(spec: str) -> bool:
 def resolve_continual_dataset(
     spec: str, cache_dir: str | Path | None = None, num_samples: int = BUILTIN_CONTINUAL_SAMPLES
 ) -> str:
-    """Return the directory of a ``builtin:continual-*`` dataset, generating it with the offline backend on first use.
-
-    The dataset is the packaged config of the same name with ``num_samples`` samples per task (deterministic:
-    config seed 0), built once into ``<cache>/datasets/<name>-n<num_samples>``.
-    """
+    """The directory of a ``builtin:continual-*`` dataset: the packaged config of the same name with ``num_samples``
+    samples per task, generated offline once into ``<cache>/datasets/<name>-n<num_samples>``."""
     name = spec[len(PREFIX) :] if is_builtin(spec) else spec
     if name not in BUILTIN_CONTINUAL_DATASETS:
         raise ValueError(

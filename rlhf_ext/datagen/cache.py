@@ -1,16 +1,12 @@
 """The append-only sample cache that makes generation resumable (one JSON line per finished sample).
 
-Every finished sample (or a sample whose answer cannot be used) is one line of ``<output>/.cache/samples.jsonl`` (worker
-``k > 0`` of a sharded run appends to ``samples-<k>.jsonl``), keyed by a hash of the task, the sample index and the seed
-(plus the generation settings that change a sample's text). The line is written with a single ``write`` on an
-``O_APPEND`` descriptor as soon as the sample is done, so a ``kill -9`` loses only the requests in flight: the kernel
-keeps what was written. ``fsync`` runs at most every ``fsync_interval`` seconds and when the cache closes, which bounds
-what a power cut can lose. On open, a torn last line (a process killed in the middle of a write) is cut off, and
-duplicate keys keep their first record, so a rerun resumes without duplicates. In memory the cache is an index, not the
-records: each key's file, byte offset, length and status in sorted arrays (about 40 bytes per sample);
-:meth:`SampleCache.get` reads a record back from its file. An exclusive ``filelock``, taken without waiting, stops two
-runs from writing one cache at once. A failed request is never a record; records that older versions wrote for HTTP
-4xx answers (``skipped`` / ``request_rejected``) are ignored on open, so those samples are generated again.
+Every finished (or unusable) sample is one line of ``<output>/.cache/samples.jsonl`` (worker ``k > 0`` of a sharded
+run: ``samples-<k>.jsonl``), keyed by a hash of the task, sample index, seed and text-changing generation settings,
+written with one ``write`` on an ``O_APPEND`` descriptor (a ``kill -9`` loses only requests in flight; ``fsync`` at
+most every ``fsync_interval`` s). On open a torn last line is cut off and duplicate keys keep their first record. In
+memory the cache is an index (file, offset, length, status per key in sorted arrays, ~40 bytes per sample). A
+non-blocking ``filelock`` stops two runs writing one cache. Failed requests are never records; older versions'
+``request_rejected`` records are dropped on open, so those samples are generated again.
 """
 
 from __future__ import annotations
@@ -259,13 +255,8 @@ class SampleCache:
         first = np.ones(len(keys), dtype=bool)
         first[1:] = keys[1:] != keys[:-1]
         order = order[first]
-        self._keys, self._file, self._off, self._len, self._ok = (
-            keys[first],
-            file[order],
-            off[order],
-            length[order],
-            ok[order],
-        )
+        self._keys = keys[first]
+        self._file, self._off, self._len, self._ok = (a[order] for a in (file, off, length, ok))
         del parts, keys, file, off, length, ok, order, first
         release_freed_memory()
 

@@ -1,13 +1,8 @@
 """The interface every data-generation backend implements (:mod:`rlhf_ext.datagen.backends`): a backend answers
-:class:`ChatRequest` objects (chat messages + seed + token limit) with a :class:`ChatCompletion`, and raises the
-errors below when it cannot.
-
-Errors: :class:`BackendError` (a request failed after its retries: HTTP 5xx/429, timeouts, dropped connections,
-malformed bodies; the message carries the server's own words, redacted, on one line), :class:`RequestRejected` (the
-backend refused this request, e.g. HTTP 400 or a prompt longer than the context: not retried in this run),
-:class:`BackendUnavailable` (the server cannot be reached, rejects the credentials or does not serve the model: the
-run stops). None of them is an answer: the generator caches only completions, so every failed sample is attempted
-again by the next run.
+:class:`ChatRequest` objects with a :class:`ChatCompletion`, or raises :class:`BackendError` (a request failed after
+its retries), :class:`RequestRejected` (this request was refused: not retried in this run) or
+:class:`BackendUnavailable` (the run stops). None of them is an answer: only completions are cached, so a failed
+sample is attempted again by the next run.
 """
 
 from __future__ import annotations
@@ -23,16 +18,9 @@ REQUEST_KINDS = ("prompt", "pair", "response", "judge")
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """One chat-completion request.
-
-    Attributes:
-        kind: ``prompt`` (meta-prompt -> task prompt), ``pair`` (one-call chosen/rejected), ``response`` (one
-            response), ``judge`` (A or B).
-        messages: OpenAI-style ``[{"role": ..., "content": ...}]``.
-        seed: sampling seed (sent to the server; vLLM honours it).
-        max_tokens / temperature: sampling limits.
-        context: the structured inputs the messages were rendered from (used by model-free backends only).
-    """
+    """One chat-completion request: ``kind`` (one of :data:`REQUEST_KINDS`), OpenAI-style ``messages``, the sampling
+    ``seed`` (sent to the server), ``max_tokens`` / ``temperature``, and the structured ``context`` the messages were
+    rendered from (used by model-free backends only)."""
 
     kind: str
     messages: list[dict[str, str]]

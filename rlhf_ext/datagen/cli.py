@@ -73,15 +73,8 @@ def _save(ds, out: str) -> None:
 
 
 def _backend_overrides(backend, model, api_base, max_concurrency, seed, fmt) -> list[str]:
-    pairs = [
-        ("generation.backend", backend),
-        ("generation.model", model),
-        ("generation.api_base", api_base),
-        ("generation.max_concurrency", max_concurrency),
-        ("seed", seed),
-        ("output.format", fmt),
-    ]
-    return [f"{k}={v}" for k, v in pairs if v is not None]
+    keys = [f"generation.{k}" for k in ("backend", "model", "api_base", "max_concurrency")] + ["seed", "output.format"]
+    return [f"{k}={v}" for k, v in zip(keys, (backend, model, api_base, max_concurrency, seed, fmt)) if v is not None]
 
 
 #: The most samples ``data generate --dry-run`` plans (one job each, about 3 s for this many on 2 CPU cores); the
@@ -126,7 +119,6 @@ def data() -> None:
     """Synthetic continual preference data (paper 000, AIF-GEN): generate, validate, preview, transform."""
 
 
-# ---------------------------------------------------------------------------------------------------- configs
 @data.command("configs")
 def configs() -> None:
     """List the packaged task configs with their first comment line."""
@@ -144,7 +136,6 @@ def _failure_lines(stats: dict) -> list[str]:
     return [f"  failed:   {reason} x{n}: {errors.get(reason, '(no message)')}" for reason, n in sorted(counts.items())]
 
 
-# --------------------------------------------------------------------------------------------------- generate
 @data.command("generate", context_settings={"ignore_unknown_options": True})
 @click.argument("config")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Dataset directory to write.")
@@ -159,34 +150,15 @@ def _failure_lines(stats: dict) -> list[str]:
 @click.option("--workers", type=KnobType(RUN, "workers"), default=1, show_default=True,
               help="Processes to shard the samples over; the dataset is the same for any number. Worth it for the "
               "CPU-bound offline backend (each worker takes max-concurrency / workers of the requests).")  # fmt: skip
-@click.option(
-    "--format",
-    "formats",
-    type=click.Choice([*OUTPUT_FORMATS, *CONFIG_FORMATS]),
-    multiple=True,
-    help="Output format (plain | conversational) and/or config format (auto, the default: AIF-Gen's task_specs "
-    "configs are detected | aif-gen | rlhf-ext); repeat to give both.",
-)
+@click.option("--format", "formats", type=click.Choice([*OUTPUT_FORMATS, *CONFIG_FORMATS]), multiple=True,
+              help="Output format (plain | conversational) and/or config format (auto, the default: AIF-Gen's "
+              "task_specs configs are detected | aif-gen | rlhf-ext); repeat to give both.")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the plan and the rendered templates; contact no backend.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @click.option("--push-to-hub", "hub_repo", default=None, help="Also upload to this hub dataset repo (needs HF_TOKEN).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def generate(
-    config,
-    output,
-    backend,
-    model,
-    api_base,
-    max_concurrency,
-    num_samples,
-    seed,
-    workers,
-    formats,
-    dry_run,
-    progress,
-    hub_repo,
-    overrides,
-) -> None:
+def generate(config, output, backend, model, api_base, max_concurrency, num_samples, seed, workers, formats, dry_run,
+             progress, hub_repo, overrides) -> None:  # fmt: skip
     """Generate (or resume) a continual preference dataset from CONFIG (a YAML file or packaged config name).
 
     Rerunning the same command resumes: finished samples come from OUTPUT/.cache. AIF-Gen's task configs
@@ -239,11 +211,12 @@ def generate(
         f"{stats.get('elapsed_s', 0):.1f} s)"
     )
     skipped = {k: v for k, v in stats.items() if k.startswith("skipped:")}  # cached: the answers were unusable
+    skipped_line = "  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
     failures = _failure_lines(stats)
     if usable == 0 and totals["planned"] > 0:  # nothing usable: say why and fail
         click.echo(summary, err=True)
         if skipped:
-            click.echo("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())), err=True)
+            click.echo(skipped_line, err=True)
         for line in failures:
             click.echo(line, err=True)
         why = "every request failed (see above)" if failures else "no answer could be used (see skipped above)"
@@ -254,7 +227,7 @@ def generate(
     click.secho(f"wrote {len(ds)} stages to {output}", fg="green", bold=True)
     click.echo(summary)
     if skipped:
-        click.echo("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
+        click.echo(skipped_line)
     for line in failures:
         click.secho(line, fg="yellow", err=True)
     if totals.get("missing"):
@@ -267,17 +240,13 @@ def generate(
         click.echo(f"  pushed to the hub: {hub_repo}")
 
 
-# --------------------------------------------------------------------------------------------------- validate
 @data.command("validate")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", type=click.Path(), default=None, help="Also write the report as JSON.")
 @click.option("--judge", type=click.Choice(["rule", "llm", "none"]), default="none", help="Judge agreement check.")
-@click.option(
-    "--embedding-model",
-    default="auto",
-    show_default=True,
-    help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when installed.",
-)
+@click.option("--embedding-model", default="auto", show_default=True,
+              help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when "
+              "installed.")  # fmt: skip
 @click.option("--max-embed", type=KnobType(OPTIONS, "max_embed"), default=256, show_default=True,
               help="Texts embedded per column and stage.")  # fmt: skip
 @click.option("--max-judge", type=KnobType(OPTIONS, "max_judge"), default=None,
@@ -322,15 +291,8 @@ def validate(
         except RecipeError as e:
             _fail(str(e))
     try:
-        report = validate_dataset(
-            ds,
-            embedding_model=embedding_model,
-            max_embed=max_embed,
-            judge=None if judge == "none" else judge,
-            backend=llm_backend,
-            max_judge=max_judge,
-            seed=seed,
-        )
+        report = validate_dataset(ds, embedding_model=embedding_model, max_embed=max_embed, backend=llm_backend,
+                                  judge=None if judge == "none" else judge, max_judge=max_judge, seed=seed)  # fmt: skip
     except (BackendUnavailable, RuntimeError, ValueError) as e:
         _fail(str(e))
     click.echo(format_report(report))
@@ -339,7 +301,6 @@ def validate(
         click.echo(f"report: {output}")
 
 
-# ---------------------------------------------------------------------------------------------------- preview
 @data.command("preview")
 @click.argument("dataset")
 @click.option("--stage", default="0", show_default=True, help="Stage index or name.")
@@ -392,7 +353,6 @@ def _highlight(text: str, rubric) -> str:
     return "".join(out) + text[pos:]
 
 
-# ----------------------------------------------------------------------------------------------------- sample
 @data.command("sample")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path())
@@ -409,15 +369,19 @@ def sample(dataset, output, keep_ratio_train, keep_ratio_test, keep_train, keep_
     """Down-sample every stage by ratio or absolute count."""
     from rlhf_ext.datagen.dataset import subsample
 
+    _rewrite(dataset, output, subsample, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed)
+
+
+def _rewrite(dataset: str, output: str, transform, *args) -> None:
+    """Save ``transform(DATASET, *args)`` to ``output`` (a ``ValueError`` is the command's error)."""
     ds = _load(dataset, output)
     try:
-        out = subsample(ds, keep_ratio_train, keep_ratio_test, keep_train, keep_test, seed)
+        out = transform(ds, *args)
     except ValueError as e:
         _fail(str(e))
     _save(out, output)
 
 
-# -------------------------------------------------------------------------------------------------- transform
 @data.group("transform")
 def transform() -> None:
     """Transform a continual dataset (preference_swap, split)."""
@@ -433,12 +397,7 @@ def transform_swap(dataset, output, prob, seed) -> None:
     """Swap chosen and rejected with probability P (label noise; the swapped column records it)."""
     from rlhf_ext.datagen.dataset import preference_swap
 
-    ds = _load(dataset, output)
-    try:
-        out = preference_swap(ds, prob, seed)
-    except ValueError as e:
-        _fail(str(e))
-    _save(out, output)
+    _rewrite(dataset, output, preference_swap, prob, seed)
 
 
 @transform.command("split")
@@ -450,15 +409,9 @@ def transform_split(dataset, output, test_ratio, seed) -> None:
     """Re-split every stage into train and test."""
     from rlhf_ext.datagen.dataset import resplit
 
-    ds = _load(dataset, output)
-    try:
-        out = resplit(ds, test_ratio, seed)
-    except ValueError as e:
-        _fail(str(e))
-    _save(out, output)
+    _rewrite(dataset, output, resplit, test_ratio, seed)
 
 
-# ------------------------------------------------------------------------------------------------------ merge
 @data.command("merge")
 @click.argument("datasets", nargs=-1, required=True)
 @click.option("-o", "--output", "output", required=True, type=click.Path())
@@ -473,23 +426,14 @@ def merge_cmd(datasets, output) -> None:
     _save(out, output)
 
 
-# ----------------------------------------------------------------------------------------------------- export
 @data.command("export")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Directory to write.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["jsonl", "parquet", "aif-gen"]),
-    default="jsonl",
-    show_default=True,
-    help="aif-gen: one data.json in AIF-Gen's dataset format (one task per stage; plain text).",
-)
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Write into a non-empty directory, replacing only the files the export writes (nothing else is deleted).",
-)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "aif-gen"]), default="jsonl", show_default=True,
+              help="aif-gen: one data.json in AIF-Gen's dataset format (one task per stage; plain text).")  # fmt: skip
+@click.option("--overwrite", is_flag=True,
+              help="Write into a non-empty directory, replacing only the files the export writes (nothing else is "
+              "deleted).")  # fmt: skip
 def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
@@ -502,18 +446,12 @@ def export(dataset, output, fmt, overwrite) -> None:
     click.echo(f"exported {len(ds)} stages as {fmt} to {where}")
 
 
-# ----------------------------------------------------------------------------------------------------- import
 @data.command("import")
 @click.argument("source")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Dataset directory to write.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(list(CONFIG_FORMATS)),
-    default="auto",
-    show_default=True,
-    help="aif-gen: AIF-Gen's dataset JSON file; rlhf-ext: a continual dataset directory; auto: either.",
-)
+@click.option("--format", "fmt", type=click.Choice(list(CONFIG_FORMATS)), default="auto", show_default=True,
+              help="aif-gen: AIF-Gen's dataset JSON file; rlhf-ext: a continual dataset directory; auto: "
+              "either.")  # fmt: skip
 @click.option("--name", default=None, help="Dataset name (default: the file's stem).")
 def import_cmd(source, output, fmt, name) -> None:
     """Read SOURCE (AIF-Gen's dataset JSON, e.g. its published continual datasets) into a continual dataset."""

@@ -8,17 +8,13 @@ On disk (``ContinualDataset.save``)::
     OUT/.cache/                    generation cache (only for generated datasets; see rlhf_ext.datagen.cache)
     OUT/.continual_dataset.lock    held while the dataset is saved (and while a killed save is cleaned up)
 
-A save writes the stages into a temporary sibling and swaps it in, then writes the metadata; the metadata travels
-inside the new ``stages/`` too (``stages/.continual_dataset.json``) until it is in place, so a kill at any point leaves
-either the old or the new dataset once the next save or load has finished what was interrupted.
+A save swaps in a new ``stages/`` (carrying ``stages/.continual_dataset.json``), then publishes the metadata, so a
+kill leaves the old or the new dataset once the next save or load has finished what was interrupted.
 
-Columns (every stage, both splits): ``prompt``, ``chosen``, ``rejected`` — plain strings, or in the
-``conversational`` format message lists (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``) — plus
-``source_task`` (the task the sample was drawn from; differs within a Lipschitz blend), ``style`` (the phrase-bank
-style of that task's preference, "" when unknown), ``seed_words``, ``sample_id`` (the cache key) and ``swapped``
-(True when preference-swap noise exchanged chosen and rejected). TRL's ``DPOTrainer``/``RewardTrainer`` and
-OpenRLHF's reward dataset read the first three and ignore the rest. Each stage directory is itself a dataset that
-``datasets.load_from_disk`` and OpenRLHF's ``--data.dataset PATH`` load as-is.
+Columns (every stage, both splits): ``prompt``, ``chosen``, ``rejected`` (plain strings, or ``conversational``
+message lists), ``source_task``, ``style`` (phrase-bank style, "" when unknown), ``seed_words``, ``sample_id`` (the
+cache key) and ``swapped`` (preference-swap noise). TRL and OpenRLHF read the first three; each stage directory loads
+as-is with ``datasets.load_from_disk`` and OpenRLHF's ``--data.dataset PATH``.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_ext.datagen.drift import derive_seed, stage_dirname
+from rlhf_ext.datagen.drift import derive_seed, overall_mode, stage_dirname
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, file_lock, recover_directory
 from rlhf_ext.runtime.log import quiet_datasets
 
@@ -89,11 +85,9 @@ def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list
 def write_continual_dataset(
     path: str | Path, metadata: dict[str, Any], write_stages: Callable[[list[Path]], list[tuple[int, int]]]
 ) -> dict[str, Any]:
-    """Write a dataset directory: ``write_stages(directories)`` writes the stages of ``metadata["stages"]`` (one
-    directory each, in order; returns their train and test sizes) into a temporary ``stages/`` that is swapped in as a
-    whole, then the metadata (completed here, and by ``write_stages``, in place) is written. Under the dataset's lock;
-    what a killed earlier write left (a temporary copy of the stages, an unfinished swap) is finished or deleted
-    first."""
+    """Write a dataset directory under its lock: ``write_stages(directories)`` writes the stages of
+    ``metadata["stages"]`` (returning their train and test sizes) into a temporary ``stages/`` swapped in as a whole,
+    then the metadata (completed in place) is written. What a killed earlier write left is finished or deleted first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     metadata["format_version"] = FORMAT_VERSION
@@ -156,9 +150,8 @@ class ContinualDataset(collections.abc.Sequence):
 
     # ------------------------------------------------------------------------------------------------ disk
     def save(self, path: str | Path) -> Path:
-        """Write ``stages/`` (atomically replaced as a whole) and then ``continual_dataset.json``, under the dataset's
-        lock; what a killed earlier save left (a temporary copy of the stages, an unfinished swap) is finished or
-        deleted first."""
+        """Write ``stages/`` (atomically replaced as a whole), then ``continual_dataset.json``
+        (:func:`write_continual_dataset`)."""
         path = Path(path)
 
         def write_stages(directories: list[Path]) -> list[tuple[int, int]]:
@@ -185,10 +178,8 @@ class ContinualDataset(collections.abc.Sequence):
         if not meta_path.is_file():
             hint = ""
             if path.is_file():
-                hint = (
-                    " (it is a file, a continual dataset is a directory; to read AIF-Gen's dataset JSON: "
-                    f"`rlhf-ext data import {path} -o DIR`)"
-                )
+                hint = " (it is a file, a continual dataset is a directory; to read AIF-Gen's dataset JSON: "
+                hint += f"`rlhf-ext data import {path} -o DIR`)"
             if (path / ".cache").is_dir():
                 hint = " (a generation cache exists: the run did not finish; rerun `rlhf-ext data generate` to resume)"
             raise FileNotFoundError(f"{path} is not a continual dataset: {METADATA_FILE} is missing{hint}")
@@ -208,11 +199,10 @@ class ContinualDataset(collections.abc.Sequence):
 
     def export(self, out_dir: str | Path, fmt: str = "jsonl", overwrite: bool = False) -> Path:
         """Write ``<out_dir>/<stage dir>/{train,test}.<jsonl|parquet>`` and ``<out_dir>/continual_dataset.json``, or
-        for ``fmt="aif-gen"`` only ``<out_dir>/data.json`` in AIF-Gen's dataset JSON (:meth:`to_aif_gen`).
+        for ``fmt="aif-gen"`` only ``<out_dir>/data.json`` (:meth:`to_aif_gen`).
 
-        Nothing the export does not write is ever deleted. A new or empty ``out_dir`` appears complete or not at all
-        (written to a temporary sibling, then renamed). A non-empty one is refused unless ``overwrite``, which
-        replaces only the files the export writes (each atomically; the metadata last) and keeps everything else.
+        A new or empty ``out_dir`` appears complete or not at all; a non-empty one is refused unless ``overwrite``,
+        which replaces only the files the export writes (each atomically, the metadata last) and deletes nothing.
 
         Raises:
             ExportDestinationError: ``out_dir`` is not empty (without ``overwrite``), is not a directory, or is or
@@ -294,11 +284,7 @@ class ContinualDataset(collections.abc.Sequence):
     @classmethod
     def from_aif_gen(cls, source: str | Path | dict[str, Any], name: str | None = None) -> ContinualDataset:
         """A dataset from AIF-Gen's dataset JSON (a file path or its loaded value): one stage per entry of its
-        ``datasets``, its ``train``/``test`` lists as the splits (see :mod:`rlhf_ext.datagen.aif_gen`).
-
-        Raises:
-            ValueError: the JSON is not AIF-Gen's dataset format (one line naming the offending key).
-        """
+        ``datasets`` (:mod:`rlhf_ext.datagen.aif_gen`); ``ValueError`` naming the offending key otherwise."""
         from rlhf_ext.datagen.aif_gen import dataset_from_aif_gen, read_json
 
         if isinstance(source, dict):
@@ -311,11 +297,8 @@ class ContinualDataset(collections.abc.Sequence):
 
     def to_aif_gen(self, path: str | Path) -> Path:
         """Write the dataset as AIF-Gen's dataset JSON file ``path`` (what ``ContinualAlignmentDataset.from_json``
-        reads): one entry per stage with its task and its ``train``/``test`` samples (plain text).
-
-        Raises:
-            ValueError: a stage mixes tasks (a Lipschitz blend), is empty, or its task is not in the metadata.
-        """
+        reads), one entry per stage; ``ValueError`` for a stage that mixes tasks, is empty or has no task in the
+        metadata."""
         from rlhf_ext.datagen.aif_gen import write_aif_gen_json
 
         return write_aif_gen_json(self, path)
@@ -339,11 +322,9 @@ class ContinualDataset(collections.abc.Sequence):
 
         for info, dd in zip(self.metadata["stages"], self.stages):
             dd.push_to_hub(repo_id, config_name=_stage_dirname(info), token=token, private=private)
+        body = json.dumps(self.metadata, indent=2, sort_keys=True).encode()
         HfApi(token=token).upload_file(
-            path_or_fileobj=json.dumps(self.metadata, indent=2, sort_keys=True).encode(),
-            path_in_repo=METADATA_FILE,
-            repo_id=repo_id,
-            repo_type="dataset",
+            path_or_fileobj=body, path_in_repo=METADATA_FILE, repo_id=repo_id, repo_type="dataset"
         )
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -396,15 +377,10 @@ def _recover(path: Path) -> None:
         _publish_metadata(path)
 
 
-def _needs_recovery(path: Path) -> bool:
-    """Whether a save left something in ``path``: hidden siblings of ``stages/`` or metadata not yet in place."""
-    return (path / PENDING_METADATA).is_file() or (path.is_dir() and any(path.glob(f".{STAGES_DIR}.*-*")))
-
-
 def _recover_if_needed(path: Path) -> None:
-    """On load: finish what a killed save left, when there is something and the lock is free at once (a save in
-    progress finishes it itself; a read-only copy is read as it is)."""
-    if not _needs_recovery(path):
+    """On load: finish what a killed save left (hidden siblings of ``stages/`` or metadata not yet in place), when the
+    lock is free at once (a save in progress finishes it itself; a read-only copy is read as it is)."""
+    if not (path / PENDING_METADATA).is_file() and not (path.is_dir() and any(path.glob(f".{STAGES_DIR}.*-*"))):
         return
     from filelock import Timeout
 
@@ -470,11 +446,10 @@ def subsample(
         return n
 
     stages = []
+    specs = (("train", keep_ratio_train, keep_train), ("test", keep_ratio_test, keep_test))
     for i, dd in enumerate(ds):
         parts = {}
-        for j, (split, ratio, amount) in enumerate(
-            (("train", keep_ratio_train, keep_train), ("test", keep_ratio_test, keep_test))
-        ):
+        for j, (split, ratio, amount) in enumerate(specs):
             n = len(dd[split])
             idx = sorted(random.Random(seed * 7919 + 2 * i + j).sample(range(n), keep(n, ratio, amount)))
             parts[split] = dd[split].select(idx)
@@ -510,5 +485,4 @@ def merge(datasets: Iterable[ContinualDataset]) -> ContinualDataset:
 
 
 def _merged_mode(datasets: list[ContinualDataset]) -> str:
-    modes = {d.metadata.get("drift", {}).get("mode", "none") for d in datasets} - {"none"}
-    return modes.pop() if len(modes) == 1 else ("none" if not modes else "combined")
+    return overall_mode({d.metadata.get("drift", {}).get("mode", "none") for d in datasets})

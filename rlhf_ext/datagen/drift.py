@@ -7,12 +7,9 @@
   task ``b`` the mixture is ``(1 - s/m) * a + (s/m) * b``. Every task's mixture weight therefore changes by at most
   ``1/m <= C`` between consecutive stages, the discrete form of ``|r_t - r_t'| <= C |t - t'|``.
 
-Each sample of a stage is drawn from one source task (its prompt *and* its preference), so a stage's prompt and
-reward distributions are exactly the mixture. The number of samples of each source task in a stage is allocated by
-largest remainder (``|count_k / n - w_k| < 1 / n``) and their order is a seeded shuffle.
-
-Modes of drift (Figure 2a-c) follow from which task components change between consecutive tasks: objective or
-domain -> ``prompt``; preference -> ``preference``; both -> ``combined``.
+Each sample is drawn from one source task (prompt *and* preference); a stage's counts per source task are allocated
+by largest remainder (``|count_k / n - w_k| < 1 / n``), in a seeded shuffle. Modes of drift (Figure 2a-c): objective
+or domain changes -> ``prompt``; preference -> ``preference``; both -> ``combined``.
 """
 
 from __future__ import annotations
@@ -35,12 +32,10 @@ class Stage:
     """One time step of the continual dataset.
 
     Attributes:
-        index: position in the sequence (0-based).
+        index / seed: position in the sequence (0-based); the stage's seed (from the config seed and ``index``).
         name: ``task`` (piecewise; ``task#c2`` in cycle 2, ...) or ``a>b[0.25]`` (Lipschitz blend, weight of ``b``).
         weights: mixture weight of each source task (sums to 1, only non-zero entries).
-        num_samples: samples to generate (train + test), the mixture of the tasks' ``num_samples``.
-        test_ratio: held-out fraction, the mixture of the tasks' ``test_ratio``.
-        seed: the stage's seed, derived from the config seed and ``index``.
+        num_samples / test_ratio: the mixture of the tasks' ``num_samples`` (train + test) and ``test_ratio``.
     """
 
     index: int
@@ -55,15 +50,8 @@ class Stage:
         return stage_dirname(self.index, self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "dir": self.dirname,
-            "weights": dict(self.weights),
-            "num_samples": self.num_samples,
-            "test_ratio": self.test_ratio,
-            "seed": self.seed,
-        }
+        return {"index": self.index, "name": self.name, "dir": self.dirname, "weights": dict(self.weights),
+                "num_samples": self.num_samples, "test_ratio": self.test_ratio, "seed": self.seed}  # fmt: skip
 
 
 def stage_dirname(index: int, name: str) -> str:
@@ -132,16 +120,7 @@ def build_schedule(config: DatagenConfig) -> list[Stage]:
     for i, (weights, label) in enumerate(mixtures):
         n = sum(w * config.task(name).num_samples for name, w in weights.items())
         ratio = sum(w * config.task(name).test_ratio for name, w in weights.items())
-        stages.append(
-            Stage(
-                index=i,
-                name=label,
-                weights=weights,
-                num_samples=max(1, round(n)),
-                test_ratio=ratio,
-                seed=derive_seed("stage", config.seed, i),
-            )
-        )
+        stages.append(Stage(i, label, weights, max(1, round(n)), ratio, derive_seed("stage", config.seed, i)))
     return stages
 
 
@@ -168,6 +147,12 @@ def transition_mode(a: TaskSpec, b: TaskSpec) -> str:
     )
 
 
+def overall_mode(modes: set[str]) -> str:
+    """The one mode of drift besides ``none`` in ``modes``, ``none`` without any, ``combined`` with several."""
+    modes = modes - {"none"}
+    return modes.pop() if len(modes) == 1 else ("none" if not modes else "combined")
+
+
 def drift_summary(config: DatagenConfig) -> dict[str, Any]:
     """Type and modes of drift of ``config``: one mode per transition between consecutive anchors, and overall."""
     anchors = _anchor_names(config)
@@ -180,18 +165,9 @@ def drift_summary(config: DatagenConfig) -> dict[str, Any]:
         }
         for (a, ca), (b, cb) in zip(anchors, anchors[1:])
     ]
-    modes = {t["mode"] for t in transitions} - {"none"}
-    if not modes:
-        overall = "none"
-    elif modes == {"prompt"}:
-        overall = "prompt"
-    elif modes == {"preference"}:
-        overall = "preference"
-    else:
-        overall = "combined"
     return {
         "type": config.drift.type,
-        "mode": overall,
+        "mode": overall_mode({t["mode"] for t in transitions}),
         "cycles": config.drift.cycles,
         "lipschitz_constant": config.drift.lipschitz_constant,
         "transitions": transitions,

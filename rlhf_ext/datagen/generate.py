@@ -9,26 +9,18 @@ Per sample (paper Algorithm 2 and Figure 3), with every random choice drawn from
    style axes) and lets the judge order them.
 3. The record goes to the append-only cache the moment it is finished.
 
-Samples whose answers cannot be used (unparseable pair or judge answer, a judge tie, a truncated or empty answer) are
-**skipped for good**: counted, cached as skipped and not retried. Only an answer is final: samples whose requests
-failed (HTTP 4xx/5xx after the backend's retries, timeouts, dropped connections, malformed bodies) are skipped **for
-this run**: counted under ``retry_later:<reason>``, never cached, and attempted again by the next run of the same
-command; ``run_stats["errors"]`` keeps one redacted line of the server's message per reason. If the server becomes
-unreachable the run stops with :class:`BackendUnavailable`; every finished sample is already in the cache.
+Samples whose answers cannot be used (unparseable, a judge tie, truncated or empty) are **skipped for good** (cached
+as skipped). Samples whose requests failed are skipped **for this run**: counted under ``retry_later:<reason>``, never
+cached, tried again by the next run; ``run_stats["errors"]`` keeps one redacted server message per reason. An
+unreachable server stops the run with :class:`BackendUnavailable`; every finished sample is already cached.
 
-``workers=N`` shards the jobs over ``N`` processes (each takes every ``N``-th pending sample of every stage, runs
-its own backend with ``max_concurrency / N`` requests in flight and appends to its own cache file, then writes whole
-stages of the dataset, balanced by sample count: this process merges the index entries the workers scanned from their
-own files and writes only the metadata; ``datasets`` is imported only to load the result); the dataset is
-byte-identical for any ``N``.
-Worth it for the CPU-bound ``offline`` backend; an API backend waits on the server.
+``workers=N`` shards the jobs over ``N`` processes (every ``N``-th pending sample, ``max_concurrency / N`` requests in
+flight, one cache file each), which then write whole stages; the dataset is byte-identical for any ``N``.
 
-After all jobs ran, the stages are assembled from the cache in index order (``rlhf_ext.datagen.assemble``;
-preference-swap noise, output format and the seeded train/test split applied there) and streamed to disk record by
-record (``arrow_stage``): memory holds the cache's index (~40 bytes per sample) and one batch of rows, never the
-samples. The dataset (``stages/`` and ``continual_dataset.json``) depends only on the config and seed, so with the
-``offline`` backend the same config and seed give byte-identical files however often the run was interrupted; the
-stage data is also identical for any ``max_concurrency`` (which the metadata records as part of the config).
+The stages are then assembled from the cache in index order (``rlhf_ext.datagen.assemble``) and streamed to disk
+(``arrow_stage``): memory holds the cache's index (~40 bytes per sample) and one batch of rows. The dataset depends
+only on the config and seed: the ``offline`` backend gives byte-identical files however often the run was
+interrupted, and the stage data is identical for any ``max_concurrency``.
 """
 
 from __future__ import annotations
@@ -50,13 +42,7 @@ from rlhf_ext.datagen.chat import Backend, BackendUnavailable
 from rlhf_ext.datagen.dataset import ContinualDataset
 from rlhf_ext.datagen.phrasebank import load_phrase_bank
 from rlhf_ext.datagen.plan import plan_generation
-from rlhf_ext.datagen.runner import (
-    SampleRunner,
-    ShardedRun,
-    job_stream,
-    pending_jobs,
-    run_jobs,
-)
+from rlhf_ext.datagen.runner import SampleRunner, ShardedRun, job_stream, pending_jobs, run_jobs
 from rlhf_ext.datagen.schema import DatagenConfig
 from rlhf_ext.runtime.log import progress as log_progress
 
@@ -107,10 +93,8 @@ async def agenerate_dataset(
                 try:
                     if shards is None:
                         backend = backend if backend is not None else make_backend(config.generation, bank)
-                        runner = SampleRunner(plan, backend, bank)
-                        jobs = job_stream(plan, pending)
-                        limit = config.generation.max_concurrency
-                        await run_jobs(runner, jobs, attempted, cache, bar, counts, limit, errors)
+                        runner, limit = SampleRunner(plan, backend, bank), config.generation.max_concurrency
+                        await run_jobs(runner, job_stream(plan, pending), attempted, cache, bar, counts, limit, errors)
                         backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
                     else:
                         await shards.generate(bar, counts, errors)
@@ -160,33 +144,19 @@ def generate_dataset(
     Args:
         config: a :class:`DatagenConfig`, a YAML path or a packaged config name.
         output_dir: the dataset directory (created); its ``.cache`` makes reruns resume.
-        overrides: ``key.sub=value`` strings applied to the config (``generation.backend=openai``).
-        num_samples: replace every task's ``num_samples`` (run a packaged config small).
-        backend: an unstarted :class:`Backend` to use instead of the one the config names (started and closed here;
-            only with ``workers=1``).
-        progress: show a progress bar with rate and ETA (default: when stderr is a terminal).
-        workers: processes to shard the samples over (the dataset is byte-identical for any number); each runs the
-            config's backend with ``max_concurrency / workers`` requests in flight.
+        overrides: ``key.sub=value`` strings applied to the config; num_samples: replaces every task's count.
+        backend: an unstarted :class:`Backend` instead of the config's (only with ``workers=1``).
+        progress: a progress bar (default: when stderr is a terminal).
+        workers: processes to shard the samples over (the dataset is byte-identical for any number).
 
     Returns:
-        The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing, including
-        ``retry_later:<reason>`` counts of failed samples (not cached; the next run tries them again) and ``errors``:
-        one redacted line of the server's message per reason.
+        The saved :class:`ContinualDataset`; ``dataset.run_stats`` holds this run's counts and timing (with
+        ``retry_later:<reason>`` counts and ``errors``, one redacted server message per reason).
 
     Raises:
         RecipeError: invalid config (names the key), or ``backend`` with ``workers > 1``. KnobError: ``workers``
-        out of range. BackendUnavailable: the backend cannot serve
-        requests (finished samples stay cached; rerun to resume). CacheLockedError: another run is writing
-        ``output_dir``.
+        out of range. BackendUnavailable: the backend cannot serve requests (finished samples stay cached; rerun to
+        resume). CacheLockedError: another run is writing ``output_dir``.
     """
-    return asyncio.run(
-        agenerate_dataset(
-            config,
-            output_dir,
-            overrides=overrides,
-            num_samples=num_samples,
-            backend=backend,
-            progress=progress,
-            workers=workers,
-        )
-    )
+    kwargs = dict(overrides=overrides, num_samples=num_samples, backend=backend, progress=progress, workers=workers)
+    return asyncio.run(agenerate_dataset(config, output_dir, **kwargs))

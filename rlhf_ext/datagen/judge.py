@@ -1,13 +1,11 @@
 """Judges that order two responses (tau_judge of Algorithm 2, paper Appendix A.1).
 
-* :class:`RuleJudge`: the offline phrase bank's gold rubric (:func:`rlhf_ext.datagen.phrasebank.rubric_for`); a tie
-  (equal gold scores) is reported, not guessed.
-* :class:`LLMJudge`: asks the backend with :func:`rlhf_ext.datagen.mappers.judge_prompt` and parses a strict
-  one-letter answer. The two responses are presented in a seeded random order (position-bias control) and the
-  answer is mapped back. Judge requests use temperature 0.
+* :class:`RuleJudge`: the phrase bank's gold rubric (:func:`rlhf_ext.datagen.phrasebank.rubric_for`); ties are
+  reported, not guessed.
+* :class:`LLMJudge`: asks the backend (:func:`rlhf_ext.datagen.mappers.judge_prompt`, temperature 0) with the two
+  responses in a seeded random order (position-bias control) and parses a strict one-letter answer.
 
-Both return a :class:`Verdict`; ``winner`` is ``None`` when the judge could not decide, with ``reason``
-``judge_tie`` or ``judge_unparseable`` (the sample is skipped and counted).
+Both return a :class:`Verdict` (``winner`` None with ``reason`` ``judge_tie`` / ``judge_unparseable``: skipped).
 """
 
 from __future__ import annotations
@@ -62,14 +60,8 @@ class LLMJudge:
     async def judge(self, task: TaskSpec, style: str | None, prompt: str, first: str, second: str, seed: int):
         flip = random.Random(seed).random() < 0.5
         a, b = (second, first) if flip else (first, second)
-        request = ChatRequest(
-            kind="judge",
-            messages=[{"role": "user", "content": judge_prompt(task, prompt, a, b)}],
-            seed=seed,
-            max_tokens=self.max_tokens,
-            temperature=0.0,
-            context={"style": style, "a": a, "b": b},
-        )
+        messages = [{"role": "user", "content": judge_prompt(task, prompt, a, b)}]
+        request = ChatRequest("judge", messages, seed, self.max_tokens, 0.0, {"style": style, "a": a, "b": b})
         completion = await self.backend.complete(request)
         try:
             letter = parse_judge(completion.text)

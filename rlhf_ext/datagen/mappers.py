@@ -1,14 +1,11 @@
 """Prompt mapper, response mapper and judge templates (paper 5.2, Figure 4, Appendix E) with strict output parsers.
 
-* :class:`PromptMapper` samples seed words from the task's domain and renders the meta-prompt of Appendix E.1.
-* :class:`ResponseMapper` renders either the one-call pair prompt of Appendix E.2 (``response_mode: pair``, strict
-  ``CHOSEN:`` / ``REJECTED:`` sections) or one generation prompt per response (``response_mode: judged``): the task
-  preference is stated positively in the first and negatively in the second, each with probability
-  ``preference_inclusion_prob``, and the same auxiliary style axes (``styles_per_response`` of them, 1-5 scores) are
-  appended to both.
-* :func:`judge_prompt` / :func:`parse_judge` implement tau_judge of Algorithm 2: the answer must be exactly ``A`` or
-  ``B`` (surrounding whitespace, quotes, asterisks or a final period tolerated); anything else is unparseable and the
-  sample is skipped and counted.
+* :class:`PromptMapper` renders the meta-prompt of Appendix E.1 from seed words of the task's domain.
+* :class:`ResponseMapper` renders the one-call pair prompt of Appendix E.2 (``pair`` mode, strict ``CHOSEN:`` /
+  ``REJECTED:`` sections) or one prompt per response (``judged`` mode: the preference stated positively in the first
+  and negatively in the second, each with probability ``preference_inclusion_prob``; shared style axes).
+* :func:`judge_prompt` / :func:`parse_judge`: tau_judge of Algorithm 2, answer exactly ``A`` or ``B`` (whitespace,
+  quotes, asterisks or a final period tolerated).
 
 All sampling takes an explicit ``random.Random`` so a sample's inputs depend only on its seed.
 """
@@ -70,11 +67,7 @@ AXIS_LINE = "On a scale of 1 to 5 where 1 is {low} and 5 is {high}, the response
 
 _HEADER = r"[ \t]*\**[ \t]*{name}[ \t]*\**[ \t]*:[ \t]*\**"
 _PAIR_RE = re.compile(
-    r"^\s*"
-    + _HEADER.format(name="CHOSEN")
-    + r"(?P<chosen>.*?)\n"
-    + _HEADER.format(name="REJECTED")
-    + r"(?P<rejected>.*?)\s*$",
+    rf"^\s*{_HEADER.format(name='CHOSEN')}(?P<chosen>.*?)\n{_HEADER.format(name='REJECTED')}(?P<rejected>.*?)\s*$",
     re.DOTALL | re.IGNORECASE,
 )
 _ANY_HEADER_RE = re.compile(r"^" + _HEADER.format(name="(?:CHOSEN|REJECTED)"), re.MULTILINE | re.IGNORECASE)
@@ -163,11 +156,8 @@ class ResponseMapper:
     """Renders response-generation prompts (Appendix E.2 and the two-response variant of Figure 4b)."""
 
     def pair_prompt(self, task: TaskSpec, prompt: str, axes: list[tuple[str, str, int]]) -> str:
-        return PAIR_PROMPT_TEMPLATE.format(
-            prompt=prompt,
-            preference=task.preference.strip(),
-            axes=_axes_text(axes, "Both responses should match these style scores:"),
-        )
+        axes_text = _axes_text(axes, "Both responses should match these style scores:")
+        return PAIR_PROMPT_TEMPLATE.format(prompt=prompt, preference=task.preference.strip(), axes=axes_text)
 
     def sample_stances(self, task: TaskSpec, rng: random.Random) -> tuple[str, str]:
         """Whether the preference is stated to each response: ``follow``/``unstated`` for the first,
@@ -178,11 +168,8 @@ class ResponseMapper:
         return first, second
 
     def response_prompt(self, task: TaskSpec, prompt: str, stance: str, axes: list[tuple[str, str, int]]) -> str:
-        instruction = {
-            "follow": FOLLOW_INSTRUCTION,
-            "violate": VIOLATE_INSTRUCTION,
-            "unstated": "",
-        }[stance].format(preference=task.preference.strip())
+        instruction = {"follow": FOLLOW_INSTRUCTION, "violate": VIOLATE_INSTRUCTION, "unstated": ""}[stance]
+        instruction = instruction.format(preference=task.preference.strip())
         return RESPONSE_PROMPT_TEMPLATE.format(
             prompt=prompt, instruction=instruction, axes=_axes_text(axes, "Match these style scores:")
         )

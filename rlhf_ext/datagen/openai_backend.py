@@ -77,9 +77,8 @@ _ATTEMPTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("rl
 
 
 def _client_class():
-    """``openai.AsyncOpenAI`` with the retry delay of :meth:`OpenAIBackend._retry_delay` (the client's own retry
-    loop decides *whether* to retry: HTTP 408/409/429/5xx, timeouts and connection errors; ``Retry-After`` above
-    two minutes is not retried)."""
+    """``openai.AsyncOpenAI`` with the retry delay of :meth:`OpenAIBackend._retry_delay` (the client decides *whether*
+    to retry)."""
     import openai
 
     class _Client(openai.AsyncOpenAI):
@@ -98,13 +97,9 @@ def _client_class():
 class OpenAIBackend(Backend):
     """Asynchronous client for an OpenAI-compatible chat-completions server (see the module docstring).
 
-    Built on the official ``openai.AsyncOpenAI`` client: its retry loop, timeouts and connection pool, and proxies
-    from the environment (``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``ALL_PROXY``, bypassed for the hosts in ``NO_PROXY``;
-    read when the backend starts). A local server behind a proxy setting needs ``NO_PROXY=127.0.0.1,localhost``.
-
-    The token limit goes out as ``max_completion_tokens``; when a server answers HTTP 400 naming that field (older
-    vLLM servers only know ``max_tokens``), the request is resent with ``max_tokens`` and every later request of this
-    backend uses ``max_tokens``.
+    Built on ``openai.AsyncOpenAI`` (its retry loop, timeouts, connection pool and the environment's proxies, read
+    when the backend starts: a local server behind a proxy setting needs ``NO_PROXY=127.0.0.1,localhost``). The token
+    limit goes out as ``max_completion_tokens``, or ``max_tokens`` from the first HTTP 400 naming that field on.
 
     Args:
         api_base: URL up to ``/v1`` (e.g. ``http://localhost:8000/v1``).
@@ -114,8 +109,7 @@ class OpenAIBackend(Backend):
         timeout: seconds per attempt (connect, send and each wait for the answer's bytes).
         max_retries: retries after the first attempt.
         backoff_base / backoff_max: the k-th retry waits ``uniform(0, min(backoff_max, backoff_base * 2**k))``
-            seconds (full jitter), or the server's ``Retry-After`` when it sends one (up to two minutes; a longer
-            ``Retry-After`` fails the request for this run).
+            seconds, or the server's ``Retry-After`` (up to two minutes; a longer one fails the request).
     """
 
     name = "openai"
@@ -131,14 +125,9 @@ class OpenAIBackend(Backend):
         backoff_base: float = 0.5,
         backoff_max: float = 20.0,
     ):
-        self.api_base = api_base.rstrip("/")
-        self.model = model
-        self.api_key_env = api_key_env
-        self.max_concurrency = max_concurrency
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
+        self.api_base, self.model, self.api_key_env = api_base.rstrip("/"), model, api_key_env
+        self.max_concurrency, self.timeout, self.max_retries = max_concurrency, timeout, max_retries
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.token_limit_param = TOKEN_LIMIT_PARAMS[0]
         self._client = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -163,13 +152,9 @@ class OpenAIBackend(Backend):
         limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
             max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
         )
-        self._client = _client_class()(
-            api_key=key or "unused",
-            base_url=self.api_base,
-            timeout=self.timeout,
-            max_retries=self.max_retries,
-            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
-        )
+        http_client = openai.DefaultAsyncHttpxClient(limits=limits)
+        self._client = _client_class()(api_key=key or "unused", base_url=self.api_base, timeout=self.timeout,
+                                       max_retries=self.max_retries, http_client=http_client)  # fmt: skip
         # no key: no Authorization header at all (a local server without --api-key)
         omit = getattr(openai, "Omit", None) or openai._types.Omit  # exported from openai 2
         self._extra_headers = None if key else {"Authorization": omit()}
@@ -331,14 +316,9 @@ class OpenAIBackend(Backend):
             self.stats["attempts"] += 1
             try:
                 raw = await self._client.chat.completions.with_raw_response.create(
-                    model=self.model,
-                    messages=request.messages,
-                    temperature=request.temperature,
-                    seed=request.seed,
-                    n=1,
-                    extra_body={param: request.max_tokens},
-                    extra_headers=self._extra_headers,
-                )
+                    model=self.model, messages=request.messages, temperature=request.temperature, seed=request.seed,
+                    n=1, extra_body={param: request.max_tokens}, extra_headers=self._extra_headers,
+                )  # fmt: skip
                 return raw.content
             except openai.APIStatusError as e:
                 status, message = e.status_code, self._server_message(e.response)
@@ -380,12 +360,8 @@ class OpenAIBackend(Backend):
 
 
 def _parse_completion(raw: bytes, secrets: Iterable[str] = ()) -> ChatCompletion:
-    """The first choice of a chat-completion body (the API key, if the server echoed it, is redacted).
-
-    Raises:
-        MalformedResponse: not JSON, no ``choices``, ``choices[0]`` or its ``message`` not an object, a
-            non-text ``content``.
-    """
+    """The first choice of a chat-completion body (an echoed API key redacted); :class:`MalformedResponse` for a body
+    that is not JSON, has no ``choices``, a ``choices[0]`` or ``message`` that is not an object or non-text content."""
     try:
         data = json.loads(raw)
     except ValueError:

@@ -1,41 +1,27 @@
 """The offline backend's phrase bank and the gold rubric that says what separates chosen from rejected.
 
-The ``offline`` backend composes prompts and responses from seed words and the packaged ``phrase_bank.yaml`` (or a
-custom bank with the same schema, ``generation.phrase_bank``). Everything a reward model can use sits in a few
-multi-token **key phrases**:
+The ``offline`` backend composes prompts and responses from seed words and ``phrase_bank.yaml`` (or
+``generation.phrase_bank``). Everything a reward model can use sits in a few multi-token **key phrases**:
 
-* Every preference maps to a **style** (``eli5``, ``highschool``, ``expert``, ``hinted``, ``direct``, ``formal``,
-  ``rapper``, ``shakespeare``) of a **family** (``complexity``, ``answer``, ``register``). Styles of a family compete.
-* A response is a shuffled list of sentences: neutral *content* sentences built from the prompt's seed words (drawn
-  from the same distribution for both responses), neutral *auxiliary-style* sentences (identical in both responses of
-  a pair), and exactly ``markers_per_response`` *marker* sentences ``"<connector> <key phrase>."``.
-* A response that **follows** the preference takes all its key phrases from the task's style; a response that
-  **violates** it takes them from the other styles of the same family (e.g. ``expert`` phrases when ``eli5`` is
-  preferred). In ``pair`` mode the chosen response follows and the rejected one violates. In ``judged`` mode a
-  response whose prompt did not state the preference draws each key phrase from either side with probability 1/2,
-  and the judge orders the two responses.
+* Every preference maps to a **style** (``eli5``, ``expert``, ``rapper`` ...) of a **family** (``complexity``,
+  ``answer``, ``register``); styles of a family compete.
+* A response is a shuffled list of neutral *content* sentences (from the seed words), neutral *auxiliary-style*
+  sentences (the same in both responses) and ``markers_per_response`` *marker* sentences ``"<connector> <phrase>."``.
+* A response that **follows** the preference takes its key phrases from the task's style; one that **violates** it
+  from the competing styles. ``pair`` mode: chosen follows, rejected violates; ``judged`` mode: a response whose
+  prompt did not state the preference draws each key phrase from either side with probability 1/2.
 
 So the gold reward of a response for style ``s`` is::
 
     gold_score(text, s) = #(key phrases of s in text) - #(key phrases of s's competing styles in text)
 
-(case-insensitive occurrence counts, :meth:`Rubric.score`). A ``pair``-mode chosen response scores
-``+markers_per_response`` and its rejected response ``-markers_per_response``. Content, connectors and auxiliary
-sentences never contain a key phrase (checked when a bank is loaded), so the rubric sees only preference signal.
-Preference drift between tasks of one family therefore *reverses* which phrases are rewarded (ELI5 -> expert),
-which is what makes forgetting measurable; drift across families adds a new feature to learn.
+(case-insensitive counts, :meth:`Rubric.score`). Neutral text never contains a key phrase (checked on load), so
+drift within a family *reverses* which phrases are rewarded (what makes forgetting measurable).
 
-**Preference styles** for free-form preferences the bank has no style for (e.g. AIF-Gen's "Make the headline
-polarizing"): the style name ``pref:<slug>`` (:func:`preference_style_name`; the slug is the preference's first
-content words, e.g. ``pref:headline-polarizing``) defines a family of two styles, ``pref:<slug>`` and
-``pref:<slug>:contrary``, whose key phrases are fixed templates around the slug's words (:func:`preference_styles`;
-e.g. ``"written with headline polarizing firmly in mind"`` vs. ``"written with no regard for headline polarizing at
-all"``). Every bank resolves such names on first use, so a dataset generated with them previews, validates and
-scores in any process. A derived pair is checked against the bank's own phrases and neutral text (not against other
-derived pairs): a clash raises :class:`ValueError` naming the phrase; set the task's ``style:`` explicitly then.
-
-:func:`rubric_for` and :func:`gold_score` are the programmatic interface a simulator's gold scorer uses; each
-generated row carries its ``style`` column.
+**Preference styles**: a free-form preference the bank has no style for gets ``pref:<slug>``
+(:func:`preference_style_name`, e.g. ``pref:headline-polarizing``), a family of ``pref:<slug>`` and
+``pref:<slug>:contrary`` whose key phrases are templates around the slug (:func:`preference_styles`). Every bank
+resolves such names on first use; a clash with the bank's own phrases raises :class:`ValueError` (set ``style:``).
 """
 
 from __future__ import annotations
@@ -90,11 +76,7 @@ _CONTRARY_TEMPLATES = (
 def preference_style_name(preference: str) -> str:
     """The derived style ``pref:<slug>`` of a free-form preference: its first :data:`PREFERENCE_SLUG_WORDS` lower-case
     alphanumeric words that are not stop words, joined by ``-`` (all words when every word is a stop word).
-
-    Example: ``"Make the headline polarizing"`` -> ``"pref:headline-polarizing"``.
-
-    Raises:
-        ValueError: the preference has no alphanumeric word.
+    Example: ``"Make the headline polarizing"`` -> ``"pref:headline-polarizing"``; ``ValueError`` without any word.
     """
     words = re.findall(r"[a-z0-9]+", preference.lower())
     if not words:
@@ -114,11 +96,7 @@ def _preference_slug(name: str) -> str | None:
 
 def preference_styles(name: str) -> dict[str, StyleEntry]:
     """The family of the derived style ``name``: ``{pref:<slug>: ..., pref:<slug>:contrary: ...}``, one family named
-    after the slug, each style with one key phrase per template (see the module docstring).
-
-    Raises:
-        KeyError: ``name`` is not a derived style name.
-    """
+    after the slug, each style with one key phrase per template; ``KeyError`` for other names."""
     slug = _preference_slug(name)
     if slug is None:
         raise KeyError(name)
@@ -213,11 +191,7 @@ class PhraseBank:
 
     def derive_styles(self, name: str) -> dict[str, StyleEntry]:
         """The derived family of ``name`` (:func:`preference_styles`), checked against this bank's own (not derived)
-        key phrases and neutral text.
-
-        Raises:
-            KeyError: ``name`` is not a derived style name. ValueError: a derived key phrase clashes with the bank.
-        """
+        key phrases and neutral text (``ValueError`` on a clash; ``KeyError`` for a name that is not derived)."""
         family = preference_styles(name)
         own = self._phrases({s: e for s, e in self.styles.items() if _preference_slug(s) is None})
         new = self._phrases(family)
@@ -369,14 +343,8 @@ def _join_words(words: list[str]) -> str:
 def _fill(template: str, words: list[str], rng: random.Random) -> str:
     w = rng.choice(words)
     w2 = rng.choice([x for x in words if x != w] or words)
-    return template.format(
-        topic=_join_words(words),
-        w0=words[0],
-        w1=words[1] if len(words) > 1 else words[0],
-        w=w,
-        W=w[:1].upper() + w[1:],
-        w2=w2,
-    )
+    w1 = words[1] if len(words) > 1 else words[0]
+    return template.format(topic=_join_words(words), w0=words[0], w1=w1, w=w, W=w[:1].upper() + w[1:], w2=w2)
 
 
 def compose_prompt(bank: PhraseBank, objective_kind: str, seed_words: list[str], rng: random.Random) -> str:

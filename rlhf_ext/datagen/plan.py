@@ -1,7 +1,5 @@
-"""The plan of a generation run, computed without calling a backend: the tasks resolved against the phrase bank, the
-drift schedule's stages and one :class:`SampleJob` per sample, made per stage on demand
-(``rlhf-ext data generate --dry-run`` prints it). :mod:`rlhf_ext.datagen.runner` runs the jobs and
-:mod:`rlhf_ext.datagen.generate` assembles the dataset."""
+"""The plan of a generation run, computed without calling a backend (``rlhf-ext data generate --dry-run`` prints it):
+the tasks resolved against the phrase bank, the drift schedule's stages and one :class:`SampleJob` per sample."""
 
 from __future__ import annotations
 
@@ -141,18 +139,14 @@ class GenerationPlan:
         width = max(len(st.name) for st in self.stages)
         for st in self.stages:
             mix = ", ".join(f"{k} {w:.2f}" for k, w in sorted(st.weights.items()))
-            lines.append(
-                f"  [{st.index:3d}] {st.name:{width}s}  n={st.num_samples:<6d} test={st.test_ratio:.2f}  {mix}"
-            )
+            line = f"  [{st.index:3d}] {st.name:{width}s}  n={st.num_samples:<6d} test={st.test_ratio:.2f}  {mix}"
+            lines.append(line)
         return "\n".join(lines)
 
 
 def resolve_tasks(config: DatagenConfig, bank: PhraseBank) -> dict[str, ResolvedTask]:
-    """Resolve each task's style and objective kind; the offline backend and the rule judge require both / the style.
-
-    Raises:
-        RecipeError: naming ``tasks[i].style`` / ``tasks[i].objective_kind`` when they cannot be resolved.
-    """
+    """Resolve each task's style and objective kind (the offline backend needs both, the rule judge the style;
+    ``RecipeError`` naming ``tasks[i].style`` / ``tasks[i].objective_kind`` when they cannot be resolved)."""
     gen = config.generation
     offline = gen.backend == "offline"
     rule = gen.response_mode == "judged" and gen.resolved_judge() == "rule"
@@ -187,12 +181,8 @@ def resolve_tasks(config: DatagenConfig, bank: PhraseBank) -> dict[str, Resolved
     return out
 
 
-def plan_generation(
-    config: DatagenConfig | str | Path,
-    overrides: Iterable[str] = (),
-    num_samples: int | None = None,
-    bank: PhraseBank | None = None,
-) -> GenerationPlan:
+def plan_generation(config: DatagenConfig | str | Path, overrides: Iterable[str] = (), num_samples: int | None = None,
+                    bank: PhraseBank | None = None) -> GenerationPlan:  # fmt: skip
     """Validate ``config`` (plus overrides; ``num_samples`` replaces every task's count) and compute its stages and
     sample jobs. No backend is contacted."""
     config = load_task_config(config, overrides)

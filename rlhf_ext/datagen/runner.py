@@ -21,12 +21,7 @@ from rlhf_ext.datagen.cache import SampleAppender, SampleCache, scan_records
 from rlhf_ext.datagen.chat import Backend, BackendError, BackendUnavailable, ChatCompletion, ChatRequest
 from rlhf_ext.datagen.drift import derive_seed
 from rlhf_ext.datagen.judge import make_judge
-from rlhf_ext.datagen.mappers import (
-    UnparseableOutput,
-    parse_pair,
-    sample_axes,
-    sample_seed_words,
-)
+from rlhf_ext.datagen.mappers import UnparseableOutput, parse_pair, sample_axes, sample_seed_words
 from rlhf_ext.datagen.phrasebank import PhraseBank, load_phrase_bank
 from rlhf_ext.datagen.plan import PROMPT_MAPPER, RESPONSE_MAPPER, plan_generation
 
@@ -106,9 +101,8 @@ class SampleRunner:
         prompt = PROMPT_MAPPER.finalize(task, _text(await self.backend.complete(request), request))
         info: dict[str, Any] = {"axes": [list(a) for a in axes]}
         if gen.response_mode == "pair":
-            request = self._request(
-                "pair", RESPONSE_MAPPER.pair_prompt(task, prompt, axes), seeds[1], gen.max_tokens_response, ctx
-            )
+            pair_prompt = RESPONSE_MAPPER.pair_prompt(task, prompt, axes)
+            request = self._request("pair", pair_prompt, seeds[1], gen.max_tokens_response, ctx)
             answer = _text(await self.backend.complete(request), request)
             try:
                 chosen, rejected = parse_pair(answer)
@@ -116,15 +110,10 @@ class SampleRunner:
                 raise _Skip("pair_unparseable", f"{e}: {answer[:120]!r}") from None
         else:
             stances = RESPONSE_MAPPER.sample_stances(task, rng)
+            texts = [RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes) for stance in stances]
             requests = [
-                self._request(
-                    "response",
-                    RESPONSE_MAPPER.response_prompt(task, prompt, stance, axes),
-                    seeds[1 + k],
-                    gen.max_tokens_response,
-                    {**ctx, "stance": stance},
-                )
-                for k, stance in enumerate(stances)
+                self._request("response", text, seeds[1 + k], gen.max_tokens_response, {**ctx, "stance": stance})
+                for k, (text, stance) in enumerate(zip(texts, stances))
             ]
             answers = await _gather(*(self.backend.complete(r) for r in requests))
             first, second = [_text(c, r) for c, r in zip(answers, requests)]
@@ -133,30 +122,14 @@ class SampleRunner:
                 raise _Skip(verdict.reason or "judge_undecided", verdict.raw or "")
             chosen, rejected = (first, second) if verdict.winner == 0 else (second, first)
             info.update(stances=list(stances), winner=verdict.winner, judge=verdict.raw)
-        sample = {
-            "prompt": prompt,
-            "chosen": chosen,
-            "rejected": rejected,
-            "source_task": task.name,
-            "style": job.task.style or "",
-            "seed_words": words,
-        }
-        return sample, info
+        sample = {"prompt": prompt, "chosen": chosen, "rejected": rejected, "source_task": task.name}
+        return {**sample, "style": job.task.style or "", "seed_words": words}, info
 
 
-async def run_jobs(
-    runner: SampleRunner,
-    jobs: Iterable[SampleJob],
-    num_jobs: int,
-    sink: SampleCache | SampleAppender,
-    bar,
-    counts: Counter,
-    max_concurrency: int,
-    errors: dict[str, str],
-) -> None:
-    """Start the backend, run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers, appending each record
-    to ``sink``, and close the backend; ``counts`` gets the outcomes and ``errors`` the first (redacted, one-line)
-    message of each failure reason."""
+async def run_jobs(runner: SampleRunner, jobs: Iterable[SampleJob], num_jobs: int, sink: SampleCache | SampleAppender,
+                   bar, counts: Counter, max_concurrency: int, errors: dict[str, str]) -> None:  # fmt: skip
+    """Run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers between the backend's start and close,
+    appending each record to ``sink``; ``counts`` gets the outcomes, ``errors`` each failure's first message."""
     jobs = iter(jobs)
 
     async def worker() -> None:
@@ -233,11 +206,10 @@ class _QueueBar:
 def _shard_worker(
     config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue, commands
 ):
-    """One process of a sharded run. Generates every ``num_workers``-th pending sample from ``worker`` on, appended to
-    the worker's own cache file, and reports ``("progress", n)`` and ``("done", counts, errors, records)`` (``records``:
-    ``(path, start, end, scan_records entries)`` of what it appended) on ``queue``; then waits on ``commands`` for
-    ``("assemble", index_state, [(stage position, directory), ...])``, writes those stages and reports
-    ``("assembled", worker, results)``, or for ``("stop",)``. An exception is reported as ``("error", exception)``."""
+    """One process of a sharded run: generates every ``num_workers``-th pending sample into its own cache file, reports
+    ``("progress", n)`` and ``("done", counts, errors, (path, start, end, scan_records entries))`` on ``queue``, then
+    takes ``("assemble", index_state, [(stage position, directory), ...])`` (reporting ``("assembled", worker,
+    results)``) or ``("stop",)`` from ``commands``. An exception is reported as ``("error", exception)``."""
     from rlhf_ext.datagen.assemble import write_stage
 
     bar = _QueueBar(queue)
@@ -290,13 +262,10 @@ class ShardedRun:
         ctx = mp.get_context("spawn")
         self.messages = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(workers)]
+        args = (plan.config, str(cache.directory))
         self.procs = [
-            ctx.Process(
-                target=_shard_worker,
-                args=(plan.config, str(cache.directory), w, workers, pending, self.messages, self.commands[w]),
-                daemon=True,
-            )
-            for w in range(workers)
+            ctx.Process(target=_shard_worker, args=(*args, w, workers, pending, self.messages, cmds), daemon=True)
+            for w, cmds in enumerate(self.commands)
         ]
 
     def __enter__(self) -> ShardedRun:

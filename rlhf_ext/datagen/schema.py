@@ -1,11 +1,6 @@
 """The task YAML schema: a sequence of alignment tasks plus drift, generation and output settings (paper 000, 5.1).
 
-A config file maps 1:1 onto :class:`DatagenConfig` through :mod:`rlhf_ext.config`, so unknown keys, missing fields
-and mistyped values are errors that name the key path::
-
-    RecipeError: my.yaml: unknown key 'tasks[1].metadata.seed_word_per_prompt'
-    (did you mean 'tasks[1].metadata.seed_words_per_prompt'?); valid keys here: ...
-
+A config file maps 1:1 onto :class:`DatagenConfig` through :mod:`rlhf_ext.config` (errors name the key path).
 Example (the structure of every packaged config under ``rlhf_ext/datagen/configs``)::
 
     name: my-continual-dataset
@@ -32,14 +27,10 @@ Example (the structure of every packaged config under ``rlhf_ext/datagen/configs
           seed_words_per_prompt: 2
           preference_inclusion_prob: 0.4
 
-AIF-Gen's own task configs (``task_specs: [{num_samples, alignment_task: {objective, preference, domain}}]``) load
-as they are: :func:`load_task_config` detects ``task_specs`` (or is told ``config_format="aif-gen"``) and maps them
-onto this schema with :func:`rlhf_ext.datagen.aif_gen_config.config_to_rlhf_ext` (one piecewise stage per task, built-in
-seed vocabularies for components given without words, a derived phrase-bank style for free-form preferences).
+AIF-Gen's task configs (``task_specs``) load as they are, mapped by
+:func:`rlhf_ext.datagen.aif_gen_config.config_to_rlhf_ext`.
 
-Defaults are the paper's (section 6.1 and Appendix D): temperature 0.99, 1024 prompt tokens, 2048 response tokens,
-128 judge tokens, ``max_concurrency`` 256, two seed words per prompt, three auxiliary styles per response, preference
-inclusion probability 0.4, test ratio 0.15.
+Defaults are the paper's (section 6.1 and Appendix D).
 """
 
 from __future__ import annotations
@@ -102,12 +93,10 @@ class TaskMetadata:
     """Per-task knobs of the prompt and response mappers (paper Figure 4).
 
     Args:
-        prompt_prefix / prompt_suffix: text put before / after every generated prompt (e.g. ``"Question: "`` and
-            ``"\\nAnswer:"`` for base models). They are part of the dataset's ``prompt`` column.
+        prompt_prefix / prompt_suffix: text put before / after every generated prompt (part of the ``prompt`` column).
         seed_words_per_prompt: seed words sampled per prompt (paper: 2).
-        preference_inclusion_prob: ``response_mode: judged`` only: the probability that the task preference is
-            stated in each response's generation prompt (positively for the first, negatively for the second);
-            lower values make the pair harder to tell apart (paper 6.1: 0.4).
+        preference_inclusion_prob: ``judged`` mode: the probability that the preference is stated in each response's
+            generation prompt (positively for the first, negatively for the second; paper 6.1: 0.4).
         styles_per_response: auxiliary style axes sampled per sample (paper 6.1: 3; 0 disables them).
         style_axes: the axes to sample from (default :data:`DEFAULT_STYLE_AXES`).
     """
@@ -134,17 +123,13 @@ class TaskSpec:
     """One alignment task = objective x domain x preference (paper 5.1).
 
     Args:
-        name: unique identifier (used for stage names, the ``source_task`` column and cache keys).
-        objective: what the generated prompt should be (question answering, an article to summarise, ...).
-        preference: the latent reward: the style the chosen response follows (e.g. "explain like I'm five").
+        name: unique identifier (stage names, the ``source_task`` column, cache keys).
+        objective: what the generated prompt should be; preference: the style the chosen response follows.
         domain: named components with seed-word vocabularies and weights.
-        num_samples: preference pairs to generate for this task (train + test).
-        test_ratio: fraction of the task's samples held out in its ``test`` split.
-        style: key of the offline phrase bank's style for this preference (``eli5``, ``expert``, ``rapper`` ...);
-            inferred from the preference text when omitted. Needed by the ``offline`` backend and the rule judge.
-        objective_kind: ``qa`` | ``summary`` | ``generation`` for the offline backend's prompt templates; inferred
-            from the objective and preference text when omitted.
-        metadata: prompt prefix/suffix, seed words per prompt, preference-inclusion probability, style axes.
+        num_samples: pairs to generate (train + test); test_ratio: fraction held out in ``test``.
+        style: the offline phrase bank's style for the preference (inferred when omitted; needed offline and by the
+            rule judge). objective_kind: ``qa`` | ``summary`` | ``generation`` (inferred when omitted).
+        metadata: :class:`TaskMetadata`.
     """
 
     name: str
@@ -212,23 +197,14 @@ class GenerationSpec:
 
     Args:
         backend: ``offline`` (deterministic, model-free), ``hf`` (local transformers model) or ``openai`` (any
-            OpenAI-compatible chat-completions server, e.g. ``vllm serve``).
-        model: hf: a path, hub id or ``builtin:smollm2``; openai: the served model name (default: the only model
-            the server lists; name it explicitly to keep cache keys stable if the server may change).
-        api_base: openai: base URL up to ``/v1``.
-        api_key_env: openai: name of the environment variable holding the API key. The key itself is never read
-            from a file, logged or saved.
+            OpenAI-compatible chat-completions server). model: hf: a path, hub id or ``builtin:smollm2``; openai: the
+            served model name (default: the only one the server lists).
+        api_base / api_key_env: openai: base URL up to ``/v1``; the environment variable holding the API key.
         response_mode: ``pair``: one call returns a chosen/rejected pair (Appendix E.2); ``judged``: two responses
-            ordered by a judge (Algorithm 2).
-        judge: ``rule`` (offline phrase-bank rubric), ``llm`` (the backend, strict one-letter answer), ``auto``
-            (rule for offline, llm otherwise). Used by ``judged`` mode and by ``validate``.
-        preference_swap: probability of swapping chosen and rejected (annotation noise; 0 disables).
-        max_concurrency: requests in flight at once (openai).
-        request_timeout: seconds per request attempt (openai).
-        max_retries: retries per request after the first attempt (HTTP 408/429/5xx, timeouts, dropped connections),
-            with exponential backoff and jitter.
-        markers_per_response: offline: key phrases per response (the preference signal).
-        phrase_bank: offline: path of a custom phrase-bank YAML (default: the packaged one).
+            ordered by a judge (Algorithm 2). judge: ``rule``, ``llm`` or ``auto`` (rule for offline, else llm).
+        preference_swap: probability of swapping chosen and rejected (annotation noise).
+        max_concurrency / request_timeout / max_retries: openai: requests in flight, seconds per attempt, retries.
+        markers_per_response / phrase_bank: offline: key phrases per response; a custom phrase-bank YAML.
     """
 
     backend: Backend = "offline"
@@ -261,21 +237,11 @@ class GenerationSpec:
         return self.judge
 
     def content_fingerprint(self) -> dict[str, Any]:
-        """Settings that change what a sample's text is (part of every cache key). The server address, concurrency,
-        timeouts, retries, the swap probability and the output format do not: a restarted server on another port
-        resumes the same cache, and swap/format are applied without regenerating."""
-        keys = (
-            "backend",
-            "model",
-            "temperature",
-            "max_tokens_prompt",
-            "max_tokens_response",
-            "max_tokens_judge",
-            "response_mode",
-            "markers_per_response",
-            "phrase_bank",
-        )
-        fp = {k: getattr(self, k) for k in keys}
+        """Settings that change what a sample's text is (part of every cache key; not the server address, concurrency,
+        timeouts, retries, swap probability or output format)."""
+        keys = "backend model temperature max_tokens_prompt max_tokens_response max_tokens_judge response_mode"
+        keys += " markers_per_response phrase_bank"
+        fp = {k: getattr(self, k) for k in keys.split()}
         fp["judge"] = self.resolved_judge() if self.response_mode == "judged" else None
         return fp
 
@@ -357,10 +323,9 @@ def load_task_config(
 ) -> DatagenConfig:
     """Load and validate a task config from a YAML path, a packaged config name or a mapping.
 
-    ``config_format``: ``rlhf-ext`` (this module's schema), ``aif-gen`` (AIF-Gen's ``task_specs`` configs, mapped by
-    :func:`rlhf_ext.datagen.aif_gen_config.config_to_rlhf_ext`) or ``auto`` (``aif-gen`` when the mapping has
-    ``task_specs``). ``overrides`` are ``key.sub=value`` strings (``generation.backend=openai``) on the rlhf-ext keys,
-    applied after an AIF-Gen config is mapped. Errors are :class:`rlhf_ext.config.RecipeError` naming the file and key.
+    ``config_format``: ``rlhf-ext``, ``aif-gen`` (AIF-Gen's ``task_specs`` configs) or ``auto`` (``aif-gen`` when the
+    mapping has ``task_specs``). ``overrides``: ``key.sub=value`` strings on the rlhf-ext keys, applied after an
+    AIF-Gen config is mapped. Errors are :class:`rlhf_ext.config.RecipeError` naming the file and key.
     """
     from rlhf_ext.datagen.aif_gen_config import CONFIG_FORMATS, config_to_rlhf_ext, detect_config_format
 

