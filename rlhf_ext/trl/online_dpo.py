@@ -1,25 +1,18 @@
 """A streaming ``trl.DPOTrainer`` for iterative best/worst-of-n online DPO (paper 004) and one-step asynchronous
 online DPO (paper 001).
 
-:class:`IterativeDPOTrainer` *is* a ``DPOTrainer`` taking TRL's arguments in GRPO / OnlineDPO order (``model``,
-``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...); every DPO run it makes is a plain
-``trl.DPOTrainer``, fed with preference pairs as they are collected:
+:class:`IterativeDPOTrainer` *is* a ``DPOTrainer`` taking TRL's arguments in GRPO / OnlineDPO order; every DPO run it
+makes is a plain ``trl.DPOTrainer``, fed with preference pairs as they are collected:
 
 **per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t`` from ``pi_t``
-on the pairs stored so far (``pair_data="accumulate"``, or ``"latest"``) against ``pi_0`` (``reference="sft"``) or
-``pi_t`` (``"previous"``), saved as ``pi_{t+1}``. The loop (Algorithm 2) is
-:func:`rlhf_ext.runtime.iterations.run_iterations`; its steps are the methods of the engine-free
-:class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``); step 6's DPO run is
-:meth:`~IterativeDPOTrainer.train_policy`.
+on the pairs stored so far (or the latest) against ``pi_0`` or ``pi_t``, saved as ``pi_{t+1}``. The loop (Algorithm
+2) is :func:`rlhf_ext.runtime.iterations.run_iterations` over ``trainer.iteration_steps``.
 
 **per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
-stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`, which also says how it resumes).
+stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`).
 
-Resuming: ``output_dir`` holds the run's settings (``run.json``), the policy after each iteration (``state.json``)
-and each iteration's pairs (``pairs/iter_XXX``). Every step is skipped when its result exists, so a killed run
-resumes at the last completed step (a half-finished DPO run from its last complete checkpoint), and with the same
-seed produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's responses tie
-yields no pairs: a warning, and ``pi_{t+1} = pi_t``.
+Resuming: every step is skipped when its result exists in ``output_dir``, so a killed run resumes at the last
+completed step and, with the same seed, produces the same pairs and weights as an uninterrupted one.
 
 Example::
 
@@ -78,9 +71,6 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     Args:
         max_new_tokens, num_samples: deprecated aliases of ``max_completion_length`` and ``num_generations``.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
-        reward_batch_size: sequences per reward-model forward.
-        eval_num_prompts: prompts of the evaluation after each iteration.
-        vllm_kwargs: extra ``vllm.LLM`` arguments.
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
@@ -104,10 +94,8 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
                 check_knob(type(self), old, getattr(self, old))
                 warnings.warn(
                     f"IterativeDPOConfig({old}=...) is deprecated and will be removed in the next release; use {new}= "
-                    "(TRL's name, as in GRPOConfig)",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
+                    "(TRL's name, as in GRPOConfig)", DeprecationWarning, stacklevel=3,
+                )  # fmt: skip
                 setattr(self, new, getattr(self, old))
         super().__post_init__()
         split_temperatures(self.num_generations, self.temperatures)
@@ -167,11 +155,8 @@ def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
         return current
     if current is not None:
         raise ValueError(f"pass {new}= only; {old}= is its deprecated name")
-    warnings.warn(
-        f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead",
-        DeprecationWarning,
-        stacklevel=4,
-    )
+    msg = f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead"
+    warnings.warn(msg, DeprecationWarning, stacklevel=4)
     return value
 
 
@@ -239,8 +224,7 @@ class IterativeDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` that trains on preference pairs as they are collected (see the module docstring).
 
     Args:
-        model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once to
-            ``output_dir/_policies/policy_000``; pass ``processing_class`` with it).
+        model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once; pass ``processing_class``).
         reward_funcs: a callable ``(prompts, responses) -> scores`` (one per response), a reward-model checkpoint
             or hub id (sequence classification or rlhf-ext segment RM), a loaded sequence-classification model, or a
             list holding one of those.
@@ -249,13 +233,12 @@ class IterativeDPOTrainer(DPOTrainer):
         eval_dataset: held-out prompts for the evaluation of each policy (default: the training prompts).
         callbacks: ``transformers`` callbacks, added to every DPO run.
         optimizers: must stay ``(None, None)`` (each DPO run builds its optimizer from ``args``).
-        peft_config: a ``peft.PeftConfig``: each iteration trains an adapter on ``pi_t`` and saves the merged
-            ``pi_{t+1}`` (per-iteration mode only).
+        peft_config: a ``peft.PeftConfig`` (per-iteration mode only): each ``pi_{t+1}`` is saved merged.
         ref_model: path of the SFT reference (default: ``model``), or a causal LM (saved once).
         gold_fn: an extra scorer reported at evaluation only (e.g. a gold reward).
         prompt_key: the prompt column of dataset inputs.
         prompts, eval_prompts, reward_fn, reward_model: deprecated names of ``train_dataset``, ``eval_dataset`` and
-            ``reward_funcs`` (a callable / a checkpoint or model); removed in the next release.
+            ``reward_funcs``.
 
     Attributes:
         summary: after :meth:`train`: per-iteration pairs and evaluations (``iterations``, ``eval``,

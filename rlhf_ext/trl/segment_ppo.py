@@ -12,15 +12,10 @@ TRL 1.16 has no PPO trainer; ``DensePPOTrainer`` keeps ``GRPOTrainer``'s generat
 4. advantages by GAE with a critic (initialised from the reward model, clipped value loss) or critic-free REINFORCE
    (reward-to-go minus a leave-one-out baseline), whitened over the batch.
 
-Old log-probs: an on-policy step (as ``GRPOTrainer`` decides it, with no asynchronous rollouts) runs no extra policy
-forward for them. With one loss call per rollout batch (``steps_per_generation == 1``) the KL reward and advantages
-are finished inside the loss from the log-probs its own forward computes; otherwise a no-grad forward at rollout time
-computes them.
-
-The policy loss is GRPO's clipped objective (``loss_type="bnpo"``) with GRPO's own KL term off (``beta = 0``: the KL
-is in the reward). The critic has its own optimizer (single process and DDP; with DeepSpeed use
-``advantage_estimator="reinforce"``); each ``checkpoint-N`` holds it and its optimizer state (``critic/``), so a
-resumed run trains exactly as an uninterrupted one.
+On-policy steps with one loss call per rollout batch finish the KL reward and advantages inside the loss
+(:func:`finishes_in_loss`); otherwise a no-grad forward at rollout time computes the old log-probs. The policy loss is
+GRPO's clipped objective (``loss_type="bnpo"``, ``beta = 0``: the KL is in the reward). The critic (single process and
+DDP; with DeepSpeed use ``advantage_estimator="reinforce"``) is saved and resumed with each ``checkpoint-N``.
 """
 
 from __future__ import annotations
@@ -63,7 +58,7 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Def
 
     Args:
         reward_model_path: the (segment) reward model; its ``segment_config.json`` supplies cutoff/aggregation/tau.
-            Leave it unset when the trainer gets GRPO's ``reward_funcs`` (a sequence-level reward) instead.
+            Unset when the trainer gets GRPO's ``reward_funcs``.
         entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
         normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
             (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
@@ -138,9 +133,8 @@ def finishes_in_loss(args: DensePPOConfig, out: dict, mode: str) -> bool:
 
 
 class DensePPOTrainer(GRPOTrainer):
-    """PPO with dense per-token rewards on top of TRL's ``GRPOTrainer``: a reward model's rewards at any granularity
-    (paper 003 Table 1) — ``segment`` is paper 003's segment-level PPO (Eq. 5, Algorithm 1; also importable as
-    :class:`SegmentPPOTrainer`), ``bandit`` is stock sequence-level PPO, as are GRPO-style ``reward_funcs``.
+    """PPO with dense per-token rewards on top of TRL's ``GRPOTrainer``, at any granularity (paper 003 Table 1):
+    ``segment`` is paper 003's segment-level PPO (Eq. 5, Algorithm 1), ``bandit`` stock sequence-level PPO.
 
     Takes ``GRPOTrainer``'s arguments in its order, plus keyword-only ones:
 
@@ -152,8 +146,7 @@ class DensePPOTrainer(GRPOTrainer):
         reward_model: the segment reward model (default: ``args.reward_model_path``).
         ref_model: the reference (SFT) policy (default: the policy's checkpoint).
         critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
-        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards, or
-            the spans of the one dense reward function).
+        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on.
         prev_model: the previous task's policy for the continual KL term (default: ``args.continual_previous_model``).
     """
 
@@ -196,9 +189,8 @@ class DensePPOTrainer(GRPOTrainer):
         self.entropy_cutoff, self.aggregation, self.seg_tau = segment_settings(args, reward_model is not None)
         policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
-        # the reference (SFT) model: log-probs for the KL reward and, when the granularity segments responses,
-        # entropies for the segmentation, in one forward (the fused head computes entropies only then); dense
-        # granularities also need them for the reward-hacking monitor (entropies above the cutoff)
+        # the reference (SFT) model: log-probs for the KL reward and, for segmenting granularities and the dense ones'
+        # reward-hacking monitor, entropies, in one forward
         granularity = Granularity(args.granularity)
         self.needs_reference_entropy = not self.uses_reward_funcs and (
             granularity.needs_entropy or not granularity.is_bandit
