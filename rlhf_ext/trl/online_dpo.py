@@ -295,9 +295,8 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
         self._given_models = weakref.WeakSet([model] if isinstance(model, torch.nn.Module) else [])
-        base_ref = None
-        if not isinstance(model, str | Path):  # DPOTrainer would load its reference from the model's config name
-            base_ref = self._load_model(self.ref_path)
+        # (DPOTrainer would load the reference of an instantiated model from its config's name)
+        base_ref = None if isinstance(model, str | Path) else self._load_model(self.ref_path)
         super().__init__(
             model=str(model) if isinstance(model, Path) else model, ref_model=base_ref, args=args,
             train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key), processing_class=processing_class,
