@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def activation_checkpointing(enabled: bool) -> dict[str, bool]:
-    """The ``TrainingArguments`` keyword that turns activation (gradient) checkpointing on or off: transformers 5.2x
-    renamed ``gradient_checkpointing`` to ``activation_checkpointing`` and warns (FutureWarning) on the old name;
-    5.15 knows only the old one."""
+    """The ``TrainingArguments`` keyword that turns activation (gradient) checkpointing on or off
+    (``activation_checkpointing`` in transformers 5.2x, ``gradient_checkpointing`` in 5.15)."""
     from transformers import TrainingArguments
 
     fields = TrainingArguments.__dataclass_fields__
@@ -37,8 +36,7 @@ def activation_checkpointing(enabled: bool) -> dict[str, bool]:
 
 class HardwareBF16Default:
     """Mixin of the TRL configs: ``bf16`` left unset defaults to TRL's ``True`` where a GPU supports bf16 and to
-    ``False`` elsewhere (on a CPU machine transformers refuses TRL's default with "Your setup doesn't support
-    bf16/gpu"). An explicit ``bf16`` is kept. List it right before the TRL config class."""
+    ``False`` elsewhere; an explicit ``bf16`` is kept. List it right before the TRL config class."""
 
     def __post_init__(self) -> None:
         from transformers.utils import is_torch_bf16_gpu_available
@@ -48,45 +46,29 @@ class HardwareBF16Default:
         super().__post_init__()
 
 
-#: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32 on the
-#: CPU, no logging integrations, no checkpoints, no gradient checkpointing, no progress bars. Recipes go through
-#: :func:`training_kwargs` instead.
+#: ``TrainingArguments`` keywords of a quiet single-process CPU run (the simulator, benchmarks, tests): float32, no
+#: logging integrations, checkpoints, gradient checkpointing or progress bars.
 CPU_RUN: dict[str, Any] = dict(
-    bf16=False,
-    use_cpu=True,
-    report_to="none",
-    save_strategy="no",
-    **activation_checkpointing(False),
-    disable_tqdm=True,
+    bf16=False, use_cpu=True, report_to="none", save_strategy="no", **activation_checkpointing(False), disable_tqdm=True
 )
 
 
 def optimisation_kwargs(train: TrainSection) -> dict[str, Any]:
-    """The optimisation keywords of ``TrainingArguments`` from a recipe's ``train`` section (the recipes' one
-    vocabulary, :class:`~rlhf_ext.config.TrainSection`).
-
-    Reads ``batch_size`` (global, per optimizer step) and ``micro_batch_size`` (per device, lowered to fit the world
-    size: :func:`~rlhf_ext.config.per_device_micro_batch`) and derives the gradient accumulation from the world size;
-    ``num_train_epochs``, ``max_steps``, ``learning_rate``, ``lr_scheduler_type``, ``warmup_ratio``, ``weight_decay``,
-    ``max_grad_norm`` and ``logging_steps`` map one to one, and ``adam_betas`` when the section has them.
-    """
+    """The optimisation keywords of ``TrainingArguments`` from a recipe's ``train`` section
+    (:class:`~rlhf_ext.config.TrainSection`): ``batch_size`` (global, per optimizer step) and ``micro_batch_size``
+    (per device, lowered to fit the world size) give the gradient accumulation; the rest map one to one."""
     from rlhf_ext.config import per_device_micro_batch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = per_device_micro_batch(train.batch_size, train.micro_batch_size, world)
     kwargs: dict[str, Any] = dict(
-        num_train_epochs=train.num_train_epochs,
-        max_steps=train.max_steps if train.max_steps is not None else -1,
-        per_device_train_batch_size=micro,
-        per_device_eval_batch_size=micro,
-        gradient_accumulation_steps=train.batch_size // (micro * world),
-        learning_rate=train.learning_rate,
+        num_train_epochs=train.num_train_epochs, max_steps=train.max_steps if train.max_steps is not None else -1,
+        per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
+        gradient_accumulation_steps=train.batch_size // (micro * world), learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler_type,
         warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
-        weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm,
-        logging_steps=train.logging_steps,
-    )
+        weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm, logging_steps=train.logging_steps,
+    )  # fmt: skip
     if hasattr(train, "adam_betas"):
         kwargs["adam_beta1"], kwargs["adam_beta2"] = train.adam_betas
     return kwargs
@@ -99,30 +81,16 @@ def training_kwargs(train: TrainSection, output_dir: str | None = None, seed: in
     seed = train.seed if seed is None else seed
     save_steps = getattr(train, "save_steps", None)
     return dict(
-        optimisation_kwargs(train),
-        output_dir=output_dir or train.output_dir,
-        seed=seed,
-        data_seed=seed,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        bf16=train.bf16,
-        **activation_checkpointing(train.gradient_checkpointing),
-        use_cpu=not torch.cuda.is_available(),
+        optimisation_kwargs(train), output_dir=output_dir or train.output_dir, seed=seed, data_seed=seed,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, bf16=train.bf16,
+        **activation_checkpointing(train.gradient_checkpointing), use_cpu=not torch.cuda.is_available(),
         report_to="none",
-    )
+    )  # fmt: skip
 
 
-#: The module each ``report_to`` integration of transformers needs (checked before a trainer is built, so a missing
-#: package is one line naming the install command instead of a RuntimeError from inside the Trainer).
+#: The module each ``report_to`` integration of transformers needs (checked before a trainer is built).
 REPORT_TO_MODULES: dict[str, str] = {
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
-    "mlflow": "mlflow",
-    "comet_ml": "comet_ml",
-    "clearml": "clearml",
-    "dvclive": "dvclive",
-    "trackio": "trackio",
-    "swanlab": "swanlab",
+    name: name for name in ("tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "dvclive", "trackio", "swanlab")
 }
 
 
@@ -140,12 +108,8 @@ def check_report_to(report_to: str | list[str] | None) -> None:
 
 
 def keep_tensorboard_logs(trainer, logging_dir: str | os.PathLike) -> None:
-    """Write ``trainer``'s TensorBoard events to ``logging_dir`` (when it reports to TensorBoard).
-
-    transformers 5 has no ``logging_dir`` argument: its callback writes to ``output_dir/runs/<time>_<host>``. Stages
-    whose ``output_dir`` is a scratch directory deleted after training (the continual runner's, the SFT routine's)
-    call this to keep the events in the run's output directory.
-    """
+    """Write ``trainer``'s TensorBoard events to ``logging_dir`` (when it reports to TensorBoard) instead of
+    ``output_dir/runs/<time>_<host>``: for stages whose ``output_dir`` is deleted after training."""
     from transformers.integrations import TensorBoardCallback
 
     for callback in trainer.callback_handler.callbacks:
@@ -166,12 +130,10 @@ def make_config(config_cls: type[T], kwargs: dict[str, Any], trl_args: dict[str,
         raise RecipeError(f"train.trl_args: {e} (keys must be {config_cls.__name__} fields)") from e
 
 
-#: The file transformers' ``Trainer`` writes last into a ``checkpoint-N`` directory (after the weights, optimizer,
-#: scheduler and RNG states): a checkpoint without it, or with a truncated one, was interrupted while being written.
+#: The file transformers' ``Trainer`` writes last into a ``checkpoint-N`` directory (without it: an interrupted write).
 TRAINER_STATE_FILE = "trainer_state.json"
-#: rlhf-ext's record in a ``checkpoint-N`` it writes: created (with the directory) before the checkpoint's first byte,
-#: so a checkpoint without it was not written by rlhf-ext and is never deleted; rewritten after the save with every
-#: file's size (``{"files": {relative path: bytes}}``), so a file truncated later is found before a resume loads it.
+#: rlhf-ext's record in a ``checkpoint-N`` it writes: created with the directory (a checkpoint without it is never
+#: deleted), rewritten after the save with every file's size (``{"files": {relative path: bytes}}``).
 CHECKPOINT_RECORD = "rlhf_ext_checkpoint.json"
 
 
@@ -218,10 +180,7 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 
 class CheckpointRecords(TrainerCallback):
     """Writes :data:`CHECKPOINT_RECORD` into every ``checkpoint-N`` the trainer saves: an empty record with the
-    directory before the Trainer writes into it (``on_step_end`` / ``on_epoch_end``, after ``DefaultFlowCallback``
-    decided to save; the directory appears with the record in one rename), the files' sizes after the save
-    (``on_save``). :func:`last_checkpoint` deletes only checkpoints with a record, and resumes only from ones whose
-    files still have their recorded sizes."""
+    directory (one rename) before the Trainer writes into it, the files' sizes after the save (``on_save``)."""
 
     def _folder(self, args, state) -> Path:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -256,12 +215,9 @@ class CheckpointRecords(TrainerCallback):
 def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str | None:
     """The newest ``checkpoint-N`` directory under ``output_dir`` that can be resumed from (``None``: start fresh).
 
-    A checkpoint is skipped when :func:`checkpoint_problem` finds one: a kill while it was written, or a file damaged
-    afterwards (the fall-back to the next older one is logged, naming the problem). Checkpoints numbered above the
-    one resumed from that rlhf-ext wrote (:data:`CHECKPOINT_RECORD`) and never finished are the write the previous
-    run was killed in: they are removed (the resumed run writes them again); damaged ones are kept. A checkpoint
-    without rlhf-ext's record and without a complete ``trainer_state.json`` is not rlhf-ext's to delete:
-    :class:`CheckpointError` names it. ``resume=False`` returns ``None`` and touches nothing.
+    Checkpoints with a :func:`checkpoint_problem` are skipped (logged). Newer ones that rlhf-ext wrote and never
+    finished are removed; damaged ones are kept; an incomplete one without rlhf-ext's record raises
+    :class:`CheckpointError`. ``resume=False`` returns ``None`` and touches nothing.
     """
     if not resume or not os.path.isdir(output_dir):
         return None
@@ -279,15 +235,14 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
         if step <= usable:
             break
         record = _record(path)
-        if record is None and any(path.iterdir()):  # not rlhf-ext's: never deleted
-            if problems[step] == f"no complete {TRAINER_STATE_FILE}":
-                raise CheckpointError(
-                    f"{path} holds no complete checkpoint (no {TRAINER_STATE_FILE}) and was not written by rlhf-ext "
-                    f"(no {CHECKPOINT_RECORD}); rlhf-ext deletes only what it wrote: move it out of {output_dir} or "
-                    "choose another output directory"
-                )
-            logger.warning("%s cannot be resumed from (%s); it is kept", path, problems[step])
-        elif record is not None and "files" in record:  # finished, then damaged: kept for the user to look at
+        foreign = record is None and any(path.iterdir())  # not rlhf-ext's: never deleted
+        if foreign and problems[step] == f"no complete {TRAINER_STATE_FILE}":
+            raise CheckpointError(
+                f"{path} holds no complete checkpoint (no {TRAINER_STATE_FILE}) and was not written by rlhf-ext "
+                f"(no {CHECKPOINT_RECORD}); rlhf-ext deletes only what it wrote: move it out of {output_dir} or "
+                "choose another output directory"
+            )
+        if foreign or (record is not None and "files" in record):  # or finished, then damaged: kept
             logger.warning("%s cannot be resumed from (%s); it is kept", path, problems[step])
         else:  # rlhf-ext's write that a kill interrupted (or an empty directory)
             _discard_partial_checkpoint(path)
@@ -299,8 +254,8 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
 
 
 def _discard_partial_checkpoint(path: Path) -> None:
-    """Remove a checkpoint whose write was interrupted: renamed aside first (one rename, so when every rank of a
-    distributed run calls :func:`last_checkpoint`, exactly one takes it), then deleted."""
+    """Remove a checkpoint whose write was interrupted: renamed aside first (so exactly one rank takes it), then
+    deleted."""
     from rlhf_ext.runtime.io import temporary_sibling
 
     aside = temporary_sibling(path, f"partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")

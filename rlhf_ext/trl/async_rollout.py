@@ -2,23 +2,15 @@
 
 :class:`OneStepAsyncRollout` is a GRPO ``rollout_func``: a :class:`~rlhf_ext.online.OneStepAsyncRunner` generator
 thread holds its own copy of the policy and generates rollout batch ``t + 1`` with ``theta_t`` while the trainer
-trains on batch ``t``; after every optimizer step the new weights are published to it (a callback). Each batch
-records the policy version it came from; the runner asserts that every batch after the first is exactly one version
-old (``sync=True``: zero — the on-policy baseline through the same code).
+trains on batch ``t``; the new weights are published to it after every optimizer step. The runner asserts that every
+batch after the first is exactly one version old (``sync=True``: zero, the on-policy baseline).
 
-The generator walks its own copy of the trainer's data loader (same sampler, same seed), so it samples exactly the
-prompts the trainer will ask for next; every call checks that. The behaviour policy's log-probabilities of the sampled
-tokens are returned as ``logprobs`` (GRPO's ``sampling_per_token_logps``), which :class:`~rlhf_ext.trl.DensePPOTrainer`
-uses as the PPO "old" log-probs, so the clipped ratio is ``pi_theta / pi_behaviour`` (off-policy PPO as in paper 001)
-and the KL penalty is that of the policy that sampled.
+The generator walks its own copy of the trainer's data loader (checked) and returns the behaviour policy's log-probs
+as ``logprobs`` (the PPO "old" log-probs). Rollout batch ``t`` is sampled with its own generator seeded with
+:func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(args.seed, "rollout", t)``, never the trainer's global RNG.
 
-Rollout batch ``t`` (counted from the run's first step, so a resumed run continues the sequence) is sampled with its
-own generator seeded with :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(args.seed, "rollout", t)``
-(:class:`~rlhf_ext.runtime.sampling.SeededTokenSampler`): the generator thread never draws from the global RNG the
-trainer uses, so two runs with the same seed sample the same responses.
-
-Requirements (checked): one generation per optimizer step (``steps_per_generation == gradient_accumulation_steps``,
-``num_iterations == 1``), HF ``generate`` (not vLLM), a single process.
+Requirements (checked): ``steps_per_generation == gradient_accumulation_steps``, ``num_iterations == 1``, HF
+``generate`` (not vLLM), a single process.
 """
 
 from __future__ import annotations
@@ -91,13 +83,9 @@ class OneStepAsyncRollout:
         self._first_step = trainer.state.global_step
         remaining = max(trainer.state.max_steps - trainer.state.global_step, 1)
         self.runner = OneStepAsyncRunner(
-            self._generate,
-            num_batches=remaining,
-            load_weights_fn=self._load_weights,
-            sync=self.sync,
-            generator_threads=self.generator_threads,
-            name="rlhf-ext-ppo-generator",
-        ).start()
+            self._generate, num_batches=remaining, load_weights_fn=self._load_weights, sync=self.sync,
+            generator_threads=self.generator_threads, name="rlhf-ext-ppo-generator",
+        ).start()  # fmt: skip
 
     def close(self) -> None:
         if self.runner is not None:
@@ -128,12 +116,9 @@ class OneStepAsyncRollout:
         sampler = SeededTokenSampler(generator, args.temperature, args.top_k or 0, args.top_p)
         with torch_threads(self.generator_threads):
             out = self._model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                **sampler.generate_kwargs(),
-                max_new_tokens=args.max_completion_length,
-                pad_token_id=pad,
-            )
+                input_ids=input_ids, attention_mask=attention, **sampler.generate_kwargs(),
+                max_new_tokens=args.max_completion_length, pad_token_id=pad,
+            )  # fmt: skip
         gen = out[:, width:]  # [B, C]
         logps = torch.stack(sampler.token_logprobs, dim=1).float()  # the behaviour policy's, of the sampled tokens
         eos = set(trainer.eos_token_ids)

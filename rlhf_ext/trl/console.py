@@ -1,20 +1,16 @@
 """One compact terminal line per logging step for TRL / transformers trainers (instead of the raw ``logs`` dict).
 
-transformers prints every ``logs`` dict whole (``PrinterCallback``, or ``ProgressCallback`` above a tqdm bar that,
-piped into a file, becomes one long ``\\r``-joined line). :class:`ConsoleCallback` replaces both with one line per
-logging step holding the metrics that matter for the trainer, numbers formatted::
+transformers prints every ``logs`` dict whole (``PrinterCallback`` / ``ProgressCallback``). :class:`ConsoleCallback`
+replaces both with one line per logging step holding the metrics that matter for the trainer::
 
     ppo step 12/20  reward +0.41  kl 0.031  len 23.5  segs/resp 3.2  value_loss 0.12
     rm step 16/32  loss 0.55  accuracy 0.945  margin +0.323  segs/resp 7.24
     rm eval  loss 0.486  accuracy 0.984  margin +0.481  segs/resp 7.35
     rm finished in 89.9 s  train loss 0.618
 
-plus a tqdm bar of the steps when stderr is a terminal (never when it is piped: no ``\\r`` in a log file). The lines go
-to the ``rlhf_ext.trl.console`` logger at ``INFO`` (see :mod:`rlhf_ext.runtime.log`); the full dicts still go to
-``trainer.state.log_history`` and to the ``report_to`` integrations (TensorBoard, W&B), untouched.
-
-The trainers that rlhf-ext's pipelines and command line build use it. A trainer built in your own code keeps TRL's
-default output unless you opt in::
+plus a tqdm bar of the steps when stderr is a terminal. The lines go to the ``rlhf_ext.trl.console`` logger at
+``INFO``; the full dicts still go to ``trainer.state.log_history`` and the ``report_to`` integrations. A trainer built
+in your own code keeps TRL's default output unless you opt in::
 
     from rlhf_ext.runtime.log import enable_console_logging
     from rlhf_ext.trl.console import use_console_output
@@ -63,37 +59,28 @@ class ConsoleProfile:
 
 LOSS = Metric("loss", ("loss",))
 PPO_PROFILE = ConsoleProfile("ppo", (
-    Metric("reward", ("reward",), signed=True),
-    Metric("kl", ("segment/kl", "kl")),
+    Metric("reward", ("reward",), signed=True), Metric("kl", ("segment/kl", "kl")),
     Metric("len", ("segment/response_length", "completions/mean_length")),
-    Metric("segs/resp", ("segment/segments_per_response",)),
-    Metric("value_loss", ("critic/value_loss",)),
+    Metric("segs/resp", ("segment/segments_per_response",)), Metric("value_loss", ("critic/value_loss",)),
     Metric("kl_prev", ("continual/kl_to_previous",)),
 ))  # fmt: skip
 REWARD_MODEL_PROFILE = ConsoleProfile("rm", (
-    LOSS,
-    Metric("accuracy", ("accuracy",)),
-    Metric("margin", ("margin",), signed=True),
+    LOSS, Metric("accuracy", ("accuracy",)), Metric("margin", ("margin",), signed=True),
     Metric("segs/resp", ("segments_per_response",)),
 ))  # fmt: skip
 DPO_PROFILE = ConsoleProfile("dpo", (
-    LOSS,
-    Metric("margin", ("rewards/margins",), signed=True),
-    Metric("accuracy", ("rewards/accuracies",)),
+    LOSS, Metric("margin", ("rewards/margins",), signed=True), Metric("accuracy", ("rewards/accuracies",)),
     Metric("kl_prev", ("continual/kl_to_previous",)),
     # online DPO's round logs (IterativeDPOTrainer: after each iteration / the last update)
-    Metric("pairs", ("pairs/num_pairs",)),
-    Metric("tied", ("pairs/dropped",)),
+    Metric("pairs", ("pairs/num_pairs",)), Metric("tied", ("pairs/dropped",)),
     Metric("pair_reward", ("pairs/mean_reward",), signed=True),
     Metric("eval_reward", ("policy_eval/mean_reward",), signed=True),
     Metric("eval_gold", ("policy_eval/mean_gold",), signed=True),
     Metric("eval_chars", ("policy_eval/mean_length_chars",)),
 ))  # fmt: skip
-SFT_PROFILE = ConsoleProfile("sft", (
-    LOSS,
-    Metric("token_acc", ("mean_token_accuracy",)),
-    Metric("kl_ref", ("kl_to_ref",)),
-))  # fmt: skip
+SFT_PROFILE = ConsoleProfile(
+    "sft", (LOSS, Metric("token_acc", ("mean_token_accuracy",)), Metric("kl_ref", ("kl_to_ref",)))
+)
 GENERIC_PROFILE = ConsoleProfile("train", (LOSS,))
 
 #: Keys of a step's logs that no line shows (bookkeeping, or constant over a run).
@@ -103,9 +90,8 @@ ROUND_KEYS = ("iteration", "update")
 
 
 def format_number(value: Any, signed: bool = False) -> str:
-    """A metric for a terminal line: three significant digits (``0.031``, ``23.5``, ``-5.27e-09``), integers and
-    values in ``[1000, 1e6)`` without decimals, ``signed`` with a ``+`` for positive values; strings are cut to 40
-    characters."""
+    """A metric for a terminal line: three significant digits, integers and values in ``[1000, 1e6)`` without
+    decimals, ``signed`` with a ``+`` for positive values; strings cut to 40 characters."""
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, int):
@@ -148,8 +134,7 @@ def step_line(name: str, step: int, max_steps: int, columns: list[str]) -> str:
 
 def format_logs(profile: ConsoleProfile, name: str, logs: Mapping[str, Any], step: int, max_steps: int) -> str:
     """The terminal line of one ``on_log`` call: a training step, an evaluation (``eval_*`` keys), the end of
-    training (``train_runtime``), a round of an outer loop (:data:`ROUND_KEYS`), or other logs (``key value`` pairs,
-    cut to :data:`MAX_LINE_WIDTH`)."""
+    training (``train_runtime``), a round of an outer loop (:data:`ROUND_KEYS`), or other logs."""
     if "train_runtime" in logs:
         head = f"{name} finished in {format_number(float(logs['train_runtime']))} s"
         shows_loss = LOSS in profile.metrics  # (PPO's surrogate loss says nothing; its lines show the reward)
@@ -171,13 +156,11 @@ def format_logs(profile: ConsoleProfile, name: str, logs: Mapping[str, Any], ste
 
 
 class ConsoleCallback(TrainerCallback):
-    """Logs one compact line per ``on_log`` call (see the module docstring) and draws a tqdm bar of the training
-    steps when stderr is a terminal. Install it with :func:`use_console_output`, which also removes transformers'
-    printers.
+    """Logs one compact line per ``on_log`` call and draws a tqdm bar of the training steps when stderr is a
+    terminal. Install it with :func:`use_console_output`.
 
     Args:
-        profile: the metrics to show (:data:`PPO_PROFILE`, :data:`REWARD_MODEL_PROFILE`, :data:`DPO_PROFILE`,
-            :data:`SFT_PROFILE`, ...).
+        profile: the metrics to show (e.g. :data:`PPO_PROFILE`).
         name: the line prefix (default: the profile's name).
         progress_bar: draw the bar; ``None``: when stderr is a terminal and ``args.disable_tqdm`` is false.
     """
@@ -220,13 +203,6 @@ def profile_for(trainer: Any) -> ConsoleProfile:
     return next((profile for cls, profile in kinds if isinstance(trainer, cls)), GENERIC_PROFILE)
 
 
-def _default_printers() -> tuple[type, ...]:
-    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    return (PrinterCallback, ProgressCallback, DEFAULT_PROGRESS_CALLBACK)
-
-
 def console_callback_of(trainer: Any) -> ConsoleCallback | None:
     """The :class:`ConsoleCallback` installed on ``trainer``, if any."""
     return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ConsoleCallback)), None)
@@ -234,18 +210,13 @@ def console_callback_of(trainer: Any) -> ConsoleCallback | None:
 
 def use_console_output(trainer: Any, name: str | None = None, *, progress_bar: bool | None = None,
                        callback: ConsoleCallback | None = None) -> ConsoleCallback:  # fmt: skip
-    """Replace ``trainer``'s ``PrinterCallback`` / ``ProgressCallback`` with a :class:`ConsoleCallback` (call it
-    after building the trainer, before ``train()``); calling it again changes nothing.
+    """Replace ``trainer``'s ``PrinterCallback`` / ``ProgressCallback`` with a :class:`ConsoleCallback` (before
+    ``train()``; calling it again changes nothing) and return it: ``callback`` if given, else a new one with ``name``
+    and ``progress_bar`` (as for :class:`ConsoleCallback`)."""
+    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    Args:
-        name: the line prefix (default: the profile's, e.g. ``ppo``).
-        progress_bar: the tqdm bar; ``None``: when stderr is a terminal and ``args.disable_tqdm`` is false.
-        callback: install this callback (e.g. one taken from an earlier trainer) instead of a new one.
-
-    Returns:
-        The installed callback.
-    """
-    printers = _default_printers()
+    printers = (PrinterCallback, ProgressCallback, DEFAULT_PROGRESS_CALLBACK)
     for cb in list(trainer.callback_handler.callbacks):
         if isinstance(cb, printers):
             trainer.remove_callback(cb)

@@ -5,16 +5,11 @@ current task and the frozen policy from the end of the previous task, on the cur
 
     loss = DPO loss (paper 000 Eq. 6, reference = SFT model)  +  c * kl_to_previous(logp, prev_logp, completion mask)
 
-where ``logp`` are the per-token log-probabilities the stock trainer already computes in its policy forward pass
-(captured, not recomputed), and ``prev_logp`` come from one extra forward pass of the previous-task model under
-``no_grad``. The previous-task model is frozen, in eval mode, and prepared by accelerate exactly like TRL prepares
-the reference model (DeepSpeed / FSDP / plain ``prepare_model(evaluation_mode=True)``). With ``c = 0`` or without a
-previous-task model the loss *is* ``DPOTrainer``'s (the override returns straight away). The KL is logged as
-``continual/kl_to_previous`` (the unweighted masked mean, so runs with different ``c`` are comparable).
-
-The KL is the plain regulariser of paper 000 Eq. 7 (:func:`rlhf_ext.continual.kl_to_previous`); CPPO's sample-wise
-weights need rollout rewards and are not used by DPO. On offline pairs the k1/k2/k3 values are penalties on the
-dataset's tokens, not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
+where ``logp`` are the per-token log-probabilities of the stock policy forward pass (captured, not recomputed), and
+``prev_logp`` come from one no-grad forward of the frozen previous-task model (prepared as TRL prepares the
+reference). With ``c = 0`` or without a previous-task model the loss *is* ``DPOTrainer``'s. The unweighted KL is
+logged as ``continual/kl_to_previous``. On offline pairs the k1/k2/k3 values are penalties on the dataset's tokens,
+not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
 
 Example::
 
@@ -25,13 +20,10 @@ Example::
         ref_model=sft_model,                      # DPO reference: the SFT model (paper 000 Eq. 6)
         prev_model="runs/seq/task_00/policy",     # frozen pi_{t-1} for the KL term (paper 000 Eq. 7)
         args=ContinualDPOConfig(output_dir="out", continual_kl_coef=1.0, continual_kl_estimator="k3"),
-        train_dataset=task1["train"],
-        processing_class=tokenizer,
+        train_dataset=task1["train"], processing_class=tokenizer,
     )
     trainer.train()
     trainer.implicit_reward_accuracy(task0["test"])   # forgetting of task 0
-
-The task-sequence runner's stages that use this trainer live in :mod:`rlhf_ext.pipelines.continual_stages`.
 """
 
 from __future__ import annotations
@@ -57,9 +49,7 @@ KL_METRIC = "continual/kl_to_previous"
 @dataclass
 class ContinualDPOConfig(ContinualKnobs, HardwareBF16Default, DPOConfig):
     """``DPOConfig`` plus paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`:
-    ``continual_kl_coef`` 1.0 = Eq. 7's unit weight, 0 = plain DPO with no extra forward pass;
-    ``continual_kl_estimator`` k3). The knobs are listed before ``DPOConfig`` so that TRL's fields come first
-    (``ContinualDPOConfig("out")`` sets ``output_dir``, as ``DPOConfig("out")`` does)."""
+    ``continual_kl_coef`` 1.0 = Eq. 7's unit weight, 0 = plain DPO; ``continual_kl_estimator`` k3)."""
 
 
 class _FirstForwardLogProbs:
@@ -93,9 +83,6 @@ class _FirstForwardLogProbs:
         out, self._log_probs = self._log_probs, None
         return out
 
-    def remove(self) -> None:
-        self._handle.remove()
-
 
 class ContinualDPOTrainer(DPOTrainer):
     """TRL ``DPOTrainer`` + ``c * KL(pi_theta || pi_{t-1})`` on the batch (see the module docstring).
@@ -109,8 +96,6 @@ class ContinualDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "rlhf-ext", "continual-dpo"]
 
     def __init__(self, model, ref_model=None, args: ContinualDPOConfig | None = None, *rest, prev_model=None, **kwargs):
-        """``DPOTrainer``'s arguments in its order (``model, ref_model, args, data_collator, train_dataset, ...``);
-        ``prev_model`` (the previous task's frozen policy) is keyword-only."""
         if args is None:
             args = ContinualDPOConfig(output_dir="continual-dpo")
         if not isinstance(args, ContinualDPOConfig):
@@ -128,11 +113,9 @@ class ContinualDPOTrainer(DPOTrainer):
         """Load (if a path), freeze and prepare the previous-task model the way TRL prepares its reference model."""
         if isinstance(prev_model, str | os.PathLike):
             prev_model = create_model_from_path(
-                str(prev_model),
-                dtype=self.model.dtype,
-                attn_implementation=self.model.config._attn_implementation,
+                str(prev_model), dtype=self.model.dtype, attn_implementation=self.model.config._attn_implementation,
                 trust_remote_code=self.args.trust_remote_code,
-            )
+            )  # fmt: skip
         if prev_model is self.model or prev_model is self.ref_model:
             raise ValueError("prev_model must be its own frozen copy, not the policy or the reference model object")
         if self.args.disable_dropout:
@@ -172,15 +155,9 @@ class ContinualDPOTrainer(DPOTrainer):
 
     @torch.no_grad()
     def implicit_reward_accuracy(self, dataset, name: str = "eval") -> dict[str, float]:
-        """Fraction of pairs whose implicit DPO reward ranks chosen above rejected (paper 000, section 7):
-        ``log pi(y_c)/pi_ref(y_c) > log pi(y_r)/pi_ref(y_r)`` (strict; independent of beta > 0), per example.
-
-        Args:
-            dataset: a ``prompt``/``chosen``/``rejected`` dataset (tokenised here like the training data).
-
-        Returns:
-            ``{"accuracy": ..., "margin": mean beta-scaled reward margin, "num_pairs": n}``.
-        """
+        """Fraction of ``dataset``'s pairs whose implicit DPO reward ranks chosen above rejected (paper 000, section
+        7): ``log pi(y_c)/pi_ref(y_c) > log pi(y_r)/pi_ref(y_r)``. Returns ``{"accuracy", "margin" (mean beta-scaled
+        reward margin), "num_pairs"}``."""
         if self.ref_model is None:
             raise ValueError("implicit_reward_accuracy needs an explicit ref_model (the SFT model)")
         prepared = self._prepare_dataset(dataset, self.processing_class, self.args, name)
@@ -197,8 +174,5 @@ class ContinualDPOTrainer(DPOTrainer):
         finally:
             self.model.train(was_training)
         m = torch.cat(margins)
-        return {
-            "accuracy": (m > 0).float().mean().item(),
-            "margin": (self.beta * m).mean().item(),
-            "num_pairs": int(m.numel()),
-        }
+        accuracy, margin = (m > 0).float().mean().item(), (self.beta * m).mean().item()
+        return {"accuracy": accuracy, "margin": margin, "num_pairs": int(m.numel())}

@@ -1,9 +1,8 @@
 """The GAE critic of :class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer` (paper 003 section 2.3 and Appendix C: PPO's
 value model, initialised from the reward model, trained with a clipped value loss, lr 9e-6).
 
-The policy is the ``Trainer``'s model; the critic is a second model with its own optimizer, so it lives here: values
-at rollout time, one clipped value-loss step per policy micro-batch (the optimizer steps at every accumulation
-boundary), and its weights and optimizer state in each checkpoint's ``critic/``.
+The critic is a second model with its own optimizer: values at rollout time, one clipped value-loss step per policy
+micro-batch, and its weights and optimizer state in each checkpoint's ``critic/``.
 """
 
 from __future__ import annotations
@@ -19,16 +18,14 @@ from rlhf_ext.runtime.token_scores import TokenScoreCapture, load_value_model, p
 
 logger = logging.getLogger(__name__)
 
-#: Where a checkpoint keeps a trained critic: its weights (``save_pretrained``) and, in :data:`CRITIC_STATE_FILE`, its
-#: optimizer state and micro-step count.
+#: Where a checkpoint keeps a trained critic's weights and (:data:`CRITIC_STATE_FILE`) optimizer state.
 CRITIC_DIR = "critic"
 CRITIC_STATE_FILE = "training_state.pt"
 
 
 def critic_optimizer(critic: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """The critic's AdamW, fused (one multi-tensor kernel per step instead of torch's per-parameter loop, which on CPU
-    is torch's default: 480 ms vs 84 ms per step for SmolLM2-135M); the per-parameter one, with a warning saying why,
-    where torch has no fused kernel for a parameter's device or dtype. Both give the same update to fp32 rounding."""
+    """The critic's AdamW, fused (480 ms vs 84 ms per CPU step for SmolLM2-135M); the per-parameter one, with a
+    warning saying why, where torch has no fused kernel for a parameter's device or dtype."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = _get_fused_kernels_supported_devices()
@@ -65,12 +62,10 @@ class Critic:
         scores = position_scores(self._capture, self.model, input_ids, attention_mask)
         return scores[:, -completion_len - 1 : -1]
 
-    def step(
-        self, inputs: dict, accumulation: int, max_grad_norm: float, value_clip: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One clipped value-loss backward on a micro-batch (``prompt_ids``/``completion_ids`` and masks, the rollout's
-        ``old_values`` and ``returns`` ``[B, C]``); clip and step every ``accumulation`` micro-batches. Returns the
-        detached loss and clip fraction (scalars)."""
+    def step(self, inputs: dict, accumulation: int, max_grad_norm: float,
+             value_clip: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One clipped value-loss backward on a micro-batch (the rollout's ``old_values`` and ``returns`` ``[B, C]``);
+        clip and step every ``accumulation`` micro-batches. Returns the detached loss and clip fraction."""
         self.model.train()
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -97,8 +92,8 @@ class Critic:
         torch.save(state, os.path.join(critic_dir, CRITIC_STATE_FILE))
 
     def load(self, checkpoint: str) -> None:
-        """Weights and optimizer state from ``checkpoint/critic/``; the optimizer starts afresh (with a warning) when
-        the checkpoint holds the weights only. A checkpoint of the per-parameter AdamW resumes on the fused kernel."""
+        """Weights and optimizer state from ``checkpoint/critic/`` (the optimizer starts afresh, with a warning, when
+        the checkpoint holds the weights only)."""
         critic_dir = os.path.join(checkpoint, CRITIC_DIR)
         if not os.path.isfile(os.path.join(critic_dir, "config.json")):
             raise ValueError(
@@ -128,8 +123,7 @@ class Critic:
 
 def gae_critic(args, critic: torch.nn.Module | None, source: str, accelerator, on_reward_funcs: bool) -> Critic | None:
     """The critic of a ``DensePPOConfig`` run: ``critic``, else a value model loaded from ``source``; ``None`` for
-    the critic-free estimators (``args.advantage_estimator`` other than ``gae``). Trained on reward functions'
-    rewards (``on_reward_funcs``) it warns that ``reinforce_baseline`` needs none."""
+    the critic-free estimators (a warning suggests them ``on_reward_funcs``)."""
     if args.advantage_estimator != "gae":
         return None
     if on_reward_funcs:

@@ -1,14 +1,12 @@
 """Supervised fine-tuning with a KL penalty to a frozen reference model (Quark's KL term; paper 002, App. A.2/B.2).
 
 Quark (Lu et al., 2022) fine-tunes on the model's own best-scoring samples while "minimizing the KL divergence
-between the trained model and the SFT initialization"; AlpacaFarm's top-quantile variant uses a KL coefficient of 0.05
-(Appendix B.2) and drops Quark's entropy bonus. :class:`KLRegularizedSFTTrainer` is TRL's ``SFTTrainer`` with that
-term added to its loss::
+between the trained model and the SFT initialization" (AlpacaFarm: coefficient 0.05, Appendix B.2).
+:class:`KLRegularizedSFTTrainer` is TRL's ``SFTTrainer`` with that term added to its loss::
 
     loss = NLL(completion tokens) + kl_coef * mean_t KL( pi_theta(. | y_<t) || pi_ref(. | y_<t) )
 
-where the mean runs over the same completion tokens the NLL uses, and the KL is exact over the vocabulary (not a
-sampled estimate). With ``kl_coef = 0`` it is the stock ``SFTTrainer``.
+over the completion tokens the NLL uses, the KL exact over the vocabulary. With ``kl_coef = 0`` it is ``SFTTrainer``.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ class KLRegularizedSFTTrainer(SFTTrainer):
         self.ref_model = self.accelerator.prepare_model(ref_model.eval(), evaluation_mode=True)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """``kl_coef = 0``: ``SFTTrainer``'s loss. Otherwise the NLL and the KL come from one forward pass of the
-        policy (TRL's fused-head SFT loss does not build the logits the exact KL needs, so it is not called)."""
+        """``kl_coef = 0``: ``SFTTrainer``'s loss; else the NLL and the KL from one policy forward (with logits)."""
         if self.args.kl_coef == 0:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}

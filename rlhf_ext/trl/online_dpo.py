@@ -1,42 +1,25 @@
 """A streaming ``trl.DPOTrainer`` for iterative best/worst-of-n online DPO (paper 004) and one-step asynchronous
 online DPO (paper 001).
 
-:class:`IterativeDPOTrainer` *is* a ``DPOTrainer``: it takes TRL's arguments in GRPO / OnlineDPO order (``model``,
-``reward_funcs``, ``args``, ``train_dataset`` = the prompts, ...), and every DPO run it makes is a plain
-``trl.DPOTrainer`` (per-batch: one whose train dataloader is the stream of generated batches), fed with preference
-pairs as they are collected:
+:class:`IterativeDPOTrainer` *is* a ``DPOTrainer`` taking TRL's arguments in GRPO / OnlineDPO order; every DPO run it
+makes is a plain ``trl.DPOTrainer``, fed with preference pairs as they are collected:
 
-**per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t``, from
-``pi_t`` on the pairs stored so far (``pair_data="accumulate"``, "historical + new", or ``"latest"``) against the
-SFT reference ``pi_0`` (``reference="sft"``, the authors' choice) or ``pi_t`` (``"previous"``), saved as
-``pi_{t+1}``. The loop, with the steps of Algorithm 2, is :func:`rlhf_ext.runtime.iterations.run_iterations`, written
-once: :meth:`~IterativeDPOTrainer.train` runs it (and so does ``rlhf-ext train online-dpo``), so the trainer works on
-its own, as a TRL trainer does. The steps (``iteration_prompts``, ``sample_responses``, ``score_responses``,
-``select_pairs``, ``store_pairs``, ``train_iteration``, ``evaluate_policy``) are the methods of the trainer's
-engine-free :class:`~rlhf_ext.runtime.iterations.IterationRun` (``trainer.iteration_steps``); step 6's DPO run is this
-trainer's :meth:`~IterativeDPOTrainer.train_policy`.
+**per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t`` from ``pi_t``
+on the pairs stored so far (or the latest) against ``pi_0`` or ``pi_t``, saved as ``pi_{t+1}``. The loop (Algorithm
+2) is :func:`rlhf_ext.runtime.iterations.run_iterations` over ``trainer.iteration_steps``.
 
 **per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
-stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`, which also says how it resumes).
+stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`).
 
-Resuming: the run directory (``output_dir``) remembers the settings it was started with (``run.json``, a
-:class:`~rlhf_ext.runtime.rundir.RunDir`), the policy after each iteration (``state.json``) and each iteration's pairs
-(``pairs/iter_XXX``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`). Every step is skipped when its result
-exists, so a killed run resumes at the last completed step: an iteration's pairs are collected exactly once, a
-half-finished DPO run continues from its last complete checkpoint (``save_steps``; one whose write was interrupted is
-removed), a policy saved before ``state.json`` recorded it is recorded instead of trained again, and with the same
-seed a resumed run produces the same pairs and weights as an uninterrupted one. An iteration where every prompt's
-responses tie yields no pairs: a warning, and ``pi_{t+1} = pi_t`` without training.
+Resuming: every step is skipped when its result exists in ``output_dir``, so a killed run resumes at the last
+completed step and, with the same seed, produces the same pairs and weights as an uninterrupted one.
 
 Example::
-
-    from rlhf_ext.trl import IterativeDPOConfig, IterativeDPOTrainer
 
     trainer = IterativeDPOTrainer(
         "my-sft-checkpoint",
         reward_funcs="my-reward-model",            # or a callable (prompts, responses) -> one score per response
-        args=IterativeDPOConfig(output_dir="runs/idpo", num_iterations=3, num_generations=8, beta=0.1,
-                                learning_rate=5e-7, num_train_epochs=2),
+        args=IterativeDPOConfig(output_dir="runs/idpo", num_iterations=3, num_generations=8, beta=0.1),
         train_dataset=prompt_dataset,              # a "prompt" column (text or chat messages), or a list
     )
     out = trainer.train()      # TrainOutput: global_step = DPO optimizer steps run, training_loss, metrics
@@ -81,21 +64,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Default, DPOConfig):
-    """``DPOConfig`` (the inner DPO runs: ``beta``, ``learning_rate``, ``num_train_epochs`` ...) plus the online
-    settings: the knobs of papers 004 / 001 (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`: ``online_mode``,
-    ``async_generation``, ``num_iterations``, ``prompts_per_iteration``, ``num_generations`` 8, ``temperatures``
-    0.7 / 1.0, ``selection_rule`` max_min, ``length_penalty``, ``length_unit``, ``tie_tolerance``, ``pair_data``
-    accumulate), the sampling settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`:
-    ``max_completion_length``, ``top_p``, ``generation_backend``, ``eval_temperature`` ...) and:
+    """``DPOConfig`` (the inner DPO runs) plus the knobs of papers 004 / 001
+    (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`), the sampling settings
+    (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`) and:
 
     Args:
-        max_new_tokens: deprecated alias of ``max_completion_length`` (TRL's name, as in ``GRPOConfig``).
-        num_samples: deprecated alias of ``num_generations`` (TRL's name for responses per prompt, as in
-            ``GRPOConfig``; ``num_samples`` is the rows of a dataset everywhere else in rlhf-ext).
+        max_new_tokens, num_samples: deprecated aliases of ``max_completion_length`` and ``num_generations``.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
-        reward_batch_size: sequences per reward-model forward.
-        eval_num_prompts: prompts of the evaluation after each iteration.
-        vllm_kwargs: extra ``vllm.LLM`` arguments.
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
 
@@ -107,8 +82,7 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     vllm_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "Extra vllm.LLM arguments."})
     resume: bool = field(default=True, metadata={"help": "Continue a run found in output_dir."})
 
-    #: renamed settings -> their old names: the deprecated aliases above, and the keys ``run.json`` records them
-    #: under (so that runs started before the renames resume)
+    #: renamed settings -> their old names (the deprecated aliases, and the keys ``run.json`` records them under)
     recorded_names: ClassVar[dict[str, str]] = {
         "max_completion_length": "max_new_tokens",
         "num_generations": "num_samples",
@@ -120,10 +94,8 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
                 check_knob(type(self), old, getattr(self, old))
                 warnings.warn(
                     f"IterativeDPOConfig({old}=...) is deprecated and will be removed in the next release; use {new}= "
-                    "(TRL's name, as in GRPOConfig)",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
+                    "(TRL's name, as in GRPOConfig)", DeprecationWarning, stacklevel=3,
+                )  # fmt: skip
                 setattr(self, new, getattr(self, old))
         super().__post_init__()
         split_temperatures(self.num_generations, self.temperatures)
@@ -131,9 +103,7 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
             raise ValueError(f"reference must be one of sft, previous; got {self.reference!r}")
 
     def settings(self) -> dict[str, Any]:
-        """What a run's pairs and weights depend on: the papers' knobs, sampling, and the inner DPO runs' training
-        settings. A resumed run with any of them changed is refused, naming the changed keys (a rerun with a new
-        ``beta`` or ``learning_rate`` must not exit 0 after zero steps with the old results)."""
+        """What a run's pairs and weights depend on (a resumed run with any of them changed is refused)."""
         keys = [
             "max_completion_length", "max_prompt_length", "top_p", "top_k", "reference", "seed",
             # the inner DPO runs
@@ -185,19 +155,14 @@ def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
         return current
     if current is not None:
         raise ValueError(f"pass {new}= only; {old}= is its deprecated name")
-    warnings.warn(
-        f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead",
-        DeprecationWarning,
-        stacklevel=4,
-    )
+    msg = f"IterativeDPOTrainer({old}=...) is deprecated and will be removed in the next release; use {new}= instead"
+    warnings.warn(msg, DeprecationWarning, stacklevel=4)
     return value
 
 
 def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
                        deprecated: dict[str, Any]) -> tuple[Any, IterativeDPOConfig, Any, Any]:  # fmt: skip
-    """``IterativeDPOTrainer``'s arguments checked, with their deprecated names (``deprecated``: ``prompts``,
-    ``eval_prompts``, ``reward_fn``, ``reward_model``) resolved: ``(reward_funcs, args, train_dataset,
-    eval_dataset)``."""
+    """``(reward_funcs, args, train_dataset, eval_dataset)`` checked, with their ``deprecated`` names resolved."""
     prompts, eval_prompts = deprecated["prompts"], deprecated["eval_prompts"]
     reward_fn, reward_model = deprecated["reward_fn"], deprecated["reward_model"]
     if isinstance(reward_funcs, TrainingArguments):
@@ -232,9 +197,8 @@ def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimize
 
 
 def _reward_function(reward_funcs, processing_class, batch_size: int) -> RewardFn:
-    """One ``(prompts, responses) -> scores`` function from TRL-style ``reward_funcs``: a callable, a reward-model
-    path / hub id (:func:`~rlhf_ext.runtime.rewards.load_reward`), a loaded sequence-classification model, or a
-    list holding one of those."""
+    """One ``(prompts, responses) -> scores`` function from TRL-style ``reward_funcs`` (a callable, a reward-model
+    path / hub id, a loaded sequence-classification model, or a list holding one of those)."""
     if isinstance(reward_funcs, list | tuple):
         if len(reward_funcs) != 1:
             raise ValueError(
@@ -260,62 +224,39 @@ class IterativeDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` that trains on preference pairs as they are collected (see the module docstring).
 
     Args:
-        model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once to
-            ``output_dir/_policies/policy_000``; pass ``processing_class`` with it).
-        reward_funcs: the reward ranking the sampled responses: a callable ``(prompts, responses) -> scores`` (one
-            per response; any scorer, e.g. the simulator's annotators), a reward-model checkpoint or hub id
-            (sequence classification or rlhf-ext segment RM, see :func:`~rlhf_ext.runtime.rewards.load_reward`), a
-            loaded sequence-classification model, or a list holding one of those.
-        args: :class:`IterativeDPOConfig`.
-        train_dataset: the prompts: a ``datasets.Dataset`` with a ``prompt_key`` column (other columns, e.g. a
-            preference dataset's responses, are ignored) or a list of prompts (text or chat messages).
-        eval_dataset: held-out prompts for the evaluation of each policy (default: the first ``eval_num_prompts``
-            training prompts).
-        processing_class: the tokenizer (default: loaded from ``model``).
+        model: the SFT checkpoint ``pi_0`` (path or hub id), or a causal LM (saved once; pass ``processing_class``).
+        reward_funcs: a callable ``(prompts, responses) -> scores`` (one per response), a reward-model checkpoint
+            or hub id (sequence classification or rlhf-ext segment RM), a loaded sequence-classification model, or a
+            list holding one of those.
+        train_dataset: the prompts: a ``datasets.Dataset`` with a ``prompt_key`` column or a list of prompts (text
+            or chat messages).
+        eval_dataset: held-out prompts for the evaluation of each policy (default: the training prompts).
         callbacks: ``transformers`` callbacks, added to every DPO run.
-        optimizers: must stay ``(None, None)``: every DPO run loads its policy from disk, so the optimizer is built
-            per run from ``args`` (``optim``, ``learning_rate``, ``lr_scheduler_type`` ...).
-        peft_config: a ``peft.PeftConfig``: each iteration trains an adapter on ``pi_t`` and saves the merged
-            ``pi_{t+1}`` (per-iteration mode only).
+        optimizers: must stay ``(None, None)`` (each DPO run builds its optimizer from ``args``).
+        peft_config: a ``peft.PeftConfig`` (per-iteration mode only): each ``pi_{t+1}`` is saved merged.
         ref_model: path of the SFT reference (default: ``model``), or a causal LM (saved once).
         gold_fn: an extra scorer reported at evaluation only (e.g. a gold reward).
         prompt_key: the prompt column of dataset inputs.
         prompts, eval_prompts, reward_fn, reward_model: deprecated names of ``train_dataset``, ``eval_dataset`` and
-            ``reward_funcs`` (a callable / a checkpoint or model); removed in the next release.
+            ``reward_funcs``.
 
     Attributes:
-        summary: after :meth:`train`, what it returned before it was a ``Trainer``: per-iteration pairs and
-            evaluations (``iterations``, ``eval``, ``final_policy``, ``skipped_iterations``) or, per-batch, the
-            runner's statistics (``runner``, ``updates``, ``resumed_from_update``); also ``output_dir/summary.json``.
-        model: the policy of the current (or last) DPO run (a plain ``trl.DPOTrainer`` this trainer builds per
-            run); before :meth:`train`, and after a call that trained nothing, ``pi_0``. The final policy's
-            checkpoint is ``summary["final_policy"]``. Logs after a run go through that run (its ``state``,
-            callbacks and console).
+        summary: after :meth:`train`: per-iteration pairs and evaluations (``iterations``, ``eval``,
+            ``final_policy``, ``skipped_iterations``) or, per-batch, ``runner``, ``updates``, ``resumed_from_update``;
+            also ``output_dir/summary.json``.
+        model: the policy of the current (or last) DPO run; ``pi_0`` before :meth:`train`.
     """
 
     _tag_names = ["trl", "dpo", "online-dpo", "rlhf-ext"]
     _name = "Iterative DPO"
 
     def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: IterativeDPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        callbacks: list[TrainerCallback] | None = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        peft_config=None,
-        *,
-        ref_model=None,
-        gold_fn: RewardFn | None = None,
-        prompt_key: str = "prompt",
-        prompts=None,
-        eval_prompts=None,
-        reward_fn: RewardFn | None = None,
-        reward_model=None,
-    ):
+        self, model, reward_funcs=None, args: IterativeDPOConfig | None = None, train_dataset=None,
+        eval_dataset=None, processing_class=None, callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None), peft_config=None, *, ref_model=None,
+        gold_fn: RewardFn | None = None, prompt_key: str = "prompt", prompts=None, eval_prompts=None,
+        reward_fn: RewardFn | None = None, reward_model=None,
+    ):  # fmt: skip
         from accelerate import PartialState
         from transformers import AutoTokenizer
 
@@ -328,7 +269,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self.root = Path(args.output_dir)
         self.prompts = _prompt_list(train_dataset, prompt_key)
         self.eval_prompts = (
-            _prompt_list(eval_dataset, prompt_key, "eval_dataset") if eval_dataset is not None else self.prompts
+            self.prompts if eval_dataset is None else _prompt_list(eval_dataset, prompt_key, "eval_dataset")
         )
         if args.eval_num_prompts is not None:
             self.eval_prompts = self.eval_prompts[: args.eval_num_prompts]
@@ -354,18 +295,13 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dpo_run: DPOTrainer | None = None  # the current (or last) DPO run
         self._steps_run, self._loss_sum = 0, 0.0
         self._given_models = weakref.WeakSet([model] if isinstance(model, torch.nn.Module) else [])
-        base_ref = None
-        if not isinstance(model, str | Path):  # DPOTrainer would load its reference from the model's config name
-            base_ref = self._load_model(self.ref_path)
+        # (DPOTrainer would load the reference of an instantiated model from its config's name)
+        base_ref = None if isinstance(model, str | Path) else self._load_model(self.ref_path)
         super().__init__(
-            model=str(model) if isinstance(model, Path) else model,
-            ref_model=base_ref,
-            args=args,
-            train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key),
-            processing_class=processing_class,
-            callbacks=callbacks,
-            peft_config=copy.deepcopy(peft_config),
-        )
+            model=str(model) if isinstance(model, Path) else model, ref_model=base_ref, args=args,
+            train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key), processing_class=processing_class,
+            callbacks=callbacks, peft_config=copy.deepcopy(peft_config),
+        )  # fmt: skip
 
     def _as_path(self, model, name: str, processing_class) -> str:
         if isinstance(model, str | Path):
@@ -392,16 +328,12 @@ class IterativeDPOTrainer(DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
-        """Run (or resume) the schedule in ``args.online_mode``.
-
-        Per-iteration mode runs :func:`~rlhf_ext.runtime.iterations.run_iterations` over :attr:`iteration_steps`:
-        for ``t = 0 .. num_iterations-1``, steps 1-7 of Algorithm 2, after evaluating ``pi_0``. Resuming is automatic
-        (``args.resume``), so ``resume_from_checkpoint`` is only accepted as ``None`` / ``True``.
+        """Run (or resume, automatically: ``resume_from_checkpoint`` only ``None`` / ``True``) the schedule in
+        ``args.online_mode``.
 
         Returns:
-            ``TrainOutput``: ``global_step`` = DPO optimizer steps this call ran (over all DPO runs; steps restored
-            from checkpoints are not counted), ``training_loss`` = their mean loss, ``metrics`` (also logged). The
-            per-iteration details are in :attr:`summary`.
+            ``TrainOutput``: ``global_step`` = DPO optimizer steps this call ran (steps restored from checkpoints are
+            not counted), ``training_loss`` = their mean loss, ``metrics`` (also logged); details in :attr:`summary`.
         """
         if resume_from_checkpoint not in (None, True) or trial is not None or kwargs:
             raise ValueError(
@@ -437,25 +369,21 @@ class IterativeDPOTrainer(DPOTrainer):
 
     def _release_dpo_run(self, keep_model: bool = False) -> None:
         """Drop the last DPO run's optimizer (and, unless ``keep_model``, its policy and reference; before the first
-        run: this trainer's own ``pi_0``) without a full garbage collection
-        (:func:`~rlhf_ext.trl.release.release_trainer_run`)."""
+        run: this trainer's ``pi_0``) without a full garbage collection."""
         release_trainer_run(self._dpo_run or self, keep_model, self._given_models)
         if not keep_model:
             self.model = self.model_wrapped = self.ref_model = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """``Trainer.log`` through the last DPO run (its state, callbacks and console), where its steps were
-        logged; through this trainer before the first run."""
+        """``Trainer.log`` through the last DPO run (its state, callbacks and console); this trainer's before it."""
         run = self._dpo_run
         return super().log(logs, start_time) if run is None else run.log(logs, start_time)
 
     def _run_dpo(self, model: str, ref_path: str, args: IterativeDPOConfig, train_dataset, stream=None,
                  setup: Callable[[DPOTrainer], None] | None = None) -> DPOTrainer:  # fmt: skip
-        """One DPO run: a plain ``trl.DPOTrainer`` (a :class:`~rlhf_ext.trl.online_stream.StreamDPOTrainer` reading
-        ``stream`` in per-batch mode) for ``model`` (a path) against the reference at ``ref_path`` on
-        ``train_dataset``, with this trainer's callbacks and console (and ``setup(run)`` before training), trained
-        from the last checkpoint in ``args.output_dir``. The previous run is released first; the new one is kept
-        (``trainer.model`` is its policy) until the next."""
+        """One DPO run (a :class:`~rlhf_ext.trl.online_stream.StreamDPOTrainer` reading ``stream`` in per-batch mode)
+        of ``model`` (a path) against ``ref_path`` with this trainer's callbacks and console (``setup(run)`` before
+        training), from the last checkpoint in ``args.output_dir``; kept until the next run releases it."""
         from rlhf_ext.trl.args import CheckpointRecords, last_checkpoint
         from rlhf_ext.trl.console import console_callback_of, use_console_output
 
@@ -464,14 +392,10 @@ class IterativeDPOTrainer(DPOTrainer):
         ref = self._load_model(ref_path)
         last = last_checkpoint(args.output_dir)
         run = (DPOTrainer if stream is None else StreamDPOTrainer)(
-            model=model,
-            ref_model=ref,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=self.processing_class,
+            model=model, ref_model=ref, args=args, train_dataset=train_dataset, processing_class=self.processing_class,
             callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
             peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
-        )
+        )  # fmt: skip
         self._dpo_run, self.model, self.model_wrapped = run, run.model, run.model_wrapped
         if console is not None:
             use_console_output(run, callback=console)
@@ -490,8 +414,7 @@ class IterativeDPOTrainer(DPOTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; after :meth:`train` and without ``output_dir`` (as ``push_to_hub`` calls it): the
-        run's final policy, copied into ``args.output_dir`` — not whatever model this process last held (a resumed
-        run that had nothing left to train holds the SFT model)."""
+        run's final policy, copied into ``args.output_dir``."""
         final = (self.summary or {}).get("final_policy")
         if output_dir is not None or final is None:
             return super().save_model(output_dir, _internal_call)
@@ -502,9 +425,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self._dist.wait_for_everyone()
 
     def _save_policy(self, dest: Path) -> None:
-        """Save the policy just trained to ``dest`` atomically (all ranks take part; the main process renames it
-        into place, replacing an existing ``dest``). A PEFT adapter is merged into its base model first, so every
-        policy is a plain checkpoint."""
+        """Save the policy just trained to ``dest`` atomically (all ranks take part), a PEFT adapter merged first."""
         partial = temporary_sibling(dest, "partial")  # one name every rank agrees on
         if self._dist.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
@@ -523,8 +444,7 @@ class IterativeDPOTrainer(DPOTrainer):
 
     def train_policy(self, start: str, ref_path: str, rows: list[dict[str, Any]], work: Path, seed: int,
                      dest: Path) -> None:  # fmt: skip
-        """Step 6's DPO run (:meth:`IterationRun.train_iteration`): from ``start`` on ``rows`` against the reference
-        at ``ref_path``, in ``work``; the trained policy is saved to ``dest``."""
+        """Step 6's DPO run: from ``start`` on ``rows`` against ``ref_path``, in ``work``, saved to ``dest``."""
         args = dataclasses.replace(self.args, output_dir=str(work), seed=seed)
         self._run_dpo(start, ref_path, args, dpo_dataset(rows))
         self._save_policy(dest)

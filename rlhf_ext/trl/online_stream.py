@@ -1,20 +1,13 @@
 """The per-batch mode of :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``online_mode="online"``, paper 001 sections
 3.5 and 4.2): one DPO run whose train dataloader is a stream: a generator thread (or process) samples
-``num_generations`` responses (2, or K for best/worst-of-K) for ``per_device_train_batch_size *
-gradient_accumulation_steps`` prompts, scores them and selects pairs (topping up with further prompts when some tie)
-while the training loop trains on the previous batch (:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go
-to the generator after each optimizer step. ``async_generation=False`` is the synchronous on-policy baseline through
-the same code. Reward scoring belongs to the generation side (section 4.2).
+``num_generations`` responses for ``per_device_train_batch_size * gradient_accumulation_steps`` prompts, scores them
+and selects pairs (topping up with further prompts when some tie) while the training loop trains on the previous batch
+(:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go to the generator after each optimizer step.
+``async_generation=False`` is the synchronous on-policy baseline through the same code.
 
-Each trained batch's pairs are stored with the generator's prompt cursor after it, and a killed run resumes from the
-last checkpoint (``save_steps``) and regenerates the batches after it: the prompt order is seeded once per run, the
-cursor continues from the last trained batch's, and every batch is sampled with the seed of its global update index.
-Synchronous (``async_generation=False``) resumed runs therefore store the same pairs and end with the same weights as
-uninterrupted ones. Asynchronous runs differ in one known, intended way: the first batch after a resume is generated
-with the checkpoint's weights (``theta_k``, on-policy; no older weights exist any more), where the uninterrupted run
-generated it with ``theta_{k-1}``, so its pairs and every later update differ from the uninterrupted run's (its
-stored ``policy_version`` is one higher). A resume is still deterministic: two resumes from the same checkpoint store
-the same pairs and end with the same weights.
+A killed run resumes from the last checkpoint (``save_steps``) and regenerates the batches after it with the same
+seeds, so synchronous resumed runs end as uninterrupted ones; asynchronous ones generate the first batch after a
+resume with the checkpoint's weights (``theta_k``, not ``theta_{k-1}``), still deterministically.
 """
 
 from __future__ import annotations
@@ -50,23 +43,14 @@ def dpo_dataset(rows: Sequence[dict[str, Any]]):
     def side(prompt, text):
         return [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
 
-    return Dataset.from_list(
-        [
-            {
-                "prompt": r["prompt"],
-                "chosen": side(r["prompt"], r["chosen"]),
-                "rejected": side(r["prompt"], r["rejected"]),
-            }
-            for r in rows
-        ]
-    )
+    sides = ("chosen", "rejected")
+    return Dataset.from_list([{"prompt": r["prompt"], **{k: side(r["prompt"], r[k]) for k in sides}} for r in rows])
 
 
 class _StreamLoader:
     """The train dataloader of the per-batch DPO run (``run``, a :class:`StreamDPOTrainer`):
-    ``gradient_accumulation_steps`` collated micro-batches per runner batch, so one optimizer step consumes exactly one
-    generated batch; each batch's pairs are stored (with every process's prompt cursor after it) as the run takes it,
-    under the index of the update it feeds."""
+    ``gradient_accumulation_steps`` micro-batches per runner batch (one optimizer step per generated batch); each
+    batch's pairs are stored (with every process's prompt cursor) as the run takes it."""
 
     def __init__(self, trainer: IterativeDPOTrainer, runner: OneStepAsyncRunner, first: Batch, total: int, offset: int):
         self.trainer, self.runner, self.first = trainer, runner, first
@@ -107,8 +91,7 @@ class _StreamLoader:
 
 
 class StreamDPOTrainer(DPOTrainer):
-    """A plain ``DPOTrainer`` but for its train dataloader: the per-batch run's :class:`_StreamLoader` (``stream``),
-    whose batches are generated while it trains (TRL builds the dataloader from a dataset known in advance)."""
+    """A plain ``DPOTrainer`` but for its train dataloader: the per-batch run's :class:`_StreamLoader` (``stream``)."""
 
     stream: _StreamLoader
 
@@ -118,8 +101,7 @@ class StreamDPOTrainer(DPOTrainer):
 
 
 class _PublishWeights(TrainerCallback):
-    """After every optimizer step, report the update to the runner; the weights snapshot (cloned tensors, or for a
-    generator process the runner's shared-memory copy) is only taken when the generator will use that version."""
+    """After every optimizer step, report the update to the runner (it snapshots the weights only if it uses them)."""
 
     def __init__(self, runner: OneStepAsyncRunner, model_fn: Callable[[], torch.nn.Module], to_cpu: bool = False):
         self.runner, self.model_fn, self.to_cpu = runner, model_fn, to_cpu
@@ -177,15 +159,10 @@ def train_online(trainer: IterativeDPOTrainer) -> dict[str, Any]:
     final_eval = steps.evaluate_checkpoint(str(dest), "online_final", {"policy": "final"})
     trainer.log({"update": total, **eval_logs(final_eval)})
     summary = {
-        "mode": "online",
-        "async_generation": a.async_generation,
-        "output_dir": str(trainer.root),
-        "final_policy": str(dest),
-        "updates": total,
-        "resumed_from_update": offset,
-        "runner": stats.as_dict(),
+        "mode": "online", "async_generation": a.async_generation, "output_dir": str(trainer.root),
+        "final_policy": str(dest), "updates": total, "resumed_from_update": offset, "runner": stats.as_dict(),
         "eval": [*evals, final_eval],
-    }
+    }  # fmt: skip
     if dist.is_main_process:
         atomic_write_json(trainer.root / "summary.json", summary)
     return summary
@@ -193,9 +170,8 @@ def train_online(trainer: IterativeDPOTrainer) -> dict[str, Any]:
 
 def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str | None, work: Path,
                 dest: Path) -> RunnerStats:  # fmt: skip
-    """Updates ``offset .. total-1``: one DPO run of ``trainer`` whose train dataloader is a
-    :class:`OneStepAsyncRunner`'s batches (the generator holds its own copy of the policy); saves the final
-    policy to ``dest``."""
+    """Updates ``offset .. total-1``: one DPO run of ``trainer`` on a :class:`OneStepAsyncRunner`'s batches; saves the
+    final policy to ``dest``."""
     a, steps = trainer.args, trainer.iteration_steps
     process = wants_generator_process(a.generator_process, a.async_generation, a.generation_backend, trainer.reward_fn)
     generator = OnlinePairGenerator(
@@ -211,14 +187,10 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
         cursor=steps.resume_cursor(offset),
     )
     runner = OneStepAsyncRunner(
-        generator.generate,
-        num_batches=total - offset,
-        load_weights_fn=generator.load_weights,
-        sync=not a.async_generation,
-        generator_threads=a.generation_threads,
-        process=process,
+        generator.generate, num_batches=total - offset, load_weights_fn=generator.load_weights,
+        sync=not a.async_generation, generator_threads=a.generation_threads, process=process,
         name=f"rlhf-ext-generator-{trainer._dist.process_index}",
-    )
+    )  # fmt: skip
 
     def setup(run: DPOTrainer) -> None:
         plugin = run.accelerator.state.deepspeed_plugin
@@ -233,13 +205,11 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
     with runner, torch_threads(a.training_threads):
         first = runner.next_batch()
         trainer._run_dpo(
-            model=trainer.sft_path,
-            ref_path=trainer.ref_path,
+            model=trainer.sft_path, ref_path=trainer.ref_path,
             args=dataclasses.replace(a, output_dir=str(work), max_steps=total, ignore_data_skip=True),
-            train_dataset=dpo_dataset(first.data.rows),
-            stream=_StreamLoader(trainer, runner, first, total, offset),
+            train_dataset=dpo_dataset(first.data.rows), stream=_StreamLoader(trainer, runner, first, total, offset),
             setup=setup,
-        )
+        )  # fmt: skip
     trainer._save_policy(dest)
     trainer._release_dpo_run(keep_model=True)
     return runner.stats

@@ -1,15 +1,11 @@
 """The fused LM head of the frozen models a TRL trainer scores rollouts with (reference / SFT, previous task).
 
-TRL's :func:`trl.trainer.utils.add_fused_lm_head` projects the hidden states in ``[4096, 32768]`` tiles and folds
-each tile into online-logsumexp statistics; off Triton devices it folds with torch ops that, for the entropy, make one
-more tile-sized temporary (``(e * z).sum(-1)``), and it scores every position, prompt included. For no-grad calls
-on a plain output head (the rollout's reference forward) :func:`add_reference_head` answers instead with
-:func:`~rlhf_ext.runtime.segment_data.head_logprobs_and_entropy`: only the positions with a label are projected, and
-their log-probs and entropies come from one pass per cache-sized chunk
-(:func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy`, the function OpenRLHF's reference actor uses too).
-Calls with gradients, pre-shifted labels, router logits, models whose logits are soft-capped or scaled, and models on
-a device where TRL folds the tiles in its Triton kernel (CUDA, XPU; not measured against ours) go to TRL's head
-unchanged.
+TRL's :func:`trl.trainer.utils.add_fused_lm_head` projects every position (prompt included) in tiles. For no-grad
+calls on a plain output head (the rollout's reference forward) :func:`add_reference_head` answers instead with
+:func:`~rlhf_ext.runtime.segment_data.head_logprobs_and_entropy`: only labelled positions are projected, log-probs and
+entropies in one pass per cache-sized chunk (as OpenRLHF's reference actor does). Calls with gradients, pre-shifted
+labels, router logits, soft-capped or scaled logits, and devices where TRL runs its Triton kernel (CUDA, XPU) go to
+TRL's head unchanged.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Freeing a finished Trainer run by reference counting, without ``gc.collect()``.
 
-``accelerate``'s ``free_memory`` / ``release_memory`` run a full garbage collection on every call (a third of a
-second in a process that has imported torch, transformers and TRL), and a model TRL or accelerate patched is only
-freed by one: a method bound to the module and stored on the module is a reference cycle. The functions here break
-those cycles and drop the references, so what a run held is freed at once, deterministically.
+``accelerate``'s ``free_memory`` runs a full garbage collection on every call (a third of a second here), which a
+model TRL or accelerate patched needs (a method bound to the module stored on it is a reference cycle). The functions
+here break those cycles and drop the references, so what a run held is freed at once, deterministically.
 """
 
 from __future__ import annotations
@@ -17,11 +16,9 @@ import torch
 
 
 def drop_instance_forwards(model: torch.nn.Module) -> None:
-    """Remove the ``forward`` stored on the instances of ``model``'s modules: TRL's fused LM head
-    (``add_fused_lm_head``, on the policy and the reference of every DPO run), accelerate's mixed precision
-    (``_original_forward``) and hooks (``_old_forward``) bind the module into a method stored on that same module,
-    a reference cycle that keeps every weight alive until a full garbage collection. Only for a model being released
-    that nothing else uses: its class's ``forward`` is what remains."""
+    """Remove the ``forward`` stored on the instances of ``model``'s modules (TRL's fused LM head, accelerate's
+    ``_original_forward`` / ``_old_forward``): each is a reference cycle that keeps every weight alive until a full
+    garbage collection. Only for a model being released that nothing else uses."""
     for module in model.modules():
         for name in ("forward", "_original_forward", "_old_forward"):
             module.__dict__.pop(name, None)
@@ -57,14 +54,8 @@ def free_memory_without_collection(accelerator) -> Iterator[None]:
 
 def release_trainer_run(trainer: Any, keep_model: bool, given_models: Any = ()) -> None:
     """Drop a finished ``Trainer`` run's optimizer and scheduler (and, unless ``keep_model``, its policy and
-    reference) so the next run does not hold them in memory.
-
-    They are freed by reference counting, at once and without a garbage collection (a full ``gc.collect()`` costs a
-    third of a second in such a process): the reference cycles that would need one are broken first
-    (:func:`drop_instance_forwards` on each model, :func:`release_accelerator`). A model in ``given_models`` (one the
-    user passed in, a container supporting ``in``) is theirs to keep, with whatever forward they gave it. With a CUDA
-    device, dropping the models also runs one collection (a safety net for cycles made elsewhere, e.g. by user
-    callbacks) and empties the device cache."""
+    reference), freed by reference counting once the cycles are broken; a model in ``given_models`` (the user's) keeps
+    its forward. With CUDA, dropping the models also runs one collection, and the device cache is emptied."""
     trainer.optimizer = trainer.lr_scheduler = None
     handler = getattr(trainer, "callback_handler", None)
     if handler is not None:

@@ -1,7 +1,5 @@
-"""What :class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer` logs per rollout batch, into TRL's ``self._metrics[mode]``
-(``defaultdict(list)``; each value is averaged over the logging steps): the reward with its KL penalty (replacing
-GRPO's, which has none), the dense reward's sums, and the reward-hacking monitor of paper 003's segmentation.
-
+"""What :class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer` logs per rollout batch into TRL's ``self._metrics[mode]``:
+the reward with its KL penalty, the dense reward's sums, and the reward-hacking monitor of paper 003's segmentation.
 ``gather`` is ``accelerator.gather``: every figure is over all processes' rows.
 """
 
@@ -63,16 +61,9 @@ def log_dense_rewards(
 
 
 def monitor_segmentation(
-    metrics: Metrics,
-    gather: Gather,
-    monitor: SegmentationMonitor,
-    counts: torch.Tensor,
-    mask: torch.Tensor,
-    entropy: torch.Tensor | None,
-    entropy_cutoff: float,
-    step: int | None,
-    is_main_process: bool,
-) -> None:
+    metrics: Metrics, gather: Gather, monitor: SegmentationMonitor, counts: torch.Tensor, mask: torch.Tensor,
+    entropy: torch.Tensor | None, entropy_cutoff: float, step: int | None, is_main_process: bool,
+) -> None:  # fmt: skip
     """Log segments per token and the share of tokens above ``entropy_cutoff`` (``counts`` ``[B]`` segments per
     response, ``entropy`` ``[B, C]`` the SFT model's) and their ratios to the SFT policy's; the main process logs the
     monitor's one warning line when either passes 1.5x (``step`` ``None``: evaluation, never warns)."""

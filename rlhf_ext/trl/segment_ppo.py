@@ -1,38 +1,21 @@
 """Segment-level PPO on TRL 1.16: ``DensePPOConfig`` + ``DensePPOTrainer`` (paper 003, section 2.3).
 
-TRL 1.16 has no PPO trainer; ``GRPOTrainer`` is the closest maintained one (generation, vLLM support, a clipped
-policy-gradient loss that accepts per-token advantages ``[B, T]``). ``DensePPOTrainer`` keeps all of that and
-replaces the reward and advantage computation of each rollout batch:
+TRL 1.16 has no PPO trainer; ``DensePPOTrainer`` keeps ``GRPOTrainer``'s generation and clipped policy-gradient loss
+(which accepts per-token advantages ``[B, T]``) and replaces the reward and advantage computation of each rollout:
 
 1. one reference (SFT) forward gives the reference log-probs *and* the entropies used for segmentation;
 2. one reward-model forward gives token scores; :func:`rlhf_ext.segment.dense_segment_rewards` turns them into
-   normalized, interpolated per-token rewards (the same function OpenRLHF's experience maker calls). Instead of a
-   segment reward model, GRPO's ``reward_funcs`` (callables, reward-model ids or models) give one reward per
-   response, used as a bandit reward on its last token exactly as GRPO computes it, or -- a callable returning spans
-   ``(char_start, char_end, reward)`` over the completion's text, or per-token rewards
-   (:mod:`rlhf_ext.runtime.spans`) -- dense rewards mapped onto the policy's tokens by
-   :func:`rlhf_ext.runtime.spans.dense_rewards` (the function OpenRLHF's experience maker calls for them);
+   normalized, interpolated per-token rewards (as OpenRLHF's experience maker does). GRPO's ``reward_funcs`` give
+   instead a bandit reward on the last token (as GRPO sums them), or spans / per-token rewards mapped onto the
+   policy's tokens by :func:`rlhf_ext.runtime.spans.dense_rewards`;
 3. per-token reward ``r_t = dense_t - kl_coef * KL_t`` with the KL of the policy that sampled (k1 by default);
-4. advantages by GAE with a critic (initialised from the reward model, clipped value loss, value clip 0.25 for dense
-   rewards) or critic-free REINFORCE (reward-to-go minus a leave-one-out baseline), whitened over the batch.
+4. advantages by GAE with a critic (initialised from the reward model, clipped value loss) or critic-free REINFORCE
+   (reward-to-go minus a leave-one-out baseline), whitened over the batch.
 
-Old log-probs: like ``GRPOTrainer``, an on-policy step (every use of a rollout batch comes before the next optimizer
-step — GRPO's test ``gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0``, e.g. the usual
-``num_iterations=1``, ``steps_per_generation=gradient_accumulation_steps`` — with no asynchronous rollouts and no vLLM
-importance sampling) runs no extra policy forward for them. With one loss call per rollout batch
-(``steps_per_generation == 1``) the KL reward and the advantages (GAE with the critic values taken at rollout time,
-or REINFORCE) are finished inside the loss from the policy log-probs its own forward computes (at the weights that
-sampled); off-policy and multi-micro-batch rollouts compute the old log-probs with a no-grad forward at rollout time.
-
-The policy loss is GRPO's clipped objective (token-level mean, ``loss_type="bnpo"``) with GRPO's own KL term off
-(``beta = 0``: the KL is in the reward, as in PPO-RLHF). TRL samples at least two responses per prompt
-(``num_generations >= 2``); they are independent rollouts (``reinforce_baseline`` uses the siblings as baseline).
-
-Limits: the separate critic is trained with its own optimizer and supports single-process and DDP runs
-(``torchrun``/``accelerate launch``); with DeepSpeed use ``advantage_estimator="reinforce"`` or the OpenRLHF engine.
-Each ``checkpoint-N`` holds the critic (``critic/``) and its optimizer state (``critic/training_state.pt``); a resumed
-run restores both, so it trains exactly as an uninterrupted one.
-Segment entropies are those of the reference model at the sampling temperature (1.0 in the paper).
+On-policy steps with one loss call per rollout batch finish the KL reward and advantages inside the loss
+(:func:`finishes_in_loss`); otherwise a no-grad forward at rollout time computes the old log-probs. The policy loss is
+GRPO's clipped objective (``loss_type="bnpo"``, ``beta = 0``: the KL is in the reward). The critic (single process and
+DDP; with DeepSpeed use ``advantage_estimator="reinforce"``) is saved and resumed with each ``checkpoint-N``.
 """
 
 from __future__ import annotations
@@ -70,25 +53,20 @@ from rlhf_ext.trl.rollout_metrics import (
 @dataclass
 class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Default, GRPOConfig):
     """``GRPOConfig`` plus the knobs of paper 003's dense rewards
-    (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`: granularity, interpolation, normalizer kind/basis), PPO
-    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: kl_coef 0.01, kl_estimator, advantage_estimator, gamma, lam, value_clip,
-    reward_clip_range, whiten_advantages) and paper 000's continual KL
-    (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`), and:
+    (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`), PPO (:class:`~rlhf_ext.algos.ppo.PPOKnobs`) and paper
+    000's continual KL (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`), and:
 
     Args:
         reward_model_path: the (segment) reward model; its ``segment_config.json`` supplies cutoff/aggregation/tau.
-            Leave it unset when the trainer gets GRPO's ``reward_funcs`` (a sequence-level reward) instead.
+            Unset when the trainer gets GRPO's ``reward_funcs``.
         entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
         normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
             (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
         critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
         async_generation, generation_threads: one-step asynchronous off-policy rollouts (paper 001, Appendix D;
-            :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout`): batch t+1 is generated with theta_t while the
-            trainer trains on batch t, and the PPO ratio uses the behaviour policy's log-probs.
-        continual_previous_model: continual RLHF (paper 000 Eq. 7, CPPO-style): the frozen policy from the end of
-            the previous task (or pass ``prev_model=`` to the trainer); the loss gains
-            ``continual_kl_coef * KL(pi_theta || pi_prev)`` on the batch's response tokens (one extra no-grad forward
-            per rollout). Unset = plain PPO.
+            :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout`).
+        continual_previous_model: the frozen previous-task policy of paper 000 Eq. 7; the loss gains
+            ``continual_kl_coef * KL(pi_theta || pi_prev)`` on the response tokens. Unset = plain PPO.
     """
 
     reward_model_path: str | None = field(default=None, metadata={"help": "Segment reward model checkpoint."})
@@ -118,14 +96,12 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Def
 
 
 def segment_reward(prompts, completions, **kwargs):
-    """The reward-function slot GRPO requires. DensePPOTrainer computes rewards per *token* from the exact token
-    ids inside its rollout (``_calculate_rewards`` is bypassed), so this is never called."""
+    """The reward-function slot GRPO requires; never called (DensePPOTrainer computes rewards per token)."""
     raise RuntimeError("segment rewards are computed by DensePPOTrainer from token ids, not as a reward function")
 
 
 def async_rollout_func(args: DensePPOConfig, rollout_func):
-    """The :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout` of ``args.async_generation`` (it is then GRPO's
-    ``rollout_func``, so none may be given), else ``None``."""
+    """The :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout` of ``args.async_generation``, else ``None``."""
     if not args.async_generation:
         return None
     if rollout_func is not None:
@@ -147,14 +123,8 @@ def previous_policy(args: DensePPOConfig, prev_model, dtype: torch.dtype):
 
 def finishes_in_loss(args: DensePPOConfig, out: dict, mode: str) -> bool:
     """Whether a rollout's old log-probs can be the loss forward's own (detached) policy log-probs (``out``: GRPO's
-    rollout dict), so the KL reward and advantages are finished in the loss instead of after an extra no-grad policy
-    forward.
-
-    Needs: GRPO found the step on-policy (it computed no ``old_per_token_logps``), no asynchronous behaviour
-    policy, and one loss call for the whole rollout batch (advantages are whitened over it), i.e.
-    ``steps_per_generation == 1`` in training (evaluation never splits its batch). The estimator may be any: GAE's
-    critic values are taken at rollout time (the critic steps only after the policy loss).
-    """
+    rollout dict): an on-policy step, no asynchronous behaviour policy, and one loss call for the whole rollout batch
+    (``steps_per_generation == 1`` in training)."""
     return (
         "old_per_token_logps" not in out
         and not (args.async_generation and mode == "train")
@@ -163,29 +133,20 @@ def finishes_in_loss(args: DensePPOConfig, out: dict, mode: str) -> bool:
 
 
 class DensePPOTrainer(GRPOTrainer):
-    """PPO with dense per-token rewards on top of TRL's ``GRPOTrainer``: a reward model's rewards at any granularity
-    (paper 003 Table 1) — ``segment`` is paper 003's segment-level PPO (Eq. 5, Algorithm 1; also importable as
-    :class:`SegmentPPOTrainer`), ``bandit`` is stock sequence-level PPO, as are GRPO-style ``reward_funcs``.
+    """PPO with dense per-token rewards on top of TRL's ``GRPOTrainer``, at any granularity (paper 003 Table 1):
+    ``segment`` is paper 003's segment-level PPO (Eq. 5, Algorithm 1), ``bandit`` stock sequence-level PPO.
 
-    Takes ``GRPOTrainer``'s arguments in its order — ``(model, reward_funcs, args, train_dataset, eval_dataset,
-    processing_class, reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
-    rollout_func, environment_factory)`` — plus keyword-only ones:
+    Takes ``GRPOTrainer``'s arguments in its order, plus keyword-only ones:
 
     Args:
-        reward_funcs: GRPO's reward functions (callables, reward-model ids or sequence-classification models),
-            weighted by ``args.reward_weights``: a function's float per response is a bandit reward on the response's
-            last token, summed exactly as GRPO does; spans or per-token rewards (dense reward sources such as
-            :class:`~rlhf_ext.runtime.dense_sources.KeywordCredit`, ``ProcessRewardModel``, ``SegmentRewardSpans``,
-            ``RemoteSegmentReward(url, spans=True)``) are mapped onto the policy's tokens with ``granularity``
-            (``segment``, ``bandit`` or ``segment_as_bandit``), ``interpolation`` and the normalizer. A segment reward
-            model's directory is scored by its e_phi (``SegmentSequenceReward``). Give this *or* a segment reward
-            model, not both. With ``advantage_estimator="gae"`` (the default) a critic is trained (a warning says so);
-            ``reinforce_baseline`` is critic-free, as GRPO.
+        reward_funcs: GRPO's reward functions, weighted by ``args.reward_weights``: a float per response is a bandit
+            reward on the last token; spans or per-token rewards (e.g.
+            :class:`~rlhf_ext.runtime.dense_sources.KeywordCredit`) are mapped onto the policy's tokens with
+            ``granularity``, ``interpolation`` and the normalizer. Give this *or* a segment reward model.
         reward_model: the segment reward model (default: ``args.reward_model_path``).
         ref_model: the reference (SFT) policy (default: the policy's checkpoint).
         critic: the GAE critic (default: ``args.critic_model_path``, else the reward model, else the policy).
-        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on (segment rewards, or
-            the spans of the one dense reward function).
+        normalizer, calibration_dataset: a :class:`LocationNormalizer`, or pairs to fit one on.
         prev_model: the previous task's policy for the continual KL term (default: ``args.continual_previous_model``).
     """
 
@@ -228,9 +189,8 @@ class DensePPOTrainer(GRPOTrainer):
         self.entropy_cutoff, self.aggregation, self.seg_tau = segment_settings(args, reward_model is not None)
         policy_id = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
-        # the reference (SFT) model: log-probs for the KL reward and, when the granularity segments responses,
-        # entropies for the segmentation, in one forward (the fused head computes entropies only then); dense
-        # granularities also need them for the reward-hacking monitor (entropies above the cutoff)
+        # the reference (SFT) model: log-probs for the KL reward and, for segmenting granularities and the dense ones'
+        # reward-hacking monitor, entropies, in one forward
         granularity = Granularity(args.granularity)
         self.needs_reference_entropy = not self.uses_reward_funcs and (
             granularity.needs_entropy or not granularity.is_bandit
@@ -257,15 +217,13 @@ class DensePPOTrainer(GRPOTrainer):
         self.critic = gae_critic(args, critic, source, self.accelerator, self.uses_reward_funcs)
 
     def _frozen(self, model, entropy: bool = False):
-        """``model`` with TRL's fused head (:func:`~rlhf_ext.trl.reference_head.add_reference_head`; entropies too
-        with ``entropy``), prepared for no-grad evaluation: the reference and the previous-task policy."""
+        """``model`` with the fused reference head (entropies too with ``entropy``), prepared for no-grad evaluation."""
         add_reference_head(model, self.temperature, entropy, self.args.cast_lm_head_to_fp32)
         return self.accelerator.prepare_model(model.eval(), evaluation_mode=True)
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """GRPO's reward functions when given (kept for the rollout); otherwise bypassed: segment rewards are
-        computed per token in the rollout (zeros here)."""
+        """GRPO's reward functions when given (kept for the rollout); otherwise zeros (rewards are per token)."""
         if not self.uses_reward_funcs:
             return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
         funcs, self.reward_funcs = self.reward_funcs, self._captured_funcs
@@ -276,8 +234,7 @@ class DensePPOTrainer(GRPOTrainer):
         return self._rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        """GRPO's log-prob computation. Inside the loss, the policy's log-probs finish a rollout whose advantages
-        were left to the loss, and its differentiable log-probs are kept for the Eq. 7 term."""
+        """GRPO's log-probs; inside the loss they also finish a rollout left to it and are kept for the Eq. 7 term."""
         out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         if self._loss_inputs is not None:
             inputs, self._loss_inputs = self._loss_inputs, None
@@ -356,9 +313,8 @@ class DensePPOTrainer(GRPOTrainer):
         return out
 
     def _dense_rewards(self, input_ids, attention_mask, completion_ids, mask, ref_entropy):
-        """The rollout's :class:`~rlhf_ext.runtime.spans.DenseBatch` and the ``[B, C]`` scores it came from: the reward
-        functions' (sequence rewards on the last token, spans mapped onto the tokens), or the segment reward model's
-        at every completion position made dense by :func:`dense_segment_rewards`."""
+        """The rollout's :class:`~rlhf_ext.runtime.spans.DenseBatch` and the ``[B, C]`` scores it came from (the
+        reward functions', or the segment reward model's made dense by :func:`dense_segment_rewards`)."""
         c, args = completion_ids.size(1), self.args
         if self.uses_reward_funcs:  # this process's rows of GRPO's rewards per function (_calculate_rewards)
             n, per_func, self._rewards_per_func = len(mask), self._rewards_per_func, None
@@ -378,9 +334,8 @@ class DensePPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _finish_advantages(self, inputs: dict, policy_logps: torch.Tensor) -> None:
-        """The rest of :func:`ppo_advantages` for a rollout left to the loss: KL of the sampling policy (the loss
-        forward's log-probs ``[B, C]``, same weights), ``r_t = shaped_t - kl_coef * KL_t`` (paper 003 Eq. 5), GAE
-        with the rollout's critic values (``returns`` for the critic step) or reward-to-go, whitening."""
+        """The rest of :func:`ppo_advantages` for a rollout left to the loss, from the loss forward's log-probs
+        ``[B, C]``: ``r_t = shaped_t - kl_coef * KL_t`` (paper 003 Eq. 5), GAE or reward-to-go, whitening."""
         args = self.args
         mask = inputs["completion_mask"]
         mask = (mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]).bool()
@@ -437,22 +392,18 @@ class DensePPOTrainer(GRPOTrainer):
 
     # ----------------------------------------------------------------------------------- checkpoint / resume
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The policy's optimizer and scheduler (``Trainer``), and the critic's optimizer state and micro-step count
-        next to the critic's weights (``critic/``, written by :meth:`save_model` for the same checkpoint)."""
+        """The policy's optimizer and scheduler, and the critic's optimizer state (``critic/``)."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.critic is not None and self.args.should_save:
             self.critic.save_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """On resume, the policy's optimizer and scheduler (``Trainer``), then the critic: its weights and its
-        optimizer state from ``checkpoint/critic`` (otherwise the critic would restart from its initial weights)."""
+        """On resume, the policy's optimizer and scheduler, then the critic's weights and optimizer state."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.critic is not None:
             self.critic.load(checkpoint)
 
 
-#: Paper 003's names for the same classes: segment-level PPO is :class:`DensePPOTrainer` on a segment reward model
-#: (``granularity="segment"`` as the paper writes it, ``"chunk"`` by default). Both names are public; use the general
-#: one where the rewards are not segment-level.
+#: Paper 003's names for the same classes (segment-level PPO is :class:`DensePPOTrainer` on a segment reward model).
 SegmentPPOConfig = DensePPOConfig
 SegmentPPOTrainer = DensePPOTrainer

@@ -1,29 +1,21 @@
 """Segment-level reward model training on TRL: ``SegmentRewardConfig`` + ``SegmentRewardTrainer`` (paper 003, 2.2).
 
-``SegmentRewardTrainer`` is TRL's ``RewardTrainer`` with two changes:
-
-1. **Data.** Before TRL sees the dataset it is tokenised (prompt and responses separately, so the response mask is
-   exact) and the frozen SFT model's entropy of every response token is added as a column — the paper's one-time
-   segmentation preprocessing, cached on disk (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`).
-   Pairs that carry no preference — an empty chosen or rejected response, or two identical ones (after
-   tokenisation and truncation) — are dropped with a warning that counts them (:func:`drop_uninformative_pairs`); a
-   dataset with no usable pair left is a :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError`.
-2. **Loss.** ``compute_loss`` reads the score head's output at *every* position (captured from the same forward pass
-   the stock trainer runs, no extra compute), splits each response into segments at tokens whose SFT entropy
-   exceeds ``entropy_cutoff``, takes each segment's reward at its last token, aggregates them with the soft-max of
-   paper 003 Eq. 4 and applies the Bradley-Terry loss of paper 003 Eq. 3. With ``entropy_cutoff=inf`` this is exactly
-   the stock bandit loss.
+``SegmentRewardTrainer`` is TRL's ``RewardTrainer`` with two changes: the dataset gets the frozen SFT model's entropy
+of every response token as a column (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`; pairs that carry
+no preference are dropped), and ``compute_loss`` reads the score head at *every* position, splits each response into
+segments at tokens whose SFT entropy exceeds ``entropy_cutoff``, aggregates the segments' rewards with the soft-max
+of paper 003 Eq. 4 and applies the Bradley-Terry loss of Eq. 3 (``entropy_cutoff=inf``: the stock bandit loss).
 
 Example::
 
     from rlhf_ext.trl import SegmentRewardConfig, SegmentRewardTrainer
 
     trainer = SegmentRewardTrainer(
-        model="my-sft-checkpoint",            # the reward model starts from the SFT model...
+        model="my-sft-checkpoint",            # the reward model starts from the SFT model, which also segments the data
         args=SegmentRewardConfig(output_dir="rm", entropy_cutoff=2.0, tau=0.5),
         train_dataset=dataset,                # prompt / chosen / rejected
         processing_class=tokenizer,
-    )                                         # ...which also segments the data (sft_model_name_or_path defaults to it)
+    )
     trainer.train()
 """
 
@@ -38,11 +30,7 @@ import torch
 from trl import RewardConfig, RewardTrainer
 
 from rlhf_ext.algos.knobs import knob
-from rlhf_ext.algos.segment_reward import (
-    SegmentRewardKnobs,
-    evaluate_sequences,
-    segment_bt_loss,
-)
+from rlhf_ext.algos.segment_reward import SegmentRewardKnobs, evaluate_sequences, segment_bt_loss
 from rlhf_ext.runtime.segment_data import (
     ENTROPY_COLUMNS,
     TOKENIZED_COLUMNS,
@@ -67,13 +55,10 @@ PAIR_DEFECTS = {
 
 @dataclass
 class SegmentRewardConfig(SegmentRewardKnobs, HardwareBF16Default, RewardConfig):
-    """``RewardConfig`` plus paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
-    ``entropy_cutoff`` 2.0, ``aggregation`` softmax, ``tau`` 0.5) and:
+    """``RewardConfig`` plus paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`) and:
 
     Args:
-        sft_model_name_or_path: the SFT checkpoint used for segmentation. Defaults to the reward model's own
-            initial checkpoint when ``model`` is given as a path (the paper initialises the RM from the SFT model).
-        entropy_batch_size: batch size of the one-time entropy pass.
+        sft_model_name_or_path: the SFT checkpoint used for segmentation (default: ``model`` when it is a path).
         segment_cache_dir: where to cache the segmented dataset (``None``: no cache).
     """
 
@@ -83,21 +68,12 @@ class SegmentRewardConfig(SegmentRewardKnobs, HardwareBF16Default, RewardConfig)
 
     def segment_settings(self) -> dict[str, Any]:
         """What PPO needs to reuse this reward model's segmentation (saved as ``segment_config.json``)."""
-        return {
-            "entropy_cutoff": self.entropy_cutoff,
-            "aggregation": self.aggregation,
-            "tau": self.tau,
-            "sft_model_name_or_path": self.sft_model_name_or_path,
-        }
+        keys = ("entropy_cutoff", "aggregation", "tau", "sft_model_name_or_path")
+        return {k: getattr(self, k) for k in keys}
 
 
-def pair_defect(
-    chosen_ids: list[int],
-    rejected_ids: list[int],
-    prompt_len: int,
-    eos_token_id: int | None,
-    max_length: int | None = None,
-) -> str | None:
+def pair_defect(chosen_ids: list[int], rejected_ids: list[int], prompt_len: int, eos_token_id: int | None,
+                max_length: int | None = None) -> str | None:  # fmt: skip
     """Why a tokenised preference pair carries no preference: ``"no_room"`` (a response cut to its closing EOS
     because the prompt filled ``max_length``), ``"empty"`` (a response with no token besides its closing EOS),
     ``"identical"`` (the same token ids on both sides), or ``None`` for a usable pair."""
@@ -114,9 +90,7 @@ def drop_uninformative_pairs(
     dataset, eos_token_id: int | None, name: str = "train_dataset", max_length: int | None = None
 ):
     """``dataset`` (tokenised: :data:`~rlhf_ext.runtime.segment_data.TOKENIZED_COLUMNS`) without the pairs
-    :func:`pair_defect` rejects. Such pairs only add noise: a Bradley-Terry loss on two equal rewards pushes nothing
-    apart, and a dataset made of them trains a reward model at chance. Dropping some logs one warning that counts
-    them by reason, naming their first rows; dropping all raises
+    :func:`pair_defect` rejects, with one warning counting them by reason; dropping all raises
     :class:`~rlhf_ext.runtime.segment_data.DatasetFormatError` (``name`` says which dataset)."""
     rows = dataset.select_columns(list(TOKENIZED_COLUMNS))
     defects = [pair_defect(r["chosen_ids"], r["rejected_ids"], r["prompt_len"], eos_token_id, max_length) for r in rows]
@@ -180,19 +154,10 @@ class SegmentRewardTrainer(RewardTrainer):
     _tag_names = ["trl", "reward-trainer", "rlhf-ext", "segment-reward"]
 
     def __init__(
-        self,
-        model,
-        args: SegmentRewardConfig | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        *rest,
-        sft_model=None,
-        **kwargs,
-    ):
-        """``RewardTrainer``'s arguments in its order (``model, args, data_collator, train_dataset, eval_dataset,
-        processing_class, compute_metrics, callbacks, ...``); ``sft_model`` (the segmenting SFT model, default
+        self, model, args: SegmentRewardConfig | None = None, data_collator=None, train_dataset=None, eval_dataset=None,
+        processing_class=None, *rest, sft_model=None, **kwargs,
+    ):  # fmt: skip
+        """``RewardTrainer``'s arguments in its order; ``sft_model`` (the segmenting SFT model, default
         ``args.sft_model_name_or_path``) is keyword-only."""
         if args is None:
             args = SegmentRewardConfig(output_dir="segment-reward-model")
@@ -214,13 +179,10 @@ class SegmentRewardTrainer(RewardTrainer):
                 getattr(getattr(sft_model, "config", None), "_name_or_path", None) if sft_model is not None else None
             )
         prepare = dict(
-            tokenizer=processing_class,
-            sft_model=sft_model,
+            tokenizer=processing_class, sft_model=sft_model,
             sft_model_name_or_path=args.sft_model_name_or_path if sft_model is None else None,
-            max_length=args.max_length,
-            entropy_batch_size=args.entropy_batch_size,
-            cache_dir=args.segment_cache_dir,
-        )
+            max_length=args.max_length, entropy_batch_size=args.entropy_batch_size, cache_dir=args.segment_cache_dir,
+        )  # fmt: skip
         eos = processing_class.eos_token_id
 
         def prepared(dataset, name: str):
@@ -258,8 +220,7 @@ class SegmentRewardTrainer(RewardTrainer):
             loss = loss + self.args.center_rewards_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
 
         if mode == "train" and self.args.include_num_input_tokens_seen == "no":
-            # counted in the TrainerState (as GRPO does), which checkpoints save and a resume restores: TRL's
-            # in-memory _total_train_tokens restarts at 0 on resume, so metrics.json reported the resumed part only
+            # counted in the TrainerState (as GRPO does), which a resume restores (TRL's _total_train_tokens restarts)
             num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
             self.state.num_input_tokens_seen += num_tokens // self._tp_size
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
@@ -283,8 +244,8 @@ class SegmentRewardTrainer(RewardTrainer):
         return loss
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
-        """TRL's model card, with its "Quick start" (``pipeline(...)[0]["score"]``: the classifier's last-token score,
-        which a segment reward model was not trained to give) replaced by :data:`MODEL_CARD_QUICK_START` (e_phi)."""
+        """TRL's model card, with its "Quick start" (the classifier's last-token score) replaced by
+        :data:`MODEL_CARD_QUICK_START` (e_phi)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         card = Path(self.args.output_dir) / "README.md"
         if self.is_world_process_zero() and card.is_file():

@@ -23,15 +23,11 @@ def fine_tune(
     Args:
         model: path of the initial checkpoint, or a ``PreTrainedModel`` (then ``tokenizer`` is required).
         rows: ``[{"prompt": ..., "completion": ...}]``; must not be empty.
-        out: destination directory, written atomically (a crash leaves no half-written checkpoint).
-        train: the optimisation settings, the recipes' one vocabulary (:class:`~rlhf_ext.config.TrainSection`,
-            mapped to TRL's fields by :func:`~rlhf_ext.trl.args.training_kwargs`); ``trl_args`` pass through;
-            ``max_steps`` 0 (the simulator's SFT section allows it) saves the initial model unchanged.
+        out: destination directory, written atomically; ``str(out)`` is returned.
+        train: the optimisation settings (:class:`~rlhf_ext.config.TrainSection`); ``max_steps`` 0 saves the initial
+            model unchanged.
         kl_coef, ref_model: Quark's KL penalty to ``ref_model`` (a path or a model) per completion token.
-        report_to: TRL's logging integrations; TensorBoard events are saved with the model, in ``out/runs``.
-
-    Returns:
-        ``str(out)``.
+        report_to: TRL's logging integrations; TensorBoard events are saved in ``out/runs``.
     """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
