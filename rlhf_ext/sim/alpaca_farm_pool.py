@@ -1,11 +1,8 @@
 """AlpacaFarm's own simulated annotators, as shipped, against any OpenAI-compatible server (paper 002, Appendix C.1).
 
 AlpacaFarm's ``p_sim`` / ``p_eval`` is a pool of 13 API annotators in one ``configs.yaml``
-(``alpaca_farm/auto_annotations/annotators/annotator_pool_v0``): per annotator a prompt template (``with_inputs`` /
-``without_inputs``, or one template in AlpacaEval's evaluator directories), ``completions_kwargs`` (``model_name``,
-``max_tokens``, ``temperature``), a ``batch_size`` and a completion parser (``fn_completion_parser``, default
-``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``). Each annotator runs as ``alpaca_eval.annotators``
-interprets it:
+(``alpaca_farm/auto_annotations/annotators/annotator_pool_v0``; see :class:`AlpacaFarmAnnotatorConfig`), each run as
+``alpaca_eval.annotators`` interprets it:
 
 * **which annotator**: ``random.Random("annotator" + input + instruction + str(seed)).choices(names)`` (every pair of
   one instruction goes to the same annotator) — :class:`AlpacaFarmAssignment`;
@@ -23,13 +20,10 @@ interprets it:
   ``ranking_parser`` reads a ``[{'model': ..., 'rank': ...}]`` list. A completion with a different number of answers
   than ``batch_size`` labels its whole batch unparseable, as in AlpacaEval.
 
-Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw); the annotators give ``P(a
-preferred over b)`` = 1, 0 or 1/2 and say which 1/2 were draws; an unparseable answer is ``NaN`` (counted in
-``stats``; the pool settles or drops it, ``pool.unparseable``). ``p_label_flip`` is the pool's ``flip_prob``
-(AlpacaFarm's fair coin with probability ``2 * p_label_flip`` flips a binary label with probability ``p_label_flip``).
-
-The peers' modules are not imported (``alpaca_eval`` 0.6.6 needs ``pkg_resources``, gone from setuptools >= 81):
-their package data is located with :func:`importlib.util.find_spec`, which does not run the packages.
+Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw), given as ``P(a preferred
+over b)`` = 1, 0 or 1/2 (draws flagged); an unparseable answer is ``NaN``. ``p_label_flip`` is the pool's
+``flip_prob``. The peers' modules are not imported (``alpaca_eval`` 0.6.6 needs ``pkg_resources``, gone from
+setuptools >= 81): their package data is located with :func:`importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -187,8 +181,9 @@ class CompletionParser:
 class AlpacaFarmAnnotatorConfig:
     """One annotator of a pool's ``configs.yaml``: ``name`` its YAML key; ``templates`` (read) ``{"with_inputs": ...,
     "without_inputs": ...}`` or ``{"any": ...}``; ``model_name`` / ``max_tokens`` / ``temperature`` its
-    ``completions_kwargs``; ``randomize_output_order`` / ``shuffle`` AlpacaEval's ``is_randomize_output_order`` /
-    ``is_shuffle``."""
+    ``completions_kwargs``; ``batch_size`` examples per prompt; ``parser`` its ``fn_completion_parser`` (default
+    ``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``); ``randomize_output_order`` / ``shuffle``
+    AlpacaEval's ``is_randomize_output_order`` / ``is_shuffle``."""
 
     name: str
     templates: dict[str, str]

@@ -2,26 +2,17 @@
 
 Each example is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are
 also flipped with probability 0.25 (intra-annotator noise; the paper's mix of ``p_eval`` with a fair coin at weight
-1/2 is the same thing). *Evaluation* labels (``p_eval``) are not flipped. An annotator returns ``P(a preferred over
-b)`` for a batch of pairs (:class:`Annotator`):
+1/2 is the same thing); *evaluation* labels (``p_eval``) are not. An annotator returns ``P(a preferred over b)`` for a
+batch of pairs (:class:`Annotator`): a :class:`BTAnnotator` (Bradley-Terry on a utility: gold-scorer variants,
+:data:`DEFAULT_ANNOTATORS`, or reward models, :meth:`AnnotatorPool.from_reward_models`), an LLM judge
+(:meth:`AnnotatorPool.from_llm`) or AlpacaFarm's own annotators as shipped (:meth:`AnnotatorPool.from_alpaca_farm`).
 
-* :class:`BTAnnotator` — Bradley-Terry on a utility ``u``: ``P(a > b) = sigmoid((u(a) - u(b)) / temperature)``;
-  temperature 0 is the deterministic argmax (ties 1/2). The default pool (:data:`DEFAULT_ANNOTATORS`) uses gold-scorer
-  variants (other phrase weights, a length preference like AlpacaFarm's "prefers long / short" annotators, other
-  temperatures); any reward model is a utility too (:meth:`AnnotatorPool.from_reward_models`; temperature 1 is the
-  reward model's own Bradley-Terry probability).
-* :class:`~rlhf_ext.sim.llm_annotator.LLMAnnotator` — an LLM judge (:meth:`AnnotatorPool.from_llm`).
-* :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAnnotator` — AlpacaFarm's own annotators as shipped
-  (:meth:`AnnotatorPool.from_alpaca_farm`; ``annotator_pool_v0`` has 13), with its per-example annotator choice.
-
-**Draws.** Identical responses are a draw without asking any annotator (AlpacaEval's 1.5); an annotator may answer a
-draw (optional ``probability_with_ties``). :meth:`AnnotatorPool.outcome` gives 1/2 for both; binary labels
-(:meth:`AnnotatorPool.prefer`, ``relabel``) settle a draw with the pair's fair coin.
-
-**Unparseable answers** (``NaN``, an LLM or AlpacaFarm answer naming no response) are counted per annotator
+**Draws**: identical responses (no annotator asked, AlpacaEval's 1.5) and an annotator's draw answer (optional
+``probability_with_ties``) are 1/2 in :meth:`AnnotatorPool.outcome`; binary labels (:meth:`AnnotatorPool.prefer`,
+``relabel``) settle them with the pair's fair coin. **Unparseable answers** (``NaN``) are counted per annotator
 (:meth:`AnnotatorPool.label_counts`), warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by the pair's
-coin (``unparseable="coin"``) or, as AlpacaEval, dropped from :meth:`AnnotatorPool.relabel`'s training labels
-(``unparseable="drop"``; evaluation keeps its coin, so every prompt keeps its ``k`` comparisons).
+coin (``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval;
+evaluation keeps its coin, so every prompt keeps its ``k`` comparisons).
 
 Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: which
 annotator, the Bernoulli draw, the training flip): labels do not depend on batch order, ``prefer(b, a) == not

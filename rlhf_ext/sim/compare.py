@@ -282,14 +282,7 @@ class SimRun:
         """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf), ``segment`` (the recipe's cutoff) or ``token``
         (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
         from the SFT model on the same simulated feedback."""
-        from rlhf_ext.pipelines.segment_rm import (
-            ModelSection,
-            PreferenceDataSection,
-            RMTrainSection,
-            SegmentRMRecipe,
-            SegmentSection,
-            run_segment_rm,
-        )
+        from rlhf_ext.pipelines import segment_rm as srm
 
         out = self.seed_dir(seed) / f"rm_{kind}"
         if not (out / "metrics.json").exists():
@@ -301,22 +294,19 @@ class SimRun:
             if kind in RM_CUTOFFS:
                 knobs["entropy_cutoff"] = RM_CUTOFFS[kind]
             with atomic_directory(out) as tmp:
-                recipe = SegmentRMRecipe(
+                recipe = srm.SegmentRMRecipe(
                     engine="trl",
-                    model=ModelSection(sft_model=self.sft_model()),
-                    data=PreferenceDataSection(
-                        train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
-                    ),
-                    segment=SegmentSection(**knobs),
-                    train=RMTrainSection(
+                    model=srm.ModelSection(sft_model=self.sft_model()),
+                    data=srm.PreferenceDataSection(train=feedback, eval=feedback, eval_split="test",
+                                                   max_length=self.recipe.task.max_length),
+                    segment=srm.SegmentSection(**knobs),
+                    train=srm.RMTrainSection(
                         **knob_values(cfg.train, TrainSection)
                         | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
-                        output_dir=str(tmp),
-                        seed=seed,
-                        resume=False,
+                        output_dir=str(tmp), seed=seed, resume=False,
                     ),
-                )
-                summary = run_segment_rm(recipe)
+                )  # fmt: skip
+                summary = srm.run_segment_rm(recipe)
                 atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
         return str(out)
 

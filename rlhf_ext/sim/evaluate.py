@@ -9,9 +9,8 @@ Draws count half a win, as in AlpacaEval (a draw coded 1.5): identical responses
 / 2) / comparisons``, with ``tie_rate = ties / comparisons``; its standard error is that of the outcomes ``{1, 1/2,
 0}`` (AlpacaEval's ``standard_error`` with one sample per prompt; with ``k`` per prompt, clustered by prompt).
 
-Policies have ``sample(prompts, n, seed) -> Samples`` (``[P][n]``, :class:`rlhf_ext.runtime.sampling.Samples`) and,
-for the KL, ``logprobs(prompts, responses, truncated) -> [N]``: :class:`HFPolicy` (a transformers causal LM, optional
-``prompt_prefix`` such as a control token) and :class:`BestOfNPolicy` (inference-time best-of-n, section 3.4).
+Policies (:class:`HFPolicy`, :class:`BestOfNPolicy`) have ``sample(prompts, n, seed) -> Samples`` (``[P][n]``) and,
+for the KL, ``logprobs(prompts, responses, truncated) -> [N]``.
 
 KL (``kl_estimator``): ``sequence_log_ratio``, ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i |
 x_i)]`` over the policy's samples (unbiased; a mean over few samples can be negative), or ``exact``, ``mean_i sum_t

@@ -27,6 +27,7 @@ annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -80,10 +81,7 @@ class _Matcher:
         self.negative = frozenset(rubric.negative)
         phrases = sorted(self.positive | self.negative, key=len, reverse=True)  # longest first: no partial matches
         self.regex = re.compile("|".join(re.escape(p) for p in phrases))
-        shared: dict[tuple[str, str], int] = {}
-        for p in set(all_phrases) | self.positive | self.negative:
-            for b in word_bigrams(p):
-                shared[b] = shared.get(b, 0) + 1
+        shared = Counter(b for p in set(all_phrases) | self.positive | self.negative for b in word_bigrams(p))
         from rlhf_ext.datagen.phrasebank import STOP_WORDS
 
         common = set().union(*(word_bigrams(t) for t in neutral)) if neutral else set()

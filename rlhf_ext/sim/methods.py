@@ -172,15 +172,7 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
     """PPO from the SFT model at ``granularity`` on the surrogate reward model ``run.reward_model(seed, reward_model)``
     (default: the one named like the granularity), or on the dense reward source ``reward_source()`` makes (a
     ``model.reward_source`` spec), with the recipe's one ``ppo`` section, into ``<name or granularity>_ppo``."""
-    from rlhf_ext.pipelines.segment_ppo import (
-        PPOAlgoSection,
-        PPODataSection,
-        PPOModelSection,
-        PPOSegmentSection,
-        PPOTrainSection,
-        SegmentPPORecipe,
-        run_segment_ppo,
-    )
+    from rlhf_ext.pipelines import segment_ppo as sp
     from rlhf_ext.runtime.io import atomic_write_json
 
     cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{name or granularity}_ppo"
@@ -190,25 +182,25 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
         rm = None if source else run.reward_model(seed, reward_model or granularity)
         feedback = str(run.feedback_dir(seed))
         with atomic_directory(out) as tmp:
-            recipe = SegmentPPORecipe(
+            recipe = sp.SegmentPPORecipe(
                 engine="trl",
-                model=PPOModelSection(sft_model=run.sft_model(), reward_model=rm, reward_source=source,
-                                      critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm),
-                data=PPODataSection(prompts=str(run.data_dir), prompt_split="unlabeled", calibration=feedback,
-                                    calibration_split="train", max_calibration_pairs=256,
-                                    max_prompt_length=run.recipe.task.max_length // 2,
-                                    max_completion_length=cfg.max_completion_length),
-                segment=PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
-                ppo=PPOAlgoSection(**knob_values(cfg, PPOKnobs), num_generations=cfg.num_generations,
-                                   temperature=run.recipe.generation.temperature),
-                train=PPOTrainSection(
+                model=sp.PPOModelSection(sft_model=run.sft_model(), reward_model=rm, reward_source=source,
+                                         critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm),
+                data=sp.PPODataSection(prompts=str(run.data_dir), prompt_split="unlabeled", calibration=feedback,
+                                       calibration_split="train", max_calibration_pairs=256,
+                                       max_prompt_length=run.recipe.task.max_length // 2,
+                                       max_completion_length=cfg.max_completion_length),
+                segment=sp.PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
+                ppo=sp.PPOAlgoSection(**knob_values(cfg, PPOKnobs), num_generations=cfg.num_generations,
+                                      temperature=run.recipe.generation.temperature),
+                train=sp.PPOTrainSection(
                     **knob_values(cfg, TrainSection)
                     | {"logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
                        "trl_args": {**cfg.trl_args, "disable_tqdm": True}},
                     critic_learning_rate=cfg.critic_learning_rate, output_dir=str(tmp), seed=seed, resume=False,
                 ),
             )  # fmt: skip
-            summary = run_segment_ppo(recipe)
+            summary = sp.run_segment_ppo(recipe)
             atomic_write_json(tmp / "ppo_metrics.json", {**summary, "model_dir": str(out)})
     info = {"curve": json.loads(summary_file.read_text()).get("curve", [])}
     return PolicySpec(str(out), info=info, labels=_num_labels(run, seed), samples=cfg.max_steps * cfg.batch_size)
@@ -291,13 +283,9 @@ def sim_online_dpo(
         args = cpu_config(**common, **knob_values(c, OnlineDPOKnobs), beta=c.beta, train=c.train)
     splits = run.splits()
     summary = train_online(
-        run.sft_model(),
-        run.reward_model(seed, "bandit"),
-        args=args,
-        train_dataset=list(splits["unlabeled"]["prompt"]),
-        processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
-        gold_fn=run.gold,
-    )
+        run.sft_model(), run.reward_model(seed, "bandit"), args=args, train_dataset=list(splits["unlabeled"]["prompt"]),
+        processing_class=AutoTokenizer.from_pretrained(run.sft_model()), gold_fn=run.gold,
+    )  # fmt: skip
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]

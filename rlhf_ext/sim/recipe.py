@@ -144,14 +144,9 @@ class PoolConfig:
 
     def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
         if self.backend == "gold":
-            return AnnotatorPool.default(
-                gold.style,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                bank=gold.bank,
-                specs=self.annotators or DEFAULT_ANNOTATORS,
-                phrase_credit=gold.phrase_credit,
-            )
+            specs = self.annotators or DEFAULT_ANNOTATORS
+            return AnnotatorPool.default(gold.style, flip_prob=self.flip_prob, seed=seed, bank=gold.bank, specs=specs,
+                                         phrase_credit=gold.phrase_credit)  # fmt: skip
         if self.backend == "reward_model":
             temps = self.temperatures or 1.0
             return AnnotatorPool.from_reward_models(
@@ -159,14 +154,9 @@ class PoolConfig:
             )
         if self.backend == "alpaca_farm":
             return AnnotatorPool.from_alpaca_farm(
-                self.alpaca_farm_pool,
-                api_base=self.api_base,
-                models=self.models,
-                api_key_env=self.api_key_env,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                gold=gold,
-            )
+                self.alpaca_farm_pool, api_base=self.api_base, models=self.models, api_key_env=self.api_key_env,
+                flip_prob=self.flip_prob, seed=seed, gold=gold,
+            )  # fmt: skip
         from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
         backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]

@@ -78,11 +78,8 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
     root = Path(recipe.output_dir)
     rows = []
     for method in [m for m in METHODS if m in recipe.methods]:
-        per_seed = []
-        for seed in recipe.seeds:
-            path = result_path(root, method, seed)
-            if path.exists():
-                per_seed.append(json.loads(path.read_text()))
+        paths = [result_path(root, method, seed) for seed in recipe.seeds]
+        per_seed = [json.loads(path.read_text()) for path in paths if path.exists()]
         if not per_seed:
             continue
         row: dict[str, Any] = {"method": method, "seeds": [r["seed"] for r in per_seed]}

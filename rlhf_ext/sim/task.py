@@ -83,11 +83,7 @@ def build_task_splits(task: TaskSection, workdir: str | Path, seed: int = 0):
 
 def task_texts(splits) -> list[str]:
     """All prompt and response texts of the SFT and PREF splits (what a task tokenizer is trained on)."""
-    out = []
-    for name in ("sft", "pref"):
-        for r in splits[name]:
-            out += [r["prompt"], r["chosen"], r["rejected"]]
-    return out
+    return [r[k] for name in ("sft", "pref") for r in splits[name] for k in ("prompt", "chosen", "rejected")]
 
 
 def build_base_model(dest: str | Path, texts: list[str], vocab_size: int, seed: int) -> str:
