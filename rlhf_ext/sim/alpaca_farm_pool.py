@@ -1,44 +1,29 @@
 """AlpacaFarm's own simulated annotators, as shipped, against any OpenAI-compatible server (paper 002, Appendix C.1).
 
-AlpacaFarm's ``p_sim`` / ``p_eval`` is a pool of 13 API annotators described by one ``configs.yaml``
-(``alpaca_farm/auto_annotations/annotators/annotator_pool_v0``): per annotator a prompt template (a pair
-``with_inputs`` / ``without_inputs``, or one template in AlpacaEval's evaluator directories), ``completions_kwargs``
-(``model_name``, ``max_tokens``, ``temperature``), a ``batch_size`` (examples per prompt) and a completion parser
-(``fn_completion_parser``, default ``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``). This module
-reads such a directory and runs each annotator the way ``alpaca_eval.annotators`` interprets it:
+AlpacaFarm's ``p_sim`` / ``p_eval`` is a pool of 13 API annotators in one ``configs.yaml``
+(``alpaca_farm/auto_annotations/annotators/annotator_pool_v0``; see :class:`AlpacaFarmAnnotatorConfig`), each run as
+``alpaca_eval.annotators`` interprets it:
 
-* **which annotator** labels an example: a uniform choice over the pool's annotators with
-  ``random.Random("annotator" + input + instruction + str(seed)).choices(names)`` (every pair of one instruction
-  goes to the same annotator) — :class:`AlpacaFarmAssignment`;
-* **presentation order**: each annotator (unless ``is_randomize_output_order: false``) swaps ``output_1`` /
-  ``output_2`` where ``random.Random("is_switched_outputs" + instruction + str(seed)).choices([False, True])`` says so
-  and maps the answer back (``3 - preference``); here the unswapped order is the pair sorted as text, so
-  ``P(a > b) = 1 - P(b > a)`` (the pool's symmetry);
-* **batch prompts**: the rows with a non-empty input use ``with_inputs``, the others ``without_inputs``; each group is
-  shuffled (seeded, ``is_shuffle``), cut into batches of ``batch_size`` and the last batch padded with AlpacaEval's
-  dummy example; every placeholder ``{field}`` must occur ``batch_size`` times and the ``j``-th occurrence is
-  replaced by the ``j``-th example of the batch (fields ``instruction``, ``input``, ``output_1``, ``output_2``);
+* **which annotator**: ``random.Random("annotator" + input + instruction + str(seed)).choices(names)`` (every pair of
+  one instruction goes to the same annotator) — :class:`AlpacaFarmAssignment`;
+* **presentation order**: unless ``is_randomize_output_order: false``, ``output_1`` / ``output_2`` are swapped where
+  ``random.Random("is_switched_outputs" + instruction + str(seed)).choices([False, True])`` says so and the answer is
+  mapped back (``3 - preference``); the unswapped order is the pair sorted as text, so ``P(a > b) = 1 - P(b > a)``;
+* **batch prompts**: rows with a non-empty input use ``with_inputs``, the others ``without_inputs``; each group is
+  shuffled (seeded, ``is_shuffle``), cut into batches of ``batch_size``, the last padded with AlpacaEval's dummy
+  example; the ``j``-th occurrence of each placeholder ``{field}`` gets the batch's ``j``-th example;
 * **the request**: a ChatML template (``<|im_start|>role ... <|im_end|>``) becomes chat messages (``system
-  name=example_user`` gives a system message with that ``name``); any other template is sent as one user message
-  (the ``text-davinci-003`` annotators of the pool were completion-API models). ``model_name`` is sent as the model
-  unless the recipe maps it to a served model; ``max_tokens`` and ``temperature`` are the config's;
-  ``tokens_to_avoid`` / ``tokens_to_favor`` (OpenAI ``logit_bias`` by tiktoken ids) are not sent;
-* **parsing**: ``regex_parser`` finds the earliest match among ``outputs_to_match`` patterns, records its key, and
-  continues after the match, so the ``k``-th answer in the completion labels the ``k``-th example of the batch;
-  ``lmsys_parser`` reads two scores from the first line (equal scores: a draw); ``ranking_parser`` reads a
-  ``[{'model': ..., 'rank': ...}]`` list. A completion that yields a different number of answers than
-  ``batch_size`` labels its whole batch unparseable, as in AlpacaEval.
+  name=example_user``: a system message with that ``name``), any other template one user message. ``model_name`` is
+  sent unless the recipe maps it to a served model; ``tokens_to_avoid`` / ``tokens_to_favor`` are not sent;
+* **parsing**: ``regex_parser`` takes the earliest match among ``outputs_to_match`` and continues after it (the
+  ``k``-th answer labels the ``k``-th example); ``lmsys_parser`` reads two scores from the first line (equal: a draw);
+  ``ranking_parser`` reads a ``[{'model': ..., 'rank': ...}]`` list. A completion with a different number of answers
+  than ``batch_size`` labels its whole batch unparseable, as in AlpacaEval.
 
-Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw). The annotators here give
-``P(a preferred over b)`` = 1, 0 or 1/2 and say which 1/2 were draws
-(:meth:`AlpacaFarmAnnotator.probability_with_ties`); an unparseable answer is ``NaN``, counted in ``stats``, and
-the pool settles it by its coin or drops the row as AlpacaEval does (``pool.unparseable``). The
-training-label noise ``p_label_flip`` is the pool's ``flip_prob`` (:class:`rlhf_ext.sim.annotators.AnnotatorPool`):
-AlpacaFarm replaces a label by a fair coin with probability
-``2 * p_label_flip``, which flips a binary label with probability ``p_label_flip``.
-
-The peers' modules are not imported (``alpaca_eval`` 0.6.6 needs ``pkg_resources``, gone from setuptools >= 81):
-their package data is located with :func:`importlib.util.find_spec`, which does not run the packages.
+Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw), given as ``P(a preferred
+over b)`` = 1, 0 or 1/2 (draws flagged); an unparseable answer is ``NaN``. ``p_label_flip`` is the pool's
+``flip_prob``. The peers' modules are not imported (``alpaca_eval`` 0.6.6 needs ``pkg_resources``, gone from
+setuptools >= 81): their package data is located with :func:`importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -194,16 +179,11 @@ class CompletionParser:
 # --------------------------------------------------------------------------------------------------------- configs
 @dataclass
 class AlpacaFarmAnnotatorConfig:
-    """One annotator of a pool's ``configs.yaml`` (templates already read).
-
-    Attributes:
-        name: the YAML key (e.g. ``gpt4_2``).
-        templates: ``{"with_inputs": ..., "without_inputs": ...}``, or ``{"any": ...}`` for a single template.
-        model_name / max_tokens / temperature: ``completions_kwargs``.
-        batch_size: examples per prompt.
-        parser: the completion parser.
-        randomize_output_order / shuffle: AlpacaEval's ``is_randomize_output_order`` / ``is_shuffle``.
-    """
+    """One annotator of a pool's ``configs.yaml``: ``name`` its YAML key; ``templates`` (read) ``{"with_inputs": ...,
+    "without_inputs": ...}`` or ``{"any": ...}``; ``model_name`` / ``max_tokens`` / ``temperature`` its
+    ``completions_kwargs``; ``batch_size`` examples per prompt; ``parser`` its ``fn_completion_parser`` (default
+    ``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``); ``randomize_output_order`` / ``shuffle``
+    AlpacaEval's ``is_randomize_output_order`` / ``is_shuffle``."""
 
     name: str
     templates: dict[str, str]
@@ -260,21 +240,15 @@ def load_pool(pool: str | Path = DEFAULT_POOL) -> list[AlpacaFarmAnnotatorConfig
                     f"{batch_size} times each"
                 )
         kwargs = entry.get("completions_kwargs") or {}
-        configs.append(
-            AlpacaFarmAnnotatorConfig(
-                name=str(name),
-                templates=templates,
-                model_name=str(kwargs.get("model_name", "")),
-                max_tokens=int(kwargs.get("max_tokens", 256)),
-                temperature=float(kwargs.get("temperature", 0.0)),
-                batch_size=batch_size,
-                parser=CompletionParser(
-                    entry.get("fn_completion_parser", "regex_parser"), dict(entry.get("completion_parser_kwargs") or {})
-                ),
-                randomize_output_order=bool(entry.get("is_randomize_output_order", True)),
-                shuffle=bool(entry.get("is_shuffle", True)),
-            )
-        )
+        configs.append(AlpacaFarmAnnotatorConfig(
+            name=str(name), templates=templates, model_name=str(kwargs.get("model_name", "")),
+            max_tokens=int(kwargs.get("max_tokens", 256)), temperature=float(kwargs.get("temperature", 0.0)),
+            batch_size=batch_size,
+            parser=CompletionParser(entry.get("fn_completion_parser", "regex_parser"),
+                                    dict(entry.get("completion_parser_kwargs") or {})),
+            randomize_output_order=bool(entry.get("is_randomize_output_order", True)),
+            shuffle=bool(entry.get("is_shuffle", True)),
+        ))  # fmt: skip
     return configs
 
 
@@ -327,15 +301,9 @@ class BatchRequest:
 
 # ------------------------------------------------------------------------------------------------------ annotator
 class AlpacaFarmAnnotator:
-    """One AlpacaFarm annotator (a pool entry) behind a :mod:`rlhf_ext.datagen` backend (an unstarted
-    ``OpenAIBackend``; started and closed around each call of :meth:`probability`).
-
-    Args:
-        config: the annotator's :class:`AlpacaFarmAnnotatorConfig`.
-        backend: sends the chat requests.
-        seed: the pool's seed (presentation order, shuffling, request seeds).
-        model: served model name (default: the config's ``model_name``).
-    """
+    """One AlpacaFarm annotator (a pool entry, ``config``) behind a :mod:`rlhf_ext.datagen` ``backend`` (an unstarted
+    ``OpenAIBackend``, started and closed around each call); ``seed``: the pool's (presentation order, shuffling,
+    request seeds); ``model``: the served model (default: the config's ``model_name``)."""
 
     def __init__(self, config: AlpacaFarmAnnotatorConfig, backend, seed: int = 0, model: str | None = None):
         self.config = config
@@ -386,20 +354,11 @@ class AlpacaFarmAnnotator:
         """The :class:`rlhf_ext.datagen.chat.ChatRequest` for one formatted prompt."""
         from rlhf_ext.datagen.chat import ChatRequest
 
-        messages = (
-            chatml_to_messages(prompt)
-            if prompt.lstrip().startswith("<|im_start|>")
-            else [{"role": "user", "content": prompt}]
-        )
+        chatml = prompt.lstrip().startswith("<|im_start|>")
+        messages = chatml_to_messages(prompt) if chatml else [{"role": "user", "content": prompt}]
         seed = int.from_bytes(hashlib.sha256(json.dumps([self.seed, self.name, prompt]).encode()).digest()[:4], "big")
-        return ChatRequest(
-            kind="judge",
-            messages=messages,
-            seed=seed % (2**31),
-            max_tokens=self.config.max_tokens,
-            temperature=self.config.temperature,
-            context={"annotator": self.name},
-        )
+        return ChatRequest(kind="judge", messages=messages, seed=seed % (2**31), max_tokens=self.config.max_tokens,
+                           temperature=self.config.temperature, context={"annotator": self.name})  # fmt: skip
 
     def parse(self, completion: str, num_examples: int) -> list[float]:
         """Preference codes for the first ``num_examples`` examples of a batch (NaN for all when the completion does
@@ -461,14 +420,9 @@ def model_for(model_name: str, models: Sequence[str]) -> str | None:
 
 
 def alpaca_farm_annotators(
-    pool: str | Path = DEFAULT_POOL,
-    backend_factory: Callable[[str], Any] | None = None,
-    *,
-    models: Sequence[str] = (),
-    seed: int = 0,
-    api_base: str = "http://localhost:8000/v1",
-    api_key_env: str = "OPENAI_API_KEY",
-) -> list[AlpacaFarmAnnotator]:
+    pool: str | Path = DEFAULT_POOL, backend_factory: Callable[[str], Any] | None = None, *, models: Sequence[str] = (),
+    seed: int = 0, api_base: str = "http://localhost:8000/v1", api_key_env: str = "OPENAI_API_KEY",
+) -> list[AlpacaFarmAnnotator]:  # fmt: skip
     """One :class:`AlpacaFarmAnnotator` per entry of ``pool``, each with its own backend
     (``backend_factory(model)``; default an ``OpenAIBackend`` at ``api_base``)."""
     if backend_factory is None:

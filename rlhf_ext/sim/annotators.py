@@ -1,41 +1,23 @@
 """Simulated pairwise preferences ``p_sim`` (paper 002, sections 3.2-3.3 and Appendix C.1).
 
-AlpacaFarm replaces human annotators with a **pool** of simulated annotators: each example is labelled by one
-annotator drawn from the pool (inter-annotator variability), and *training* labels are additionally flipped with
-probability 0.25 (intra-annotator noise; the paper mixes ``p_eval`` with an independent fair coin at weight 1/2,
-which is the same thing). *Evaluation* labels (``p_eval``) are not flipped.
+Each example is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are
+also flipped with probability 0.25 (intra-annotator noise; the paper's mix of ``p_eval`` with a fair coin at weight
+1/2 is the same thing); *evaluation* labels (``p_eval``) are not. An annotator returns ``P(a preferred over b)`` for a
+batch of pairs (:class:`Annotator`): a :class:`BTAnnotator` (Bradley-Terry on a utility: gold-scorer variants,
+:data:`DEFAULT_ANNOTATORS`, or reward models, :meth:`AnnotatorPool.from_reward_models`), an LLM judge
+(:meth:`AnnotatorPool.from_llm`) or AlpacaFarm's own annotators as shipped (:meth:`AnnotatorPool.from_alpaca_farm`).
 
-Here an annotator is anything that returns ``P(a preferred over b)`` for a batch of pairs (:class:`Annotator`):
+**Draws**: identical responses (no annotator asked, AlpacaEval's 1.5) and an annotator's draw answer (optional
+``probability_with_ties``) are 1/2 in :meth:`AnnotatorPool.outcome`; binary labels (:meth:`AnnotatorPool.prefer`,
+``relabel``) settle them with the pair's fair coin. **Unparseable answers** (``NaN``) are counted per annotator
+(:meth:`AnnotatorPool.label_counts`), warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by the pair's
+coin (``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval;
+evaluation keeps its coin, so every prompt keeps its ``k`` comparisons).
 
-* :class:`BTAnnotator` — a Bradley-Terry / logistic chooser on a utility ``u``:
-  ``P(a > b) = sigmoid((u(a) - u(b)) / temperature)``; temperature 0 is the deterministic argmax (ties 1/2).
-  The default pool (:data:`DEFAULT_ANNOTATORS`) uses variants of the gold scorer (:class:`~rlhf_ext.sim.GoldScorer`
-  with other phrase weights, a length preference like AlpacaFarm's "prefers long / short" GPT-4 annotators, and
-  different temperatures). Any reward model is a utility too (:meth:`AnnotatorPool.from_reward_models`, through
-  :func:`rlhf_ext.runtime.rewards.load_reward`: a sequence-classification RM or an rlhf-ext segment RM; temperature
-  1 is the reward model's own Bradley-Terry probability).
-* :class:`~rlhf_ext.sim.llm_annotator.LLMAnnotator` — an LLM judge (:meth:`AnnotatorPool.from_llm`).
-* :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAnnotator` — AlpacaFarm's own annotators, loaded as shipped from a
-  pool's ``configs.yaml`` and templates (:meth:`AnnotatorPool.from_alpaca_farm`; ``annotator_pool_v0`` has 13), with
-  AlpacaFarm's per-example annotator choice.
-
-**Draws.** Identical responses are a draw without asking any annotator (as AlpacaEval scores them 1.5), and an
-annotator may answer a draw (:meth:`AnnotatorPool.outcome` gives 1/2 for both; an annotator says which of its 1/2
-probabilities are draws with an optional ``probability_with_ties`` method — a deterministic :class:`BTAnnotator` on
-equal utilities, an AlpacaFarm annotator's explicit tie answer). Binary labels (:meth:`AnnotatorPool.prefer`,
-``relabel``) still settle a draw with the pair's fair coin.
-
-**Unparseable answers.** An LLM or AlpacaFarm annotator's answer that names no response gives ``NaN``. The pool counts
-them per annotator (:meth:`AnnotatorPool.label_counts`, in the simulator's metrics, console and ``sim_compare.md``),
-warns when an annotator's rate in a batch exceeds :data:`UNPARSEABLE_WARN_RATE`, and settles them by the pair's
-fair coin (``unparseable="coin"``, the simulator needs a label) or, as AlpacaEval does, drops those rows from the
-training labels of :meth:`AnnotatorPool.relabel` (``unparseable="drop"``; an evaluation comparison keeps its coin, so
-every prompt keeps its ``k`` comparisons).
-
-Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (a SHA-256 digest gives three uniforms per
-pair: which annotator, the Bernoulli draw, the training flip), so labels are reproducible regardless of batch order,
-``prefer(b, a) == not prefer(a, b)`` for ``a != b``, and the training label of a pair is its evaluation label with
-the flip applied — which is what makes the measured flip rate exactly the injected noise.
+Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: which
+annotator, the Bernoulli draw, the training flip): labels do not depend on batch order, ``prefer(b, a) == not
+prefer(a, b)`` for ``a != b``, and a training label is its evaluation label with the flip applied (so the measured
+flip rate is exactly the injected noise).
 """
 
 from __future__ import annotations
@@ -55,6 +37,8 @@ from rlhf_ext.sim.gold import GoldScorer, PhraseCredit, StyleSpec
 from rlhf_ext.sim.llm_annotator import LLMAnnotator
 
 UtilityFn = Callable[[list[Any], list[str], list[str | None]], Tensor]
+Styles = Sequence[str | None] | str | None
+Texts = Sequence[str]
 #: AlpacaFarm's intra-annotator noise for training labels (section 3.2, Appendix C.1).
 TRAIN_FLIP_PROB = 0.25
 #: An annotator whose share of unparseable answers in a batch exceeds this is named in a warning.
@@ -80,13 +64,8 @@ class Annotator(Protocol):
 
 
 class BTAnnotator:
-    """Bradley-Terry chooser: ``P(a > b) = sigmoid((u(a) - u(b)) / temperature)``.
-
-    Args:
-        name: annotator id (recorded with every label it gives).
-        utility: ``(prompts, responses, styles) -> [N]`` scores (a gold-scorer variant or a reward model).
-        temperature: > 0 for a stochastic chooser; 0 for the deterministic argmax (equal utilities: 1/2).
-    """
+    """Bradley-Terry chooser ``name``: ``P(a > b) = sigmoid((u(a) - u(b)) / temperature)`` with ``utility(prompts,
+    responses, styles) -> [N]``; temperature 0 is the deterministic argmax (equal utilities: 1/2)."""
 
     def __init__(self, name: str, utility: UtilityFn, temperature: float = 0.5):
         if not (temperature >= 0 and math.isfinite(temperature)):
@@ -119,14 +98,8 @@ class BTAnnotator:
 
 @dataclass(frozen=True)
 class AnnotatorSpec:
-    """A gold-scorer variant annotator (:class:`BTAnnotator` on :class:`~rlhf_ext.sim.GoldScorer` with these weights).
-
-    Attributes:
-        name: annotator id.
-        positive_weight / negative_weight: weights of the distinct preferred / competing key phrases.
-        length_weight: utility per 100 characters (> 0 prefers long responses, < 0 short ones).
-        temperature: Bradley-Terry temperature (0 = deterministic).
-    """
+    """A gold-scorer variant annotator (:class:`BTAnnotator` on :class:`~rlhf_ext.sim.GoldScorer` with these weights;
+    ``length_weight``: utility per 100 characters, > 0 prefers long responses; ``temperature`` 0 = deterministic)."""
 
     name: str
     positive_weight: float = 1.0
@@ -175,11 +148,9 @@ class Decisions:
         annotator: ``[N]`` long, index of the annotator that labelled each pair (``pool.names[i]``).
         probability: ``[N]`` float, that annotator's ``P(a > b)`` before any training flip.
         flipped: ``[N]`` bool, the training noise flipped the annotator's choice (always False with ``train=False``).
-        tie: ``[N]`` bool, the pair is a draw: identical responses (no annotator asked), or the annotator answered a
-            draw and (``train=True``) the training noise did not replace that answer (AlpacaFarm replaces a label by
-            a fair coin with probability ``2 * flip_prob``). ``prefer_a`` holds the pair's coin there.
-        unparseable: ``[N]`` bool, the annotator's answer named no response (``probability`` 1/2, ``prefer_a`` the
-            pair's coin).
+        tie: ``[N]`` bool, a draw: identical responses, or an answered draw the training noise (a fair coin with
+            probability ``2 * flip_prob``, AlpacaFarm) did not replace; ``prefer_a`` holds the pair's coin there.
+        unparseable: ``[N]`` bool, the answer named no response (``probability`` 1/2, ``prefer_a`` the pair's coin).
     """
 
     prefer_a: Tensor
@@ -198,20 +169,17 @@ class Decisions:
 
 @dataclass
 class AgreementReport:
-    """Agreement between the pool's annotators and with the gold scorer on a set of pairs (Appendix C.2, Fig. 8).
-
-    All numbers are *expected* agreement rates computed from the annotators' probabilities (no sampling noise):
-    two labels with ``P(a) = p`` and ``q`` agree with probability ``p q + (1 - p)(1 - q)``.
+    """Agreement between the pool's annotators and with the gold scorer on a set of pairs (Appendix C.2, Fig. 8):
+    *expected* rates from the annotators' probabilities (labels with ``P(a) = p`` and ``q`` agree with probability
+    ``p q + (1 - p)(1 - q)``).
 
     Attributes:
         names: annotator names (rows/columns of ``matrix``).
-        matrix: ``[K][K]`` agreement between annotators' evaluation labels; the diagonal is an annotator's agreement
-            with itself on a second independent draw (1 for deterministic annotators).
-        with_gold: each annotator's agreement with the gold scorer, on pairs where gold is not tied.
-        with_gold_train: the same with the training flips.
+        matrix: ``[K][K]`` agreement between annotators' evaluation labels (diagonal: with an independent redraw).
+        with_gold / with_gold_train: each annotator's agreement with gold on pairs gold does not tie (eval / train).
         pool_eval_with_gold / pool_train_with_gold: the pool (annotator drawn per pair) in eval / train mode.
-        pool_eval_self / pool_train_self: the pool's agreement with an independent re-annotation of the same pairs
-            (a fresh annotator draw and coin; AlpacaFarm's "variance" side: humans agree with each other ~66%).
+        pool_eval_self / pool_train_self: the pool's agreement with an independent re-annotation (fresh annotator
+            and coin; AlpacaFarm's humans agree with each other ~66%).
         gold_tie_fraction: share of pairs the gold scorer ties (excluded from the gold columns).
         num_pairs: pairs evaluated.
     """
@@ -233,25 +201,24 @@ class AgreementReport:
 
     def as_markdown(self) -> str:
         """A Markdown table: each annotator's agreement with gold and with every other annotator."""
-        head = "| annotator | gold (eval) | gold (train) | " + " | ".join(self.names) + " |"
-        sep = "|" + "---|" * (3 + len(self.names))
+
+        def row(*cells: str) -> str:
+            return "| " + " | ".join(cells) + " |"
+
         rows = [
-            f"| {n} | {self.with_gold[n]:.3f} | {self.with_gold_train[n]:.3f} | "
-            + " | ".join(f"{v:.3f}" for v in self.matrix[i])
-            + " |"
+            row(n, *(f"{v:.3f}" for v in [self.with_gold[n], self.with_gold_train[n], *self.matrix[i]]))
             for i, n in enumerate(self.names)
         ]
-        pool = (
-            f"| **pool** | {self.pool_eval_with_gold:.3f} | {self.pool_train_with_gold:.3f} | "
-            + " | ".join("" for _ in self.names)
-            + " |"
+        pool = row(
+            "**pool**", f"{self.pool_eval_with_gold:.3f}", f"{self.pool_train_with_gold:.3f}", *[""] * len(self.names)
         )
         notes = (
             f"\n{self.num_pairs} pairs; gold ties {self.gold_tie_fraction:.1%} (excluded from the gold columns); "
             f"training flip probability {self.flip_prob}; pool self-agreement eval {self.pool_eval_self:.3f}, "
             f"train {self.pool_train_self:.3f}."
         )
-        return "\n".join([head, sep, *rows, pool]) + notes
+        head = row("annotator", "gold (eval)", "gold (train)", *self.names)
+        return "\n".join([head, "|" + "---|" * (3 + len(self.names)), *rows, pool]) + notes
 
 
 class AnnotatorPool:
@@ -262,11 +229,9 @@ class AnnotatorPool:
         flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); evaluation labels never are.
         seed: seeds every draw (annotator choice, Bernoulli draw, flip).
         gold: the gold scorer used by :meth:`agreement` (default: ``GoldScorer()`` with the pool's default style).
-        assign: which annotator labels each pair, ``assign(prompts, a, b) -> [N]`` long indices (default: uniform,
-            from the pair's digest; AlpacaFarm's pools choose per instruction, see
-            :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
-        unparseable: ``coin`` (an unparseable answer is settled by the pair's fair coin) or ``drop`` (AlpacaEval:
-            :meth:`relabel` drops the row).
+        assign: ``assign(prompts, a, b) -> [N]`` long annotator indices (default: uniform from the pair's digest;
+            AlpacaFarm's pools choose per instruction, :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
+        unparseable: ``coin`` (settled by the pair's fair coin) or ``drop`` (AlpacaEval: :meth:`relabel` drops it).
 
     Example::
 
@@ -277,14 +242,10 @@ class AnnotatorPool:
     """
 
     def __init__(
-        self,
-        annotators: Sequence[Annotator],
-        flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0,
-        gold: GoldScorer | None = None,
-        assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
+        self, annotators: Sequence[Annotator], flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0,
+        gold: GoldScorer | None = None, assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
         unparseable: str = "coin",
-    ):
+    ):  # fmt: skip
         annotators = list(annotators)
         if unparseable not in UNPARSEABLE_POLICIES:
             raise ValueError(f"unparseable must be coin or drop; got {unparseable!r}")
@@ -326,15 +287,9 @@ class AnnotatorPool:
     # ------------------------------------------------------------------------------------------------ builders
     @classmethod
     def default(
-        cls,
-        style: StyleSpec = None,
-        *,
-        flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0,
-        bank=None,
-        specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS,
-        phrase_credit: PhraseCredit = "partial",
-    ) -> AnnotatorPool:
+        cls, style: StyleSpec = None, *, flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0, bank=None,
+        specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS, phrase_credit: PhraseCredit = "partial",
+    ) -> AnnotatorPool:  # fmt: skip
         """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``): :class:`BTAnnotator` s on variants of the
         gold scorer, all with the gold's ``phrase_credit`` and each with its spec's weights and temperature."""
         gold = GoldScorer(style, bank=bank, phrase_credit=phrase_credit)
@@ -352,16 +307,9 @@ class AnnotatorPool:
 
     @classmethod
     def from_reward_models(
-        cls,
-        models: Sequence[Any],
-        temperatures: float | Sequence[float] = 1.0,
-        *,
-        flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0,
-        gold: GoldScorer | None = None,
-        sft_model: str | None = None,
-        batch_size: int = 32,
-    ) -> AnnotatorPool:
+        cls, models: Sequence[Any], temperatures: float | Sequence[float] = 1.0, *, flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0, gold: GoldScorer | None = None, sft_model: str | None = None, batch_size: int = 32,
+    ) -> AnnotatorPool:  # fmt: skip
         """Annotators backed by reward models: checkpoint paths (sequence-classification or rlhf-ext segment RMs,
         loaded with :func:`~rlhf_ext.runtime.rewards.load_reward`) or reward functions ``(prompts, responses)``."""
         from rlhf_ext.runtime.rewards import load_reward
@@ -377,15 +325,9 @@ class AnnotatorPool:
 
     @classmethod
     def from_llm(
-        cls,
-        backends: Sequence[Any],
-        preference: str | Mapping[str, str],
-        *,
-        flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0,
-        gold: GoldScorer | None = None,
-        max_tokens: int = 128,
-    ) -> AnnotatorPool:
+        cls, backends: Sequence[Any], preference: str | Mapping[str, str], *, flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0, gold: GoldScorer | None = None, max_tokens: int = 128,
+    ) -> AnnotatorPool:  # fmt: skip
         """LLM-judge annotators, one per backend (e.g. ``OpenAIBackend`` instances for different served models)."""
         annotators = [
             LLMAnnotator(f"llm{i}:{getattr(b, 'model', None) or b.name}", b, preference, max_tokens, seed + i)
@@ -395,22 +337,14 @@ class AnnotatorPool:
 
     @classmethod
     def from_alpaca_farm(
-        cls,
-        pool: str = "annotator_pool_v0",
-        *,
-        api_base: str = "http://localhost:8000/v1",
-        models: Sequence[str] = (),
-        api_key_env: str = "OPENAI_API_KEY",
-        flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0,
-        gold: GoldScorer | None = None,
-        backend_factory: Callable[[str], Any] | None = None,
-    ) -> AnnotatorPool:
-        """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool name of
-        the installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>``, or a directory holding a
-        ``configs.yaml`` of that shape; every annotator talks to the OpenAI-compatible server at ``api_base``
-        (``models``: one served model for all, or ``config_model=served`` pairs; empty: the configs' model names).
-        ``flip_prob`` is AlpacaFarm's ``p_label_flip`` (0.25 for training labels)."""
+        cls, pool: str = "annotator_pool_v0", *, api_base: str = "http://localhost:8000/v1", models: Sequence[str] = (),
+        api_key_env: str = "OPENAI_API_KEY", flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0,
+        gold: GoldScorer | None = None, backend_factory: Callable[[str], Any] | None = None,
+    ) -> AnnotatorPool:  # fmt: skip
+        """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool of the
+        installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>`` or a directory with such a
+        ``configs.yaml``, run against ``api_base`` (``models``: one served model for all, ``config_model=served``
+        pairs, or empty for the configs' names). ``flip_prob`` is AlpacaFarm's ``p_label_flip``."""
         from rlhf_ext.sim.alpaca_farm_pool import AlpacaFarmAssignment, alpaca_farm_annotators
 
         annotators = alpaca_farm_annotators(
@@ -457,13 +391,7 @@ class AnnotatorPool:
         return p.nan_to_num(0.5), tie, p.isnan()
 
     def decide(
-        self,
-        prompts: Sequence[Any],
-        responses_a: Sequence[str],
-        responses_b: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
-        *,
-        train: bool,
+        self, prompts: Sequence[Any], responses_a: Texts, responses_b: Texts, styles: Styles = None, *, train: bool
     ) -> Decisions:
         """Label ``N`` pairs and say who labelled them, whether the training noise flipped them and which are draws
         (identical responses are never sent to an annotator)."""
@@ -484,25 +412,13 @@ class AnnotatorPool:
         return Decisions(prefer_a ^ flipped, index, prob.float(), flipped, tie, unparseable)
 
     def prefer(
-        self,
-        prompts: Sequence[Any],
-        responses_a: Sequence[str],
-        responses_b: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
-        *,
-        train: bool,
+        self, prompts: Sequence[Any], responses_a: Texts, responses_b: Texts, styles: Styles = None, *, train: bool
     ) -> Tensor:
         """``[N]`` bool: True where response ``a`` is preferred. ``train=True`` adds the training flips."""
         return self.decide(prompts, responses_a, responses_b, styles, train=train).prefer_a
 
     def outcome(
-        self,
-        prompts: Sequence[Any],
-        responses_a: Sequence[str],
-        responses_b: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
-        *,
-        train: bool,
+        self, prompts: Sequence[Any], responses_a: Texts, responses_b: Texts, styles: Styles = None, *, train: bool
     ) -> Tensor:
         """``[N]`` float: 1 where ``a`` wins, 0 where ``b`` wins, 1/2 for a draw (see :class:`Decisions`)."""
         return self.decide(prompts, responses_a, responses_b, styles, train=train).outcome
@@ -516,23 +432,13 @@ class AnnotatorPool:
         return torch.stack(probs).nan_to_num(0.5)  # an unparseable answer: 1/2
 
     # --------------------------------------------------------------------------------------------------- p_sim
-    def relabel(
-        self,
-        dataset,
-        train: bool = True,
-        *,
-        prompt_key: str = "prompt",
-        chosen_key: str = "chosen",
-        rejected_key: str = "rejected",
-        style_key: str | None = "style",
-    ):
+    def relabel(self, dataset, train: bool = True, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
+                rejected_key: str = "rejected", style_key: str | None = "style"):  # fmt: skip
         """AlpacaFarm's ``p_sim``: re-decide which response of every pair is chosen (a new ``datasets.Dataset``).
 
-        All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one. Added
-        columns: ``sim_annotator`` (name of the annotator that labelled the row) and ``sim_swapped`` (True where the
-        pool's label differs from the input's). Styles come from ``style_key`` when the dataset has that column,
-        otherwise from the pool's gold scorer's default style. With ``unparseable="drop"`` the rows whose annotator
-        answered unparseably are left out (AlpacaEval).
+        All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added:
+        ``sim_annotator`` (who labelled the row) and ``sim_swapped``. Styles come from ``style_key`` if present, else
+        the gold scorer's default. With ``unparseable="drop"`` unparseable rows are left out (AlpacaEval).
         """
         cols = dataset.column_names
         missing = [k for k in (prompt_key, chosen_key, rejected_key) if k not in cols]
@@ -560,11 +466,7 @@ class AnnotatorPool:
 
     # ---------------------------------------------------------------------------------------------- agreement
     def agreement(
-        self,
-        prompts: Sequence[Any],
-        responses_a: Sequence[str],
-        responses_b: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
+        self, prompts: Sequence[Any], responses_a: Texts, responses_b: Texts, styles: Styles = None
     ) -> AgreementReport:
         """Expected agreement between annotators and with the gold scorer on these pairs (see
         :class:`AgreementReport`)."""

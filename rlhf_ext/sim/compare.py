@@ -1,15 +1,12 @@
 """``rlhf-ext sim compare``: AlpacaFarm's method comparison in the simulator (paper 002, sections 3-5).
 
-The workflow of AlpacaFarm's Figure 1 on a cheap task: supervised fine-tuning on the SFT split; simulated pairwise
-feedback ``p_sim`` on the PREF split (two SFT samples per instruction, labelled by the annotator pool with 25%
-training flips); surrogate reward models trained on it; each method trained from the SFT model; and every method
-evaluated by its win rate against the SFT model on held-out prompts, judged by ``p_eval`` (the pool without flips),
-with the gold reward, response length and KL to the SFT model alongside. All of it is repeated for several seeds
-and summarised as mean ± standard error over seeds.
+AlpacaFarm's Figure 1 on a cheap task: SFT on the SFT split; simulated feedback ``p_sim`` on the PREF split (two SFT
+samples per instruction, labelled by the pool with 25% training flips); surrogate reward models trained on it; each
+method trained from the SFT model and evaluated by its win rate against it on held-out prompts, judged by ``p_eval``
+(no flips), with gold reward, length and KL alongside; mean ± standard error over several seeds.
 
-Layout of ``output_dir`` (everything written atomically and reused on rerun; only ``--methods``/``--seeds``, the
-other :data:`FREE_KEYS` and the ``method_overrides`` of methods that have not run here may change between runs of one
-directory)::
+Layout of ``output_dir`` (written atomically, reused on rerun; only :data:`FREE_KEYS` and the ``method_overrides`` of
+methods that have not run here may change between runs of one directory)::
 
     recipe.json                  the settings (the recipe less --methods/--seeds and method_overrides), fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
@@ -42,13 +39,7 @@ from rlhf_ext.config import RecipeError, TrainSection, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
-from rlhf_ext.sim.report import (
-    RESULTS_DIR,
-    result_stage,
-    summarise,
-    unparseable_text,
-    write_reports,
-)
+from rlhf_ext.sim.report import RESULTS_DIR, result_stage, summarise, unparseable_text, write_reports
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +74,8 @@ def record_method_overrides(run_dir: RunDir, recipe: SimCompareRecipe, method: s
 
 
 def _migrate_method_overrides(run_file: Path) -> None:
-    """A directory whose ``recipe.json`` fingerprinted ``method_overrides`` with the other settings (made before
-    per-method records): record them for every method with results or a checkpoint there and fingerprint the rest,
-    so its results stay usable."""
+    """An old directory whose ``recipe.json`` fingerprinted ``method_overrides`` with the other settings: record them
+    for every method that ran there and fingerprint the rest, so its results stay usable."""
     old = json.loads(run_file.read_text()) if run_file.is_file() else {}
     settings = old.get("settings")
     if not isinstance(settings, dict) or "method_overrides" not in settings:
@@ -136,12 +126,9 @@ class SimRun:
         ran there with other ``method_overrides`` (its results would be mixed with new ones)."""
         _migrate_method_overrides(self.root / "recipe.json")
         try:
+            settings = recipe_settings(self.recipe)
             self.run_dir = RunDir(
-                self.root,
-                recipe_settings(self.recipe),
-                kind="sim-compare",
-                run_file="recipe.json",
-                stages_dir=RESULTS_DIR,
+                self.root, settings, kind="sim-compare", run_file="recipe.json", stages_dir=RESULTS_DIR
             )
         except RunSettingsChanged as e:
             raise RecipeError(
@@ -230,25 +217,17 @@ class SimRun:
         from rlhf_ext.sim.evaluate import HFPolicy
 
         g = self.recipe.generation
-        return HFPolicy(
-            path,
-            prompt_prefix=prompt_prefix,
-            max_new_tokens=g.max_new_tokens,
-            temperature=g.temperature if temperature is None else temperature,
-            batch_size=g.batch_size,
-        )
+        temperature = g.temperature if temperature is None else temperature
+        return HFPolicy(path, prompt_prefix=prompt_prefix, max_new_tokens=g.max_new_tokens, temperature=temperature,
+                        batch_size=g.batch_size)  # fmt: skip
 
     def sft_pairs(self, prompts: list[Any], styles: list[Any], seed: int):
         """Two SFT samples per prompt as ``(prompt, chosen, rejected, style)`` rows, unordered (AlpacaFarm's pairs)."""
         from datasets import Dataset
 
         samples = self.policy(self.sft_model()).sample(prompts, 2, seed=seed)
-        return Dataset.from_list(
-            [
-                {"prompt": p, "chosen": s[0], "rejected": s[1], "style": st}
-                for p, s, st in zip(prompts, samples.texts, styles)
-            ]
-        )
+        rows = zip(prompts, samples.texts, styles)
+        return Dataset.from_list([{"prompt": p, "chosen": s[0], "rejected": s[1], "style": st} for p, s, st in rows])
 
     def feedback(self, seed: int):
         """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips),
@@ -303,14 +282,7 @@ class SimRun:
         """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf), ``segment`` (the recipe's cutoff) or ``token``
         (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
         from the SFT model on the same simulated feedback."""
-        from rlhf_ext.pipelines.segment_rm import (
-            ModelSection,
-            PreferenceDataSection,
-            RMTrainSection,
-            SegmentRMRecipe,
-            SegmentSection,
-            run_segment_rm,
-        )
+        from rlhf_ext.pipelines import segment_rm as srm
 
         out = self.seed_dir(seed) / f"rm_{kind}"
         if not (out / "metrics.json").exists():
@@ -322,22 +294,19 @@ class SimRun:
             if kind in RM_CUTOFFS:
                 knobs["entropy_cutoff"] = RM_CUTOFFS[kind]
             with atomic_directory(out) as tmp:
-                recipe = SegmentRMRecipe(
+                recipe = srm.SegmentRMRecipe(
                     engine="trl",
-                    model=ModelSection(sft_model=self.sft_model()),
-                    data=PreferenceDataSection(
-                        train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
-                    ),
-                    segment=SegmentSection(**knobs),
-                    train=RMTrainSection(
+                    model=srm.ModelSection(sft_model=self.sft_model()),
+                    data=srm.PreferenceDataSection(train=feedback, eval=feedback, eval_split="test",
+                                                   max_length=self.recipe.task.max_length),
+                    segment=srm.SegmentSection(**knobs),
+                    train=srm.RMTrainSection(
                         **knob_values(cfg.train, TrainSection)
                         | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
-                        output_dir=str(tmp),
-                        seed=seed,
-                        resume=False,
+                        output_dir=str(tmp), seed=seed, resume=False,
                     ),
-                )
-                summary = run_segment_rm(recipe)
+                )  # fmt: skip
+                summary = srm.run_segment_rm(recipe)
                 atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
         return str(out)
 
@@ -410,17 +379,11 @@ class SimRun:
         samples = policy.sample(prompts, ev.samples_per_prompt, seed=20_000 + seed)
         before = self.pool(seed).label_counts() if ev.judge == "pool" else None
         result = win_rate(
-            policy,
-            reference,
-            prompts,
-            styles=list(self.eval_split()["style"]),
-            judge=self.pool(seed) if ev.judge == "pool" else self.gold,
-            gold=self.gold,
-            samples_per_prompt=ev.samples_per_prompt,
-            seed=20_000 + seed,
-            reference_samples=self.reference_samples(seed),
-            samples=samples,
-        )
+            policy, reference, prompts, styles=list(self.eval_split()["style"]),
+            judge=self.pool(seed) if ev.judge == "pool" else self.gold, gold=self.gold,
+            samples_per_prompt=ev.samples_per_prompt, seed=20_000 + seed,
+            reference_samples=self.reference_samples(seed), samples=samples,
+        )  # fmt: skip
         flat_prompts = [p for p in prompts for _ in range(ev.samples_per_prompt)]
         segmentation = reference.segmentation(
             flat_prompts, samples.flat(), samples.truncated.flatten(), self.recipe.reward_model.entropy_cutoff
@@ -431,15 +394,10 @@ class SimRun:
 
 # ---------------------------------------------------------------------------------------------------- running
 def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> dict[str, Any]:
-    """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write the summary.
-    ``progress`` receives one line per step of the run (default: the ``rlhf_ext.sim.compare`` logger at ``INFO``).
-
-    With ``recipe.workers > 1`` the seeds run in that many processes at once (each with ``recipe.threads`` torch
-    threads) after the shared artefacts (task splits, base and SFT models) are built here; every (method, seed) gives
-    the same result either way. Workers write their progress lines to standard error, prefixed with their seed.
-
-    Returns the summary (also written as ``sim_compare.json``; see :func:`~rlhf_ext.sim.report.summarise`).
-    """
+    """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write and return the summary
+    (``sim_compare.json``, :func:`~rlhf_ext.sim.report.summarise`). ``progress`` gets one line per step (default: this
+    module's logger at ``INFO``). With ``recipe.workers > 1`` the seeds run in that many processes (:func:`run_jobs`)
+    once the shared artefacts (task splits, base and SFT models) are built; the results are the same either way."""
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     inputs = {"model.base": recipe.model.base, "task.source": recipe.task.source}
@@ -468,9 +426,8 @@ def _run_compare(recipe: SimCompareRecipe, progress: Progress) -> dict[str, Any]
 
 def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: int | None, progress: Progress) -> None:
     """Run every (method, seed) of each ``(label, recipe)`` in ``jobs`` that has no result yet: here, or with
-    ``workers > 1`` and several jobs in that many spawned processes (each with ``threads`` torch threads). Workers
-    write their progress lines to standard error, prefixed with the job's label; every result is the same either
-    way."""
+    ``workers > 1`` and several jobs in that many spawned processes (``threads`` torch threads each, progress lines
+    to standard error prefixed with the job's label); every result is the same either way."""
     from rlhf_ext.runtime.async_runner import torch_threads
 
     if workers <= 1 or len(jobs) <= 1:
@@ -497,9 +454,8 @@ def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: in
 
 
 def _init_worker(warning_filters: list) -> None:
-    """Worker initializer: the parent's warning filters (a spawned process starts with Python's defaults, so the
-    command line's filters would not reach it), and, on Linux, end this worker when the parent process dies (a
-    ``kill`` of the command must not leave workers training in the background)."""
+    """Worker initializer: the parent's warning filters (a spawned process starts with Python's defaults), and, on
+    Linux, end this worker when the parent dies (a ``kill`` must not leave workers training in the background)."""
     import contextlib
     import ctypes
     import signal

@@ -1,35 +1,23 @@
 """Automatic evaluation in the simulator: win rate against a reference policy (paper 002, section 3.3).
 
-AlpacaFarm's metric is the **win rate** of a policy against a reference policy on held-out instructions: the expected
-fraction of instructions on which the policy's output is preferred by the evaluation annotators ``p_eval`` (the pool
-without the training noise). :func:`win_rate` measures it for any causal LM (a checkpoint path or an instance), and
-alongside it the quantities AlpacaFarm's analysis uses: average response length (section 5.2: LPF methods make
-outputs longer), the gold reward, and the KL divergence to the reference.
+The **win rate** is the expected fraction of held-out instructions on which the policy's output is preferred over the
+reference's by ``p_eval`` (the pool without training noise). :func:`win_rate` measures it for any causal LM, with the
+quantities AlpacaFarm's analysis uses alongside: response length (section 5.2), gold reward and KL to the reference.
 
-Draws count half a win, as in AlpacaEval (``win_rate = mean(preference) - 1`` with a draw coded 1.5): a comparison
-of identical responses is a draw without asking an annotator, and so is an annotator's explicit draw answer (see
-:meth:`rlhf_ext.sim.annotators.AnnotatorPool.outcome`); the gold judge's equal rewards are draws too. The win rate is
-``(wins + ties / 2) / comparisons``, reported with the tie rate ``ties / comparisons``, and its standard error is that
-of the outcomes ``{1, 1/2, 0}`` themselves: a draw adds ``(1/2 - mean)^2`` to the variance, where settling it by a coin
-would add 1/4 on average. With one sample per prompt it is AlpacaEval's ``standard_error`` (the sample standard
-deviation over ``sqrt(n)``); with ``k`` samples per prompt the per-prompt means are the units (clustered s.e.).
+Draws count half a win, as in AlpacaEval (a draw coded 1.5): identical responses, an annotator's explicit draw answer
+(:meth:`rlhf_ext.sim.annotators.AnnotatorPool.outcome`) and the gold judge's equal rewards. ``win_rate = (wins + ties
+/ 2) / comparisons``, with ``tie_rate = ties / comparisons``; its standard error is that of the outcomes ``{1, 1/2,
+0}`` (AlpacaEval's ``standard_error`` with one sample per prompt; with ``k`` per prompt, clustered by prompt).
 
-Policies are objects with ``sample(prompts, n, seed) -> Samples`` (the ``[P][n]`` layout of
-:class:`rlhf_ext.runtime.sampling.Samples`) and, for the KL, ``logprobs(prompts, responses, truncated) -> [N]``:
+Policies (:class:`HFPolicy`, :class:`BestOfNPolicy`) have ``sample(prompts, n, seed) -> Samples`` (``[P][n]``) and,
+for the KL, ``logprobs(prompts, responses, truncated) -> [N]``.
 
-* :class:`HFPolicy` — a transformers causal LM, sampled with :class:`rlhf_ext.runtime.sampling.HFSampler`; an optional
-  ``prompt_prefix`` conditions it (binary reward conditioning samples with the positive control token);
-* :class:`BestOfNPolicy` — inference-time best-of-n over a base policy with any scorer (section 3.4; Appendix A.2).
-
-KL (``kl_estimator``): the sequence log-ratio estimate ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log
-pi_ref(y_i | x_i)]`` over the policy's own samples ``y_i ~ pi`` (unbiased; single samples, and a mean over few of them,
-can be negative), or ``exact``: ``mean_i sum_t KL(pi(.|x_i, y_i<t) || pi_ref(.|x_i, y_i<t))``, the exact KL of the
-full next-token distributions summed along each sample (the same expectation by the chain rule, never negative, lower
-variance; needs one vocabulary). Both are reported with the standard error over the samples. Responses are
-re-tokenised from their text the way the trainers tokenise them (prompt and response separately, EOS appended unless
-the response was cut at ``max_new_tokens``). With a sampling temperature ``T != 1`` both models' logits are divided by
-``T``, i.e. the KL is between the distributions actually sampled. For best-of-n the KL is the analytic value
-``log n - (n - 1) / n`` (an upper bound, exact for continuous rewards without ties).
+KL (``kl_estimator``): ``sequence_log_ratio``, ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i |
+x_i)]`` over the policy's samples (unbiased; a mean over few samples can be negative), or ``exact``, ``mean_i sum_t
+KL(pi(.|x_i, y_i<t) || pi_ref(.|x_i, y_i<t))`` (same expectation by the chain rule, never negative, lower variance;
+needs one vocabulary); both with the standard error over samples. Responses are re-tokenised as the trainers do
+(prompt and response separately, EOS appended unless cut at ``max_new_tokens``); logits are divided by the sampling
+temperature. Best-of-n's KL is the analytic ``log n - (n - 1) / n`` (an upper bound, exact without reward ties).
 """
 
 from __future__ import annotations
@@ -56,32 +44,19 @@ DEFAULT_EVAL_TEMPERATURE = 1.0
 class HFPolicy:
     """A transformers causal LM as a simulator policy.
 
-    Args:
-        model: checkpoint path (``builtin:`` names are resolved) or an instantiated causal LM.
-        tokenizer: required for an instance; loaded from the path otherwise.
-        prompt_prefix: text put before every prompt when sampling and scoring (e.g. a control token).
-        max_new_tokens / temperature / top_p / batch_size: sampling settings (no top-k).
-        logprob_batch_size: sequences per forward in :meth:`logprobs`.
-        name: shown in reports.
+    ``model``: a checkpoint path (``builtin:`` names resolved) or an instance (then ``tokenizer`` is required);
+    ``prompt_prefix`` goes before every prompt when sampling and scoring (e.g. a control token); ``max_new_tokens`` /
+    ``temperature`` / ``top_p`` / ``batch_size``: sampling (no top-k); ``logprob_batch_size``: per forward.
     """
 
     kl_method = "sequence_log_ratio"
 
     def __init__(
-        self,
-        model,
-        tokenizer=None,
-        *,
-        prompt_prefix: str = "",
-        max_new_tokens: int = 128,
-        temperature: float = DEFAULT_EVAL_TEMPERATURE,
-        top_p: float = 1.0,
-        batch_size: int = 64,
-        logprob_batch_size: int = 16,
-        max_prompt_length: int | None = None,
-        device: str | torch.device = "cpu",
+        self, model, tokenizer=None, *, prompt_prefix: str = "", max_new_tokens: int = 128,
+        temperature: float = DEFAULT_EVAL_TEMPERATURE, top_p: float = 1.0, batch_size: int = 64,
+        logprob_batch_size: int = 16, max_prompt_length: int | None = None, device: str | torch.device = "cpu",
         name: str | None = None,
-    ):
+    ):  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if temperature <= 0 or not math.isfinite(temperature):
@@ -107,15 +82,8 @@ class HFPolicy:
         self.device = torch.device(device)
         self.name = name or type(model).__name__
         self._sampler = None
-        self._sampler_args = dict(
-            max_new_tokens=max_new_tokens,
-            temperatures=[self.temperature],
-            batch_size=batch_size,
-            max_prompt_length=max_prompt_length,
-            top_p=top_p,
-            top_k=0,
-            device=device,
-        )
+        self._sampler_args = dict(max_new_tokens=max_new_tokens, temperatures=[self.temperature], batch_size=batch_size,
+                                  max_prompt_length=max_prompt_length, top_p=top_p, top_k=0, device=device)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"HFPolicy({self.name!r}, temperature={self.temperature}, prefix={self.prompt_prefix!r})"
@@ -181,11 +149,9 @@ class HFPolicy:
     def token_kl(
         self, reference: HFPolicy, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor
     ) -> Tensor:
-        """``[N]`` float32 ``sum_t KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t))`` over each response's positions: the
-        exact KL of the two models' whole next-token distributions (:func:`rlhf_ext.algos.ppo.kl_estimate`'s
-        ``exact``, both at their sampling temperatures) along the response. For ``y ~ pi`` its mean is
-        ``KL(pi || pi_ref)`` of whole responses (chain rule) and every term is >= 0: unlike the sequence log-ratio,
-        the estimate is never negative. Both policies must share the tokenizer's vocabulary and the prompt prefix."""
+        """``[N]`` float32 ``sum_t KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t))`` over each response's positions
+        (:func:`rlhf_ext.algos.ppo.kl_estimate`'s ``exact``, at the sampling temperatures): for ``y ~ pi`` its mean is
+        ``KL(pi || pi_ref)`` (chain rule), never negative. Both policies share vocabulary and prompt prefix."""
         from rlhf_ext.algos.ppo import kl_estimate
 
         if (
@@ -203,10 +169,9 @@ class HFPolicy:
     def segmentation(
         self, prompts: Sequence[Any], responses: Sequence[str], truncated: Sequence[bool] | Tensor, cutoff: float
     ) -> dict[str, float]:
-        """How this model's entropies segment ``responses`` at ``cutoff`` (paper 003's entropy segmentation, at the
-        sampling temperature): mean ``segments_per_response``, ``tokens_per_response`` and ``above_cutoff_share``
-        (share of response tokens whose entropy exceeds the cutoff). Applied with the SFT model to a policy's samples,
-        it shows whether the policy writes text the SFT model segments more finely than its own."""
+        """How this model's entropies segment ``responses`` at ``cutoff`` (paper 003, at the sampling temperature):
+        mean ``segments_per_response``, ``tokens_per_response`` and ``above_cutoff_share`` (share of response tokens
+        whose entropy exceeds the cutoff; with the SFT model on a policy's samples: the reward-hacking monitor)."""
         from rlhf_ext.algos.segment_reward import segment_boundaries, segment_ids
 
         segments, tokens, above = 0, 0, 0
@@ -253,22 +218,15 @@ class BestOfNPolicy:
         best = scores.argmax(-1)  # [P, n]: first maximum
         cols = (torch.arange(n).unsqueeze(0) * self.n + best).long()  # [P, n] column in the raw layout
         texts = [[raw.texts[i][c] for c in row] for i, row in enumerate(cols.tolist())]
-        return Samples(
-            texts=texts,
-            num_tokens=raw.num_tokens.gather(1, cols),
-            truncated=raw.truncated.gather(1, cols),
-            temperatures=[raw.temperatures[0]] * n,
-        )
+        return Samples(texts=texts, num_tokens=raw.num_tokens.gather(1, cols), truncated=raw.truncated.gather(1, cols),
+                       temperatures=[raw.temperatures[0]] * n)  # fmt: skip
 
 
 def best_of_n(
     policy, prompts: Sequence[Any], scorer: RewardFn, n: int, *, seed: int = 0, tokenizer=None, **policy_kwargs: Any
 ) -> list[str]:
-    """The best of ``n`` samples of ``policy`` for each prompt under ``scorer`` (one response per prompt).
-
-    ``policy`` is an :class:`HFPolicy`, a checkpoint path or a model instance (then ``tokenizer=`` and
-    :class:`HFPolicy` keyword arguments such as ``max_new_tokens`` / ``temperature`` apply).
-    """
+    """The best of ``n`` samples of ``policy`` (an :class:`HFPolicy`, or a path / model instance with ``tokenizer=`` and
+    :class:`HFPolicy` keyword arguments) for each prompt under ``scorer``."""
     base = as_policy(policy, tokenizer, **policy_kwargs)
     return BestOfNPolicy(base, scorer, n).sample(prompts, 1, seed).flat()
 
@@ -288,8 +246,7 @@ class WinRate:
         win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
         lc_win_rate / lc_stderr / lc_length_coef: the length-controlled win rate (AlpacaEval 2.0's GLM read off at zero
             length difference, :func:`length_controlled_win_rate`), its standard error and the length coefficient.
-        wins / ties / losses: counts of comparisons.
-        tie_rate: ``ties / num_comparisons``.
+        wins / ties / losses / tie_rate: counts of comparisons; ``ties / num_comparisons``.
         num_prompts / samples_per_prompt / num_comparisons: sample sizes.
         judge: ``pool`` (evaluation annotators, no flips) or ``gold``.
         avg_length_chars / avg_length_tokens / truncated_fraction: of the policy's responses.
@@ -345,14 +302,11 @@ _SLOPE_RIDGE = 1e-8  # length_controlled_win_rate: keeps the slope finite on len
 def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
 
-    A logistic regression of the outcome on the normalised length difference,
-    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))``, fitted by maximum likelihood with the
-    outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), then
-    read off at zero length difference: ``LC = sigmoid(a)``. AlpacaEval fits the same formula with an L1 penalty
-    chosen by cross-validation (and, in its default GLM, an instruction-difficulty term this task has no analogue
-    for); here the fit is the maximum-likelihood one with a vanishing ridge ``(1e-8 / 2) b^2`` on the slope alone, which
-    changes no fit beyond float rounding but keeps ``b`` finite when length separates the outcomes (then no maximum
-    exists), solved by Newton's method in float64 (deterministic).
+    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))`` fitted by maximum likelihood with the
+    outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), read off
+    at zero length difference: ``LC = sigmoid(a)``. AlpacaEval adds a cross-validated L1 penalty (and an instruction
+    term with no analogue here); here a vanishing ridge ``(1e-8 / 2) b^2`` on the slope only keeps ``b`` finite when
+    length separates the outcomes. Newton's method in float64 (deterministic).
 
     Args:
         outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
@@ -408,46 +362,27 @@ def _cluster_stderr(values: Tensor) -> float:
 
 
 def win_rate(
-    policy,
-    reference,
-    prompts: Sequence[Any],
-    *,
-    styles: Sequence[str | None] | str | None = None,
-    judge: AnnotatorPool | GoldScorer | Literal["pool", "gold"] = "pool",
-    gold: GoldScorer | None = None,
-    samples_per_prompt: int = 1,
-    seed: int = 0,
-    tokenizer=None,
-    reference_samples: Samples | None = None,
-    samples: Samples | None = None,
-    compute_kl: bool = True,
-    kl_estimator: Literal["sequence_log_ratio", "exact"] = "sequence_log_ratio",
-    **policy_kwargs: Any,
-) -> WinRate:
+    policy, reference, prompts: Sequence[Any], *, styles: Sequence[str | None] | str | None = None,
+    judge: AnnotatorPool | GoldScorer | Literal["pool", "gold"] = "pool", gold: GoldScorer | None = None,
+    samples_per_prompt: int = 1, seed: int = 0, tokenizer=None, reference_samples: Samples | None = None,
+    samples: Samples | None = None, compute_kl: bool = True,
+    kl_estimator: Literal["sequence_log_ratio", "exact"] = "sequence_log_ratio", **policy_kwargs: Any,
+) -> WinRate:  # fmt: skip
     """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
 
     Args:
         policy / reference: :class:`HFPolicy` / :class:`BestOfNPolicy` objects, checkpoint paths, or model instances
-            (with ``tokenizer=``); paths and instances are wrapped in :class:`HFPolicy` with ``policy_kwargs``
-            (``max_new_tokens``, ``temperature`` ...). ``policy`` may be ``reference`` itself (independent samples).
-        prompts: ``P`` held-out prompts.
-        styles: the task style of each prompt (or one for all; ``None``: the toy task / the scorers' defaults).
-        judge: an :class:`AnnotatorPool` used in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``;
-            identical responses and the annotator's draw answers are ties), or a :class:`GoldScorer` / ``"gold"``
-            (higher gold reward wins; equal = tie).
+            (with ``tokenizer=``), the latter wrapped in :class:`HFPolicy` with ``policy_kwargs``. ``policy`` may be
+            ``reference`` itself (independent samples).
+        prompts: ``P`` held-out prompts; ``styles``: one per prompt or one for all (``None``: the scorers' default).
+        judge: an :class:`AnnotatorPool` in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``), or a
+            :class:`GoldScorer` / ``"gold"`` (higher gold reward wins; equal = tie).
         gold: the scorer for the gold-reward columns (default ``GoldScorer()``).
-        samples_per_prompt: ``k`` responses of each policy per prompt; comparison ``j`` pits policy sample ``j``
-            against reference sample ``j`` (``P * k`` comparisons; the standard error is clustered by prompt).
-        seed: sampling seed of the policy (the reference uses ``seed + 1``); the pool's own seed is its own.
-        reference_samples: the reference's ``[P][k]`` samples, if already drawn (e.g. shared by several policies).
-        samples: the policy's ``[P][k]`` samples, if already drawn (with ``seed``).
-        compute_kl: estimate KL(policy || reference) (needs ``reference`` to be a model, not only samples).
-        kl_estimator: ``sequence_log_ratio`` (``log pi(y|x) - log pi_ref(y|x)`` per sample: unbiased, a mean over
-            few samples can be negative) or ``exact`` (:meth:`HFPolicy.token_kl`: the exact per-token KL summed along
-            each sample, never negative; two :class:`HFPolicy` with one vocabulary). Best-of-n is analytic either way.
-
-    Returns:
-        A :class:`WinRate`.
+        samples_per_prompt: ``k``; comparison ``j`` pits policy sample ``j`` against reference sample ``j``.
+        seed: sampling seed of the policy (the reference uses ``seed + 1``).
+        reference_samples / samples: the reference's / policy's ``[P][k]`` samples, if already drawn.
+        compute_kl / kl_estimator: estimate KL(policy || reference), ``sequence_log_ratio`` or ``exact``
+            (:meth:`HFPolicy.token_kl`; two :class:`HFPolicy` with one vocabulary); best-of-n is analytic either way.
     """
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
@@ -510,30 +445,17 @@ def win_rate(
         outcome, samples.num_chars().view(len(prompts), k), reference_samples.num_chars().view(len(prompts), k)
     )
     return WinRate(
-        win_rate=float(outcome.mean()),
-        stderr=_cluster_stderr(outcome),
-        lc_win_rate=lc.win_rate,
-        lc_stderr=lc.stderr,
-        lc_length_coef=lc.length_coef,
-        wins=int((outcome == 1).sum()),
-        ties=int((outcome == 0.5).sum()),
-        losses=int((outcome == 0).sum()),
+        win_rate=float(outcome.mean()), stderr=_cluster_stderr(outcome),
+        lc_win_rate=lc.win_rate, lc_stderr=lc.stderr, lc_length_coef=lc.length_coef,
+        wins=int((outcome == 1).sum()), ties=int((outcome == 0.5).sum()), losses=int((outcome == 0).sum()),
         tie_rate=float((outcome == 0.5).double().mean()),
-        num_prompts=len(prompts),
-        samples_per_prompt=k,
-        num_comparisons=outcome.numel(),
-        judge=judge_name,
-        avg_length_chars=float(samples.num_chars().mean()),
-        avg_length_tokens=float(samples.num_tokens.float().mean()),
+        num_prompts=len(prompts), samples_per_prompt=k, num_comparisons=outcome.numel(), judge=judge_name,
+        avg_length_chars=float(samples.num_chars().mean()), avg_length_tokens=float(samples.num_tokens.float().mean()),
         truncated_fraction=float(samples.truncated.float().mean()),
         ref_avg_length_chars=float(reference_samples.num_chars().mean()),
         ref_avg_length_tokens=float(reference_samples.num_tokens.float().mean()),
-        gold_mean=float(gold_mine.double().mean()),
-        gold_stderr=_cluster_stderr(gold_mine),
+        gold_mean=float(gold_mine.double().mean()), gold_stderr=_cluster_stderr(gold_mine),
         ref_gold_mean=float(gold_ref.double().mean()),
-        kl=kl,
-        kl_stderr=kl_se,
-        kl_method=kl_method,
-        policy=getattr(pol, "name", type(pol).__name__),
-        reference=getattr(ref, "name", type(ref).__name__),
-    )
+        kl=kl, kl_stderr=kl_se, kl_method=kl_method,
+        policy=getattr(pol, "name", type(pol).__name__), reference=getattr(ref, "name", type(ref).__name__),
+    )  # fmt: skip

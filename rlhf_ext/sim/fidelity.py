@@ -1,13 +1,9 @@
 """Statistics for the simulator's fidelity: does its ranking of methods match a published one?
 
-AlpacaFarm (paper 002, section 4.2) validates its simulator by the rank correlation between the win rates of methods
-trained and evaluated in simulation and the same methods with human feedback (Spearman 0.98). This module holds the
-pieces to ask the same of ``rlhf-ext sim compare``: rank correlations between two score vectors over the same
-methods (Spearman's rho and Kendall's tau-b, both with ties), a bootstrap over seeds of the per-method mean, and an
-ordering check against a published order (paper 003, Table 1: segment > token > bandit PPO).
-
-Pure numpy, no other module of the simulator: the benchmark script (``benchmarks/sim_fidelity.py``) feeds it the
-per-seed results of a comparison and the published figures.
+AlpacaFarm (paper 002, section 4.2) validates its simulator by the rank correlation of methods' simulated win rates
+with their human-feedback ones (Spearman 0.98). For ``rlhf-ext sim compare``: Spearman's rho and Kendall's tau-b (with
+ties), a bootstrap over seeds of the per-method mean, and an ordering check against a published order (paper 003,
+Table 1: segment > token > bandit PPO). Pure numpy; ``benchmarks/sim_fidelity.py`` feeds it the results.
 """
 
 from __future__ import annotations
@@ -130,13 +126,9 @@ class CorrelationInterval:
 
 
 def bootstrap_rank_correlation(
-    per_seed: Sequence[Sequence[float]],
-    reference: Sequence[float],
-    statistic: str = "spearman",
-    num_resamples: int = 10_000,
-    seed: int = 0,
-    percentiles: tuple[float, float] = (2.5, 97.5),
-) -> CorrelationInterval:
+    per_seed: Sequence[Sequence[float]], reference: Sequence[float], statistic: str = "spearman",
+    num_resamples: int = 10_000, seed: int = 0, percentiles: tuple[float, float] = (2.5, 97.5),
+) -> CorrelationInterval:  # fmt: skip
     """Bootstrap interval of the rank correlation (``statistic``: ``"spearman"`` or ``"kendall"``) between the
     methods' seed-mean scores and ``reference`` (shape ``[num_methods]``), resampling seeds per method
     (:func:`bootstrap_seed_means`). ``percentiles`` use numpy's linear interpolation over the defined resamples."""
@@ -149,13 +141,8 @@ def bootstrap_rank_correlation(
     values = np.array([functions[statistic](row, reference) for row in means])
     defined = values[~np.isnan(values)]
     low, high = (float(p) for p in np.percentile(defined, percentiles)) if len(defined) else (math.nan, math.nan)
-    return CorrelationInterval(
-        low=low,
-        high=high,
-        fraction_positive=float((defined > 0).sum()) / num_resamples,
-        num_resamples=num_resamples,
-        num_undefined=num_resamples - len(defined),
-    )
+    positive = float((defined > 0).sum()) / num_resamples
+    return CorrelationInterval(low, high, positive, num_resamples, num_resamples - len(defined))
 
 
 def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:

@@ -1,48 +1,33 @@
 """Gold rewards of the simulator: what a response *should* be rewarded for (paper 002 2.2; paper 003 Fig. 2-3).
 
-:class:`GoldScorer` scores how well a response satisfies a task's preference, for the tasks of the ``offline`` dataset
-generator (:mod:`rlhf_ext.datagen`) and for the toy key-phrase task (:mod:`rlhf_ext.zoo.toy`). Credit sits in a
-few multi-token **key phrases** and nowhere else:
-
-* **Offline generator tasks** (``style`` = a phrase-bank style such as ``rapper`` or ``eli5``): the positive phrases are
-  the style's key phrases, the negative phrases those of the competing styles of its family
-  (:func:`rlhf_ext.datagen.phrasebank.rubric_for`).
-* **Toy task** (``style`` = ``None`` or ``"toy"``): the positive phrases are :data:`rlhf_ext.zoo.toy.KEY_PHRASES`
-  ("backed by peer-reviewed evidence", ...), the negative phrases :data:`~rlhf_ext.zoo.toy.WEAK_PHRASES`
-  ("mostly rumours passed around online", ...).
-
-The gold reward of response ``y`` under style ``s`` is::
+:class:`GoldScorer` scores the tasks of the ``offline`` dataset generator (:mod:`rlhf_ext.datagen`; ``style`` = a
+phrase-bank style such as ``rapper``: positive phrases the style's key phrases, negative those of the competing styles
+of its family, :func:`rlhf_ext.datagen.phrasebank.rubric_for`) and the toy task (``style`` = ``None`` or ``"toy"``:
+:data:`rlhf_ext.zoo.toy.KEY_PHRASES` positive, :data:`~rlhf_ext.zoo.toy.WEAK_PHRASES` negative). Credit sits in a few
+multi-token **key phrases** and nowhere else::
 
     gold(y, s) = w_pos * P(y, s) - w_neg * N(y, s) + w_len * len(y) / 100
     P(y, s) = sum_{q positive} credit(q, y),   N(y, s) = sum_{q negative} credit(q, y)
 
-where ``len`` is in characters and the defaults are ``w_pos = w_neg = 1``, ``w_len = 0``. The **credit** of key phrase
-``q`` in ``y`` is set by ``phrase_credit``:
+with ``len`` in characters and defaults ``w_pos = w_neg = 1``, ``w_len = 0``. ``phrase_credit`` sets ``credit(q, y)``:
 
-* ``"partial"`` (default): the fraction of ``q``'s *distinctive* word bigrams that occur in ``y`` (within a clause;
-  distinctive = in no other key phrase of the bank, in none of its neutral texts — content sentences, connectors,
-  prompt templates — and not two stop words such as "and the"). The whole phrase earns 1, "dropping bars about
-  the town" earns 3/5 of "dropping bars about the ballot box", an unrelated sentence 0. This is what gives the
-  simulator's gold **real gradations**: a small policy that half-learns a style's phrases is partly right, so two
-  samples of one SFT model rarely tie (AlpacaFarm's feedback protocol compares exactly such pairs, paper 002 section
-  3.2).
-* ``"exact"``: 1 if ``q`` occurs verbatim (case-insensitive substring), else 0; ``P`` / ``N`` count the **distinct**
-  positive / negative key phrases.
+* ``"partial"`` (default): the fraction of ``q``'s *distinctive* word bigrams found in ``y`` (within a clause;
+  distinctive = in no other key phrase of the bank, in none of its neutral texts, and not two stop words). "dropping
+  bars about the town" earns 3/5 of "dropping bars about the ballot box": a policy that half-learns a style is partly
+  right, so two samples of one SFT model rarely tie (AlpacaFarm compares exactly such pairs, paper 002 section 3.2).
+* ``"exact"``: 1 if ``q`` occurs verbatim (case-insensitive), else 0; ``P`` / ``N`` count **distinct** phrases.
 
-Both agree on a response made of whole key phrases and neutral text (each whole phrase earns exactly 1). Content
-sentences, connectors, fillers and the prompt earn nothing; **repeating a key phrase earns nothing more** (paper 003,
-Figure 3 bottom: a reward model that pays for repetition is being hacked, so the gold reward must not). This differs
-on purpose from :func:`rlhf_ext.datagen.phrasebank.gold_score` / :meth:`Rubric.score`, which count *occurrences*
-(they describe how the generator built a pair, where repetition is incidental); the rubric — which phrases are
-positive and negative — is the same. For the toy task, ``P >= 1`` under exact credit is exactly
-:func:`rlhf_ext.zoo.toy.has_key_phrase` up to letter case.
-
-The annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with other weights.
+Both give a whole key phrase exactly 1. Neutral text earns nothing and **repeating a key phrase earns nothing more**
+(paper 003, Figure 3: a reward model that pays for repetition is being hacked), unlike
+:func:`rlhf_ext.datagen.phrasebank.gold_score` / :meth:`Rubric.score`, which count occurrences; the rubric is the same.
+For the toy task, ``P >= 1`` under exact credit is :func:`rlhf_ext.zoo.toy.has_key_phrase` up to letter case. The
+annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with other weights.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -65,11 +50,8 @@ def toy_rubric():
     from rlhf_ext.datagen.phrasebank import Rubric
     from rlhf_ext.zoo.toy import KEY_PHRASES, WEAK_PHRASES
 
-    return Rubric(
-        style=TOY_STYLE,
-        positive=tuple(p.lower() for p in KEY_PHRASES),
-        negative=tuple(p.lower() for p in WEAK_PHRASES),
-    )
+    positive, negative = (tuple(p.lower() for p in phrases) for phrases in (KEY_PHRASES, WEAK_PHRASES))
+    return Rubric(style=TOY_STYLE, positive=positive, negative=negative)
 
 
 _WORD = re.compile(r"[a-z0-9']+")
@@ -99,10 +81,7 @@ class _Matcher:
         self.negative = frozenset(rubric.negative)
         phrases = sorted(self.positive | self.negative, key=len, reverse=True)  # longest first: no partial matches
         self.regex = re.compile("|".join(re.escape(p) for p in phrases))
-        shared: dict[tuple[str, str], int] = {}
-        for p in set(all_phrases) | self.positive | self.negative:
-            for b in word_bigrams(p):
-                shared[b] = shared.get(b, 0) + 1
+        shared = Counter(b for p in set(all_phrases) | self.positive | self.negative for b in word_bigrams(p))
         from rlhf_ext.datagen.phrasebank import STOP_WORDS
 
         common = set().union(*(word_bigrams(t) for t in neutral)) if neutral else set()
@@ -131,29 +110,20 @@ class GoldScorer:
     """The programmatic gold reward (see the module docstring for exactly what it rewards).
 
     Args:
-        style: the default style when :meth:`score` gets no ``styles``: a phrase-bank style, ``None``/``"toy"`` for
-            the toy task, or a mapping ``prompt -> style`` (multi-style data; every scored prompt must be in it).
-        bank: the phrase bank (default: the packaged one); use the bank the dataset was generated with.
-        positive_weight / negative_weight: ``w_pos`` / ``w_neg`` (>= 0).
-        length_weight: ``w_len``, utility per 100 characters (0 for the gold reward; annotator variants use it).
-        phrase_credit: ``"partial"`` (default: distinctive-bigram credit, graded) or ``"exact"`` (verbatim phrases
-            only); see the module docstring.
+        style: the default style: a phrase-bank style, ``None``/``"toy"`` for the toy task, or a mapping ``prompt ->
+            style`` (every scored prompt must be in it).
+        bank: the phrase bank the dataset was generated with (default: the packaged one).
+        positive_weight / negative_weight / length_weight: ``w_pos`` / ``w_neg`` (>= 0) / ``w_len``.
+        phrase_credit: ``"partial"`` (default, graded) or ``"exact"`` (verbatim phrases only).
 
-    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (with the default ``style``), so it
-    plugs into :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and
-    :func:`rlhf_ext.sim.best_of_n`.
+    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (default ``style``), e.g. for
+    :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and :func:`rlhf_ext.sim.best_of_n`.
     """
 
     def __init__(
-        self,
-        style: StyleSpec = None,
-        *,
-        bank=None,
-        positive_weight: float = 1.0,
-        negative_weight: float = 1.0,
-        length_weight: float = 0.0,
-        phrase_credit: PhraseCredit = "partial",
-    ):
+        self, style: StyleSpec = None, *, bank=None, positive_weight: float = 1.0, negative_weight: float = 1.0,
+        length_weight: float = 0.0, phrase_credit: PhraseCredit = "partial",
+    ):  # fmt: skip
         if positive_weight < 0 or negative_weight < 0:
             raise ValueError(
                 f"gold weights must be >= 0 (got positive {positive_weight}, negative {negative_weight}); a negative "
@@ -233,18 +203,11 @@ class GoldScorer:
         return t[:, 0], t[:, 1]
 
     def score(
-        self,
-        prompts: Sequence[Any],
-        responses: Sequence[str],
-        styles: Sequence[str | None] | str | None = None,
+        self, prompts: Sequence[Any], responses: Sequence[str], styles: Sequence[str | None] | str | None = None
     ) -> Tensor:
-        """``[N]`` float32 gold rewards of ``responses`` (prompt ``i`` is the prompt of response ``i``).
-
-        Args:
-            prompts: ``N`` prompts (text or chat messages; used only to look up styles in a prompt mapping).
-            responses: ``N`` responses (text, or chat messages whose last message is the response).
-            styles: one style per row, one style for all rows, or ``None`` for the scorer's default ``style``.
-        """
+        """``[N]`` float32 gold rewards of ``responses`` (text, or chat messages ending in the response) to ``prompts``
+        (used only to look up styles in a prompt mapping); ``styles``: one per row, one for all, or ``None`` (the
+        scorer's default ``style``)."""
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts for {len(responses)} responses; pass one prompt per response")
         pos, neg = self.counts(responses, self.resolve_styles(prompts, styles))

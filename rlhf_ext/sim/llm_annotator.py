@@ -29,15 +29,9 @@ class JudgeTask:
 class LLMAnnotator:
     """An LLM judge (through a :mod:`rlhf_ext.datagen` backend, e.g. ``OpenAIBackend``) as an annotator.
 
-    Args:
-        name: annotator id.
-        backend: an unstarted :class:`rlhf_ext.datagen.Backend`; started and closed around each batch.
-        preference: the preference the judge checks: one text for all rows, or a mapping ``style -> text``.
-        max_tokens: judge answer budget.
-        seed: seeds the judge's presentation order and requests.
-
-    ``probability`` is 1 / 0 for the judge's choice and ``NaN`` when it answered neither ``A`` nor ``B`` (the pool
-    counts and settles those, see :mod:`rlhf_ext.sim.annotators`).
+    ``backend``: an unstarted :class:`rlhf_ext.datagen.Backend`, started and closed around each batch; ``preference``:
+    the preference the judge checks, one text or a mapping ``style -> text``; ``seed`` seeds presentation order and
+    requests. ``probability`` is 1 / 0 for the judge's choice, ``NaN`` when it answered neither ``A`` nor ``B``.
     """
 
     def __init__(self, name: str, backend, preference: str | Mapping[str, str], max_tokens: int = 128, seed: int = 0):

@@ -1,16 +1,16 @@
 """The reference methods of ``sim compare``: AlpacaFarm's (paper 002, section 3.4 and Appendix A) and ours.
 
-Each method is one function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy
-starting from the run's SFT model, using the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration,
-binary FeedME, binary reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's
-``DPOTrainer`` (DPO), :class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.DensePPOTrainer`
-(bandit and segment PPO) and :class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO, synchronous and asynchronous).
-``run`` is a :class:`rlhf_ext.sim.compare.SimRun`: it owns the shared artefacts (splits, SFT model, per-seed simulated
-feedback and surrogate reward models) and writes every result atomically, so finished work is reused on rerun.
+Each method is a function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy from the
+run's SFT model with the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration, binary FeedME and
+reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's ``DPOTrainer``,
+:class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.DensePPOTrainer` (PPO) and
+:class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO). ``run`` (:class:`rlhf_ext.sim.compare.SimRun`) owns the
+shared artefacts and writes every result atomically, so finished work is reused on rerun.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,11 +31,9 @@ if TYPE_CHECKING:
 @dataclass
 class PolicySpec:
     """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix``, or, with ``best_of_n``, the
-    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics.
-
-    The method's training budget beyond the shared SFT model: ``labels``, the simulated preference labels it learned
-    from (directly or through a surrogate reward model), and ``samples``, the responses it generated while training
-    (best-of-n's ``n`` samples per response are drawn at inference and not counted here)."""
+    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics. Budget
+    beyond the SFT model: ``labels`` (simulated preference labels used, directly or through a reward model) and
+    ``samples`` (responses generated while training; best-of-n's inference samples not counted)."""
 
     path: str
     prompt_prefix: str = ""
@@ -49,17 +47,8 @@ def _seed(*parts: Any) -> int:
     return int(stable_hash(*parts), 16) % (2**31 - 1)
 
 
-def fine_tune(
-    run: SimRun,
-    init: str,
-    rows: list[dict[str, str]],
-    train: TrainSection,
-    out: Path,
-    seed: int,
-    *,
-    kl_coef: float = 0.0,
-    ref: str | None = None,
-) -> str:
+def fine_tune(run: SimRun, init: str, rows: list[dict[str, str]], train: TrainSection, out: Path, seed: int, *,
+              kl_coef: float = 0.0, ref: str | None = None) -> str:  # fmt: skip
     """:func:`rlhf_ext.trl.sft.fine_tune` of ``init`` on ``rows`` with a recipe's ``train`` section into ``out``
     (reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref`` (default ``init``)."""
     if (out / "config.json").exists():
@@ -108,12 +97,8 @@ def expert_iteration(run: SimRun, seed: int) -> PolicySpec:
         best = bon.sample(prompts, 1, seed=_seed("expert_iteration", seed)).flat()
         rows = [{"prompt": p, "completion": y} for p, y in zip(prompts, best)]
         fine_tune(run, run.sft_model(), rows, cfg.train, out, seed)
-    return PolicySpec(
-        str(out),
-        info={"n": cfg.n, "prompts": len(prompts)},
-        labels=_num_labels(run, seed),
-        samples=cfg.n * len(prompts),
-    )
+    info = {"n": cfg.n, "prompts": len(prompts)}
+    return PolicySpec(str(out), info=info, labels=_num_labels(run, seed), samples=cfg.n * len(prompts))
 
 
 def feedme(run: SimRun, seed: int) -> PolicySpec:
@@ -187,15 +172,7 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
     """PPO from the SFT model at ``granularity`` on the surrogate reward model ``run.reward_model(seed, reward_model)``
     (default: the one named like the granularity), or on the dense reward source ``reward_source()`` makes (a
     ``model.reward_source`` spec), with the recipe's one ``ppo`` section, into ``<name or granularity>_ppo``."""
-    from rlhf_ext.pipelines.segment_ppo import (
-        PPOAlgoSection,
-        PPODataSection,
-        PPOModelSection,
-        PPOSegmentSection,
-        PPOTrainSection,
-        SegmentPPORecipe,
-        run_segment_ppo,
-    )
+    from rlhf_ext.pipelines import segment_ppo as sp
     from rlhf_ext.runtime.io import atomic_write_json
 
     cfg, out = run.recipe.ppo, run.seed_dir(seed) / f"{name or granularity}_ppo"
@@ -205,52 +182,28 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
         rm = None if source else run.reward_model(seed, reward_model or granularity)
         feedback = str(run.feedback_dir(seed))
         with atomic_directory(out) as tmp:
-            recipe = SegmentPPORecipe(
+            recipe = sp.SegmentPPORecipe(
                 engine="trl",
-                model=PPOModelSection(
-                    sft_model=run.sft_model(),
-                    reward_model=rm,
-                    reward_source=source,
-                    critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm,
-                ),
-                data=PPODataSection(
-                    prompts=str(run.data_dir),
-                    prompt_split="unlabeled",
-                    calibration=feedback,
-                    calibration_split="train",
-                    max_calibration_pairs=256,
-                    max_prompt_length=run.recipe.task.max_length // 2,
-                    max_completion_length=cfg.max_completion_length,
-                ),
-                segment=PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
-                ppo=PPOAlgoSection(
-                    **knob_values(cfg, PPOKnobs),
-                    num_generations=cfg.num_generations,
-                    temperature=run.recipe.generation.temperature,
-                ),
-                train=PPOTrainSection(
+                model=sp.PPOModelSection(sft_model=run.sft_model(), reward_model=rm, reward_source=source,
+                                         critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm),
+                data=sp.PPODataSection(prompts=str(run.data_dir), prompt_split="unlabeled", calibration=feedback,
+                                       calibration_split="train", max_calibration_pairs=256,
+                                       max_prompt_length=run.recipe.task.max_length // 2,
+                                       max_completion_length=cfg.max_completion_length),
+                segment=sp.PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
+                ppo=sp.PPOAlgoSection(**knob_values(cfg, PPOKnobs), num_generations=cfg.num_generations,
+                                      temperature=run.recipe.generation.temperature),
+                train=sp.PPOTrainSection(
                     **knob_values(cfg, TrainSection)
-                    | {
-                        "logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
-                        "trl_args": {**cfg.trl_args, "disable_tqdm": True},
-                    },
-                    critic_learning_rate=cfg.critic_learning_rate,
-                    output_dir=str(tmp),
-                    seed=seed,
-                    resume=False,
+                    | {"logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
+                       "trl_args": {**cfg.trl_args, "disable_tqdm": True}},
+                    critic_learning_rate=cfg.critic_learning_rate, output_dir=str(tmp), seed=seed, resume=False,
                 ),
-            )
-            summary = run_segment_ppo(recipe)
+            )  # fmt: skip
+            summary = sp.run_segment_ppo(recipe)
             atomic_write_json(tmp / "ppo_metrics.json", {**summary, "model_dir": str(out)})
-    import json
-
-    curve = json.loads(summary_file.read_text()).get("curve", [])
-    return PolicySpec(
-        str(out),
-        info={"curve": curve},
-        labels=_num_labels(run, seed),
-        samples=cfg.max_steps * cfg.batch_size,
-    )
+    info = {"curve": json.loads(summary_file.read_text()).get("curve", [])}
+    return PolicySpec(str(out), info=info, labels=_num_labels(run, seed), samples=cfg.max_steps * cfg.batch_size)
 
 
 def bandit_ppo(run: SimRun, seed: int) -> PolicySpec:
@@ -299,19 +252,14 @@ def rules_ppo(run: SimRun, seed: int) -> PolicySpec:
 
 
 def sim_online_dpo(
-    run: SimRun,
-    seed: int,
-    mode: Literal["iterative", "async", "sync"],
-    *,
-    cfg: OnlineDPOSection | OnlineDPOAsyncSection | None = None,
-    name: str | None = None,
-) -> PolicySpec:
+    run: SimRun, seed: int, mode: Literal["iterative", "async", "sync"], *,
+    cfg: OnlineDPOSection | OnlineDPOAsyncSection | None = None, name: str | None = None,
+) -> PolicySpec:  # fmt: skip
     """Online DPO from the SFT model with the bandit surrogate RM as the online reward (:class:`IterativeDPOTrainer`).
 
-    ``mode``: ``iterative`` (paper 004's Algorithm 2, section ``online_dpo``), ``async`` (per-batch, one-step
-    off-policy, paper 001) or ``sync`` (the same per-batch loop on-policy; both from section ``online_dpo_async``).
-    ``cfg``/``name`` override the recipe's section and the output directory (default ``online_dpo[_async|_sync]``).
-    ``info["policies"]``: the checkpoint after each iteration (iterative mode, index 0 = SFT).
+    ``mode``: ``iterative`` (paper 004's Algorithm 2, section ``online_dpo``; ``info["policies"]``: the checkpoint
+    after each iteration, 0 = SFT), ``async`` (one-step off-policy, paper 001) or ``sync`` (on-policy; both section
+    ``online_dpo_async``). ``cfg``/``name`` override the section and the output directory.
     """
     from transformers import AutoTokenizer
 
@@ -321,49 +269,26 @@ def sim_online_dpo(
     out = run.seed_dir(seed) / name
     r = run.recipe
     common: dict[str, Any] = dict(
-        output_dir=str(out),
-        max_completion_length=r.generation.max_new_tokens,
-        generation_backend="hf",
-        generation_batch_size=r.generation.batch_size,
-        max_length=r.task.max_length,
-        eval_num_prompts=8,
-        eval_samples_per_prompt=1,
-        generation_threads=r.threads,
-        training_threads=r.threads,
-        seed=seed,
-    )
+        output_dir=str(out), max_completion_length=r.generation.max_new_tokens, generation_backend="hf",
+        generation_batch_size=r.generation.batch_size, max_length=r.task.max_length, eval_num_prompts=8,
+        eval_samples_per_prompt=1, generation_threads=r.threads, training_threads=r.threads, seed=seed,
+    )  # fmt: skip
     if mode != "iterative":
         c = cfg or r.online_dpo_async
-        args = cpu_config(
-            **common,
-            online_mode="online",
-            async_generation=mode == "async",
-            num_generations=c.num_generations,
-            temperatures=[r.generation.temperature],
-            beta=c.beta,
-            train=c,
-        )
+        args = cpu_config(**common, online_mode="online", async_generation=mode == "async",
+                          num_generations=c.num_generations, temperatures=[r.generation.temperature], beta=c.beta,
+                          train=c)  # fmt: skip
     else:
         c = cfg or r.online_dpo
-        args = cpu_config(
-            **common,
-            **knob_values(c, OnlineDPOKnobs),
-            beta=c.beta,
-            train=c.train,
-        )
+        args = cpu_config(**common, **knob_values(c, OnlineDPOKnobs), beta=c.beta, train=c.train)
     splits = run.splits()
     summary = train_online(
-        run.sft_model(),
-        run.reward_model(seed, "bandit"),
-        args=args,
-        train_dataset=list(splits["unlabeled"]["prompt"]),
-        processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
-        gold_fn=run.gold,
-    )
+        run.sft_model(), run.reward_model(seed, "bandit"), args=args, train_dataset=list(splits["unlabeled"]["prompt"]),
+        processing_class=AutoTokenizer.from_pretrained(run.sft_model()), gold_fn=run.gold,
+    )  # fmt: skip
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]
-    if mode == "iterative":
         samples = c.num_iterations * c.prompts_per_iteration * c.num_generations
     else:
         samples = c.max_steps * c.batch_size * c.num_generations
@@ -389,19 +314,8 @@ def online_dpo_sync(run: SimRun, seed: int) -> PolicySpec:
 
 
 METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
-    "sft": sft,
-    "best_of_n": best_of_n,
-    "expert_iteration": expert_iteration,
-    "feedme": feedme,
-    "reward_conditioning": reward_conditioning,
-    "quark": quark,
-    "dpo": dpo,
-    "bandit_ppo": bandit_ppo,
-    "segment_ppo": segment_ppo,
-    "chunk_ppo": chunk_ppo,
-    "token_ppo": token_ppo,
-    "rules_ppo": rules_ppo,
-    "online_dpo": online_dpo,
-    "online_dpo_async": online_dpo_async,
-    "online_dpo_sync": online_dpo_sync,
-}
+    "sft": sft, "best_of_n": best_of_n, "expert_iteration": expert_iteration, "feedme": feedme,
+    "reward_conditioning": reward_conditioning, "quark": quark, "dpo": dpo, "bandit_ppo": bandit_ppo,
+    "segment_ppo": segment_ppo, "chunk_ppo": chunk_ppo, "token_ppo": token_ppo, "rules_ppo": rules_ppo,
+    "online_dpo": online_dpo, "online_dpo_async": online_dpo_async, "online_dpo_sync": online_dpo_sync,
+}  # fmt: skip

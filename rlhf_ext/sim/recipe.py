@@ -29,22 +29,9 @@ from rlhf_ext.sim.gold import GoldScorer
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
 METHODS: tuple[str, ...] = (
-    "sft",
-    "best_of_n",
-    "expert_iteration",
-    "feedme",
-    "reward_conditioning",
-    "quark",
-    "dpo",
-    "bandit_ppo",
-    "segment_ppo",
-    "chunk_ppo",
-    "token_ppo",
-    "rules_ppo",
-    "online_dpo",
-    "online_dpo_async",
-    "online_dpo_sync",
-)
+    "sft", "best_of_n", "expert_iteration", "feedme", "reward_conditioning", "quark", "dpo", "bandit_ppo",
+    "segment_ppo", "chunk_ppo", "token_ppo", "rules_ppo", "online_dpo", "online_dpo_async", "online_dpo_sync",
+)  # fmt: skip
 
 
 @dataclass
@@ -55,19 +42,21 @@ class MethodTrainSection(TrainSection):
     learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
 
 
+def _method_train(**values: Any):
+    """A ``train`` field defaulting to ``MethodTrainSection(**values)`` (a fresh one per recipe)."""
+    return field(default_factory=lambda: MethodTrainSection(**values))
+
+
 @dataclass
 class TaskSection:
     """The simulated task.
 
     ``source``: a ``rlhf_ext.datagen`` config (packaged name or YAML path) generated with the offline backend, of which
-    stage ``stage`` is used (one style, e.g. ``rapper`` for ``continual-piecewise-preference``), or ``toy`` (the
-    key-phrase task of :mod:`rlhf_ext.zoo.toy`). ``num_samples`` replaces every task's sample count (datagen) or
-    is the number of toy rows. The stage's train split is partitioned (like AlpacaFarm's splits, section 3.1) into
-    SFT / preference (PREF) / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; its test split gives the
-    held-out evaluation prompts (at most ``max_eval_prompts``) and the gold-ordered pairs on which reward-model
-    accuracy is measured. ``prompt_suffix`` is appended to datagen prompts (separates prompt and response).
-    ``phrase_credit``: how the gold reward (and the gold-variant annotators) credit key phrases
-    (:class:`~rlhf_ext.sim.GoldScorer`): ``partial`` (graded: a phrase's share of distinctive bigrams) or ``exact``.
+    stage ``stage`` is used (one style), or ``toy`` (:mod:`rlhf_ext.zoo.toy`). ``num_samples``: every datagen task's
+    sample count, or the number of toy rows. The train split is partitioned (AlpacaFarm, section 3.1) into SFT / PREF
+    / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; the test split gives the evaluation prompts (at most
+    ``max_eval_prompts``) and the reward models' held-out pairs. ``prompt_suffix`` is appended to datagen prompts.
+    ``phrase_credit``: the gold reward's (:class:`~rlhf_ext.sim.GoldScorer`) ``partial`` or ``exact`` credit.
     """
 
     source: str = "continual-piecewise-preference"
@@ -119,11 +108,9 @@ class SFTSection(TrainSection):
 class PoolConfig:
     """A pool in a recipe: ``backend: gold`` (gold-scorer variants; ``annotators`` empty = the default six),
     ``reward_model`` (``reward_models`` paths, ``temperatures``), ``llm`` (``api_base``/``models`` of an
-    OpenAI-compatible server and the ``preference`` text) or ``alpaca_farm`` (AlpacaFarm's annotators as shipped:
-    ``alpaca_farm_pool`` = ``annotator_pool_v0``, ``alpaca_eval:<evaluator>`` or a directory with a ``configs.yaml``,
-    run against ``api_base``; ``models``: one served model for all annotators, ``config_model=served`` pairs, or
-    empty for the configs' own model names). ``unparseable``: ``coin`` or ``drop`` (AlpacaEval) for an LLM / AlpacaFarm
-    annotator's answer that names no response (see :class:`AnnotatorPool`)."""
+    OpenAI-compatible server, ``preference`` text) or ``alpaca_farm`` (:meth:`AnnotatorPool.from_alpaca_farm`:
+    ``alpaca_farm_pool`` run against ``api_base`` with ``models``). ``unparseable``: ``coin`` or ``drop``
+    (:class:`AnnotatorPool`)."""
 
     backend: str = "gold"
     flip_prob: float = knob(TRAIN_FLIP_PROB, ge=0, le=0.5)
@@ -157,14 +144,9 @@ class PoolConfig:
 
     def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
         if self.backend == "gold":
-            return AnnotatorPool.default(
-                gold.style,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                bank=gold.bank,
-                specs=self.annotators or DEFAULT_ANNOTATORS,
-                phrase_credit=gold.phrase_credit,
-            )
+            specs = self.annotators or DEFAULT_ANNOTATORS
+            return AnnotatorPool.default(gold.style, flip_prob=self.flip_prob, seed=seed, bank=gold.bank, specs=specs,
+                                         phrase_credit=gold.phrase_credit)  # fmt: skip
         if self.backend == "reward_model":
             temps = self.temperatures or 1.0
             return AnnotatorPool.from_reward_models(
@@ -172,14 +154,9 @@ class PoolConfig:
             )
         if self.backend == "alpaca_farm":
             return AnnotatorPool.from_alpaca_farm(
-                self.alpaca_farm_pool,
-                api_base=self.api_base,
-                models=self.models,
-                api_key_env=self.api_key_env,
-                flip_prob=self.flip_prob,
-                seed=seed,
-                gold=gold,
-            )
+                self.alpaca_farm_pool, api_base=self.api_base, models=self.models, api_key_env=self.api_key_env,
+                flip_prob=self.flip_prob, seed=seed, gold=gold,
+            )  # fmt: skip
         from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
         backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
@@ -189,10 +166,8 @@ class PoolConfig:
 @dataclass
 class FeedbackSection:
     """Simulated human feedback on the PREF split: ``pairs: sft_samples`` draws two SFT responses per PREF prompt and
-    lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own chosen/rejected pairs. The annotators
-    are chosen by ``pool.backend``: ``gold`` (gold-scorer variants), ``reward_model``, ``llm`` (one LLM judge per
-    served model) or ``alpaca_farm`` (AlpacaFarm's own pool as shipped, ``pool.alpaca_farm_pool: annotator_pool_v0``,
-    against the OpenAI-compatible server ``pool.api_base``); see :class:`PoolConfig`."""
+    lets the pool choose (AlpacaFarm); ``dataset`` relabels the dataset's own pairs. The annotators: ``pool``
+    (:class:`PoolConfig`)."""
 
     pairs: Literal["sft_samples", "dataset"] = "sft_samples"
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -200,15 +175,11 @@ class FeedbackSection:
 
 @dataclass
 class RewardModelSection(SegmentRewardKnobs):
-    """Surrogate reward models (paper 002 Eq. 2), trained from the SFT model with :class:`SegmentRewardTrainer`:
-    the bandit model at ``entropy_cutoff: inf`` (best-of-n, expert iteration, Quark, bandit PPO, online DPO) and the
-    segment model with paper 003's knobs (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`:
-    ``entropy_cutoff`` 2.0, ``aggregation``, ``tau``) for segment PPO; every kind with the same ``train``
-    settings."""
+    """Surrogate reward models (paper 002 Eq. 2), trained from the SFT model with :class:`SegmentRewardTrainer` with
+    one ``train`` setting: the bandit model at ``entropy_cutoff: inf`` and the segment model with paper 003's knobs
+    (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`) for segment PPO."""
 
-    train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(num_train_epochs=2, batch_size=16, micro_batch_size=16)
-    )
+    train: MethodTrainSection = _method_train(num_train_epochs=2, batch_size=16, micro_batch_size=16)
 
 
 @dataclass
@@ -222,10 +193,9 @@ class GenerationSection:
 
 @dataclass
 class EvalSection:
-    """Win rate against the SFT model on the held-out prompts (section 3.3). ``judge: pool`` is ``p_eval`` (the
-    feedback pool without flips; identical responses and the annotators' draw answers are ties, 1/2), ``gold`` the
-    gold scorer (ties 1/2). ``temperature`` 1.0 keeps the KL estimate of the policy itself (AlpacaFarm sampled API
-    models at 0.7)."""
+    """Win rate against the SFT model on the held-out prompts (section 3.3), judged by ``pool`` (``p_eval``: the
+    feedback pool without flips) or ``gold``; draws count 1/2. ``temperature`` 1.0 keeps the KL estimate of the
+    policy itself (AlpacaFarm sampled at 0.7)."""
 
     samples_per_prompt: int = knob(2, ge=1)
     temperature: float = knob(1.0, gt=0)
@@ -248,12 +218,12 @@ class ExpertIterationSection:
 
     n: int = knob(8, ge=1)
     max_prompts: int = knob(128, ge=1)
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
+    train: MethodTrainSection = _method_train(num_train_epochs=2)
 
 
 @dataclass
 class FeedMESection:
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
+    train: MethodTrainSection = _method_train(num_train_epochs=2)
 
 
 @dataclass
@@ -262,7 +232,7 @@ class RewardConditioningSection:
 
     good_token: str = "<|good|> "
     bad_token: str = "<|bad|> "
-    train: MethodTrainSection = field(default_factory=lambda: MethodTrainSection(num_train_epochs=2))
+    train: MethodTrainSection = _method_train(num_train_epochs=2)
 
 
 @dataclass
@@ -276,9 +246,7 @@ class QuarkSection:
     num_generations: int = knob(4, ge=1)
     top_fraction: float = knob(0.25, gt=0, le=1)
     kl_coef: float = knob(0.05, ge=0)
-    train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(num_train_epochs=1, learning_rate=5e-4, warmup_ratio=0)
-    )
+    train: MethodTrainSection = _method_train(num_train_epochs=1, learning_rate=5e-4, warmup_ratio=0)
 
 
 @dataclass
@@ -287,21 +255,16 @@ class DPOSection:
 
     beta: float = knob(0.1, gt=0)
     max_pairs: int | None = knob(None, ge=1, help="Use only the first N simulated pairs (None: all).")
-    train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(num_train_epochs=2, learning_rate=5e-4)
-    )
+    train: MethodTrainSection = _method_train(num_train_epochs=2, learning_rate=5e-4)
 
 
 @dataclass
 class PPOSection(PPOKnobs, TrainSection):
-    """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`), one setting for the three action spaces of paper 003's
-    Table 1 — ``bandit_ppo`` (one reward per response, the reward model at entropy cutoff inf: AlpacaFarm's PPO),
-    ``segment_ppo`` (dense rewards of the segment reward model) and ``token_ppo`` (every token a segment, cutoff 0) —
-    so that they compare under the same budget. Flat, as TRL's ``PPOConfig``: the PPO knobs
-    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`: ``kl_coef``, ``advantage_estimator``, ``value_clip`` ...), every recipe's
-    training keys (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` PPO steps of ``batch_size`` rollouts =
-    prompts x ``num_generations``, ``learning_rate`` ...; ``logging_steps`` null: six points per run) and the
-    critic's ``critic_learning_rate``."""
+    """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`): one setting for paper 003's action spaces (``bandit_ppo``,
+    AlpacaFarm's PPO; ``segment_ppo``; ``token_ppo``, every token a segment), compared under the same budget. Flat, as
+    TRL's ``PPOConfig``: the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`), every recipe's training keys
+    (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` PPO steps of ``batch_size`` rollouts = prompts x
+    ``num_generations``; ``logging_steps`` null: six points per run) and ``critic_learning_rate``."""
 
     max_steps: int = knob(96, ge=1)
     batch_size: int = knob(16, ge=2)
@@ -324,20 +287,15 @@ class OnlineDPOSection(OnlineDPOKnobs):
     ``beta`` and the inner DPO runs' ``train`` settings."""
 
     beta: float = knob(0.1, gt=0)
-    train: MethodTrainSection = field(
-        default_factory=lambda: MethodTrainSection(
-            num_train_epochs=2, batch_size=8, micro_batch_size=8, learning_rate=5e-4
-        )
-    )
+    train: MethodTrainSection = _method_train(num_train_epochs=2, batch_size=8, micro_batch_size=8, learning_rate=5e-4)
 
 
 @dataclass
 class OnlineDPOAsyncSection(TrainSection):
-    """One-step asynchronous online DPO (paper 001): ``max_steps`` DPO updates of ``batch_size`` pairs, each pair the
-    best and worst of ``num_generations`` responses generated one policy version behind. Method ``online_dpo_sync``
-    runs the same settings on-policy (generation waits for each update), the baseline of paper 001. Flat, as TRL's
-    ``OnlineDPOConfig``: every recipe's training keys (:class:`~rlhf_ext.config.TrainSection`, here a constant
-    learning rate without warm-up) plus ``num_generations`` and ``beta``."""
+    """One-step asynchronous online DPO (paper 001): ``max_steps`` DPO updates of ``batch_size`` pairs, each the best
+    and worst of ``num_generations`` responses generated one policy version behind (``online_dpo_sync``: the same
+    on-policy). Flat, as TRL's ``OnlineDPOConfig``: every recipe's training keys
+    (:class:`~rlhf_ext.config.TrainSection`, constant learning rate, no warm-up), ``num_generations`` and ``beta``."""
 
     max_steps: int = knob(12, ge=1)
     batch_size: int = knob_like(TrainSection, "batch_size", 8)
@@ -351,12 +309,9 @@ class OnlineDPOAsyncSection(TrainSection):
 
 @dataclass
 class TuningSection:
-    """``rlhf-ext sim tune``: every method of ``methods`` gets the same ``grid`` (dotted recipe keys -> values; the
-    product is tried), trained on the ``seeds`` given here and evaluated on the validation prompts
-    (``eval.split: validation``); the point with the best mean length-controlled win rate is picked. A method whose
-    settings live elsewhere (DPO has no ``ppo.*`` keys) has its own grid in ``method_grids``, which replaces ``grid``
-    for it. AlpacaFarm tuned each method in its simulator the same way (paper 002, section 4). Report on other seeds
-    than these."""
+    """``rlhf-ext sim tune`` (:mod:`rlhf_ext.sim.tune`): every method of ``methods`` gets the same ``grid`` (dotted
+    recipe keys -> values; the product is tried) or its own in ``method_grids`` (DPO has no ``ppo.*`` keys), trained
+    on ``seeds`` and picked by the mean length-controlled win rate on the validation prompts (paper 002, section 4)."""
 
     seeds: list[int] = knob(default_factory=lambda: [0], ge=0, le=MAX_SEED)
     methods: list[str] = field(default_factory=list)

@@ -19,15 +19,9 @@ from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
 #: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
 ALPACAFARM_SIM_WINRATE: dict[str, float] = {
-    "sft": 36.7,
-    "best_of_n": 45.0,
-    "expert_iteration": 41.9,
-    "feedme": 36.6,
-    "reward_conditioning": 32.4,
-    "quark": 35.6,
-    "dpo": 46.8,
-    "bandit_ppo": 46.8,
-}
+    "sft": 36.7, "best_of_n": 45.0, "expert_iteration": 41.9, "feedme": 36.6, "reward_conditioning": 32.4,
+    "quark": 35.6, "dpo": 46.8, "bandit_ppo": 46.8,
+}  # fmt: skip
 #: The surrogate reward models a seed can have (``segment`` at the recipe's cutoff).
 RM_KINDS = tuple(g.value for g in (Granularity.BANDIT, Granularity.SEGMENT, Granularity.TOKEN))
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.
@@ -84,11 +78,8 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
     root = Path(recipe.output_dir)
     rows = []
     for method in [m for m in METHODS if m in recipe.methods]:
-        per_seed = []
-        for seed in recipe.seeds:
-            path = result_path(root, method, seed)
-            if path.exists():
-                per_seed.append(json.loads(path.read_text()))
+        paths = [result_path(root, method, seed) for seed in recipe.seeds]
+        per_seed = [json.loads(path.read_text()) for path in paths if path.exists()]
         if not per_seed:
             continue
         row: dict[str, Any] = {"method": method, "seeds": [r["seed"] for r in per_seed]}
@@ -162,8 +153,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
             f"{'–' if af is None else f'{af:.1f}'} |"
         )
     s = summary["sample_sizes"]
-    lines.append("")
-    lines.append(
+    lines += [
+        "",
         f"Win rate: fraction of {s['comparisons_per_seed']} comparisons per seed ({s['eval_prompts']} held-out "
         f"prompts x {s['samples_per_prompt']} samples) in which the evaluation annotators prefer the method's "
         "response to the SFT model's (ties 1/2); mean ± standard error over seeds. LC win rate: length-controlled "
@@ -171,8 +162,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "SFT model's entropies segment the method's evaluation responses at the segment reward model's cutoff "
         "(the reward-hacking monitor's view); tokens / response: their length in tokens. Budget beyond the shared SFT "
         "model: labels = simulated preference labels used (directly or through a surrogate reward model), samples = "
-        "responses generated while training, train s = wall-clock seconds."
-    )
+        "responses generated while training, train s = wall-clock seconds.",
+    ]
     for r in summary["methods"]:
         if text := unparseable_text(r.get("unparseable") or {}, "evaluation comparisons", "a coin"):
             lines.append(f"\n{r['method']}{text}.")
@@ -243,6 +234,13 @@ def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
     if not rows:
         return {}
     out = {}
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        out[f"{name}_png"] = str(root / f"sim_compare_{name}.png")
+        fig.savefig(out[f"{name}_png"], dpi=120)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
     x = range(len(rows))
     errs = [0 if math.isnan(r["win_rate_se"]) else r["win_rate_se"] for r in rows]
@@ -254,10 +252,7 @@ def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
     ax.set_ylabel("win rate vs SFT (p_eval)")
     ax.set_ylim(0, 1)
     ax.set_title("Simulated win rate against the SFT model (mean ± s.e. over seeds)")
-    fig.tight_layout()
-    out["winrate_png"] = str(root / "sim_compare_winrate.png")
-    fig.savefig(out["winrate_png"], dpi=120)
-    plt.close(fig)
+    save(fig, "winrate")
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for r in rows:
@@ -270,8 +265,5 @@ def plot(summary: dict[str, Any], root: Path) -> dict[str, str]:
     ax.set_xlabel("KL(policy || SFT), nats")
     ax.set_ylabel("win rate vs SFT")
     ax.set_title("Win rate vs KL to the SFT model")
-    fig.tight_layout()
-    out["tradeoff_png"] = str(root / "sim_compare_tradeoff.png")
-    fig.savefig(out["tradeoff_png"], dpi=120)
-    plt.close(fig)
+    save(fig, "tradeoff")
     return out

@@ -1,11 +1,8 @@
 """The simulated task of ``sim compare``: AlpacaFarm-like splits of an offline-generated (or toy) preference task.
 
-AlpacaFarm (section 3.1) splits its instructions into SFT, PREF (pairwise feedback), unlabeled (for PPO and other
-methods that sample) and held-out evaluation sets. :func:`build_task_splits` does the same for one stage of a
-:mod:`rlhf_ext.datagen` dataset generated with the offline backend (one style, e.g. ``rapper``) or for the toy task,
-and :func:`build_base_model` makes the tiny model SFT starts from when no base checkpoint is given.
-
-Splits (a ``DatasetDict`` with columns ``prompt``, ``chosen``, ``rejected``, ``style``):
+As AlpacaFarm (section 3.1), :func:`build_task_splits` splits one stage of an offline-generated :mod:`rlhf_ext.datagen`
+dataset (one style), or the toy task, into a ``DatasetDict`` (columns ``prompt``, ``chosen``, ``rejected``, ``style``);
+:func:`build_base_model` makes the tiny model SFT starts from when no base checkpoint is given.
 
 * ``sft`` / ``pref`` / ``unlabeled``: disjoint parts of the stage's train split (``task.sft_fraction`` /
   ``task.pref_fraction`` / the rest), in a fixed shuffled order;
@@ -50,9 +47,7 @@ def _datagen_stage(task: TaskSection, workdir: Path) -> tuple[list[dict[str, Any
         )
 
     def rows(split):
-        return [
-            {k: (r[k] + task.prompt_suffix if k == "prompt" else r[k]) for k in COLUMNS} for r in dd[split].to_list()
-        ]
+        return [{k: r[k] + task.prompt_suffix if k == "prompt" else r[k] for k in COLUMNS} for r in dd[split].to_list()]
 
     return rows("train"), rows("test")
 
@@ -88,11 +83,7 @@ def build_task_splits(task: TaskSection, workdir: str | Path, seed: int = 0):
 
 def task_texts(splits) -> list[str]:
     """All prompt and response texts of the SFT and PREF splits (what a task tokenizer is trained on)."""
-    out = []
-    for name in ("sft", "pref"):
-        for r in splits[name]:
-            out += [r["prompt"], r["chosen"], r["rejected"]]
-    return out
+    return [r[k] for name in ("sft", "pref") for r in splits[name] for k in ("prompt", "chosen", "rejected")]
 
 
 def build_base_model(dest: str | Path, texts: list[str], vocab_size: int, seed: int) -> str:

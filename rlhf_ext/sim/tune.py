@@ -1,18 +1,15 @@
 """``rlhf-ext sim tune``: the same small tuning grid for every method, picked on validation prompts (paper 002).
 
-AlpacaFarm compared methods after tuning each in its simulator; comparing one method at its tuned setting against
-another at a setting chosen for something else says little. :func:`run_tuning` gives every method of the recipe's
-``tuning`` section the same grid (the product of ``tuning.grid``'s values; a method of ``tuning.method_grids``, its
-own), trains each point on ``tuning.seeds`` and evaluates it exactly as ``sim compare`` does, but on the *validation*
-prompts (``eval.split: validation``, test prompts disjoint from the reported ones), never by gold and never by the
-surrogate reward. Per method it picks the point with the best mean length-controlled win rate (raw win rates reward
-length; see :func:`rlhf_ext.sim.evaluate.length_controlled_win_rate`). The picked points are what ``method_overrides``
-of a comparison recipe should hold; report on seeds other than the tuning seeds.
+AlpacaFarm compared methods after tuning each in its simulator. :func:`run_tuning` gives every method of the recipe's
+``tuning`` section the same grid (the product of ``tuning.grid``'s values, or the method's own in
+``tuning.method_grids``), trains each point on ``tuning.seeds`` and evaluates it as ``sim compare`` does but on the
+*validation* prompts (``eval.split: validation``), never by gold or the surrogate reward, and picks per method the
+point with the best mean length-controlled win rate (raw win rates reward length). The picks are what a comparison
+recipe's ``method_overrides`` should hold; report on seeds other than the tuning seeds.
 
-Layout: each (method, point) is a comparison directory of its own under ``OUTPUT_DIR/tuning/`` whose shared
-artefacts (task splits, base and SFT models, the seed's feedback and surrogate reward models) are links to the main
-directory's, so every point of every method trains from the same SFT model on the same feedback. Finished points are
-reused on rerun, and the points run in ``workers`` processes.
+Each (method, point) is a comparison directory under ``OUTPUT_DIR/tuning/`` whose shared artefacts (task splits, base
+and SFT models, each seed's feedback and reward models) link to the main directory's, so every point trains from the
+same SFT model on the same feedback. Finished points are reused on rerun; points run in ``workers`` processes.
 """
 
 from __future__ import annotations
@@ -54,14 +51,8 @@ def point_recipe(recipe: SimCompareRecipe, method: str, point: dict[str, Any], s
     data = to_dict(recipe)
     data["method_overrides"] = {}
     root = Path(recipe.output_dir) / "tuning" / method / point_name(point)
-    overrides = [
-        f"output_dir={root}",
-        f"methods=[{method}]",
-        f"seeds=[{seed}]",
-        "workers=1",
-        "eval.split=validation",
-        *(f"{k}={json.dumps(v)}" for k, v in point.items()),
-    ]
+    overrides = [f"output_dir={root}", f"methods=[{method}]", f"seeds=[{seed}]", "workers=1", "eval.split=validation",
+                 *(f"{k}={json.dumps(v)}" for k, v in point.items())]  # fmt: skip
     return from_dict(SimCompareRecipe, apply_overrides(data, overrides))
 
 
@@ -78,9 +69,8 @@ def link_shared(main: Path, sub: Path, seed: int) -> None:
 
 def shared_run(recipe: SimCompareRecipe, progress: Callable[[str], None] | None = None) -> SimRun:
     """The main directory's run that builds what every tuning point shares (SFT model, feedback and reward models of
-    the tuning seeds). It runs no method there, so the methods a tuned comparison already ran in that directory (at
-    their picks) are not checked against the recipe's own ``method_overrides``: tuning again after ``sim compare
-    --tuning`` (a method added, a grid widened) reuses the directory."""
+    the tuning seeds). It runs no method, so methods a tuned comparison ran there are not checked against the
+    recipe's ``method_overrides``: tuning again after ``sim compare --tuning`` reuses the directory."""
     return SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": recipe.tuning.seeds, "methods": ["sft"]}),
                   progress)  # fmt: skip
 
@@ -175,8 +165,6 @@ def tuning_markdown(summary: dict[str, Any]) -> str:
                 f"{fmt(r['segments_per_response'], r['segments_per_response_se'], 1)} | "
                 f"{'yes' if r['point'] == entry['picked'] else ''} |"
             )
-    lines.append("")
-    lines.append("method_overrides for the comparison recipe:")
-    for method, entry in summary["methods"].items():
-        lines.append(f"  {method}: [{', '.join(entry['overrides'])}]")
+    lines += ["", "method_overrides for the comparison recipe:"]
+    lines += [f"  {method}: [{', '.join(entry['overrides'])}]" for method, entry in summary["methods"].items()]
     return "\n".join(lines)
