@@ -52,7 +52,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -104,14 +104,9 @@ class RunnerStats:
     wall_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
             "staleness": {int(k): int(v) for k, v in sorted(self.staleness.items())},
             "trained": [list(t) for t in self.trained],
-            "generate_seconds": self.generate_seconds,
-            "train_seconds": self.train_seconds,
-            "wait_seconds": self.wait_seconds,
-            "publish_seconds": self.publish_seconds,
-            "wall_seconds": self.wall_seconds,
         }
 
 
@@ -262,17 +257,10 @@ class OneStepAsyncRunner(Generic[T]):
         name: name of the generator thread / process.
     """
 
-    def __init__(
-        self,
-        generate_fn: Callable[[int, int], T],
-        num_batches: int,
-        load_weights_fn: Callable[[Any, int], None] | None = None,
-        sync: bool = False,
-        generator_threads: int | None = None,
-        learner_threads: int | None = None,
-        process: bool = False,
-        name: str = "rlhf-ext-generator",
-    ):
+    def __init__(self, generate_fn: Callable[[int, int], T], num_batches: int,
+                 load_weights_fn: Callable[[Any, int], None] | None = None, sync: bool = False,
+                 generator_threads: int | None = None, learner_threads: int | None = None, process: bool = False,
+                 name: str = "rlhf-ext-generator"):  # fmt: skip
         if not isinstance(num_batches, int) or num_batches < 1:
             raise ValueError(f"num_batches must be a positive integer, got {num_batches!r}")
         if load_weights_fn is None and not sync:
@@ -282,15 +270,10 @@ class OneStepAsyncRunner(Generic[T]):
             )
         if load_weights_fn is None and process:
             raise ValueError("a generator process cannot share the learner's policy object; pass load_weights_fn")
-        self.generate_fn = generate_fn
-        self.load_weights_fn = load_weights_fn
-        self.num_batches = num_batches
-        self.sync = sync
-        self.lag = 0 if sync else 1  # batch k is generated with theta_{max(k - lag, 0)}
-        self.generator_threads = generator_threads
-        self.learner_threads = learner_threads
-        self.process = process
-        self.name = name
+        self.generate_fn, self.load_weights_fn, self.num_batches = generate_fn, load_weights_fn, num_batches
+        self.sync, self.lag = sync, 0 if sync else 1  # batch k is generated with theta_{max(k - lag, 0)}
+        self.generator_threads, self.learner_threads = generator_threads, learner_threads
+        self.process, self.name = process, name
         self.stats = RunnerStats()
         if process:
             import torch.multiprocessing as mp  # registers the shared-memory tensor reductions
@@ -304,11 +287,8 @@ class OneStepAsyncRunner(Generic[T]):
         self._worker: threading.Thread | Any | None = None
         self._error: BaseException | None = None
         self._error_text: str | None = None
-        self._version = 0  # learner: updates done
-        self._next_index = 0  # learner: next batch expected
-        self._awaiting_publish = False
-        self._received_at = 0.0
-        self._started_at = 0.0
+        self._version, self._next_index = 0, 0  # learner: updates done, next batch expected
+        self._awaiting_publish, self._received_at, self._started_at = False, 0.0, 0.0
 
     # ------------------------------------------------------------------------------------------------ properties
     @property
@@ -333,17 +313,8 @@ class OneStepAsyncRunner(Generic[T]):
         threads = self.generator_threads
         if threads is None and self.process:  # a fresh process would start with every core; inherit the budget
             threads = torch.get_num_threads()
-        args = (
-            self.generate_fn,
-            self.load_weights_fn,
-            self.num_batches,
-            self.lag,
-            threads,
-            self._batches,
-            self._weights,
-            self._stop,
-            self._errors,
-        )
+        args = (self.generate_fn, self.load_weights_fn, self.num_batches, self.lag, threads, self._batches,
+                self._weights, self._stop, self._errors)  # fmt: skip
         if self.process:
             import torch.multiprocessing as mp
 

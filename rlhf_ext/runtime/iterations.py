@@ -107,16 +107,6 @@ def run_iteration(trainer: IterationSteps, t: int) -> dict[str, Any]:
     return trainer.log_iteration(t, pairs, evaluation)
 
 
-class _Scores:
-    """A reward function that returns scores computed before (step 3), for the selection of step 4."""
-
-    def __init__(self, rewards: torch.Tensor):
-        self.rewards = rewards
-
-    def __call__(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
-        return self.rewards.flatten()
-
-
 class IterationEngine(Protocol):
     """What :class:`IterationRun` needs from the training engine (the TRL adapter
     :class:`rlhf_ext.trl.IterativeDPOTrainer` is one)."""
@@ -201,18 +191,11 @@ class IterationRun:
     def sampler_spec(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
         a = self.args
-        return dict(
-            backend=a.generation_backend,
-            policy=self.sft_path,
-            tokenizer=self.tokenizer,
-            max_new_tokens=a.max_completion_length,
-            temperatures=a.temperatures,
-            batch_size=a.generation_batch_size,
-            max_prompt_length=a.max_prompt_length,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
-        )
+        return dict(backend=a.generation_backend, policy=self.sft_path, tokenizer=self.tokenizer,
+                    max_new_tokens=a.max_completion_length, temperatures=a.temperatures,
+                    batch_size=a.generation_batch_size, max_prompt_length=a.max_prompt_length, top_p=a.top_p,
+                    top_k=a.top_k, vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+                                                **(a.vllm_kwargs or {})})  # fmt: skip
 
     def sampler(self):
         if self._sampler is None:
@@ -262,14 +245,9 @@ class IterationRun:
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
         whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
-        rows, stats = score_and_select(
-            prompts,
-            ids,
-            samples,
-            _Scores(rewards),
-            self.args,  # the selection knobs (OnlineDPOKnobs)
-            torch.Generator().manual_seed(self.seed("select", t)),
-        )
+        scores = lambda prompts, responses: rewards.flatten()  # the scores of step 3
+        rows, stats = score_and_select(prompts, ids, samples, scores, self.args,  # the selection knobs (OnlineDPOKnobs)
+                                       torch.Generator().manual_seed(self.seed("select", t)))  # fmt: skip
         for r in rows:
             r.update(iteration=t, policy=t)
         return rows, {**stats, "policy": self.policy_path(t)}
@@ -277,11 +255,9 @@ class IterationRun:
     def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
         if not rows:
-            warnings.warn(
-                f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the reward "
-                "(equal scores or identical text), so no preference pairs were collected",
-                stacklevel=2,
-            )
+            warnings.warn(f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the "
+                          "reward (equal scores or identical text), so no preference pairs were collected",
+                          stacklevel=2)  # fmt: skip
         self.store.write(t, rows, stats)
         logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
 
@@ -304,10 +280,8 @@ class IterationRun:
         start = state["policies"][str(t)]
         rows = self.store.training_pairs(t, self.args.pair_data)
         if not rows:
-            warnings.warn(
-                f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})",
-                stacklevel=2,
-            )
+            msg = f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})"
+            warnings.warn(msg, stacklevel=2)
             state["policies"][str(t + 1)] = start
             state["skipped"].append(t)
             self.write_state(state)
@@ -361,27 +335,16 @@ class IterationRun:
     def log_iteration(self, t: int, pairs: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
         """Log iteration ``t``'s pairs and the evaluation of ``pi_{t+1}`` through the engine's loggers; returns
         the summary's record of the iteration."""
-        logs = {
-            "iteration": t,
-            "pairs/num_pairs": pairs["num_pairs"],
-            "pairs/dropped": pairs["dropped"],
-            "pairs/mean_reward": pairs["mean_reward"],
-            **eval_logs(evaluation),
-        }
-        self.engine.log(logs)
+        logs = {"iteration": t, **{f"pairs/{k}": pairs[k] for k in ("num_pairs", "dropped", "mean_reward")}}
+        self.engine.log({**logs, **eval_logs(evaluation)})
         return {"iteration": t, "pairs": pairs, "eval": evaluation}
 
     def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
         """The per-iteration run's summary, written to ``output_dir/summary.json``."""
         state = self.read_state()
-        summary = {
-            "mode": "iterative",
-            "output_dir": str(self.root),
-            "final_policy": state["policies"][str(self.args.num_iterations)],
-            "skipped_iterations": state["skipped"],
-            "eval": evals,
-            "iterations": iterations,
-        }
+        summary = {"mode": "iterative", "output_dir": str(self.root),
+                   "final_policy": state["policies"][str(self.args.num_iterations)],
+                   "skipped_iterations": state["skipped"], "eval": evals, "iterations": iterations}  # fmt: skip
         if self.dist.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
         return summary

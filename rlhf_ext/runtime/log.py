@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TextIO
@@ -29,12 +30,7 @@ from typing import TextIO
 LIBRARY_LOGGER = "rlhf_ext"
 #: The environment variable that sets the library logger's level under the command line.
 VERBOSITY_ENV = "RLHF_EXT_VERBOSITY"
-VERBOSITY_LEVELS: dict[str, int] = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
+VERBOSITY_LEVELS: dict[str, int] = {n: getattr(logging, n.upper()) for n in ("debug", "info", "warning", "error")}
 #: Environment variables that turn off the progress bars of the Hugging Face libraries (their bars redraw a line
 #: with ``\r``, which a pipe or a log file records as one ever-growing line).
 HF_PROGRESS_BAR_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
@@ -108,10 +104,8 @@ class ConsoleHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm = sys.modules.get("tqdm")
-        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):  # no bar is on screen
-            super().emit(record)
-            return
-        with tqdm.tqdm.external_write_mode(file=sys.stderr):  # clears the bars, writes, redraws them
+        bars = tqdm is not None and getattr(tqdm.tqdm, "_instances", None)  # a bar is on screen
+        with tqdm.tqdm.external_write_mode(file=sys.stderr) if bars else contextlib.nullcontext():  # clears, redraws
             super().emit(record)
 
 
@@ -134,10 +128,7 @@ def enable_console_logging(level: str | int | None = None) -> logging.Handler:
     if handler is None:
         handler = ConsoleHandler()
         log.addHandler(handler)
-    if level is not None:
-        log.setLevel(parse_verbosity(level))
-    else:
-        log.setLevel(verbosity_from_env() or logging.INFO)
+    log.setLevel(parse_verbosity(level) if level is not None else verbosity_from_env() or logging.INFO)
     return handler
 
 
@@ -160,8 +151,7 @@ def configure_cli_output() -> None:
     # user cannot act on (rlhf-ext itself passes the new ``activation_checkpointing`` name): not on the CLI's terminal
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     if host_configured_logging():
-        level = verbosity_from_env()
-        if level is not None:
+        if (level := verbosity_from_env()) is not None:
             library_logger().setLevel(level)
     else:
         enable_console_logging()
@@ -199,8 +189,6 @@ class ProgressLines:
     (``update``, ``n``, ``set_postfix``, ``close``, a context manager), so a caller takes either (:func:`progress`)."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "it") -> None:
-        import time
-
         self.total, self.n, self.desc, self.unit = total, initial, desc, unit
         self._start, self._start_n = time.monotonic(), initial
         self._last, self._logged = self._start, initial
@@ -223,16 +211,12 @@ class ProgressLines:
         self._last, self._logged = now, self.n
 
     def update(self, n: int = 1) -> None:
-        import time
-
         self.n += n
         now = time.monotonic()
         if now - self._last >= PROGRESS_LINE_SECONDS:
             self._line(now)
 
     def close(self) -> None:
-        import time
-
         if self.n != self._logged:
             self._line(time.monotonic())
 

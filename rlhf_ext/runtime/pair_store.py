@@ -43,11 +43,8 @@ class PairStore:
         """Iterations whose pairs are on disk, in order."""
         if not self.root.is_dir():
             return []
-        done = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("iter_") and (p / SUMMARY_FILE).is_file():
-                done.append(int(p.name[len("iter_") :]))
-        return sorted(done)
+        done = [p for p in self.root.iterdir() if p.name.startswith("iter_") and (p / SUMMARY_FILE).is_file()]
+        return sorted(int(p.name[len("iter_") :]) for p in done if p.is_dir())
 
     def write(self, iteration: int, rows: list[dict[str, Any]], summary: dict[str, Any]) -> Path:
         """Write iteration ``iteration``'s pairs atomically; refuses to overwrite a completed iteration."""

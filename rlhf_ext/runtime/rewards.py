@@ -53,10 +53,8 @@ class SequenceClassifierReward:
             model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, dtype=torch.float32)
         if tokenizer is None:
             raise ValueError("pass tokenizer= when the reward model is already instantiated")
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer, self.batch_size = model.to(self.device).eval(), tokenizer, batch_size
         self._tokenizer_lock = PicklableLock()  # a fast tokenizer may refuse two threads at once ("Already borrowed")
-        self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def _text(self, prompt: Any, response: str) -> tuple[str, bool]:
@@ -184,13 +182,8 @@ def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -
     return reward_funcs, uses_reward_funcs
 
 
-def load_reward(
-    spec: str,
-    kind: str = "auto",
-    batch_size: int = 32,
-    sft_model: str | None = None,
-    device: str | torch.device | None = None,
-) -> RewardFn:
+def load_reward(spec: str, kind: str = "auto", batch_size: int = 32, sft_model: str | None = None,
+                device: str | torch.device | None = None) -> RewardFn:  # fmt: skip
     """A reward function from a recipe string.
 
     ``spec`` is ``builtin:keyphrase-gold``, ``module.path:callable`` (a user function or a factory's result, e.g.

@@ -46,7 +46,7 @@ class RunSettingsChanged(ValueError):
 
     def __init__(
         self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any], redo: str | None = None
-    ) -> None:
+    ):
         self.root, self.keys, self.old, self.new = root, keys, old, new
         fix = f"{redo} to redo its stages with the new settings, or choose" if redo else "delete it or choose"
         super().__init__(
@@ -129,18 +129,9 @@ class RunDir:
         RunSettingsChanged: ``root`` holds a run with other settings (or of another kind) and ``force`` is false.
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        settings: Mapping[str, Any],
-        *,
-        kind: str,
-        run_file: str = "run.json",
-        force: bool = False,
-        stages_dir: str = STAGES_DIR,
-        redo: str | None = None,
-        recorded_names: Mapping[str, str] | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, settings: Mapping[str, Any], *, kind: str, run_file: str = "run.json",
+                 force: bool = False, stages_dir: str = STAGES_DIR, redo: str | None = None,
+                 recorded_names: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.root = Path(root)
         self.stages = self.root / stages_dir
         if force and self.stages.resolve() == self.root.resolve():
@@ -161,13 +152,9 @@ class RunDir:
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)
         if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)
-            atomic_write_json(self.run_file, {
-                "kind": kind,
-                "fingerprint": self.fingerprint,
-                "settings": self.settings,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "rlhf_ext_version": _version(),
-            })  # fmt: skip
+            atomic_write_json(self.run_file, {"kind": kind, "fingerprint": self.fingerprint, "settings": self.settings,
+                                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                              "rlhf_ext_version": _version()})  # fmt: skip
 
     def marker(self, stage: str) -> Path:
         """The marker file of ``stage`` (``<stages_dir>/<stage>.json``; it exists once the stage finished)."""

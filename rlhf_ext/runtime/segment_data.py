@@ -22,8 +22,10 @@ whose EOS was cut off gets its last kept token replaced by EOS.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +41,8 @@ from rlhf_ext.algos.segment_reward import (
     logprobs_and_entropy,
     token_entropy,
 )
-from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_text, build_once, stable_hash
+from rlhf_ext.runtime.sampling import is_conversation as _is_conversation
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +52,6 @@ TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
 
 class DatasetFormatError(ValueError):
     """The preference dataset is missing a column or holds a value of the wrong type."""
-
-
-def _is_conversation(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def check_preference_columns(column_names: Sequence[str], chosen_key: str, rejected_key: str, where: str) -> None:
@@ -93,16 +92,9 @@ def _split_prompt_response(example: dict, tokenizer, prompt_key: str | None, key
     return prompt or "", response, False
 
 
-def tokenize_pair(
-    example: dict,
-    tokenizer,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    chosen_offsets: bool = False,
-) -> dict[str, Any]:
+def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
+                  prompt_key: str | None = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
+                  chosen_offsets: bool = False) -> dict[str, Any]:  # fmt: skip
     """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
 
     Prompt and responses are tokenised separately and concatenated, so the prompt/response boundary is exact. EOS
@@ -146,11 +138,8 @@ def tokenize_pair(
             prompt_ids = prompt_ids[len(prompt_ids) - limit :]
         room = max_length - len(prompt_ids)
         responses = [ids if len(ids) <= room else ids[: room - 1] + [eos] for ids in responses]
-    out = {
-        "chosen_ids": prompt_ids + responses[0],
-        "rejected_ids": prompt_ids + responses[1],
-        "prompt_len": len(prompt_ids),
-    }
+    out = {"chosen_ids": prompt_ids + responses[0], "rejected_ids": prompt_ids + responses[1],
+           "prompt_len": len(prompt_ids)}  # fmt: skip
     if "margin" in example and example["margin"] is not None:
         out["margin"] = float(example["margin"])
     if chosen_offsets:
@@ -158,16 +147,9 @@ def tokenize_pair(
     return out
 
 
-def tokenize_preference_dataset(
-    dataset,
-    tokenizer,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    num_proc: int | None = None,
-):
+def tokenize_preference_dataset(dataset, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
+                                prompt_key: str | None = "prompt", chosen_key: str = "chosen",
+                                rejected_key: str = "rejected", num_proc: int | None = None):  # fmt: skip
     """Map :func:`tokenize_pair` over a ``datasets.Dataset``; idempotent on an already tokenised dataset."""
     if all(c in dataset.column_names for c in TOKENIZED_COLUMNS):
         return dataset
@@ -175,21 +157,11 @@ def tokenize_preference_dataset(
     if prompt_key and prompt_key not in dataset.column_names:
         prompt_key = None
     logger.info("tokenizing %d preference pairs", len(dataset))
-    return dataset.map(
-        _tokenize_row,
-        with_indices=True,
-        fn_kwargs=dict(
-            tokenizer=tokenizer,
-            max_length=max_length,
-            max_prompt_length=max_prompt_length,
-            prompt_key=prompt_key,
-            chosen_key=chosen_key,
-            rejected_key=rejected_key,
-        ),
-        remove_columns=[c for c in dataset.column_names if c != "margin"],
-        num_proc=num_proc,
-        desc="Tokenizing preference pairs",
-    )
+    kwargs = dict(tokenizer=tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
+                  prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
+    return dataset.map(_tokenize_row, with_indices=True, fn_kwargs=kwargs, num_proc=num_proc,
+                       remove_columns=[c for c in dataset.column_names if c != "margin"],
+                       desc="Tokenizing preference pairs")  # fmt: skip
 
 
 def _tokenize_row(example: dict, index: int, **kwargs: Any) -> dict[str, Any]:
@@ -275,10 +247,8 @@ def pad_sequences(
     out = torch.full((len(seqs), width), value, dtype=dtype)
     for i, s in enumerate(seqs):
         if len(s):
-            if side == "right":
-                out[i, : len(s)] = torch.as_tensor(s, dtype=dtype)
-            else:
-                out[i, width - len(s) :] = torch.as_tensor(s, dtype=dtype)
+            cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+            out[i, cols] = torch.as_tensor(s, dtype=dtype)
     return out
 
 
@@ -322,19 +292,11 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
 
 
-def prepare_segment_dataset(
-    dataset,
-    tokenizer,
-    sft_model=None,
-    sft_model_name_or_path: str | None = None,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    entropy_batch_size: int = 8,
-    cache_dir: str | Path | None = None,
-):
+def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_or_path: str | None = None,
+                            max_length: int | None = None, max_prompt_length: int | None = None,
+                            prompt_key: str | None = "prompt", chosen_key: str = "chosen",
+                            rejected_key: str = "rejected", entropy_batch_size: int = 8,
+                            cache_dir: str | Path | None = None):  # fmt: skip
     """Tokenise a preference dataset and add SFT entropies, reusing an on-disk cache when possible.
 
     Args:
@@ -357,22 +319,12 @@ def prepare_segment_dataset(
             "segmentation needs the SFT model the reward model starts from: pass sft_model= or "
             "sft_model_name_or_path= (recipe key model.sft_model)"
         )
-    settings = dict(
-        max_length=max_length,
-        max_prompt_length=max_prompt_length,
-        prompt_key=prompt_key,
-        chosen_key=chosen_key,
-        rejected_key=rejected_key,
-    )
+    settings = dict(max_length=max_length, max_prompt_length=max_prompt_length, prompt_key=prompt_key,
+                    chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
     cache_path = None
     if cache_dir is not None and sft_model_name_or_path is not None:
-        key = stable_hash(
-            dataset._fingerprint,
-            model_identity(sft_model_name_or_path),
-            settings,
-            tokenizer.name_or_path,
-            len(tokenizer),
-        )
+        identity = model_identity(sft_model_name_or_path)
+        key = stable_hash(dataset._fingerprint, identity, settings, tokenizer.name_or_path, len(tokenizer))
         cache_path = Path(cache_dir) / f"segment-entropy-{key}"
 
     def compute():
@@ -395,12 +347,8 @@ def prepare_segment_dataset(
     return load_from_disk(str(build_once(cache_path, build, "dataset_info.json")))
 
 
-def collate_segment_pairs(
-    examples: Sequence[dict[str, Any]],
-    pad_token_id: int,
-    padding_side: str = "right",
-    pad_to_multiple_of: int | None = None,
-) -> dict[str, torch.Tensor]:
+def collate_segment_pairs(examples: Sequence[dict[str, Any]], pad_token_id: int, padding_side: str = "right",
+                          pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Stack chosen then rejected sequences of a batch of prepared examples (TRL's convention) into tensors.
 
     Returns a dict with ``[2B, T]`` tensors ``input_ids`` (long), ``attention_mask`` (long), ``action_mask`` (bool,
@@ -436,11 +384,6 @@ SEGMENT_CONFIG_NAME = "segment_config.json"
 
 def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> None:
     """Record next to a reward-model checkpoint how it segments text (cutoff, aggregation, tau, SFT model)."""
-    import json
-    import os
-
-    from rlhf_ext.runtime.io import atomic_write_text
-
     settings = dict(settings)
     if isinstance(settings.get("entropy_cutoff"), float) and math.isinf(settings["entropy_cutoff"]):
         settings["entropy_cutoff"] = "inf"  # JSON has no infinity
@@ -453,8 +396,6 @@ def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> No
 
 def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
     """Read the settings a segment reward model was trained with (see :func:`save_segment_settings`)."""
-    import json
-
     path = Path(model_dir) / SEGMENT_CONFIG_NAME
     if not path.exists():
         raise FileNotFoundError(

@@ -52,9 +52,8 @@ def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     transformers_logger = logging.getLogger("transformers.modeling_utils")
     transformers_logger.addFilter(no_load_report)
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, output_loading_info=True
-        )
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                         output_loading_info=True)  # fmt: skip
     finally:
         transformers_logger.removeFilter(no_load_report)
     fresh = sorted(info["missing_keys"])
@@ -67,11 +66,15 @@ def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     return model
 
 
+def _unwrap(model):
+    """The model inside a DDP / DeepSpeed engine and a PEFT wrapper."""
+    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+
+
 def find_score_head(model) -> torch.nn.Module:
     """The linear head a sequence-classification model applies to every position (``score`` in HF models)."""
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    if hasattr(inner, "get_base_model"):  # PEFT
-        inner = inner.get_base_model()
+    inner = _unwrap(model)
     head = getattr(inner, getattr(inner, "value_head_prefix", "score"), None)  # OpenRLHF names its head
     if not isinstance(head, torch.nn.Module):
         raise TypeError(
@@ -116,10 +119,7 @@ class TokenScoreCapture:
 def _forward_extras(model, attention_mask: torch.Tensor) -> dict[str, Any]:
     """``position_ids`` (correct under left padding) and ``use_cache=False`` for a model whose ``forward`` takes them
     (Hugging Face models); OpenRLHF's reward model derives its positions from the mask and takes neither."""
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    if hasattr(inner, "get_base_model"):  # PEFT
-        inner = inner.get_base_model()
-    params = inspect.signature(inner.forward).parameters
+    params = inspect.signature(_unwrap(model).forward).parameters
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     return {k: v for k, v in (("position_ids", position_ids), ("use_cache", False)) if k in params}
 
@@ -151,19 +151,11 @@ def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | N
 
 @torch.no_grad()
 def segment_evaluation(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    sft_model=None,
-    entropy: torch.Tensor | None = None,
-    segment_ends: torch.Tensor | None = None,
-    settings: str | os.PathLike | Mapping[str, Any] | None = None,
-    entropy_cutoff: float | None = None,
-    aggregation: str | None = None,
-    tau: float | None = None,
-) -> SequenceEvaluation:
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *, sft_model=None,
+    entropy: torch.Tensor | None = None, segment_ends: torch.Tensor | None = None,
+    settings: str | os.PathLike | Mapping[str, Any] | None = None, entropy_cutoff: float | None = None,
+    aggregation: str | None = None, tau: float | None = None,
+) -> SequenceEvaluation:  # fmt: skip
     """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4).
 
     A segment reward model loaded with plain ``AutoModelForSequenceClassification`` (or OpenRLHF's
@@ -217,14 +209,8 @@ def segment_evaluation(
 
 
 @torch.no_grad()
-def preference_accuracy(
-    model,
-    prepared_rows,
-    entropy_cutoff: float,
-    aggregation: str = Aggregation.SOFTMAX,
-    tau: float = DEFAULT_TAU,
-    batch_size: int = 16,
-) -> dict[str, float]:
+def preference_accuracy(model, prepared_rows, entropy_cutoff: float, aggregation: str = Aggregation.SOFTMAX,
+                        tau: float = DEFAULT_TAU, batch_size: int = 16) -> dict[str, float]:  # fmt: skip
     """Held-out accuracy of a segment reward model: the fraction of pairs with e(x, y_w) > e(x, y_l).
 
     Args:
@@ -283,14 +269,8 @@ class SegmentScorer:
             ``sft_model`` are needed for a model without rlhf-ext's ``segment_config.json``).
     """
 
-    def __init__(
-        self,
-        reward_model: str,
-        sft_model: str | None = None,
-        entropy_cutoff: float | None = None,
-        aggregation: str | None = None,
-        tau: float | None = None,
-    ):
+    def __init__(self, reward_model: str, sft_model: str | None = None, entropy_cutoff: float | None = None,
+                 aggregation: str | None = None, tau: float | None = None):  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         given = {"entropy_cutoff": entropy_cutoff, "aggregation": aggregation, "tau": tau, "sft_model": sft_model}
@@ -317,9 +297,8 @@ class SegmentScorer:
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
         #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
         self.tokenizer_lock = PicklableLock()
-        self.reward_model = AutoModelForSequenceClassification.from_pretrained(
-            reward_model, num_labels=1, dtype=torch.float32
-        ).eval()
+        self.reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=1,
+                                                                               dtype=torch.float32).eval()  # fmt: skip
         self.sft_model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
 
     @property
