@@ -48,8 +48,7 @@ def fit_normalizer(
     """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses.
 
     Args:
-        reward_model: sequence-classification reward model (instance).
-        sft_model: the SFT causal LM used for segmentation (instance).
+        reward_model, sft_model: the sequence-classification reward model and the SFT causal LM (instances).
         dataset: preference rows (prompt/chosen/rejected) or a prepared segment dataset.
         granularity, entropy_cutoff, aggregation, tau, chunk_size: as used in PPO (:func:`dense_segment_rewards`).
         reward_model_id: recorded in the normalizer so PPO can refuse it for another reward model.
@@ -177,12 +176,8 @@ class ReferenceEntry:
 
 
 def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
-    """Every entry of a released ``param.json``, in file order.
-
-    Raises:
-        NormalizerError: the file is missing, not JSON, not nested as :data:`REFERENCE_KEY_LEVELS`, or has a cutoff
-            key that is not a number.
-    """
+    """Every entry of a released ``param.json``, in file order (:class:`NormalizerError`: the file is missing, not
+    JSON, not nested as :data:`REFERENCE_KEY_LEVELS`, or has a cutoff key that is not a number)."""
     path = Path(path)
     if not path.is_file():
         raise NormalizerError(f"param.json file {path} does not exist")
@@ -221,17 +216,11 @@ def import_reference_normalizer(
     reward_model: str | None = None, std_floor: float | None = None, max_segments: int = REFERENCE_MAX_SEGMENTS,
 ) -> LocationNormalizer:  # fmt: skip
     """The released normalizer ``model_type/dataset/method/aggregation/cutoff`` of a ``param.json`` (paper 003's
-    public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``).
-
-    The cutoff matches numerically (``2`` finds the key ``"2.0"``). Unlike the public code, which silently uses no
-    normalization (mean 0, std 1) for a missing entry, a missing entry is an error listing the file's entries.
-
-    Args:
-        reward_model, std_floor, max_segments: see :meth:`LocationNormalizer.from_reference_params`.
-
-    Raises:
-        NormalizerError: no (or more than one) such entry, a malformed file, or a Std that is not positive on
-            ``[1 / max_segments, 1]`` without ``std_floor``.
+    public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``; the other
+    arguments: :meth:`LocationNormalizer.from_reference_params`). The cutoff matches numerically (``2`` finds
+    ``"2.0"``). Unlike the public code (silently no normalization), a missing entry is a :class:`NormalizerError`
+    listing the file's entries, as are several matches, a malformed file and a Std not positive on
+    ``[1 / max_segments, 1]`` without ``std_floor``.
     """
     path = Path(path)
     entries = read_reference_params(path)

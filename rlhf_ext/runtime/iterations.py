@@ -1,8 +1,6 @@
-"""The iteration loop of paper 004's Algorithm 2, written once, engine-free, and its steps: :func:`run_iterations`
-calls the steps of an :class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run
-(the run directory, prompts, sampling, scoring, pair selection and storage, evaluation, summary). The TRL adapter
-:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`; its
-``train()`` runs this loop, and so does every pipeline through it.
+"""The iteration loop of paper 004's Algorithm 2, engine-free: :func:`run_iterations` calls the steps of an
+:class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run. The TRL adapter
+:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`.
 """
 
 from __future__ import annotations
@@ -55,30 +53,24 @@ class IterationSteps(Protocol):
 
 def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
     """Paper 004's Algorithm 2, iterative best/worst-of-n online DPO, on ``trainer``'s steps (an
-    :class:`IterationSteps`, or the TRL adapter :class:`~rlhf_ext.trl.IterativeDPOTrainer` with
-    ``online_mode="iterative"``, whose ``train()`` calls this, holding one as ``iteration_steps``); returns the run's
-    summary.
+    :class:`IterationSteps`, or a trainer holding one as ``iteration_steps``); returns the run's summary.
 
     ``pi_0`` is the SFT model; it is evaluated first. Then, for each iteration ``t = 0 .. num_iterations - 1``:
 
-    1. take the iteration's ``m = prompts_per_iteration`` prompts (paper: 20k; one fixed shuffle, consecutive
-       slices);
-    2. sample ``n = num_generations`` responses per prompt from ``pi_t``, split across the two temperatures
-       (paper: 8 or 16 at 0.7 and 1.0, no top-p / top-k);
+    1. take the iteration's ``m = prompts_per_iteration`` prompts (paper: 20k; one fixed shuffle, consecutive slices);
+    2. sample ``n = num_generations`` responses per prompt from ``pi_t`` at the temperatures (paper: 8 or 16 at 0.7
+       and 1.0, no top-p / top-k);
     3. score every response with the reward ``r``;
-    4. select one pair per prompt: the best vs the worst response under ``r_e(x, a) = r(x, a) - lambda * |a|``
-       (paper 004 Eq. 9, ``|a|`` in characters), dropping prompts whose responses tie;
-    5. store the iteration's pairs atomically: they exist complete or not at all, so steps 2-5 run exactly once
-       per iteration and a resumed run skips them;
-    6. train DPO from ``pi_t`` on the accumulated pairs of iterations ``0..t`` (paper: "historical + new") with the
-       SFT model ``pi_0`` as reference (paper: 2 epochs, cosine, lr 5e-7, warm-up 0.03, global batch 128,
-       beta 0.1) -> ``pi_{t+1}``, resumed from its last checkpoint if it was interrupted; an iteration without
-       pairs keeps ``pi_{t+1} = pi_t``;
-    7. evaluate ``pi_{t+1}``: the reward of its samples on the held-out prompts (and the gold score if any),
-       logged through the trainer's loggers with the iteration's pair statistics.
+    4. select one pair per prompt: best vs worst under ``r_e(x, a) = r(x, a) - lambda * |a|`` (paper 004 Eq. 9,
+       ``|a|`` in characters), dropping prompts whose responses tie;
+    5. store the pairs atomically, so steps 2-5 run exactly once per iteration;
+    6. train DPO from ``pi_t`` on the pairs of iterations ``0..t`` (paper: "historical + new") with ``pi_0`` as
+       reference (paper: 2 epochs, cosine, lr 5e-7, warm-up 0.03, global batch 128, beta 0.1) -> ``pi_{t+1}``; an
+       iteration without pairs keeps ``pi_{t+1} = pi_t``;
+    7. evaluate ``pi_{t+1}`` on the held-out prompts (reward, and gold score if any) and log it with the pairs' stats.
 
-    Every step's result is on disk before the next starts (pairs, ``state.json``, ``eval/``), so rerunning a killed
-    run resumes at the last finished step and produces the same pairs and weights.
+    Every step's result is on disk before the next starts, so rerunning a killed run resumes at the last finished
+    step and produces the same pairs and weights.
     """
     trainer = getattr(trainer, "iteration_steps", trainer)  # the TRL adapter holds its steps (an IterationRun)
     args = trainer.args
@@ -117,21 +109,15 @@ class IterationEngine(Protocol):
 
 
 class IterationRun:
-    """The engine-free part of an online DPO run in ``root`` (its ``output_dir``): the run directory (``run.json``),
-    the policy record (``state.json``), the prompts of each iteration, sampling, scoring, pair selection and storage
-    (``pairs/``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`), evaluations (``eval/``), log rows and the
-    summary. It is :func:`run_iterations`'s :class:`IterationSteps`; the DPO run of step 6 and the logger are the
-    ``engine``'s.
+    """The engine-free part of an online DPO run in ``args.output_dir`` (``run.json``, ``state.json``, ``pairs/``,
+    ``eval/``): :func:`run_iterations`'s :class:`IterationSteps`; the DPO run of step 6 and the logger are the
+    ``engine``'s (an :class:`IterationEngine`).
 
     Args:
         args: the run's ``IterativeDPOConfig``.
-        prompts, eval_prompts: the training prompts and the evaluation prompts (text or chat messages).
         sft_path, ref_path: checkpoints of ``pi_0`` and of the SFT reference.
-        tokenizer: the policy's tokenizer (for the samplers).
         reward_fn, gold_fn: ``(prompts, responses) -> scores``; ``gold_fn`` is reported at evaluation only.
-        dist: the process group (``accelerate.PartialState``: ``is_main_process``, ``wait_for_everyone``,
-            ``num_processes``, ``process_index``).
-        engine: an :class:`IterationEngine`.
+        dist: the process group (``accelerate.PartialState``).
     """
 
     def __init__(self, args, prompts: list[Any], eval_prompts: list[Any], sft_path: str, ref_path: str, tokenizer,
@@ -145,12 +131,8 @@ class IterationRun:
 
     # ------------------------------------------------------------------------------------------ run directory
     def open_run(self) -> RunDir:
-        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it.
-
-        Raises:
-            FileExistsError: a run exists and ``args.resume`` is false.
-            RunSettingsChanged: (a ``ValueError``) the run there was started with other settings.
-        """
+        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it: a
+        ``FileExistsError`` for a run there without ``args.resume``, ``RunSettingsChanged`` for other settings."""
         settings = {**self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
         run_file = self.root / RUN_FILE
         old = json.loads(run_file.read_text()) if run_file.exists() else None
@@ -267,13 +249,9 @@ class IterationRun:
         return self.store.summary(t)
 
     def train_iteration(self, t: int) -> str:
-        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
-        (skipped if it exists; the DPO run is the engine's :meth:`~IterationEngine.train_policy`). Returns the path
-        of ``pi_{t+1}``.
-
-        ``pi_{t+1}`` is saved atomically before ``state.json`` records it; a run killed in between left the complete
-        policy, which the rerun records instead of training it again (same pairs, settings and seed: the same
-        weights)."""
+        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}`` (the
+        engine's :meth:`~IterationEngine.train_policy`); returns its path. ``pi_{t+1}`` is saved atomically before
+        ``state.json`` records it; a rerun records a complete one instead of training it again."""
         state = self.read_state()
         if str(t + 1) in state["policies"]:
             return state["policies"][str(t + 1)]

@@ -1,17 +1,12 @@
 """rlhf-ext's library logger: ``logging.getLogger("rlhf_ext")``, with one logger per module underneath it.
 
-Library modules log through ``logger = logging.getLogger(__name__)`` and never print, never add handlers and never
-touch the root logger. As in transformers there is no ``NullHandler``: in a program that configured nothing, warnings
-reach stderr through Python's last-resort handler and info lines are dropped. A host application controls rlhf-ext's
-output like any library's::
+Library modules log through ``logging.getLogger(__name__)`` and never print, add handlers or touch the root logger
+(no ``NullHandler``, as in transformers). A host application controls rlhf-ext's output like any library's::
 
     logging.getLogger("rlhf_ext").setLevel(logging.WARNING)      # warnings and errors only
-    logging.basicConfig(level=logging.INFO)                       # or: rlhf-ext's info lines through the root logger
 
-The ``rlhf-ext`` command line (and ``python -m rlhf_ext.openrlhf.train_ppo_ray``) calls :func:`configure_cli_output`,
-which installs one stream handler on the ``rlhf_ext`` logger at ``INFO`` unless the host application configured
-logging already; ``RLHF_EXT_VERBOSITY=debug|info|warning|error`` sets the level (like ``TRANSFORMERS_VERBOSITY``).
-A script that wants the command line's output calls :func:`enable_console_logging`.
+The command line calls :func:`configure_cli_output` (one stream handler at ``INFO`` unless the host configured logging;
+``RLHF_EXT_VERBOSITY=debug|info|warning|error`` sets the level); a script calls :func:`enable_console_logging`.
 """
 
 from __future__ import annotations
@@ -44,11 +39,7 @@ def library_logger() -> logging.Logger:
 
 
 def parse_verbosity(value: str | int) -> int:
-    """A logging level from ``debug|info|warning|error`` (any case) or a level number.
-
-    Raises:
-        ValueError: an unknown name, naming the accepted ones.
-    """
+    """A logging level from ``debug|info|warning|error`` (any case) or a level number (``ValueError`` otherwise)."""
     if isinstance(value, int):
         return value
     level = VERBOSITY_LEVELS.get(value.strip().lower())
@@ -115,14 +106,8 @@ def _console_handler(log: logging.Logger) -> ConsoleHandler | None:
 
 def enable_console_logging(level: str | int | None = None) -> logging.Handler:
     """Show rlhf-ext's log lines on stderr, as the command line does: one :class:`ConsoleHandler` on the
-    ``rlhf_ext`` logger (added once; a second call only changes the level). For scripts and notebooks.
-
-    Args:
-        level: ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``.
-
-    Returns:
-        The handler (remove it with ``logging.getLogger("rlhf_ext").removeHandler(handler)``).
-    """
+    ``rlhf_ext`` logger (added once; a second call only changes the level), returned. ``level``:
+    ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``."""
     log = library_logger()
     handler = _console_handler(log)
     if handler is None:
@@ -140,13 +125,10 @@ def host_configured_logging() -> bool:
 
 
 def configure_cli_output() -> None:
-    """The command line's terminal set-up, called once by each entry point before any work.
-
-    * Logging: unless :func:`host_configured_logging`, :func:`enable_console_logging` (``INFO``, or
-      ``RLHF_EXT_VERBOSITY``); when the host did configure it, only an explicit ``RLHF_EXT_VERBOSITY`` applies.
-    * Progress bars: when stderr is not a terminal (piped, redirected to a file), the Hugging Face libraries' bars
-      are turned off (:data:`HF_PROGRESS_BAR_SWITCHES`, unless the environment sets them), so a log has no ``\\r``.
-    """
+    """The command line's terminal set-up, called once by each entry point before any work: unless
+    :func:`host_configured_logging`, :func:`enable_console_logging` (else only an explicit ``RLHF_EXT_VERBOSITY``
+    applies); when stderr is not a terminal, the Hugging Face libraries' progress bars are turned off
+    (:data:`HF_PROGRESS_BAR_SWITCHES`, unless the environment sets them)."""
     # TRL 1.16 reads ``model.is_gradient_checkpointing``, which transformers >= 5.2x deprecates with a FutureWarning a
     # user cannot act on (rlhf-ext itself passes the new ``activation_checkpointing`` name): not on the CLI's terminal
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -1,8 +1,5 @@
-"""Pair collection for online DPO (paper 004, Algorithm 2 steps 4-6): sample ``[P][n]`` responses, score them and
-form one pair per prompt with :func:`~rlhf_ext.algos.pair_selection.select_pairs`.
-
-:func:`score_and_select` does it for one batch; :class:`OnlinePairGenerator` is the generator side of per-batch online
-DPO (thread or process).
+"""Pair collection for online DPO (paper 004, Algorithm 2 steps 4-6): score ``[P][n]`` sampled responses and form one
+pair per prompt (:func:`score_and_select`); :class:`OnlinePairGenerator` is the generator side of per-batch online DPO.
 """
 
 from __future__ import annotations
@@ -19,11 +16,9 @@ from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
 
 def wants_generator_process(requested: bool | None, async_generation: bool, backend: str, reward_fn: RewardFn) -> bool:
-    """Where online mode's generator runs: ``requested`` when given; by default a spawned process where it can run
-    and pays, else a thread. It pays with asynchronous generation on CPUs: the roles then overlap, and in one process
-    they contend for the interpreter lock (on idle cores a thread reached 77% of the ideal speedup and a process 103%,
-    ``benchmarks/async.py``). It can run with HF generation (vLLM has its own engine process; ``auto`` means HF
-    without CUDA) and a reward function that pickles (a lambda or a closure does not: a thread then, silently)."""
+    """Where online mode's generator runs: ``requested`` when given; by default a spawned process with asynchronous
+    generation on CPUs (no interpreter lock to share: 103% of the ideal speedup vs a thread's 77%,
+    ``benchmarks/async.py``), HF generation and a reward function that pickles; else a thread."""
     if requested is not None:
         return requested
     if not async_generation or backend == "vllm" or torch.cuda.is_available():
@@ -75,9 +70,8 @@ def score_and_select(prompts: list[Any], ids: list[int], samples, reward_fn: Rew
 
 @dataclass(frozen=True)
 class OnlineBatchPairs:
-    """One per-batch online DPO batch: its pair rows and the generator's prompt cursor after it (the position in the
-    shuffled prompt order where the next batch's prompts start; stored with the batch, so a resumed run continues
-    there)."""
+    """One per-batch online DPO batch: its pair rows and the generator's prompt cursor after it (where a resumed run
+    continues)."""
 
     rows: list[dict[str, Any]]
     cursor: int
@@ -86,16 +80,12 @@ class OnlineBatchPairs:
 class OnlinePairGenerator:
     """The generator side of online DPO (paper 001): for each batch, sample ``num_generations`` responses for as many
     prompts as pairs are still needed, score them, select pairs; prompts whose responses tie are replaced by the
-    next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process (the
-    sampler is then built there on first use; ``reward_fn`` must be picklable).
+    next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process.
 
     Prompts are taken in a fixed shuffled order (``seed``), wrapping around, from position ``cursor`` on. Each
-    sampling round draws with its own seed, :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(seed, "online",
-    update index, round)`` (and the selection's tie-breaking with ``update index``), where the update index is
-    ``first_index`` + the runner's batch index, so a run repeats exactly whatever the generator thread and the
-    training thread do with the global RNG. A resumed run passes the update it resumes at as ``first_index`` and the
-    cursor stored with the last trained batch (:attr:`OnlineBatchPairs.cursor`) as ``cursor``: its batches are then
-    the uninterrupted run's.
+    sampling round draws with :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(seed, "online", update, round)``
+    (``update`` = ``first_index`` + the batch index), so a run repeats exactly, and a resumed run given its
+    ``first_index`` and stored :attr:`OnlineBatchPairs.cursor` makes the uninterrupted run's batches.
     """
 
     def __init__(self, prompts: list[Any], pairs_per_update: int, max_fill_rounds: int, selection: OnlineDPOKnobs,

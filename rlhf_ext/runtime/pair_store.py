@@ -6,11 +6,8 @@ Layout under ``root``::
     iter_000/summary.json     what the collection step measured (pairs kept, dropped, mean reward ...)
     iter_001/...
 
-Each iteration directory is written with :func:`~rlhf_ext.runtime.io.atomic_directory`: it appears complete or not at
-all, so a run killed while writing leaves no partial dataset (only a hidden ``.iter_XXX.tmp-*`` directory, which is
-ignored). An iteration is never written twice: the trainer checks :meth:`PairStore.has` before collecting, which is
-what makes a resumed run lose and duplicate no pair. The files are plain JSON lines, loadable with
-``datasets.load_dataset("json", data_files=...)``.
+Each iteration directory is written atomically (:func:`~rlhf_ext.runtime.io.atomic_directory`) and never twice (the
+trainer checks :meth:`PairStore.has` first), so a resumed run loses and duplicates no pair.
 """
 
 from __future__ import annotations

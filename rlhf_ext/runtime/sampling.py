@@ -1,18 +1,10 @@
-"""Sampling for online DPO and the simulator (engine-free; ``transformers`` / vLLM imported on use).
+"""Sampling for online DPO and the simulator (paper 004, Algorithm 2 step 4: "sample n responses at two
+temperatures", no top-k / top-p): :class:`HFSampler` (``transformers`` ``generate``) and :class:`VLLMSampler`.
 
-Samplers (paper 004, Algorithm 2 step 4: "sample n responses at two temperatures", no top-k / top-p):
-
-- :class:`HFSampler` — ``transformers`` ``generate`` (CPU or one GPU).
-- :class:`VLLMSampler` — vLLM, when it is installed on a GPU machine (imported only when constructed).
-
-Both return :class:`Samples` with the ``[P][n]`` response texts in a fixed layout (for each prompt, the responses of
-the first temperature, then the second ...), and load new policy weights with ``load_weights(state_dict)`` (used by
-the asynchronous runner) or ``load_policy(path)`` (a saved iterate).
-
-Seeding: a draw with ``seed=`` is reproducible. The HF sampler then draws every token with its own
-``torch.Generator`` (:class:`SeededTokenSampler`), never with the process-wide RNG, so a seeded draw in a generator
-thread neither depends on nor disturbs what the training thread does with the global RNG. Per-batch generation
-seeds each batch with :func:`sampling_seed` ``(run seed, batch index, ...)``.
+Both return :class:`Samples` (``[P][n]`` texts: for each prompt, the responses of the first temperature, then the
+second ...) and load new weights with ``load_weights(state_dict)`` or ``load_policy(path)``. A draw with ``seed=`` is
+reproducible: the HF sampler then draws every token with its own ``torch.Generator`` (:class:`SeededTokenSampler`),
+never touching the process-wide RNG the training thread uses.
 """
 
 from __future__ import annotations
@@ -41,16 +33,10 @@ def sampling_seed(seed: int, *position: Any) -> int:
 class SeededTokenSampler:
     """A ``generate`` logits processor that draws each next token itself, with its own ``torch.Generator``.
 
-    It applies the sampling warpers in transformers' order (temperature, top-k, top-p; the same classes, so the
-    sampling distribution is transformers' own), draws one token per row from it with ``generator`` and leaves only
-    that token finite, so greedy decoding (``do_sample=False``) emits exactly the drawn token. transformers' own
-    sampling draws from the process-wide RNG, which a generator thread shares with the training thread: neither
-    run is then reproducible. With this processor the draw depends on ``generator`` only and the global RNG is not
-    touched. Given a generator seeded like the global RNG, it draws the same tokens as ``do_sample=True``.
-
-    Use :meth:`generate_kwargs` for the ``generate`` arguments. ``token_logprobs`` collects, per generated position,
-    the ``[B]`` log-probability of the drawn token under the sampling distribution (what ``output_scores`` gives in
-    sampling mode).
+    It applies transformers' warpers (temperature, top-k, top-p, in that order), draws one token per row with
+    ``generator`` and leaves only that token finite, so greedy decoding emits it: the draw depends on ``generator``
+    only (seeded like the global RNG, it draws the same tokens as ``do_sample=True``). Use :meth:`generate_kwargs`.
+    ``token_logprobs``: per generated position, the ``[B]`` log-probability of the drawn token.
     """
 
     def __init__(self, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -124,14 +110,9 @@ def encode_prompts(tokenizer, prompts: Sequence[Any], max_prompt_length: int | N
 
 @dataclass
 class Samples:
-    """``n`` responses for each of ``P`` prompts.
-
-    Attributes:
-        texts: ``[P][n]`` decoded responses (special tokens removed).
-        num_tokens: ``[P, n]`` long — generated tokens up to and including EOS.
-        truncated: ``[P, n]`` bool — the response hit ``max_new_tokens`` without EOS.
-        temperatures: ``[n]`` sampling temperature of each column.
-    """
+    """``n`` responses for each of ``P`` prompts: ``texts`` ``[P][n]`` (special tokens removed), ``num_tokens``
+    ``[P, n]`` (up to and including EOS), ``truncated`` ``[P, n]`` (hit ``max_new_tokens`` without EOS) and the
+    ``[n]`` ``temperatures`` of the columns."""
 
     texts: list[list[str]]
     num_tokens: Tensor
@@ -168,18 +149,9 @@ def _assemble(per_temp: list[tuple[float, int, list[str], Tensor, Tensor]], num_
 
 
 class HFSampler:
-    """Sample with ``transformers`` ``generate`` (``do_sample``, no top-k / top-p unless set).
-
-    Args:
-        model: a causal LM (used as is) or a checkpoint path.
-        tokenizer: the policy's tokenizer.
-        max_new_tokens: response length limit.
-        temperatures: the temperatures ``n`` is split across (paper: 0.7 and 1.0).
-        batch_size: sequences per ``generate`` call.
-        max_prompt_length: prompts are cut from the left to this many tokens.
-        top_p, top_k: nucleus / top-k filtering (paper: none, i.e. 1.0 and 0).
-        device: where the sampling model runs (default: CUDA if available).
-    """
+    """Sample with ``transformers`` ``generate`` from ``model`` (a causal LM or a checkpoint path), ``n`` responses
+    split across ``temperatures`` (paper: 0.7 and 1.0; no top-p / top-k), prompts cut from the left to
+    ``max_prompt_length`` tokens, ``batch_size`` sequences per ``generate`` call."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256,
                  temperatures: Sequence[float] = DEFAULT_TEMPERATURES, batch_size: int = 64,
@@ -220,12 +192,8 @@ class HFSampler:
     @torch.no_grad()
     def sample(self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None,
                seed: int | None = None) -> Samples:  # fmt: skip
-        """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's).
-
-        With ``seed`` the draw is reproducible: every token is drawn with a ``torch.Generator`` seeded with ``seed``
-        (:class:`SeededTokenSampler`), so the draw is the same in any thread and the global RNG is left untouched.
-        Without, transformers samples from the global RNG.
-        """
+        """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's); with ``seed`` drawn by a
+        :class:`SeededTokenSampler` (reproducible in any thread), else by transformers from the global RNG."""
         if self.model is None:
             raise RuntimeError("the sampler has no model loaded; call load_policy(path) first")
         groups = split_temperatures(n, temperatures or self.temperatures)
@@ -268,15 +236,8 @@ class HFSampler:
 
 
 class VLLMSampler:
-    """Sample with vLLM (GPU). Same interface as :class:`HFSampler`.
-
-    Args:
-        model: checkpoint path of the initial policy.
-        tokenizer: the policy's tokenizer (prompts are tokenised here, exactly as for HF, and passed as token ids).
-        gpu_memory_utilization: share of GPU memory vLLM may take (the trainer shares the GPU).
-        llm: an existing ``vllm.LLM`` to use instead of creating one.
-        llm_kwargs: extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len`` ...).
-    """
+    """Sample with vLLM (GPU); same interface as :class:`HFSampler` (prompts tokenised here, as for HF). ``llm``: an
+    existing ``vllm.LLM`` to use, else one is made with ``gpu_memory_utilization`` and ``llm_kwargs``."""
 
     def __init__(self, model: str | Path, tokenizer, max_new_tokens: int = 256,
                  temperatures: Sequence[float] = DEFAULT_TEMPERATURES, max_prompt_length: int | None = None,

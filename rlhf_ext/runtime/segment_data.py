@@ -1,9 +1,8 @@
 """Preference data for segment reward models: tokenisation, one-time SFT entropy preprocessing, caching, collation.
 
-Segmentation is a one-time preprocessing step with the frozen SFT model (paper 003, section 2.2 and Algorithm 1).
-We store the SFT model's *entropy* of every response token as a dataset column rather than the boundaries
-themselves, so the cutoff stays a training-time setting (the bandit, token and segment models of Table 1 and the
-cutoff sweep of Figure 4 all reuse one cache). Both engines read the same columns:
+Segmentation is a one-time preprocessing step with the frozen SFT model (paper 003, section 2.2 and Algorithm 1). The
+SFT *entropy* of every response token is stored rather than the boundaries, so the cutoff stays a training-time
+setting (Table 1's models and Figure 4's cutoff sweep reuse one cache). Both engines read the same columns:
 
 ========================  =====================================================================================
 column                    meaning
@@ -97,15 +96,11 @@ def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_p
                   chosen_offsets: bool = False) -> dict[str, Any]:  # fmt: skip
     """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
 
-    Prompt and responses are tokenised separately and concatenated, so the prompt/response boundary is exact. EOS
-    is appended to responses that do not end with it. With ``max_length``: the prompt is cut from the left to
-    ``max_prompt_length`` (default: ``max_length - 1``), then responses are cut from the right with their last kept
-    token set to EOS.
-
-    ``chosen_offsets``: also ``chosen_text`` (the chosen response as rendered: a chat response by the chat template),
-    ``is_chat``, and ``chosen_tokens``: ``(ids, offsets)`` of that text's own tokens from the same tokenizer call as
-    ``chosen_ids`` (before EOS and the cut; ``offsets``: each token's ``(start, end)`` characters from a fast
-    tokenizer's offset mapping, None from a slow tokenizer).
+    Prompt and responses are tokenised separately (an exact boundary); responses get EOS. With ``max_length`` the
+    prompt is cut from the left to ``max_prompt_length`` (default ``max_length - 1``), then responses from the right
+    with their last kept token set to EOS. ``chosen_offsets``: also ``chosen_text`` (as rendered), ``is_chat`` and
+    ``chosen_tokens``: ``(ids, offsets)`` of that text's own tokens (before EOS and the cut; ``offsets`` from a fast
+    tokenizer's offset mapping, None from a slow one).
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -216,12 +211,9 @@ def head_logprobs_and_entropy(
 
 @torch.no_grad()
 def sft_token_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True).
-
-    For models whose logits are a plain linear map of the last hidden state (Llama, Qwen, Mistral, Phi, GPT-2 ...)
-    the ``[B, T, V]`` logits are never materialised at once (:func:`head_logprobs_and_entropy`). Models with logit
-    soft-capping or scaling fall back to their full forward.
-    """
+    """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True),
+    without the ``[B, T, V]`` logits at once where they are a plain linear map of the last hidden state
+    (:func:`head_logprobs_and_entropy`; models with logit soft-capping or scaling run their full forward)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     head = model.get_output_embeddings()
     base = getattr(model, "model", None) or getattr(model, "transformer", None)
@@ -297,18 +289,11 @@ def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_o
                             prompt_key: str | None = "prompt", chosen_key: str = "chosen",
                             rejected_key: str = "rejected", entropy_batch_size: int = 8,
                             cache_dir: str | Path | None = None):  # fmt: skip
-    """Tokenise a preference dataset and add SFT entropies, reusing an on-disk cache when possible.
+    """Tokenise a preference dataset and add SFT entropies: the dataset with :data:`TOKENIZED_COLUMNS` and
+    :data:`ENTROPY_COLUMNS` (plus ``margin`` if present); a dataset that has them already is returned unchanged.
 
-    Args:
-        dataset: a ``datasets.Dataset`` with ``chosen``/``rejected`` (and usually ``prompt``) columns, or one that
-            already has the tokenised and entropy columns (returned unchanged).
-        sft_model: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None).
-        cache_dir: where to cache the result (``None`` disables caching). The key covers the dataset fingerprint,
-            the SFT checkpoint identity and the tokenisation settings; concurrent ranks wait on a file lock and the
-            first one computes.
-
-    Returns:
-        The dataset with :data:`TOKENIZED_COLUMNS` and :data:`ENTROPY_COLUMNS` (plus ``margin`` if present).
+    ``sft_model``: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None). ``cache_dir``: where
+    to cache the result (keyed by the dataset fingerprint, the SFT checkpoint and the settings; built once).
     """
     from datasets import load_from_disk
 
@@ -349,12 +334,9 @@ def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_o
 
 def collate_segment_pairs(examples: Sequence[dict[str, Any]], pad_token_id: int, padding_side: str = "right",
                           pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Stack chosen then rejected sequences of a batch of prepared examples (TRL's convention) into tensors.
-
-    Returns a dict with ``[2B, T]`` tensors ``input_ids`` (long), ``attention_mask`` (long), ``action_mask`` (bool,
-    response tokens), ``entropy`` (float32, aligned to the sampled token, 0 outside the response) and, if every
-    example has one, ``margin`` ``[B]``.
-    """
+    """Stack chosen then rejected sequences of prepared examples (TRL's convention): ``[2B, T]`` ``input_ids``,
+    ``attention_mask`` (long), ``action_mask`` (bool, response tokens), ``entropy`` (float32, aligned to the sampled
+    token, 0 outside the response) and, if every example has one, ``margin`` ``[B]``."""
     seqs, prompt_lens, entropies = [], [], []
     for side in ("chosen", "rejected"):
         for ex in examples:
@@ -459,14 +441,8 @@ def check_bandit_reward_model(
 ) -> None:
     """Refuse the ``bandit`` granularity (the reward model's score at the last token) on a segment reward model trained
     with a finite entropy cutoff: its sequence score is e_phi (paper 003 Eq. 4), not its last-token output. A bandit
-    reward model (cutoff inf) has one segment per response, so there the two are the same number.
-
-    Args:
-        granularity: the dense-reward granularity of the run.
-        reward_model: the reward model (a path or a loaded model; anything else passes).
-        where: how the user named the reward model (``--reward.model_name_or_path``), for the message.
-        granularity_flag: how the user names the granularity setting (``--ext.granularity``), for the message.
-    """
+    reward model (cutoff inf) has one segment per response, so there the two are the same number. ``where`` and
+    ``granularity_flag``: the user's names of the reward model and the granularity setting, for the message."""
     path = segment_model_dir(reward_model)
     if granularity != "bandit" or path is None:
         return

@@ -3,15 +3,11 @@ and the dense per-token rewards both engines train on (:func:`dense_rewards`, wh
 :func:`rlhf_ext.algos.spans.dense_span_rewards`).
 
 A **reward source** is a callable in TRL's ``reward_funcs`` style, ``source(prompts, completions, **columns)``
-(``completion_ids`` among the columns), returning one item per completion:
+(``completion_ids`` among the columns), returning per completion (checked by :func:`parse_outputs`):
 
 * a float (or ``None``, unscored): a sequence reward, on the completion's last token, as GRPO uses it;
-* a list of spans ``(char_start, char_end, reward)`` over the completion's text (the decoded completion TRL passes;
-  a chat completion's ``content``): a dense reward (:class:`DenseRewardFunc`);
-* a 1-D tensor or list of floats, one per completion token: per-token rewards, for a source that shares the policy's
-  tokenizer (the ``completion_ids`` it was given).
-
-:func:`parse_outputs` checks the items and says, in one line, which source returned what for which completion.
+* a list of spans ``(char_start, char_end, reward)`` over the completion's text: a dense reward;
+* a 1-D tensor or list of floats, one per completion token (a source sharing the policy's tokenizer).
 """
 
 from __future__ import annotations
@@ -341,12 +337,9 @@ def offsets_by_row(
 
 def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
     """``(texts, token_start, token_end)`` of a right-padded batch of completions ``[B, C]`` (``mask`` true at its
-    tokens): each completion decoded without special tokens, as TRL decodes the completions it gives reward
-    functions, and its tokens' offsets (``[B, C]`` long, 0 outside ``mask``; :func:`token_char_offsets`'s).
-
-    Byte-level BPE tokenizers (:func:`byte_table`) take them for the whole batch from byte lengths, checked exact
-    per row; other tokenizers and the rows that check fails on (invalid UTF-8 but for a cut last character, U+FFFD)
-    go row by row (:func:`offsets_by_row`)."""
+    tokens): each completion decoded without special tokens, as TRL decodes them, and its tokens' offsets (``[B, C]``
+    long, 0 outside ``mask``; :func:`token_char_offsets`'s). Byte-level BPE tokenizers (:func:`byte_table`) take them
+    for the whole batch from byte lengths, checked exact per row; other rows go by :func:`offsets_by_row`."""
     ids, mask = completion_ids.cpu(), mask.bool().cpu()
     texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
     table = byte_table(tokenizer)

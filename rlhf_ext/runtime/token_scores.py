@@ -1,11 +1,9 @@
 """Per-token scores from any sequence-classification reward model, the segment evaluation e_phi of a loaded segment
 reward model, and segment views of single responses.
 
-A sequence-classification model applies its ``score`` head at every position and then keeps the last real token.
-:class:`TokenScoreCapture` keeps the full ``[B, T]`` output of that head from the model's normal forward pass (a
-forward hook), so segment rewards cost no extra forward and work through DDP, DeepSpeed and PEFT wrappers.
-:func:`segment_evaluation` turns those scores into e_phi (paper 003 Eq. 4), which is what a segment reward model
-means by "the score of a response" -- not the last-token output its ``forward`` returns.
+:class:`TokenScoreCapture` keeps the full ``[B, T]`` output of the ``score`` head (applied at every position, then
+read at the last token) from the model's normal forward pass, so segment rewards cost no extra forward and work
+through DDP, DeepSpeed and PEFT; :func:`segment_evaluation` turns them into e_phi (paper 003 Eq. 4).
 """
 
 from __future__ import annotations
@@ -86,13 +84,8 @@ def find_score_head(model) -> torch.nn.Module:
 
 
 class TokenScoreCapture:
-    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass.
-
-    Thread-safe: the output is kept per thread (a forward pass runs its hooks in the thread that called it), so
-    threads sharing one model and one capture each :meth:`pop` the scores of their own forward pass. Not for
-    ``torch.nn.DataParallel``, which runs its replicas in threads of its own (use DDP: ``torchrun`` /
-    ``accelerate launch``).
-    """
+    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass, per thread
+    (threads sharing a model each :meth:`pop` their own scores; hence not for ``torch.nn.DataParallel``: use DDP)."""
 
     def __init__(self, model):
         self._slot = threading.local()
@@ -156,31 +149,24 @@ def segment_evaluation(
     settings: str | os.PathLike | Mapping[str, Any] | None = None, entropy_cutoff: float | None = None,
     aggregation: str | None = None, tau: float | None = None,
 ) -> SequenceEvaluation:  # fmt: skip
-    """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4).
-
-    A segment reward model loaded with plain ``AutoModelForSequenceClassification`` (or OpenRLHF's
-    ``get_llm_for_sequence_regression``) returns its score at the *last* token only. Its trained meaning is
-    ``e_phi = tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations)
-    over the segment rewards ``r_seg`` = the model's score at each segment's last token, with segments started where
-    the SFT model's entropy exceeds the cutoff. This function computes it with the same code the TRL and OpenRLHF
-    trainers, :class:`SegmentScorer` and the ``segment`` reward use, so all of them agree.
+    """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4):
+    ``tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations) over the
+    model's scores at each segment's last token, segments starting where the SFT entropy exceeds the cutoff -- not
+    the last-token output its ``forward`` returns. The same code the trainers and :class:`SegmentScorer` use.
 
     Args:
-        model: the reward model (a sequence-classification model with a per-position score head, possibly wrapped
-            by DDP, DeepSpeed or PEFT), on the device of ``input_ids``.
-        input_ids, attention_mask: ``[B, T]`` prompt + response tokens (right or left padded).
-        response_mask: ``[B, T]`` bool, true at response tokens.
-        sft_model, entropy, segment_ends: where the segments come from, in this order of precedence:
-            ``segment_ends`` (``[B, T]`` bool, true at the last token of each segment), ``entropy`` (``[B, T]``
-            SFT entropies in nats aligned to the sampled token, as :func:`~rlhf_ext.runtime.segment_data.
-            sft_token_entropy` returns them), or ``sft_model`` (the causal LM the reward model was trained with,
-            run here to get those entropies).
-        settings: a reward-model directory or its ``segment_config.json`` mapping; default: the directory
-            ``model`` was loaded from, when it has one.
-        entropy_cutoff, aggregation, tau: override the recorded settings.
+        model: the reward model (a per-position score head, possibly wrapped by DDP, DeepSpeed or PEFT), on the
+            device of ``input_ids``.
+        input_ids, attention_mask, response_mask: ``[B, T]`` prompt + response tokens (right or left padded), and
+            bool, true at response tokens.
+        sft_model, entropy, segment_ends: the segments, in this order of precedence: ``segment_ends`` (``[B, T]``
+            bool, true at each segment's last token), ``entropy`` (``[B, T]`` SFT entropies in nats, as
+            :func:`~rlhf_ext.runtime.segment_data.sft_token_entropy` returns them), or ``sft_model`` (run here).
+        settings: a reward-model directory or its ``segment_config.json`` mapping (default: the directory ``model``
+            was loaded from); ``entropy_cutoff``, ``aggregation`` and ``tau`` override it.
 
     Returns:
-        :class:`~rlhf_ext.segment.SequenceEvaluation`: ``values`` ``[B]`` (e_phi), ``seg_rewards`` ``[B, S]`` and
+        :class:`~rlhf_ext.segment.SequenceEvaluation`: ``values`` ``[B]`` (e_phi), ``seg_rewards`` ``[B, S]``,
         ``segments``.
     """
     recorded = _segment_settings(model, settings)
@@ -211,12 +197,8 @@ def segment_evaluation(
 @torch.no_grad()
 def preference_accuracy(model, prepared_rows, entropy_cutoff: float, aggregation: str = Aggregation.SOFTMAX,
                         tau: float = DEFAULT_TAU, batch_size: int = 16) -> dict[str, float]:  # fmt: skip
-    """Held-out accuracy of a segment reward model: the fraction of pairs with e(x, y_w) > e(x, y_l).
-
-    Args:
-        model: a sequence-classification reward model, or the path of one.
-        prepared_rows: a dataset prepared by :func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`.
-    """
+    """Held-out accuracy of a segment reward ``model`` (or its path): the fraction of pairs with e(x, y_w) > e(x, y_l)
+    on ``prepared_rows`` (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`'s)."""
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_ext.runtime.segment_data import collate_segment_pairs
@@ -258,15 +240,12 @@ class SegmentView:
 class SegmentScorer:
     """Loads a segment reward model and the SFT model it was trained with, and splits responses into scored segments.
 
-    Thread-safe: one scorer may serve many threads at once (a threaded server, a Ray actor with concurrency > 1);
-    each call gets the answer it would get alone. Forward passes run concurrently; only the tokenizer, which a fast
-    tokenizer may refuse to share between two threads at once, is used under :attr:`tokenizer_lock`.
+    Thread-safe (forward passes run concurrently; the tokenizer is used under :attr:`tokenizer_lock`).
 
     Args:
         reward_model: path of a reward-model checkpoint written by rlhf-ext (TRL or OpenRLHF engine).
-        sft_model: the SFT checkpoint used for segmentation (default: the one recorded with the reward model).
-        entropy_cutoff, aggregation, tau: default to the recorded training settings (all four of these and
-            ``sft_model`` are needed for a model without rlhf-ext's ``segment_config.json``).
+        sft_model, entropy_cutoff, aggregation, tau: default to the recorded training settings (all four are needed
+            for a model without rlhf-ext's ``segment_config.json``).
     """
 
     def __init__(self, reward_model: str, sft_model: str | None = None, entropy_cutoff: float | None = None,
