@@ -222,7 +222,6 @@ class OneStepAsyncRunner(Generic[T]):
         process: run the generator in a spawned process, free of the interpreter lock two busy Python roles
             contend for (paper 001, A.2, "GIL"); ``generate_fn`` and ``load_weights_fn`` are then pickled to the
             child (build heavy state lazily on the first call) and batches must be picklable.
-        name: name of the generator thread / process.
     """
 
     def __init__(self, generate_fn: Callable[[int, int], T], num_batches: int,

@@ -45,16 +45,10 @@ def fit_normalizer(
     reward_model_id: str | None = None, max_length: int | None = None, batch_size: int = 16,
     max_pairs: int | None = None, method: str = "ols",
 ) -> LocationNormalizer:  # fmt: skip
-    """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses.
-
-    Args:
-        reward_model, sft_model: the sequence-classification reward model and the SFT causal LM (instances).
-        dataset: preference rows (prompt/chosen/rejected) or a prepared segment dataset.
-        granularity, entropy_cutoff, aggregation, tau, chunk_size: as used in PPO (:func:`dense_segment_rewards`).
-        reward_model_id: recorded in the normalizer so PPO can refuse it for another reward model.
-        kind, basis, method: :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public
-            code's fit).
-    """
+    """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses (preference rows
+    or a prepared segment dataset), segmented as in PPO (:func:`dense_segment_rewards`). ``reward_model_id`` is
+    recorded so PPO can refuse it for another reward model; ``kind``, ``basis``, ``method``:
+    :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public code's fit)."""
     if max_pairs is not None:
         dataset = dataset.select(range(min(max_pairs, len(dataset))))
     prepared = prepare_segment_dataset(dataset, tokenizer, sft_model=sft_model, max_length=max_length)
@@ -220,8 +214,7 @@ def import_reference_normalizer(
     arguments: :meth:`LocationNormalizer.from_reference_params`). The cutoff matches numerically (``2`` finds
     ``"2.0"``). Unlike the public code (silently no normalization), a missing entry is a :class:`NormalizerError`
     listing the file's entries, as are several matches, a malformed file and a Std not positive on
-    ``[1 / max_segments, 1]`` without ``std_floor``.
-    """
+    ``[1 / max_segments, 1]`` without ``std_floor``."""
     path = Path(path)
     entries = read_reference_params(path)
     wanted = (model_type, dataset, method, aggregation)

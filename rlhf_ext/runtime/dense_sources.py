@@ -280,7 +280,6 @@ class SegmentRewardSpans(_ModelSource):
     """A segment reward model (paper 003) as a dense source for a policy with any tokenizer: each completion is
     tokenised with the reward model's own tokenizer, segmented by *its* SFT model's entropy, scored at each segment's
     last token, and every segment returned as a span over the completion's text (:func:`segment_spans`).
-
     ``reward_model``: a segment reward-model directory, or a loaded :class:`~rlhf_ext.runtime.token_scores.
     SegmentScorer`; ``sft_model``: its SFT model (default: the recorded one).
     """

@@ -144,8 +144,7 @@ def recover_directory(path: str | Path) -> bool:
     """Finish what a killed :func:`atomic_directory` / :func:`commit_directory` left next to ``path``: a waiting new
     version (``.<name>.new-*``) is swapped in; an old version set aside (``.<name>.old-*``) is deleted, or put back
     when ``path`` is missing and no new version waits; temporary copies (``.<name>.tmp-*``) are deleted. Only where no
-    other process writes ``path`` (a live writer's copy looks like a dead one's). Returns whether anything was left.
-    """
+    other process writes ``path`` (a live writer's copy looks like a dead one's). Returns whether anything was left."""
     path = Path(path)
     if not path.parent.is_dir():
         return False
@@ -197,8 +196,7 @@ _held_locks = threading.local()
 def file_lock(path: str | Path, timeout: float = -1) -> Iterator[None]:
     """An exclusive lock on ``path`` (created if missing), shared across processes, ranks and threads (``filelock``).
     ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out. A thread asking again for a
-    lock it holds gets a ``RuntimeError`` at once, whatever the filelock version (3.x would wait for itself forever).
-    """
+    lock it holds gets a ``RuntimeError`` at once, whatever the filelock version (3.x would wait for itself forever)."""
     from filelock import FileLock
 
     path = Path(path)
@@ -222,8 +220,7 @@ def build_once(path: str | Path, build: Callable[[Path], Any], done: str) -> Pat
     """Make the directory ``path`` exactly once, however many threads and processes ask and wherever one is killed;
     returns ``path``. ``build(path)`` writes it atomically (:func:`atomic_directory`) and ``path / done`` marks it
     complete; otherwise a caller takes ``<path>.lock`` (``build`` must not ask for ``path`` again), recovers what a
-    killed builder left (:func:`recover_directory`) and builds unless that completed it; others wait and reuse it.
-    """
+    killed builder left (:func:`recover_directory`) and builds unless that completed it; others wait and reuse it."""
     from filelock import Timeout
 
     path = Path(path)

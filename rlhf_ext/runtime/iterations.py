@@ -1,7 +1,6 @@
 """The iteration loop of paper 004's Algorithm 2, engine-free: :func:`run_iterations` calls the steps of an
 :class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run. The TRL adapter
-:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`.
-"""
+:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`."""
 
 from __future__ import annotations
 

@@ -34,10 +34,8 @@ def score_and_select(prompts: list[Any], ids: list[int], samples, reward_fn: Rew
                      generator: torch.Generator) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9) with
     the selection knobs of ``settings`` (``selection_rule``, ``length_penalty``, ``length_unit``, ``tie_tolerance``:
-    an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it).
-
-    Returns the pair rows (one dict per kept prompt, in prompt order) and statistics of the scored samples.
-    """
+    an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it). Returns the pair rows
+    (one dict per kept prompt, in prompt order) and statistics of the scored samples."""
     n = len(samples.temperatures)
     flat_prompts = [p for p in prompts for _ in range(n)]
     rewards = score(reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)

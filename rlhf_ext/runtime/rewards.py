@@ -1,7 +1,6 @@
 """Reward functions ``reward_fn(prompts, responses) -> tensor[N]`` (one score per response) and :func:`load_reward`,
 which builds one from a recipe string: :class:`SequenceClassifierReward`, :class:`SegmentSequenceReward` (e_phi of a
-segment reward model, paper 003 Eq. 4) or any user callable. ``builtin:`` names: :func:`rlhf_ext.zoo.resolve_reward`.
-"""
+segment reward model, paper 003 Eq. 4) or any user callable. ``builtin:`` names: :func:`rlhf_ext.zoo.resolve_reward`."""
 
 from __future__ import annotations
 
@@ -177,8 +176,7 @@ def load_reward(spec: str, kind: str = "auto", batch_size: int = 32, sft_model: 
                 device: str | torch.device | None = None) -> RewardFn:  # fmt: skip
     """A reward function from a recipe string: ``module.path:callable``, a reward-model checkpoint directory, or the
     hub id of a sequence classifier (``builtin:`` names are refused). ``kind`` for checkpoints: ``segment`` (scored
-    by ``e_phi``), ``sequence_classification``, or ``auto`` (segment if the directory has ``segment_config.json``).
-    """
+    by ``e_phi``), ``sequence_classification``, or ``auto`` (segment if the directory has ``segment_config.json``)."""
     if spec.startswith("builtin:"):
         raise ValueError(f"{spec!r} is a builtin name: resolve it with rlhf_ext.zoo.resolve_reward({spec!r})")
     path = Path(spec)

@@ -34,11 +34,8 @@ _MISSING = object()
 
 
 class RunSettingsChanged(ValueError):
-    """A run directory was started with other settings; its finished stages would not match a rerun.
-
-    Attributes: ``root`` (the directory), ``keys`` (the changed dotted keys, sorted), ``old`` / ``new`` (the
-    normalised settings of the earlier run and of this one, with their ``kind``).
-    """
+    """A run directory was started with other settings; its finished stages would not match a rerun. Attributes:
+    ``root``, ``keys`` (the changed dotted keys, sorted), ``old`` / ``new`` (the normalised settings, with ``kind``)."""
 
     def __init__(
         self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any], redo: str | None = None

@@ -94,14 +94,11 @@ def _split_prompt_response(example: dict, tokenizer, prompt_key: str | None, key
 def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
                   prompt_key: str | None = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
                   chosen_offsets: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
-
-    Prompt and responses are tokenised separately (an exact boundary); responses get EOS. With ``max_length`` the
-    prompt is cut from the left to ``max_prompt_length`` (default ``max_length - 1``), then responses from the right
-    with their last kept token set to EOS. ``chosen_offsets``: also ``chosen_text`` (as rendered), ``is_chat`` and
-    ``chosen_tokens``: ``(ids, offsets)`` of that text's own tokens (before EOS and the cut; ``offsets`` from a fast
-    tokenizer's offset mapping, None from a slow one).
-    """
+    """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``: prompt and responses
+    separately (an exact boundary), responses with EOS. With ``max_length`` the prompt is cut from the left to
+    ``max_prompt_length`` (default ``max_length - 1``), then responses from the right with their last kept token set to
+    EOS. ``chosen_offsets``: also ``chosen_text`` (as rendered), ``is_chat`` and ``chosen_tokens``: ``(ids, offsets)``
+    of that text's own tokens (before EOS and the cut; ``offsets`` from a fast tokenizer, None from a slow one)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DatasetFormatError("the tokenizer has no EOS token; set tokenizer.eos_token")
@@ -291,7 +288,6 @@ def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_o
                             cache_dir: str | Path | None = None):  # fmt: skip
     """Tokenise a preference dataset and add SFT entropies: the dataset with :data:`TOKENIZED_COLUMNS` and
     :data:`ENTROPY_COLUMNS` (plus ``margin`` if present); a dataset that has them already is returned unchanged.
-
     ``sft_model``: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None). ``cache_dir``: where
     to cache the result (keyed by the dataset fingerprint, the SFT checkpoint and the settings; built once).
     """

@@ -390,8 +390,7 @@ def dense_rewards(
     the parsed answers of reward sources weighted by ``weights``: each dense source's spans through
     :func:`~rlhf_ext.algos.spans.dense_span_rewards` (``normalizer``, ``granularity``, ``interpolation``,
     ``aggregation``/``tau``: :class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`), plus the sequence rewards
-    (weighted sum, NaN as 0, as GRPO sums them) on each completion's last token. The one function both engines call.
-    """
+    (weighted sum, NaN as 0, as GRPO sums them) on each completion's last token. The one function both engines call."""
     from rlhf_ext.algos.spans import dense_span_rewards
 
     mask = mask.bool().cpu()

@@ -152,7 +152,8 @@ def segment_evaluation(
     """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4):
     ``tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations) over the
     model's scores at each segment's last token, segments starting where the SFT entropy exceeds the cutoff -- not
-    the last-token output its ``forward`` returns. The same code the trainers and :class:`SegmentScorer` use.
+    the last-token output its ``forward`` returns. The same code the trainers and :class:`SegmentScorer` use; returns
+    a :class:`~rlhf_ext.segment.SequenceEvaluation` (``values`` ``[B]``, ``seg_rewards`` ``[B, S]``, ``segments``).
 
     Args:
         model: the reward model (a per-position score head, possibly wrapped by DDP, DeepSpeed or PEFT), on the
@@ -164,10 +165,6 @@ def segment_evaluation(
             :func:`~rlhf_ext.runtime.segment_data.sft_token_entropy` returns them), or ``sft_model`` (run here).
         settings: a reward-model directory or its ``segment_config.json`` mapping (default: the directory ``model``
             was loaded from); ``entropy_cutoff``, ``aggregation`` and ``tau`` override it.
-
-    Returns:
-        :class:`~rlhf_ext.segment.SequenceEvaluation`: ``values`` ``[B]`` (e_phi), ``seg_rewards`` ``[B, S]``,
-        ``segments``.
     """
     recorded = _segment_settings(model, settings)
     aggregation = aggregation or recorded.get("aggregation")
@@ -239,13 +236,10 @@ class SegmentView:
 
 class SegmentScorer:
     """Loads a segment reward model and the SFT model it was trained with, and splits responses into scored segments.
-
     Thread-safe (forward passes run concurrently; the tokenizer is used under :attr:`tokenizer_lock`).
 
-    Args:
-        reward_model: path of a reward-model checkpoint written by rlhf-ext (TRL or OpenRLHF engine).
-        sft_model, entropy_cutoff, aggregation, tau: default to the recorded training settings (all four are needed
-            for a model without rlhf-ext's ``segment_config.json``).
+    ``reward_model``: a reward-model checkpoint written by rlhf-ext; ``sft_model``, ``entropy_cutoff``,
+    ``aggregation``, ``tau`` default to its recorded settings (all four needed without ``segment_config.json``).
     """
 
     def __init__(self, reward_model: str, sft_model: str | None = None, entropy_cutoff: float | None = None,
