@@ -39,34 +39,16 @@ def model_id(name_or_path: str) -> str:
 
 @torch.no_grad()
 def fit_normalizer(
-    reward_model,
-    sft_model,
-    tokenizer,
-    dataset,
-    kind: str = "regression",
-    basis: str | None = "linear",
-    granularity: str = Granularity.SEGMENT,
-    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
-    aggregation: str = Aggregation.SOFTMAX,
-    tau: float = DEFAULT_TAU,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    reward_model_id: str | None = None,
-    max_length: int | None = None,
-    batch_size: int = 16,
-    max_pairs: int | None = None,
-    method: str = "ols",
-) -> LocationNormalizer:
-    """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses.
-
-    Args:
-        reward_model: sequence-classification reward model (instance).
-        sft_model: the SFT causal LM used for segmentation (instance).
-        dataset: preference rows (prompt/chosen/rejected) or a prepared segment dataset.
-        granularity, entropy_cutoff, aggregation, tau, chunk_size: as used in PPO (:func:`dense_segment_rewards`).
-        reward_model_id: recorded in the normalizer so PPO can refuse it for another reward model.
-        kind, basis, method: :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public
-            code's fit).
-    """
+    reward_model, sft_model, tokenizer, dataset, kind: str = "regression", basis: str | None = "linear",
+    granularity: str = Granularity.SEGMENT, entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
+    aggregation: str = Aggregation.SOFTMAX, tau: float = DEFAULT_TAU, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    reward_model_id: str | None = None, max_length: int | None = None, batch_size: int = 16,
+    max_pairs: int | None = None, method: str = "ols",
+) -> LocationNormalizer:  # fmt: skip
+    """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses (preference rows
+    or a prepared segment dataset), segmented as in PPO (:func:`dense_segment_rewards`). ``reward_model_id`` is
+    recorded so PPO can refuse it for another reward model; ``kind``, ``basis``, ``method``:
+    :meth:`LocationNormalizer.fit`'s (``method="huber"`` with ``basis=None`` is the public code's fit)."""
     if max_pairs is not None:
         dataset = dataset.select(range(min(max_pairs, len(dataset))))
     prepared = prepare_segment_dataset(dataset, tokenizer, sft_model=sft_model, max_length=max_length)
@@ -79,16 +61,9 @@ def fit_normalizer(
         batch = collate_segment_pairs(rows, pad)
         device = next(reward_model.parameters()).device
         scores = token_scores(reward_model, batch["input_ids"].to(device), batch["attention_mask"].to(device)).cpu()
-        dense = dense_segment_rewards(
-            scores,
-            batch["action_mask"],
-            batch["entropy"],
-            granularity=granularity,
-            entropy_cutoff=entropy_cutoff,
-            aggregation=aggregation,
-            tau=tau,
-            chunk_size=chunk_size,
-        )
+        dense = dense_segment_rewards(scores, batch["action_mask"], batch["entropy"], granularity=granularity,
+                                      entropy_cutoff=entropy_cutoff, aggregation=aggregation, tau=tau,
+                                      chunk_size=chunk_size)  # fmt: skip
         totals += segmentation_totals(dense.segments.counts, batch["action_mask"], batch["entropy"], entropy_cutoff)
         if Granularity(granularity).is_bandit:
             locations.append(torch.ones(len(rows) * 2))
@@ -96,14 +71,8 @@ def fit_normalizer(
         else:
             locations.append(dense.segments.locations[dense.segments.mask])
             rewards.append(dense.raw_seg_rewards[dense.segments.mask])
-    normalizer = LocationNormalizer.fit(
-        torch.cat(locations),
-        torch.cat(rewards),
-        kind=kind,
-        basis=basis,
-        reward_model=reward_model_id,
-        method=method,
-    )
+    normalizer = LocationNormalizer.fit(torch.cat(locations), torch.cat(rewards), kind=kind, basis=basis,
+                                        reward_model=reward_model_id, method=method)  # fmt: skip
     reference = SegmentationRates.of_totals(totals)  # the monitor's reference: the SFT model on the calibration set
     return dataclasses.replace(normalizer, **reference._asdict())
 
@@ -201,12 +170,8 @@ class ReferenceEntry:
 
 
 def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
-    """Every entry of a released ``param.json``, in file order.
-
-    Raises:
-        NormalizerError: the file is missing, not JSON, not nested as :data:`REFERENCE_KEY_LEVELS`, or has a cutoff
-            key that is not a number.
-    """
+    """Every entry of a released ``param.json``, in file order (:class:`NormalizerError`: the file is missing, not
+    JSON, not nested as :data:`REFERENCE_KEY_LEVELS`, or has a cutoff key that is not a number)."""
     path = Path(path)
     if not path.is_file():
         raise NormalizerError(f"param.json file {path} does not exist")
@@ -241,38 +206,20 @@ def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
 
 
 def import_reference_normalizer(
-    path: str | Path,
-    model_type: str,
-    dataset: str,
-    method: str,
-    aggregation: str,
-    cutoff: float,
-    *,
-    reward_model: str | None = None,
-    std_floor: float | None = None,
-    max_segments: int = REFERENCE_MAX_SEGMENTS,
-) -> LocationNormalizer:
+    path: str | Path, model_type: str, dataset: str, method: str, aggregation: str, cutoff: float, *,
+    reward_model: str | None = None, std_floor: float | None = None, max_segments: int = REFERENCE_MAX_SEGMENTS,
+) -> LocationNormalizer:  # fmt: skip
     """The released normalizer ``model_type/dataset/method/aggregation/cutoff`` of a ``param.json`` (paper 003's
-    public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``).
-
-    The cutoff matches numerically (``2`` finds the key ``"2.0"``). Unlike the public code, which silently uses no
-    normalization (mean 0, std 1) for a missing entry, a missing entry is an error listing the file's entries.
-
-    Args:
-        reward_model, std_floor, max_segments: see :meth:`LocationNormalizer.from_reference_params`.
-
-    Raises:
-        NormalizerError: no (or more than one) such entry, a malformed file, or a Std that is not positive on
-            ``[1 / max_segments, 1]`` without ``std_floor``.
-    """
+    public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``; the other
+    arguments: :meth:`LocationNormalizer.from_reference_params`). The cutoff matches numerically (``2`` finds
+    ``"2.0"``). Unlike the public code (silently no normalization), a missing entry is a :class:`NormalizerError`
+    listing the file's entries, as are several matches, a malformed file and a Std not positive on
+    ``[1 / max_segments, 1]`` without ``std_floor``."""
     path = Path(path)
     entries = read_reference_params(path)
     wanted = (model_type, dataset, method, aggregation)
-    matches = [
-        e
-        for e in entries
-        if (e.model_type, e.dataset, e.method, e.aggregation) == wanted and math.isclose(e.cutoff_value(), cutoff)
-    ]
+    matches = [e for e in entries if (e.model_type, e.dataset, e.method, e.aggregation) == wanted
+               and math.isclose(e.cutoff_value(), cutoff)]  # fmt: skip
     requested = "/".join((*wanted, f"{cutoff:g}"))
     if not matches:
         raise NormalizerError(
@@ -280,13 +227,8 @@ def import_reference_normalizer(
             + ", ".join(e.name for e in entries)
         )
     if len(matches) > 1:
-        raise NormalizerError(
-            f"{path} has {len(matches)} entries for {requested}: {', '.join(e.name for e in matches)}"
-        )
-    return LocationNormalizer.from_reference_params(
-        matches[0].params,
-        source=f"{path.name} entry {matches[0].name}",
-        reward_model=reward_model,
-        std_floor=std_floor,
-        max_segments=max_segments,
-    )
+        names = ", ".join(e.name for e in matches)
+        raise NormalizerError(f"{path} has {len(matches)} entries for {requested}: {names}")
+    return LocationNormalizer.from_reference_params(matches[0].params, source=f"{path.name} entry {matches[0].name}",
+                                                    reward_model=reward_model, std_floor=std_floor,
+                                                    max_segments=max_segments)  # fmt: skip

@@ -3,10 +3,8 @@ over each completion's text (:mod:`rlhf_ext.runtime.spans`), for any policy toke
 
 =============================  ======================================================================================
 :class:`KeywordCredit`         rules: credit for each keyword or regex match (worked example; learnable from pairs)
-:class:`ProcessRewardModel`    a step-wise process reward model: a sequence classifier read at each step's end (the
-                               steps end at ``step_separator``), as PRM800K-style models are scored
-:class:`SegmentRewardSpans`    a segment reward model with its own tokenizer and SFT model (paper 003): segments by
-                               its SFT model's entropy on its own tokens, scored, mapped back by characters
+:class:`ProcessRewardModel`    a step-wise process reward model, read at each step's end (PRM800K-style)
+:class:`SegmentRewardSpans`    a segment reward model with its own tokenizer and SFT model (paper 003)
 :class:`~rlhf_ext.runtime.remote_reward.RemoteSegmentReward`  ``rlhf-ext serve rm`` answering with spans
 =============================  ======================================================================================
 
@@ -133,13 +131,8 @@ def segment_spans(
 # ---------------------------------------------------------------------------------------------------- sources
 class KeywordCredit:
     """Rules as a dense reward: each match of a rule's pattern earns the rule's weight on the matched characters.
-
-    Args:
-        rules: ``{pattern: weight}`` (or ``(pattern, weight)`` pairs).
-        regex: patterns are regular expressions (default: literal keywords).
-        ignore_case: match case-insensitively.
-        once: a rule pays for its first match only (repeating a phrase earns nothing more).
-    """
+    ``rules``: ``{pattern: weight}`` (or pairs), literal keywords unless ``regex``; with ``once`` a rule pays for its
+    first match only."""
 
     dense_unit = "char"
 
@@ -170,25 +163,17 @@ class KeywordCredit:
     @classmethod
     def learn(cls, chosen: Sequence[str], rejected: Sequence[str], top_k: int = 16, ngram: tuple[int, int] = (2, 4),
               min_count: int = 5, **kwargs: Any) -> KeywordCredit:  # fmt: skip
-        """Rules learned from preference pairs: the word n-grams whose share of chosen vs rejected responses differs
-        most (smoothed log-odds of appearing in a chosen rather than a rejected response), ``top_k`` of each sign,
-        weighted by that log-odds. An n-gram overlapping a stronger one of the same sign (sharing ``ngram[0]``
-        consecutive words) is skipped: the ``top_k`` are distinct phrases, not pieces of one. Deterministic (ties
-        broken by length, longest first, then by the phrase)."""
+        """Rules learned from preference pairs: the ``top_k`` word n-grams of each sign with the largest smoothed
+        log-odds of appearing in a chosen rather than a rejected response, weighted by it; an n-gram sharing
+        ``ngram[0]`` words with a stronger one of its sign is skipped. Deterministic (ties: longest, then by text)."""
 
         def grams(text: str, sizes=range(ngram[0], ngram[1] + 1)) -> set[str]:
             words = re.findall(r"[\w']+", text.lower())
             return {" ".join(words[i : i + n]) for n in sizes for i in range(len(words) - n + 1)}
 
-        pos, neg = Counter(), Counter()
-        for text in chosen:
-            pos.update(grams(text))
-        for text in rejected:
-            neg.update(grams(text))
-        scores = {}
-        for g in set(pos) | set(neg):
-            if pos[g] + neg[g] >= min_count:
-                scores[g] = math.log((pos[g] + 1) / (len(chosen) + 2)) - math.log((neg[g] + 1) / (len(rejected) + 2))
+        pos, neg = Counter(g for t in chosen for g in grams(t)), Counter(g for t in rejected for g in grams(t))
+        scores = {g: math.log((pos[g] + 1) / (len(chosen) + 2)) - math.log((neg[g] + 1) / (len(rejected) + 2))
+                  for g in set(pos) | set(neg) if pos[g] + neg[g] >= min_count}  # fmt: skip
         kept: list[tuple[str, float]] = []
         taken: dict[bool, set[str]] = {True: set(), False: set()}  # the shortest n-grams of the kept phrases
         for g, w in sorted(scores.items(), key=lambda kv: (-abs(kv[1]), -kv[0].count(" "), kv[0])):  # longest first
@@ -241,14 +226,9 @@ class _ModelSource:
 
 
 class ProcessRewardModel(_ModelSource):
-    """A step-wise process reward model: a sequence classifier (``num_labels=1``) read at the last token of each step
-    of a completion, the steps ending after each ``step_separator`` (PRM800K-style scoring). Step ``k`` is the span
-    from the end of step ``k - 1`` through its separator, rewarded with the model's score at its last token.
-
-    Args:
-        model: a checkpoint directory or hub id, or a loaded sequence-classification model (then give ``tokenizer``).
-        step_separator: the text that ends a step (default a newline).
-    """
+    """A step-wise process reward model: a sequence classifier (``num_labels=1``; a checkpoint, or a loaded model with
+    its ``tokenizer``) read at the last token of each step of a completion, the steps ending after each
+    ``step_separator`` (PRM800K-style scoring): step ``k`` is a span rewarded with the score at its last token."""
 
     dense_unit = "char"
 
@@ -298,15 +278,10 @@ class ProcessRewardModel(_ModelSource):
 
 class SegmentRewardSpans(_ModelSource):
     """A segment reward model (paper 003) as a dense source for a policy with any tokenizer: each completion is
-    tokenised with the reward model's own tokenizer, segmented where *its* SFT model's entropy exceeds the recorded
-    cutoff, scored at each segment's last token, and every segment is returned as a span over the completion's text
-    (:func:`segment_spans`), which the trainer maps onto the policy's tokens. With ``granularity:
-    segment_as_bandit`` the policy gets e_phi of the mapped segments (paper 003 Eq. 4).
-
-    Args:
-        reward_model: a segment reward-model directory (with ``segment_config.json``), or a loaded
-            :class:`~rlhf_ext.runtime.token_scores.SegmentScorer`.
-        sft_model: its SFT model (default: the recorded one).
+    tokenised with the reward model's own tokenizer, segmented by *its* SFT model's entropy, scored at each segment's
+    last token, and every segment returned as a span over the completion's text (:func:`segment_spans`).
+    ``reward_model``: a segment reward-model directory, or a loaded :class:`~rlhf_ext.runtime.token_scores.
+    SegmentScorer`; ``sft_model``: its SFT model (default: the recorded one).
     """
 
     dense_unit = "char"

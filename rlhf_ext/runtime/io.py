@@ -81,15 +81,10 @@ _TMP, _NEW, _OLD = "tmp", "new", "old"
 
 
 def fault_point(point: str) -> None:
-    """Test hook: kill this process with SIGKILL here when ``$RLHF_EXT_FAULT_AT`` matches ``point``.
-
-    The value is an ``fnmatch`` pattern (``committed:policy_*``); the first point reached that matches kills the
-    process, as ``kill -9`` would at that moment. Kill-recovery tests use it to stop a real command at an exact point
-    of a write; with the variable unset (always, outside those tests) this does nothing. Every directory written with
-    :func:`atomic_directory` passes three points, named after the directory: ``written:<name>`` (the new version
-    complete in its temporary directory), ``swapping:<name>`` (the old version set aside, the new one not in place
-    yet; only when replacing) and ``committed:<name>`` (the new version in place, the old one not deleted yet);
-    :func:`commit_directory` passes the last two.
+    """Test hook: kill this process with SIGKILL here when ``$RLHF_EXT_FAULT_AT`` (an ``fnmatch`` pattern, e.g.
+    ``committed:policy_*``) matches ``point``; unset, it does nothing. :func:`atomic_directory` passes
+    ``written:<name>`` (the new version complete), ``swapping:<name>`` (the old one set aside; only when replacing)
+    and ``committed:<name>`` (the new one in place, the old one not deleted yet); :func:`commit_directory` the last two.
     """
     pattern = os.environ.get(FAULT_ENV)
     if pattern and fnmatch.fnmatchcase(point, pattern):
@@ -135,13 +130,10 @@ def _swap_in(ready: Path, path: Path) -> None:
 
 
 def commit_directory(src: str | Path, path: str | Path) -> None:
-    """Make the complete directory ``src`` visible as ``path``, replacing any directory there.
-
-    ``src`` is first renamed to ``.<name>.new-*`` (from then on it counts as complete), an existing ``path`` is renamed
-    aside to ``.<name>.old-*``, the new version renamed into place and the old one deleted. Readers see the old or
-    the new version, never a mixture; a kill at any point leaves a state that :func:`recover_directory` finishes.
-    ``src`` must be on the same filesystem as ``path`` (a sibling, as :func:`atomic_directory` makes it).
-    """
+    """Make the complete directory ``src`` (on ``path``'s filesystem) visible as ``path``, replacing any directory
+    there: ``src`` is renamed to ``.<name>.new-*`` (complete from then on), an existing ``path`` aside to
+    ``.<name>.old-*``, the new version into place, and the old one deleted. Readers see the old or the new version;
+    a kill at any point leaves a state that :func:`recover_directory` finishes."""
     path = Path(path)
     ready = _sibling(path, _NEW)
     os.replace(src, ready)
@@ -149,14 +141,10 @@ def commit_directory(src: str | Path, path: str | Path) -> None:
 
 
 def recover_directory(path: str | Path) -> bool:
-    """Finish what a killed :func:`atomic_directory` / :func:`commit_directory` left next to ``path``.
-
-    A complete new version waiting to be swapped in (``.<name>.new-*``) is swapped in; an old version set aside
-    (``.<name>.old-*``) is deleted, or put back when ``path`` is missing and no new version waits; unfinished
-    temporary copies (``.<name>.tmp-*``) are deleted. Call it only where no other process writes ``path`` at the same
-    time (under the writer's lock, or in a run directory one process owns): a live writer's temporary copy looks
-    exactly like a dead one's. Returns whether anything was left over.
-    """
+    """Finish what a killed :func:`atomic_directory` / :func:`commit_directory` left next to ``path``: a waiting new
+    version (``.<name>.new-*``) is swapped in; an old version set aside (``.<name>.old-*``) is deleted, or put back
+    when ``path`` is missing and no new version waits; temporary copies (``.<name>.tmp-*``) are deleted. Only where no
+    other process writes ``path`` (a live writer's copy looks like a dead one's). Returns whether anything was left."""
     path = Path(path)
     if not path.parent.is_dir():
         return False
@@ -178,10 +166,8 @@ def recover_directory(path: str | Path) -> bool:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory next to ``path`` (``.<name>.tmp-*``); when the block finishes, it replaces ``path``
-    (:func:`commit_directory`: readers see the old or the complete new directory). The directory gets ``0o777``
-    minus the umask (``mkdtemp`` makes it private, ``0o700``). A failed block deletes the temporary directory; what
-    a killed one leaves is cleaned up by :func:`recover_directory`."""
+    """Yield a temporary directory next to ``path`` (``.<name>.tmp-*``, mode ``0o777`` minus the umask); when the
+    block finishes, it replaces ``path`` (:func:`commit_directory`); a failed block deletes it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_TMP}-", dir=path.parent))
@@ -196,9 +182,8 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
 
 def temporary_sibling(path: str | Path, suffix: str = "") -> Path:
-    """A fixed-name temporary path next to ``path`` (``.<name>.tmp-<suffix>``), for writers whose processes must
-    agree on one name (every rank of a distributed save); :func:`recover_directory` deletes it when a writer was
-    killed."""
+    """A fixed-name temporary path next to ``path`` (``.<name>.tmp-<suffix>``), for writers whose processes must agree
+    on one name (every rank of a distributed save)."""
     path = Path(path)
     return path.with_name(f".{path.name}.{_TMP}-{suffix}")
 
@@ -210,12 +195,8 @@ _held_locks = threading.local()
 @contextlib.contextmanager
 def file_lock(path: str | Path, timeout: float = -1) -> Iterator[None]:
     """An exclusive lock on ``path`` (created if missing), shared across processes, ranks and threads (``filelock``).
-    ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out.
-
-    One owner per lock: a thread asking again for a lock it already holds gets a ``RuntimeError`` naming the file, at
-    once, whatever the filelock version (3.x would wait for itself forever; 4.x refuses with a message about
-    ``is_singleton``). Other threads and processes wait for it as usual.
-    """
+    ``timeout``: seconds to wait (``-1``: forever); ``filelock.Timeout`` when it runs out. A thread asking again for a
+    lock it holds gets a ``RuntimeError`` at once, whatever the filelock version (3.x would wait for itself forever)."""
     from filelock import FileLock
 
     path = Path(path)
@@ -236,14 +217,10 @@ def file_lock(path: str | Path, timeout: float = -1) -> Iterator[None]:
 
 
 def build_once(path: str | Path, build: Callable[[Path], Any], done: str) -> Path:
-    """Make the directory ``path`` exactly once, however many threads and processes ask and wherever one is killed.
-
-    ``build(path)`` writes the whole directory atomically (:func:`atomic_directory`, or a writer built on it), and
-    ``path / done`` marks it complete. A caller finding it complete returns at once; otherwise it takes
-    ``<path>.lock`` (the only owner of that lock: ``build`` must not ask for ``path`` again), finishes or deletes
-    what a killed builder left (:func:`recover_directory`), and builds unless that completed it; callers asking at
-    the same time wait and reuse the result. Returns ``path``.
-    """
+    """Make the directory ``path`` exactly once, however many threads and processes ask and wherever one is killed;
+    returns ``path``. ``build(path)`` writes it atomically (:func:`atomic_directory`) and ``path / done`` marks it
+    complete; otherwise a caller takes ``<path>.lock`` (``build`` must not ask for ``path`` again), recovers what a
+    killed builder left (:func:`recover_directory`) and builds unless that completed it; others wait and reuse it."""
     from filelock import Timeout
 
     path = Path(path)
@@ -310,12 +287,8 @@ def stable_hash(*parts: Any, length: int = 16) -> str:
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Any, Any]:
-    """Module-level ``__getattr__`` and ``__dir__`` for a package whose public names live in submodules.
-
-    ``exports`` maps each public name to the module defining it; the module is imported on first access and the
-    value cached in the package, so ``import package`` stays light. Use as
-    ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``.
-    """
+    """Module-level ``__getattr__`` and ``__dir__`` for a package whose public names (``exports``: name -> module)
+    are imported on first access and cached: ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``."""
     import importlib
     import sys
 

@@ -1,9 +1,6 @@
-"""The iteration loop of paper 004's Algorithm 2, written once, engine-free, and its steps: :func:`run_iterations`
-calls the steps of an :class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run
-(the run directory, prompts, sampling, scoring, pair selection and storage, evaluation, summary). The TRL adapter
-:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`; its
-``train()`` runs this loop, and so does every pipeline through it.
-"""
+"""The iteration loop of paper 004's Algorithm 2, engine-free: :func:`run_iterations` calls the steps of an
+:class:`IterationSteps` object, :class:`IterationRun`, which does everything but the DPO run. The TRL adapter
+:class:`rlhf_ext.trl.IterativeDPOTrainer` holds one (``iteration_steps``) and is its :class:`IterationEngine`."""
 
 from __future__ import annotations
 
@@ -55,30 +52,24 @@ class IterationSteps(Protocol):
 
 def run_iterations(trainer: IterationSteps) -> dict[str, Any]:
     """Paper 004's Algorithm 2, iterative best/worst-of-n online DPO, on ``trainer``'s steps (an
-    :class:`IterationSteps`, or the TRL adapter :class:`~rlhf_ext.trl.IterativeDPOTrainer` with
-    ``online_mode="iterative"``, whose ``train()`` calls this, holding one as ``iteration_steps``); returns the run's
-    summary.
+    :class:`IterationSteps`, or a trainer holding one as ``iteration_steps``); returns the run's summary.
 
     ``pi_0`` is the SFT model; it is evaluated first. Then, for each iteration ``t = 0 .. num_iterations - 1``:
 
-    1. take the iteration's ``m = prompts_per_iteration`` prompts (paper: 20k; one fixed shuffle, consecutive
-       slices);
-    2. sample ``n = num_generations`` responses per prompt from ``pi_t``, split across the two temperatures
-       (paper: 8 or 16 at 0.7 and 1.0, no top-p / top-k);
+    1. take the iteration's ``m = prompts_per_iteration`` prompts (paper: 20k; one fixed shuffle, consecutive slices);
+    2. sample ``n = num_generations`` responses per prompt from ``pi_t`` at the temperatures (paper: 8 or 16 at 0.7
+       and 1.0, no top-p / top-k);
     3. score every response with the reward ``r``;
-    4. select one pair per prompt: the best vs the worst response under ``r_e(x, a) = r(x, a) - lambda * |a|``
-       (paper 004 Eq. 9, ``|a|`` in characters), dropping prompts whose responses tie;
-    5. store the iteration's pairs atomically: they exist complete or not at all, so steps 2-5 run exactly once
-       per iteration and a resumed run skips them;
-    6. train DPO from ``pi_t`` on the accumulated pairs of iterations ``0..t`` (paper: "historical + new") with the
-       SFT model ``pi_0`` as reference (paper: 2 epochs, cosine, lr 5e-7, warm-up 0.03, global batch 128,
-       beta 0.1) -> ``pi_{t+1}``, resumed from its last checkpoint if it was interrupted; an iteration without
-       pairs keeps ``pi_{t+1} = pi_t``;
-    7. evaluate ``pi_{t+1}``: the reward of its samples on the held-out prompts (and the gold score if any),
-       logged through the trainer's loggers with the iteration's pair statistics.
+    4. select one pair per prompt: best vs worst under ``r_e(x, a) = r(x, a) - lambda * |a|`` (paper 004 Eq. 9,
+       ``|a|`` in characters), dropping prompts whose responses tie;
+    5. store the pairs atomically, so steps 2-5 run exactly once per iteration;
+    6. train DPO from ``pi_t`` on the pairs of iterations ``0..t`` (paper: "historical + new") with ``pi_0`` as
+       reference (paper: 2 epochs, cosine, lr 5e-7, warm-up 0.03, global batch 128, beta 0.1) -> ``pi_{t+1}``; an
+       iteration without pairs keeps ``pi_{t+1} = pi_t``;
+    7. evaluate ``pi_{t+1}`` on the held-out prompts (reward, and gold score if any) and log it with the pairs' stats.
 
-    Every step's result is on disk before the next starts (pairs, ``state.json``, ``eval/``), so rerunning a killed
-    run resumes at the last finished step and produces the same pairs and weights.
+    Every step's result is on disk before the next starts, so rerunning a killed run resumes at the last finished
+    step and produces the same pairs and weights.
     """
     trainer = getattr(trainer, "iteration_steps", trainer)  # the TRL adapter holds its steps (an IterationRun)
     args = trainer.args
@@ -107,16 +98,6 @@ def run_iteration(trainer: IterationSteps, t: int) -> dict[str, Any]:
     return trainer.log_iteration(t, pairs, evaluation)
 
 
-class _Scores:
-    """A reward function that returns scores computed before (step 3), for the selection of step 4."""
-
-    def __init__(self, rewards: torch.Tensor):
-        self.rewards = rewards
-
-    def __call__(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
-        return self.rewards.flatten()
-
-
 class IterationEngine(Protocol):
     """What :class:`IterationRun` needs from the training engine (the TRL adapter
     :class:`rlhf_ext.trl.IterativeDPOTrainer` is one)."""
@@ -127,21 +108,15 @@ class IterationEngine(Protocol):
 
 
 class IterationRun:
-    """The engine-free part of an online DPO run in ``root`` (its ``output_dir``): the run directory (``run.json``),
-    the policy record (``state.json``), the prompts of each iteration, sampling, scoring, pair selection and storage
-    (``pairs/``, a :class:`~rlhf_ext.runtime.pair_store.PairStore`), evaluations (``eval/``), log rows and the
-    summary. It is :func:`run_iterations`'s :class:`IterationSteps`; the DPO run of step 6 and the logger are the
-    ``engine``'s.
+    """The engine-free part of an online DPO run in ``args.output_dir`` (``run.json``, ``state.json``, ``pairs/``,
+    ``eval/``): :func:`run_iterations`'s :class:`IterationSteps`; the DPO run of step 6 and the logger are the
+    ``engine``'s (an :class:`IterationEngine`).
 
     Args:
         args: the run's ``IterativeDPOConfig``.
-        prompts, eval_prompts: the training prompts and the evaluation prompts (text or chat messages).
         sft_path, ref_path: checkpoints of ``pi_0`` and of the SFT reference.
-        tokenizer: the policy's tokenizer (for the samplers).
         reward_fn, gold_fn: ``(prompts, responses) -> scores``; ``gold_fn`` is reported at evaluation only.
-        dist: the process group (``accelerate.PartialState``: ``is_main_process``, ``wait_for_everyone``,
-            ``num_processes``, ``process_index``).
-        engine: an :class:`IterationEngine`.
+        dist: the process group (``accelerate.PartialState``).
     """
 
     def __init__(self, args, prompts: list[Any], eval_prompts: list[Any], sft_path: str, ref_path: str, tokenizer,
@@ -155,12 +130,8 @@ class IterationRun:
 
     # ------------------------------------------------------------------------------------------ run directory
     def open_run(self) -> RunDir:
-        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it.
-
-        Raises:
-            FileExistsError: a run exists and ``args.resume`` is false.
-            RunSettingsChanged: (a ``ValueError``) the run there was started with other settings.
-        """
+        """Check ``output_dir`` against this run's settings (``run.json``) before any step writes to it: a
+        ``FileExistsError`` for a run there without ``args.resume``, ``RunSettingsChanged`` for other settings."""
         settings = {**self.args.settings(), "sft": self.sft_path, "prompts": stable_hash(self.prompts)}
         run_file = self.root / RUN_FILE
         old = json.loads(run_file.read_text()) if run_file.exists() else None
@@ -201,18 +172,11 @@ class IterationRun:
     def sampler_spec(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
         a = self.args
-        return dict(
-            backend=a.generation_backend,
-            policy=self.sft_path,
-            tokenizer=self.tokenizer,
-            max_new_tokens=a.max_completion_length,
-            temperatures=a.temperatures,
-            batch_size=a.generation_batch_size,
-            max_prompt_length=a.max_prompt_length,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
-        )
+        return dict(backend=a.generation_backend, policy=self.sft_path, tokenizer=self.tokenizer,
+                    max_new_tokens=a.max_completion_length, temperatures=a.temperatures,
+                    batch_size=a.generation_batch_size, max_prompt_length=a.max_prompt_length, top_p=a.top_p,
+                    top_k=a.top_k, vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+                                                **(a.vllm_kwargs or {})})  # fmt: skip
 
     def sampler(self):
         if self._sampler is None:
@@ -262,14 +226,9 @@ class IterationRun:
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
         whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
-        rows, stats = score_and_select(
-            prompts,
-            ids,
-            samples,
-            _Scores(rewards),
-            self.args,  # the selection knobs (OnlineDPOKnobs)
-            torch.Generator().manual_seed(self.seed("select", t)),
-        )
+        scores = lambda prompts, responses: rewards.flatten()  # the scores of step 3
+        rows, stats = score_and_select(prompts, ids, samples, scores, self.args,  # the selection knobs (OnlineDPOKnobs)
+                                       torch.Generator().manual_seed(self.seed("select", t)))  # fmt: skip
         for r in rows:
             r.update(iteration=t, policy=t)
         return rows, {**stats, "policy": self.policy_path(t)}
@@ -277,11 +236,9 @@ class IterationRun:
     def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
         if not rows:
-            warnings.warn(
-                f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the reward "
-                "(equal scores or identical text), so no preference pairs were collected",
-                stacklevel=2,
-            )
+            warnings.warn(f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the "
+                          "reward (equal scores or identical text), so no preference pairs were collected",
+                          stacklevel=2)  # fmt: skip
         self.store.write(t, rows, stats)
         logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
 
@@ -291,23 +248,17 @@ class IterationRun:
         return self.store.summary(t)
 
     def train_iteration(self, t: int) -> str:
-        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}``
-        (skipped if it exists; the DPO run is the engine's :meth:`~IterationEngine.train_policy`). Returns the path
-        of ``pi_{t+1}``.
-
-        ``pi_{t+1}`` is saved atomically before ``state.json`` records it; a run killed in between left the complete
-        policy, which the rerun records instead of training it again (same pairs, settings and seed: the same
-        weights)."""
+        """Step 6: DPO from ``pi_t`` on the stored pairs (``pair_data``) against the reference -> ``pi_{t+1}`` (the
+        engine's :meth:`~IterationEngine.train_policy`); returns its path. ``pi_{t+1}`` is saved atomically before
+        ``state.json`` records it; a rerun records a complete one instead of training it again."""
         state = self.read_state()
         if str(t + 1) in state["policies"]:
             return state["policies"][str(t + 1)]
         start = state["policies"][str(t)]
         rows = self.store.training_pairs(t, self.args.pair_data)
         if not rows:
-            warnings.warn(
-                f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})",
-                stacklevel=2,
-            )
+            msg = f"iteration {t}: no preference pairs to train on; skipping DPO (policy {t + 1} = policy {t})"
+            warnings.warn(msg, stacklevel=2)
             state["policies"][str(t + 1)] = start
             state["skipped"].append(t)
             self.write_state(state)
@@ -361,27 +312,16 @@ class IterationRun:
     def log_iteration(self, t: int, pairs: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
         """Log iteration ``t``'s pairs and the evaluation of ``pi_{t+1}`` through the engine's loggers; returns
         the summary's record of the iteration."""
-        logs = {
-            "iteration": t,
-            "pairs/num_pairs": pairs["num_pairs"],
-            "pairs/dropped": pairs["dropped"],
-            "pairs/mean_reward": pairs["mean_reward"],
-            **eval_logs(evaluation),
-        }
-        self.engine.log(logs)
+        logs = {"iteration": t, **{f"pairs/{k}": pairs[k] for k in ("num_pairs", "dropped", "mean_reward")}}
+        self.engine.log({**logs, **eval_logs(evaluation)})
         return {"iteration": t, "pairs": pairs, "eval": evaluation}
 
     def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
         """The per-iteration run's summary, written to ``output_dir/summary.json``."""
         state = self.read_state()
-        summary = {
-            "mode": "iterative",
-            "output_dir": str(self.root),
-            "final_policy": state["policies"][str(self.args.num_iterations)],
-            "skipped_iterations": state["skipped"],
-            "eval": evals,
-            "iterations": iterations,
-        }
+        summary = {"mode": "iterative", "output_dir": str(self.root),
+                   "final_policy": state["policies"][str(self.args.num_iterations)],
+                   "skipped_iterations": state["skipped"], "eval": evals, "iterations": iterations}  # fmt: skip
         if self.dist.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
         return summary

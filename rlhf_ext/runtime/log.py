@@ -1,17 +1,12 @@
 """rlhf-ext's library logger: ``logging.getLogger("rlhf_ext")``, with one logger per module underneath it.
 
-Library modules log through ``logger = logging.getLogger(__name__)`` and never print, never add handlers and never
-touch the root logger. As in transformers there is no ``NullHandler``: in a program that configured nothing, warnings
-reach stderr through Python's last-resort handler and info lines are dropped. A host application controls rlhf-ext's
-output like any library's::
+Library modules log through ``logging.getLogger(__name__)`` and never print, add handlers or touch the root logger
+(no ``NullHandler``, as in transformers). A host application controls rlhf-ext's output like any library's::
 
     logging.getLogger("rlhf_ext").setLevel(logging.WARNING)      # warnings and errors only
-    logging.basicConfig(level=logging.INFO)                       # or: rlhf-ext's info lines through the root logger
 
-The ``rlhf-ext`` command line (and ``python -m rlhf_ext.openrlhf.train_ppo_ray``) calls :func:`configure_cli_output`,
-which installs one stream handler on the ``rlhf_ext`` logger at ``INFO`` unless the host application configured
-logging already; ``RLHF_EXT_VERBOSITY=debug|info|warning|error`` sets the level (like ``TRANSFORMERS_VERBOSITY``).
-A script that wants the command line's output calls :func:`enable_console_logging`.
+The command line calls :func:`configure_cli_output` (one stream handler at ``INFO`` unless the host configured logging;
+``RLHF_EXT_VERBOSITY=debug|info|warning|error`` sets the level); a script calls :func:`enable_console_logging`.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TextIO
@@ -29,12 +25,7 @@ from typing import TextIO
 LIBRARY_LOGGER = "rlhf_ext"
 #: The environment variable that sets the library logger's level under the command line.
 VERBOSITY_ENV = "RLHF_EXT_VERBOSITY"
-VERBOSITY_LEVELS: dict[str, int] = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
+VERBOSITY_LEVELS: dict[str, int] = {n: getattr(logging, n.upper()) for n in ("debug", "info", "warning", "error")}
 #: Environment variables that turn off the progress bars of the Hugging Face libraries (their bars redraw a line
 #: with ``\r``, which a pipe or a log file records as one ever-growing line).
 HF_PROGRESS_BAR_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
@@ -48,11 +39,7 @@ def library_logger() -> logging.Logger:
 
 
 def parse_verbosity(value: str | int) -> int:
-    """A logging level from ``debug|info|warning|error`` (any case) or a level number.
-
-    Raises:
-        ValueError: an unknown name, naming the accepted ones.
-    """
+    """A logging level from ``debug|info|warning|error`` (any case) or a level number (``ValueError`` otherwise)."""
     if isinstance(value, int):
         return value
     level = VERBOSITY_LEVELS.get(value.strip().lower())
@@ -108,10 +95,8 @@ class ConsoleHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm = sys.modules.get("tqdm")
-        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):  # no bar is on screen
-            super().emit(record)
-            return
-        with tqdm.tqdm.external_write_mode(file=sys.stderr):  # clears the bars, writes, redraws them
+        bars = tqdm is not None and getattr(tqdm.tqdm, "_instances", None)  # a bar is on screen
+        with tqdm.tqdm.external_write_mode(file=sys.stderr) if bars else contextlib.nullcontext():  # clears, redraws
             super().emit(record)
 
 
@@ -121,23 +106,14 @@ def _console_handler(log: logging.Logger) -> ConsoleHandler | None:
 
 def enable_console_logging(level: str | int | None = None) -> logging.Handler:
     """Show rlhf-ext's log lines on stderr, as the command line does: one :class:`ConsoleHandler` on the
-    ``rlhf_ext`` logger (added once; a second call only changes the level). For scripts and notebooks.
-
-    Args:
-        level: ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``.
-
-    Returns:
-        The handler (remove it with ``logging.getLogger("rlhf_ext").removeHandler(handler)``).
-    """
+    ``rlhf_ext`` logger (added once; a second call only changes the level), returned. ``level``:
+    ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``."""
     log = library_logger()
     handler = _console_handler(log)
     if handler is None:
         handler = ConsoleHandler()
         log.addHandler(handler)
-    if level is not None:
-        log.setLevel(parse_verbosity(level))
-    else:
-        log.setLevel(verbosity_from_env() or logging.INFO)
+    log.setLevel(parse_verbosity(level) if level is not None else verbosity_from_env() or logging.INFO)
     return handler
 
 
@@ -149,19 +125,15 @@ def host_configured_logging() -> bool:
 
 
 def configure_cli_output() -> None:
-    """The command line's terminal set-up, called once by each entry point before any work.
-
-    * Logging: unless :func:`host_configured_logging`, :func:`enable_console_logging` (``INFO``, or
-      ``RLHF_EXT_VERBOSITY``); when the host did configure it, only an explicit ``RLHF_EXT_VERBOSITY`` applies.
-    * Progress bars: when stderr is not a terminal (piped, redirected to a file), the Hugging Face libraries' bars
-      are turned off (:data:`HF_PROGRESS_BAR_SWITCHES`, unless the environment sets them), so a log has no ``\\r``.
-    """
+    """The command line's terminal set-up, called once by each entry point before any work: unless
+    :func:`host_configured_logging`, :func:`enable_console_logging` (else only an explicit ``RLHF_EXT_VERBOSITY``
+    applies); when stderr is not a terminal, the Hugging Face libraries' progress bars are turned off
+    (:data:`HF_PROGRESS_BAR_SWITCHES`, unless the environment sets them)."""
     # TRL 1.16 reads ``model.is_gradient_checkpointing``, which transformers >= 5.2x deprecates with a FutureWarning a
     # user cannot act on (rlhf-ext itself passes the new ``activation_checkpointing`` name): not on the CLI's terminal
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     if host_configured_logging():
-        level = verbosity_from_env()
-        if level is not None:
+        if (level := verbosity_from_env()) is not None:
             library_logger().setLevel(level)
     else:
         enable_console_logging()
@@ -199,8 +171,6 @@ class ProgressLines:
     (``update``, ``n``, ``set_postfix``, ``close``, a context manager), so a caller takes either (:func:`progress`)."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "it") -> None:
-        import time
-
         self.total, self.n, self.desc, self.unit = total, initial, desc, unit
         self._start, self._start_n = time.monotonic(), initial
         self._last, self._logged = self._start, initial
@@ -223,16 +193,12 @@ class ProgressLines:
         self._last, self._logged = now, self.n
 
     def update(self, n: int = 1) -> None:
-        import time
-
         self.n += n
         now = time.monotonic()
         if now - self._last >= PROGRESS_LINE_SECONDS:
             self._line(now)
 
     def close(self) -> None:
-        import time
-
         if self.n != self._logged:
             self._line(time.monotonic())
 

@@ -1,8 +1,5 @@
-"""Pair collection for online DPO (paper 004, Algorithm 2 steps 4-6): sample ``[P][n]`` responses, score them and
-form one pair per prompt with :func:`~rlhf_ext.algos.pair_selection.select_pairs`.
-
-:func:`score_and_select` does it for one batch; :class:`OnlinePairGenerator` is the generator side of per-batch online
-DPO (thread or process).
+"""Pair collection for online DPO (paper 004, Algorithm 2 steps 4-6): score ``[P][n]`` sampled responses and form one
+pair per prompt (:func:`score_and_select`); :class:`OnlinePairGenerator` is the generator side of per-batch online DPO.
 """
 
 from __future__ import annotations
@@ -19,11 +16,9 @@ from rlhf_ext.runtime.sampling import make_sampler, sampling_seed
 
 
 def wants_generator_process(requested: bool | None, async_generation: bool, backend: str, reward_fn: RewardFn) -> bool:
-    """Where online mode's generator runs: ``requested`` when given; by default a spawned process where it can run
-    and pays, else a thread. It pays with asynchronous generation on CPUs: the roles then overlap, and in one process
-    they contend for the interpreter lock (on idle cores a thread reached 77% of the ideal speedup and a process 103%,
-    ``benchmarks/async.py``). It can run with HF generation (vLLM has its own engine process; ``auto`` means HF
-    without CUDA) and a reward function that pickles (a lambda or a closure does not: a thread then, silently)."""
+    """Where online mode's generator runs: ``requested`` when given; by default a spawned process with asynchronous
+    generation on CPUs (no interpreter lock to share: 103% of the ideal speedup vs a thread's 77%,
+    ``benchmarks/async.py``), HF generation and a reward function that pickles; else a thread."""
     if requested is not None:
         return requested
     if not async_generation or backend == "vllm" or torch.cuda.is_available():
@@ -35,51 +30,25 @@ def wants_generator_process(requested: bool | None, async_generation: bool, back
     return True
 
 
-def score_and_select(
-    prompts: list[Any],
-    ids: list[int],
-    samples,
-    reward_fn: RewardFn,
-    settings: OnlineDPOKnobs,
-    generator: torch.Generator,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def score_and_select(prompts: list[Any], ids: list[int], samples, reward_fn: RewardFn, settings: OnlineDPOKnobs,
+                     generator: torch.Generator) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9) with
     the selection knobs of ``settings`` (``selection_rule``, ``length_penalty``, ``length_unit``, ``tie_tolerance``:
-    an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it).
-
-    Returns the pair rows (one dict per kept prompt, in prompt order) and statistics of the scored samples.
-    """
+    an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it). Returns the pair rows
+    (one dict per kept prompt, in prompt order) and statistics of the scored samples."""
     n = len(samples.temperatures)
     flat_prompts = [p for p in prompts for _ in range(n)]
     rewards = score(reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
     lengths = samples.num_chars() if settings.length_unit == "chars" else samples.num_tokens.float()
-    sel = select_pairs(
-        rewards,
-        lengths=lengths,
-        rule=settings.selection_rule,
-        length_penalty=settings.length_penalty,
-        texts=samples.texts,
-        tie_tolerance=settings.tie_tolerance,
-        generator=generator,
-    )
-    rows = []
-    for j, (i, c, r) in enumerate(zip(sel.prompt_index.tolist(), sel.chosen.tolist(), sel.rejected.tolist())):
-        rows.append(
-            {
-                "prompt": prompts[i],
-                "chosen": samples.texts[i][c],
-                "rejected": samples.texts[i][r],
-                "chosen_reward": float(rewards[i, c]),
-                "rejected_reward": float(rewards[i, r]),
-                "margin": float(sel.margin[j]),
-                "reward_margin": float(sel.reward_margin[j]),
-                "prompt_id": ids[i],
-                "chosen_index": c,
-                "rejected_index": r,
-                "chosen_temperature": samples.temperatures[c],
-                "rejected_temperature": samples.temperatures[r],
-            }
-        )
+    sel = select_pairs(rewards, lengths=lengths, rule=settings.selection_rule, length_penalty=settings.length_penalty,
+                       texts=samples.texts, tie_tolerance=settings.tie_tolerance, generator=generator)  # fmt: skip
+    rows = [
+        {"prompt": prompts[i], "chosen": samples.texts[i][c], "rejected": samples.texts[i][r],
+         "chosen_reward": float(rewards[i, c]), "rejected_reward": float(rewards[i, r]), "margin": float(sel.margin[j]),
+         "reward_margin": float(sel.reward_margin[j]), "prompt_id": ids[i], "chosen_index": c, "rejected_index": r,
+         "chosen_temperature": samples.temperatures[c], "rejected_temperature": samples.temperatures[r]}
+        for j, (i, c, r) in enumerate(zip(sel.prompt_index.tolist(), sel.chosen.tolist(), sel.rejected.tolist()))
+    ]  # fmt: skip
     stats = {
         "num_prompts": len(prompts),
         "num_generations": n,
@@ -99,9 +68,8 @@ def score_and_select(
 
 @dataclass(frozen=True)
 class OnlineBatchPairs:
-    """One per-batch online DPO batch: its pair rows and the generator's prompt cursor after it (the position in the
-    shuffled prompt order where the next batch's prompts start; stored with the batch, so a resumed run continues
-    there)."""
+    """One per-batch online DPO batch: its pair rows and the generator's prompt cursor after it (where a resumed run
+    continues)."""
 
     rows: list[dict[str, Any]]
     cursor: int
@@ -110,42 +78,21 @@ class OnlineBatchPairs:
 class OnlinePairGenerator:
     """The generator side of online DPO (paper 001): for each batch, sample ``num_generations`` responses for as many
     prompts as pairs are still needed, score them, select pairs; prompts whose responses tie are replaced by the
-    next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process (the
-    sampler is then built there on first use; ``reward_fn`` must be picklable).
+    next prompts, at most ``max_fill_rounds`` times. Runs in the runner's thread or, pickled, in its process.
 
     Prompts are taken in a fixed shuffled order (``seed``), wrapping around, from position ``cursor`` on. Each
-    sampling round draws with its own seed, :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(seed, "online",
-    update index, round)`` (and the selection's tie-breaking with ``update index``), where the update index is
-    ``first_index`` + the runner's batch index, so a run repeats exactly whatever the generator thread and the
-    training thread do with the global RNG. A resumed run passes the update it resumes at as ``first_index`` and the
-    cursor stored with the last trained batch (:attr:`OnlineBatchPairs.cursor`) as ``cursor``: its batches are then
-    the uninterrupted run's.
+    sampling round draws with :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(seed, "online", update, round)``
+    (``update`` = ``first_index`` + the batch index), so a run repeats exactly, and a resumed run given its
+    ``first_index`` and stored :attr:`OnlineBatchPairs.cursor` makes the uninterrupted run's batches.
     """
 
-    def __init__(
-        self,
-        prompts: list[Any],
-        pairs_per_update: int,
-        max_fill_rounds: int,
-        selection: OnlineDPOKnobs,
-        reward_fn: RewardFn,
-        sampler_spec: dict[str, Any],
-        seed: int,
-        sampler=None,
-        first_index: int = 0,
-        cursor: int = 0,
-    ):
-        self.prompts = prompts
-        self.pairs_per_update = pairs_per_update
-        self.max_fill_rounds = max_fill_rounds
-        self.selection = selection
-        self.reward_fn = reward_fn
-        self.sampler_spec = sampler_spec
-        self.seed = seed
+    def __init__(self, prompts: list[Any], pairs_per_update: int, max_fill_rounds: int, selection: OnlineDPOKnobs,
+                 reward_fn: RewardFn, sampler_spec: dict[str, Any], seed: int, sampler=None, first_index: int = 0,
+                 cursor: int = 0):  # fmt: skip
+        self.prompts, self.pairs_per_update, self.max_fill_rounds = prompts, pairs_per_update, max_fill_rounds
+        self.selection, self.reward_fn, self.sampler_spec, self.seed = selection, reward_fn, sampler_spec, seed
         self.order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))
-        self.first_index = first_index
-        self.cursor = cursor
-        self._sampler = sampler
+        self.first_index, self.cursor, self._sampler = first_index, cursor, sampler
         if sampler is not None:
             sampler.load_policy(sampler_spec["policy"])
         else:
@@ -183,10 +130,8 @@ class OnlinePairGenerator:
             prompts, ids = self._take(self.pairs_per_update - len(rows))
             seed = sampling_seed(self.seed, "online", update, fill_round)
             samples = self.sampler.sample(prompts, self.selection.num_generations, seed=seed)
-            new, _ = score_and_select(
-                prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(update)
-            )
-            rows.extend(new)
+            rows += score_and_select(prompts, ids, samples, self.reward_fn, self.selection,
+                                     torch.Generator().manual_seed(update))[0]  # fmt: skip
             if len(rows) == self.pairs_per_update:
                 return OnlineBatchPairs(rows, self.cursor)
         raise RuntimeError(

@@ -6,11 +6,8 @@ Layout under ``root``::
     iter_000/summary.json     what the collection step measured (pairs kept, dropped, mean reward ...)
     iter_001/...
 
-Each iteration directory is written with :func:`~rlhf_ext.runtime.io.atomic_directory`: it appears complete or not at
-all, so a run killed while writing leaves no partial dataset (only a hidden ``.iter_XXX.tmp-*`` directory, which is
-ignored). An iteration is never written twice: the trainer checks :meth:`PairStore.has` before collecting, which is
-what makes a resumed run lose and duplicate no pair. The files are plain JSON lines, loadable with
-``datasets.load_dataset("json", data_files=...)``.
+Each iteration directory is written atomically (:func:`~rlhf_ext.runtime.io.atomic_directory`) and never twice (the
+trainer checks :meth:`PairStore.has` first), so a resumed run loses and duplicates no pair.
 """
 
 from __future__ import annotations
@@ -43,11 +40,8 @@ class PairStore:
         """Iterations whose pairs are on disk, in order."""
         if not self.root.is_dir():
             return []
-        done = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("iter_") and (p / SUMMARY_FILE).is_file():
-                done.append(int(p.name[len("iter_") :]))
-        return sorted(done)
+        done = [p for p in self.root.iterdir() if p.name.startswith("iter_") and (p / SUMMARY_FILE).is_file()]
+        return sorted(int(p.name[len("iter_") :]) for p in done if p.is_dir())
 
     def write(self, iteration: int, rows: list[dict[str, Any]], summary: dict[str, Any]) -> Path:
         """Write iteration ``iteration``'s pairs atomically; refuses to overwrite a completed iteration."""

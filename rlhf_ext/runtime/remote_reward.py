@@ -1,20 +1,11 @@
-"""A reward function that asks a remote segment reward model (``rlhf-ext serve rm``) for e_phi or for its segments.
-
-Example::
-
-    from trl import GRPOConfig, GRPOTrainer
-    from rlhf_ext.trl.remote_reward import RemoteSegmentReward
+"""A reward function that asks a remote segment reward model (``rlhf-ext serve rm``) for e_phi or for its segments::
 
     trainer = GRPOTrainer(model=policy, reward_funcs=[RemoteSegmentReward("http://127.0.0.1:5000")], ...)
     trainer = DensePPOTrainer(model=policy, reward_funcs=[RemoteSegmentReward(url, spans=True)], ...)  # dense
 
-The function has the signature of TRL's ``reward_funcs`` callables (``prompts``, ``completions``, keyword columns)
-and returns, per completion, the segment evaluation ``e_phi`` (paper 003 Eq. 4) of the (prompt, completion) -- or,
-with ``spans=True``, its segments as ``(char_start, char_end, reward)`` spans over the completion's text (the
-server's ``"spans"`` answer; the dense-reward contract of :mod:`rlhf_ext.runtime.spans`), computed by the server in
-batches. Text and conversational datasets both work: chat messages are sent as they are and rendered with the reward
-model's own chat template on the server. Engine-free: OpenRLHF's launcher uses it for ``--reward.remote_url`` with
-dense granularities.
+Per completion it returns ``e_phi`` (paper 003 Eq. 4), or with ``spans=True`` its segments as ``(char_start,
+char_end, reward)`` spans (:mod:`rlhf_ext.runtime.spans`). Chat messages are sent as they are and rendered with the
+reward model's own chat template on the server. OpenRLHF's launcher uses it for ``--reward.remote_url``.
 """
 
 from __future__ import annotations
@@ -49,35 +40,24 @@ def _post_json(url: str, payload: dict[str, Any], timeout: float, api_key: str |
 
 
 class RemoteSegmentReward:
-    """A TRL reward function (``reward_funcs`` entry) scoring completions with the segment reward model served at
-    ``url``; a picklable object, named ``name`` for TRL's logs.
+    """A TRL reward function (``reward_funcs`` entry, picklable) scoring completions with the segment reward model
+    served at ``url`` (``http://HOST:PORT``, or the full ``.../get_reward`` route).
 
     Args:
-        url: the server (``http://HOST:PORT``, or the full ``.../get_reward`` route).
         batch_size: pairs per HTTP request (the server's ``--max-request-pairs`` must be at least this).
         timeout: seconds per request.
         retries, retry_wait_s: attempts per request on a connection error or a 5xx answer, and the pause between
             them (as OpenRLHF's client: 5 attempts, 1 s apart). A 4xx answer raises :class:`RemoteRewardError` at once.
         name: the function's ``__name__``, which TRL logs the reward under (``rewards/<name>/mean``).
-        spans: return each completion's segment spans (a dense reward for ``DensePPOTrainer`` and OpenRLHF's
-            ``train_ppo_ray``) instead of e_phi (a sequence reward for any TRL trainer).
-        api_key: the server's API key (``rlhf-ext serve rm --api-key``), sent as a bearer token; default: the
-            ``RLHF_EXT_API_KEY`` environment variable when set.
+        spans: return each completion's segment spans (a dense reward) instead of e_phi (a sequence reward).
+        api_key: the server's API key, sent as a bearer token; default: ``$RLHF_EXT_API_KEY`` when set.
 
     The client connects directly, ignoring ``HTTP(S)_PROXY`` (as OpenRLHF's aiohttp client does).
     """
 
-    def __init__(
-        self,
-        url: str,
-        batch_size: int = 64,
-        timeout: float = 180.0,
-        retries: int = 5,
-        retry_wait_s: float = 1.0,
-        name: str = "segment_rm",
-        api_key: str | None = None,
-        spans: bool = False,
-    ):
+    def __init__(self, url: str, batch_size: int = 64, timeout: float = 180.0, retries: int = 5,
+                 retry_wait_s: float = 1.0, name: str = "segment_rm", api_key: str | None = None,
+                 spans: bool = False):  # fmt: skip
         if retries < 1:
             raise ValueError(f"retries must be at least 1, got {retries}")
         if batch_size < 1:

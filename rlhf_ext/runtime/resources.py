@@ -125,16 +125,10 @@ def model_size(name_or_path: str, config=None) -> ModelSize:
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelSize(
-        name=str(name_or_path),
-        params=params,
-        lm_head_params=0 if head is None or tied else head.weight.numel(),
-        hidden=config.hidden_size,
-        layers=config.num_hidden_layers,
-        vocab=config.vocab_size,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-    )
+    lm_head_params = 0 if head is None or tied else head.weight.numel()
+    return ModelSize(name=str(name_or_path), params=params, lm_head_params=lm_head_params, hidden=config.hidden_size,
+                     layers=config.num_hidden_layers, vocab=config.vocab_size,
+                     kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim)  # fmt: skip
 
 
 #: Why a model that does not exist yet is sized as another one.
@@ -151,9 +145,7 @@ def size_or_fallback(
     try:
         return lookup(spec)
     except ModelSizeUnknown:
-        if fallback is None:
-            return None
-        return replace(fallback, name=spec, assumed=SIZED_AS_SFT)
+        return None if fallback is None else replace(fallback, name=spec, assumed=SIZED_AS_SFT)
 
 
 # ----------------------------------------------------------------------------------------------------- memory terms

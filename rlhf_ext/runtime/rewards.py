@@ -1,11 +1,6 @@
-"""Reward functions ``reward_fn(prompts, responses) -> tensor[N]`` (one score per response; a prompt is repeated for
-each of its responses) and :func:`load_reward`, which builds one from a recipe string.
-
-Two are built on checkpoints: :class:`SequenceClassifierReward` (any ``AutoModelForSequenceClassification`` reward
-model, scored on the same text TRL's ``RewardTrainer`` trains on) and :class:`SegmentSequenceReward` (the sequence
-evaluation ``e_phi`` of a segment reward model, paper 003 Eq. 4); any user callable works too (e.g. the simulator's
-annotators). ``builtin:`` reward names are resolved by :func:`rlhf_ext.zoo.resolve_reward`.
-"""
+"""Reward functions ``reward_fn(prompts, responses) -> tensor[N]`` (one score per response) and :func:`load_reward`,
+which builds one from a recipe string: :class:`SequenceClassifierReward`, :class:`SegmentSequenceReward` (e_phi of a
+segment reward model, paper 003 Eq. 4) or any user callable. ``builtin:`` names: :func:`rlhf_ext.zoo.resolve_reward`."""
 
 from __future__ import annotations
 
@@ -53,10 +48,8 @@ class SequenceClassifierReward:
             model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, dtype=torch.float32)
         if tokenizer is None:
             raise ValueError("pass tokenizer= when the reward model is already instantiated")
-        self.model = model.to(self.device).eval()
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer, self.batch_size = model.to(self.device).eval(), tokenizer, batch_size
         self._tokenizer_lock = PicklableLock()  # a fast tokenizer may refuse two threads at once ("Already borrowed")
-        self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def _text(self, prompt: Any, response: str) -> tuple[str, bool]:
@@ -86,15 +79,10 @@ class SequenceClassifierReward:
 
 
 class SegmentSequenceReward:
-    """Score with a segment reward model's sequence evaluation ``e_phi(x, y)`` (paper 003, Eq. 4): the SFT model
-    segments each response by entropy, the reward model scores each segment's last token, and the segment rewards
-    are aggregated — the same :func:`~rlhf_ext.segment.evaluate_sequences` path training uses. Thread-safe, as its
-    :class:`~rlhf_ext.runtime.token_scores.SegmentScorer` is.
-
-    It is also a TRL reward function (``GRPOTrainer(..., reward_funcs=[SegmentSequenceReward("runs/rm")])``, logged
-    under the model directory's name): TRL passes ``prompts``, ``completions`` (text or assistant messages) and
-    dataset columns as keywords. A plain ``reward_funcs="runs/rm"`` would load the model as a sequence classifier
-    and train on its last-token score instead, which a segment reward model was not trained to give."""
+    """Score with a segment reward model's sequence evaluation ``e_phi(x, y)`` (paper 003, Eq. 4), the path training
+    uses (:func:`~rlhf_ext.segment.evaluate_sequences`); thread-safe. Also a TRL reward function
+    (``reward_funcs=[SegmentSequenceReward("runs/rm")]``, logged under the directory's name), unlike a plain
+    ``reward_funcs="runs/rm"``, which would train on the last-token score the model was not trained to give."""
 
     def __init__(self, reward_model: str | Path, sft_model: str | None = None, batch_size: int = 16, device=None):
         from rlhf_ext.runtime.token_scores import SegmentScorer
@@ -184,20 +172,11 @@ def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -
     return reward_funcs, uses_reward_funcs
 
 
-def load_reward(
-    spec: str,
-    kind: str = "auto",
-    batch_size: int = 32,
-    sft_model: str | None = None,
-    device: str | torch.device | None = None,
-) -> RewardFn:
-    """A reward function from a recipe string.
-
-    ``spec`` is ``builtin:keyphrase-gold``, ``module.path:callable`` (a user function or a factory's result, e.g.
-    the simulator's annotators), a reward-model checkpoint directory, or the hub id of a sequence classifier.
-    ``kind`` for checkpoints: ``segment`` (a segment reward model, scored by ``e_phi``), ``sequence_classification``,
-    or ``auto`` (segment if the directory has rlhf-ext's ``segment_config.json``).
-    """
+def load_reward(spec: str, kind: str = "auto", batch_size: int = 32, sft_model: str | None = None,
+                device: str | torch.device | None = None) -> RewardFn:  # fmt: skip
+    """A reward function from a recipe string: ``module.path:callable``, a reward-model checkpoint directory, or the
+    hub id of a sequence classifier (``builtin:`` names are refused). ``kind`` for checkpoints: ``segment`` (scored
+    by ``e_phi``), ``sequence_classification``, or ``auto`` (segment if the directory has ``segment_config.json``)."""
     if spec.startswith("builtin:"):
         raise ValueError(f"{spec!r} is a builtin name: resolve it with rlhf_ext.zoo.resolve_reward({spec!r})")
     path = Path(spec)

@@ -9,13 +9,9 @@ A pipeline that can be killed and rerun keeps its outputs in a :class:`RunDir`::
         result = train(run.stage_dir(stage))
         run.mark_done(stage, result)                       # written last, atomically
 
-Layout under ``root``: the run file (``run.json`` by default: ``kind``, ``fingerprint``, ``settings``, ``created``,
-``rlhf_ext_version``) and ``stages/<stage>.json`` (one per finished stage, holding its result; ``stages_dir``
-renames that folder). A stage name may contain ``/`` to group markers (``"dpo/seed-0"`` is
-``stages/dpo/seed-0.json``).
-
-Settings are compared after JSON normalisation (tuples are lists, paths are strings), so a value read back from the
-run file equals the one it was written from.
+Layout under ``root``: the run file (``run.json``: ``kind``, ``fingerprint``, ``settings``, ``created``,
+``rlhf_ext_version``) and ``stages/<stage>.json`` (one per finished stage, holding its result; ``"dpo/seed-0"`` is
+``stages/dpo/seed-0.json``). Settings are compared after JSON normalisation (tuples are lists, paths strings).
 """
 
 from __future__ import annotations
@@ -38,15 +34,12 @@ _MISSING = object()
 
 
 class RunSettingsChanged(ValueError):
-    """A run directory was started with other settings; its finished stages would not match a rerun.
-
-    Attributes: ``root`` (the directory), ``keys`` (the changed dotted keys, sorted), ``old`` / ``new`` (the
-    normalised settings of the earlier run and of this one, with their ``kind``).
-    """
+    """A run directory was started with other settings; its finished stages would not match a rerun. Attributes:
+    ``root``, ``keys`` (the changed dotted keys, sorted), ``old`` / ``new`` (the normalised settings, with ``kind``)."""
 
     def __init__(
         self, root: Path, keys: list[str], old: Mapping[str, Any], new: Mapping[str, Any], redo: str | None = None
-    ) -> None:
+    ):
         self.root, self.keys, self.old, self.new = root, keys, old, new
         fix = f"{redo} to redo its stages with the new settings, or choose" if redo else "delete it or choose"
         super().__init__(
@@ -110,37 +103,19 @@ class RunDir:
     """A run directory that remembers the settings it was started with and which stages have finished.
 
     Args:
-        root: the directory (created).
-        settings: everything that makes finished stages valid; a rerun with other settings is refused.
-        kind: what runs here (``"demo"``, ``"continual"``, ...); a run file of another kind is refused too.
-        run_file: the name of the run file in ``root``.
+        settings: everything that makes finished stages valid; a rerun with other settings (or ``kind``) is refused.
         force: redo everything: forget the finished stages (their markers) and record the new settings.
-        stages_dir: the folder of the markers, relative to ``root``; ``"."`` puts them next to the stages'
-            outputs (``"task_00/result"`` is ``root/task_00/result.json``) but then ``force`` is refused, since
-            the markers cannot be told from other files there.
-        redo: how the caller's user redoes the stages with new settings, named in :class:`RunSettingsChanged`
-            (``"rerun with --force"``); ``None``: the caller has no such option, and the error says to delete the
-            directory or choose a new one.
-        recorded_names: ``{setting's name: its key in settings}`` for settings recorded under an older name (so
-            that the fingerprint of runs started before a rename holds); :class:`RunSettingsChanged` names them by
-            their current name.
-
-    Raises:
-        RunSettingsChanged: ``root`` holds a run with other settings (or of another kind) and ``force`` is false.
+        stages_dir: the folder of the markers, relative to ``root``; ``"."`` puts them next to the stages' outputs,
+            but then ``force`` is refused (the markers cannot be told from other files there).
+        redo: how the user redoes the stages with new settings (``"rerun with --force"``), named in
+            :class:`RunSettingsChanged`; ``None``: the error says to delete the directory or choose a new one.
+        recorded_names: ``{setting's name: its key in settings}`` for settings recorded under an older name (the
+            fingerprint of earlier runs holds; :class:`RunSettingsChanged` uses the current name).
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        settings: Mapping[str, Any],
-        *,
-        kind: str,
-        run_file: str = "run.json",
-        force: bool = False,
-        stages_dir: str = STAGES_DIR,
-        redo: str | None = None,
-        recorded_names: Mapping[str, str] | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, settings: Mapping[str, Any], *, kind: str, run_file: str = "run.json",
+                 force: bool = False, stages_dir: str = STAGES_DIR, redo: str | None = None,
+                 recorded_names: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.root = Path(root)
         self.stages = self.root / stages_dir
         if force and self.stages.resolve() == self.root.resolve():
@@ -161,13 +136,9 @@ class RunDir:
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)
         if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)
-            atomic_write_json(self.run_file, {
-                "kind": kind,
-                "fingerprint": self.fingerprint,
-                "settings": self.settings,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "rlhf_ext_version": _version(),
-            })  # fmt: skip
+            atomic_write_json(self.run_file, {"kind": kind, "fingerprint": self.fingerprint, "settings": self.settings,
+                                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                              "rlhf_ext_version": _version()})  # fmt: skip
 
     def marker(self, stage: str) -> Path:
         """The marker file of ``stage`` (``<stages_dir>/<stage>.json``; it exists once the stage finished)."""
@@ -202,10 +173,9 @@ class OutputDirError(ValueError):
 
 
 def check_output_dir(output_dir: str | os.PathLike, inputs: Mapping[str, Any], key: str = "output_dir") -> None:
-    """Refuse an output directory that is, or contains, one of ``inputs`` (``{recipe key: path}``), whatever the
-    spelling (relative, through a symlink, with a trailing slash: paths are compared after ``os.path.realpath``):
-    training into the SFT model's own directory would overwrite the model it reads. Values that are no existing
-    local path (hub ids, ``builtin:`` names, ``None``) are skipped. Raises :class:`OutputDirError` naming both keys."""
+    """Refuse (:class:`OutputDirError`) an output directory that is, or contains, one of ``inputs`` (``{recipe key:
+    path}``; paths compared after ``os.path.realpath``, values that are no existing local path skipped): training
+    into the SFT model's own directory would overwrite the model it reads."""
     out = Path(os.path.realpath(os.path.expanduser(str(output_dir))))
     for name, value in inputs.items():
         if not isinstance(value, str | os.PathLike) or not str(value) or not os.path.exists(os.path.expanduser(value)):
@@ -222,10 +192,8 @@ def check_output_dir(output_dir: str | os.PathLike, inputs: Mapping[str, Any], k
 def claim_output_dir(
     output_dir: str | os.PathLike, inputs: Mapping[str, Any] = {}, key: str = "output_dir"
 ) -> Iterator[None]:
-    """Check ``output_dir`` against the run's ``inputs`` (:func:`check_output_dir`) and hold its lock while the run
-    writes it: a second run on the same directory is refused at once (:class:`OutputDirError`) instead of writing
-    the same files. The lock is a file next to the directory (``.<name>.lock``, one per rank of a distributed
-    launch, whose ranks share the directory), so a run refused before it starts leaves the directory untouched."""
+    """Check ``output_dir`` against the run's ``inputs`` (:func:`check_output_dir`) and hold its lock (``.<name>.lock``
+    next to it, one per rank) while the run writes it: a second run is refused at once (:class:`OutputDirError`)."""
     from filelock import FileLock, Timeout
 
     check_output_dir(output_dir, inputs, key)

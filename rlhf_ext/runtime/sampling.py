@@ -1,18 +1,10 @@
-"""Sampling for online DPO and the simulator (engine-free; ``transformers`` / vLLM imported on use).
+"""Sampling for online DPO and the simulator (paper 004, Algorithm 2 step 4: "sample n responses at two
+temperatures", no top-k / top-p): :class:`HFSampler` (``transformers`` ``generate``) and :class:`VLLMSampler`.
 
-Samplers (paper 004, Algorithm 2 step 4: "sample n responses at two temperatures", no top-k / top-p):
-
-- :class:`HFSampler` — ``transformers`` ``generate`` (CPU or one GPU).
-- :class:`VLLMSampler` — vLLM, when it is installed on a GPU machine (imported only when constructed).
-
-Both return :class:`Samples` with the ``[P][n]`` response texts in a fixed layout (for each prompt, the responses of
-the first temperature, then the second ...), and load new policy weights with ``load_weights(state_dict)`` (used by
-the asynchronous runner) or ``load_policy(path)`` (a saved iterate).
-
-Seeding: a draw with ``seed=`` is reproducible. The HF sampler then draws every token with its own
-``torch.Generator`` (:class:`SeededTokenSampler`), never with the process-wide RNG, so a seeded draw in a generator
-thread neither depends on nor disturbs what the training thread does with the global RNG. Per-batch generation
-seeds each batch with :func:`sampling_seed` ``(run seed, batch index, ...)``.
+Both return :class:`Samples` (``[P][n]`` texts: for each prompt, the responses of the first temperature, then the
+second ...) and load new weights with ``load_weights(state_dict)`` or ``load_policy(path)``. A draw with ``seed=`` is
+reproducible: the HF sampler then draws every token with its own ``torch.Generator`` (:class:`SeededTokenSampler`),
+never touching the process-wide RNG the training thread uses.
 """
 
 from __future__ import annotations
@@ -41,16 +33,10 @@ def sampling_seed(seed: int, *position: Any) -> int:
 class SeededTokenSampler:
     """A ``generate`` logits processor that draws each next token itself, with its own ``torch.Generator``.
 
-    It applies the sampling warpers in transformers' order (temperature, top-k, top-p; the same classes, so the
-    sampling distribution is transformers' own), draws one token per row from it with ``generator`` and leaves only
-    that token finite, so greedy decoding (``do_sample=False``) emits exactly the drawn token. transformers' own
-    sampling draws from the process-wide RNG, which a generator thread shares with the training thread: neither
-    run is then reproducible. With this processor the draw depends on ``generator`` only and the global RNG is not
-    touched. Given a generator seeded like the global RNG, it draws the same tokens as ``do_sample=True``.
-
-    Use :meth:`generate_kwargs` for the ``generate`` arguments. ``token_logprobs`` collects, per generated position,
-    the ``[B]`` log-probability of the drawn token under the sampling distribution (what ``output_scores`` gives in
-    sampling mode).
+    It applies transformers' warpers (temperature, top-k, top-p, in that order), draws one token per row with
+    ``generator`` and leaves only that token finite, so greedy decoding emits it: the draw depends on ``generator``
+    only (seeded like the global RNG, it draws the same tokens as ``do_sample=True``). Use :meth:`generate_kwargs`.
+    ``token_logprobs``: per generated position, the ``[B]`` log-probability of the drawn token.
     """
 
     def __init__(self, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -124,14 +110,9 @@ def encode_prompts(tokenizer, prompts: Sequence[Any], max_prompt_length: int | N
 
 @dataclass
 class Samples:
-    """``n`` responses for each of ``P`` prompts.
-
-    Attributes:
-        texts: ``[P][n]`` decoded responses (special tokens removed).
-        num_tokens: ``[P, n]`` long — generated tokens up to and including EOS.
-        truncated: ``[P, n]`` bool — the response hit ``max_new_tokens`` without EOS.
-        temperatures: ``[n]`` sampling temperature of each column.
-    """
+    """``n`` responses for each of ``P`` prompts: ``texts`` ``[P][n]`` (special tokens removed), ``num_tokens``
+    ``[P, n]`` (up to and including EOS), ``truncated`` ``[P, n]`` (hit ``max_new_tokens`` without EOS) and the
+    ``[n]`` ``temperatures`` of the columns."""
 
     texts: list[list[str]]
     num_tokens: Tensor
@@ -168,41 +149,18 @@ def _assemble(per_temp: list[tuple[float, int, list[str], Tensor, Tensor]], num_
 
 
 class HFSampler:
-    """Sample with ``transformers`` ``generate`` (``do_sample``, no top-k / top-p unless set).
+    """Sample with ``transformers`` ``generate`` from ``model`` (a causal LM or a checkpoint path), ``n`` responses
+    split across ``temperatures`` (paper: 0.7 and 1.0; no top-p / top-k), prompts cut from the left to
+    ``max_prompt_length`` tokens, ``batch_size`` sequences per ``generate`` call."""
 
-    Args:
-        model: a causal LM (used as is) or a checkpoint path.
-        tokenizer: the policy's tokenizer.
-        max_new_tokens: response length limit.
-        temperatures: the temperatures ``n`` is split across (paper: 0.7 and 1.0).
-        batch_size: sequences per ``generate`` call.
-        max_prompt_length: prompts are cut from the left to this many tokens.
-        top_p, top_k: nucleus / top-k filtering (paper: none, i.e. 1.0 and 0).
-        device: where the sampling model runs (default: CUDA if available).
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        max_new_tokens: int = 256,
-        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
-        batch_size: int = 64,
-        max_prompt_length: int | None = None,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.tokenizer = tokenizer
-        self.max_new_tokens = max_new_tokens
-        self.temperatures = list(temperatures)
-        self.batch_size = batch_size
-        self.max_prompt_length = max_prompt_length
-        self.top_p, self.top_k = top_p, top_k
+    def __init__(self, model, tokenizer, max_new_tokens: int = 256,
+                 temperatures: Sequence[float] = DEFAULT_TEMPERATURES, batch_size: int = 64,
+                 max_prompt_length: int | None = None, top_p: float = 1.0, top_k: int = 0,
+                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):  # fmt: skip
+        self.tokenizer, self.max_new_tokens, self.temperatures = tokenizer, max_new_tokens, list(temperatures)
+        self.batch_size, self.max_prompt_length, self.top_p, self.top_k = batch_size, max_prompt_length, top_p, top_k
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype
-        self.model = None
+        self.dtype, self.model = dtype, None
         if isinstance(model, str | Path):
             self.load_policy(model)
         else:
@@ -232,19 +190,10 @@ class HFSampler:
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def sample(
-        self,
-        prompts: Sequence[Any],
-        n: int,
-        temperatures: Sequence[float] | None = None,
-        seed: int | None = None,
-    ) -> Samples:
-        """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's).
-
-        With ``seed`` the draw is reproducible: every token is drawn with a ``torch.Generator`` seeded with ``seed``
-        (:class:`SeededTokenSampler`), so the draw is the same in any thread and the global RNG is left untouched.
-        Without, transformers samples from the global RNG.
-        """
+    def sample(self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None,
+               seed: int | None = None) -> Samples:  # fmt: skip
+        """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's); with ``seed`` drawn by a
+        :class:`SeededTokenSampler` (reproducible in any thread), else by transformers from the global RNG."""
         if self.model is None:
             raise RuntimeError("the sampler has no model loaded; call load_policy(path) first")
         groups = split_temperatures(n, temperatures or self.temperatures)
@@ -272,15 +221,10 @@ class HFSampler:
             for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
                 ids[i, width - len(s) :] = torch.tensor(s)
                 mask[i, width - len(s) :] = 1
-            out = self.model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                **self._sampling_kwargs(temperature, generator),
-                max_new_tokens=self.max_new_tokens,
-                pad_token_id=self.pad_id,
-                eos_token_id=self.eos_ids,
-                use_cache=True,
-            )
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      **self._sampling_kwargs(temperature, generator),
+                                      max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id,
+                                      eos_token_id=self.eos_ids, use_cache=True)  # fmt: skip
             gen = out[:, width:]
             n_tok, trunc = _response_lengths(gen, self.eos_ids)
             # keep tokens up to the first EOS (generate pads finished rows with the pad id, which may differ)
@@ -292,29 +236,13 @@ class HFSampler:
 
 
 class VLLMSampler:
-    """Sample with vLLM (GPU). Same interface as :class:`HFSampler`.
+    """Sample with vLLM (GPU); same interface as :class:`HFSampler` (prompts tokenised here, as for HF). ``llm``: an
+    existing ``vllm.LLM`` to use, else one is made with ``gpu_memory_utilization`` and ``llm_kwargs``."""
 
-    Args:
-        model: checkpoint path of the initial policy.
-        tokenizer: the policy's tokenizer (prompts are tokenised here, exactly as for HF, and passed as token ids).
-        gpu_memory_utilization: share of GPU memory vLLM may take (the trainer shares the GPU).
-        llm: an existing ``vllm.LLM`` to use instead of creating one.
-        llm_kwargs: extra ``vllm.LLM`` arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len`` ...).
-    """
-
-    def __init__(
-        self,
-        model: str | Path,
-        tokenizer,
-        max_new_tokens: int = 256,
-        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
-        max_prompt_length: int | None = None,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        gpu_memory_utilization: float = 0.3,
-        llm=None,
-        **llm_kwargs: Any,
-    ):
+    def __init__(self, model: str | Path, tokenizer, max_new_tokens: int = 256,
+                 temperatures: Sequence[float] = DEFAULT_TEMPERATURES, max_prompt_length: int | None = None,
+                 top_p: float = 1.0, top_k: int = 0, gpu_memory_utilization: float = 0.3, llm=None,
+                 **llm_kwargs: Any):  # fmt: skip
         try:
             vllm = importlib.import_module("vllm")
         except ImportError as e:
@@ -323,35 +251,22 @@ class VLLMSampler:
                 "generation_backend='hf'"
             ) from e
         self._sampling_params = vllm.SamplingParams
-        self.tokenizer = tokenizer
-        self.max_new_tokens = max_new_tokens
-        self.temperatures = list(temperatures)
-        self.max_prompt_length = max_prompt_length
-        self.top_p = top_p
+        self.tokenizer, self.max_new_tokens, self.temperatures = tokenizer, max_new_tokens, list(temperatures)
+        self.max_prompt_length, self.top_p = max_prompt_length, top_p
         self.top_k = top_k if top_k > 0 else -1  # vLLM: -1 disables top-k
         if llm is None:
             llm = vllm.LLM(model=str(model), gpu_memory_utilization=gpu_memory_utilization, **llm_kwargs)
         self.llm = llm
 
-    def sample(
-        self,
-        prompts: Sequence[Any],
-        n: int,
-        temperatures: Sequence[float] | None = None,
-        seed: int | None = None,
-    ) -> Samples:
+    def sample(self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None,
+               seed: int | None = None) -> Samples:  # fmt: skip
         groups = split_temperatures(n, temperatures or self.temperatures)
         encoded = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
         per_temp = []
         for g, (temp, c) in enumerate(groups):
-            params = self._sampling_params(
-                n=c,
-                temperature=temp,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                max_tokens=self.max_new_tokens,
-                seed=None if seed is None else seed + g,
-            )
+            params = self._sampling_params(n=c, temperature=temp, top_p=self.top_p, top_k=self.top_k,
+                                           max_tokens=self.max_new_tokens,
+                                           seed=None if seed is None else seed + g)  # fmt: skip
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
             texts, tokens, truncs = [], [], []
             for out in outputs:
@@ -384,29 +299,14 @@ class VLLMSampler:
         """vLLM keeps its memory (``gpu_memory_utilization``) for the whole run."""
 
 
-def make_sampler(
-    backend: str,
-    policy: str | Path,
-    tokenizer,
-    *,
-    max_new_tokens: int,
-    temperatures: Sequence[float],
-    batch_size: int,
-    max_prompt_length: int | None,
-    top_p: float,
-    top_k: int,
-    vllm_kwargs: dict[str, Any] | None = None,
-):
+def make_sampler(backend: str, policy: str | Path, tokenizer, *, max_new_tokens: int, temperatures: Sequence[float],
+                 batch_size: int, max_prompt_length: int | None, top_p: float, top_k: int,
+                 vllm_kwargs: dict[str, Any] | None = None):  # fmt: skip
     """``hf``, ``vllm``, or ``auto`` (vLLM when importable and CUDA is available, else HF)."""
     if backend == "auto":
         backend = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "hf"
-    common = dict(
-        max_new_tokens=max_new_tokens,
-        temperatures=temperatures,
-        max_prompt_length=max_prompt_length,
-        top_p=top_p,
-        top_k=top_k,
-    )
+    common = dict(max_new_tokens=max_new_tokens, temperatures=temperatures, max_prompt_length=max_prompt_length,
+                  top_p=top_p, top_k=top_k)  # fmt: skip
     if backend == "hf":
         return HFSampler(str(policy), tokenizer, batch_size=batch_size, **common)
     if backend == "vllm":

@@ -1,9 +1,8 @@
 """Preference data for segment reward models: tokenisation, one-time SFT entropy preprocessing, caching, collation.
 
-Segmentation is a one-time preprocessing step with the frozen SFT model (paper 003, section 2.2 and Algorithm 1).
-We store the SFT model's *entropy* of every response token as a dataset column rather than the boundaries
-themselves, so the cutoff stays a training-time setting (the bandit, token and segment models of Table 1 and the
-cutoff sweep of Figure 4 all reuse one cache). Both engines read the same columns:
+Segmentation is a one-time preprocessing step with the frozen SFT model (paper 003, section 2.2 and Algorithm 1). The
+SFT *entropy* of every response token is stored rather than the boundaries, so the cutoff stays a training-time
+setting (Table 1's models and Figure 4's cutoff sweep reuse one cache). Both engines read the same columns:
 
 ========================  =====================================================================================
 column                    meaning
@@ -22,8 +21,10 @@ whose EOS was cut off gets its last kept token replaced by EOS.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +40,8 @@ from rlhf_ext.algos.segment_reward import (
     logprobs_and_entropy,
     token_entropy,
 )
-from rlhf_ext.runtime.io import atomic_directory, build_once, stable_hash
+from rlhf_ext.runtime.io import atomic_directory, atomic_write_text, build_once, stable_hash
+from rlhf_ext.runtime.sampling import is_conversation as _is_conversation
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,6 @@ TOKENIZED_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_len")
 
 class DatasetFormatError(ValueError):
     """The preference dataset is missing a column or holds a value of the wrong type."""
-
-
-def _is_conversation(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def check_preference_columns(column_names: Sequence[str], chosen_key: str, rejected_key: str, where: str) -> None:
@@ -93,28 +91,14 @@ def _split_prompt_response(example: dict, tokenizer, prompt_key: str | None, key
     return prompt or "", response, False
 
 
-def tokenize_pair(
-    example: dict,
-    tokenizer,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    chosen_offsets: bool = False,
-) -> dict[str, Any]:
-    """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``.
-
-    Prompt and responses are tokenised separately and concatenated, so the prompt/response boundary is exact. EOS
-    is appended to responses that do not end with it. With ``max_length``: the prompt is cut from the left to
-    ``max_prompt_length`` (default: ``max_length - 1``), then responses are cut from the right with their last kept
-    token set to EOS.
-
-    ``chosen_offsets``: also ``chosen_text`` (the chosen response as rendered: a chat response by the chat template),
-    ``is_chat``, and ``chosen_tokens``: ``(ids, offsets)`` of that text's own tokens from the same tokenizer call as
-    ``chosen_ids`` (before EOS and the cut; ``offsets``: each token's ``(start, end)`` characters from a fast
-    tokenizer's offset mapping, None from a slow tokenizer).
-    """
+def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
+                  prompt_key: str | None = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
+                  chosen_offsets: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``: prompt and responses
+    separately (an exact boundary), responses with EOS. With ``max_length`` the prompt is cut from the left to
+    ``max_prompt_length`` (default ``max_length - 1``), then responses from the right with their last kept token set to
+    EOS. ``chosen_offsets``: also ``chosen_text`` (as rendered), ``is_chat`` and ``chosen_tokens``: ``(ids, offsets)``
+    of that text's own tokens (before EOS and the cut; ``offsets`` from a fast tokenizer, None from a slow one)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DatasetFormatError("the tokenizer has no EOS token; set tokenizer.eos_token")
@@ -146,11 +130,8 @@ def tokenize_pair(
             prompt_ids = prompt_ids[len(prompt_ids) - limit :]
         room = max_length - len(prompt_ids)
         responses = [ids if len(ids) <= room else ids[: room - 1] + [eos] for ids in responses]
-    out = {
-        "chosen_ids": prompt_ids + responses[0],
-        "rejected_ids": prompt_ids + responses[1],
-        "prompt_len": len(prompt_ids),
-    }
+    out = {"chosen_ids": prompt_ids + responses[0], "rejected_ids": prompt_ids + responses[1],
+           "prompt_len": len(prompt_ids)}  # fmt: skip
     if "margin" in example and example["margin"] is not None:
         out["margin"] = float(example["margin"])
     if chosen_offsets:
@@ -158,16 +139,9 @@ def tokenize_pair(
     return out
 
 
-def tokenize_preference_dataset(
-    dataset,
-    tokenizer,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    num_proc: int | None = None,
-):
+def tokenize_preference_dataset(dataset, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
+                                prompt_key: str | None = "prompt", chosen_key: str = "chosen",
+                                rejected_key: str = "rejected", num_proc: int | None = None):  # fmt: skip
     """Map :func:`tokenize_pair` over a ``datasets.Dataset``; idempotent on an already tokenised dataset."""
     if all(c in dataset.column_names for c in TOKENIZED_COLUMNS):
         return dataset
@@ -175,21 +149,11 @@ def tokenize_preference_dataset(
     if prompt_key and prompt_key not in dataset.column_names:
         prompt_key = None
     logger.info("tokenizing %d preference pairs", len(dataset))
-    return dataset.map(
-        _tokenize_row,
-        with_indices=True,
-        fn_kwargs=dict(
-            tokenizer=tokenizer,
-            max_length=max_length,
-            max_prompt_length=max_prompt_length,
-            prompt_key=prompt_key,
-            chosen_key=chosen_key,
-            rejected_key=rejected_key,
-        ),
-        remove_columns=[c for c in dataset.column_names if c != "margin"],
-        num_proc=num_proc,
-        desc="Tokenizing preference pairs",
-    )
+    kwargs = dict(tokenizer=tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
+                  prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
+    return dataset.map(_tokenize_row, with_indices=True, fn_kwargs=kwargs, num_proc=num_proc,
+                       remove_columns=[c for c in dataset.column_names if c != "margin"],
+                       desc="Tokenizing preference pairs")  # fmt: skip
 
 
 def _tokenize_row(example: dict, index: int, **kwargs: Any) -> dict[str, Any]:
@@ -244,12 +208,9 @@ def head_logprobs_and_entropy(
 
 @torch.no_grad()
 def sft_token_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True).
-
-    For models whose logits are a plain linear map of the last hidden state (Llama, Qwen, Mistral, Phi, GPT-2 ...)
-    the ``[B, T, V]`` logits are never materialised at once (:func:`head_logprobs_and_entropy`). Models with logit
-    soft-capping or scaling fall back to their full forward.
-    """
+    """``[B, T]`` entropy of the causal LM's distribution each token was sampled from (``token_entropy`` shift=True),
+    without the ``[B, T, V]`` logits at once where they are a plain linear map of the last hidden state
+    (:func:`head_logprobs_and_entropy`; models with logit soft-capping or scaling run their full forward)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     head = model.get_output_embeddings()
     base = getattr(model, "model", None) or getattr(model, "transformer", None)
@@ -275,10 +236,8 @@ def pad_sequences(
     out = torch.full((len(seqs), width), value, dtype=dtype)
     for i, s in enumerate(seqs):
         if len(s):
-            if side == "right":
-                out[i, : len(s)] = torch.as_tensor(s, dtype=dtype)
-            else:
-                out[i, width - len(s) :] = torch.as_tensor(s, dtype=dtype)
+            cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+            out[i, cols] = torch.as_tensor(s, dtype=dtype)
     return out
 
 
@@ -322,31 +281,15 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
 
 
-def prepare_segment_dataset(
-    dataset,
-    tokenizer,
-    sft_model=None,
-    sft_model_name_or_path: str | None = None,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    prompt_key: str | None = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    entropy_batch_size: int = 8,
-    cache_dir: str | Path | None = None,
-):
-    """Tokenise a preference dataset and add SFT entropies, reusing an on-disk cache when possible.
-
-    Args:
-        dataset: a ``datasets.Dataset`` with ``chosen``/``rejected`` (and usually ``prompt``) columns, or one that
-            already has the tokenised and entropy columns (returned unchanged).
-        sft_model: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None).
-        cache_dir: where to cache the result (``None`` disables caching). The key covers the dataset fingerprint,
-            the SFT checkpoint identity and the tokenisation settings; concurrent ranks wait on a file lock and the
-            first one computes.
-
-    Returns:
-        The dataset with :data:`TOKENIZED_COLUMNS` and :data:`ENTROPY_COLUMNS` (plus ``margin`` if present).
+def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_or_path: str | None = None,
+                            max_length: int | None = None, max_prompt_length: int | None = None,
+                            prompt_key: str | None = "prompt", chosen_key: str = "chosen",
+                            rejected_key: str = "rejected", entropy_batch_size: int = 8,
+                            cache_dir: str | Path | None = None):  # fmt: skip
+    """Tokenise a preference dataset and add SFT entropies: the dataset with :data:`TOKENIZED_COLUMNS` and
+    :data:`ENTROPY_COLUMNS` (plus ``margin`` if present); a dataset that has them already is returned unchanged.
+    ``sft_model``: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None). ``cache_dir``: where
+    to cache the result (keyed by the dataset fingerprint, the SFT checkpoint and the settings; built once).
     """
     from datasets import load_from_disk
 
@@ -357,22 +300,12 @@ def prepare_segment_dataset(
             "segmentation needs the SFT model the reward model starts from: pass sft_model= or "
             "sft_model_name_or_path= (recipe key model.sft_model)"
         )
-    settings = dict(
-        max_length=max_length,
-        max_prompt_length=max_prompt_length,
-        prompt_key=prompt_key,
-        chosen_key=chosen_key,
-        rejected_key=rejected_key,
-    )
+    settings = dict(max_length=max_length, max_prompt_length=max_prompt_length, prompt_key=prompt_key,
+                    chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
     cache_path = None
     if cache_dir is not None and sft_model_name_or_path is not None:
-        key = stable_hash(
-            dataset._fingerprint,
-            model_identity(sft_model_name_or_path),
-            settings,
-            tokenizer.name_or_path,
-            len(tokenizer),
-        )
+        identity = model_identity(sft_model_name_or_path)
+        key = stable_hash(dataset._fingerprint, identity, settings, tokenizer.name_or_path, len(tokenizer))
         cache_path = Path(cache_dir) / f"segment-entropy-{key}"
 
     def compute():
@@ -395,18 +328,11 @@ def prepare_segment_dataset(
     return load_from_disk(str(build_once(cache_path, build, "dataset_info.json")))
 
 
-def collate_segment_pairs(
-    examples: Sequence[dict[str, Any]],
-    pad_token_id: int,
-    padding_side: str = "right",
-    pad_to_multiple_of: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Stack chosen then rejected sequences of a batch of prepared examples (TRL's convention) into tensors.
-
-    Returns a dict with ``[2B, T]`` tensors ``input_ids`` (long), ``attention_mask`` (long), ``action_mask`` (bool,
-    response tokens), ``entropy`` (float32, aligned to the sampled token, 0 outside the response) and, if every
-    example has one, ``margin`` ``[B]``.
-    """
+def collate_segment_pairs(examples: Sequence[dict[str, Any]], pad_token_id: int, padding_side: str = "right",
+                          pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Stack chosen then rejected sequences of prepared examples (TRL's convention): ``[2B, T]`` ``input_ids``,
+    ``attention_mask`` (long), ``action_mask`` (bool, response tokens), ``entropy`` (float32, aligned to the sampled
+    token, 0 outside the response) and, if every example has one, ``margin`` ``[B]``."""
     seqs, prompt_lens, entropies = [], [], []
     for side in ("chosen", "rejected"):
         for ex in examples:
@@ -436,11 +362,6 @@ SEGMENT_CONFIG_NAME = "segment_config.json"
 
 def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> None:
     """Record next to a reward-model checkpoint how it segments text (cutoff, aggregation, tau, SFT model)."""
-    import json
-    import os
-
-    from rlhf_ext.runtime.io import atomic_write_text
-
     settings = dict(settings)
     if isinstance(settings.get("entropy_cutoff"), float) and math.isinf(settings["entropy_cutoff"]):
         settings["entropy_cutoff"] = "inf"  # JSON has no infinity
@@ -453,8 +374,6 @@ def save_segment_settings(model_dir: str | Path, settings: dict[str, Any]) -> No
 
 def load_segment_settings(model_dir: str | Path) -> dict[str, Any]:
     """Read the settings a segment reward model was trained with (see :func:`save_segment_settings`)."""
-    import json
-
     path = Path(model_dir) / SEGMENT_CONFIG_NAME
     if not path.exists():
         raise FileNotFoundError(
@@ -518,14 +437,8 @@ def check_bandit_reward_model(
 ) -> None:
     """Refuse the ``bandit`` granularity (the reward model's score at the last token) on a segment reward model trained
     with a finite entropy cutoff: its sequence score is e_phi (paper 003 Eq. 4), not its last-token output. A bandit
-    reward model (cutoff inf) has one segment per response, so there the two are the same number.
-
-    Args:
-        granularity: the dense-reward granularity of the run.
-        reward_model: the reward model (a path or a loaded model; anything else passes).
-        where: how the user named the reward model (``--reward.model_name_or_path``), for the message.
-        granularity_flag: how the user names the granularity setting (``--ext.granularity``), for the message.
-    """
+    reward model (cutoff inf) has one segment per response, so there the two are the same number. ``where`` and
+    ``granularity_flag``: the user's names of the reward model and the granularity setting, for the message."""
     path = segment_model_dir(reward_model)
     if granularity != "bandit" or path is None:
         return

@@ -3,15 +3,11 @@ and the dense per-token rewards both engines train on (:func:`dense_rewards`, wh
 :func:`rlhf_ext.algos.spans.dense_span_rewards`).
 
 A **reward source** is a callable in TRL's ``reward_funcs`` style, ``source(prompts, completions, **columns)``
-(``completion_ids`` among the columns), returning one item per completion:
+(``completion_ids`` among the columns), returning per completion (checked by :func:`parse_outputs`):
 
 * a float (or ``None``, unscored): a sequence reward, on the completion's last token, as GRPO uses it;
-* a list of spans ``(char_start, char_end, reward)`` over the completion's text (the decoded completion TRL passes;
-  a chat completion's ``content``): a dense reward (:class:`DenseRewardFunc`);
-* a 1-D tensor or list of floats, one per completion token: per-token rewards, for a source that shares the policy's
-  tokenizer (the ``completion_ids`` it was given).
-
-:func:`parse_outputs` checks the items and says, in one line, which source returned what for which completion.
+* a list of spans ``(char_start, char_end, reward)`` over the completion's text: a dense reward;
+* a 1-D tensor or list of floats, one per completion token (a source sharing the policy's tokenizer).
 """
 
 from __future__ import annotations
@@ -341,12 +337,9 @@ def offsets_by_row(
 
 def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
     """``(texts, token_start, token_end)`` of a right-padded batch of completions ``[B, C]`` (``mask`` true at its
-    tokens): each completion decoded without special tokens, as TRL decodes the completions it gives reward
-    functions, and its tokens' offsets (``[B, C]`` long, 0 outside ``mask``; :func:`token_char_offsets`'s).
-
-    Byte-level BPE tokenizers (:func:`byte_table`) take them for the whole batch from byte lengths, checked exact
-    per row; other tokenizers and the rows that check fails on (invalid UTF-8 but for a cut last character, U+FFFD)
-    go row by row (:func:`offsets_by_row`)."""
+    tokens): each completion decoded without special tokens, as TRL decodes them, and its tokens' offsets (``[B, C]``
+    long, 0 outside ``mask``; :func:`token_char_offsets`'s). Byte-level BPE tokenizers (:func:`byte_table`) take them
+    for the whole batch from byte lengths, checked exact per row; other rows go by :func:`offsets_by_row`."""
     ids, mask = completion_ids.cpu(), mask.bool().cpu()
     texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
     table = byte_table(tokenizer)
@@ -389,23 +382,15 @@ class DenseBatch:
 
 
 def dense_rewards(
-    outputs: Sequence[SourceOutput],
-    weights: Sequence[float],
-    tokenizer,
-    completion_ids: Tensor,
-    mask: Tensor,
-    normalizer: LocationNormalizer | None = None,
-    granularity: str = Granularity.SEGMENT,
-    interpolation: str = Interpolation.EVEN_SPLIT,
-    aggregation: str = Aggregation.SOFTMAX,
-    tau: float = DEFAULT_TAU,
-) -> DenseBatch:
+    outputs: Sequence[SourceOutput], weights: Sequence[float], tokenizer, completion_ids: Tensor, mask: Tensor,
+    normalizer: LocationNormalizer | None = None, granularity: str = Granularity.SEGMENT,
+    interpolation: str = Interpolation.EVEN_SPLIT, aggregation: str = Aggregation.SOFTMAX, tau: float = DEFAULT_TAU,
+) -> DenseBatch:  # fmt: skip
     """Per-token rewards ``[B, C]`` of completions ``completion_ids`` (``[B, C]``, ``mask`` true at their tokens) from
     the parsed answers of reward sources weighted by ``weights``: each dense source's spans through
     :func:`~rlhf_ext.algos.spans.dense_span_rewards` (``normalizer``, ``granularity``, ``interpolation``,
     ``aggregation``/``tau``: :class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`), plus the sequence rewards
-    (weighted sum, NaN as 0, as GRPO sums them) on each completion's last token. The one function both engines call.
-    """
+    (weighted sum, NaN as 0, as GRPO sums them) on each completion's last token. The one function both engines call."""
     from rlhf_ext.algos.spans import dense_span_rewards
 
     mask = mask.bool().cpu()
@@ -444,16 +429,8 @@ def dense_rewards(
     return DenseBatch(rewards, rewards.sum(dim=1), counts, dense)
 
 
-def captured_dense_rewards(
-    funcs: Sequence,
-    names: Sequence[str],
-    rewards_per_func: Tensor,
-    weights: Sequence[float],
-    tokenizer,
-    completion_ids: Tensor,
-    mask: Tensor,
-    **kwargs,
-) -> DenseBatch:
+def captured_dense_rewards(funcs: Sequence, names: Sequence[str], rewards_per_func: Tensor, weights: Sequence[float],
+                           tokenizer, completion_ids: Tensor, mask: Tensor, **kwargs) -> DenseBatch:  # fmt: skip
     """:func:`dense_rewards` of reward functions' answers to a rollout (TRL's ``reward_funcs``): for each function the
     spans its :class:`CapturedSource` kept, else its column of ``rewards_per_func`` ``[B, F]`` (GRPO's rewards, one
     row per completion of ``completion_ids`` ``[B, C]``) as sequence rewards; on ``completion_ids``' device."""
@@ -506,22 +483,13 @@ def capture_sources(reward_funcs) -> list:
             else f for f in funcs]  # fmt: skip
 
 
-def fit_span_normalizer(
-    funcs: Sequence[Any],
-    tokenizer,
-    dataset,
-    kind: str = "regression",
-    basis: str = "linear",
-    granularity: str = Granularity.SEGMENT,
-    aggregation: str = Aggregation.SOFTMAX,
-    tau: float = DEFAULT_TAU,
-    max_pairs: int | None = None,
-) -> LocationNormalizer:
+def fit_span_normalizer(funcs: Sequence[Any], tokenizer, dataset, kind: str = "regression", basis: str = "linear",
+                        granularity: str = Granularity.SEGMENT, aggregation: str = Aggregation.SOFTMAX,
+                        tau: float = DEFAULT_TAU, max_pairs: int | None = None) -> LocationNormalizer:  # fmt: skip
     """A :class:`~rlhf_ext.algos.location_norm.LocationNormalizer` (paper 003 Eq. 6) fitted to the one dense source
     among ``funcs`` on ``dataset``'s chosen and rejected responses (``prompt``/``chosen``/``rejected`` text), each
     response tokenised by the policy's ``tokenizer``: its raw span rewards at their locations (``segment``), or its
     sequence rewards at ``p = 1`` (``bandit``, ``segment_as_bandit``)."""
-    from rlhf_ext.algos.segment_dense import Granularity
     from rlhf_ext.runtime.segment_data import pad_sequences
 
     if max_pairs is not None:

@@ -1,11 +1,9 @@
 """Per-token scores from any sequence-classification reward model, the segment evaluation e_phi of a loaded segment
 reward model, and segment views of single responses.
 
-A sequence-classification model applies its ``score`` head at every position and then keeps the last real token.
-:class:`TokenScoreCapture` keeps the full ``[B, T]`` output of that head from the model's normal forward pass (a
-forward hook), so segment rewards cost no extra forward and work through DDP, DeepSpeed and PEFT wrappers.
-:func:`segment_evaluation` turns those scores into e_phi (paper 003 Eq. 4), which is what a segment reward model
-means by "the score of a response" -- not the last-token output its ``forward`` returns.
+:class:`TokenScoreCapture` keeps the full ``[B, T]`` output of the ``score`` head (applied at every position, then
+read at the last token) from the model's normal forward pass, so segment rewards cost no extra forward and work
+through DDP, DeepSpeed and PEFT; :func:`segment_evaluation` turns them into e_phi (paper 003 Eq. 4).
 """
 
 from __future__ import annotations
@@ -52,9 +50,8 @@ def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     transformers_logger = logging.getLogger("transformers.modeling_utils")
     transformers_logger.addFilter(no_load_report)
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, output_loading_info=True
-        )
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                         output_loading_info=True)  # fmt: skip
     finally:
         transformers_logger.removeFilter(no_load_report)
     fresh = sorted(info["missing_keys"])
@@ -67,11 +64,15 @@ def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     return model
 
 
+def _unwrap(model):
+    """The model inside a DDP / DeepSpeed engine and a PEFT wrapper."""
+    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+
+
 def find_score_head(model) -> torch.nn.Module:
     """The linear head a sequence-classification model applies to every position (``score`` in HF models)."""
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    if hasattr(inner, "get_base_model"):  # PEFT
-        inner = inner.get_base_model()
+    inner = _unwrap(model)
     head = getattr(inner, getattr(inner, "value_head_prefix", "score"), None)  # OpenRLHF names its head
     if not isinstance(head, torch.nn.Module):
         raise TypeError(
@@ -83,13 +84,8 @@ def find_score_head(model) -> torch.nn.Module:
 
 
 class TokenScoreCapture:
-    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass.
-
-    Thread-safe: the output is kept per thread (a forward pass runs its hooks in the thread that called it), so
-    threads sharing one model and one capture each :meth:`pop` the scores of their own forward pass. Not for
-    ``torch.nn.DataParallel``, which runs its replicas in threads of its own (use DDP: ``torchrun`` /
-    ``accelerate launch``).
-    """
+    """Forward hook on the score head: keeps its ``[B, T, 1]`` output from the model's normal forward pass, per thread
+    (threads sharing a model each :meth:`pop` their own scores; hence not for ``torch.nn.DataParallel``: use DDP)."""
 
     def __init__(self, model):
         self._slot = threading.local()
@@ -116,10 +112,7 @@ class TokenScoreCapture:
 def _forward_extras(model, attention_mask: torch.Tensor) -> dict[str, Any]:
     """``position_ids`` (correct under left padding) and ``use_cache=False`` for a model whose ``forward`` takes them
     (Hugging Face models); OpenRLHF's reward model derives its positions from the mask and takes neither."""
-    inner = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    if hasattr(inner, "get_base_model"):  # PEFT
-        inner = inner.get_base_model()
-    params = inspect.signature(inner.forward).parameters
+    params = inspect.signature(_unwrap(model).forward).parameters
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     return {k: v for k, v in (("position_ids", position_ids), ("use_cache", False)) if k in params}
 
@@ -151,45 +144,27 @@ def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | N
 
 @torch.no_grad()
 def segment_evaluation(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    sft_model=None,
-    entropy: torch.Tensor | None = None,
-    segment_ends: torch.Tensor | None = None,
-    settings: str | os.PathLike | Mapping[str, Any] | None = None,
-    entropy_cutoff: float | None = None,
-    aggregation: str | None = None,
-    tau: float | None = None,
-) -> SequenceEvaluation:
-    """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4).
-
-    A segment reward model loaded with plain ``AutoModelForSequenceClassification`` (or OpenRLHF's
-    ``get_llm_for_sequence_regression``) returns its score at the *last* token only. Its trained meaning is
-    ``e_phi = tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations)
-    over the segment rewards ``r_seg`` = the model's score at each segment's last token, with segments started where
-    the SFT model's entropy exceeds the cutoff. This function computes it with the same code the TRL and OpenRLHF
-    trainers, :class:`SegmentScorer` and the ``segment`` reward use, so all of them agree.
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *, sft_model=None,
+    entropy: torch.Tensor | None = None, segment_ends: torch.Tensor | None = None,
+    settings: str | os.PathLike | Mapping[str, Any] | None = None, entropy_cutoff: float | None = None,
+    aggregation: str | None = None, tau: float | None = None,
+) -> SequenceEvaluation:  # fmt: skip
+    """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4):
+    ``tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations) over the
+    model's scores at each segment's last token, segments starting where the SFT entropy exceeds the cutoff -- not
+    the last-token output its ``forward`` returns. The same code the trainers and :class:`SegmentScorer` use; returns
+    a :class:`~rlhf_ext.segment.SequenceEvaluation` (``values`` ``[B]``, ``seg_rewards`` ``[B, S]``, ``segments``).
 
     Args:
-        model: the reward model (a sequence-classification model with a per-position score head, possibly wrapped
-            by DDP, DeepSpeed or PEFT), on the device of ``input_ids``.
-        input_ids, attention_mask: ``[B, T]`` prompt + response tokens (right or left padded).
-        response_mask: ``[B, T]`` bool, true at response tokens.
-        sft_model, entropy, segment_ends: where the segments come from, in this order of precedence:
-            ``segment_ends`` (``[B, T]`` bool, true at the last token of each segment), ``entropy`` (``[B, T]``
-            SFT entropies in nats aligned to the sampled token, as :func:`~rlhf_ext.runtime.segment_data.
-            sft_token_entropy` returns them), or ``sft_model`` (the causal LM the reward model was trained with,
-            run here to get those entropies).
-        settings: a reward-model directory or its ``segment_config.json`` mapping; default: the directory
-            ``model`` was loaded from, when it has one.
-        entropy_cutoff, aggregation, tau: override the recorded settings.
-
-    Returns:
-        :class:`~rlhf_ext.segment.SequenceEvaluation`: ``values`` ``[B]`` (e_phi), ``seg_rewards`` ``[B, S]`` and
-        ``segments``.
+        model: the reward model (a per-position score head, possibly wrapped by DDP, DeepSpeed or PEFT), on the
+            device of ``input_ids``.
+        input_ids, attention_mask, response_mask: ``[B, T]`` prompt + response tokens (right or left padded), and
+            bool, true at response tokens.
+        sft_model, entropy, segment_ends: the segments, in this order of precedence: ``segment_ends`` (``[B, T]``
+            bool, true at each segment's last token), ``entropy`` (``[B, T]`` SFT entropies in nats, as
+            :func:`~rlhf_ext.runtime.segment_data.sft_token_entropy` returns them), or ``sft_model`` (run here).
+        settings: a reward-model directory or its ``segment_config.json`` mapping (default: the directory ``model``
+            was loaded from); ``entropy_cutoff``, ``aggregation`` and ``tau`` override it.
     """
     recorded = _segment_settings(model, settings)
     aggregation = aggregation or recorded.get("aggregation")
@@ -217,20 +192,10 @@ def segment_evaluation(
 
 
 @torch.no_grad()
-def preference_accuracy(
-    model,
-    prepared_rows,
-    entropy_cutoff: float,
-    aggregation: str = Aggregation.SOFTMAX,
-    tau: float = DEFAULT_TAU,
-    batch_size: int = 16,
-) -> dict[str, float]:
-    """Held-out accuracy of a segment reward model: the fraction of pairs with e(x, y_w) > e(x, y_l).
-
-    Args:
-        model: a sequence-classification reward model, or the path of one.
-        prepared_rows: a dataset prepared by :func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`.
-    """
+def preference_accuracy(model, prepared_rows, entropy_cutoff: float, aggregation: str = Aggregation.SOFTMAX,
+                        tau: float = DEFAULT_TAU, batch_size: int = 16) -> dict[str, float]:  # fmt: skip
+    """Held-out accuracy of a segment reward ``model`` (or its path): the fraction of pairs with e(x, y_w) > e(x, y_l)
+    on ``prepared_rows`` (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`'s)."""
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_ext.runtime.segment_data import collate_segment_pairs
@@ -271,26 +236,14 @@ class SegmentView:
 
 class SegmentScorer:
     """Loads a segment reward model and the SFT model it was trained with, and splits responses into scored segments.
+    Thread-safe (forward passes run concurrently; the tokenizer is used under :attr:`tokenizer_lock`).
 
-    Thread-safe: one scorer may serve many threads at once (a threaded server, a Ray actor with concurrency > 1);
-    each call gets the answer it would get alone. Forward passes run concurrently; only the tokenizer, which a fast
-    tokenizer may refuse to share between two threads at once, is used under :attr:`tokenizer_lock`.
-
-    Args:
-        reward_model: path of a reward-model checkpoint written by rlhf-ext (TRL or OpenRLHF engine).
-        sft_model: the SFT checkpoint used for segmentation (default: the one recorded with the reward model).
-        entropy_cutoff, aggregation, tau: default to the recorded training settings (all four of these and
-            ``sft_model`` are needed for a model without rlhf-ext's ``segment_config.json``).
+    ``reward_model``: a reward-model checkpoint written by rlhf-ext; ``sft_model``, ``entropy_cutoff``,
+    ``aggregation``, ``tau`` default to its recorded settings (all four needed without ``segment_config.json``).
     """
 
-    def __init__(
-        self,
-        reward_model: str,
-        sft_model: str | None = None,
-        entropy_cutoff: float | None = None,
-        aggregation: str | None = None,
-        tau: float | None = None,
-    ):
+    def __init__(self, reward_model: str, sft_model: str | None = None, entropy_cutoff: float | None = None,
+                 aggregation: str | None = None, tau: float | None = None):  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         given = {"entropy_cutoff": entropy_cutoff, "aggregation": aggregation, "tau": tau, "sft_model": sft_model}
@@ -317,9 +270,8 @@ class SegmentScorer:
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
         #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
         self.tokenizer_lock = PicklableLock()
-        self.reward_model = AutoModelForSequenceClassification.from_pretrained(
-            reward_model, num_labels=1, dtype=torch.float32
-        ).eval()
+        self.reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=1,
+                                                                               dtype=torch.float32).eval()  # fmt: skip
         self.sft_model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
 
     @property
