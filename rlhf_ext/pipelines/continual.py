@@ -356,8 +356,7 @@ class ContinualRunner:
             summary["reward_model_layout"] = "reward_model_accuracy[k][m] = reward model m's accuracy on task k"
         if done == k:
             summary["metrics"] = summarize(matrix).to_dict()
-            steps = [(r.get("metrics") or {}).get("steps") for r in results]
-            summary["steps_per_task"] = steps
+            summary["steps_per_task"] = [(r.get("metrics") or {}).get("steps") for r in results]
         if _is_main_process():
             atomic_write_json(self.out / PERFORMANCE_FILE, summary)
             if self.recipe.plots and done == k:
@@ -453,10 +452,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("KL weight per task: " + ", ".join(f"{c:g}" for c in summary["continual_kl_coefs"]))
     metrics = summary.get("metrics")
     if metrics:
-
-        def fmt(value):
-            return "n/a" if value is None else f"{value:+.4f}"
-
+        fmt = lambda value: "n/a" if value is None else f"{value:+.4f}"
         lines += [
             f"average final performance: {metrics['average_performance']:.4f}",
             f"newest task performance:   {metrics['newest_task_performance']:.4f}",

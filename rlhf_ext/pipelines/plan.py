@@ -5,10 +5,8 @@ loads — the same check every launch of the recipe runs first.
   ``train_ppo_ray`` command line the launch would run on that cluster, parsed by OpenRLHF's own CLI with its
   fix-ups, then :func:`rlhf_ext.openrlhf.train_ppo_ray.preflight`: placement of every role and per-GPU memory.
 * segment reward-model recipes (:func:`segment_rm_plan`) and TRL recipes (one process per GPU under
-  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job; the
-  trained models' states are fp32 under DDP, or DeepSpeed's bf16 ZeRO shards when ``train.trl_args.deepspeed`` names
-  a DeepSpeed config (TRL's ``TrainingArguments.deepspeed``); the frozen models and the TRL PPO critic are prepared
-  by accelerate without DeepSpeed and stay fp32 on every GPU.
+  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job (fp32 under DDP, or DeepSpeed's
+  bf16 ZeRO shards when ``train.trl_args.deepspeed`` names a DeepSpeed config; see :func:`_trl_role`).
 
 Model sizes come from each model's config (:func:`rlhf_ext.runtime.resources.model_size`; ``builtin:`` names from
 the zoo); a reward model or critic that does not exist yet is sized as the SFT model it is trained from.
@@ -170,9 +168,8 @@ def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
         if size is not None:
             role.params = size.value_model_params
             offload = bool(t.openrlhf_args.get("ds.adam_offload"))
-            role.weights, role.grads, role.optimizer = training_state(
-                role.params, zero, world, offload_optimizer=offload
-            )
+            state = training_state(role.params, zero, world, offload_optimizer=offload)
+            role.weights, role.grads, role.optimizer = state
             role.activations = activation_bytes(size, tokens, True, ckpt, lm_head=False)
         title = f"segment reward model (OpenRLHF train_rm, {recipe.model.sft_model})"
     else:

@@ -211,9 +211,8 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rlhf_ext.pipelines.plan import local_cluster
+    from rlhf_ext.pipelines.segment_rm import train_and_save
     from rlhf_ext.runtime.io import atomic_write_json
-    from rlhf_ext.trl.args import last_checkpoint
-    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.segment_ppo import SegmentPPOTrainer
     from rlhf_ext.zoo.builtins import resolve_dataset
 
@@ -232,10 +231,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     trainer = SegmentPPOTrainer(model=recipe.model.sft_model, reward_funcs=reward_funcs, args=args,
                                 train_dataset=prompts, processing_class=tokenizer,
                                 calibration_dataset=calibration)  # fmt: skip
-    use_console_output(trainer)
-    last = last_checkpoint(args.output_dir, recipe.train.resume)
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(args.output_dir)
+    train_and_save(trainer, args.output_dir, recipe.train.resume)
     curve = [{k: h[k] for k in CURVE_KEYS if k in h} for h in trainer.state.log_history if "reward" in h]
     summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
     if trainer.accelerator.is_main_process:

@@ -199,8 +199,6 @@ def train_with_trl(recipe) -> dict[str, Any]:
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.runtime.io import atomic_write_json
     from rlhf_ext.runtime.segment_data import prepare_segment_dataset
-    from rlhf_ext.trl.args import last_checkpoint
-    from rlhf_ext.trl.console import use_console_output
     from rlhf_ext.trl.segment_reward import SegmentRewardTrainer
 
     args = trl_config(recipe)
@@ -217,10 +215,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
     args.sft_model_name_or_path = sft_path
     trainer = SegmentRewardTrainer(model=sft_path, args=args, train_dataset=train_prepared, eval_dataset=eval_prepared,
                                    processing_class=tokenizer)  # fmt: skip
-    use_console_output(trainer)
-    last = last_checkpoint(args.output_dir, recipe.train.resume)
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(args.output_dir)
+    train_and_save(trainer, args.output_dir, recipe.train.resume)
     metrics = (final_evaluation(trainer) or trainer.evaluate()) if eval_prepared is not None else {}
     summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
     if eval_prepared is None:
@@ -230,6 +225,17 @@ def train_with_trl(recipe) -> dict[str, Any]:
             summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
         atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
     return summary
+
+
+def train_and_save(trainer, output_dir: str, resume: bool) -> None:
+    """Train (one terminal line per logging step; from the last checkpoint in ``output_dir`` when ``resume``), then
+    save the model to ``output_dir``."""
+    from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.console import use_console_output
+
+    use_console_output(trainer)
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir, resume))
+    trainer.save_model(output_dir)
 
 
 def _prepare_kwargs(recipe, tokenizer, sft_path: str, prompt_key: str | None) -> dict[str, Any]:
