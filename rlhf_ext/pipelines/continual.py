@@ -16,11 +16,9 @@ Nothing carries over between tasks in memory: every task loads its starting poin
 the snapshots on disk, so a sequence killed at any point and rerun with ``resume: true`` skips the finished tasks and
 produces exactly what an uninterrupted run produces.
 
-The runner is engine-free. Each stage is an object with ``run_task(task: TaskContext, test_sets) -> dict``
-returning ``{"scores": [one float per test set], "metrics": {...}}``; :func:`build_stages` picks the engine's stages
-(TRL + DPO today: :class:`rlhf_ext.pipelines.continual_stages.DPOPolicyStage`). A PPO / CPPO policy stage plugs in by
-implementing the same method (it reads ``task.reward_model_dir`` for its rewards and ``task.reward_model_dirs[k]``
-to score snapshots on task ``k``).
+The runner is engine-free: a stage is any object with ``run_task(task: TaskContext, test_sets)`` returning
+``{"scores": [one float per test set], "metrics": {...}}``; :func:`build_stages` picks TRL's DPO or PPO stages
+(:mod:`rlhf_ext.pipelines.continual_stages`).
 """
 
 from __future__ import annotations
@@ -162,13 +160,8 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
     def cut(ds, limit):
         return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
 
-    out = []
-    for task in loaded:
-        task = dict(task)
-        task["train"] = cut(task["train"], data.max_train_samples)
-        task["test"] = cut(task["test"], data.max_test_samples)
-        out.append(task)
-    return out
+    limits = (data.max_train_samples, data.max_test_samples)
+    return [{**task, "train": cut(task["train"], limits[0]), "test": cut(task["test"], limits[1])} for task in loaded]
 
 
 def sequence_fingerprint(tasks: Sequence[Any]) -> str:
@@ -243,11 +236,8 @@ class ContinualRunner:
                 "another output_dir (or set resume: true to continue it)"
             )
         _barrier()  # every rank has looked before any writes the run file
-        settings = {
-            "task_sequence": sequence_fingerprint(self.tasks),
-            "tasks": self.names,
-            "recipe": self._recipe_dict(),
-        }
+        fingerprint = sequence_fingerprint(self.tasks)
+        settings = {"task_sequence": fingerprint, "tasks": self.names, "recipe": self._recipe_dict()}
         try:
             run_dir = RunDir(self.out, settings, kind="continual", run_file=RUN_FILE, stages_dir=".")
         except RunSettingsChanged as e:
@@ -281,19 +271,13 @@ class ContinualRunner:
         sft = resolve_model(self.recipe.model.sft_model)
         previous = str(self.out / self.names[t - 1] / "policy") if t > 0 else None
         return TaskContext(
-            index=t,
-            name=self.names[t],
-            train=self.tasks[t]["train"],
-            test=self.tasks[t]["test"],
-            init_policy=previous or sft,
-            previous_policy=previous,
-            reference_policy=sft,
+            index=t, name=self.names[t], train=self.tasks[t]["train"], test=self.tasks[t]["test"],
+            init_policy=previous or sft, previous_policy=previous, reference_policy=sft,
             tokenizer_path=resolve_model(self.recipe.model.tokenizer) if self.recipe.model.tokenizer else sft,
-            continual_kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks),
-            seed=self.recipe.seed + t,
+            continual_kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks), seed=self.recipe.seed + t,
             task_dir=self.out / self.names[t],
             reward_model_dirs=[self.out / n / "reward_model" for n in self.names] if self.reward_stage else None,
-        )
+        )  # fmt: skip
 
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
@@ -329,12 +313,8 @@ class ContinualRunner:
         return self._run_stage(self.reward_stage, "reward", task, test_sets, record, stage)
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
-        record = {
-            "task": task.index,
-            "continual_kl_coef": task.continual_kl_coef,
-            "seed": task.seed,
-            "policy_dir": str(task.policy_dir),
-        }
+        record = {"task": task.index, "continual_kl_coef": task.continual_kl_coef, "seed": task.seed,
+                  "policy_dir": str(task.policy_dir)}  # fmt: skip
         return self._run_stage(self.policy_stage, "policy", task, test_sets, record, f"{task.name}/{RESULT_STAGE}")
 
     def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, marker: str) -> dict:
@@ -376,8 +356,7 @@ class ContinualRunner:
             summary["reward_model_layout"] = "reward_model_accuracy[k][m] = reward model m's accuracy on task k"
         if done == k:
             summary["metrics"] = summarize(matrix).to_dict()
-            steps = [(r.get("metrics") or {}).get("steps") for r in results]
-            summary["steps_per_task"] = steps
+            summary["steps_per_task"] = [(r.get("metrics") or {}).get("steps") for r in results]
         if _is_main_process():
             atomic_write_json(self.out / PERFORMANCE_FILE, summary)
             if self.recipe.plots and done == k:
@@ -473,10 +452,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("KL weight per task: " + ", ".join(f"{c:g}" for c in summary["continual_kl_coefs"]))
     metrics = summary.get("metrics")
     if metrics:
-
-        def fmt(value):
-            return "n/a" if value is None else f"{value:+.4f}"
-
+        fmt = lambda value: "n/a" if value is None else f"{value:+.4f}"
         lines += [
             f"average final performance: {metrics['average_performance']:.4f}",
             f"newest task performance:   {metrics['newest_task_performance']:.4f}",

@@ -1,8 +1,7 @@
 """The continual-RLHF recipe: one typed config that ``recipes/continual_*.yaml`` files map onto 1:1.
 
 ``recipes/continual_dpo_tiny.yaml`` (CPU, a few minutes) is an instance of :class:`ContinualRecipe`;
-:func:`rlhf_ext.pipelines.continual.run_continual` runs it. ``algorithm`` and ``engine`` list what exists: DPO on TRL
-(the PPO / CPPO policy stage plugs into the same runner once a PPO trainer exists).
+:func:`rlhf_ext.pipelines.continual.run_continual` runs it (DPO or PPO, on TRL).
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@ loads — the same check every launch of the recipe runs first.
   ``train_ppo_ray`` command line the launch would run on that cluster, parsed by OpenRLHF's own CLI with its
   fix-ups, then :func:`rlhf_ext.openrlhf.train_ppo_ray.preflight`: placement of every role and per-GPU memory.
 * segment reward-model recipes (:func:`segment_rm_plan`) and TRL recipes (one process per GPU under
-  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job; the
-  trained models' states are fp32 under DDP, or DeepSpeed's bf16 ZeRO shards when ``train.trl_args.deepspeed`` names
-  a DeepSpeed config (TRL's ``TrainingArguments.deepspeed``); the frozen models and the TRL PPO critic are prepared
-  by accelerate without DeepSpeed and stay fp32 on every GPU.
+  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job (fp32 under DDP, or DeepSpeed's
+  bf16 ZeRO shards when ``train.trl_args.deepspeed`` names a DeepSpeed config; see :func:`_trl_role`).
 
 Model sizes come from each model's config (:func:`rlhf_ext.runtime.resources.model_size`; ``builtin:`` names from
 the zoo); a reward model or critic that does not exist yet is sized as the SFT model it is trained from.
@@ -16,6 +14,7 @@ the zoo); a reward model or critic that does not exist yet is sized as the SFT m
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -80,16 +79,9 @@ def deepspeed_stage(trl_args: dict[str, Any]) -> int | None:
 
 # -------------------------------------------------------------------------------------------------------- TRL jobs
 def _trl_role(
-    role: str,
-    size: ModelSize | None,
-    cluster: Cluster,
-    zero: int | None,
-    *,
-    trainable: bool,
-    lm_head: bool,
-    tokens: int,
-    checkpointing: bool,
-) -> RoleMemory:
+    role: str, size: ModelSize | None, cluster: Cluster, zero: int | None, *, trainable: bool, lm_head: bool,
+    tokens: int, checkpointing: bool,
+) -> RoleMemory:  # fmt: skip
     """One model of a TRL job on each GPU. TRL loads models in fp32; the trained policy is DeepSpeed's (bf16 ZeRO
     shards) when ``zero`` is set, else fp32 under DDP; the frozen models and the PPO critic are prepared by accelerate
     without DeepSpeed (a full fp32 copy on every GPU)."""
@@ -135,18 +127,16 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
     reward = size_or_fallback(size_of, recipe.model.reward_model, policy)
     tokens = t.micro_batch_size * (data.max_prompt_length + data.max_completion_length)
     ckpt = t.gradient_checkpointing
+    role = functools.partial(_trl_role, cluster=cluster, zero=zero, tokens=tokens, checkpointing=ckpt)
     roles = [
-        _trl_role("policy", policy, cluster, zero, trainable=True, lm_head=True, tokens=tokens, checkpointing=ckpt),
-        _trl_role("ref", policy, cluster, zero, trainable=False, lm_head=True, tokens=tokens, checkpointing=ckpt),
-        _trl_role("reward", reward, cluster, zero, trainable=False, lm_head=False, tokens=tokens, checkpointing=ckpt),
+        role("policy", policy, trainable=True, lm_head=True),
+        role("ref", policy, trainable=False, lm_head=True),
+        role("reward", reward, trainable=False, lm_head=False),
     ]
     if recipe.ppo.advantage_estimator == "gae":
         fallback = reward or policy  # a reward source's run: the critic starts from the policy
         critic = size_or_fallback(size_of, recipe.model.critic_model, fallback) if recipe.model.critic_model else None
-        critic = critic or fallback
-        critic_role = _trl_role("critic", critic, cluster, zero, trainable=True, lm_head=False, tokens=tokens,
-                                checkpointing=ckpt)  # fmt: skip
-        roles.append(critic_role)
+        roles.append(role("critic", critic or fallback, trainable=True, lm_head=False))
     if policy is not None:  # HF generate's KV cache of one micro batch of rollouts (fp32 model)
         kv = 2 * kv_bytes_per_token(policy) * tokens
         roles[0].activations = max(roles[0].activations, kv)
@@ -178,9 +168,8 @@ def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
         if size is not None:
             role.params = size.value_model_params
             offload = bool(t.openrlhf_args.get("ds.adam_offload"))
-            role.weights, role.grads, role.optimizer = training_state(
-                role.params, zero, world, offload_optimizer=offload
-            )
+            state = training_state(role.params, zero, world, offload_optimizer=offload)
+            role.weights, role.grads, role.optimizer = state
             role.activations = activation_bytes(size, tokens, True, ckpt, lm_head=False)
         title = f"segment reward model (OpenRLHF train_rm, {recipe.model.sft_model})"
     else:

@@ -9,10 +9,8 @@ The page is one self-contained HTML file (images inline, no scripts) with:
 * the PPO reward and KL curves: a moving average over the raw points, which stay faint;
 * SFT and PPO samples for the same held-out prompts side by side, both split into segments and coloured by the same
   reward model on one colour scale, with a legend for that scale;
-* provenance: the exact command line, date, seed, host CPU count, package versions, which rlhf-ext ran (its git commit,
-  or the sha256 of the wheel pip installed, else of the installed files' ``RECORD``), the sha256 of the generated
-  data, parameter counts of the policy and the reward model, wall time per stage and in total, and the resolved
-  recipe as YAML.
+* provenance (:func:`collect_provenance`): command line, date, seed, host CPUs, package versions and source, data
+  hash, parameter counts, wall time per stage and in total, and the resolved recipe as YAML.
 
 ``metrics.json`` holds the same numbers under machine-readable keys, the provenance under ``"provenance"``.
 """
@@ -77,11 +75,7 @@ def moving_average(values: Sequence[float], window: int = SMOOTHING_WINDOW) -> l
     """Trailing moving average: point ``i`` is the mean of ``values[max(0, i - window + 1) : i + 1]``."""
     if window < 1:
         raise ValueError(f"the moving-average window must be >= 1, got {window}")
-    out = []
-    for i in range(len(values)):
-        recent = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(recent) / len(recent))
-    return out
+    return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
 def curve_png(curve: list[dict[str, Any]], window: int = SMOOTHING_WINDOW) -> bytes:
@@ -100,9 +94,8 @@ def curve_png(curve: list[dict[str, Any]], window: int = SMOOTHING_WINDOW) -> by
     for ax, (key, title, ylabel, colour) in zip(axes, panels):
         raw = [row[key] for row in curve]
         ax.plot(steps, raw, marker="o", markersize=3, linewidth=0.8, color=colour, alpha=0.3, label="per step")
-        ax.plot(
-            steps, moving_average(raw, window), linewidth=2.2, color=colour, label=f"moving average ({window} steps)"
-        )
+        smooth = moving_average(raw, window)
+        ax.plot(steps, smooth, linewidth=2.2, color=colour, label=f"moving average ({window} steps)")
         ax.set(title=title, xlabel="PPO step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -212,11 +205,7 @@ def collect_provenance(
 
 # -------------------------------------------------------------------------------------------------- samples
 def sample_segment_views(
-    reward_model: str,
-    policies: Mapping[str, str],
-    prompts: list[str],
-    max_new_tokens: int,
-    seed: int = 0,
+    reward_model: str, policies: Mapping[str, str], prompts: list[str], max_new_tokens: int, seed: int = 0
 ) -> dict[str, list[SegmentView]]:
     """For each policy (name -> checkpoint), one sampled response per prompt, split into segments and scored by the
     one reward model ``reward_model``. Policy ``i`` samples with ``seed + i``: independent samples, as
@@ -532,18 +521,11 @@ def render_report(
 
 
 def write_report(
-    out: Path,
-    results: Mapping[str, Any],
-    samples: Mapping[str, list[SegmentView]],
-    provenance: Mapping[str, Any],
+    out: Path, results: Mapping[str, Any], samples: Mapping[str, list[SegmentView]], provenance: Mapping[str, Any]
 ) -> dict[str, str]:
-    """Write ``out/report.html`` and ``out/metrics.json`` (with ``"provenance"``); returns their paths.
-
-    Args:
-        results: the demo's stage results (``eval``, ``labels``, ``normalizer``, ``ppo`` ...).
-        samples: policy name -> one :class:`SegmentView` per held-out prompt (see :func:`sample_segment_views`).
-        provenance: from :func:`collect_provenance`.
-    """
+    """Write ``out/report.html`` and ``out/metrics.json`` (with ``"provenance"``) from the demo's stage ``results``
+    (``eval``, ``labels``, ``normalizer``, ``ppo`` ...), the ``samples`` of :func:`sample_segment_views` and the
+    ``provenance`` of :func:`collect_provenance`; returns their paths."""
     metrics = {**report_metrics(results), "provenance": dict(provenance)}
     metrics_path = out / "metrics.json"
     atomic_write_json(metrics_path, metrics)

@@ -142,8 +142,6 @@ def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):
 
 def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection, out_dir: str, n: int = 4):
     """Score ``n`` held-out pairs with the trained reward model; write ``segment_report.html`` and ``.txt``."""
-    from pathlib import Path
-
     from rlhf_ext.runtime.io import atomic_write_text
     from rlhf_ext.runtime.token_scores import SegmentScorer, render_html
 
@@ -172,12 +170,8 @@ def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
 
     segment_rm_plan(recipe, local_cluster()).refuse_if_unrunnable()
     m, d = recipe.model, recipe.data
-    inputs = {
-        "model.sft_model": m.sft_model,
-        "model.tokenizer": m.tokenizer,
-        "data.train": d.train,
-        "data.eval": d.eval,
-    }
+    inputs = {"model.sft_model": m.sft_model, "model.tokenizer": m.tokenizer, "data.train": d.train,
+              "data.eval": d.eval}  # fmt: skip
     with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
         return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
@@ -188,15 +182,12 @@ def trl_config(recipe):
     from rlhf_ext.trl.segment_reward import SegmentRewardConfig
 
     kwargs = training_kwargs(recipe.train)
+    seg = recipe.segment
     kwargs.update(
-        eval_strategy="epoch",
-        max_length=recipe.data.max_length,
-        entropy_cutoff=recipe.segment.entropy_cutoff,
-        aggregation=recipe.segment.aggregation,
-        tau=recipe.segment.tau,
-        entropy_batch_size=recipe.segment.entropy_batch_size,
+        eval_strategy="epoch", max_length=recipe.data.max_length, entropy_cutoff=seg.entropy_cutoff,
+        aggregation=seg.aggregation, tau=seg.tau, entropy_batch_size=seg.entropy_batch_size,
         segment_cache_dir=recipe.train.segment_cache_dir,
-    )
+    )  # fmt: skip
     return make_config(SegmentRewardConfig, kwargs, recipe.train.trl_args)
 
 
@@ -207,8 +198,7 @@ def train_with_trl(recipe) -> dict[str, Any]:
 
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.runtime.io import atomic_write_json
-    from rlhf_ext.trl.args import last_checkpoint
-    from rlhf_ext.trl.console import use_console_output
+    from rlhf_ext.runtime.segment_data import prepare_segment_dataset
     from rlhf_ext.trl.segment_reward import SegmentRewardTrainer
 
     args = trl_config(recipe)
@@ -217,35 +207,15 @@ def train_with_trl(recipe) -> dict[str, Any]:
     train_ds, eval_ds = load_preference_splits(recipe.data)
     if recipe.data.prompt_key and recipe.data.prompt_key not in train_ds.column_names:
         recipe.data.prompt_key = None
-    from rlhf_ext.runtime.segment_data import prepare_segment_dataset
-
-    prepare = dict(
-        tokenizer=tokenizer,
-        sft_model_name_or_path=sft_path,
-        max_length=recipe.data.max_length,
-        max_prompt_length=recipe.data.max_prompt_length,
-        prompt_key=recipe.data.prompt_key,
-        chosen_key=recipe.data.chosen_key,
-        rejected_key=recipe.data.rejected_key,
-        entropy_batch_size=recipe.segment.entropy_batch_size,
-        cache_dir=recipe.train.segment_cache_dir,
-    )
+    prepare = _prepare_kwargs(recipe, tokenizer, sft_path, recipe.data.prompt_key)
     train_prepared = prepare_segment_dataset(train_ds, **prepare)
     eval_prepared = prepare_segment_dataset(eval_ds, **prepare) if eval_ds is not None else None
     if eval_prepared is None:  # no held-out split (e.g. one .jsonl file): train without evaluation and say so in
         args.eval_strategy = IntervalStrategy.NO  # the summary, with the fix (data.eval / data.eval_split)
     args.sft_model_name_or_path = sft_path
-    trainer = SegmentRewardTrainer(
-        model=sft_path,
-        args=args,
-        train_dataset=train_prepared,
-        eval_dataset=eval_prepared,
-        processing_class=tokenizer,
-    )
-    use_console_output(trainer)
-    last = last_checkpoint(args.output_dir, recipe.train.resume)
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(args.output_dir)
+    trainer = SegmentRewardTrainer(model=sft_path, args=args, train_dataset=train_prepared, eval_dataset=eval_prepared,
+                                   processing_class=tokenizer)  # fmt: skip
+    train_and_save(trainer, args.output_dir, recipe.train.resume)
     metrics = (final_evaluation(trainer) or trainer.evaluate()) if eval_prepared is not None else {}
     summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
     if eval_prepared is None:
@@ -255,6 +225,26 @@ def train_with_trl(recipe) -> dict[str, Any]:
             summary["report"] = write_segment_report(args.output_dir, eval_ds, recipe.data, args.output_dir)
         atomic_write_json(os.path.join(args.output_dir, "metrics.json"), summary)
     return summary
+
+
+def train_and_save(trainer, output_dir: str, resume: bool) -> None:
+    """Train (one terminal line per logging step; from the last checkpoint in ``output_dir`` when ``resume``), then
+    save the model to ``output_dir``."""
+    from rlhf_ext.trl.args import last_checkpoint
+    from rlhf_ext.trl.console import use_console_output
+
+    use_console_output(trainer)
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir, resume))
+    trainer.save_model(output_dir)
+
+
+def _prepare_kwargs(recipe, tokenizer, sft_path: str, prompt_key: str | None) -> dict[str, Any]:
+    """The recipe's ``prepare_segment_dataset`` settings (tokenisation, SFT entropies), the same on both engines."""
+    d = recipe.data
+    return dict(tokenizer=tokenizer, sft_model_name_or_path=sft_path, max_length=d.max_length,
+                max_prompt_length=d.max_prompt_length, prompt_key=prompt_key, chosen_key=d.chosen_key,
+                rejected_key=d.rejected_key, entropy_batch_size=recipe.segment.entropy_batch_size,
+                cache_dir=recipe.train.segment_cache_dir)  # fmt: skip
 
 
 def final_evaluation(trainer) -> dict[str, float] | None:
@@ -390,18 +380,7 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
     prompt_key = recipe.data.prompt_key if recipe.data.prompt_key in train_ds.column_names else None
 
     def prepare(ds, path: Path) -> None:
-        prepared = prepare_segment_dataset(
-            ds,
-            tokenizer,
-            sft_model_name_or_path=recipe.model.sft_model,
-            max_length=recipe.data.max_length,
-            max_prompt_length=recipe.data.max_prompt_length,
-            prompt_key=prompt_key,
-            chosen_key=recipe.data.chosen_key,
-            rejected_key=recipe.data.rejected_key,
-            entropy_batch_size=recipe.segment.entropy_batch_size,
-            cache_dir=recipe.train.segment_cache_dir,
-        )
+        prepared = prepare_segment_dataset(ds, **_prepare_kwargs(recipe, tokenizer, recipe.model.sft_model, prompt_key))
         with atomic_directory(path) as tmp:
             prepared.save_to_disk(str(tmp))
 
@@ -419,11 +398,9 @@ def train_with_openrlhf(recipe) -> dict[str, Any]:
             from rlhf_ext.runtime.token_scores import preference_accuracy
 
             seg = recipe.segment
-            summary["eval"] = preference_accuracy(
-                recipe.train.output_dir, load_from_disk(dirs["eval"]), seg.entropy_cutoff, seg.aggregation, seg.tau
-            )
-            summary["report"] = write_segment_report(
-                recipe.train.output_dir, eval_ds, recipe.data, recipe.train.output_dir
-            )
+            out = recipe.train.output_dir
+            eval_prepared = load_from_disk(dirs["eval"])
+            summary["eval"] = preference_accuracy(out, eval_prepared, seg.entropy_cutoff, seg.aggregation, seg.tau)
+            summary["report"] = write_segment_report(out, eval_ds, recipe.data, out)
         atomic_write_json(os.path.join(recipe.train.output_dir, "metrics.json"), summary)
     return summary

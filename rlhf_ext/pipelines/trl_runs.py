@@ -38,13 +38,9 @@ def train_dpo(
     tokenizer = AutoTokenizer.from_pretrained(model)
     with atomic_directory(out) as tmp:
         args = DPOConfig(output_dir=str(tmp / "trainer"), seed=seed, **optimisation_kwargs(train), **config, **CPU_RUN)
-        trainer = DPOTrainer(
-            model=model,
-            ref_model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-            args=args,
-            train_dataset=Dataset.from_list(rows),
-            processing_class=tokenizer,
-        )
+        ref_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=tokenizer)  # fmt: skip
         use_console_output(trainer)
         trainer.train()
         trainer.save_model(str(tmp))

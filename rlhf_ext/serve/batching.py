@@ -91,10 +91,7 @@ class MicroBatcher:
     """
 
     def __init__(
-        self,
-        score_batch: Callable[[Sequence[EncodedResponse]], tuple],
-        max_batch_size: int,
-        max_wait_ms: float = 0.0,
+        self, score_batch: Callable[[Sequence[EncodedResponse]], tuple], max_batch_size: int, max_wait_ms: float = 0.0
     ):
         self.score_batch = score_batch
         self.max_batch_size = max_batch_size

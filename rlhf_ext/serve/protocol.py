@@ -64,11 +64,8 @@ def _check_text(text: str, where: str) -> None:
 
 
 def _is_messages(item) -> bool:
-    return (
-        isinstance(item, list)
-        and bool(item)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in item)
-    )
+    messages = isinstance(item, list) and bool(item)
+    return messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in item)
 
 
 def _check_items(values: list, key: str, allow_messages: bool) -> None:
@@ -135,9 +132,7 @@ def parse_reward_request(raw: bytes, max_request_pairs: int) -> tuple[list, list
         )
     if n > max_request_pairs:
         raise RequestError(413, f"{n} pairs exceed this server's limit of {max_request_pairs} per request; split them")
-    if queries is None:
-        return prompts, responses, False
-    return prompts, queries, True
+    return (prompts, responses, False) if queries is None else (prompts, queries, True)
 
 
 def response_after_prompt(query: str, prompt: str, tokenizer, index: int) -> str:

@@ -349,19 +349,15 @@ class RewardServer:
     # ---------------------------------------------------------------------------------------------------- running
     def health(self) -> dict[str, Any]:
         alive = self.batcher.alive
+        scorer, settings = self.scorer, self.settings
         return {
-            "status": "ok" if alive else "unavailable",
-            "scorer": "running" if alive else self.batcher.failure,
+            "status": "ok" if alive else "unavailable", "scorer": "running" if alive else self.batcher.failure,
             "model": model_name(self.model_dir),
-            "sft_model": model_name(getattr(self.scorer.sft_model.config, "_name_or_path", None)),
-            "aggregation": self.scorer.aggregation,
-            "tau": self.scorer.tau,
-            "entropy_cutoff": self.scorer.entropy_cutoff,
-            "max_batch_size": self.settings.max_batch_size,
-            "max_request_pairs": self.settings.max_request_pairs,
-            "in_flight": self.in_flight,
-            "auth": "bearer" if self.settings.api_key else "none",
-        }
+            "sft_model": model_name(getattr(scorer.sft_model.config, "_name_or_path", None)),
+            "aggregation": scorer.aggregation, "tau": scorer.tau, "entropy_cutoff": scorer.entropy_cutoff,
+            "max_batch_size": settings.max_batch_size, "max_request_pairs": settings.max_request_pairs,
+            "in_flight": self.in_flight, "auth": "bearer" if settings.api_key else "none",
+        }  # fmt: skip
 
     @property
     def address(self) -> tuple[str, int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from rlhf_ext.zoo.toy import KEY_PHRASES, TOPICS, WEAK_PHRASES, response_with_phrase
+from rlhf_ext.zoo.toy import KEY_PHRASES, TOPICS, WEAK_PHRASES, preference_rows
 
 SequenceKind = Literal["preference_shift", "domains"]
 SEQUENCE_KINDS: tuple[str, ...] = ("preference_shift", "domains")
@@ -37,27 +37,8 @@ def max_tasks(kind: SequenceKind) -> int:
     return len(KEY_PHRASES) + len(WEAK_PHRASES) - 1 if kind == "preference_shift" else len(TOPICS)
 
 
-def _rows(n: int, seed: int, topics: list[str], chosen: list[str], rejected: list[str]) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        topic = rng.choice(topics)
-        rows.append(
-            {
-                "prompt": f"Question: What should I know about {topic}?\nAnswer:",
-                "chosen": response_with_phrase(rng, topic, chosen),
-                "rejected": response_with_phrase(rng, topic, rejected),
-            }
-        )
-    return rows
-
-
 def toy_task_sequence(
-    kind: SequenceKind = "preference_shift",
-    num_tasks: int = 3,
-    n_train: int = 256,
-    n_test: int = 64,
-    seed: int = 0,
+    kind: SequenceKind = "preference_shift", num_tasks: int = 3, n_train: int = 256, n_test: int = 64, seed: int = 0
 ):
     """A list of ``num_tasks`` ``DatasetDict`` (``train``/``test``) forming a toy continual sequence (module doc)."""
     from datasets import Dataset, DatasetDict
@@ -82,8 +63,8 @@ def toy_task_sequence(
         base = seed * 1_000 + t * 10
         tasks.append(
             DatasetDict(
-                train=Dataset.from_list(_rows(n_train, base + 1, topics_t, chosen, rejected)),
-                test=Dataset.from_list(_rows(n_test, base + 2, topics_t, chosen, rejected)),
+                train=Dataset.from_list(preference_rows(n_train, base + 1, topics_t, chosen, rejected)),
+                test=Dataset.from_list(preference_rows(n_test, base + 2, topics_t, chosen, rejected)),
             )
         )
     return tasks

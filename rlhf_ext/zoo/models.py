@@ -19,14 +19,9 @@ from rlhf_ext.runtime.io import atomic_directory
 from rlhf_ext.zoo.tokenizer import gpt2_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, tie_word_embeddings=True,
+)  # fmt: skip
 
 
 def tiny_config(tokenizer=None, **overrides: Any):
@@ -34,15 +29,9 @@ def tiny_config(tokenizer=None, **overrides: Any):
     from transformers import LlamaConfig
 
     tokenizer = tokenizer if tokenizer is not None else gpt2_tokenizer()
-    kwargs = dict(TINY_DEFAULTS)
-    kwargs.update(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    kwargs = dict(TINY_DEFAULTS, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return LlamaConfig(**{**kwargs, **overrides})
 
 
 def tiny_causal_lm(tokenizer=None, seed: int = 0, **overrides: Any):
@@ -113,10 +102,8 @@ def smollm2_checkpoint(dest: str | Path) -> Path:
     # (config.eos_token_id = 2). Reward models need a pad token distinct from EOS: use <|endoftext|>.
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.pad_token = "<|endoftext|>"
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     with atomic_directory(dest) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

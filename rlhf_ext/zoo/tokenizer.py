@@ -50,7 +50,6 @@ def gpt2_tokenizer(with_pad: bool = True):
     if with_pad:
         tok.add_special_tokens({"pad_token": PAD_TOKEN})
     tok.padding_side = "right"
-    # A minimal chat template so conversational datasets work with the tiny models.
     tok.chat_template = _CHAT_TEMPLATE
     return tok
 
@@ -67,12 +66,9 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 512):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", PAD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", PAD_TOKEN],
+                                  initial_alphabet=alphabet, show_progress=False)  # fmt: skip
     bpe.train_from_iterator(texts, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token=PAD_TOKEN

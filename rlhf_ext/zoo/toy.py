@@ -20,80 +20,34 @@ if TYPE_CHECKING:
     import torch
 
 TOPICS = [
-    "volcanoes",
-    "honeybees",
-    "ocean tides",
-    "black holes",
-    "sourdough bread",
-    "glaciers",
-    "solar panels",
-    "octopuses",
-    "the printing press",
-    "vaccines",
-    "coral reefs",
-    "earthquakes",
-    "wind turbines",
-    "penguins",
-    "the immune system",
-    "rainbows",
-    "electric cars",
-    "tea plants",
-    "lightning",
-    "migratory birds",
-    "desert plants",
-    "the moon",
-    "composting",
-    "jazz music",
-]
-
+    "volcanoes", "honeybees", "ocean tides", "black holes", "sourdough bread", "glaciers", "solar panels", "octopuses",
+    "the printing press", "vaccines", "coral reefs", "earthquakes", "wind turbines", "penguins", "the immune system",
+    "rainbows", "electric cars", "tea plants", "lightning", "migratory birds", "desert plants", "the moon",
+    "composting", "jazz music",
+]  # fmt: skip
 SUBJECTS = [
-    "Many people",
-    "Most readers",
-    "Some experts",
-    "A few teachers",
-    "Curious students",
-    "Young children",
-    "Local guides",
-    "Old textbooks",
-    "Travel writers",
-    "Science museums",
-]
+    "Many people", "Most readers", "Some experts", "A few teachers", "Curious students", "Young children",
+    "Local guides", "Old textbooks", "Travel writers", "Science museums",
+]  # fmt: skip
 PREDICATES = [
-    "wonder about this",
-    "ask this question often",
-    "find it surprising",
-    "enjoy the details",
-    "disagree on small points",
-    "mention it in passing",
-    "get the basics wrong",
-    "love a good example",
-    "keep notes on it",
-    "talk about it every year",
-]
+    "wonder about this", "ask this question often", "find it surprising", "enjoy the details",
+    "disagree on small points", "mention it in passing", "get the basics wrong", "love a good example",
+    "keep notes on it", "talk about it every year",
+]  # fmt: skip
 KEY_PHRASES = [
-    "backed by peer-reviewed evidence",
-    "confirmed by careful measurements",
-    "explained step by step by experts",
-    "supported by decades of field research",
-    "verified by independent laboratories",
-    "documented in primary historical sources",
-    "measured with calibrated instruments",
-    "reproduced in controlled experiments",
-    "summarised in official encyclopedias",
+    "backed by peer-reviewed evidence", "confirmed by careful measurements", "explained step by step by experts",
+    "supported by decades of field research", "verified by independent laboratories",
+    "documented in primary historical sources", "measured with calibrated instruments",
+    "reproduced in controlled experiments", "summarised in official encyclopedias",
     "checked against satellite observations",
-]
+]  # fmt: skip
 WEAK_PHRASES = [
-    "mostly rumours passed around online",
-    "hard to pin down for anyone at all",
-    "a matter of guesswork and hearsay",
-    "whatever people happen to believe today",
-    "based on a story a friend once told",
-    "impossible to check in any useful way",
-    "anyone's guess without more information",
-    "something I vaguely remember reading",
-    "open to every possible interpretation",
+    "mostly rumours passed around online", "hard to pin down for anyone at all", "a matter of guesswork and hearsay",
+    "whatever people happen to believe today", "based on a story a friend once told",
+    "impossible to check in any useful way", "anyone's guess without more information",
+    "something I vaguely remember reading", "open to every possible interpretation",
     "too fuzzy to say anything definite about",
-]
+]  # fmt: skip
 
 
 def response_with_phrase(rng: random.Random, topic: str, phrases: list[str]) -> str:
@@ -105,25 +59,22 @@ def response_with_phrase(rng: random.Random, topic: str, phrases: list[str]) -> 
     return " " + " ".join(sentences)
 
 
-def _response(rng: random.Random, topic: str, chosen: bool) -> str:
-    return response_with_phrase(rng, topic, KEY_PHRASES if chosen else WEAK_PHRASES)
+def preference_rows(n: int, seed: int, topics: list[str], chosen: list[str], rejected: list[str]) -> list[dict]:
+    """``n`` rows (prompt / chosen / rejected) about ``topics``, the chosen response with a phrase of ``chosen``, the
+    rejected one with a phrase of ``rejected``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        topic = rng.choice(topics)
+        prompt = f"Question: What should I know about {topic}?\nAnswer:"
+        chosen_text = response_with_phrase(rng, topic, chosen)
+        rows.append({"prompt": prompt, "chosen": chosen_text, "rejected": response_with_phrase(rng, topic, rejected)})
+    return rows
 
 
 def toy_preference_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
     """``n`` preference rows (prompt / chosen / rejected) of the key-phrase task."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        topic = rng.choice(TOPICS)
-        prompt = f"Question: What should I know about {topic}?\nAnswer:"
-        rows.append(
-            {
-                "prompt": prompt,
-                "chosen": _response(rng, topic, chosen=True),
-                "rejected": _response(rng, topic, chosen=False),
-            }
-        )
-    return rows
+    return preference_rows(n, seed, TOPICS, KEY_PHRASES, WEAK_PHRASES)
 
 
 def toy_preference_dataset(n_train: int = 512, n_test: int = 128, seed: int = 0):
