@@ -131,10 +131,8 @@ def _unavailable(package: str, name: str):
 
 
 def install_import_shims() -> list[str]:
-    """Register placeholder ``flash_attn`` / ``vllm`` modules if (and only if) the real ones are missing.
-
-    Returns the module names that were shimmed (empty on a GPU machine with both installed).
-    """
+    """Register placeholder ``flash_attn`` / ``vllm`` modules if (and only if) the real ones are missing; returns the
+    module names that were shimmed (empty on a GPU machine with both installed)."""
     installed = []
     for root in ("flash_attn", "vllm"):
         if root in sys.modules or importlib.util.find_spec(root) is not None:

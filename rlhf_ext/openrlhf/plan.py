@@ -202,11 +202,9 @@ def role_memory(role: str, args: Any, size: ModelSize | None, cluster: Cluster) 
 
 
 def _gpu_groups(groups: list[Group], roles: dict[str, RoleMemory], args: Any) -> list[GPUGroup]:
-    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes.
-
-    A GPU shared with a vLLM engine has two phases: generation (vLLM's share, plus the DeepSpeed models unless
-    ``--ds.enable_sleep`` offloads them) and training (the DeepSpeed models plus one role's activations at a time,
-    plus vLLM's share unless ``--vllm.enable_sleep`` frees it)."""
+    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes. A GPU shared
+    with vLLM has two phases: generation (vLLM's share + the DeepSpeed models unless ``--ds.enable_sleep``) and
+    training (the DeepSpeed models + one role's activations + vLLM's share unless ``--vllm.enable_sleep``)."""
     kinds: dict[tuple[str, ...], int] = {}
     for g in groups:
         for bundle in range(g.bundles):

@@ -289,11 +289,10 @@ def create_hf_rollout_engines(
     shared_pg: Any = None, *args: Any, agent_func_path: str | None = None, remote_rm_url: str | list[str] | None = None,
     max_images_per_prompt: int = 0, **kwargs: Any,
 ) -> list:  # fmt: skip
-    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines, engine
-    ``i`` seeded ``seed + i`` as vLLM's are, placed exactly as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 of its
-    GPU (the hybrid engine of ``--train.colocate_all`` without async), otherwise on bundle ``i`` of a PACK group of
-    ``num_engines`` one-GPU bundles of their own. The GPUs are Ray bookkeeping (the engines generate on the CPU), so
-    a run asks a cluster for what the same run with vLLM would."""
+    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines seeded
+    ``seed + i`` and placed as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 GPU (``--train.colocate_all``
+    without async), else of a PACK group of one-GPU bundles of their own. The GPUs are Ray bookkeeping only (the
+    engines generate on the CPU), so a run asks a cluster for what the same run with vLLM would."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

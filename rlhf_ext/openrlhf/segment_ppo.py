@@ -55,10 +55,8 @@ WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout e
 
 
 def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
-    """Check the segment ``--ext.*`` values (already parsed against their knobs' ranges by the command line; checked
-    again here for values set in Python) and load ``--ext.normalizer``, so that a missing, malformed or poisoned
-    normalizer file is refused in the driver before Ray starts (:func:`~rlhf_ext.runtime.calibration.load_normalizer`
-    validates every field)."""
+    """Check the segment ``--ext.*`` values (again, for values set in Python) and load ``--ext.normalizer``, so that a
+    missing, malformed or poisoned normalizer file is refused in the driver before Ray starts."""
     ext = dict(ext)
     try:
         DenseRewardKnobs(
@@ -258,10 +256,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             exp.info["segments_per_response"] = batch.segments_per_response.float()
 
     def source_rewards(self, samples):
-        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server):
-        its responses decoded, the source asked, its spans mapped onto the action tokens
-        (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards`` becomes the zero placeholder, so
-        OpenRLHF calls no reward model."""
+        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server),
+        its spans mapped onto the action tokens (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards``
+        becomes the zero placeholder, so OpenRLHF calls no reward model."""
         from rlhf_ext.runtime.spans import completion_offsets, dense_rewards, parse_outputs
 
         mask = samples.action_mask.bool()
