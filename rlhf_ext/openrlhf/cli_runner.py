@@ -1,9 +1,8 @@
 """Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our extras.
 
-OpenRLHF's CLIs keep their argparse under ``__main__`` and take no class arguments. What works without copying them:
-patch the classes on their source modules, strip our ``--ext.*`` flags from the command line, and execute the module
-from its own source with its final ``train(args)`` call routed through a hook that attaches them as ``args.ext``
-(:func:`run_cli_module`).
+OpenRLHF's CLIs keep their argparse under ``__main__``. Without copying them: patch the classes on their source
+modules, strip our ``--ext.*`` flags from the command line, and execute the module from its own source with its final
+``train(args)`` routed through a hook that attaches them as ``args.ext`` (:func:`run_cli_module`).
 """
 
 from __future__ import annotations
@@ -82,11 +81,9 @@ def split_ext_args(
 ) -> tuple[list[str], dict[str, Any]]:
     """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
 
-    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A value
-    whose key has a knob spec (``specs``, :func:`rlhf_ext.algos.knobs.knob_specs` of the knob dataclasses) is parsed
-    and checked against the knob's declared range (``--ext.tau nan`` names the flag and the range). A key in
-    ``renamed`` (old -> new) is refused with its new name. Raises :class:`ExtArgsError` (or
-    :class:`~rlhf_ext.algos.knobs.KnobError`).
+    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A value with
+    a knob spec in ``specs`` is parsed and checked against the knob's declared range; a key in ``renamed`` (old ->
+    new) is refused with its new name. Raises :class:`ExtArgsError` (or :class:`~rlhf_ext.algos.knobs.KnobError`).
     """
     argv = list(argv)
     rest: list[str] = []
@@ -140,10 +137,8 @@ def _cli_code(module: str):
 
 def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any], Any] | None = None) -> None:
     """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv``; ``before_train(args)`` runs right before the
-    CLI's ``train(args)``: it sees (and may change, e.g. attach ``args.ext``) the arguments after argparse *and* every
-    fix-up OpenRLHF applies in its ``__main__`` block (``--ds.ring_attn_size > 1`` turning on packing, an agent
-    function becoming ``remote_url = "agent"``, ...), so what it checks is what will run. The module runs from its
-    own source, with only its final ``train(args)`` call routed through the hook (:func:`_cli_code`)."""
+    CLI's ``train(args)`` (:func:`_cli_code`): it sees (and may change) the arguments after argparse *and* every
+    fix-up of its ``__main__`` block (``--ds.ring_attn_size > 1`` turning on packing ...): it checks what will run."""
     import runpy
 
     from rlhf_ext.openrlhf.compat import import_shims

@@ -2,29 +2,21 @@
 
 Two independent pieces, both no-ops where they are not needed:
 
-* :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When (and only
-  when) those packages are missing, it registers placeholder modules under their names whose every function and
-  class raises a ``RuntimeError`` naming the GPU package to install. Importing works; *using* a GPU-only path fails
-  loudly. OpenRLHF's own test suite does the same. The exception are ``flash_attn.bert_padding``'s four helpers,
-  which are plain PyTorch in flash-attn too: :func:`unpad_input`, :func:`pad_input`, :func:`index_first_axis` and
-  ``rearrange`` (einops) are real CPU implementations, so OpenRLHF's ``--ds.packing_samples`` path runs on CPU (its
-  packed forward then attends through ``sdpa``, which transformers restricts to each packed sub-sequence from the
-  reset ``position_ids``; flash-attention's varlen kernel is the GPU path). Reading any other attribute of a placeholder
-  (``vllm.__version__`` ...) raises :class:`GPUPackageMissing` naming the package; ``vllm.SamplingParams`` is a plain
-  dataclass (:class:`SamplingParams`) because OpenRLHF builds one even when the HF rollout engine generates.
-  :func:`import_shims` does the same for the duration of a ``with`` block (for importing OpenRLHF modules) and
-  unregisters them afterwards (:func:`remove_import_shims`):
-  while a placeholder is registered, TRL 1.16's ``is_vllm_available()`` sees ``vllm`` through ``find_spec`` and
-  then fails to parse its (missing) version, so TRL modules that check for vLLM at import (``trl.generation``)
-  cannot be imported in the meantime.
-* :func:`patch_for_cpu` — when CUDA is unavailable, replaces the few strategy helpers that call CUDA
-  unconditionally: DeepSpeed's shared-memory comm-op build, ``setup_distributed`` (gloo
-  and a ``cpu`` device mesh), ``all_reduce``/``all_gather`` (no move to ``cuda.current_device()``),
-  ``torch.cuda.synchronize`` (a no-op without CUDA), and the DeepSpeed optimizer config (``torch_adam``, avoiding
-  the fused-Adam C++ build). In Ray workers (``worker=True``) also ``torch.cuda.current_device()`` — OpenRLHF's PPO
-  path moves tensors with ``.to(torch.cuda.current_device())`` at 18 call sites — returns the CPU device, and the PPO
-  replay buffer targets the CPU, and each model group's rendezvous port comes from :func:`free_port` (so that
-  several runs can start at once on one machine, as CI's test workers do).
+* :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When those are
+  missing, placeholder modules are registered whose every function and class raises a ``RuntimeError`` naming the GPU
+  package to install (as OpenRLHF's own tests do), and reading any other attribute (``vllm.__version__`` ...) raises
+  :class:`GPUPackageMissing`. ``flash_attn.bert_padding``'s helpers (plain PyTorch in flash-attn too) are real CPU
+  implementations (:func:`unpad_input`, :func:`pad_input`, :func:`index_first_axis`, einops' ``rearrange``), so
+  ``--ds.packing_samples`` runs on CPU through ``sdpa``; ``vllm.SamplingParams`` is the dataclass
+  :class:`SamplingParams`, which OpenRLHF builds even for the HF rollout engine. :func:`import_shims` registers them
+  for a ``with`` block only (:func:`remove_import_shims`): while ``vllm`` is a placeholder, TRL 1.16's
+  ``is_vllm_available()`` fails to parse its version, so ``trl.generation`` cannot be imported.
+* :func:`patch_for_cpu` — without CUDA, replaces the strategy helpers that call CUDA unconditionally: DeepSpeed's
+  shared-memory comm-op build, ``setup_distributed`` (gloo, a ``cpu`` device mesh), ``all_reduce``/``all_gather``,
+  ``torch.cuda.synchronize`` (a no-op) and the optimizer config (``torch_adam``, no fused-Adam C++ build). In Ray
+  workers (``worker=True``) also ``torch.cuda.current_device()`` (18 ``.to(...)`` call sites in OpenRLHF's PPO path)
+  returns the CPU, the replay buffer targets the CPU, and rendezvous ports come from :func:`free_port` (several runs
+  can start at once on one machine).
 
 Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
 """
@@ -51,12 +43,7 @@ OPENRLHF_VERSION = "0.11.2"
 #: missing on purpose, so its CPU fallback runs.
 _SHIMS: dict[str, dict[str, str]] = {
     "flash_attn": {},
-    "flash_attn.bert_padding": {
-        "index_first_axis": "cpu",
-        "pad_input": "cpu",
-        "rearrange": "cpu",
-        "unpad_input": "cpu",
-    },
+    "flash_attn.bert_padding": dict.fromkeys(("index_first_axis", "pad_input", "rearrange", "unpad_input"), "cpu"),
     "flash_attn.utils": {},
     "flash_attn.utils.distributed": {"all_gather": "func"},
     "vllm": {"SamplingParams": "class", "LLM": "class", "AsyncEngineArgs": "class", "AsyncLLMEngine": "class"},
@@ -144,10 +131,8 @@ def _unavailable(package: str, name: str):
 
 
 def install_import_shims() -> list[str]:
-    """Register placeholder ``flash_attn`` / ``vllm`` modules if (and only if) the real ones are missing.
-
-    Returns the module names that were shimmed (empty on a GPU machine with both installed).
-    """
+    """Register placeholder ``flash_attn`` / ``vllm`` modules if (and only if) the real ones are missing; returns the
+    module names that were shimmed (empty on a GPU machine with both installed)."""
     installed = []
     for root in ("flash_attn", "vllm"):
         if root in sys.modules or importlib.util.find_spec(root) is not None:
@@ -170,10 +155,8 @@ def install_import_shims() -> list[str]:
                     setattr(module, attr, _cpu_implementation(attr))
                     continue
                 raiser, message = _unavailable(root, attr)
-                if kind == "class":
-                    setattr(module, attr, type(attr, (), {"__init__": raiser, "__doc__": message}))
-                else:
-                    setattr(module, attr, raiser)
+                placeholder = type(attr, (), {"__init__": raiser, "__doc__": message}) if kind == "class" else raiser
+                setattr(module, attr, placeholder)
             sys.modules[name] = module
             parent, _, child = name.rpartition(".")
             if parent:
@@ -223,12 +206,10 @@ def free_port() -> int:
     """A free TCP port to bind later (a torch.distributed rendezvous, a Ray node), chosen *below* the kernel's
     ephemeral range.
 
-    OpenRLHF (``BaseDistributedActor._get_free_port``) binds port 0, closes the socket and lets the process group bind
-    the same port seconds later. Port 0 hands out an ephemeral port, which any process on the machine may receive for
-    its own ``bind(0)`` or outgoing connection in that window (seen as ``EADDRINUSE`` when two Ray runs start at once
-    on one machine). The kernel never hands out ports below ``ip_local_port_range``, so a port taken from
-    ``[20000, low)`` can only collide with another explicit choice (above Ray's worker ports, 10002-19999). Falls back
-    to port 0 where that range is empty."""
+    OpenRLHF's ``_get_free_port`` binds port 0 and lets the process group bind that port seconds later, when any
+    process may have received it (``EADDRINUSE`` when two Ray runs start at once). The kernel never hands out ports
+    below ``ip_local_port_range``, so one from ``[20000, low)`` (above Ray's worker ports, 10002-19999) can only
+    collide with another explicit choice. Falls back to port 0 where that range is empty."""
     import random
     import socket
 
@@ -281,13 +262,8 @@ def _cpu_setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> 
         "cpu", (dp_size, self.ring_attn_size, self.ds_tensor_parallel_size), mesh_dim_names=("dp", "sp", "tp")
     )
     self.setup_ring_attn(self.ds_device_mesh)
-    self.accumulated_gradient = (
-        self.train_batch_size
-        * self.ring_attn_size
-        * self.ds_tensor_parallel_size
-        // self.micro_train_batch_size
-        // self.world_size
-    )
+    samples = self.train_batch_size * self.ring_attn_size * self.ds_tensor_parallel_size
+    self.accumulated_gradient = samples // self.micro_train_batch_size // self.world_size
 
 
 def _cpu_all_reduce(self, data, op: str = "mean"):

@@ -1,25 +1,17 @@
 """Continual RLHF in OpenRLHF 0.11.2's PPO actor: the KL to the previous task's policy (paper 000, Eq. 7).
 
-Three pieces, smallest first:
+* :class:`ContinualPolicyLoss` — ``PolicyLoss`` plus ``c * KL(pi_theta || pi_{t-1})``: the per-token KL of
+  :func:`rlhf_ext.continual.per_token_kl` (as in the TRL trainer) reduced by OpenRLHF's ``aggregate_loss`` with the
+  policy loss's normalisation, so it is invariant to data-parallel sharding like the PPO loss; ``c = 0`` without CPPO
+  weights is ``PolicyLoss`` unchanged. ``continual_retention="cppo"``: CPPO's sample-wise weights scale advantages
+  (alpha) and the KL term (beta), see :mod:`rlhf_ext.algos.cppo_weights`.
+* :class:`ContinualActorPPOTrainer` — ``training_step`` computes the previous-task policy's log-probs under
+  ``no_grad`` (one frozen forward of an ``Actor`` loaded like the EMA model) and binds them to the loss; the KL is
+  logged as ``prev_task_kl``.
+* :class:`ContinualPolicyModelActor` — the Ray policy actor building it (:func:`use_continual_actor`), with the
+  ``--ext.continual_*`` settings of :class:`ContinualActorSettings`.
 
-* :class:`ContinualPolicyLoss` — OpenRLHF's ``PolicyLoss`` plus ``c * KL(pi_theta || pi_{t-1})``. The per-token KL
-  is :func:`rlhf_ext.continual.per_token_kl` (the same function the TRL trainer uses) and it is reduced with
-  OpenRLHF's own ``aggregate_loss`` using the same normalisation as the policy loss (token-mean over the optimizer
-  step's global token count, or sequence-mean), so the term is invariant to data-parallel sharding exactly like the
-  PPO loss. With ``c = 0`` and no CPPO weights the loss is ``PolicyLoss``'s, unchanged. Optionally
-  (``continual_retention="cppo"``) CPPO's sample-wise weights scale each sample's advantages (alpha) and its KL term
-  (beta); see :mod:`rlhf_ext.algos.cppo_weights` for what exactly that is and where it comes from.
-* :class:`ContinualActorPPOTrainer` — ``ActorPPOTrainer`` whose ``training_step`` first computes the previous-task
-  policy's log-probabilities of the micro-batch under ``no_grad`` (one extra frozen forward pass), then runs the
-  stock ``training_step`` with those bound to the loss. The KL is logged as ``prev_task_kl``. The previous-task
-  model is an OpenRLHF ``Actor`` loaded like the EMA model (:func:`load_previous_task_actor`).
-* :class:`ContinualPolicyModelActor` — the Ray policy actor that builds a :class:`ContinualActorPPOTrainer`;
-  :func:`use_continual_actor` makes ``openrlhf.cli.train_ppo_ray`` use it. Settings come from
-  ``--ext.continual_previous_model PATH --ext.continual_kl_coef 1.0 --ext.continual_kl_estimator k3
-  --ext.continual_retention kl``, see :class:`ContinualActorSettings`.
-
-Importing this module imports OpenRLHF inside :func:`rlhf_ext.openrlhf.compat.import_shims` (stand-ins for
-flash-attn / vLLM when those packages are missing, removed again afterwards), so it imports on a CPU machine.
+OpenRLHF is imported inside :func:`rlhf_ext.openrlhf.compat.import_shims`, so this module imports on a CPU machine.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+import ray
 import torch
 
 from rlhf_ext.algos.continual_kl import DEFAULT_KL_COEF, ContinualKnobs, check_estimator, per_token_kl
@@ -47,16 +40,10 @@ PREV_TASK_KL_KEY = "prev_task_kl"
 
 @dataclass
 class ContinualActorSettings(ContinualKnobs):
-    """Settings of the continual actor: paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`,
-    flags ``--ext.continual_kl_coef`` / ``--ext.continual_kl_estimator``) plus:
-
-    Args:
-        continual_previous_model: checkpoint of the policy at the end of the previous task (``None``: first task, no
-            term; ``--ext.continual_previous_model``).
-        continual_retention: ``kl`` — the plain paper 000 Eq. 7 term; ``cppo`` — also CPPO's sample-wise alpha / beta
-            weights (``--ext.continual_retention``).
-        cppo: thresholds and weight values for ``continual_retention="cppo"``.
-    """
+    """Settings of the continual actor: paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`),
+    ``continual_previous_model`` (the previous task's final policy; ``None``: first task, no term),
+    ``continual_retention`` (``kl``: paper 000 Eq. 7; ``cppo``: also CPPO's sample-wise alpha / beta weights) and the
+    ``cppo`` thresholds and weights; all but ``cppo`` are ``--ext.*`` flags."""
 
     continual_previous_model: str | None = None
     continual_retention: Literal["kl", "cppo"] = "kl"
@@ -71,8 +58,7 @@ class ContinualActorSettings(ContinualKnobs):
     def from_args(cls, args: Any) -> ContinualActorSettings:
         """Read the ``--ext.continual_*`` flags (``args.ext``, as OpenRLHF hierarchises them); defaults when absent."""
         ext = getattr(args, "ext", None)
-        names = [f.name for f in fields(cls)]
-        values = {k: getattr(ext, k) for k in names if getattr(ext, k, None) is not None}
+        values = {f.name: getattr(ext, f.name) for f in fields(cls) if getattr(ext, f.name, None) is not None}
         cppo = values.pop("cppo", None)
         if cppo is not None and not isinstance(cppo, CPPOWeightSettings):
             cppo = CPPOWeightSettings(**(cppo if isinstance(cppo, dict) else vars(cppo)))
@@ -96,12 +82,10 @@ def check_continual_ext(ext: dict[str, Any]) -> None:
 class ContinualPolicyLoss(PolicyLoss):
     """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (paper 000 Eq. 7), optionally with CPPO's sample-wise weights.
 
-    ``forward`` takes the stock arguments plus ``prev_log_probs`` (``[B, A]``, the previous-task policy's
-    log-probabilities of the action tokens), ``learning_weights`` (alpha, ``[B]``) and ``retention_weights`` (beta,
-    ``[B]``). Any of them left ``None`` is taken from :meth:`extra_inputs` when called inside it (how the stock
-    ``training_step``, which knows nothing about them, gets them). Returns the stock 5-tuple; the unweighted KL of
-    the last call is in :attr:`last_prev_task_kl`.
-    """
+    ``forward`` takes the stock arguments plus ``prev_log_probs`` (``[B, A]``, log pi_{t-1} of the action tokens),
+    ``learning_weights`` (alpha, ``[B]``) and ``retention_weights`` (beta, ``[B]``); those left ``None`` come from
+    :meth:`extra_inputs` (how the stock ``training_step`` passes them). Returns the stock 5-tuple; the unweighted KL
+    of the last call is in :attr:`last_prev_task_kl`."""
 
     def __init__(
         self, *args: Any, continual_kl_coef: float = DEFAULT_KL_COEF, continual_kl_estimator: str = "k3", **kwargs: Any
@@ -116,18 +100,9 @@ class ContinualPolicyLoss(PolicyLoss):
     def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
         """A continual loss with every setting of an existing ``PolicyLoss`` (e.g. the one ``ActorPPOTrainer`` built
         from the command line) plus ``continual_kl_coef`` / ``continual_kl_estimator``."""
-        new = cls(
-            clip_eps_low=loss.clip_eps_low,
-            clip_eps_high=loss.clip_eps_high,
-            dual_clip=loss.dual_clip,
-            token_level_loss=loss.token_level_loss,
-            policy_loss_type=loss.policy_loss_type,
-            is_correction_level=loss.is_correction_level,
-            is_correction_mode=loss.is_correction_mode,
-            is_correction_gating=loss.is_correction_gating,
-            is_correction_threshold=loss.is_correction_threshold,
-            **kwargs,
-        )
+        names = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type")
+        names += tuple(f"is_correction_{k}" for k in ("level", "mode", "gating", "threshold"))
+        new = cls(**{k: getattr(loss, k) for k in names}, **kwargs)
         new.token_level_loss = loss.token_level_loss  # GSPO forces sequence-level in __init__; keep the final value
         return new
 
@@ -142,54 +117,33 @@ class ContinualPolicyLoss(PolicyLoss):
             self._extra = {}
 
     def forward(
-        self,
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        action_mask: torch.Tensor | None = None,
-        rollout_log_probs: torch.Tensor | None = None,
-        dp_size: int = 1,
-        batch_num_tokens: float | None = None,
-        global_batch_size: float | None = None,
-        prev_log_probs: torch.Tensor | None = None,
-        learning_weights: torch.Tensor | None = None,
+        self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+        action_mask: torch.Tensor | None = None, rollout_log_probs: torch.Tensor | None = None, dp_size: int = 1,
+        batch_num_tokens: float | None = None, global_batch_size: float | None = None,
+        prev_log_probs: torch.Tensor | None = None, learning_weights: torch.Tensor | None = None,
         retention_weights: torch.Tensor | None = None,
-    ):
+    ):  # fmt: skip
         prev_log_probs = prev_log_probs if prev_log_probs is not None else self._extra.get("prev_log_probs")
         learning_weights = learning_weights if learning_weights is not None else self._extra.get("learning_weights")
         retention_weights = retention_weights if retention_weights is not None else self._extra.get("retention_weights")
         if learning_weights is not None:  # PPO's clipped loss is positively homogeneous in the advantage
             advantages = advantages * learning_weights.to(advantages.dtype).unsqueeze(-1)
+        sizes = {"dp_size": dp_size, "batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}
         loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = super().forward(
-            log_probs,
-            old_log_probs,
-            advantages,
-            action_mask=action_mask,
-            rollout_log_probs=rollout_log_probs,
-            dp_size=dp_size,
-            batch_num_tokens=batch_num_tokens,
-            global_batch_size=global_batch_size,
+            log_probs, old_log_probs, advantages, action_mask=action_mask, rollout_log_probs=rollout_log_probs, **sizes
         )
         self.last_prev_task_kl = None
         if prev_log_probs is None or self.continual_kl_coef == 0:
             return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
 
         def aggregate(per_token: torch.Tensor) -> torch.Tensor:
-            return aggregate_loss(
-                per_token,
-                action_mask,
-                token_level_loss=self.token_level_loss,
-                dp_size=dp_size,
-                batch_num_tokens=batch_num_tokens,
-                global_batch_size=global_batch_size,
-            )
+            return aggregate_loss(per_token, action_mask, token_level_loss=self.token_level_loss, **sizes)
 
         kl_tokens = per_token_kl(log_probs, prev_log_probs.detach(), self.continual_kl_estimator)
         kl = aggregate(kl_tokens)
+        term = kl
         if retention_weights is not None:
             term = aggregate(kl_tokens * retention_weights.to(kl_tokens.dtype).unsqueeze(-1))
-        else:
-            term = kl
         loss = loss + self.continual_kl_coef * term
         self.last_prev_task_kl = kl.detach()
         info = self._extra.get("info")
@@ -202,29 +156,20 @@ def load_previous_task_actor(strategy: Any, path: str) -> Actor:
     """The previous task's policy as a frozen OpenRLHF ``Actor``, loaded the way ``PolicyModelActor`` loads its EMA
     model (same attention / dtype / packing settings, DeepSpeed *eval* config) and at the rollout temperature, so its
     log-probabilities are comparable with the actor's."""
-    a = strategy.args
+    ds = strategy.args.ds
     model = Actor(
-        path,
-        attn_implementation=a.ds.attn_implementation,
-        experts_implementation=a.ds.experts_implementation,
-        param_dtype=a.ds.param_dtype,
-        load_in_4bit=a.ds.load_in_4bit,
-        ds_config=strategy.get_ds_eval_config(offload=False),
-        packing_samples=a.ds.packing_samples,
-        temperature=a.rollout.temperature,
-    )
+        path, attn_implementation=ds.attn_implementation, experts_implementation=ds.experts_implementation,
+        param_dtype=ds.param_dtype, load_in_4bit=ds.load_in_4bit, ds_config=strategy.get_ds_eval_config(offload=False),
+        packing_samples=ds.packing_samples, temperature=strategy.args.rollout.temperature,
+    )  # fmt: skip
     model.requires_grad_(False)
     return strategy.prepare(model)
 
 
 class ContinualActorPPOTrainer(ActorPPOTrainer):
-    """``ActorPPOTrainer`` with the KL to the previous task's policy (see the module docstring).
-
-    Extra keyword arguments (everything else is ``ActorPPOTrainer``'s):
-        prev_model: a frozen OpenRLHF ``Actor`` of the previous task's policy; default: loaded from
-            ``settings.continual_previous_model`` with :func:`load_previous_task_actor` (``None`` when that is unset).
-        settings: :class:`ContinualActorSettings`; default: read from ``strategy.args.ext.continual``.
-    """
+    """``ActorPPOTrainer`` with the KL to the previous task's policy (see the module docstring). ``prev_model``: a
+    frozen ``Actor`` (default: :func:`load_previous_task_actor` of ``settings.continual_previous_model``, if set);
+    ``settings``: :class:`ContinualActorSettings` (default: from ``strategy.args.ext``)."""
 
     def __init__(
         self,
@@ -235,11 +180,9 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(strategy, *args, **kwargs)
-        self.continual = settings if settings is not None else ContinualActorSettings.from_args(strategy.args)
+        c = self.continual = settings if settings is not None else ContinualActorSettings.from_args(strategy.args)
         self.actor_loss_fn = ContinualPolicyLoss.from_policy_loss(
-            self.actor_loss_fn,
-            continual_kl_coef=self.continual.continual_kl_coef,
-            continual_kl_estimator=self.continual.continual_kl_estimator,
+            self.actor_loss_fn, continual_kl_coef=c.continual_kl_coef, continual_kl_estimator=c.continual_kl_estimator
         )
         if prev_model is None and self.continual.continual_previous_model:
             prev_model = load_previous_task_actor(strategy, self.continual.continual_previous_model)
@@ -256,13 +199,8 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
         if getattr(experience, "mm_train_inputs", None) and getattr(self.prev_model, "is_vlm", False):
             mm_inputs = merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
         self.prev_model.eval()
-        return self.prev_model(
-            experience.sequences,
-            experience.action_mask,
-            attention_mask=experience.attention_mask,
-            ring_attn_group=self.strategy.ring_attn_group,
-            **mm_inputs,
-        )
+        return self.prev_model(experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
+                               ring_attn_group=self.strategy.ring_attn_group, **mm_inputs)  # fmt: skip
 
     @staticmethod
     def cppo_batch_stats(items) -> BatchStats:
@@ -279,15 +217,12 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info: dict | None = None):
         extra: dict[str, Any] = {}
-        if self.prev_model is not None and self.continual.continual_kl_coef > 0:
+        c = self.continual
+        if self.prev_model is not None and c.continual_kl_coef > 0:
             extra["prev_log_probs"] = self.previous_task_log_probs(experience)
-        if self.continual.continual_retention == "cppo":
-            weights = cppo_sample_weights(
-                experience.rewards.float().reshape(-1),
-                mean_log_prob(experience.action_log_probs, experience.action_mask),
-                self.continual.cppo,
-                stats=self.cppo_stats,
-            )
+        if c.continual_retention == "cppo":
+            logp = mean_log_prob(experience.action_log_probs, experience.action_mask)
+            weights = cppo_sample_weights(experience.rewards.float().reshape(-1), logp, c.cppo, stats=self.cppo_stats)
             extra["learning_weights"], extra["retention_weights"] = weights.alpha, weights.beta
         if self.prev_model is None:  # first task of a sequence: no previous policy, the term is 0 (logged as such)
             experience.info[PREV_TASK_KL_KEY] = torch.zeros(())
@@ -314,19 +249,10 @@ class _ContinualPolicyModelActorImpl(_ppo_actor.PolicyModelActor.__ray_actor_cla
             return super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
 
 
-def _ray_actor_class():
-    import ray
-
-    return ray.remote(num_gpus=1)(_ContinualPolicyModelActorImpl)
-
-
-ContinualPolicyModelActor = _ray_actor_class()
+ContinualPolicyModelActor = ray.remote(num_gpus=1)(_ContinualPolicyModelActorImpl)
 
 
 def use_continual_actor() -> None:
-    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor.
-
-    The CLI runs as ``__main__`` (``runpy``) and imports ``PolicyModelActor`` from ``openrlhf.trainer.ray.ppo_actor``
-    when it starts, so the class is replaced there (:mod:`rlhf_ext.openrlhf.train_ppo_ray` calls this when
-    ``--ext.continual_previous_model`` is given)."""
+    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor (by
+    replacing ``PolicyModelActor`` in ``openrlhf.trainer.ray.ppo_actor``, where the CLI imports it from)."""
     _ppo_actor.PolicyModelActor = ContinualPolicyModelActor

@@ -2,18 +2,15 @@
 cluster can hold it, and what each GPU will carry — computed from the arguments *after* OpenRLHF's own fix-ups, before
 Ray places anything or any model loads.
 
-:func:`placement_groups` follows ``openrlhf/cli/train_ppo_ray.py::train`` step by step: the shared placement group
-of ``--train.colocate_all`` / ``--train.colocate_actor_ref`` (``actor.num_nodes * num_gpus_per_node`` bundles of one
-GPU), the vLLM engines (inside that group only when ``colocate_all and not async_enable``, otherwise a group of
-``num_engines * tensor_parallel_size`` bundles of their own), then the actor, reference, critic and reward-model
-groups (their own PACK group when ``num_gpus_per_node > 1``, loose one-GPU actors otherwise). :func:`simulate` places
-the groups on the cluster's nodes in that order, as Ray's PACK strategy would; a group that does not fit is a run
-that waits forever in ``ray.get(pg.ready())``. :func:`plan_run` adds the per-GPU memory of every role
-(:mod:`rlhf_ext.runtime.resources`) and the fixes.
+:func:`placement_groups` follows ``openrlhf/cli/train_ppo_ray.py::train`` step by step: the shared group of
+``--train.colocate_all`` / ``--train.colocate_actor_ref`` (one-GPU bundles for the actor's GPUs), the vLLM engines
+(in that group only when ``colocate_all and not async_enable``), then the actor, reference, critic and reward-model
+groups (a PACK group when ``num_gpus_per_node > 1``, else loose one-GPU actors). :func:`simulate` places them in that
+order as Ray's PACK strategy would; a group that does not fit waits forever in ``ray.get(pg.ready())``.
+:func:`plan_run` adds the per-GPU memory of every role (:mod:`rlhf_ext.runtime.resources`) and the fixes.
 
-:func:`detect_cluster` reads the cluster a run will get: the Ray cluster it connects to (``RAY_ADDRESS``, as under
-``ray job submit``, or a running ``ray start`` cluster), its nodes' GPUs and — through NVML on a GPU node — their
-memory; without a cluster, this machine's GPUs (or none).
+:func:`detect_cluster` reads the cluster a run will get: the Ray cluster it connects to (``RAY_ADDRESS`` or a running
+``ray start`` cluster), its nodes' GPUs and, through NVML on a GPU node, their memory; else this machine's GPUs.
 """
 
 from __future__ import annotations
@@ -143,15 +140,6 @@ def simulate(groups: list[Group], cluster: Cluster) -> str | None:
     return None
 
 
-def _async_split_fix(args: Any, cluster: Cluster) -> str:
-    half = max(cluster.gpus_per_node // 2, 1)
-    return (
-        f"give vLLM GPUs of its own, e.g. --vllm.num_engines {half * cluster.num_nodes} with "
-        f"--actor/--ref/--critic/--reward.num_gpus_per_node {half} (rlhf-ext's recipes do this), or drop "
-        "--train.async_enable"
-    )
-
-
 # ---------------------------------------------------------------------------------------------------------- memory
 def _tokens(args: Any, train: bool) -> int:
     """Tokens in one micro batch on one GPU (split by ring attention)."""
@@ -214,11 +202,9 @@ def role_memory(role: str, args: Any, size: ModelSize | None, cluster: Cluster) 
 
 
 def _gpu_groups(groups: list[Group], roles: dict[str, RoleMemory], args: Any) -> list[GPUGroup]:
-    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes.
-
-    A GPU shared with a vLLM engine has two phases: generation (vLLM's share, plus the DeepSpeed models unless
-    ``--ds.enable_sleep`` offloads them) and training (the DeepSpeed models plus one role's activations at a time,
-    plus vLLM's share unless ``--vllm.enable_sleep`` frees it)."""
+    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes. A GPU shared
+    with vLLM has two phases: generation (vLLM's share + the DeepSpeed models unless ``--ds.enable_sleep``) and
+    training (the DeepSpeed models + one role's activations + vLLM's share unless ``--vllm.enable_sleep``)."""
     kinds: dict[tuple[str, ...], int] = {}
     for g in groups:
         for bundle in range(g.bundles):
@@ -250,8 +236,7 @@ def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title
     hf = getattr(getattr(args, "ext", None), "rollout_engine", "vllm") == "hf"
     engines = args.vllm.num_engines or 0
     if cluster.total_gpus == 0:  # a CPU run starts its own Ray with exactly the logical GPUs the run asks for
-        cluster = Cluster((need,), None, "CPU only: Ray started with logical GPUs", logical=True)
-        plan.cluster = cluster
+        plan.cluster = cluster = Cluster((need,), None, "CPU only: Ray started with logical GPUs", logical=True)
     if hf:  # the HF engines take the placement vLLM's would (rlhf_ext.openrlhf.rollout), computing on the CPU
         for g in groups:
             g.members = {("hf-gen" if r == "vllm" else r): n for r, n in g.members.items()}
@@ -277,13 +262,16 @@ def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title
         gpus = cluster.gpus[node]
         plan.lines.append(f"  node {node} ({gpus} GPU{'s' if gpus != 1 else ''}): {', '.join(on_node) or '-'}")
     if unplaced:
-        cause = (
-            f"with --train.async_enable, --train.colocate_all colocates only the DeepSpeed models (OpenRLHF 0.11.2): "
-            f"the {engines} vLLM engines get {engines * args.vllm.tensor_parallel_size} GPUs of their own; "
-            + _async_split_fix(args, cluster)
-            if args.train.colocate_all and args.train.async_enable and engines
-            else "colocate the models (--train.colocate_all) or lower --*.num_gpus_per_node / --vllm.num_engines"
-        )
+        cause = "colocate the models (--train.colocate_all) or lower --*.num_gpus_per_node / --vllm.num_engines"
+        if args.train.colocate_all and args.train.async_enable and engines:
+            half = max(cluster.gpus_per_node // 2, 1)
+            cause = (
+                f"with --train.async_enable, --train.colocate_all colocates only the DeepSpeed models (OpenRLHF "
+                f"0.11.2): the {engines} vLLM engines get {engines * args.vllm.tensor_parallel_size} GPUs of their "
+                f"own; give vLLM GPUs of its own, e.g. --vllm.num_engines {half * cluster.num_nodes} with "
+                f"--actor/--ref/--critic/--reward.num_gpus_per_node {half} (rlhf-ext's recipes do this), or drop "
+                "--train.async_enable"
+            )
         plan.problems.insert(
             0,
             f"OpenRLHF would wait forever for {unplaced}: the run asks for {need} GPUs ({asks}) and the cluster has "
@@ -292,13 +280,9 @@ def plan_run(args: Any, cluster: Cluster, lookup: SizeLookup = model_size, title
 
     lookup = functools.cache(lookup)  # the reference is the actor's model, the critic usually the reward model's
     policy = size_or_fallback(lookup, args.actor.model_name_or_path, None)
-    sizes = {
-        "actor": policy,
-        "ref": policy,
-        "vllm": policy,
-        "reward": size_or_fallback(lookup, args.reward.model_name_or_path, policy),
-        "critic": size_or_fallback(lookup, args.critic.model_name_or_path, policy),
-    }
+    sizes = dict.fromkeys(("actor", "ref", "vllm"), policy)
+    for r in ("reward", "critic"):
+        sizes[r] = size_or_fallback(lookup, getattr(args, r).model_name_or_path, policy)
     members = [r for r in ("actor", "ref", "critic", "reward", "vllm") if any(r in g.members for g in groups)]
     roles = {r: role_memory(r, args, sizes[r], cluster) for r in members if not (r == "vllm" and hf)}
     for r in roles.values():

@@ -1,23 +1,19 @@
 """A CPU rollout engine for OpenRLHF 0.11.2's Ray PPO loop: Hugging Face ``generate`` in place of vLLM.
 
-OpenRLHF 0.11.2 generates rollouts only with vLLM engines (``RolloutRayActor``). :class:`HFRolloutEngine` is a Ray
-actor with the part of that actor's interface the PPO trainer and ``SamplesGenerator`` call:
+:class:`HFRolloutEngine` is a Ray actor with the part of the vLLM ``RolloutRayActor`` interface OpenRLHF calls:
 
-* ``generate_responses`` — inherited unchanged from ``RolloutRayActor``: OpenRLHF's own ``SingleTurnAgentExecutor``
-  (or the user's ``--train.agent_func_path`` executor) tokenizes, truncates, calls :meth:`HFRolloutEngine.generate`,
-  and fetches remote rewards exactly as it does with vLLM;
-* ``generate`` — queues the request; the requests that arrive together (all samples of all prompts of a dispatch)
-  are generated as one left-padded ``model.generate`` batch. Sampling is Gumbel-max on the temperature/top-k/top-p
-  processed logits with noise that is a pure function of (engine seed, weights version, prompt, sample number, step,
-  token), so a rollout does not depend on how requests were batched: two runs with the same seeds sample the same
-  responses;
-* ``load_weights`` — the policy's parameters after each PPO step, sent through the Ray object store by
-  :func:`broadcast_to_hf_engines` (gathered under ZeRO-3) instead of vLLM's NCCL group;
+* ``generate_responses`` — ``RolloutRayActor``'s (OpenRLHF's executor, or ``--train.agent_func_path``'s, tokenizes,
+  calls :meth:`HFRolloutEngine.generate` and fetches remote rewards as with vLLM);
+* ``generate`` — the requests that arrive together are generated as one left-padded ``model.generate`` batch, by
+  Gumbel-max on the temperature/top-k/top-p processed logits with noise that is a pure function of (engine seed,
+  weights version, prompt, sample number, step, token): rollouts do not depend on batching, and repeat with the seeds;
+* ``load_weights`` — the policy's parameters after each PPO step, through the Ray object store
+  (:func:`broadcast_to_hf_engines`, gathered under ZeRO-3) instead of vLLM's NCCL group;
 * ``get_num_unfinished_requests``, ``sleep`` / ``wake_up`` / ``reset_prefix_cache`` / ``pause_generation`` /
-  ``resume_generation`` — bookkeeping and no-ops (there is no KV-cache pool to free).
+  ``resume_generation`` — bookkeeping and no-ops (no KV-cache pool).
 
-It is chosen with ``--ext.rollout_engine hf`` (and by ``auto`` when CUDA is absent); see
-:mod:`rlhf_ext.openrlhf.train_ppo_ray`. It is for CPU runs and tests: on GPUs vLLM is much faster.
+Chosen with ``--ext.rollout_engine hf`` (or ``auto`` without CUDA, :mod:`rlhf_ext.openrlhf.train_ppo_ray`); for CPU
+runs and tests: on GPUs vLLM is much faster.
 """
 
 from __future__ import annotations
@@ -50,13 +46,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` standard Gumbel noise, a pure function of ``(row_seeds[b], step, token)``.
-
-    Args:
-        row_seeds: ``[B]`` int64 seeds in ``[0, 2**32)``, one per request.
-        step: index of the token being generated.
-        vocab_size: ``V``.
-    """
+    """``[B, V]`` standard Gumbel noise, a pure function of ``(row_seeds[b], step, token)``: ``row_seeds`` ``[B]``
+    int64 in ``[0, 2**32)`` (one per request), ``step`` the index of the token being generated, ``vocab_size`` ``V``."""
     row = _hash32(row_seeds * 0x9E3779B1 + step)  # [B]
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=row_seeds.device)
     bits = _hash32(row[:, None] + tokens[None, :] * 0x85EBCA77)  # [B, V]
@@ -87,10 +78,8 @@ class _GumbelSampler:
     batch-independent noise, and records the processed log-probabilities for the rollout log-probs."""
 
     def __init__(self, row_seeds: torch.Tensor, prompt_width: int, params: SamplingParams, keep_logprobs: bool):
-        self.row_seeds = row_seeds
-        self.prompt_width = prompt_width
-        self.params = params
-        self.keep_logprobs = keep_logprobs
+        self.row_seeds, self.prompt_width = row_seeds, prompt_width
+        self.params, self.keep_logprobs = params, keep_logprobs
         self.logprobs: list[torch.Tensor] = []  # [B] per generated token: log-prob of the sampled token
         self._last: torch.Tensor | None = None  # [B, V] processed log-probs of the step whose token is not known yet
 
@@ -141,14 +130,8 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
     """See the module docstring. Constructed by :func:`create_hf_rollout_engines` with ``create_vllm_engines``'
     arguments."""
 
-    def __init__(
-        self,
-        model: str,
-        seed: int = 0,
-        agent_func_path: str | None = None,
-        remote_rm_url: str | list[str] | None = None,
-        **_vllm_only: Any,
-    ) -> None:
+    def __init__(self, model: str, seed: int = 0, agent_func_path: str | None = None,
+                 remote_rm_url: str | list[str] | None = None, **_vllm_only: Any) -> None:  # fmt: skip
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_ext.openrlhf.compat import patch_for_cpu
@@ -229,29 +212,18 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
         sampler = _GumbelSampler(torch.tensor(seeds, dtype=torch.int64), width, params, params.logprobs is not None)
         max_new = int(params.max_tokens) if params.max_tokens is not None else 16
         sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,
-            max_new_tokens=max_new,
-            min_new_tokens=params.min_tokens or None,
-            logits_processor=[sampler],
-            eos_token_id=eos,
-            pad_token_id=pad,
-            num_beams=1,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new,
+            min_new_tokens=params.min_tokens or None, logits_processor=[sampler], eos_token_id=eos, pad_token_id=pad,
+            num_beams=1, temperature=None, top_p=None, top_k=None,
+        )  # fmt: skip
         new = sequences[:, width:]
         is_eos = new == eos
         has_eos = is_eos.any(dim=1)
         lengths = torch.where(
             has_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(has_eos, new.shape[1], dtype=torch.long)
         )
-        logprobs = None
         sampler.finish(new[:, -1])
-        if sampler.logprobs:
-            logprobs = torch.stack(sampler.logprobs, dim=1)  # [B, new]
+        logprobs = torch.stack(sampler.logprobs, dim=1) if sampler.logprobs else None  # [B, new]
         outputs = []
         for i, prompt in enumerate(prompts):
             ids = new[i, : lengths[i]].tolist()
@@ -259,9 +231,8 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
             if logprobs is not None:
                 lp = [{t: _Logprob(float(v))} for t, v in zip(ids, logprobs[i, : lengths[i]].tolist())]
             text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
-            outputs.append(
-                _RequestOutput(prompt, [_CompletionOutput(ids, text, "stop" if has_eos[i] else "length", lp)])
-            )
+            finish = "stop" if has_eos[i] else "length"
+            outputs.append(_RequestOutput(prompt, [_CompletionOutput(ids, text, finish, lp)]))
         return outputs
 
     async def generate_responses(self, *args: Any, **kwargs: Any) -> list[dict]:
@@ -313,26 +284,15 @@ HFRolloutEngine = ray.remote(_HFRolloutEngine)
 
 
 def create_hf_rollout_engines(
-    num_engines: int,
-    tensor_parallel_size: int,
-    pretrain: str,
-    seed: int,
-    full_determinism: bool = False,
-    enable_prefix_caching: bool = False,
-    enforce_eager: bool = False,
-    max_model_len: int | None = None,
-    shared_pg: Any = None,
-    *args: Any,
-    agent_func_path: str | None = None,
-    remote_rm_url: str | list[str] | None = None,
-    max_images_per_prompt: int = 0,
-    **kwargs: Any,
-) -> list:
-    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines, engine
-    ``i`` seeded ``seed + i`` as vLLM's are, placed exactly as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 of its
-    GPU (the hybrid engine of ``--train.colocate_all`` without async), otherwise on bundle ``i`` of a PACK group of
-    ``num_engines`` one-GPU bundles of their own. The GPUs are Ray bookkeeping (the engines generate on the CPU), so
-    a run asks a cluster for what the same run with vLLM would."""
+    num_engines: int, tensor_parallel_size: int, pretrain: str, seed: int, full_determinism: bool = False,
+    enable_prefix_caching: bool = False, enforce_eager: bool = False, max_model_len: int | None = None,
+    shared_pg: Any = None, *args: Any, agent_func_path: str | None = None, remote_rm_url: str | list[str] | None = None,
+    max_images_per_prompt: int = 0, **kwargs: Any,
+) -> list:  # fmt: skip
+    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines seeded
+    ``seed + i`` and placed as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 GPU (``--train.colocate_all``
+    without async), else of a PACK group of one-GPU bundles of their own. The GPUs are Ray bookkeeping only (the
+    engines generate on the CPU), so a run asks a cluster for what the same run with vLLM would."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -1,26 +1,19 @@
 """Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3).
 
-Three subclasses, installed on OpenRLHF's modules by :func:`install_in_process` (in the driver and in every Ray
-worker: :mod:`rlhf_ext.openrlhf.train_ppo_ray`, the runnable module, does both):
+Three subclasses, installed by :func:`install_in_process` in the driver and every Ray worker (as
+:mod:`rlhf_ext.openrlhf.train_ppo_ray` does):
 
-* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)``: both come from one pass
-  over the logits OpenRLHF's reference forward already computes for the KL term (no forward pass, no second
-  log-softmax is added).
-* ``SegmentRewardModelActor`` — the reward-model actor returns the score at *every* position ``[B, T]`` (read from the
-  value head during the normal forward) instead of the last one.
-* ``SegmentExperienceMaker`` — after OpenRLHF's ``make_experience`` it turns scores and entropies into dense rewards
-  with :func:`rlhf_ext.segment.dense_segment_rewards` (the function the TRL trainer calls) and hands them to
-  OpenRLHF's own ``compute_reward`` where the scalar reward would be placed (clipped to ``--reward.clip_range`` per
-  token, as OpenRLHF clips the scalar). OpenRLHF's GAE/returns, advantage whitening and async mode run unchanged.
+* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)`` from one pass over the
+  logits its forward computes for the KL term anyway.
+* ``SegmentRewardModelActor`` — the reward-model actor returns the score at *every* position ``[B, T]``.
+* ``SegmentExperienceMaker`` — turns scores and entropies into dense rewards with
+  :func:`rlhf_ext.segment.dense_segment_rewards` (as the TRL trainer does), placed by OpenRLHF's ``compute_reward``
+  where the scalar would be (clipped to ``--reward.clip_range`` per token). GAE, whitening and async run unchanged.
 
-``--ext.granularity bandit`` runs the same subclasses but hands OpenRLHF the reward model's score at the last token
-as the scalar reward, which is exactly stock OpenRLHF (tested end to end through the Ray loop).
-
-Dense reward sources (:mod:`rlhf_ext.runtime.spans`): with ``--ext.reward_source SPEC`` (a user's callable, rules, a
-process reward model, a segment reward model with its own tokenizer) or ``--reward.remote_url`` at ``rlhf-ext serve
-rm`` with a dense granularity, no reward-model actor runs and the rollout engines fetch nothing: the experience maker
-decodes each batch's responses, asks the source for spans and maps them onto the policy's tokens with
-:func:`rlhf_ext.runtime.spans.dense_rewards`, the function the TRL trainer calls.
+``--ext.granularity bandit`` hands OpenRLHF the score at the last token: exactly stock OpenRLHF (tested end to end).
+With ``--ext.reward_source SPEC`` or ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a dense granularity no
+reward-model actor runs: the experience maker decodes each batch, asks the source for spans and maps them onto the
+policy's tokens with :func:`rlhf_ext.runtime.spans.dense_rewards`, as the TRL trainer does.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import logging
 import math
 from typing import Any
 
-import ray  # noqa: E402
+import ray
 import torch
 
 from rlhf_ext.algos.knobs import check_knob
@@ -62,10 +55,8 @@ WEIGHTS_VERSION = "weights_version"  # reported per response by the HF rollout e
 
 
 def validate_segment_ext(ext: dict[str, Any]) -> dict[str, Any]:
-    """Check the segment ``--ext.*`` values (already parsed against their knobs' ranges by the command line; checked
-    again here for values set in Python) and load ``--ext.normalizer``, so that a missing, malformed or poisoned
-    normalizer file is refused in the driver before Ray starts (:func:`~rlhf_ext.runtime.calibration.load_normalizer`
-    validates every field)."""
+    """Check the segment ``--ext.*`` values (again, for values set in Python) and load ``--ext.normalizer``, so that a
+    missing, malformed or poisoned normalizer file is refused in the driver before Ray starts."""
     ext = dict(ext)
     try:
         DenseRewardKnobs(
@@ -96,12 +87,10 @@ def _device() -> torch.device:
 def padded(packed: torch.Tensor, attention_mask: torch.Tensor, ring_attn_group: Any = None) -> torch.Tensor:
     """``[1, N]`` per-token values of a packed forward -> ``[B, T]`` rows (zeros at the padding).
 
-    With ``--ds.packing_samples`` OpenRLHF's models run on the real tokens of all ``B`` rows concatenated (``N =
-    attention_mask.sum()``; ``[1, ceil(N / r)]`` per rank with ring attention of size ``r``) and pad only their own
-    return values back; a forward hook or the raw logits see the packed layout. This is OpenRLHF's own
-    ``gather_and_pad_tensor`` with the ``indices`` and ring padding its ``unpad_and_slice_tensor`` used, so every row
-    gets exactly its own sub-sequence's values: segments, which are formed per row afterwards, never cross samples.
-    """
+    ``--ds.packing_samples`` runs models on the real tokens of all rows concatenated (``N = attention_mask.sum()``;
+    ``[1, ceil(N / r)]`` per rank with ring attention of size ``r``), as a forward hook or the raw logits see them.
+    OpenRLHF's ``gather_and_pad_tensor`` with the indices and ring padding of its ``unpad_and_slice_tensor`` gives
+    each row exactly its own values, so segments never cross samples."""
     from openrlhf.models.ring_attn_utils import gather_and_pad_tensor
 
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
@@ -118,23 +107,16 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
     """Reference actor that also returns the entropy of the distribution each action token was sampled from."""
 
     def forward(
-        self,
-        sequences: torch.LongTensor,
-        action_mask: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        return_output=False,
-        packed_seq_lens: list[int] | None = None,
+        self, sequences: torch.LongTensor, action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, return_output=False, packed_seq_lens: list[int] | None = None,
         mm_train_inputs_list=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
 
-        Action ``j`` is the sequence token at position ``T - A + j``; its log-prob and entropy are those of the logits
-        at the position before it. OpenRLHF's ``Actor`` is asked for its (fp32, temperature-scaled) logits only, and
-        both come from one :func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy` pass that shares the
-        log-softmax (OpenRLHF's own forward would take ``log_probs_from_logits`` and then a second log-softmax for
-        the entropy): over those ``A`` positions only, or, with ``--ds.packing_samples``, over the packed real tokens
-        (as OpenRLHF's own log-probs), which :func:`padded` puts back in their rows.
-        """
+        Action ``j`` is token ``T - A + j``, scored by the logits before it. Both come from the ``Actor``'s (fp32,
+        temperature-scaled) logits in one :func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy` pass sharing
+        the log-softmax, over the ``A`` positions only or, with ``--ds.packing_samples``, over the packed real tokens
+        (put back in their rows by :func:`padded`)."""
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("segment rewards are not supported for vision-language inputs")
         device = _device()
@@ -169,13 +151,8 @@ class _SegmentRewardActor(RewardModelActor.__ray_actor_class__):
         device = _device()
         attention_mask = attention_mask.to(device)
         with torch.no_grad():
-            self.model(
-                sequences.to(device),
-                attention_mask,
-                ring_attn_group=self.strategy.ring_attn_group,
-                pad_sequence=True,
-                packed_seq_lens=packed_seq_lens,
-            )
+            self.model(sequences.to(device), attention_mask, ring_attn_group=self.strategy.ring_attn_group,
+                       pad_sequence=True, packed_seq_lens=packed_seq_lens)  # fmt: skip
             scores = self._capture.pop().float()
             if self.strategy.args.ds.packing_samples:
                 scores = padded(scores, attention_mask, self.strategy.ring_attn_group)
@@ -193,10 +170,9 @@ _stock_compute_reward = getattr(openrlhf_model_utils.compute_reward, "__wrapped_
 def dense_aware_compute_reward(r, kl_coef, kl, action_mask=None, reward_clip_range=None):
     """OpenRLHF's ``compute_reward`` plus the dense segment rewards attached to ``kl`` (if any).
 
-    Stock placement: the scalar ``r`` on the last action token and ``-kl_coef * kl`` everywhere. The segment
-    experience maker sets ``r = 0`` and attaches the ``[B, A]`` dense rewards to the experience's ``kl`` tensor, so
-    the result is ``clip(dense) - kl_coef * kl``, ``clip`` being ``--reward.clip_range`` per token.
-    """
+    Stock: the scalar ``r`` on the last action token and ``-kl_coef * kl`` everywhere. The segment experience maker
+    sets ``r = 0`` and attaches ``[B, A]`` dense rewards to ``kl``: ``clip(dense) - kl_coef * kl``, ``clip`` being
+    ``--reward.clip_range`` per token."""
     reward = _stock_compute_reward(r, kl_coef, kl, action_mask=action_mask, reward_clip_range=reward_clip_range)
     dense = getattr(kl, DENSE_ATTR, None)
     if dense is None:
@@ -225,11 +201,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         self.entropy_cutoff, self.aggregation, self.tau = resolve_segment_settings(
             reward_path and str(reward_path), ext["entropy_cutoff"], ext["aggregation"], ext["tau"]
         )
-        self.normalizer = (
-            load_normalizer(ext["normalizer"], reward_model=ext["reward_model_id"])
-            if ext["normalizer"]
-            else LocationNormalizer()
-        )
+        path = ext["normalizer"]
+        self.normalizer = load_normalizer(path, reward_model=ext["reward_model_id"]) if path else LocationNormalizer()
         self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, ext["granularity"])
         if self.dense and self.advantage_estimator not in ESTIMATORS:
             raise ValueError(
@@ -250,9 +223,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     @torch.no_grad()
     def make_experience_batch(self, rollout_samples):
         """OpenRLHF's, plus ``info["staleness"]`` per sample when the rollout engine reports weights versions (the HF
-        engine does): policy updates made before this batch minus the version the sample was generated with — 0
-        on-policy, up to 1 with one-step async (paper 001). Counted from the first batch's version, so a resumed run
-        (whose engines got the checkpoint's weights first) starts at 0 too."""
+        engine does): policy updates before this batch minus the sample's version (0 on-policy, up to 1 with one-step
+        async, paper 001), counted from the first batch's version so that a resumed run starts at 0 too."""
         versions = [s.info[WEIGHTS_VERSION].float() for s in rollout_samples if WEIGHTS_VERSION in s.info]
         if len(versions) == len(rollout_samples) and versions:
             if self._first_version is None:
@@ -284,10 +256,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             exp.info["segments_per_response"] = batch.segments_per_response.float()
 
     def source_rewards(self, samples):
-        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server):
-        its responses decoded, the source asked, its spans mapped onto the action tokens
-        (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards`` becomes the zero placeholder, so
-        OpenRLHF calls no reward model."""
+        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server),
+        its spans mapped onto the action tokens (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards``
+        becomes the zero placeholder, so OpenRLHF calls no reward model."""
         from rlhf_ext.runtime.spans import completion_offsets, dense_rewards, parse_outputs
 
         mask = samples.action_mask.bool()
@@ -333,11 +304,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     def attach_dense_rewards(self, experiences, entropies: list[torch.Tensor] | None) -> None:
         """Replace each experience's ``[B, T]`` reward-model scores by dense rewards attached to its ``kl``.
 
-        ``experience.rewards`` becomes 0 (nothing is placed on the last token) and ``info["reward"]`` the summed
-        dense reward per sample, so OpenRLHF's logging keeps one scalar per sample. With ``bandit`` granularity
-        ``experience.rewards`` becomes the score at the last response token: OpenRLHF's own scalar reward. Rewards
-        given per sample (``--reward.remote_url``, an agent: ``[B]`` or OpenRLHF's stacked ``[B, 1]``) are kept.
-        """
+        ``experience.rewards`` becomes 0 and ``info["reward"]`` the summed dense reward per sample. With ``bandit``
+        granularity ``experience.rewards`` becomes the score at the last response token (OpenRLHF's scalar reward);
+        rewards given per sample (``--reward.remote_url``, an agent: ``[B]`` or stacked ``[B, 1]``) are kept."""
         if not self.dense:  # the score at the last token (normalized at p = 1 if a normalizer is given)
             for exp in experiences:
                 scores = exp.rewards
@@ -366,17 +335,11 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             action_mask = exp.action_mask.bool()
             a = action_mask.shape[1]
             dense = dense_segment_rewards(
-                scores[:, -a:],
-                action_mask,
-                entropies[i] if needs_entropy else None,
-                normalizer=self.normalizer,
-                granularity=self.ext["granularity"],
-                interpolation=self.ext["interpolation"],
-                entropy_cutoff=self.entropy_cutoff,
-                aggregation=self.aggregation,
-                tau=self.tau,
+                scores[:, -a:], action_mask, entropies[i] if needs_entropy else None, normalizer=self.normalizer,
+                granularity=self.ext["granularity"], interpolation=self.ext["interpolation"],
+                entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation, tau=self.tau,
                 chunk_size=self.ext["chunk_size"],
-            )
+            )  # fmt: skip
             setattr(exp.kl, DENSE_ATTR, dense.rewards)
             exp.rewards = torch.zeros(scores.shape[0], dtype=torch.float32)
             exp.info["reward"] = dense.sequence_reward

@@ -1,21 +1,18 @@
 """Segment-level reward model training on OpenRLHF 0.11.2 (paper 003, section 2.2), through its own ``train_rm``.
 
-OpenRLHF's CLI builds ``RewardDataset`` and ``RewardModelTrainer`` by name. :func:`install` swaps in the two
-subclasses below on their source modules, and :func:`run_train_rm` runs the *unmodified* ``openrlhf.cli.train_rm``
-with ``runpy`` after stripping our ``--ext.*`` flags from the command line and attaching them to OpenRLHF's parsed
-arguments as ``args.ext`` (by wrapping its config hierarchiser). Nothing of OpenRLHF's CLI is copied::
+OpenRLHF's CLI builds ``RewardDataset`` and ``RewardModelTrainer`` by name: :func:`install` swaps in the subclasses
+below on their source modules, and :func:`run_train_rm` runs the *unmodified* ``openrlhf.cli.train_rm`` with our
+``--ext.*`` flags stripped from the command line and attached to its parsed arguments as ``args.ext``::
 
     deepspeed --module rlhf_ext.openrlhf.train_rm \\
         --model.model_name_or_path SFT --data.dataset prefs.jsonl --data.prompt_key prompt ... \\
         --ext.entropy_cutoff 2.0 --ext.aggregation softmax --ext.tau 0.5
 
-How segment information reaches the loss. OpenRLHF's ``fit`` loop unpacks ``(chosen_ids, chosen_mask, rejected_ids,
-rejected_mask, extra)`` and hands ids and masks to ``concatenated_forward``; ``extra`` never gets there. The dataset's
-collator therefore returns a *role mask* in place of the attention mask (:func:`encode_role_mask`): 0 for padding,
--1 for prompt tokens and ``1 + entropy`` for response tokens (float64, so the entropy round-trips exactly).
-:class:`SegmentRewardModelTrainer` decodes it, gives the model a plain 0/1 attention mask, and computes the sequence
-evaluation e_phi with :func:`rlhf_ext.segment.evaluate_sequences` — the same function the TRL trainer calls — which
-OpenRLHF's own ``PairWiseLoss`` then turns into the BT loss of paper 003 Eq. 3.
+OpenRLHF's ``fit`` loop hands only ids and masks to ``concatenated_forward``, so the collator returns a *role mask* in
+place of the attention mask (:func:`encode_role_mask`: 0 padding, -1 prompt, ``1 + entropy`` response, float64 so the
+entropy round-trips exactly). :class:`SegmentRewardModelTrainer` decodes it and computes the sequence evaluation e_phi
+with :func:`rlhf_ext.segment.evaluate_sequences` (as the TRL trainer does), which OpenRLHF's ``PairWiseLoss`` turns
+into the BT loss of paper 003 Eq. 3.
 """
 
 from __future__ import annotations
@@ -96,21 +93,15 @@ def decode_role_mask(roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 # ------------------------------------------------------------------------------------------------ the dataset
 class SegmentRewardDataset(RewardDataset):
-    """OpenRLHF ``RewardDataset`` over segment-prepared rows (token ids, prompt length, SFT entropies).
-
-    Accepts either an already prepared dataset (what ``rlhf-ext train segment-rm --engine openrlhf`` passes) or raw
-    preference rows, which it prepares with the SFT model from ``--ext.sft_model`` (default: the RM's init model),
-    cached in ``--ext.cache_dir`` so that ranks share one computation.
-    """
+    """OpenRLHF ``RewardDataset`` over segment-prepared rows (token ids, prompt length, SFT entropies): a prepared
+    dataset (as ``rlhf-ext train segment-rm --engine openrlhf`` passes), or raw preference rows prepared with the SFT
+    model of ``--ext.sft_model`` (default: the RM's init model), cached in ``--ext.cache_dir`` for all ranks."""
 
     def __init__(self, dataset, tokenizer, max_length: int, strategy, input_template=None, is_dpo=False, **kwargs):
         if is_dpo:
             raise ValueError("SegmentRewardDataset is for reward-model training, not DPO")
-        self.tokenizer = tokenizer
-        self.strategy = strategy
-        self.max_length = max_length
-        args = strategy.args
-        ext = args.ext
+        self.tokenizer, self.strategy, self.max_length = tokenizer, strategy, max_length
+        args, ext = strategy.args, strategy.args.ext
         if args.ds.packing_samples:
             raise ValueError("segment reward training does not support --ds.packing_samples; drop the flag")
         if not all(c in dataset.column_names for c in TOKENIZED_COLUMNS + ENTROPY_COLUMNS):
@@ -118,17 +109,11 @@ class SegmentRewardDataset(RewardDataset):
             if input_template and prompt_key:
                 dataset = dataset.map(lambda row: {prompt_key: input_template.format(row[prompt_key])})
             dataset = prepare_segment_dataset(
-                dataset,
-                tokenizer,
-                sft_model_name_or_path=ext.sft_model or args.model.model_name_or_path,
-                max_length=max_length,
-                max_prompt_length=ext.max_prompt_length,
-                prompt_key=prompt_key,
-                chosen_key=args.data.chosen_key,
-                rejected_key=args.data.rejected_key,
-                entropy_batch_size=ext.entropy_batch_size,
-                cache_dir=ext.cache_dir,
-            )
+                dataset, tokenizer, sft_model_name_or_path=ext.sft_model or args.model.model_name_or_path,
+                max_length=max_length, max_prompt_length=ext.max_prompt_length, prompt_key=prompt_key,
+                chosen_key=args.data.chosen_key, rejected_key=args.data.rejected_key,
+                entropy_batch_size=ext.entropy_batch_size, cache_dir=ext.cache_dir,
+            )  # fmt: skip
         too_long = [i for i, n in enumerate(dataset["chosen_ids"]) if len(n) > max_length]
         if too_long:
             raise ValueError(
@@ -162,9 +147,7 @@ class SegmentRewardModelTrainer(RewardModelTrainer):
     def __init__(self, model, strategy, *args, **kwargs):
         super().__init__(model, strategy, *args, **kwargs)
         ext = strategy.args.ext
-        self.entropy_cutoff = ext.entropy_cutoff
-        self.aggregation = ext.aggregation
-        self.tau = ext.tau
+        self.entropy_cutoff, self.aggregation, self.tau = ext.entropy_cutoff, ext.aggregation, ext.tau
         self._capture = TokenScoreCapture(model)
         self._segment_stats = torch.zeros(3, dtype=torch.float64)  # responses, segments, response tokens
 
@@ -227,12 +210,6 @@ def run_train_rm(argv: Sequence[str]) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         from rlhf_ext.runtime.segment_data import save_segment_settings
 
-        save_segment_settings(
-            flag_value(rest, "--ckpt.output_dir", "./ckpt"),
-            {
-                "entropy_cutoff": ext["entropy_cutoff"],
-                "aggregation": ext["aggregation"],
-                "tau": ext["tau"],
-                "sft_model_name_or_path": ext["sft_model"] or flag_value(rest, "--model.model_name_or_path", None),
-            },
-        )
+        settings = {k: ext[k] for k in ("entropy_cutoff", "aggregation", "tau")}
+        settings["sft_model_name_or_path"] = ext["sft_model"] or flag_value(rest, "--model.model_name_or_path", None)
+        save_segment_settings(flag_value(rest, "--ckpt.output_dir", "./ckpt"), settings)

@@ -15,34 +15,25 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
 * segment rewards — ``granularity`` (``segment`` | ``chunk`` | ``token`` | ``bandit`` | ``bandit_as_segment`` |
   ``segment_as_bandit``; unset: ``chunk`` on a reward model, ``segment`` on span rewards), ``interpolation``,
   ``entropy_cutoff`` / ``aggregation`` / ``tau`` (default: the reward model's ``segment_config.json``),
-  ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file), ``reward_model_id``. ``bandit`` runs
-  the same subclasses with the scalar reward at the last token: identical to stock OpenRLHF (tested), which makes it
-  the control arm of paper 003's Table 1.
+  ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file), ``reward_model_id``. ``bandit`` is
+  stock OpenRLHF (tested): the control arm of paper 003's Table 1.
 * continual RLHF — ``continual_previous_model``, ``continual_kl_coef``, ``continual_kl_estimator``,
-  ``continual_retention`` (:class:`~rlhf_ext.openrlhf.continual_actor.ContinualActorSettings`); the policy actor
-  becomes :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` when any ``continual_*`` flag is
-  given (the first task of a sequence has no ``previous_model``: its KL term is 0 and logged as ``prev_task_kl``).
-* ``rollout_engine`` — ``vllm`` (OpenRLHF's), ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when
-  the *cluster* has GPUs, else HF with a one-line notice; :func:`resolve_rollout_engine`).
-* dense reward sources — ``reward_source`` (instead of ``--reward.model_name_or_path``: ``module:function``,
-  ``file.py:function``, ``rules:FILE``, ``prm:MODEL`` with ``step_separator``, ``segment-rm:DIR``; see
-  :func:`rlhf_ext.runtime.dense_sources.load_reward_source`); ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a
-  dense granularity asks the server for its segments as spans. Both are scored by the experience maker
-  (:func:`route_rewards`).
+  ``continual_retention``: any of them makes the policy actor
+  :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` (no previous model: the KL term is 0).
+* ``rollout_engine`` — ``vllm``, ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when the *cluster*
+  has GPUs, else HF with a one-line notice; :func:`resolve_rollout_engine`).
+* dense reward sources — ``reward_source`` (``module:function``, ``file.py:function``, ``rules:FILE``, ``prm:MODEL``
+  with ``step_separator``, ``segment-rm:DIR``) or ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a dense
+  granularity, scored by the experience maker (:func:`route_rewards`).
 
-Pre-flight (:func:`preflight`, run by :func:`prepare` right before OpenRLHF's ``train(args)``, i.e. after its own
-argument fix-ups and before Ray places anything or any model loads): the ``--ext`` checks of :func:`check_args` —
-settings OpenRLHF would silently ignore with dense rewards (``--reward.normalize_enable``,
-``--reward.stop_properly_penalty_coef``, ``--reward.overlong_buffer_len``), per-sample rewards (``--reward.remote_url``,
-``--train.agent_func_path``) and group estimators not defined on dense rewards — then the placement and per-GPU memory
-plan of :mod:`rlhf_ext.openrlhf.plan` against the cluster of :func:`~rlhf_ext.openrlhf.plan.detect_cluster`. The plan
-is printed as a table; a run that cannot be placed or cannot fit is refused with one line naming the fix.
+Pre-flight (:func:`preflight`, run by :func:`prepare` after OpenRLHF's argument fix-ups, before Ray places anything):
+:func:`check_args` refuses what OpenRLHF would silently ignore with dense rewards, per-sample rewards and estimators
+not defined on them; then the placement and memory plan of :mod:`rlhf_ext.openrlhf.plan` for the cluster of
+:func:`~rlhf_ext.openrlhf.plan.detect_cluster` is printed, and a run that cannot be placed or fit is refused.
 
-Running on a machine without GPUs (``hf`` engine, :func:`cpu_settings`): OpenRLHF's actors and placement groups ask
-Ray for GPUs, so the driver starts Ray with exactly the *logical* GPU resources the plan counts — bookkeeping only,
-every actor computes on the CPU; on an existing cluster (``ray job submit``, ``RAY_ADDRESS``) start it with ``ray
-start --head --num-gpus N``. DeepSpeed runs with gloo, attention with ``sdpa``, and OpenRLHF's
-``torch.cuda.current_device()`` call sites get the CPU (:func:`rlhf_ext.openrlhf.compat.patch_for_cpu`).
+Without GPUs (``hf`` engine, :func:`cpu_settings`) the driver starts Ray with the *logical* GPUs the plan counts
+(bookkeeping: every actor computes on the CPU; on an existing cluster ``ray start --head --num-gpus N``), DeepSpeed
+runs with gloo, attention with ``sdpa``, ``torch.cuda.current_device()`` is the CPU (:mod:`rlhf_ext.openrlhf.compat`).
 """
 
 from __future__ import annotations
@@ -130,13 +121,9 @@ Before Ray starts, the run's placement and memory plan is printed and a run that
 
 def ext_parser():
     """The ``--ext.*`` flags as an argparse group (types, choices, help), generated from the knob dataclasses."""
-    return ext_argument_parser(
-        "python -m rlhf_ext.openrlhf.train_ppo_ray",
-        HELP_DESCRIPTION,
-        (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs),
-        EXT_DEFAULTS,
-        EXT_EXTRA_HELP,
-    )
+    knobs = (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs)
+    prog = "python -m rlhf_ext.openrlhf.train_ppo_ray"
+    return ext_argument_parser(prog, HELP_DESCRIPTION, knobs, EXT_DEFAULTS, EXT_EXTRA_HELP)
 
 
 #: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
@@ -215,15 +202,12 @@ def check_args(args: Any) -> None:
             f"(--ext.granularity {ext.granularity}) need {' | '.join(ESTIMATORS)} (or --ext.granularity bandit)"
         )
     if dense:
-        for flag, value in (
-            ("--reward.normalize_enable", args.reward.normalize_enable),
-            ("--reward.stop_properly_penalty_coef", args.reward.stop_properly_penalty_coef),
-            ("--reward.overlong_buffer_len", args.reward.overlong_buffer_len),
-        ):
-            if value not in (None, False):
+        for name in ("normalize_enable", "stop_properly_penalty_coef", "overlong_buffer_len"):
+            if getattr(args.reward, name) not in (None, False):
                 raise ExtArgsError(
-                    f"{flag} acts on OpenRLHF's scalar reward, which dense segment rewards replace; drop it (segment "
-                    f"rewards are normalised by --ext.normalizer, paper 003 Eq. 6) or use --ext.granularity bandit"
+                    f"--reward.{name} acts on OpenRLHF's scalar reward, which dense segment rewards replace; drop "
+                    "it (segment rewards are normalised by --ext.normalizer, paper 003 Eq. 6) or use "
+                    "--ext.granularity bandit"
                 )
         if args.train.agent_func_path:
             raise ExtArgsError(
@@ -322,9 +306,7 @@ def runtime_env(settings: dict[str, Any]) -> dict[str, Any]:
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
     }
     passed = ("TORCHDYNAMO_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DS_BUILD_OPS")
-    for name in passed:
-        if name in os.environ:
-            env_vars[name] = os.environ[name]
+    env_vars.update({name: os.environ[name] for name in passed if name in os.environ})
     return {"worker_process_setup_hook": "rlhf_ext.openrlhf.train_ppo_ray.setup_worker", "env_vars": env_vars}
 
 
@@ -394,9 +376,8 @@ def with_reward_source(rest: list[str], ext: dict[str, Any]) -> list[str]:
 
 def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
     """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
-    ``cluster`` (and one HF engine unless ``--vllm.num_engines`` says otherwise: OpenRLHF's packing fix-up asserts an
-    engine count, so it must be on the command line), the reward source routed (:func:`with_reward_source`) and an
-    unset granularity set to the source's default (:func:`~rlhf_ext.algos.segment_dense.resolve_granularity`)."""
+    ``cluster`` (one HF engine unless ``--vllm.num_engines`` is given: OpenRLHF's packing fix-up asserts a count), the
+    reward source routed (:func:`with_reward_source`) and an unset granularity set to the source's default."""
     from rlhf_ext.runtime.dense_sources import absolute_source_spec
 
     rest = with_reward_source(rest, ext)
@@ -419,10 +400,9 @@ def attach_ext(args: Any, ext: dict[str, Any]) -> None:
 
 
 def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
-    """The pre-flight plan of ``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` on ``cluster``, computed as the
-    launch computes it (OpenRLHF's parser and fix-ups, then :func:`preflight`) without starting anything. Raises
-    :class:`ExtArgsError` for what :func:`check_args` refuses and :class:`PlanError` for what OpenRLHF's own
-    argument checks refuse."""
+    """The pre-flight plan of ``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` on ``cluster``, as the launch computes
+    it, without starting anything. Raises :class:`ExtArgsError` (:func:`check_args`) or :class:`PlanError` (what
+    OpenRLHF's own argument checks refuse)."""
     try:
         rest, ext = for_cluster(*parse_ext_args(argv), cluster)
     except ValueError as error:
@@ -438,12 +418,9 @@ def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, l
 
 
 def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Cluster | None = None) -> None:
-    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (see the module docstring); a refused run exits
-    with code 2 and one ``error:`` line.
-
-    ``methods=False`` installs only what running on a CPU needs (the HF rollout engine, the CPU patches): stock
-    OpenRLHF PPO, the reference the tests compare ``--ext.granularity bandit`` against. ``cluster``: the cluster the
-    run gets (default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`)."""
+    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (module docstring); a refused run exits with code 2
+    and one ``error:`` line. ``methods=False`` installs only what a CPU needs (stock OpenRLHF PPO, the tests'
+    reference for ``--ext.granularity bandit``). ``cluster`` default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(ext_parser().format_help())
