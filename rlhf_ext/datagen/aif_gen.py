@@ -112,9 +112,21 @@ def dataset_from_aif_gen(
         stages.append(_stage(rows))
         n_test = len(rows["test"])
         n = len(rows["train"]) + n_test
-        infos.append({"index": i, "name": task.name, "dir": stage_dirname(i, task.name), "weights": {task.name: 1.0},
-                      "num_samples": n, "test_ratio": n_test / n if n else 0.0, "seed": None, "generated": n,
-                      "skipped": {}, "missing": 0, "source_counts": {task.name: n}})  # fmt: skip
+        infos.append(
+            {
+                "index": i,
+                "name": task.name,
+                "dir": stage_dirname(i, task.name),
+                "weights": {task.name: 1.0},
+                "num_samples": n,
+                "test_ratio": n_test / n if n else 0.0,
+                "seed": None,
+                "generated": n,
+                "skipped": {},
+                "missing": 0,
+                "source_counts": {task.name: n},
+            }
+        )
         tasks[task.name] = {"style": task.style, "objective_kind": None, "aif_gen_task": copy.deepcopy(entry["task"])}
     total = sum(info["generated"] for info in infos)
     metadata = {

@@ -55,8 +55,13 @@ class OfflineBackend(Backend):
             rubric = rubric_for(ctx["style"], self.bank)
             a, b = rubric.score(ctx["a"]), rubric.score(ctx["b"])
             return "A" if a > b else "B" if b > a else "TIE"
-        common = dict(style=ctx["style"], objective_kind=ctx["objective_kind"], seed_words=list(ctx["seed_words"]),
-                      axes=[tuple(a) for a in ctx.get("axes", ())], markers=self.markers)  # fmt: skip
+        common = dict(
+            style=ctx["style"],
+            objective_kind=ctx["objective_kind"],
+            seed_words=list(ctx["seed_words"]),
+            axes=[tuple(a) for a in ctx.get("axes", ())],
+            markers=self.markers,
+        )
         if request.kind == "pair":
             chosen = compose_response(self.bank, stance="follow", rng=rng, **common)
             rejected = compose_response(self.bank, stance="violate", rng=rng, **common)
@@ -134,10 +139,15 @@ class HFBackend(Backend):
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=enc["attention_mask"].to(self.device), max_new_tokens=max_new, do_sample=sampling,
-                temperature=request.temperature if sampling else None, top_p=1.0 if sampling else None,
-                top_k=0 if sampling else None, pad_token_id=pad,
-            )  # fmt: skip
+                ids,
+                attention_mask=enc["attention_mask"].to(self.device),
+                max_new_tokens=max_new,
+                do_sample=sampling,
+                temperature=request.temperature if sampling else None,
+                top_p=1.0 if sampling else None,
+                top_k=0 if sampling else None,
+                pad_token_id=pad,
+            )
         new = out[0, ids.shape[1] :].tolist()
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -159,7 +169,12 @@ def make_backend(spec, bank: PhraseBank | None = None) -> Backend:
     if spec.backend == "hf":
         return HFBackend(spec.model)
     if spec.backend == "openai":
-        return OpenAIBackend(api_base=spec.api_base, model=spec.model, api_key_env=spec.api_key_env,
-                             max_concurrency=spec.max_concurrency, timeout=spec.request_timeout,
-                             max_retries=spec.max_retries)  # fmt: skip
+        return OpenAIBackend(
+            api_base=spec.api_base,
+            model=spec.model,
+            api_key_env=spec.api_key_env,
+            max_concurrency=spec.max_concurrency,
+            timeout=spec.request_timeout,
+            max_retries=spec.max_retries,
+        )
     raise ValueError(f"unknown backend {spec.backend!r}; choose offline, hf or openai")

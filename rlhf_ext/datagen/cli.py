@@ -150,15 +150,34 @@ def _failure_lines(stats: dict) -> list[str]:
 @click.option("--workers", type=KnobType(RUN, "workers"), default=1, show_default=True,
               help="Processes to shard the samples over; the dataset is the same for any number. Worth it for the "
               "CPU-bound offline backend (each worker takes max-concurrency / workers of the requests).")  # fmt: skip
-@click.option("--format", "formats", type=click.Choice([*OUTPUT_FORMATS, *CONFIG_FORMATS]), multiple=True,
-              help="Output format (plain | conversational) and/or config format (auto, the default: AIF-Gen's "
-              "task_specs configs are detected | aif-gen | rlhf-ext); repeat to give both.")  # fmt: skip
+@click.option(
+    "--format",
+    "formats",
+    type=click.Choice([*OUTPUT_FORMATS, *CONFIG_FORMATS]),
+    multiple=True,
+    help="Output format (plain | conversational) and/or config format (auto, the default: AIF-Gen's "
+    "task_specs configs are detected | aif-gen | rlhf-ext); repeat to give both.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan and the rendered templates; contact no backend.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @click.option("--push-to-hub", "hub_repo", default=None, help="Also upload to this hub dataset repo (needs HF_TOKEN).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def generate(config, output, backend, model, api_base, max_concurrency, num_samples, seed, workers, formats, dry_run,
-             progress, hub_repo, overrides) -> None:  # fmt: skip
+def generate(
+    config,
+    output,
+    backend,
+    model,
+    api_base,
+    max_concurrency,
+    num_samples,
+    seed,
+    workers,
+    formats,
+    dry_run,
+    progress,
+    hub_repo,
+    overrides,
+) -> None:
     """Generate (or resume) a continual preference dataset from CONFIG (a YAML file or packaged config name).
 
     Rerunning the same command resumes: finished samples come from OUTPUT/.cache. AIF-Gen's task configs
@@ -244,9 +263,12 @@ def generate(config, output, backend, model, api_base, max_concurrency, num_samp
 @click.argument("dataset")
 @click.option("-o", "--output", "output", type=click.Path(), default=None, help="Also write the report as JSON.")
 @click.option("--judge", type=click.Choice(["rule", "llm", "none"]), default="none", help="Judge agreement check.")
-@click.option("--embedding-model", default="auto", show_default=True,
-              help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when "
-              "installed.")  # fmt: skip
+@click.option(
+    "--embedding-model",
+    default="auto",
+    show_default=True,
+    help="Embedding diversity with: minilm | builtin:NAME | checkpoint dir | none; auto = minilm when installed.",
+)
 @click.option("--max-embed", type=KnobType(OPTIONS, "max_embed"), default=256, show_default=True,
               help="Texts embedded per column and stage.")  # fmt: skip
 @click.option("--max-judge", type=KnobType(OPTIONS, "max_judge"), default=None,
@@ -291,8 +313,15 @@ def validate(
         except RecipeError as e:
             _fail(str(e))
     try:
-        report = validate_dataset(ds, embedding_model=embedding_model, max_embed=max_embed, backend=llm_backend,
-                                  judge=None if judge == "none" else judge, max_judge=max_judge, seed=seed)  # fmt: skip
+        report = validate_dataset(
+            ds,
+            embedding_model=embedding_model,
+            max_embed=max_embed,
+            backend=llm_backend,
+            judge=None if judge == "none" else judge,
+            max_judge=max_judge,
+            seed=seed,
+        )
     except (BackendUnavailable, RuntimeError, ValueError) as e:
         _fail(str(e))
     click.echo(format_report(report))
@@ -429,11 +458,19 @@ def merge_cmd(datasets, output) -> None:
 @data.command("export")
 @click.argument("dataset")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Directory to write.")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "aif-gen"]), default="jsonl", show_default=True,
-              help="aif-gen: one data.json in AIF-Gen's dataset format (one task per stage; plain text).")  # fmt: skip
-@click.option("--overwrite", is_flag=True,
-              help="Write into a non-empty directory, replacing only the files the export writes (nothing else is "
-              "deleted).")  # fmt: skip
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "parquet", "aif-gen"]),
+    default="jsonl",
+    show_default=True,
+    help="aif-gen: one data.json in AIF-Gen's dataset format (one task per stage; plain text).",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Write into a non-empty directory, replacing only the files the export writes (nothing else is deleted).",
+)
 def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
@@ -449,9 +486,14 @@ def export(dataset, output, fmt, overwrite) -> None:
 @data.command("import")
 @click.argument("source")
 @click.option("-o", "--output", "output", required=True, type=click.Path(), help="Dataset directory to write.")
-@click.option("--format", "fmt", type=click.Choice(list(CONFIG_FORMATS)), default="auto", show_default=True,
-              help="aif-gen: AIF-Gen's dataset JSON file; rlhf-ext: a continual dataset directory; auto: "
-              "either.")  # fmt: skip
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(list(CONFIG_FORMATS)),
+    default="auto",
+    show_default=True,
+    help="aif-gen: AIF-Gen's dataset JSON file; rlhf-ext: a continual dataset directory; auto: either.",
+)
 @click.option("--name", default=None, help="Dataset name (default: the file's stem).")
 def import_cmd(source, output, fmt, name) -> None:
     """Read SOURCE (AIF-Gen's dataset JSON, e.g. its published continual datasets) into a continual dataset."""

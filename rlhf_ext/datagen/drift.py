@@ -50,8 +50,15 @@ class Stage:
         return stage_dirname(self.index, self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "dir": self.dirname, "weights": dict(self.weights),
-                "num_samples": self.num_samples, "test_ratio": self.test_ratio, "seed": self.seed}  # fmt: skip
+        return {
+            "index": self.index,
+            "name": self.name,
+            "dir": self.dirname,
+            "weights": dict(self.weights),
+            "num_samples": self.num_samples,
+            "test_ratio": self.test_ratio,
+            "seed": self.seed,
+        }
 
 
 def stage_dirname(index: int, name: str) -> str:

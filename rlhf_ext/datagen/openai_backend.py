@@ -153,8 +153,13 @@ class OpenAIBackend(Backend):
             max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
         )
         http_client = openai.DefaultAsyncHttpxClient(limits=limits)
-        self._client = _client_class()(api_key=key or "unused", base_url=self.api_base, timeout=self.timeout,
-                                       max_retries=self.max_retries, http_client=http_client)  # fmt: skip
+        self._client = _client_class()(
+            api_key=key or "unused",
+            base_url=self.api_base,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            http_client=http_client,
+        )
         # no key: no Authorization header at all (a local server without --api-key)
         omit = getattr(openai, "Omit", None) or openai._types.Omit  # exported from openai 2
         self._extra_headers = None if key else {"Authorization": omit()}
@@ -316,9 +321,14 @@ class OpenAIBackend(Backend):
             self.stats["attempts"] += 1
             try:
                 raw = await self._client.chat.completions.with_raw_response.create(
-                    model=self.model, messages=request.messages, temperature=request.temperature, seed=request.seed,
-                    n=1, extra_body={param: request.max_tokens}, extra_headers=self._extra_headers,
-                )  # fmt: skip
+                    model=self.model,
+                    messages=request.messages,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    n=1,
+                    extra_body={param: request.max_tokens},
+                    extra_headers=self._extra_headers,
+                )
                 return raw.content
             except openai.APIStatusError as e:
                 status, message = e.status_code, self._server_message(e.response)

@@ -181,8 +181,12 @@ def resolve_tasks(config: DatagenConfig, bank: PhraseBank) -> dict[str, Resolved
     return out
 
 
-def plan_generation(config: DatagenConfig | str | Path, overrides: Iterable[str] = (), num_samples: int | None = None,
-                    bank: PhraseBank | None = None) -> GenerationPlan:  # fmt: skip
+def plan_generation(
+    config: DatagenConfig | str | Path,
+    overrides: Iterable[str] = (),
+    num_samples: int | None = None,
+    bank: PhraseBank | None = None,
+) -> GenerationPlan:
     """Validate ``config`` (plus overrides; ``num_samples`` replaces every task's count) and compute its stages and
     sample jobs. No backend is contacted."""
     config = load_task_config(config, overrides)

@@ -126,8 +126,16 @@ class SampleRunner:
         return {**sample, "style": job.task.style or "", "seed_words": words}, info
 
 
-async def run_jobs(runner: SampleRunner, jobs: Iterable[SampleJob], num_jobs: int, sink: SampleCache | SampleAppender,
-                   bar, counts: Counter, max_concurrency: int, errors: dict[str, str]) -> None:  # fmt: skip
+async def run_jobs(
+    runner: SampleRunner,
+    jobs: Iterable[SampleJob],
+    num_jobs: int,
+    sink: SampleCache | SampleAppender,
+    bar,
+    counts: Counter,
+    max_concurrency: int,
+    errors: dict[str, str],
+) -> None:
     """Run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers between the backend's start and close,
     appending each record to ``sink``; ``counts`` gets the outcomes, ``errors`` each failure's first message."""
     jobs = iter(jobs)

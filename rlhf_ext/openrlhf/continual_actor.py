@@ -117,12 +117,19 @@ class ContinualPolicyLoss(PolicyLoss):
             self._extra = {}
 
     def forward(
-        self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-        action_mask: torch.Tensor | None = None, rollout_log_probs: torch.Tensor | None = None, dp_size: int = 1,
-        batch_num_tokens: float | None = None, global_batch_size: float | None = None,
-        prev_log_probs: torch.Tensor | None = None, learning_weights: torch.Tensor | None = None,
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
+        dp_size: int = 1,
+        batch_num_tokens: float | None = None,
+        global_batch_size: float | None = None,
+        prev_log_probs: torch.Tensor | None = None,
+        learning_weights: torch.Tensor | None = None,
         retention_weights: torch.Tensor | None = None,
-    ):  # fmt: skip
+    ):
         prev_log_probs = prev_log_probs if prev_log_probs is not None else self._extra.get("prev_log_probs")
         learning_weights = learning_weights if learning_weights is not None else self._extra.get("learning_weights")
         retention_weights = retention_weights if retention_weights is not None else self._extra.get("retention_weights")
@@ -158,10 +165,15 @@ def load_previous_task_actor(strategy: Any, path: str) -> Actor:
     log-probabilities are comparable with the actor's."""
     ds = strategy.args.ds
     model = Actor(
-        path, attn_implementation=ds.attn_implementation, experts_implementation=ds.experts_implementation,
-        param_dtype=ds.param_dtype, load_in_4bit=ds.load_in_4bit, ds_config=strategy.get_ds_eval_config(offload=False),
-        packing_samples=ds.packing_samples, temperature=strategy.args.rollout.temperature,
-    )  # fmt: skip
+        path,
+        attn_implementation=ds.attn_implementation,
+        experts_implementation=ds.experts_implementation,
+        param_dtype=ds.param_dtype,
+        load_in_4bit=ds.load_in_4bit,
+        ds_config=strategy.get_ds_eval_config(offload=False),
+        packing_samples=ds.packing_samples,
+        temperature=strategy.args.rollout.temperature,
+    )
     model.requires_grad_(False)
     return strategy.prepare(model)
 
@@ -199,8 +211,13 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
         if getattr(experience, "mm_train_inputs", None) and getattr(self.prev_model, "is_vlm", False):
             mm_inputs = merge_mm_train_inputs(experience.mm_train_inputs, experience.sequences.device)
         self.prev_model.eval()
-        return self.prev_model(experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
-                               ring_attn_group=self.strategy.ring_attn_group, **mm_inputs)  # fmt: skip
+        return self.prev_model(
+            experience.sequences,
+            experience.action_mask,
+            attention_mask=experience.attention_mask,
+            ring_attn_group=self.strategy.ring_attn_group,
+            **mm_inputs,
+        )
 
     @staticmethod
     def cppo_batch_stats(items) -> BatchStats:

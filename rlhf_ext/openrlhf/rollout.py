@@ -130,8 +130,14 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
     """See the module docstring. Constructed by :func:`create_hf_rollout_engines` with ``create_vllm_engines``'
     arguments."""
 
-    def __init__(self, model: str, seed: int = 0, agent_func_path: str | None = None,
-                 remote_rm_url: str | list[str] | None = None, **_vllm_only: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        seed: int = 0,
+        agent_func_path: str | None = None,
+        remote_rm_url: str | list[str] | None = None,
+        **_vllm_only: Any,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_ext.openrlhf.compat import patch_for_cpu
@@ -212,10 +218,19 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
         sampler = _GumbelSampler(torch.tensor(seeds, dtype=torch.int64), width, params, params.logprobs is not None)
         max_new = int(params.max_tokens) if params.max_tokens is not None else 16
         sequences = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new,
-            min_new_tokens=params.min_tokens or None, logits_processor=[sampler], eos_token_id=eos, pad_token_id=pad,
-            num_beams=1, temperature=None, top_p=None, top_k=None,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_new_tokens=params.min_tokens or None,
+            logits_processor=[sampler],
+            eos_token_id=eos,
+            pad_token_id=pad,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
         new = sequences[:, width:]
         is_eos = new == eos
         has_eos = is_eos.any(dim=1)
@@ -284,11 +299,21 @@ HFRolloutEngine = ray.remote(_HFRolloutEngine)
 
 
 def create_hf_rollout_engines(
-    num_engines: int, tensor_parallel_size: int, pretrain: str, seed: int, full_determinism: bool = False,
-    enable_prefix_caching: bool = False, enforce_eager: bool = False, max_model_len: int | None = None,
-    shared_pg: Any = None, *args: Any, agent_func_path: str | None = None, remote_rm_url: str | list[str] | None = None,
-    max_images_per_prompt: int = 0, **kwargs: Any,
-) -> list:  # fmt: skip
+    num_engines: int,
+    tensor_parallel_size: int,
+    pretrain: str,
+    seed: int,
+    full_determinism: bool = False,
+    enable_prefix_caching: bool = False,
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    shared_pg: Any = None,
+    *args: Any,
+    agent_func_path: str | None = None,
+    remote_rm_url: str | list[str] | None = None,
+    max_images_per_prompt: int = 0,
+    **kwargs: Any,
+) -> list:
     """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines seeded
     ``seed + i`` and placed as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 GPU (``--train.colocate_all``
     without async), else of a PACK group of one-GPU bundles of their own. The GPUs are Ray bookkeeping only (the

@@ -107,10 +107,14 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
     """Reference actor that also returns the entropy of the distribution each action token was sampled from."""
 
     def forward(
-        self, sequences: torch.LongTensor, action_mask: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None, return_output=False, packed_seq_lens: list[int] | None = None,
+        self,
+        sequences: torch.LongTensor,
+        action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_output=False,
+        packed_seq_lens: list[int] | None = None,
         mm_train_inputs_list=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
 
         Action ``j`` is token ``T - A + j``, scored by the logits before it. Both come from the ``Actor``'s (fp32,
@@ -151,8 +155,13 @@ class _SegmentRewardActor(RewardModelActor.__ray_actor_class__):
         device = _device()
         attention_mask = attention_mask.to(device)
         with torch.no_grad():
-            self.model(sequences.to(device), attention_mask, ring_attn_group=self.strategy.ring_attn_group,
-                       pad_sequence=True, packed_seq_lens=packed_seq_lens)  # fmt: skip
+            self.model(
+                sequences.to(device),
+                attention_mask,
+                ring_attn_group=self.strategy.ring_attn_group,
+                pad_sequence=True,
+                packed_seq_lens=packed_seq_lens,
+            )
             scores = self._capture.pop().float()
             if self.strategy.args.ds.packing_samples:
                 scores = padded(scores, attention_mask, self.strategy.ring_attn_group)
@@ -335,11 +344,17 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             action_mask = exp.action_mask.bool()
             a = action_mask.shape[1]
             dense = dense_segment_rewards(
-                scores[:, -a:], action_mask, entropies[i] if needs_entropy else None, normalizer=self.normalizer,
-                granularity=self.ext["granularity"], interpolation=self.ext["interpolation"],
-                entropy_cutoff=self.entropy_cutoff, aggregation=self.aggregation, tau=self.tau,
+                scores[:, -a:],
+                action_mask,
+                entropies[i] if needs_entropy else None,
+                normalizer=self.normalizer,
+                granularity=self.ext["granularity"],
+                interpolation=self.ext["interpolation"],
+                entropy_cutoff=self.entropy_cutoff,
+                aggregation=self.aggregation,
+                tau=self.tau,
                 chunk_size=self.ext["chunk_size"],
-            )  # fmt: skip
+            )
             setattr(exp.kl, DENSE_ATTR, dense.rewards)
             exp.rewards = torch.zeros(scores.shape[0], dtype=torch.float32)
             exp.info["reward"] = dense.sequence_reward

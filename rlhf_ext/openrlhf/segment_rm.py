@@ -109,11 +109,17 @@ class SegmentRewardDataset(RewardDataset):
             if input_template and prompt_key:
                 dataset = dataset.map(lambda row: {prompt_key: input_template.format(row[prompt_key])})
             dataset = prepare_segment_dataset(
-                dataset, tokenizer, sft_model_name_or_path=ext.sft_model or args.model.model_name_or_path,
-                max_length=max_length, max_prompt_length=ext.max_prompt_length, prompt_key=prompt_key,
-                chosen_key=args.data.chosen_key, rejected_key=args.data.rejected_key,
-                entropy_batch_size=ext.entropy_batch_size, cache_dir=ext.cache_dir,
-            )  # fmt: skip
+                dataset,
+                tokenizer,
+                sft_model_name_or_path=ext.sft_model or args.model.model_name_or_path,
+                max_length=max_length,
+                max_prompt_length=ext.max_prompt_length,
+                prompt_key=prompt_key,
+                chosen_key=args.data.chosen_key,
+                rejected_key=args.data.rejected_key,
+                entropy_batch_size=ext.entropy_batch_size,
+                cache_dir=ext.cache_dir,
+            )
         too_long = [i for i, n in enumerate(dataset["chosen_ids"]) if len(n) > max_length]
         if too_long:
             raise ValueError(

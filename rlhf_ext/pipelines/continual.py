@@ -271,13 +271,19 @@ class ContinualRunner:
         sft = resolve_model(self.recipe.model.sft_model)
         previous = str(self.out / self.names[t - 1] / "policy") if t > 0 else None
         return TaskContext(
-            index=t, name=self.names[t], train=self.tasks[t]["train"], test=self.tasks[t]["test"],
-            init_policy=previous or sft, previous_policy=previous, reference_policy=sft,
+            index=t,
+            name=self.names[t],
+            train=self.tasks[t]["train"],
+            test=self.tasks[t]["test"],
+            init_policy=previous or sft,
+            previous_policy=previous,
+            reference_policy=sft,
             tokenizer_path=resolve_model(self.recipe.model.tokenizer) if self.recipe.model.tokenizer else sft,
-            continual_kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks), seed=self.recipe.seed + t,
+            continual_kl_coef=self.recipe.continual.coef_for_task(t, self.num_tasks),
+            seed=self.recipe.seed + t,
             task_dir=self.out / self.names[t],
             reward_model_dirs=[self.out / n / "reward_model" for n in self.names] if self.reward_stage else None,
-        )  # fmt: skip
+        )
 
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train the remaining tasks (all of them, or up to task index ``stop_after - 1``) and return the summary."""
@@ -313,8 +319,12 @@ class ContinualRunner:
         return self._run_stage(self.reward_stage, "reward", task, test_sets, record, stage)
 
     def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
-        record = {"task": task.index, "continual_kl_coef": task.continual_kl_coef, "seed": task.seed,
-                  "policy_dir": str(task.policy_dir)}  # fmt: skip
+        record = {
+            "task": task.index,
+            "continual_kl_coef": task.continual_kl_coef,
+            "seed": task.seed,
+            "policy_dir": str(task.policy_dir),
+        }
         return self._run_stage(self.policy_stage, "policy", task, test_sets, record, f"{task.name}/{RESULT_STAGE}")
 
     def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, marker: str) -> dict:

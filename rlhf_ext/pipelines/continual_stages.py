@@ -100,8 +100,14 @@ class DPOPolicyStage:
         args = make_config(ContinualDPOConfig, kwargs, r.train.trl_args)
         ref_model = create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {}))
         prev_model = task.previous_policy if task.continual_kl_coef > 0 else None  # c = 0: plain DPO, no frozen copy
-        trainer = ContinualDPOTrainer(model=task.init_policy, ref_model=ref_model, prev_model=prev_model, args=args,
-                                      train_dataset=task.train, processing_class=tokenizer)  # fmt: skip
+        trainer = ContinualDPOTrainer(
+            model=task.init_policy,
+            ref_model=ref_model,
+            prev_model=prev_model,
+            args=args,
+            train_dataset=task.train,
+            processing_class=tokenizer,
+        )
         result = _train(trainer, task, self.name)
         _save_atomically(trainer, task.policy_dir)
         evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
@@ -137,13 +143,15 @@ class RewardModelStage:
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "rm_trainer"
         max_length = self.recipe.data.max_length
-        kwargs = dict(**_training_kwargs(rm.train, task.seed, str(work)), max_length=max_length,
-                      entropy_cutoff=float("inf"))  # fmt: skip
+        kwargs = dict(
+            **_training_kwargs(rm.train, task.seed, str(work)), max_length=max_length, entropy_cutoff=float("inf")
+        )
         args = make_config(SegmentRewardConfig, kwargs, {"report_to": _report_to(self.recipe), **rm.train.trl_args})
         prepare = dict(tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=max_length)
         train = prepare_segment_dataset(task.train, **prepare)
-        trainer = SegmentRewardTrainer(model=task.reference_policy, args=args, train_dataset=train,
-                                       processing_class=tokenizer)  # fmt: skip
+        trainer = SegmentRewardTrainer(
+            model=task.reference_policy, args=args, train_dataset=train, processing_class=tokenizer
+        )
         _train(trainer, task, "reward_model")
         _save_atomically(trainer, task.reward_model_dir)
         scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
@@ -209,8 +217,14 @@ class PPOPolicyStage:
         args = self.config(task, work)  # make_config checks report_to
         prompts = Dataset.from_dict({"prompt": list(task.train["prompt"])})
         ref_model = AutoModelForCausalLM.from_pretrained(task.reference_policy)  # KL penalty to the SFT model
-        trainer = DensePPOTrainer(model=task.init_policy, args=args, train_dataset=prompts, processing_class=tokenizer,
-                                  ref_model=ref_model, calibration_dataset=task.train)  # fmt: skip
+        trainer = DensePPOTrainer(
+            model=task.init_policy,
+            args=args,
+            train_dataset=prompts,
+            processing_class=tokenizer,
+            ref_model=ref_model,
+            calibration_dataset=task.train,
+        )
         result = _train(trainer, task, self.name)
         _save_atomically(trainer, task.policy_dir)
         scores = [

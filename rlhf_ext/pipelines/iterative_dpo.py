@@ -135,10 +135,16 @@ def trl_config(recipe):
     t, o = recipe.train, recipe.online
     kwargs = training_kwargs(t)
     kwargs.update(
-        beta=t.beta, loss_type=t.loss_type, max_length=t.max_length, resume=t.resume, reference=recipe.policy.reference,
-        **knob_values(o, OnlineDPOKnobs), **knob_values(o, OnlineSamplingKnobs),
-        reward_batch_size=recipe.reward.batch_size, eval_num_prompts=recipe.data.max_eval_prompts,
-    )  # fmt: skip
+        beta=t.beta,
+        loss_type=t.loss_type,
+        max_length=t.max_length,
+        resume=t.resume,
+        reference=recipe.policy.reference,
+        **knob_values(o, OnlineDPOKnobs),
+        **knob_values(o, OnlineSamplingKnobs),
+        reward_batch_size=recipe.reward.batch_size,
+        eval_num_prompts=recipe.data.max_eval_prompts,
+    )
     return make_config(IterativeDPOConfig, kwargs, t.trl_args)
 
 
@@ -195,8 +201,15 @@ def train_with_trl(recipe) -> dict[str, Any]:
     else:
         reward = load_reward(resolve_model(r.model), kind=r.kind, batch_size=r.batch_size, sft_model=sft)
     gold = load_reward(r.gold) if r.gold else None
-    return train_online(sft, reward, args=args, train_dataset=train_prompts, eval_dataset=eval_prompts,
-                        processing_class=tokenizer, gold_fn=gold)  # fmt: skip
+    return train_online(
+        sft,
+        reward,
+        args=args,
+        train_dataset=train_prompts,
+        eval_dataset=eval_prompts,
+        processing_class=tokenizer,
+        gold_fn=gold,
+    )
 
 
 def train_online(policy: Any, reward: Any, **kwargs: Any) -> dict[str, Any]:

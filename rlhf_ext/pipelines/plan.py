@@ -79,9 +79,16 @@ def deepspeed_stage(trl_args: dict[str, Any]) -> int | None:
 
 # -------------------------------------------------------------------------------------------------------- TRL jobs
 def _trl_role(
-    role: str, size: ModelSize | None, cluster: Cluster, zero: int | None, *, trainable: bool, lm_head: bool,
-    tokens: int, checkpointing: bool,
-) -> RoleMemory:  # fmt: skip
+    role: str,
+    size: ModelSize | None,
+    cluster: Cluster,
+    zero: int | None,
+    *,
+    trainable: bool,
+    lm_head: bool,
+    tokens: int,
+    checkpointing: bool,
+) -> RoleMemory:
     """One model of a TRL job on each GPU. TRL loads models in fp32; the trained policy is DeepSpeed's (bf16 ZeRO
     shards) when ``zero`` is set, else fp32 under DDP; the frozen models and the PPO critic are prepared by accelerate
     without DeepSpeed (a full fp32 copy on every GPU)."""

@@ -130,8 +130,15 @@ class SegmentPPORecipe:
 
 
 #: What the summary's PPO curve records per logging step (response length in tokens).
-CURVE_KEYS = ("step", "reward", "segment/kl", "segment/score", "segment/raw_last_score", "segment/response_length",
-              "segment/segments_per_response")  # fmt: skip
+CURVE_KEYS = (
+    "step",
+    "reward",
+    "segment/kl",
+    "segment/score",
+    "segment/raw_last_score",
+    "segment/response_length",
+    "segment/segments_per_response",
+)
 
 
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
@@ -165,15 +172,24 @@ def trl_config(recipe):
         raise RecipeError("the TRL engine samples at least 2 responses per prompt: set ppo.num_generations >= 2")
     kwargs = training_kwargs(t)
     kwargs.update(
-        disable_tqdm=False, num_generations=ppo.num_generations,
-        max_completion_length=recipe.data.max_completion_length, temperature=ppo.temperature, top_p=ppo.top_p,
+        disable_tqdm=False,
+        num_generations=ppo.num_generations,
+        max_completion_length=recipe.data.max_completion_length,
+        temperature=ppo.temperature,
+        top_p=ppo.top_p,
         epsilon=ppo.clip_eps,
-        reward_model_path=recipe.model.reward_model, critic_model_path=recipe.model.critic_model,
-        normalizer_path=recipe.model.normalizer, entropy_cutoff=seg.entropy_cutoff, aggregation=seg.aggregation,
-        tau=seg.tau, calibration_max_pairs=recipe.data.max_calibration_pairs,
-        critic_learning_rate=t.critic_learning_rate, async_generation=ppo.async_generation,
-        **knob_values(seg, DenseRewardKnobs), **knob_values(ppo, PPOKnobs),
-    )  # fmt: skip
+        reward_model_path=recipe.model.reward_model,
+        critic_model_path=recipe.model.critic_model,
+        normalizer_path=recipe.model.normalizer,
+        entropy_cutoff=seg.entropy_cutoff,
+        aggregation=seg.aggregation,
+        tau=seg.tau,
+        calibration_max_pairs=recipe.data.max_calibration_pairs,
+        critic_learning_rate=t.critic_learning_rate,
+        async_generation=ppo.async_generation,
+        **knob_values(seg, DenseRewardKnobs),
+        **knob_values(ppo, PPOKnobs),
+    )
     return make_config(SegmentPPOConfig, kwargs, t.trl_args)
 
 
@@ -228,9 +244,14 @@ def train_with_trl(recipe) -> dict[str, Any]:
     if recipe.model.normalizer is None and recipe.data.calibration is not None:
         calibration = resolve_dataset(recipe.data.calibration)[recipe.data.calibration_split]
     reward_funcs = [recipe_reward_source(recipe.model)] if recipe.model.reward_source else None
-    trainer = SegmentPPOTrainer(model=recipe.model.sft_model, reward_funcs=reward_funcs, args=args,
-                                train_dataset=prompts, processing_class=tokenizer,
-                                calibration_dataset=calibration)  # fmt: skip
+    trainer = SegmentPPOTrainer(
+        model=recipe.model.sft_model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        calibration_dataset=calibration,
+    )
     train_and_save(trainer, args.output_dir, recipe.train.resume)
     curve = [{k: h[k] for k in CURVE_KEYS if k in h} for h in trainer.state.log_history if "reward" in h]
     summary = {"engine": "trl", "model_dir": args.output_dir, "curve": curve}
@@ -453,9 +474,16 @@ def fit_recipe_normalizer(recipe, tokenizer):
         return fit_span_normalizer([recipe_reward_source(m)], tokenizer, calibration, **common)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reward_model = AutoModelForSequenceClassification.from_pretrained(m.reward_model, num_labels=1).to(device)
-    return fit_normalizer(reward_model, AutoModelForCausalLM.from_pretrained(m.sft_model).to(device), tokenizer,
-                          calibration, entropy_cutoff=cutoff, chunk_size=seg.chunk_size,
-                          reward_model_id=model_id(m.reward_model), **common)  # fmt: skip
+    return fit_normalizer(
+        reward_model,
+        AutoModelForCausalLM.from_pretrained(m.sft_model).to(device),
+        tokenizer,
+        calibration,
+        entropy_cutoff=cutoff,
+        chunk_size=seg.chunk_size,
+        reward_model_id=model_id(m.reward_model),
+        **common,
+    )
 
 
 def train_with_openrlhf(recipe) -> dict[str, Any]:

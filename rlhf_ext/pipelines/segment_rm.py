@@ -170,8 +170,12 @@ def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
 
     segment_rm_plan(recipe, local_cluster()).refuse_if_unrunnable()
     m, d = recipe.model, recipe.data
-    inputs = {"model.sft_model": m.sft_model, "model.tokenizer": m.tokenizer, "data.train": d.train,
-              "data.eval": d.eval}  # fmt: skip
+    inputs = {
+        "model.sft_model": m.sft_model,
+        "model.tokenizer": m.tokenizer,
+        "data.train": d.train,
+        "data.eval": d.eval,
+    }
     with claim_output_dir(recipe.train.output_dir, inputs, "train.output_dir"):
         return train_with_trl(recipe) if recipe.engine == "trl" else train_with_openrlhf(recipe)
 
@@ -184,10 +188,14 @@ def trl_config(recipe):
     kwargs = training_kwargs(recipe.train)
     seg = recipe.segment
     kwargs.update(
-        eval_strategy="epoch", max_length=recipe.data.max_length, entropy_cutoff=seg.entropy_cutoff,
-        aggregation=seg.aggregation, tau=seg.tau, entropy_batch_size=seg.entropy_batch_size,
+        eval_strategy="epoch",
+        max_length=recipe.data.max_length,
+        entropy_cutoff=seg.entropy_cutoff,
+        aggregation=seg.aggregation,
+        tau=seg.tau,
+        entropy_batch_size=seg.entropy_batch_size,
         segment_cache_dir=recipe.train.segment_cache_dir,
-    )  # fmt: skip
+    )
     return make_config(SegmentRewardConfig, kwargs, recipe.train.trl_args)
 
 
@@ -213,8 +221,9 @@ def train_with_trl(recipe) -> dict[str, Any]:
     if eval_prepared is None:  # no held-out split (e.g. one .jsonl file): train without evaluation and say so in
         args.eval_strategy = IntervalStrategy.NO  # the summary, with the fix (data.eval / data.eval_split)
     args.sft_model_name_or_path = sft_path
-    trainer = SegmentRewardTrainer(model=sft_path, args=args, train_dataset=train_prepared, eval_dataset=eval_prepared,
-                                   processing_class=tokenizer)  # fmt: skip
+    trainer = SegmentRewardTrainer(
+        model=sft_path, args=args, train_dataset=train_prepared, eval_dataset=eval_prepared, processing_class=tokenizer
+    )
     train_and_save(trainer, args.output_dir, recipe.train.resume)
     metrics = (final_evaluation(trainer) or trainer.evaluate()) if eval_prepared is not None else {}
     summary: dict[str, Any] = {"engine": "trl", "model_dir": args.output_dir, "eval": metrics}
@@ -241,10 +250,17 @@ def train_and_save(trainer, output_dir: str, resume: bool) -> None:
 def _prepare_kwargs(recipe, tokenizer, sft_path: str, prompt_key: str | None) -> dict[str, Any]:
     """The recipe's ``prepare_segment_dataset`` settings (tokenisation, SFT entropies), the same on both engines."""
     d = recipe.data
-    return dict(tokenizer=tokenizer, sft_model_name_or_path=sft_path, max_length=d.max_length,
-                max_prompt_length=d.max_prompt_length, prompt_key=prompt_key, chosen_key=d.chosen_key,
-                rejected_key=d.rejected_key, entropy_batch_size=recipe.segment.entropy_batch_size,
-                cache_dir=recipe.train.segment_cache_dir)  # fmt: skip
+    return dict(
+        tokenizer=tokenizer,
+        sft_model_name_or_path=sft_path,
+        max_length=d.max_length,
+        max_prompt_length=d.max_prompt_length,
+        prompt_key=prompt_key,
+        chosen_key=d.chosen_key,
+        rejected_key=d.rejected_key,
+        entropy_batch_size=recipe.segment.entropy_batch_size,
+        cache_dir=recipe.train.segment_cache_dir,
+    )
 
 
 def final_evaluation(trainer) -> dict[str, float] | None:

@@ -39,8 +39,13 @@ def train_dpo(
     with atomic_directory(out) as tmp:
         args = DPOConfig(output_dir=str(tmp / "trainer"), seed=seed, **optimisation_kwargs(train), **config, **CPU_RUN)
         ref_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer)  # fmt: skip
+        trainer = DPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
         use_console_output(trainer)
         trainer.train()
         trainer.save_model(str(tmp))

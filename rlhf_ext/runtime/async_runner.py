@@ -224,10 +224,17 @@ class OneStepAsyncRunner(Generic[T]):
             child (build heavy state lazily on the first call) and batches must be picklable.
     """
 
-    def __init__(self, generate_fn: Callable[[int, int], T], num_batches: int,
-                 load_weights_fn: Callable[[Any, int], None] | None = None, sync: bool = False,
-                 generator_threads: int | None = None, learner_threads: int | None = None, process: bool = False,
-                 name: str = "rlhf-ext-generator"):  # fmt: skip
+    def __init__(
+        self,
+        generate_fn: Callable[[int, int], T],
+        num_batches: int,
+        load_weights_fn: Callable[[Any, int], None] | None = None,
+        sync: bool = False,
+        generator_threads: int | None = None,
+        learner_threads: int | None = None,
+        process: bool = False,
+        name: str = "rlhf-ext-generator",
+    ):
         if not isinstance(num_batches, int) or num_batches < 1:
             raise ValueError(f"num_batches must be a positive integer, got {num_batches!r}")
         if load_weights_fn is None and not sync:
@@ -280,8 +287,17 @@ class OneStepAsyncRunner(Generic[T]):
         threads = self.generator_threads
         if threads is None and self.process:  # a fresh process would start with every core; inherit the budget
             threads = torch.get_num_threads()
-        args = (self.generate_fn, self.load_weights_fn, self.num_batches, self.lag, threads, self._batches,
-                self._weights, self._stop, self._errors)  # fmt: skip
+        args = (
+            self.generate_fn,
+            self.load_weights_fn,
+            self.num_batches,
+            self.lag,
+            threads,
+            self._batches,
+            self._weights,
+            self._stop,
+            self._errors,
+        )
         if self.process:
             import torch.multiprocessing as mp
 

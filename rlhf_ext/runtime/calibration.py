@@ -61,9 +61,16 @@ def fit_normalizer(
         batch = collate_segment_pairs(rows, pad)
         device = next(reward_model.parameters()).device
         scores = token_scores(reward_model, batch["input_ids"].to(device), batch["attention_mask"].to(device)).cpu()
-        dense = dense_segment_rewards(scores, batch["action_mask"], batch["entropy"], granularity=granularity,
-                                      entropy_cutoff=entropy_cutoff, aggregation=aggregation, tau=tau,
-                                      chunk_size=chunk_size)  # fmt: skip
+        dense = dense_segment_rewards(
+            scores,
+            batch["action_mask"],
+            batch["entropy"],
+            granularity=granularity,
+            entropy_cutoff=entropy_cutoff,
+            aggregation=aggregation,
+            tau=tau,
+            chunk_size=chunk_size,
+        )
         totals += segmentation_totals(dense.segments.counts, batch["action_mask"], batch["entropy"], entropy_cutoff)
         if Granularity(granularity).is_bandit:
             locations.append(torch.ones(len(rows) * 2))
@@ -71,8 +78,9 @@ def fit_normalizer(
         else:
             locations.append(dense.segments.locations[dense.segments.mask])
             rewards.append(dense.raw_seg_rewards[dense.segments.mask])
-    normalizer = LocationNormalizer.fit(torch.cat(locations), torch.cat(rewards), kind=kind, basis=basis,
-                                        reward_model=reward_model_id, method=method)  # fmt: skip
+    normalizer = LocationNormalizer.fit(
+        torch.cat(locations), torch.cat(rewards), kind=kind, basis=basis, reward_model=reward_model_id, method=method
+    )
     reference = SegmentationRates.of_totals(totals)  # the monitor's reference: the SFT model on the calibration set
     return dataclasses.replace(normalizer, **reference._asdict())
 
@@ -218,8 +226,11 @@ def import_reference_normalizer(
     path = Path(path)
     entries = read_reference_params(path)
     wanted = (model_type, dataset, method, aggregation)
-    matches = [e for e in entries if (e.model_type, e.dataset, e.method, e.aggregation) == wanted
-               and math.isclose(e.cutoff_value(), cutoff)]  # fmt: skip
+    matches = [
+        e
+        for e in entries
+        if (e.model_type, e.dataset, e.method, e.aggregation) == wanted and math.isclose(e.cutoff_value(), cutoff)
+    ]
     requested = "/".join((*wanted, f"{cutoff:g}"))
     if not matches:
         raise NormalizerError(
@@ -229,6 +240,10 @@ def import_reference_normalizer(
     if len(matches) > 1:
         names = ", ".join(e.name for e in matches)
         raise NormalizerError(f"{path} has {len(matches)} entries for {requested}: {names}")
-    return LocationNormalizer.from_reference_params(matches[0].params, source=f"{path.name} entry {matches[0].name}",
-                                                    reward_model=reward_model, std_floor=std_floor,
-                                                    max_segments=max_segments)  # fmt: skip
+    return LocationNormalizer.from_reference_params(
+        matches[0].params,
+        source=f"{path.name} entry {matches[0].name}",
+        reward_model=reward_model,
+        std_floor=std_floor,
+        max_segments=max_segments,
+    )

@@ -172,8 +172,11 @@ class KeywordCredit:
             return {" ".join(words[i : i + n]) for n in sizes for i in range(len(words) - n + 1)}
 
         pos, neg = Counter(g for t in chosen for g in grams(t)), Counter(g for t in rejected for g in grams(t))
-        scores = {g: math.log((pos[g] + 1) / (len(chosen) + 2)) - math.log((neg[g] + 1) / (len(rejected) + 2))
-                  for g in set(pos) | set(neg) if pos[g] + neg[g] >= min_count}  # fmt: skip
+        scores = {
+            g: math.log((pos[g] + 1) / (len(chosen) + 2)) - math.log((neg[g] + 1) / (len(rejected) + 2))
+            for g in set(pos) | set(neg)
+            if pos[g] + neg[g] >= min_count
+        }
         kept: list[tuple[str, float]] = []
         taken: dict[bool, set[str]] = {True: set(), False: set()}  # the shortest n-grams of the kept phrases
         for g, w in sorted(scores.items(), key=lambda kv: (-abs(kv[1]), -kv[0].count(" "), kv[0])):  # longest first

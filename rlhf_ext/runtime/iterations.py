@@ -172,11 +172,18 @@ class IterationRun:
     def sampler_spec(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
         a = self.args
-        return dict(backend=a.generation_backend, policy=self.sft_path, tokenizer=self.tokenizer,
-                    max_new_tokens=a.max_completion_length, temperatures=a.temperatures,
-                    batch_size=a.generation_batch_size, max_prompt_length=a.max_prompt_length, top_p=a.top_p,
-                    top_k=a.top_k, vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization,
-                                                **(a.vllm_kwargs or {})})  # fmt: skip
+        return dict(
+            backend=a.generation_backend,
+            policy=self.sft_path,
+            tokenizer=self.tokenizer,
+            max_new_tokens=a.max_completion_length,
+            temperatures=a.temperatures,
+            batch_size=a.generation_batch_size,
+            max_prompt_length=a.max_prompt_length,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            vllm_kwargs={"gpu_memory_utilization": a.vllm_gpu_memory_utilization, **(a.vllm_kwargs or {})},
+        )
 
     def sampler(self):
         if self._sampler is None:
@@ -227,8 +234,14 @@ class IterationRun:
         """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
         whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
         scores = lambda prompts, responses: rewards.flatten()  # the scores of step 3
-        rows, stats = score_and_select(prompts, ids, samples, scores, self.args,  # the selection knobs (OnlineDPOKnobs)
-                                       torch.Generator().manual_seed(self.seed("select", t)))  # fmt: skip
+        rows, stats = score_and_select(
+            prompts,
+            ids,
+            samples,
+            scores,
+            self.args,  # the selection knobs (OnlineDPOKnobs)
+            torch.Generator().manual_seed(self.seed("select", t)),
+        )
         for r in rows:
             r.update(iteration=t, policy=t)
         return rows, {**stats, "policy": self.policy_path(t)}
@@ -236,9 +249,11 @@ class IterationRun:
     def store_pairs(self, t: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         """Step 5: write iteration ``t``'s pairs to ``output_dir/pairs/iter_{t}`` (atomically, exactly once)."""
         if not rows:
-            warnings.warn(f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the "
-                          "reward (equal scores or identical text), so no preference pairs were collected",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"iteration {t}: every prompt's {self.args.num_generations} responses tied under the "
+                "reward (equal scores or identical text), so no preference pairs were collected",
+                stacklevel=2,
+            )
         self.store.write(t, rows, stats)
         logger.info("iteration %d: %d pairs (%d prompts dropped)", t, len(rows), stats["dropped"])
 
@@ -319,9 +334,14 @@ class IterationRun:
     def summarize_iterations(self, evals: list[dict[str, Any]], iterations: list[dict[str, Any]]) -> dict[str, Any]:
         """The per-iteration run's summary, written to ``output_dir/summary.json``."""
         state = self.read_state()
-        summary = {"mode": "iterative", "output_dir": str(self.root),
-                   "final_policy": state["policies"][str(self.args.num_iterations)],
-                   "skipped_iterations": state["skipped"], "eval": evals, "iterations": iterations}  # fmt: skip
+        summary = {
+            "mode": "iterative",
+            "output_dir": str(self.root),
+            "final_policy": state["policies"][str(self.args.num_iterations)],
+            "skipped_iterations": state["skipped"],
+            "eval": evals,
+            "iterations": iterations,
+        }
         if self.dist.is_main_process:
             atomic_write_json(self.root / "summary.json", summary)
         return summary

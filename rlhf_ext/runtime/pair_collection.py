@@ -30,8 +30,14 @@ def wants_generator_process(requested: bool | None, async_generation: bool, back
     return True
 
 
-def score_and_select(prompts: list[Any], ids: list[int], samples, reward_fn: RewardFn, settings: OnlineDPOKnobs,
-                     generator: torch.Generator) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+def score_and_select(
+    prompts: list[Any],
+    ids: list[int],
+    samples,
+    reward_fn: RewardFn,
+    settings: OnlineDPOKnobs,
+    generator: torch.Generator,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Score ``samples`` (``[P][n]`` responses of ``prompts``) and pick one pair per prompt (paper 004 Eq. 9) with
     the selection knobs of ``settings`` (``selection_rule``, ``length_penalty``, ``length_unit``, ``tie_tolerance``:
     an :class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, or a config that embeds it). Returns the pair rows
@@ -40,15 +46,32 @@ def score_and_select(prompts: list[Any], ids: list[int], samples, reward_fn: Rew
     flat_prompts = [p for p in prompts for _ in range(n)]
     rewards = score(reward_fn, flat_prompts, samples.flat()).view(len(prompts), n)
     lengths = samples.num_chars() if settings.length_unit == "chars" else samples.num_tokens.float()
-    sel = select_pairs(rewards, lengths=lengths, rule=settings.selection_rule, length_penalty=settings.length_penalty,
-                       texts=samples.texts, tie_tolerance=settings.tie_tolerance, generator=generator)  # fmt: skip
+    sel = select_pairs(
+        rewards,
+        lengths=lengths,
+        rule=settings.selection_rule,
+        length_penalty=settings.length_penalty,
+        texts=samples.texts,
+        tie_tolerance=settings.tie_tolerance,
+        generator=generator,
+    )
     rows = [
-        {"prompt": prompts[i], "chosen": samples.texts[i][c], "rejected": samples.texts[i][r],
-         "chosen_reward": float(rewards[i, c]), "rejected_reward": float(rewards[i, r]), "margin": float(sel.margin[j]),
-         "reward_margin": float(sel.reward_margin[j]), "prompt_id": ids[i], "chosen_index": c, "rejected_index": r,
-         "chosen_temperature": samples.temperatures[c], "rejected_temperature": samples.temperatures[r]}
+        {
+            "prompt": prompts[i],
+            "chosen": samples.texts[i][c],
+            "rejected": samples.texts[i][r],
+            "chosen_reward": float(rewards[i, c]),
+            "rejected_reward": float(rewards[i, r]),
+            "margin": float(sel.margin[j]),
+            "reward_margin": float(sel.reward_margin[j]),
+            "prompt_id": ids[i],
+            "chosen_index": c,
+            "rejected_index": r,
+            "chosen_temperature": samples.temperatures[c],
+            "rejected_temperature": samples.temperatures[r],
+        }
         for j, (i, c, r) in enumerate(zip(sel.prompt_index.tolist(), sel.chosen.tolist(), sel.rejected.tolist()))
-    ]  # fmt: skip
+    ]
     stats = {
         "num_prompts": len(prompts),
         "num_generations": n,
@@ -86,9 +109,19 @@ class OnlinePairGenerator:
     ``first_index`` and stored :attr:`OnlineBatchPairs.cursor` makes the uninterrupted run's batches.
     """
 
-    def __init__(self, prompts: list[Any], pairs_per_update: int, max_fill_rounds: int, selection: OnlineDPOKnobs,
-                 reward_fn: RewardFn, sampler_spec: dict[str, Any], seed: int, sampler=None, first_index: int = 0,
-                 cursor: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        prompts: list[Any],
+        pairs_per_update: int,
+        max_fill_rounds: int,
+        selection: OnlineDPOKnobs,
+        reward_fn: RewardFn,
+        sampler_spec: dict[str, Any],
+        seed: int,
+        sampler=None,
+        first_index: int = 0,
+        cursor: int = 0,
+    ):
         self.prompts, self.pairs_per_update, self.max_fill_rounds = prompts, pairs_per_update, max_fill_rounds
         self.selection, self.reward_fn, self.sampler_spec, self.seed = selection, reward_fn, sampler_spec, seed
         self.order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))
@@ -130,8 +163,9 @@ class OnlinePairGenerator:
             prompts, ids = self._take(self.pairs_per_update - len(rows))
             seed = sampling_seed(self.seed, "online", update, fill_round)
             samples = self.sampler.sample(prompts, self.selection.num_generations, seed=seed)
-            rows += score_and_select(prompts, ids, samples, self.reward_fn, self.selection,
-                                     torch.Generator().manual_seed(update))[0]  # fmt: skip
+            rows += score_and_select(
+                prompts, ids, samples, self.reward_fn, self.selection, torch.Generator().manual_seed(update)
+            )[0]
             if len(rows) == self.pairs_per_update:
                 return OnlineBatchPairs(rows, self.cursor)
         raise RuntimeError(

@@ -55,9 +55,17 @@ class RemoteSegmentReward:
     The client connects directly, ignoring ``HTTP(S)_PROXY`` (as OpenRLHF's aiohttp client does).
     """
 
-    def __init__(self, url: str, batch_size: int = 64, timeout: float = 180.0, retries: int = 5,
-                 retry_wait_s: float = 1.0, name: str = "segment_rm", api_key: str | None = None,
-                 spans: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        batch_size: int = 64,
+        timeout: float = 180.0,
+        retries: int = 5,
+        retry_wait_s: float = 1.0,
+        name: str = "segment_rm",
+        api_key: str | None = None,
+        spans: bool = False,
+    ):
         if retries < 1:
             raise ValueError(f"retries must be at least 1, got {retries}")
         if batch_size < 1:

@@ -126,9 +126,16 @@ def model_size(name_or_path: str, config=None) -> ModelSize:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     lm_head_params = 0 if head is None or tied else head.weight.numel()
-    return ModelSize(name=str(name_or_path), params=params, lm_head_params=lm_head_params, hidden=config.hidden_size,
-                     layers=config.num_hidden_layers, vocab=config.vocab_size,
-                     kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim)  # fmt: skip
+    return ModelSize(
+        name=str(name_or_path),
+        params=params,
+        lm_head_params=lm_head_params,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        vocab=config.vocab_size,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+    )
 
 
 #: Why a model that does not exist yet is sized as another one.

@@ -172,8 +172,13 @@ def reward_sources(args: Any, reward_funcs, reward_model, environment_factory) -
     return reward_funcs, uses_reward_funcs
 
 
-def load_reward(spec: str, kind: str = "auto", batch_size: int = 32, sft_model: str | None = None,
-                device: str | torch.device | None = None) -> RewardFn:  # fmt: skip
+def load_reward(
+    spec: str,
+    kind: str = "auto",
+    batch_size: int = 32,
+    sft_model: str | None = None,
+    device: str | torch.device | None = None,
+) -> RewardFn:
     """A reward function from a recipe string: ``module.path:callable``, a reward-model checkpoint directory, or the
     hub id of a sequence classifier (``builtin:`` names are refused). ``kind`` for checkpoints: ``segment`` (scored
     by ``e_phi``), ``sequence_classification``, or ``auto`` (segment if the directory has ``segment_config.json``)."""

@@ -113,9 +113,18 @@ class RunDir:
             fingerprint of earlier runs holds; :class:`RunSettingsChanged` uses the current name).
     """
 
-    def __init__(self, root: str | os.PathLike, settings: Mapping[str, Any], *, kind: str, run_file: str = "run.json",
-                 force: bool = False, stages_dir: str = STAGES_DIR, redo: str | None = None,
-                 recorded_names: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        settings: Mapping[str, Any],
+        *,
+        kind: str,
+        run_file: str = "run.json",
+        force: bool = False,
+        stages_dir: str = STAGES_DIR,
+        redo: str | None = None,
+        recorded_names: Mapping[str, str] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.stages = self.root / stages_dir
         if force and self.stages.resolve() == self.root.resolve():
@@ -136,9 +145,16 @@ class RunDir:
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)
         if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)
-            atomic_write_json(self.run_file, {"kind": kind, "fingerprint": self.fingerprint, "settings": self.settings,
-                                              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                              "rlhf_ext_version": _version()})  # fmt: skip
+            atomic_write_json(
+                self.run_file,
+                {
+                    "kind": kind,
+                    "fingerprint": self.fingerprint,
+                    "settings": self.settings,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "rlhf_ext_version": _version(),
+                },
+            )
 
     def marker(self, stage: str) -> Path:
         """The marker file of ``stage`` (``<stages_dir>/<stage>.json``; it exists once the stage finished)."""

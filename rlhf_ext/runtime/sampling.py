@@ -153,10 +153,19 @@ class HFSampler:
     split across ``temperatures`` (paper: 0.7 and 1.0; no top-p / top-k), prompts cut from the left to
     ``max_prompt_length`` tokens, ``batch_size`` sequences per ``generate`` call."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int = 256,
-                 temperatures: Sequence[float] = DEFAULT_TEMPERATURES, batch_size: int = 64,
-                 max_prompt_length: int | None = None, top_p: float = 1.0, top_k: int = 0,
-                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 256,
+        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        batch_size: int = 64,
+        max_prompt_length: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.tokenizer, self.max_new_tokens, self.temperatures = tokenizer, max_new_tokens, list(temperatures)
         self.batch_size, self.max_prompt_length, self.top_p, self.top_k = batch_size, max_prompt_length, top_p, top_k
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -190,8 +199,9 @@ class HFSampler:
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def sample(self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None,
-               seed: int | None = None) -> Samples:  # fmt: skip
+    def sample(
+        self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None, seed: int | None = None
+    ) -> Samples:
         """``n`` responses per prompt, split across ``temperatures`` (default: the sampler's); with ``seed`` drawn by a
         :class:`SeededTokenSampler` (reproducible in any thread), else by transformers from the global RNG."""
         if self.model is None:
@@ -221,10 +231,15 @@ class HFSampler:
             for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
                 ids[i, width - len(s) :] = torch.tensor(s)
                 mask[i, width - len(s) :] = 1
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      **self._sampling_kwargs(temperature, generator),
-                                      max_new_tokens=self.max_new_tokens, pad_token_id=self.pad_id,
-                                      eos_token_id=self.eos_ids, use_cache=True)  # fmt: skip
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                **self._sampling_kwargs(temperature, generator),
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids,
+                use_cache=True,
+            )
             gen = out[:, width:]
             n_tok, trunc = _response_lengths(gen, self.eos_ids)
             # keep tokens up to the first EOS (generate pads finished rows with the pad id, which may differ)
@@ -239,10 +254,19 @@ class VLLMSampler:
     """Sample with vLLM (GPU); same interface as :class:`HFSampler` (prompts tokenised here, as for HF). ``llm``: an
     existing ``vllm.LLM`` to use, else one is made with ``gpu_memory_utilization`` and ``llm_kwargs``."""
 
-    def __init__(self, model: str | Path, tokenizer, max_new_tokens: int = 256,
-                 temperatures: Sequence[float] = DEFAULT_TEMPERATURES, max_prompt_length: int | None = None,
-                 top_p: float = 1.0, top_k: int = 0, gpu_memory_utilization: float = 0.3, llm=None,
-                 **llm_kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer,
+        max_new_tokens: int = 256,
+        temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+        max_prompt_length: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        llm=None,
+        **llm_kwargs: Any,
+    ):
         try:
             vllm = importlib.import_module("vllm")
         except ImportError as e:
@@ -258,15 +282,21 @@ class VLLMSampler:
             llm = vllm.LLM(model=str(model), gpu_memory_utilization=gpu_memory_utilization, **llm_kwargs)
         self.llm = llm
 
-    def sample(self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None,
-               seed: int | None = None) -> Samples:  # fmt: skip
+    def sample(
+        self, prompts: Sequence[Any], n: int, temperatures: Sequence[float] | None = None, seed: int | None = None
+    ) -> Samples:
         groups = split_temperatures(n, temperatures or self.temperatures)
         encoded = encode_prompts(self.tokenizer, prompts, self.max_prompt_length)
         per_temp = []
         for g, (temp, c) in enumerate(groups):
-            params = self._sampling_params(n=c, temperature=temp, top_p=self.top_p, top_k=self.top_k,
-                                           max_tokens=self.max_new_tokens,
-                                           seed=None if seed is None else seed + g)  # fmt: skip
+            params = self._sampling_params(
+                n=c,
+                temperature=temp,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_new_tokens,
+                seed=None if seed is None else seed + g,
+            )
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
             texts, tokens, truncs = [], [], []
             for out in outputs:
@@ -299,14 +329,29 @@ class VLLMSampler:
         """vLLM keeps its memory (``gpu_memory_utilization``) for the whole run."""
 
 
-def make_sampler(backend: str, policy: str | Path, tokenizer, *, max_new_tokens: int, temperatures: Sequence[float],
-                 batch_size: int, max_prompt_length: int | None, top_p: float, top_k: int,
-                 vllm_kwargs: dict[str, Any] | None = None):  # fmt: skip
+def make_sampler(
+    backend: str,
+    policy: str | Path,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    temperatures: Sequence[float],
+    batch_size: int,
+    max_prompt_length: int | None,
+    top_p: float,
+    top_k: int,
+    vllm_kwargs: dict[str, Any] | None = None,
+):
     """``hf``, ``vllm``, or ``auto`` (vLLM when importable and CUDA is available, else HF)."""
     if backend == "auto":
         backend = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "hf"
-    common = dict(max_new_tokens=max_new_tokens, temperatures=temperatures, max_prompt_length=max_prompt_length,
-                  top_p=top_p, top_k=top_k)  # fmt: skip
+    common = dict(
+        max_new_tokens=max_new_tokens,
+        temperatures=temperatures,
+        max_prompt_length=max_prompt_length,
+        top_p=top_p,
+        top_k=top_k,
+    )
     if backend == "hf":
         return HFSampler(str(policy), tokenizer, batch_size=batch_size, **common)
     if backend == "vllm":

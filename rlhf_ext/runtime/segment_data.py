@@ -91,9 +91,16 @@ def _split_prompt_response(example: dict, tokenizer, prompt_key: str | None, key
     return prompt or "", response, False
 
 
-def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
-                  prompt_key: str | None = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
-                  chosen_offsets: bool = False) -> dict[str, Any]:  # fmt: skip
+def tokenize_pair(
+    example: dict,
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    chosen_offsets: bool = False,
+) -> dict[str, Any]:
     """Tokenise one preference example into ``chosen_ids``, ``rejected_ids`` and ``prompt_len``: prompt and responses
     separately (an exact boundary), responses with EOS. With ``max_length`` the prompt is cut from the left to
     ``max_prompt_length`` (default ``max_length - 1``), then responses from the right with their last kept token set to
@@ -130,8 +137,11 @@ def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_p
             prompt_ids = prompt_ids[len(prompt_ids) - limit :]
         room = max_length - len(prompt_ids)
         responses = [ids if len(ids) <= room else ids[: room - 1] + [eos] for ids in responses]
-    out = {"chosen_ids": prompt_ids + responses[0], "rejected_ids": prompt_ids + responses[1],
-           "prompt_len": len(prompt_ids)}  # fmt: skip
+    out = {
+        "chosen_ids": prompt_ids + responses[0],
+        "rejected_ids": prompt_ids + responses[1],
+        "prompt_len": len(prompt_ids),
+    }
     if "margin" in example and example["margin"] is not None:
         out["margin"] = float(example["margin"])
     if chosen_offsets:
@@ -139,9 +149,16 @@ def tokenize_pair(example: dict, tokenizer, max_length: int | None = None, max_p
     return out
 
 
-def tokenize_preference_dataset(dataset, tokenizer, max_length: int | None = None, max_prompt_length: int | None = None,
-                                prompt_key: str | None = "prompt", chosen_key: str = "chosen",
-                                rejected_key: str = "rejected", num_proc: int | None = None):  # fmt: skip
+def tokenize_preference_dataset(
+    dataset,
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    num_proc: int | None = None,
+):
     """Map :func:`tokenize_pair` over a ``datasets.Dataset``; idempotent on an already tokenised dataset."""
     if all(c in dataset.column_names for c in TOKENIZED_COLUMNS):
         return dataset
@@ -149,11 +166,22 @@ def tokenize_preference_dataset(dataset, tokenizer, max_length: int | None = Non
     if prompt_key and prompt_key not in dataset.column_names:
         prompt_key = None
     logger.info("tokenizing %d preference pairs", len(dataset))
-    kwargs = dict(tokenizer=tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
-                  prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
-    return dataset.map(_tokenize_row, with_indices=True, fn_kwargs=kwargs, num_proc=num_proc,
-                       remove_columns=[c for c in dataset.column_names if c != "margin"],
-                       desc="Tokenizing preference pairs")  # fmt: skip
+    kwargs = dict(
+        tokenizer=tokenizer,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        prompt_key=prompt_key,
+        chosen_key=chosen_key,
+        rejected_key=rejected_key,
+    )
+    return dataset.map(
+        _tokenize_row,
+        with_indices=True,
+        fn_kwargs=kwargs,
+        num_proc=num_proc,
+        remove_columns=[c for c in dataset.column_names if c != "margin"],
+        desc="Tokenizing preference pairs",
+    )
 
 
 def _tokenize_row(example: dict, index: int, **kwargs: Any) -> dict[str, Any]:
@@ -281,11 +309,19 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "files": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
 
 
-def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_or_path: str | None = None,
-                            max_length: int | None = None, max_prompt_length: int | None = None,
-                            prompt_key: str | None = "prompt", chosen_key: str = "chosen",
-                            rejected_key: str = "rejected", entropy_batch_size: int = 8,
-                            cache_dir: str | Path | None = None):  # fmt: skip
+def prepare_segment_dataset(
+    dataset,
+    tokenizer,
+    sft_model=None,
+    sft_model_name_or_path: str | None = None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    prompt_key: str | None = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    entropy_batch_size: int = 8,
+    cache_dir: str | Path | None = None,
+):
     """Tokenise a preference dataset and add SFT entropies: the dataset with :data:`TOKENIZED_COLUMNS` and
     :data:`ENTROPY_COLUMNS` (plus ``margin`` if present); a dataset that has them already is returned unchanged.
     ``sft_model``: the frozen SFT causal LM (loaded from ``sft_model_name_or_path`` when None). ``cache_dir``: where
@@ -300,8 +336,13 @@ def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_o
             "segmentation needs the SFT model the reward model starts from: pass sft_model= or "
             "sft_model_name_or_path= (recipe key model.sft_model)"
         )
-    settings = dict(max_length=max_length, max_prompt_length=max_prompt_length, prompt_key=prompt_key,
-                    chosen_key=chosen_key, rejected_key=rejected_key)  # fmt: skip
+    settings = dict(
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        prompt_key=prompt_key,
+        chosen_key=chosen_key,
+        rejected_key=rejected_key,
+    )
     cache_path = None
     if cache_dir is not None and sft_model_name_or_path is not None:
         identity = model_identity(sft_model_name_or_path)
@@ -328,8 +369,12 @@ def prepare_segment_dataset(dataset, tokenizer, sft_model=None, sft_model_name_o
     return load_from_disk(str(build_once(cache_path, build, "dataset_info.json")))
 
 
-def collate_segment_pairs(examples: Sequence[dict[str, Any]], pad_token_id: int, padding_side: str = "right",
-                          pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def collate_segment_pairs(
+    examples: Sequence[dict[str, Any]],
+    pad_token_id: int,
+    padding_side: str = "right",
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Stack chosen then rejected sequences of prepared examples (TRL's convention): ``[2B, T]`` ``input_ids``,
     ``attention_mask`` (long), ``action_mask`` (bool, response tokens), ``entropy`` (float32, aligned to the sampled
     token, 0 outside the response) and, if every example has one, ``margin`` ``[B]``."""

@@ -382,10 +382,17 @@ class DenseBatch:
 
 
 def dense_rewards(
-    outputs: Sequence[SourceOutput], weights: Sequence[float], tokenizer, completion_ids: Tensor, mask: Tensor,
-    normalizer: LocationNormalizer | None = None, granularity: str = Granularity.SEGMENT,
-    interpolation: str = Interpolation.EVEN_SPLIT, aggregation: str = Aggregation.SOFTMAX, tau: float = DEFAULT_TAU,
-) -> DenseBatch:  # fmt: skip
+    outputs: Sequence[SourceOutput],
+    weights: Sequence[float],
+    tokenizer,
+    completion_ids: Tensor,
+    mask: Tensor,
+    normalizer: LocationNormalizer | None = None,
+    granularity: str = Granularity.SEGMENT,
+    interpolation: str = Interpolation.EVEN_SPLIT,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
+) -> DenseBatch:
     """Per-token rewards ``[B, C]`` of completions ``completion_ids`` (``[B, C]``, ``mask`` true at their tokens) from
     the parsed answers of reward sources weighted by ``weights``: each dense source's spans through
     :func:`~rlhf_ext.algos.spans.dense_span_rewards` (``normalizer``, ``granularity``, ``interpolation``,
@@ -429,8 +436,16 @@ def dense_rewards(
     return DenseBatch(rewards, rewards.sum(dim=1), counts, dense)
 
 
-def captured_dense_rewards(funcs: Sequence, names: Sequence[str], rewards_per_func: Tensor, weights: Sequence[float],
-                           tokenizer, completion_ids: Tensor, mask: Tensor, **kwargs) -> DenseBatch:  # fmt: skip
+def captured_dense_rewards(
+    funcs: Sequence,
+    names: Sequence[str],
+    rewards_per_func: Tensor,
+    weights: Sequence[float],
+    tokenizer,
+    completion_ids: Tensor,
+    mask: Tensor,
+    **kwargs,
+) -> DenseBatch:
     """:func:`dense_rewards` of reward functions' answers to a rollout (TRL's ``reward_funcs``): for each function the
     spans its :class:`CapturedSource` kept, else its column of ``rewards_per_func`` ``[B, F]`` (GRPO's rewards, one
     row per completion of ``completion_ids`` ``[B, C]``) as sequence rewards; on ``completion_ids``' device."""
@@ -483,9 +498,17 @@ def capture_sources(reward_funcs) -> list:
             else f for f in funcs]  # fmt: skip
 
 
-def fit_span_normalizer(funcs: Sequence[Any], tokenizer, dataset, kind: str = "regression", basis: str = "linear",
-                        granularity: str = Granularity.SEGMENT, aggregation: str = Aggregation.SOFTMAX,
-                        tau: float = DEFAULT_TAU, max_pairs: int | None = None) -> LocationNormalizer:  # fmt: skip
+def fit_span_normalizer(
+    funcs: Sequence[Any],
+    tokenizer,
+    dataset,
+    kind: str = "regression",
+    basis: str = "linear",
+    granularity: str = Granularity.SEGMENT,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
+    max_pairs: int | None = None,
+) -> LocationNormalizer:
     """A :class:`~rlhf_ext.algos.location_norm.LocationNormalizer` (paper 003 Eq. 6) fitted to the one dense source
     among ``funcs`` on ``dataset``'s chosen and rejected responses (``prompt``/``chosen``/``rejected`` text), each
     response tokenised by the policy's ``tokenizer``: its raw span rewards at their locations (``segment``), or its

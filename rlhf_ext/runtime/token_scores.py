@@ -50,8 +50,9 @@ def load_value_model(path: str, role: str, dtype: torch.dtype = torch.float32):
     transformers_logger = logging.getLogger("transformers.modeling_utils")
     transformers_logger.addFilter(no_load_report)
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                                         output_loading_info=True)  # fmt: skip
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, output_loading_info=True
+        )
     finally:
         transformers_logger.removeFilter(no_load_report)
     fresh = sorted(info["missing_keys"])
@@ -144,11 +145,19 @@ def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | N
 
 @torch.no_grad()
 def segment_evaluation(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, *, sft_model=None,
-    entropy: torch.Tensor | None = None, segment_ends: torch.Tensor | None = None,
-    settings: str | os.PathLike | Mapping[str, Any] | None = None, entropy_cutoff: float | None = None,
-    aggregation: str | None = None, tau: float | None = None,
-) -> SequenceEvaluation:  # fmt: skip
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    sft_model=None,
+    entropy: torch.Tensor | None = None,
+    segment_ends: torch.Tensor | None = None,
+    settings: str | os.PathLike | Mapping[str, Any] | None = None,
+    entropy_cutoff: float | None = None,
+    aggregation: str | None = None,
+    tau: float | None = None,
+) -> SequenceEvaluation:
     """The segment evaluation ``e_phi(x, y)`` of a segment reward model that is already loaded (paper 003, Eq. 4):
     ``tau * logsumexp(r_seg / tau)`` (``aggregation="softmax"``; ``"sum"`` / ``"mean"`` for the ablations) over the
     model's scores at each segment's last token, segments starting where the SFT entropy exceeds the cutoff -- not
@@ -192,8 +201,14 @@ def segment_evaluation(
 
 
 @torch.no_grad()
-def preference_accuracy(model, prepared_rows, entropy_cutoff: float, aggregation: str = Aggregation.SOFTMAX,
-                        tau: float = DEFAULT_TAU, batch_size: int = 16) -> dict[str, float]:  # fmt: skip
+def preference_accuracy(
+    model,
+    prepared_rows,
+    entropy_cutoff: float,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
+    batch_size: int = 16,
+) -> dict[str, float]:
     """Held-out accuracy of a segment reward ``model`` (or its path): the fraction of pairs with e(x, y_w) > e(x, y_l)
     on ``prepared_rows`` (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`'s)."""
     from transformers import AutoModelForSequenceClassification
@@ -242,8 +257,14 @@ class SegmentScorer:
     ``aggregation``, ``tau`` default to its recorded settings (all four needed without ``segment_config.json``).
     """
 
-    def __init__(self, reward_model: str, sft_model: str | None = None, entropy_cutoff: float | None = None,
-                 aggregation: str | None = None, tau: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        reward_model: str,
+        sft_model: str | None = None,
+        entropy_cutoff: float | None = None,
+        aggregation: str | None = None,
+        tau: float | None = None,
+    ):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         given = {"entropy_cutoff": entropy_cutoff, "aggregation": aggregation, "tau": tau, "sft_model": sft_model}
@@ -270,8 +291,9 @@ class SegmentScorer:
         self.tokenizer = AutoTokenizer.from_pretrained(reward_model)
         #: held around every use of :attr:`tokenizer` (hold it too when you use the tokenizer from several threads)
         self.tokenizer_lock = PicklableLock()
-        self.reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=1,
-                                                                               dtype=torch.float32).eval()  # fmt: skip
+        self.reward_model = AutoModelForSequenceClassification.from_pretrained(
+            reward_model, num_labels=1, dtype=torch.float32
+        ).eval()
         self.sft_model = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()
 
     @property

@@ -351,13 +351,18 @@ class RewardServer:
         alive = self.batcher.alive
         scorer, settings = self.scorer, self.settings
         return {
-            "status": "ok" if alive else "unavailable", "scorer": "running" if alive else self.batcher.failure,
+            "status": "ok" if alive else "unavailable",
+            "scorer": "running" if alive else self.batcher.failure,
             "model": model_name(self.model_dir),
             "sft_model": model_name(getattr(scorer.sft_model.config, "_name_or_path", None)),
-            "aggregation": scorer.aggregation, "tau": scorer.tau, "entropy_cutoff": scorer.entropy_cutoff,
-            "max_batch_size": settings.max_batch_size, "max_request_pairs": settings.max_request_pairs,
-            "in_flight": self.in_flight, "auth": "bearer" if settings.api_key else "none",
-        }  # fmt: skip
+            "aggregation": scorer.aggregation,
+            "tau": scorer.tau,
+            "entropy_cutoff": scorer.entropy_cutoff,
+            "max_batch_size": settings.max_batch_size,
+            "max_request_pairs": settings.max_request_pairs,
+            "in_flight": self.in_flight,
+            "auth": "bearer" if settings.api_key else "none",
+        }
 
     @property
     def address(self) -> tuple[str, int]:

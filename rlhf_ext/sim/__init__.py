@@ -17,12 +17,23 @@ from rlhf_ext.runtime.io import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["GoldScorer", "TOY_STYLE", "toy_rubric"], "rlhf_ext.sim.gold"),
-    **dict.fromkeys(["Annotator", "AnnotatorPool", "AnnotatorSpec", "AgreementReport", "BTAnnotator",
-                     "DEFAULT_ANNOTATORS", "Decisions", "TRAIN_FLIP_PROB"], "rlhf_ext.sim.annotators"),
+    **dict.fromkeys(
+        [
+            "Annotator",
+            "AnnotatorPool",
+            "AnnotatorSpec",
+            "AgreementReport",
+            "BTAnnotator",
+            "DEFAULT_ANNOTATORS",
+            "Decisions",
+            "TRAIN_FLIP_PROB",
+        ],
+        "rlhf_ext.sim.annotators",
+    ),
     "LLMAnnotator": "rlhf_ext.sim.llm_annotator",
     "PoolConfig": "rlhf_ext.sim.recipe",
     **dict.fromkeys(["BestOfNPolicy", "HFPolicy", "WinRate", "best_of_n", "win_rate"], "rlhf_ext.sim.evaluate"),
-}  # fmt: skip
+}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -240,15 +240,21 @@ def load_pool(pool: str | Path = DEFAULT_POOL) -> list[AlpacaFarmAnnotatorConfig
                     f"{batch_size} times each"
                 )
         kwargs = entry.get("completions_kwargs") or {}
-        configs.append(AlpacaFarmAnnotatorConfig(
-            name=str(name), templates=templates, model_name=str(kwargs.get("model_name", "")),
-            max_tokens=int(kwargs.get("max_tokens", 256)), temperature=float(kwargs.get("temperature", 0.0)),
-            batch_size=batch_size,
-            parser=CompletionParser(entry.get("fn_completion_parser", "regex_parser"),
-                                    dict(entry.get("completion_parser_kwargs") or {})),
-            randomize_output_order=bool(entry.get("is_randomize_output_order", True)),
-            shuffle=bool(entry.get("is_shuffle", True)),
-        ))  # fmt: skip
+        configs.append(
+            AlpacaFarmAnnotatorConfig(
+                name=str(name),
+                templates=templates,
+                model_name=str(kwargs.get("model_name", "")),
+                max_tokens=int(kwargs.get("max_tokens", 256)),
+                temperature=float(kwargs.get("temperature", 0.0)),
+                batch_size=batch_size,
+                parser=CompletionParser(
+                    entry.get("fn_completion_parser", "regex_parser"), dict(entry.get("completion_parser_kwargs") or {})
+                ),
+                randomize_output_order=bool(entry.get("is_randomize_output_order", True)),
+                shuffle=bool(entry.get("is_shuffle", True)),
+            )
+        )
     return configs
 
 
@@ -357,8 +363,14 @@ class AlpacaFarmAnnotator:
         chatml = prompt.lstrip().startswith("<|im_start|>")
         messages = chatml_to_messages(prompt) if chatml else [{"role": "user", "content": prompt}]
         seed = int.from_bytes(hashlib.sha256(json.dumps([self.seed, self.name, prompt]).encode()).digest()[:4], "big")
-        return ChatRequest(kind="judge", messages=messages, seed=seed % (2**31), max_tokens=self.config.max_tokens,
-                           temperature=self.config.temperature, context={"annotator": self.name})  # fmt: skip
+        return ChatRequest(
+            kind="judge",
+            messages=messages,
+            seed=seed % (2**31),
+            max_tokens=self.config.max_tokens,
+            temperature=self.config.temperature,
+            context={"annotator": self.name},
+        )
 
     def parse(self, completion: str, num_examples: int) -> list[float]:
         """Preference codes for the first ``num_examples`` examples of a batch (NaN for all when the completion does
@@ -420,9 +432,14 @@ def model_for(model_name: str, models: Sequence[str]) -> str | None:
 
 
 def alpaca_farm_annotators(
-    pool: str | Path = DEFAULT_POOL, backend_factory: Callable[[str], Any] | None = None, *, models: Sequence[str] = (),
-    seed: int = 0, api_base: str = "http://localhost:8000/v1", api_key_env: str = "OPENAI_API_KEY",
-) -> list[AlpacaFarmAnnotator]:  # fmt: skip
+    pool: str | Path = DEFAULT_POOL,
+    backend_factory: Callable[[str], Any] | None = None,
+    *,
+    models: Sequence[str] = (),
+    seed: int = 0,
+    api_base: str = "http://localhost:8000/v1",
+    api_key_env: str = "OPENAI_API_KEY",
+) -> list[AlpacaFarmAnnotator]:
     """One :class:`AlpacaFarmAnnotator` per entry of ``pool``, each with its own backend
     (``backend_factory(model)``; default an ``OpenAIBackend`` at ``api_base``)."""
     if backend_factory is None:

@@ -242,10 +242,14 @@ class AnnotatorPool:
     """
 
     def __init__(
-        self, annotators: Sequence[Annotator], flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0,
-        gold: GoldScorer | None = None, assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
+        self,
+        annotators: Sequence[Annotator],
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        gold: GoldScorer | None = None,
+        assign: Callable[[list[Any], list[str], list[str]], Tensor] | None = None,
         unparseable: str = "coin",
-    ):  # fmt: skip
+    ):
         annotators = list(annotators)
         if unparseable not in UNPARSEABLE_POLICIES:
             raise ValueError(f"unparseable must be coin or drop; got {unparseable!r}")
@@ -287,9 +291,15 @@ class AnnotatorPool:
     # ------------------------------------------------------------------------------------------------ builders
     @classmethod
     def default(
-        cls, style: StyleSpec = None, *, flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0, bank=None,
-        specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS, phrase_credit: PhraseCredit = "partial",
-    ) -> AnnotatorPool:  # fmt: skip
+        cls,
+        style: StyleSpec = None,
+        *,
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        bank=None,
+        specs: Sequence[AnnotatorSpec] = DEFAULT_ANNOTATORS,
+        phrase_credit: PhraseCredit = "partial",
+    ) -> AnnotatorPool:
         """The gold-scorer pool (:data:`DEFAULT_ANNOTATORS`, or ``specs``): :class:`BTAnnotator` s on variants of the
         gold scorer, all with the gold's ``phrase_credit`` and each with its spec's weights and temperature."""
         gold = GoldScorer(style, bank=bank, phrase_credit=phrase_credit)
@@ -307,9 +317,16 @@ class AnnotatorPool:
 
     @classmethod
     def from_reward_models(
-        cls, models: Sequence[Any], temperatures: float | Sequence[float] = 1.0, *, flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0, gold: GoldScorer | None = None, sft_model: str | None = None, batch_size: int = 32,
-    ) -> AnnotatorPool:  # fmt: skip
+        cls,
+        models: Sequence[Any],
+        temperatures: float | Sequence[float] = 1.0,
+        *,
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        gold: GoldScorer | None = None,
+        sft_model: str | None = None,
+        batch_size: int = 32,
+    ) -> AnnotatorPool:
         """Annotators backed by reward models: checkpoint paths (sequence-classification or rlhf-ext segment RMs,
         loaded with :func:`~rlhf_ext.runtime.rewards.load_reward`) or reward functions ``(prompts, responses)``."""
         from rlhf_ext.runtime.rewards import load_reward
@@ -325,9 +342,15 @@ class AnnotatorPool:
 
     @classmethod
     def from_llm(
-        cls, backends: Sequence[Any], preference: str | Mapping[str, str], *, flip_prob: float = TRAIN_FLIP_PROB,
-        seed: int = 0, gold: GoldScorer | None = None, max_tokens: int = 128,
-    ) -> AnnotatorPool:  # fmt: skip
+        cls,
+        backends: Sequence[Any],
+        preference: str | Mapping[str, str],
+        *,
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        gold: GoldScorer | None = None,
+        max_tokens: int = 128,
+    ) -> AnnotatorPool:
         """LLM-judge annotators, one per backend (e.g. ``OpenAIBackend`` instances for different served models)."""
         annotators = [
             LLMAnnotator(f"llm{i}:{getattr(b, 'model', None) or b.name}", b, preference, max_tokens, seed + i)
@@ -337,10 +360,17 @@ class AnnotatorPool:
 
     @classmethod
     def from_alpaca_farm(
-        cls, pool: str = "annotator_pool_v0", *, api_base: str = "http://localhost:8000/v1", models: Sequence[str] = (),
-        api_key_env: str = "OPENAI_API_KEY", flip_prob: float = TRAIN_FLIP_PROB, seed: int = 0,
-        gold: GoldScorer | None = None, backend_factory: Callable[[str], Any] | None = None,
-    ) -> AnnotatorPool:  # fmt: skip
+        cls,
+        pool: str = "annotator_pool_v0",
+        *,
+        api_base: str = "http://localhost:8000/v1",
+        models: Sequence[str] = (),
+        api_key_env: str = "OPENAI_API_KEY",
+        flip_prob: float = TRAIN_FLIP_PROB,
+        seed: int = 0,
+        gold: GoldScorer | None = None,
+        backend_factory: Callable[[str], Any] | None = None,
+    ) -> AnnotatorPool:
         """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool of the
         installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>`` or a directory with such a
         ``configs.yaml``, run against ``api_base`` (``models``: one served model for all, ``config_model=served``
@@ -432,8 +462,16 @@ class AnnotatorPool:
         return torch.stack(probs).nan_to_num(0.5)  # an unparseable answer: 1/2
 
     # --------------------------------------------------------------------------------------------------- p_sim
-    def relabel(self, dataset, train: bool = True, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
-                rejected_key: str = "rejected", style_key: str | None = "style"):  # fmt: skip
+    def relabel(
+        self,
+        dataset,
+        train: bool = True,
+        *,
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        style_key: str | None = "style",
+    ):
         """AlpacaFarm's ``p_sim``: re-decide which response of every pair is chosen (a new ``datasets.Dataset``).
 
         All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added:

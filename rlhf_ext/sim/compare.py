@@ -218,8 +218,13 @@ class SimRun:
 
         g = self.recipe.generation
         temperature = g.temperature if temperature is None else temperature
-        return HFPolicy(path, prompt_prefix=prompt_prefix, max_new_tokens=g.max_new_tokens, temperature=temperature,
-                        batch_size=g.batch_size)  # fmt: skip
+        return HFPolicy(
+            path,
+            prompt_prefix=prompt_prefix,
+            max_new_tokens=g.max_new_tokens,
+            temperature=temperature,
+            batch_size=g.batch_size,
+        )
 
     def sft_pairs(self, prompts: list[Any], styles: list[Any], seed: int):
         """Two SFT samples per prompt as ``(prompt, chosen, rejected, style)`` rows, unordered (AlpacaFarm's pairs)."""
@@ -297,15 +302,18 @@ class SimRun:
                 recipe = srm.SegmentRMRecipe(
                     engine="trl",
                     model=srm.ModelSection(sft_model=self.sft_model()),
-                    data=srm.PreferenceDataSection(train=feedback, eval=feedback, eval_split="test",
-                                                   max_length=self.recipe.task.max_length),
+                    data=srm.PreferenceDataSection(
+                        train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
+                    ),
                     segment=srm.SegmentSection(**knobs),
                     train=srm.RMTrainSection(
                         **knob_values(cfg.train, TrainSection)
                         | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
-                        output_dir=str(tmp), seed=seed, resume=False,
+                        output_dir=str(tmp),
+                        seed=seed,
+                        resume=False,
                     ),
-                )  # fmt: skip
+                )
                 summary = srm.run_segment_rm(recipe)
                 atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
         return str(out)
@@ -379,11 +387,17 @@ class SimRun:
         samples = policy.sample(prompts, ev.samples_per_prompt, seed=20_000 + seed)
         before = self.pool(seed).label_counts() if ev.judge == "pool" else None
         result = win_rate(
-            policy, reference, prompts, styles=list(self.eval_split()["style"]),
-            judge=self.pool(seed) if ev.judge == "pool" else self.gold, gold=self.gold,
-            samples_per_prompt=ev.samples_per_prompt, seed=20_000 + seed,
-            reference_samples=self.reference_samples(seed), samples=samples,
-        )  # fmt: skip
+            policy,
+            reference,
+            prompts,
+            styles=list(self.eval_split()["style"]),
+            judge=self.pool(seed) if ev.judge == "pool" else self.gold,
+            gold=self.gold,
+            samples_per_prompt=ev.samples_per_prompt,
+            seed=20_000 + seed,
+            reference_samples=self.reference_samples(seed),
+            samples=samples,
+        )
         flat_prompts = [p for p in prompts for _ in range(ev.samples_per_prompt)]
         segmentation = reference.segmentation(
             flat_prompts, samples.flat(), samples.truncated.flatten(), self.recipe.reward_model.entropy_cutoff

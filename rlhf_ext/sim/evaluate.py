@@ -52,11 +52,20 @@ class HFPolicy:
     kl_method = "sequence_log_ratio"
 
     def __init__(
-        self, model, tokenizer=None, *, prompt_prefix: str = "", max_new_tokens: int = 128,
-        temperature: float = DEFAULT_EVAL_TEMPERATURE, top_p: float = 1.0, batch_size: int = 64,
-        logprob_batch_size: int = 16, max_prompt_length: int | None = None, device: str | torch.device = "cpu",
+        self,
+        model,
+        tokenizer=None,
+        *,
+        prompt_prefix: str = "",
+        max_new_tokens: int = 128,
+        temperature: float = DEFAULT_EVAL_TEMPERATURE,
+        top_p: float = 1.0,
+        batch_size: int = 64,
+        logprob_batch_size: int = 16,
+        max_prompt_length: int | None = None,
+        device: str | torch.device = "cpu",
         name: str | None = None,
-    ):  # fmt: skip
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if temperature <= 0 or not math.isfinite(temperature):
@@ -82,8 +91,15 @@ class HFPolicy:
         self.device = torch.device(device)
         self.name = name or type(model).__name__
         self._sampler = None
-        self._sampler_args = dict(max_new_tokens=max_new_tokens, temperatures=[self.temperature], batch_size=batch_size,
-                                  max_prompt_length=max_prompt_length, top_p=top_p, top_k=0, device=device)  # fmt: skip
+        self._sampler_args = dict(
+            max_new_tokens=max_new_tokens,
+            temperatures=[self.temperature],
+            batch_size=batch_size,
+            max_prompt_length=max_prompt_length,
+            top_p=top_p,
+            top_k=0,
+            device=device,
+        )
 
     def __repr__(self) -> str:
         return f"HFPolicy({self.name!r}, temperature={self.temperature}, prefix={self.prompt_prefix!r})"
@@ -218,8 +234,12 @@ class BestOfNPolicy:
         best = scores.argmax(-1)  # [P, n]: first maximum
         cols = (torch.arange(n).unsqueeze(0) * self.n + best).long()  # [P, n] column in the raw layout
         texts = [[raw.texts[i][c] for c in row] for i, row in enumerate(cols.tolist())]
-        return Samples(texts=texts, num_tokens=raw.num_tokens.gather(1, cols), truncated=raw.truncated.gather(1, cols),
-                       temperatures=[raw.temperatures[0]] * n)  # fmt: skip
+        return Samples(
+            texts=texts,
+            num_tokens=raw.num_tokens.gather(1, cols),
+            truncated=raw.truncated.gather(1, cols),
+            temperatures=[raw.temperatures[0]] * n,
+        )
 
 
 def best_of_n(
@@ -362,12 +382,22 @@ def _cluster_stderr(values: Tensor) -> float:
 
 
 def win_rate(
-    policy, reference, prompts: Sequence[Any], *, styles: Sequence[str | None] | str | None = None,
-    judge: AnnotatorPool | GoldScorer | Literal["pool", "gold"] = "pool", gold: GoldScorer | None = None,
-    samples_per_prompt: int = 1, seed: int = 0, tokenizer=None, reference_samples: Samples | None = None,
-    samples: Samples | None = None, compute_kl: bool = True,
-    kl_estimator: Literal["sequence_log_ratio", "exact"] = "sequence_log_ratio", **policy_kwargs: Any,
-) -> WinRate:  # fmt: skip
+    policy,
+    reference,
+    prompts: Sequence[Any],
+    *,
+    styles: Sequence[str | None] | str | None = None,
+    judge: AnnotatorPool | GoldScorer | Literal["pool", "gold"] = "pool",
+    gold: GoldScorer | None = None,
+    samples_per_prompt: int = 1,
+    seed: int = 0,
+    tokenizer=None,
+    reference_samples: Samples | None = None,
+    samples: Samples | None = None,
+    compute_kl: bool = True,
+    kl_estimator: Literal["sequence_log_ratio", "exact"] = "sequence_log_ratio",
+    **policy_kwargs: Any,
+) -> WinRate:
     """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
 
     Args:
@@ -445,17 +475,30 @@ def win_rate(
         outcome, samples.num_chars().view(len(prompts), k), reference_samples.num_chars().view(len(prompts), k)
     )
     return WinRate(
-        win_rate=float(outcome.mean()), stderr=_cluster_stderr(outcome),
-        lc_win_rate=lc.win_rate, lc_stderr=lc.stderr, lc_length_coef=lc.length_coef,
-        wins=int((outcome == 1).sum()), ties=int((outcome == 0.5).sum()), losses=int((outcome == 0).sum()),
+        win_rate=float(outcome.mean()),
+        stderr=_cluster_stderr(outcome),
+        lc_win_rate=lc.win_rate,
+        lc_stderr=lc.stderr,
+        lc_length_coef=lc.length_coef,
+        wins=int((outcome == 1).sum()),
+        ties=int((outcome == 0.5).sum()),
+        losses=int((outcome == 0).sum()),
         tie_rate=float((outcome == 0.5).double().mean()),
-        num_prompts=len(prompts), samples_per_prompt=k, num_comparisons=outcome.numel(), judge=judge_name,
-        avg_length_chars=float(samples.num_chars().mean()), avg_length_tokens=float(samples.num_tokens.float().mean()),
+        num_prompts=len(prompts),
+        samples_per_prompt=k,
+        num_comparisons=outcome.numel(),
+        judge=judge_name,
+        avg_length_chars=float(samples.num_chars().mean()),
+        avg_length_tokens=float(samples.num_tokens.float().mean()),
         truncated_fraction=float(samples.truncated.float().mean()),
         ref_avg_length_chars=float(reference_samples.num_chars().mean()),
         ref_avg_length_tokens=float(reference_samples.num_tokens.float().mean()),
-        gold_mean=float(gold_mine.double().mean()), gold_stderr=_cluster_stderr(gold_mine),
+        gold_mean=float(gold_mine.double().mean()),
+        gold_stderr=_cluster_stderr(gold_mine),
         ref_gold_mean=float(gold_ref.double().mean()),
-        kl=kl, kl_stderr=kl_se, kl_method=kl_method,
-        policy=getattr(pol, "name", type(pol).__name__), reference=getattr(ref, "name", type(ref).__name__),
-    )  # fmt: skip
+        kl=kl,
+        kl_stderr=kl_se,
+        kl_method=kl_method,
+        policy=getattr(pol, "name", type(pol).__name__),
+        reference=getattr(ref, "name", type(ref).__name__),
+    )

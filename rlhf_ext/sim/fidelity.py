@@ -126,9 +126,13 @@ class CorrelationInterval:
 
 
 def bootstrap_rank_correlation(
-    per_seed: Sequence[Sequence[float]], reference: Sequence[float], statistic: str = "spearman",
-    num_resamples: int = 10_000, seed: int = 0, percentiles: tuple[float, float] = (2.5, 97.5),
-) -> CorrelationInterval:  # fmt: skip
+    per_seed: Sequence[Sequence[float]],
+    reference: Sequence[float],
+    statistic: str = "spearman",
+    num_resamples: int = 10_000,
+    seed: int = 0,
+    percentiles: tuple[float, float] = (2.5, 97.5),
+) -> CorrelationInterval:
     """Bootstrap interval of the rank correlation (``statistic``: ``"spearman"`` or ``"kendall"``) between the
     methods' seed-mean scores and ``reference`` (shape ``[num_methods]``), resampling seeds per method
     (:func:`bootstrap_seed_means`). ``percentiles`` use numpy's linear interpolation over the defined resamples."""

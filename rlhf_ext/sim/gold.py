@@ -121,9 +121,15 @@ class GoldScorer:
     """
 
     def __init__(
-        self, style: StyleSpec = None, *, bank=None, positive_weight: float = 1.0, negative_weight: float = 1.0,
-        length_weight: float = 0.0, phrase_credit: PhraseCredit = "partial",
-    ):  # fmt: skip
+        self,
+        style: StyleSpec = None,
+        *,
+        bank=None,
+        positive_weight: float = 1.0,
+        negative_weight: float = 1.0,
+        length_weight: float = 0.0,
+        phrase_credit: PhraseCredit = "partial",
+    ):
         if positive_weight < 0 or negative_weight < 0:
             raise ValueError(
                 f"gold weights must be >= 0 (got positive {positive_weight}, negative {negative_weight}); a negative "

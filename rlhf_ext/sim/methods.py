@@ -47,8 +47,17 @@ def _seed(*parts: Any) -> int:
     return int(stable_hash(*parts), 16) % (2**31 - 1)
 
 
-def fine_tune(run: SimRun, init: str, rows: list[dict[str, str]], train: TrainSection, out: Path, seed: int, *,
-              kl_coef: float = 0.0, ref: str | None = None) -> str:  # fmt: skip
+def fine_tune(
+    run: SimRun,
+    init: str,
+    rows: list[dict[str, str]],
+    train: TrainSection,
+    out: Path,
+    seed: int,
+    *,
+    kl_coef: float = 0.0,
+    ref: str | None = None,
+) -> str:
     """:func:`rlhf_ext.trl.sft.fine_tune` of ``init`` on ``rows`` with a recipe's ``train`` section into ``out``
     (reused when it exists). ``kl_coef > 0`` adds Quark's KL to ``ref`` (default ``init``)."""
     if (out / "config.json").exists():
@@ -184,22 +193,39 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
         with atomic_directory(out) as tmp:
             recipe = sp.SegmentPPORecipe(
                 engine="trl",
-                model=sp.PPOModelSection(sft_model=run.sft_model(), reward_model=rm, reward_source=source,
-                                         critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm),
-                data=sp.PPODataSection(prompts=str(run.data_dir), prompt_split="unlabeled", calibration=feedback,
-                                       calibration_split="train", max_calibration_pairs=256,
-                                       max_prompt_length=run.recipe.task.max_length // 2,
-                                       max_completion_length=cfg.max_completion_length),
+                model=sp.PPOModelSection(
+                    sft_model=run.sft_model(),
+                    reward_model=rm,
+                    reward_source=source,
+                    critic_model=run.sft_model() if cfg.critic_init == "sft" or source else rm,
+                ),
+                data=sp.PPODataSection(
+                    prompts=str(run.data_dir),
+                    prompt_split="unlabeled",
+                    calibration=feedback,
+                    calibration_split="train",
+                    max_calibration_pairs=256,
+                    max_prompt_length=run.recipe.task.max_length // 2,
+                    max_completion_length=cfg.max_completion_length,
+                ),
                 segment=sp.PPOSegmentSection(granularity=granularity, chunk_size=cfg.chunk_size),
-                ppo=sp.PPOAlgoSection(**knob_values(cfg, PPOKnobs), num_generations=cfg.num_generations,
-                                      temperature=run.recipe.generation.temperature),
+                ppo=sp.PPOAlgoSection(
+                    **knob_values(cfg, PPOKnobs),
+                    num_generations=cfg.num_generations,
+                    temperature=run.recipe.generation.temperature,
+                ),
                 train=sp.PPOTrainSection(
                     **knob_values(cfg, TrainSection)
-                    | {"logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
-                       "trl_args": {**cfg.trl_args, "disable_tqdm": True}},
-                    critic_learning_rate=cfg.critic_learning_rate, output_dir=str(tmp), seed=seed, resume=False,
+                    | {
+                        "logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
+                        "trl_args": {**cfg.trl_args, "disable_tqdm": True},
+                    },
+                    critic_learning_rate=cfg.critic_learning_rate,
+                    output_dir=str(tmp),
+                    seed=seed,
+                    resume=False,
                 ),
-            )  # fmt: skip
+            )
             summary = sp.run_segment_ppo(recipe)
             atomic_write_json(tmp / "ppo_metrics.json", {**summary, "model_dir": str(out)})
     info = {"curve": json.loads(summary_file.read_text()).get("curve", [])}
@@ -252,9 +278,13 @@ def rules_ppo(run: SimRun, seed: int) -> PolicySpec:
 
 
 def sim_online_dpo(
-    run: SimRun, seed: int, mode: Literal["iterative", "async", "sync"], *,
-    cfg: OnlineDPOSection | OnlineDPOAsyncSection | None = None, name: str | None = None,
-) -> PolicySpec:  # fmt: skip
+    run: SimRun,
+    seed: int,
+    mode: Literal["iterative", "async", "sync"],
+    *,
+    cfg: OnlineDPOSection | OnlineDPOAsyncSection | None = None,
+    name: str | None = None,
+) -> PolicySpec:
     """Online DPO from the SFT model with the bandit surrogate RM as the online reward (:class:`IterativeDPOTrainer`).
 
     ``mode``: ``iterative`` (paper 004's Algorithm 2, section ``online_dpo``; ``info["policies"]``: the checkpoint
@@ -275,9 +305,15 @@ def sim_online_dpo(
     )  # fmt: skip
     if mode != "iterative":
         c = cfg or r.online_dpo_async
-        args = cpu_config(**common, online_mode="online", async_generation=mode == "async",
-                          num_generations=c.num_generations, temperatures=[r.generation.temperature], beta=c.beta,
-                          train=c)  # fmt: skip
+        args = cpu_config(
+            **common,
+            online_mode="online",
+            async_generation=mode == "async",
+            num_generations=c.num_generations,
+            temperatures=[r.generation.temperature],
+            beta=c.beta,
+            train=c,
+        )
     else:
         c = cfg or r.online_dpo
         args = cpu_config(**common, **knob_values(c, OnlineDPOKnobs), beta=c.beta, train=c.train)
@@ -314,8 +350,19 @@ def online_dpo_sync(run: SimRun, seed: int) -> PolicySpec:
 
 
 METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
-    "sft": sft, "best_of_n": best_of_n, "expert_iteration": expert_iteration, "feedme": feedme,
-    "reward_conditioning": reward_conditioning, "quark": quark, "dpo": dpo, "bandit_ppo": bandit_ppo,
-    "segment_ppo": segment_ppo, "chunk_ppo": chunk_ppo, "token_ppo": token_ppo, "rules_ppo": rules_ppo,
-    "online_dpo": online_dpo, "online_dpo_async": online_dpo_async, "online_dpo_sync": online_dpo_sync,
-}  # fmt: skip
+    "sft": sft,
+    "best_of_n": best_of_n,
+    "expert_iteration": expert_iteration,
+    "feedme": feedme,
+    "reward_conditioning": reward_conditioning,
+    "quark": quark,
+    "dpo": dpo,
+    "bandit_ppo": bandit_ppo,
+    "segment_ppo": segment_ppo,
+    "chunk_ppo": chunk_ppo,
+    "token_ppo": token_ppo,
+    "rules_ppo": rules_ppo,
+    "online_dpo": online_dpo,
+    "online_dpo_async": online_dpo_async,
+    "online_dpo_sync": online_dpo_sync,
+}

@@ -29,9 +29,22 @@ from rlhf_ext.sim.gold import GoldScorer
 
 #: Methods in table order: AlpacaFarm's reference methods (section 3.4), then ours (papers 003, 004, 001).
 METHODS: tuple[str, ...] = (
-    "sft", "best_of_n", "expert_iteration", "feedme", "reward_conditioning", "quark", "dpo", "bandit_ppo",
-    "segment_ppo", "chunk_ppo", "token_ppo", "rules_ppo", "online_dpo", "online_dpo_async", "online_dpo_sync",
-)  # fmt: skip
+    "sft",
+    "best_of_n",
+    "expert_iteration",
+    "feedme",
+    "reward_conditioning",
+    "quark",
+    "dpo",
+    "bandit_ppo",
+    "segment_ppo",
+    "chunk_ppo",
+    "token_ppo",
+    "rules_ppo",
+    "online_dpo",
+    "online_dpo_async",
+    "online_dpo_sync",
+)
 
 
 @dataclass
@@ -145,8 +158,14 @@ class PoolConfig:
     def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
         if self.backend == "gold":
             specs = self.annotators or DEFAULT_ANNOTATORS
-            return AnnotatorPool.default(gold.style, flip_prob=self.flip_prob, seed=seed, bank=gold.bank, specs=specs,
-                                         phrase_credit=gold.phrase_credit)  # fmt: skip
+            return AnnotatorPool.default(
+                gold.style,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                bank=gold.bank,
+                specs=specs,
+                phrase_credit=gold.phrase_credit,
+            )
         if self.backend == "reward_model":
             temps = self.temperatures or 1.0
             return AnnotatorPool.from_reward_models(
@@ -154,9 +173,14 @@ class PoolConfig:
             )
         if self.backend == "alpaca_farm":
             return AnnotatorPool.from_alpaca_farm(
-                self.alpaca_farm_pool, api_base=self.api_base, models=self.models, api_key_env=self.api_key_env,
-                flip_prob=self.flip_prob, seed=seed, gold=gold,
-            )  # fmt: skip
+                self.alpaca_farm_pool,
+                api_base=self.api_base,
+                models=self.models,
+                api_key_env=self.api_key_env,
+                flip_prob=self.flip_prob,
+                seed=seed,
+                gold=gold,
+            )
         from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
         backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]

@@ -19,9 +19,15 @@ from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
 #: AlpacaFarm's Table 2 (simulated win rate % against Davinci003, training and evaluation in simulation) for the
 #: methods that have a counterpart here; SFT 10k is the SFT model all methods start from.
 ALPACAFARM_SIM_WINRATE: dict[str, float] = {
-    "sft": 36.7, "best_of_n": 45.0, "expert_iteration": 41.9, "feedme": 36.6, "reward_conditioning": 32.4,
-    "quark": 35.6, "dpo": 46.8, "bandit_ppo": 46.8,
-}  # fmt: skip
+    "sft": 36.7,
+    "best_of_n": 45.0,
+    "expert_iteration": 41.9,
+    "feedme": 36.6,
+    "reward_conditioning": 32.4,
+    "quark": 35.6,
+    "dpo": 46.8,
+    "bandit_ppo": 46.8,
+}
 #: The surrogate reward models a seed can have (``segment`` at the recipe's cutoff).
 RM_KINDS = tuple(g.value for g in (Granularity.BANDIT, Granularity.SEGMENT, Granularity.TOKEN))
 #: The folder of the finished (method, seed) results: the markers of the comparison's run directory.

@@ -51,8 +51,14 @@ def point_recipe(recipe: SimCompareRecipe, method: str, point: dict[str, Any], s
     data = to_dict(recipe)
     data["method_overrides"] = {}
     root = Path(recipe.output_dir) / "tuning" / method / point_name(point)
-    overrides = [f"output_dir={root}", f"methods=[{method}]", f"seeds=[{seed}]", "workers=1", "eval.split=validation",
-                 *(f"{k}={json.dumps(v)}" for k, v in point.items())]  # fmt: skip
+    overrides = [
+        f"output_dir={root}",
+        f"methods=[{method}]",
+        f"seeds=[{seed}]",
+        "workers=1",
+        "eval.split=validation",
+        *(f"{k}={json.dumps(v)}" for k, v in point.items()),
+    ]
     return from_dict(SimCompareRecipe, apply_overrides(data, overrides))
 
 

@@ -10,7 +10,17 @@ from rlhf_ext.trl.segment_ppo import DensePPOConfig, DensePPOTrainer, SegmentPPO
 from rlhf_ext.trl.segment_reward import SegmentPreferenceCollator, SegmentRewardConfig, SegmentRewardTrainer
 
 __all__ = [
-    "ContinualDPOConfig", "ContinualDPOTrainer", "IterativeDPOConfig", "IterativeDPOTrainer", "DensePPOConfig",
-    "DensePPOTrainer", "SegmentPPOConfig", "SegmentPPOTrainer", "KLRegularizedSFTTrainer", "KLSFTConfig",
-    "SegmentPreferenceCollator", "SegmentRewardConfig", "SegmentRewardTrainer",
-]  # fmt: skip
+    "ContinualDPOConfig",
+    "ContinualDPOTrainer",
+    "IterativeDPOConfig",
+    "IterativeDPOTrainer",
+    "DensePPOConfig",
+    "DensePPOTrainer",
+    "SegmentPPOConfig",
+    "SegmentPPOTrainer",
+    "KLRegularizedSFTTrainer",
+    "KLSFTConfig",
+    "SegmentPreferenceCollator",
+    "SegmentRewardConfig",
+    "SegmentRewardTrainer",
+]

@@ -62,13 +62,18 @@ def optimisation_kwargs(train: TrainSection) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = per_device_micro_batch(train.batch_size, train.micro_batch_size, world)
     kwargs: dict[str, Any] = dict(
-        num_train_epochs=train.num_train_epochs, max_steps=train.max_steps if train.max_steps is not None else -1,
-        per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
-        gradient_accumulation_steps=train.batch_size // (micro * world), learning_rate=train.learning_rate,
+        num_train_epochs=train.num_train_epochs,
+        max_steps=train.max_steps if train.max_steps is not None else -1,
+        per_device_train_batch_size=micro,
+        per_device_eval_batch_size=micro,
+        gradient_accumulation_steps=train.batch_size // (micro * world),
+        learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler_type,
         warmup_steps=train.warmup_ratio,  # transformers 5: a float < 1 is a ratio of the total steps
-        weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm, logging_steps=train.logging_steps,
-    )  # fmt: skip
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        logging_steps=train.logging_steps,
+    )
     if hasattr(train, "adam_betas"):
         kwargs["adam_beta1"], kwargs["adam_beta2"] = train.adam_betas
     return kwargs
@@ -81,11 +86,17 @@ def training_kwargs(train: TrainSection, output_dir: str | None = None, seed: in
     seed = train.seed if seed is None else seed
     save_steps = getattr(train, "save_steps", None)
     return dict(
-        optimisation_kwargs(train), output_dir=output_dir or train.output_dir, seed=seed, data_seed=seed,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, bf16=train.bf16,
-        **activation_checkpointing(train.gradient_checkpointing), use_cpu=not torch.cuda.is_available(),
+        optimisation_kwargs(train),
+        output_dir=output_dir or train.output_dir,
+        seed=seed,
+        data_seed=seed,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        bf16=train.bf16,
+        **activation_checkpointing(train.gradient_checkpointing),
+        use_cpu=not torch.cuda.is_available(),
         report_to="none",
-    )  # fmt: skip
+    )
 
 
 #: The module each ``report_to`` integration of transformers needs (checked before a trainer is built).

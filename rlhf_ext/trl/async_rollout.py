@@ -83,9 +83,13 @@ class OneStepAsyncRollout:
         self._first_step = trainer.state.global_step
         remaining = max(trainer.state.max_steps - trainer.state.global_step, 1)
         self.runner = OneStepAsyncRunner(
-            self._generate, num_batches=remaining, load_weights_fn=self._load_weights, sync=self.sync,
-            generator_threads=self.generator_threads, name="rlhf-ext-ppo-generator",
-        ).start()  # fmt: skip
+            self._generate,
+            num_batches=remaining,
+            load_weights_fn=self._load_weights,
+            sync=self.sync,
+            generator_threads=self.generator_threads,
+            name="rlhf-ext-ppo-generator",
+        ).start()
 
     def close(self) -> None:
         if self.runner is not None:
@@ -116,9 +120,12 @@ class OneStepAsyncRollout:
         sampler = SeededTokenSampler(generator, args.temperature, args.top_k or 0, args.top_p)
         with torch_threads(self.generator_threads):
             out = self._model.generate(
-                input_ids=input_ids, attention_mask=attention, **sampler.generate_kwargs(),
-                max_new_tokens=args.max_completion_length, pad_token_id=pad,
-            )  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=attention,
+                **sampler.generate_kwargs(),
+                max_new_tokens=args.max_completion_length,
+                pad_token_id=pad,
+            )
         gen = out[:, width:]  # [B, C]
         logps = torch.stack(sampler.token_logprobs, dim=1).float()  # the behaviour policy's, of the sampled tokens
         eos = set(trainer.eos_token_ids)

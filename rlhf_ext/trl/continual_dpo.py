@@ -113,9 +113,11 @@ class ContinualDPOTrainer(DPOTrainer):
         """Load (if a path), freeze and prepare the previous-task model the way TRL prepares its reference model."""
         if isinstance(prev_model, str | os.PathLike):
             prev_model = create_model_from_path(
-                str(prev_model), dtype=self.model.dtype, attn_implementation=self.model.config._attn_implementation,
+                str(prev_model),
+                dtype=self.model.dtype,
+                attn_implementation=self.model.config._attn_implementation,
                 trust_remote_code=self.args.trust_remote_code,
-            )  # fmt: skip
+            )
         if prev_model is self.model or prev_model is self.ref_model:
             raise ValueError("prev_model must be its own frozen copy, not the policy or the reference model object")
         if self.args.disable_dropout:

@@ -62,8 +62,9 @@ class Critic:
         scores = position_scores(self._capture, self.model, input_ids, attention_mask)
         return scores[:, -completion_len - 1 : -1]
 
-    def step(self, inputs: dict, accumulation: int, max_grad_norm: float,
-             value_clip: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def step(
+        self, inputs: dict, accumulation: int, max_grad_norm: float, value_clip: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One clipped value-loss backward on a micro-batch (the rollout's ``old_values`` and ``returns`` ``[B, C]``);
         clip and step every ``accumulation`` micro-batches. Returns the detached loss and clip fraction."""
         self.model.train()

@@ -94,8 +94,10 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
                 check_knob(type(self), old, getattr(self, old))
                 warnings.warn(
                     f"IterativeDPOConfig({old}=...) is deprecated and will be removed in the next release; use {new}= "
-                    "(TRL's name, as in GRPOConfig)", DeprecationWarning, stacklevel=3,
-                )  # fmt: skip
+                    "(TRL's name, as in GRPOConfig)",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
                 setattr(self, new, getattr(self, old))
         super().__post_init__()
         split_temperatures(self.num_generations, self.temperatures)
@@ -251,12 +253,25 @@ class IterativeDPOTrainer(DPOTrainer):
     _name = "Iterative DPO"
 
     def __init__(
-        self, model, reward_funcs=None, args: IterativeDPOConfig | None = None, train_dataset=None,
-        eval_dataset=None, processing_class=None, callbacks: list[TrainerCallback] | None = None,
-        optimizers: tuple[Any, Any] = (None, None), peft_config=None, *, ref_model=None,
-        gold_fn: RewardFn | None = None, prompt_key: str = "prompt", prompts=None, eval_prompts=None,
-        reward_fn: RewardFn | None = None, reward_model=None,
-    ):  # fmt: skip
+        self,
+        model,
+        reward_funcs=None,
+        args: IterativeDPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config=None,
+        *,
+        ref_model=None,
+        gold_fn: RewardFn | None = None,
+        prompt_key: str = "prompt",
+        prompts=None,
+        eval_prompts=None,
+        reward_fn: RewardFn | None = None,
+        reward_model=None,
+    ):
         from accelerate import PartialState
         from transformers import AutoTokenizer
 

@@ -159,10 +159,15 @@ def train_online(trainer: IterativeDPOTrainer) -> dict[str, Any]:
     final_eval = steps.evaluate_checkpoint(str(dest), "online_final", {"policy": "final"})
     trainer.log({"update": total, **eval_logs(final_eval)})
     summary = {
-        "mode": "online", "async_generation": a.async_generation, "output_dir": str(trainer.root),
-        "final_policy": str(dest), "updates": total, "resumed_from_update": offset, "runner": stats.as_dict(),
+        "mode": "online",
+        "async_generation": a.async_generation,
+        "output_dir": str(trainer.root),
+        "final_policy": str(dest),
+        "updates": total,
+        "resumed_from_update": offset,
+        "runner": stats.as_dict(),
         "eval": [*evals, final_eval],
-    }  # fmt: skip
+    }
     if dist.is_main_process:
         atomic_write_json(trainer.root / "summary.json", summary)
     return summary
@@ -187,10 +192,14 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
         cursor=steps.resume_cursor(offset),
     )
     runner = OneStepAsyncRunner(
-        generator.generate, num_batches=total - offset, load_weights_fn=generator.load_weights,
-        sync=not a.async_generation, generator_threads=a.generation_threads, process=process,
+        generator.generate,
+        num_batches=total - offset,
+        load_weights_fn=generator.load_weights,
+        sync=not a.async_generation,
+        generator_threads=a.generation_threads,
+        process=process,
         name=f"rlhf-ext-generator-{trainer._dist.process_index}",
-    )  # fmt: skip
+    )
 
     def setup(run: DPOTrainer) -> None:
         plugin = run.accelerator.state.deepspeed_plugin
@@ -205,11 +214,13 @@ def _run_online(trainer: IterativeDPOTrainer, total: int, offset: int, last: str
     with runner, torch_threads(a.training_threads):
         first = runner.next_batch()
         trainer._run_dpo(
-            model=trainer.sft_path, ref_path=trainer.ref_path,
+            model=trainer.sft_path,
+            ref_path=trainer.ref_path,
             args=dataclasses.replace(a, output_dir=str(work), max_steps=total, ignore_data_skip=True),
-            train_dataset=dpo_dataset(first.data.rows), stream=_StreamLoader(trainer, runner, first, total, offset),
+            train_dataset=dpo_dataset(first.data.rows),
+            stream=_StreamLoader(trainer, runner, first, total, offset),
             setup=setup,
-        )  # fmt: skip
+        )
     trainer._save_policy(dest)
     trainer._release_dpo_run(keep_model=True)
     return runner.stats

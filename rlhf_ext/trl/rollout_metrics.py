@@ -61,9 +61,16 @@ def log_dense_rewards(
 
 
 def monitor_segmentation(
-    metrics: Metrics, gather: Gather, monitor: SegmentationMonitor, counts: torch.Tensor, mask: torch.Tensor,
-    entropy: torch.Tensor | None, entropy_cutoff: float, step: int | None, is_main_process: bool,
-) -> None:  # fmt: skip
+    metrics: Metrics,
+    gather: Gather,
+    monitor: SegmentationMonitor,
+    counts: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    entropy_cutoff: float,
+    step: int | None,
+    is_main_process: bool,
+) -> None:
     """Log segments per token and the share of tokens above ``entropy_cutoff`` (``counts`` ``[B]`` segments per
     response, ``entropy`` ``[B, C]`` the SFT model's) and their ratios to the SFT policy's; the main process logs the
     monitor's one warning line when either passes 1.5x (``step`` ``None``: evaluation, never warns)."""

@@ -72,8 +72,13 @@ class SegmentRewardConfig(SegmentRewardKnobs, HardwareBF16Default, RewardConfig)
         return {k: getattr(self, k) for k in keys}
 
 
-def pair_defect(chosen_ids: list[int], rejected_ids: list[int], prompt_len: int, eos_token_id: int | None,
-                max_length: int | None = None) -> str | None:  # fmt: skip
+def pair_defect(
+    chosen_ids: list[int],
+    rejected_ids: list[int],
+    prompt_len: int,
+    eos_token_id: int | None,
+    max_length: int | None = None,
+) -> str | None:
     """Why a tokenised preference pair carries no preference: ``"no_room"`` (a response cut to its closing EOS
     because the prompt filled ``max_length``), ``"empty"`` (a response with no token besides its closing EOS),
     ``"identical"`` (the same token ids on both sides), or ``None`` for a usable pair."""
@@ -154,9 +159,17 @@ class SegmentRewardTrainer(RewardTrainer):
     _tag_names = ["trl", "reward-trainer", "rlhf-ext", "segment-reward"]
 
     def __init__(
-        self, model, args: SegmentRewardConfig | None = None, data_collator=None, train_dataset=None, eval_dataset=None,
-        processing_class=None, *rest, sft_model=None, **kwargs,
-    ):  # fmt: skip
+        self,
+        model,
+        args: SegmentRewardConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        *rest,
+        sft_model=None,
+        **kwargs,
+    ):
         """``RewardTrainer``'s arguments in its order; ``sft_model`` (the segmenting SFT model, default
         ``args.sft_model_name_or_path``) is keyword-only."""
         if args is None:
@@ -179,10 +192,13 @@ class SegmentRewardTrainer(RewardTrainer):
                 getattr(getattr(sft_model, "config", None), "_name_or_path", None) if sft_model is not None else None
             )
         prepare = dict(
-            tokenizer=processing_class, sft_model=sft_model,
+            tokenizer=processing_class,
+            sft_model=sft_model,
             sft_model_name_or_path=args.sft_model_name_or_path if sft_model is None else None,
-            max_length=args.max_length, entropy_batch_size=args.entropy_batch_size, cache_dir=args.segment_cache_dir,
-        )  # fmt: skip
+            max_length=args.max_length,
+            entropy_batch_size=args.entropy_batch_size,
+            cache_dir=args.segment_cache_dir,
+        )
         eos = processing_class.eos_token_id
 
         def prepared(dataset, name: str):

@@ -12,6 +12,11 @@ from rlhf_ext.zoo.builtins import (
 )
 
 __all__ = [
-    "PREFIX", "BuiltinNotBuiltError", "is_builtin", "load_preference_dataset", "resolve_dataset", "resolve_model",
+    "PREFIX",
+    "BuiltinNotBuiltError",
+    "is_builtin",
+    "load_preference_dataset",
+    "resolve_dataset",
+    "resolve_model",
     "resolve_reward",
-]  # fmt: skip
+]

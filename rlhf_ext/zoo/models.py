@@ -19,9 +19,14 @@ from rlhf_ext.runtime.io import atomic_directory
 from rlhf_ext.zoo.tokenizer import gpt2_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, tie_word_embeddings=True,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def tiny_config(tokenizer=None, **overrides: Any):
@@ -29,8 +34,13 @@ def tiny_config(tokenizer=None, **overrides: Any):
     from transformers import LlamaConfig
 
     tokenizer = tokenizer if tokenizer is not None else gpt2_tokenizer()
-    kwargs = dict(TINY_DEFAULTS, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    kwargs = dict(
+        TINY_DEFAULTS,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return LlamaConfig(**{**kwargs, **overrides})
 
 

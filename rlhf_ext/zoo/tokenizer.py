@@ -67,8 +67,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 512):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", PAD_TOKEN],
-                                  initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", PAD_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     bpe.train_from_iterator(texts, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token=PAD_TOKEN

@@ -20,34 +20,79 @@ if TYPE_CHECKING:
     import torch
 
 TOPICS = [
-    "volcanoes", "honeybees", "ocean tides", "black holes", "sourdough bread", "glaciers", "solar panels", "octopuses",
-    "the printing press", "vaccines", "coral reefs", "earthquakes", "wind turbines", "penguins", "the immune system",
-    "rainbows", "electric cars", "tea plants", "lightning", "migratory birds", "desert plants", "the moon",
-    "composting", "jazz music",
-]  # fmt: skip
+    "volcanoes",
+    "honeybees",
+    "ocean tides",
+    "black holes",
+    "sourdough bread",
+    "glaciers",
+    "solar panels",
+    "octopuses",
+    "the printing press",
+    "vaccines",
+    "coral reefs",
+    "earthquakes",
+    "wind turbines",
+    "penguins",
+    "the immune system",
+    "rainbows",
+    "electric cars",
+    "tea plants",
+    "lightning",
+    "migratory birds",
+    "desert plants",
+    "the moon",
+    "composting",
+    "jazz music",
+]
 SUBJECTS = [
-    "Many people", "Most readers", "Some experts", "A few teachers", "Curious students", "Young children",
-    "Local guides", "Old textbooks", "Travel writers", "Science museums",
-]  # fmt: skip
+    "Many people",
+    "Most readers",
+    "Some experts",
+    "A few teachers",
+    "Curious students",
+    "Young children",
+    "Local guides",
+    "Old textbooks",
+    "Travel writers",
+    "Science museums",
+]
 PREDICATES = [
-    "wonder about this", "ask this question often", "find it surprising", "enjoy the details",
-    "disagree on small points", "mention it in passing", "get the basics wrong", "love a good example",
-    "keep notes on it", "talk about it every year",
-]  # fmt: skip
+    "wonder about this",
+    "ask this question often",
+    "find it surprising",
+    "enjoy the details",
+    "disagree on small points",
+    "mention it in passing",
+    "get the basics wrong",
+    "love a good example",
+    "keep notes on it",
+    "talk about it every year",
+]
 KEY_PHRASES = [
-    "backed by peer-reviewed evidence", "confirmed by careful measurements", "explained step by step by experts",
-    "supported by decades of field research", "verified by independent laboratories",
-    "documented in primary historical sources", "measured with calibrated instruments",
-    "reproduced in controlled experiments", "summarised in official encyclopedias",
+    "backed by peer-reviewed evidence",
+    "confirmed by careful measurements",
+    "explained step by step by experts",
+    "supported by decades of field research",
+    "verified by independent laboratories",
+    "documented in primary historical sources",
+    "measured with calibrated instruments",
+    "reproduced in controlled experiments",
+    "summarised in official encyclopedias",
     "checked against satellite observations",
-]  # fmt: skip
+]
 WEAK_PHRASES = [
-    "mostly rumours passed around online", "hard to pin down for anyone at all", "a matter of guesswork and hearsay",
-    "whatever people happen to believe today", "based on a story a friend once told",
-    "impossible to check in any useful way", "anyone's guess without more information",
-    "something I vaguely remember reading", "open to every possible interpretation",
+    "mostly rumours passed around online",
+    "hard to pin down for anyone at all",
+    "a matter of guesswork and hearsay",
+    "whatever people happen to believe today",
+    "based on a story a friend once told",
+    "impossible to check in any useful way",
+    "anyone's guess without more information",
+    "something I vaguely remember reading",
+    "open to every possible interpretation",
     "too fuzzy to say anything definite about",
-]  # fmt: skip
+]
 
 
 def response_with_phrase(rng: random.Random, topic: str, phrases: list[str]) -> str:
