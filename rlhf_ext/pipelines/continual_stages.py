@@ -93,10 +93,13 @@ class DPOPolicyStage:
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "trainer"
         kwargs = dict(
-            **_training_kwargs(r.train, task.seed, str(work)), beta=r.dpo.beta, loss_type=[r.dpo.loss_type],
-            max_length=r.data.max_length, continual_kl_coef=task.continual_kl_coef,
+            **_training_kwargs(r.train, task.seed, str(work)),
+            beta=r.dpo.beta,
+            loss_type=[r.dpo.loss_type],
+            max_length=r.data.max_length,
+            continual_kl_coef=task.continual_kl_coef,
             continual_kl_estimator=r.continual.continual_kl_estimator,
-        )  # fmt: skip
+        )
         args = make_config(ContinualDPOConfig, kwargs, r.train.trl_args)
         ref_model = create_model_from_path(task.reference_policy, **(args.model_init_kwargs or {}))
         prev_model = task.previous_policy if task.continual_kl_coef > 0 else None  # c = 0: plain DPO, no frozen copy

@@ -39,12 +39,23 @@ def model_id(name_or_path: str) -> str:
 
 @torch.no_grad()
 def fit_normalizer(
-    reward_model, sft_model, tokenizer, dataset, kind: str = "regression", basis: str | None = "linear",
-    granularity: str = Granularity.SEGMENT, entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
-    aggregation: str = Aggregation.SOFTMAX, tau: float = DEFAULT_TAU, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    reward_model_id: str | None = None, max_length: int | None = None, batch_size: int = 16,
-    max_pairs: int | None = None, method: str = "ols",
-) -> LocationNormalizer:  # fmt: skip
+    reward_model,
+    sft_model,
+    tokenizer,
+    dataset,
+    kind: str = "regression",
+    basis: str | None = "linear",
+    granularity: str = Granularity.SEGMENT,
+    entropy_cutoff: float = DEFAULT_ENTROPY_CUTOFF,
+    aggregation: str = Aggregation.SOFTMAX,
+    tau: float = DEFAULT_TAU,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    reward_model_id: str | None = None,
+    max_length: int | None = None,
+    batch_size: int = 16,
+    max_pairs: int | None = None,
+    method: str = "ols",
+) -> LocationNormalizer:
     """Fit a normalizer from the reward model's rewards on ``dataset``'s chosen and rejected responses (preference rows
     or a prepared segment dataset), segmented as in PPO (:func:`dense_segment_rewards`). ``reward_model_id`` is
     recorded so PPO can refuse it for another reward model; ``kind``, ``basis``, ``method``:
@@ -214,9 +225,17 @@ def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
 
 
 def import_reference_normalizer(
-    path: str | Path, model_type: str, dataset: str, method: str, aggregation: str, cutoff: float, *,
-    reward_model: str | None = None, std_floor: float | None = None, max_segments: int = REFERENCE_MAX_SEGMENTS,
-) -> LocationNormalizer:  # fmt: skip
+    path: str | Path,
+    model_type: str,
+    dataset: str,
+    method: str,
+    aggregation: str,
+    cutoff: float,
+    *,
+    reward_model: str | None = None,
+    std_floor: float | None = None,
+    max_segments: int = REFERENCE_MAX_SEGMENTS,
+) -> LocationNormalizer:
     """The released normalizer ``model_type/dataset/method/aggregation/cutoff`` of a ``param.json`` (paper 003's
     public code), as a :class:`LocationNormalizer` (``Mean(p) = a ln p + c``, ``Std(p) = b ln p + d``; the other
     arguments: :meth:`LocationNormalizer.from_reference_params`). The cutoff matches numerically (``2`` finds

@@ -166,20 +166,19 @@ def tokenize_preference_dataset(
     if prompt_key and prompt_key not in dataset.column_names:
         prompt_key = None
     logger.info("tokenizing %d preference pairs", len(dataset))
-    kwargs = dict(
-        tokenizer=tokenizer,
-        max_length=max_length,
-        max_prompt_length=max_prompt_length,
-        prompt_key=prompt_key,
-        chosen_key=chosen_key,
-        rejected_key=rejected_key,
-    )
     return dataset.map(
         _tokenize_row,
         with_indices=True,
-        fn_kwargs=kwargs,
-        num_proc=num_proc,
+        fn_kwargs=dict(
+            tokenizer=tokenizer,
+            max_length=max_length,
+            max_prompt_length=max_prompt_length,
+            prompt_key=prompt_key,
+            chosen_key=chosen_key,
+            rejected_key=rejected_key,
+        ),
         remove_columns=[c for c in dataset.column_names if c != "margin"],
+        num_proc=num_proc,
         desc="Tokenizing preference pairs",
     )
 

@@ -299,10 +299,17 @@ def sim_online_dpo(
     out = run.seed_dir(seed) / name
     r = run.recipe
     common: dict[str, Any] = dict(
-        output_dir=str(out), max_completion_length=r.generation.max_new_tokens, generation_backend="hf",
-        generation_batch_size=r.generation.batch_size, max_length=r.task.max_length, eval_num_prompts=8,
-        eval_samples_per_prompt=1, generation_threads=r.threads, training_threads=r.threads, seed=seed,
-    )  # fmt: skip
+        output_dir=str(out),
+        max_completion_length=r.generation.max_new_tokens,
+        generation_backend="hf",
+        generation_batch_size=r.generation.batch_size,
+        max_length=r.task.max_length,
+        eval_num_prompts=8,
+        eval_samples_per_prompt=1,
+        generation_threads=r.threads,
+        training_threads=r.threads,
+        seed=seed,
+    )
     if mode != "iterative":
         c = cfg or r.online_dpo_async
         args = cpu_config(
@@ -319,9 +326,13 @@ def sim_online_dpo(
         args = cpu_config(**common, **knob_values(c, OnlineDPOKnobs), beta=c.beta, train=c.train)
     splits = run.splits()
     summary = train_online(
-        run.sft_model(), run.reward_model(seed, "bandit"), args=args, train_dataset=list(splits["unlabeled"]["prompt"]),
-        processing_class=AutoTokenizer.from_pretrained(run.sft_model()), gold_fn=run.gold,
-    )  # fmt: skip
+        run.sft_model(),
+        run.reward_model(seed, "bandit"),
+        args=args,
+        train_dataset=list(splits["unlabeled"]["prompt"]),
+        processing_class=AutoTokenizer.from_pretrained(run.sft_model()),
+        gold_fn=run.gold,
+    )
     info: dict[str, Any] = {"online_eval": summary["eval"][-1]}
     if mode == "iterative":
         info["policies"] = [e["path"] for e in summary["eval"]]

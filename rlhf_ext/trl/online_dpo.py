@@ -313,10 +313,14 @@ class IterativeDPOTrainer(DPOTrainer):
         # (DPOTrainer would load the reference of an instantiated model from its config's name)
         base_ref = None if isinstance(model, str | Path) else self._load_model(self.ref_path)
         super().__init__(
-            model=str(model) if isinstance(model, Path) else model, ref_model=base_ref, args=args,
-            train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key), processing_class=processing_class,
-            callbacks=callbacks, peft_config=copy.deepcopy(peft_config),
-        )  # fmt: skip
+            model=str(model) if isinstance(model, Path) else model,
+            ref_model=base_ref,
+            args=args,
+            train_dataset=_prompt_dataset(train_dataset, self.prompts, prompt_key),
+            processing_class=processing_class,
+            callbacks=callbacks,
+            peft_config=copy.deepcopy(peft_config),
+        )
 
     def _as_path(self, model, name: str, processing_class) -> str:
         if isinstance(model, str | Path):
@@ -407,10 +411,14 @@ class IterativeDPOTrainer(DPOTrainer):
         ref = self._load_model(ref_path)
         last = last_checkpoint(args.output_dir)
         run = (DPOTrainer if stream is None else StreamDPOTrainer)(
-            model=model, ref_model=ref, args=args, train_dataset=train_dataset, processing_class=self.processing_class,
+            model=model,
+            ref_model=ref,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=self.processing_class,
             callbacks=[*self._user_callbacks, CheckpointRecords()],  # rlhf-ext's record in every checkpoint
             peft_config=copy.deepcopy(self._peft_config),  # get_peft_model records the base model in it
-        )  # fmt: skip
+        )
         self._dpo_run, self.model, self.model_wrapped = run, run.model, run.model_wrapped
         if console is not None:
             use_console_output(run, callback=console)
