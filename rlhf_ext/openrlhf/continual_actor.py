@@ -100,9 +100,18 @@ class ContinualPolicyLoss(PolicyLoss):
     def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
         """A continual loss with every setting of an existing ``PolicyLoss`` (e.g. the one ``ActorPPOTrainer`` built
         from the command line) plus ``continual_kl_coef`` / ``continual_kl_estimator``."""
-        names = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type")
-        names += tuple(f"is_correction_{k}" for k in ("level", "mode", "gating", "threshold"))
-        new = cls(**{k: getattr(loss, k) for k in names}, **kwargs)
+        new = cls(
+            clip_eps_low=loss.clip_eps_low,
+            clip_eps_high=loss.clip_eps_high,
+            dual_clip=loss.dual_clip,
+            token_level_loss=loss.token_level_loss,
+            policy_loss_type=loss.policy_loss_type,
+            is_correction_level=loss.is_correction_level,
+            is_correction_mode=loss.is_correction_mode,
+            is_correction_gating=loss.is_correction_gating,
+            is_correction_threshold=loss.is_correction_threshold,
+            **kwargs,
+        )
         new.token_level_loss = loss.token_level_loss  # GSPO forces sequence-level in __init__; keep the final value
         return new
 
