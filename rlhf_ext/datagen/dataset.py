@@ -474,15 +474,12 @@ def merge(datasets: Iterable[ContinualDataset]) -> ContinualDataset:
             info.update(index=len(stages), source_dataset=k)
             infos.append(info)
             stages.append(dd)
+    modes = {d.metadata.get("drift", {}).get("mode", "none") for d in datasets}
     meta = {
         "name": "+".join(str(d.metadata.get("name", f"dataset{k}")) for k, d in enumerate(datasets)),
         "format": formats.pop(),
         "stages": infos,
         "merged_from": [copy.deepcopy(d.metadata) for d in datasets],
-        "drift": {"type": "merged", "mode": _merged_mode(datasets)},
+        "drift": {"type": "merged", "mode": overall_mode(modes)},
     }
     return ContinualDataset(stages, meta)
-
-
-def _merged_mode(datasets: list[ContinualDataset]) -> str:
-    return overall_mode({d.metadata.get("drift", {}).get("mode", "none") for d in datasets})

@@ -42,7 +42,7 @@ from rlhf_ext.datagen.chat import Backend, BackendUnavailable
 from rlhf_ext.datagen.dataset import ContinualDataset
 from rlhf_ext.datagen.phrasebank import load_phrase_bank
 from rlhf_ext.datagen.plan import plan_generation
-from rlhf_ext.datagen.runner import SampleRunner, ShardedRun, job_stream, pending_jobs, run_jobs
+from rlhf_ext.datagen.runner import SampleRunner, ShardedRun, pending_jobs, run_jobs
 from rlhf_ext.datagen.schema import DatagenConfig
 from rlhf_ext.runtime.log import progress as log_progress
 
@@ -94,7 +94,7 @@ async def agenerate_dataset(
                     if shards is None:
                         backend = backend if backend is not None else make_backend(config.generation, bank)
                         runner, limit = SampleRunner(plan, backend, bank), config.generation.max_concurrency
-                        await run_jobs(runner, job_stream(plan, pending), attempted, cache, bar, counts, limit, errors)
+                        await run_jobs(runner, pending, cache, bar, counts, limit, errors)
                         backend_stats = dict(backend.stats) if hasattr(backend, "stats") else None
                     else:
                         await shards.generate(bar, counts, errors)

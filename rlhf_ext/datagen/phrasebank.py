@@ -89,8 +89,7 @@ def _preference_slug(name: str) -> str | None:
     """The slug of a derived style name (``pref:<slug>`` or ``pref:<slug>:contrary``), None for other names."""
     if not name.startswith(PREFERENCE_STYLE_PREFIX):
         return None
-    slug = name[len(PREFERENCE_STYLE_PREFIX) :]
-    slug = slug[: -len(CONTRARY_SUFFIX)] if slug.endswith(CONTRARY_SUFFIX) else slug
+    slug = name[len(PREFERENCE_STYLE_PREFIX) :].removesuffix(CONTRARY_SUFFIX)
     return slug if re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug) else None
 
 

@@ -12,7 +12,6 @@ import math
 import pickle
 import random
 from collections import Counter
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +35,6 @@ class _Skip(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(detail or reason)
         self.reason = reason
-
-
-def _user(content: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
 
 
 def _text(completion: ChatCompletion, request: ChatRequest) -> str:
@@ -77,7 +72,7 @@ class SampleRunner:
         self.judge = make_judge(self.gen.resolved_judge(), backend, bank, self.gen.max_tokens_judge)
 
     def _request(self, kind: str, content: str, seed: int, max_tokens: int, ctx: dict[str, Any]) -> ChatRequest:
-        return ChatRequest(kind, _user(content), seed, max_tokens, self.gen.temperature, ctx)
+        return ChatRequest(kind, [{"role": "user", "content": content}], seed, max_tokens, self.gen.temperature, ctx)
 
     async def sample(self, job: SampleJob) -> dict[str, Any]:
         """Generate one sample; returns its cache record (``status`` ok or skipped). A failed request raises
@@ -128,17 +123,17 @@ class SampleRunner:
 
 async def run_jobs(
     runner: SampleRunner,
-    jobs: Iterable[SampleJob],
-    num_jobs: int,
+    pending: Pending,
     sink: SampleCache | SampleAppender,
     bar,
     counts: Counter,
     max_concurrency: int,
     errors: dict[str, str],
 ) -> None:
-    """Run ``jobs`` (``num_jobs`` of them) with ``max_concurrency`` workers between the backend's start and close,
-    appending each record to ``sink``; ``counts`` gets the outcomes, ``errors`` each failure's first message."""
-    jobs = iter(jobs)
+    """Run the ``pending`` jobs with ``max_concurrency`` workers between the backend's start and close, appending each
+    record to ``sink``; ``counts`` gets the outcomes, ``errors`` each failure's first message."""
+    plan = runner.plan
+    jobs = (job for s, positions in pending for job in plan.stage_jobs(plan.stages[s], positions))
 
     async def worker() -> None:
         for job in jobs:  # one shared iterator: every job is taken exactly once
@@ -159,6 +154,7 @@ async def run_jobs(
                 bar.set_postfix(skipped, refresh=False)
 
     await runner.backend.start()
+    num_jobs = sum(len(p) for _, p in pending)
     workers = [asyncio.create_task(worker()) for _ in range(max(1, min(max_concurrency, num_jobs)))]
     try:
         done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
@@ -184,11 +180,6 @@ def pending_jobs(plan: GenerationPlan, cache: SampleCache) -> Pending:
         where, _ = cache.locate(plan.stage_keys(stage))
         out.append((s, (where < 0).nonzero()[0]))
     return out
-
-
-def job_stream(plan: GenerationPlan, pending: Pending) -> Iterator[SampleJob]:
-    for s, positions in pending:
-        yield from plan.stage_jobs(plan.stages[s], positions)
 
 
 class _QueueBar:
@@ -234,8 +225,7 @@ def _shard_worker(
         start = path.stat().st_size if path.exists() else 0  # the parent's index covers the file up to here
         appender = SampleAppender(path)
         try:
-            n = sum(len(p) for _, p in share)
-            asyncio.run(run_jobs(runner, job_stream(plan, share), n, appender, bar, counts, concurrency, errors))
+            asyncio.run(run_jobs(runner, share, appender, bar, counts, concurrency, errors))
         finally:
             appender.close()
             bar.flush()

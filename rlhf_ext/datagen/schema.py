@@ -143,9 +143,7 @@ class TaskSpec:
     metadata: TaskMetadata = field(default_factory=TaskMetadata)
 
     def __post_init__(self):
-        if not self.name.strip():
-            raise ValueError("name must not be empty")
-        for key in ("objective", "preference"):
+        for key in ("name", "objective", "preference"):
             if not getattr(self, key).strip():
                 raise ValueError(f"{key} must not be empty")
         if not self.domain:
@@ -305,8 +303,7 @@ def config_path(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.exists():
         return p
-    name = str(name_or_path)
-    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    name = str(name_or_path).removesuffix(".yaml")
     packaged = resources.files("rlhf_ext.datagen") / "configs" / f"{name}.yaml"
     if packaged.is_file():
         return Path(str(packaged))
