@@ -153,15 +153,12 @@ class SampleCache:
         return self.path if worker == 0 else self.directory / SHARD_FILE.format(worker)
 
     # ------------------------------------------------------------------------------------------------ index
-    def _sample_files(self) -> list[Path]:
-        shards = sorted(self.directory.glob(SHARD_FILE.format("*")), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-        return [self.path, *shards]
-
     def refresh(self) -> None:
         """Add the records appended to the samples files since the last scan to the index (torn last lines cut off,
         duplicate keys keep their first record, records of :data:`NOT_FINAL_REASONS` dropped from the file)."""
         chunks = []
-        for path in self._sample_files():
+        shards = sorted(self.directory.glob(SHARD_FILE.format("*")), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        for path in [self.path, *shards]:
             if not path.exists():
                 continue
             if path not in self._scanned:

@@ -230,23 +230,19 @@ def generate(
         f"{stats.get('elapsed_s', 0):.1f} s)"
     )
     skipped = {k: v for k, v in stats.items() if k.startswith("skipped:")}  # cached: the answers were unusable
-    skipped_line = "  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    lines = [summary]
+    if skipped:
+        lines.append("  skipped:  " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
     failures = _failure_lines(stats)
     if usable == 0 and totals["planned"] > 0:  # nothing usable: say why and fail
-        click.echo(summary, err=True)
-        if skipped:
-            click.echo(skipped_line, err=True)
-        for line in failures:
-            click.echo(line, err=True)
+        click.echo("\n".join(lines + failures), err=True)
         why = "every request failed (see above)" if failures else "no answer could be used (see skipped above)"
         _fail(
             f"no usable samples in {output}: {why}. Failed samples are not cached: fix the server or the config and "
             "rerun the same command"
         )
     click.secho(f"wrote {len(ds)} stages to {output}", fg="green", bold=True)
-    click.echo(summary)
-    if skipped:
-        click.echo(skipped_line)
+    click.echo("\n".join(lines))
     for line in failures:
         click.secho(line, fg="yellow", err=True)
     if totals.get("missing"):

@@ -133,9 +133,6 @@ class ContinualDataset(collections.abc.Sequence):
             return self.stages[names.index(key)]
         return self.stages[key]
 
-    def __iter__(self):
-        return iter(self.stages)
-
     def __repr__(self) -> str:
         counts = ", ".join(f"{n}: {len(d['train'])}/{len(d['test'])}" for n, d in zip(self.names, self.stages))
         return f"ContinualDataset({len(self)} stages, train/test = {counts})"

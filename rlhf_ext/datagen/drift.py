@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlhf_ext.datagen.schema import DatagenConfig, TaskSpec
@@ -50,15 +50,7 @@ class Stage:
         return stage_dirname(self.index, self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "dir": self.dirname,
-            "weights": dict(self.weights),
-            "num_samples": self.num_samples,
-            "test_ratio": self.test_ratio,
-            "seed": self.seed,
-        }
+        return {**asdict(self), "dir": self.dirname}
 
 
 def stage_dirname(index: int, name: str) -> str:

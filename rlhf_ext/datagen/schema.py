@@ -332,15 +332,10 @@ def load_task_config(
         if not overrides:
             return source
         source = source.to_dict()
-    where = ""
-    name = "aif-gen"
-    if isinstance(source, dict):
-        data = source
-    else:
+    where, name, data = "", "aif-gen", source
+    if not isinstance(source, dict):
         path = config_path(source)
-        where = f"{path}: "
-        name = path.stem
-        data = read_yaml(path)
+        where, name, data = f"{path}: ", path.stem, read_yaml(path)
     if config_format == "auto":
         config_format = detect_config_format(data)
     if config_format == "aif-gen":
