@@ -1,23 +1,13 @@
 """``rlhf-ext data``: generate, inspect and transform synthetic continual preference datasets (paper Appendix D).
 
-    rlhf-ext data configs
-    rlhf-ext data generate CONFIG -o OUT [--backend offline|hf|openai] [--model M] [--api-base URL]
-                                         [--max-concurrency N] [--num-samples N] [--dry-run] [key.sub=value ...]
-                                         [--format plain|conversational] [--format auto|aif-gen|rlhf-ext]
-    rlhf-ext data import SOURCE -o OUT [--format auto|aif-gen|rlhf-ext] [--name NAME]
-    rlhf-ext data validate DATASET [--judge rule|llm] [--embedding-model minilm|PATH] [-o report.json]
-    rlhf-ext data preview DATASET [--stage NAME|INDEX] [-n 3]
-    rlhf-ext data sample DATASET -o OUT [--keep-ratio-train R] [--keep-test N] ...
-    rlhf-ext data transform preference_swap DATASET -o OUT [-p 0.1]
-    rlhf-ext data transform split DATASET -o OUT [--test-ratio 0.15]
-    rlhf-ext data merge DATASET... -o OUT
-    rlhf-ext data export DATASET -o DIR [--format jsonl|parquet|aif-gen] [--overwrite]
-
-Heavy libraries are imported inside the commands.
+Commands: ``configs``, ``generate``, ``import``, ``validate``, ``preview``, ``sample``, ``transform preference_swap``,
+``transform split``, ``merge`` and ``export`` (``rlhf-ext data COMMAND --help`` lists each one's options). Heavy
+libraries are imported inside the commands.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +41,15 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+@contextlib.contextmanager
+def _failing_on(*errors: type[BaseException]):
+    """Turn the ``errors`` raised in the block into the command's error (:func:`_fail`)."""
+    try:
+        yield
+    except errors as e:
+        _fail(str(e))
+
+
 def _load(path: str, output: str | None = None):
     """The continual dataset at ``path``; with ``output`` (the command's ``-o``), first refuse an output directory that
     is or holds ``path`` (:func:`~rlhf_ext.runtime.rundir.check_output_dir`)."""
@@ -59,10 +58,8 @@ def _load(path: str, output: str | None = None):
 
     if output is not None:
         check_output_dir(output, {"DATASET": path}, "-o")
-    try:
+    with _failing_on(FileNotFoundError, ValueError):
         return load_continual_dataset(path)
-    except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
 
 
 def _save(ds, out: str) -> None:
@@ -193,17 +190,13 @@ def generate(
     check_output_dir(output, {"CONFIG": config}, "-o")
     fmt, config_format = _split_formats(formats)
     if config_format != "auto":  # auto: load_task_config itself detects AIF-Gen's task_specs
-        try:
+        with _failing_on(RecipeError):
             config = load_task_config(config, (), config_format)
-        except RecipeError as e:
-            _fail(str(e))
     all_overrides = [*_backend_overrides(backend, model, api_base, max_concurrency, seed, fmt), *overrides]
     if dry_run:
         _check_dry_run_size(config, all_overrides, num_samples)
-    try:
+    with _failing_on(RecipeError):
         plan = plan_generation(config, all_overrides, num_samples)
-    except RecipeError as e:
-        _fail(str(e))
     if dry_run:
         cached = 0
         cache_dir = Path(output) / CACHE_DIR
@@ -248,10 +241,8 @@ def generate(
     if totals.get("missing"):
         click.echo(f"  missing:  {totals['missing']} (failed this run; rerun the command to retry them)")
     if hub_repo:
-        try:
+        with _failing_on(RuntimeError):
             ds.push_to_hub(hub_repo)
-        except RuntimeError as e:
-            _fail(str(e))
         click.echo(f"  pushed to the hub: {hub_repo}")
 
 
@@ -304,11 +295,9 @@ def validate(
         spec = dict(ds.metadata.get("config", {}).get("generation") or {})
         explicit = {"backend": backend, "model": model, "api_base": api_base, "max_concurrency": max_concurrency}
         spec.update({k: v for k, v in explicit.items() if v is not None})
-        try:
+        with _failing_on(RecipeError):
             llm_backend = make_backend(from_dict(GenerationSpec, spec))
-        except RecipeError as e:
-            _fail(str(e))
-    try:
+    with _failing_on(BackendUnavailable, RuntimeError, ValueError):
         report = validate_dataset(
             ds,
             embedding_model=embedding_model,
@@ -318,8 +307,6 @@ def validate(
             max_judge=max_judge,
             seed=seed,
         )
-    except (BackendUnavailable, RuntimeError, ValueError) as e:
-        _fail(str(e))
     click.echo(format_report(report))
     if output:
         atomic_write_json(output, report)
@@ -400,10 +387,8 @@ def sample(dataset, output, keep_ratio_train, keep_ratio_test, keep_train, keep_
 def _rewrite(dataset: str, output: str, transform, *args) -> None:
     """Save ``transform(DATASET, *args)`` to ``output`` (a ``ValueError`` is the command's error)."""
     ds = _load(dataset, output)
-    try:
+    with _failing_on(ValueError):
         out = transform(ds, *args)
-    except ValueError as e:
-        _fail(str(e))
     _save(out, output)
 
 
@@ -444,10 +429,8 @@ def merge_cmd(datasets, output) -> None:
     """Concatenate continual datasets in time (the stages of the first, then of the second, ...)."""
     from rlhf_ext.datagen.dataset import merge
 
-    try:
+    with _failing_on(ValueError):
         out = merge([_load(p, output) for p in datasets])
-    except ValueError as e:
-        _fail(str(e))
     _save(out, output)
 
 
@@ -471,10 +454,8 @@ def export(dataset, output, fmt, overwrite) -> None:
     """Write every stage's splits as JSONL or parquet files (plus the metadata), or AIF-Gen's dataset JSON, into a new
     or empty directory."""
     ds = _load(dataset)  # ContinualDataset.export checks OUTPUT against DATASET
-    try:
+    with _failing_on(ValueError):  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
         ds.export(output, fmt, overwrite=overwrite)
-    except ValueError as e:  # ExportDestinationError, or a stage AIF-Gen's format cannot hold
-        _fail(str(e))
     where = Path(output) / ds.export_files(fmt)[0] if fmt == "aif-gen" else output
     click.echo(f"exported {len(ds)} stages as {fmt} to {where}")
 
@@ -497,8 +478,6 @@ def import_cmd(source, output, fmt, name) -> None:
     from rlhf_ext.runtime.rundir import check_output_dir
 
     check_output_dir(output, {"SOURCE": source}, "-o")
-    try:
+    with _failing_on(FileNotFoundError, ValueError):
         ds = import_dataset(source, fmt, name)
-    except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
     _save(ds, output)
