@@ -166,24 +166,17 @@ def load_task_sequence(recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.
 
 def sequence_fingerprint(tasks: Sequence[Any]) -> str:
     """A short, process-stable hash of the task sequence (sizes and the first and last rows of every split)."""
-    parts = []
-    for task in tasks:
-        for split in ("train", "test"):
-            ds = task[split]
-            parts.append([len(ds), ds[0], ds[len(ds) - 1]])
-    return stable_hash(parts)
+    return stable_hash([[len(ds), ds[0], ds[len(ds) - 1]] for task in tasks for ds in (task["train"], task["test"])])
 
 
 # --------------------------------------------------------------------------------------------------------- stages
 def build_stages(recipe: ContinualRecipe) -> tuple[TaskStage, TaskStage | None]:
     """The (policy stage, reward-model stage or None) of the recipe's engine and algorithm."""
-    if recipe.engine == "trl" and recipe.algorithm == "dpo":
-        from rlhf_ext.pipelines.continual_stages import DPOPolicyStage, RewardModelStage
+    if recipe.engine == "trl" and recipe.algorithm in ("dpo", "ppo"):
+        from rlhf_ext.pipelines.continual_stages import DPOPolicyStage, PPOPolicyStage, RewardModelStage
 
-        return DPOPolicyStage(recipe), RewardModelStage(recipe) if recipe.reward_model.enabled else None
-    if recipe.engine == "trl" and recipe.algorithm == "ppo":
-        from rlhf_ext.pipelines.continual_stages import PPOPolicyStage, RewardModelStage
-
+        if recipe.algorithm == "dpo":
+            return DPOPolicyStage(recipe), RewardModelStage(recipe) if recipe.reward_model.enabled else None
         if not recipe.reward_model.enabled:
             raise TaskSequenceError("algorithm: ppo trains against per-task reward models: set reward_model.enabled")
         return PPOPolicyStage(recipe), RewardModelStage(recipe)
@@ -224,9 +217,6 @@ class ContinualRunner:
         self.run_dir: RunDir | None = None  # opened by run()
 
     # -- resume bookkeeping --------------------------------------------------------------------------------------
-    def _recipe_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self.recipe).items() if k not in RESUMABLE_KEYS}
-
     def _open_run(self) -> RunDir:
         """Open the run directory (every rank; the run file is written atomically), refusing to resume a run of
         another task sequence or recipe."""
@@ -237,7 +227,8 @@ class ContinualRunner:
             )
         _barrier()  # every rank has looked before any writes the run file
         fingerprint = sequence_fingerprint(self.tasks)
-        settings = {"task_sequence": fingerprint, "tasks": self.names, "recipe": self._recipe_dict()}
+        recipe = {k: v for k, v in dataclasses.asdict(self.recipe).items() if k not in RESUMABLE_KEYS}
+        settings = {"task_sequence": fingerprint, "tasks": self.names, "recipe": recipe}
         try:
             run_dir = RunDir(self.out, settings, kind="continual", run_file=RUN_FILE, stages_dir=".")
         except RunSettingsChanged as e:
@@ -304,7 +295,12 @@ class ContinualRunner:
                 continue
             if t > 0 and results[t - 1] is None:
                 raise TaskSequenceError(f"task {t - 1} is not finished, so task {t} cannot start")
-            results[t] = self._run_task(self.context(t), test_sets)
+            task = self.context(t)
+            record = dict(
+                task=t, continual_kl_coef=task.continual_kl_coef, seed=task.seed, policy_dir=str(task.policy_dir)
+            )
+            marker = f"{task.name}/{RESULT_STAGE}"
+            results[t] = self._run_stage(self.policy_stage, "policy", task, test_sets, record, marker)
             summary = self._write_summary(results)  # after every task: nothing finished is lost
         return summary if summary is not None else self._write_summary(results)
 
@@ -317,15 +313,6 @@ class ContinualRunner:
             return done
         record = {"task": t, "path": str(task.reward_model_dir)}
         return self._run_stage(self.reward_stage, "reward", task, test_sets, record, stage)
-
-    def _run_task(self, task: TaskContext, test_sets: Sequence[Any]) -> dict[str, Any]:
-        record = {
-            "task": task.index,
-            "continual_kl_coef": task.continual_kl_coef,
-            "seed": task.seed,
-            "policy_dir": str(task.policy_dir),
-        }
-        return self._run_stage(self.policy_stage, "policy", task, test_sets, record, f"{task.name}/{RESULT_STAGE}")
 
     def _run_stage(self, stage, what: str, task: TaskContext, test_sets, record: dict, marker: str) -> dict:
         """Run one stage on one task, check it scored every test set, then mark ``marker`` done with its record
@@ -343,11 +330,7 @@ class ContinualRunner:
 
     def _write_summary(self, results: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
         k = self.num_tasks
-        matrix = [[None] * k for _ in range(k)]  # R[task, checkpoint]
-        for t, res in enumerate(results):
-            if res is not None:
-                for task_k, score in enumerate(res["scores"]):
-                    matrix[task_k][t] = score
+        matrix = [[None if r is None else r["scores"][task_k] for r in results] for task_k in range(k)]  # R[task, ckpt]
         done = sum(r is not None for r in results)
         summary: dict[str, Any] = {
             "tasks": self.names,
@@ -401,13 +384,11 @@ def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Pa
     ends = [sum(steps[: t + 1]) for t in range(len(steps))]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     ax = axes[0]
-    offset = 0
-    for t, res in enumerate(results):
+    for t, (res, offset) in enumerate(zip(results, [0, *ends])):  # each task's steps after the tasks before it
         history = (res.get("metrics") or {}).get("log_history") or []
         xs = [offset + h["step"] for h in history if "loss" in h and "step" in h]
         ys = [h["loss"] for h in history if "loss" in h and "step" in h]
         ax.plot(xs, ys, color=f"C{t}", label=summary["tasks"][t])
-        offset = ends[t]
     ax.set(title="training loss", xlabel="step (all tasks)", ylabel="loss")
     ax = axes[1]
     matrix = summary["performance_matrix"]

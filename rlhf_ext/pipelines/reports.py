@@ -442,9 +442,8 @@ def _samples_section(samples: Mapping[str, list[SegmentView]]) -> str:
         cells = "".join(_sample_cell(p, samples[p][i], scale) for p in policies)
         pairs.append(f'<div class="pair"><div class="prompt">{_esc(first.prompt)}</div><div class="columns">{cells}'
                      "</div></div>")  # fmt: skip
-    names = " and ".join(policies)
     return (
-        f'<section id="samples"><h2>{_esc(names)} samples on the same held-out prompts</h2>'
+        f'<section id="samples"><h2>{_esc(" and ".join(policies))} samples on the same held-out prompts</h2>'
         f"<p>One sampled response of each policy per prompt (independent samples), split into segments and "
         f"coloured by the same segment reward model.</p>{_legend(scale)}{''.join(pairs)}</section>"
     )
@@ -462,10 +461,6 @@ def _curves_section(curve: list[dict[str, Any]]) -> str:
     )
 
 
-def _format_parameters(count: int) -> str:
-    return f"{count:,} ({count / 1e6:.2f} M)"
-
-
 def _provenance_section(provenance: Mapping[str, Any]) -> str:
     import yaml
 
@@ -479,7 +474,7 @@ def _provenance_section(provenance: Mapping[str, Any]) -> str:
         ("Seed", provenance["seed"]),
         ("Host CPUs", provenance["host_cpus"]),
         *((f"{name} version", version) for name, version in versions.items()),
-        *((f"Parameters: {role}", _format_parameters(n)) for role, n in provenance["parameters"].items()),
+        *((f"Parameters: {role}", f"{n:,} ({n / 1e6:.2f} M)") for role, n in provenance["parameters"].items()),
     ]
     fact_rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in facts)
     stage_rows = "".join(

@@ -254,9 +254,7 @@ def resolve_reward_source_spec(spec: str) -> str:
     kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if kind in ("prm", "segment-rm") and is_builtin(rest):
         return f"{kind}:{resolve_model(rest)}"
-    if kind == "rules":  # rules:builtin:DATASET is learned where it loads (cheap, deterministic)
-        return spec
-    if is_builtin(spec):
+    if is_builtin(spec):  # rules:builtin:DATASET stays: it is learned where it loads (cheap, deterministic)
         return f"segment-rm:{resolve_model(spec)}"
     return spec
 

