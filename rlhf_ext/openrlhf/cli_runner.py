@@ -135,7 +135,7 @@ def _cli_code(module: str):
     return compile(tree, spec.origin, "exec"), spec
 
 
-def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any], Any] | None = None) -> None:
+def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any], Any]) -> None:
     """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv``; ``before_train(args)`` runs right before the
     CLI's ``train(args)`` (:func:`_cli_code`): it sees (and may change) the arguments after argparse *and* every
     fix-up of its ``__main__`` block (``--ds.ring_attn_size > 1`` turning on packing ...): it checks what will run."""
@@ -146,8 +146,7 @@ def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any
     code, spec = _cli_code(module)
 
     def train_hook(train: Callable[[Any], Any], args: Any) -> Any:
-        if before_train is not None:
-            before_train(args)
+        before_train(args)
         return train(args)
 
     saved = sys.argv

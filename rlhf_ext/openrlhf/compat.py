@@ -46,7 +46,7 @@ _SHIMS: dict[str, dict[str, str]] = {
     "flash_attn.bert_padding": dict.fromkeys(("index_first_axis", "pad_input", "rearrange", "unpad_input"), "cpu"),
     "flash_attn.utils": {},
     "flash_attn.utils.distributed": {"all_gather": "func"},
-    "vllm": {"SamplingParams": "class", "LLM": "class", "AsyncEngineArgs": "class", "AsyncLLMEngine": "class"},
+    "vllm": {"SamplingParams": "cpu", "LLM": "class", "AsyncEngineArgs": "class", "AsyncLLMEngine": "class"},
     "vllm.inputs": {"TokensPrompt": "class"},
     "vllm.utils": {"random_uuid": "func"},
 }
@@ -98,7 +98,8 @@ def _cpu_implementation(name: str) -> Any:
         from einops import rearrange
 
         return rearrange
-    return {"index_first_axis": index_first_axis, "unpad_input": unpad_input, "pad_input": pad_input}[name]
+    cpu = {"index_first_axis": index_first_axis, "unpad_input": unpad_input, "pad_input": pad_input}
+    return {**cpu, "SamplingParams": SamplingParams}[name]  # SamplingParams: plain data OpenRLHF's driver builds
 
 
 class GPUPackageMissing(AttributeError):
@@ -148,9 +149,6 @@ def install_import_shims() -> list[str]:
             module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             module.__getattr__ = _missing_attribute(root)
             for attr, kind in attrs.items():
-                if name == "vllm" and attr == "SamplingParams":  # plain data, built by OpenRLHF's driver side
-                    module.SamplingParams = SamplingParams
-                    continue
                 if kind == "cpu":
                     setattr(module, attr, _cpu_implementation(attr))
                     continue
@@ -307,12 +305,6 @@ def _with_torch_adam(original):
     return get_ds_train_config
 
 
-def _cpu_current_device():
-    import torch
-
-    return torch.device("cpu")
-
-
 def _cpu_replay_buffer_init(original):
     def __init__(self, *args, **kwargs):
         import torch
@@ -348,7 +340,7 @@ def patch_for_cpu(worker: bool = False) -> bool:
 
         launcher.BaseDistributedActor._get_free_port = staticmethod(free_port)
 
-        torch.cuda.current_device = _cpu_current_device
+        torch.cuda.current_device = lambda: torch.device("cpu")
         buffer_cls = replay_buffer.NaiveReplayBuffer
         buffer_cls.__init__ = _cpu_replay_buffer_init(getattr(buffer_cls.__init__, "__wrapped__", buffer_cls.__init__))
         _WORKER_PATCHED = True

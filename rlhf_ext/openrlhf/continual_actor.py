@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+from unittest import mock
 
 import ray
 import torch
@@ -59,10 +60,10 @@ class ContinualActorSettings(ContinualKnobs):
         """Read the ``--ext.continual_*`` flags (``args.ext``, as OpenRLHF hierarchises them); defaults when absent."""
         ext = getattr(args, "ext", None)
         values = {f.name: getattr(ext, f.name) for f in fields(cls) if getattr(ext, f.name, None) is not None}
-        cppo = values.pop("cppo", None)
+        cppo = values.get("cppo")
         if cppo is not None and not isinstance(cppo, CPPOWeightSettings):
-            cppo = CPPOWeightSettings(**(cppo if isinstance(cppo, dict) else vars(cppo)))
-        return cls(**values, **({"cppo": cppo} if cppo is not None else {}))
+            values["cppo"] = CPPOWeightSettings(**(cppo if isinstance(cppo, dict) else vars(cppo)))
+        return cls(**values)
 
 
 def check_continual_ext(ext: dict[str, Any]) -> None:
@@ -256,22 +257,12 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 
 
-@contextlib.contextmanager
-def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 class _ContinualPolicyModelActorImpl(_ppo_actor.PolicyModelActor.__ray_actor_class__):
     """``PolicyModelActor`` whose trainer is a :class:`ContinualActorPPOTrainer` (previous-task model loaded in the
     actor process, like the EMA model)."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        with _swapped(_ppo_actor, "ActorPPOTrainer", ContinualActorPPOTrainer):
+        with mock.patch.object(_ppo_actor, "ActorPPOTrainer", ContinualActorPPOTrainer):
             return super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
 
 

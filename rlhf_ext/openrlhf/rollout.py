@@ -276,20 +276,10 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
         self._occurrences.clear()
         return self.version
 
-    async def reset_prefix_cache(self) -> None:
-        return None
+    async def _no_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's KV-cache and sleep controls: no-ops (no KV-cache pool)."""
 
-    async def sleep(self, level: int = 1) -> None:
-        return None
-
-    async def wake_up(self, tags=None) -> None:
-        return None
-
-    async def pause_generation(self) -> None:
-        return None
-
-    async def resume_generation(self) -> None:
-        return None
+    reset_prefix_cache = sleep = wake_up = pause_generation = resume_generation = _no_kv_cache
 
     async def init_process_group(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("the HF rollout engine receives weights through Ray (load_weights), not a process group")

@@ -31,7 +31,7 @@ Pre-flight (:func:`preflight`, run by :func:`prepare` after OpenRLHF's argument 
 not defined on them; then the placement and memory plan of :mod:`rlhf_ext.openrlhf.plan` for the cluster of
 :func:`~rlhf_ext.openrlhf.plan.detect_cluster` is printed, and a run that cannot be placed or fit is refused.
 
-Without GPUs (``hf`` engine, :func:`cpu_settings`) the driver starts Ray with the *logical* GPUs the plan counts
+Without GPUs (``hf`` engine, :func:`attach_ext`) the driver starts Ray with the *logical* GPUs the plan counts
 (bookkeeping: every actor computes on the CPU; on an existing cluster ``ray start --head --num-gpus N``), DeepSpeed
 runs with gloo, attention with ``sdpa``, ``torch.cuda.current_device()`` is the CPU (:mod:`rlhf_ext.openrlhf.compat`).
 """
@@ -106,6 +106,7 @@ EXT_EXTRA_HELP: dict[str, tuple[str, tuple | None]] = {
     ),
     "step_separator": ("prm: the text that ends a step (the process reward model is read there)", None),
 }
+PROG = "python -m rlhf_ext.openrlhf.train_ppo_ray"
 HELP_DESCRIPTION = """OpenRLHF 0.11.2's own openrlhf.cli.train_ppo_ray with rlhf-ext's methods installed in the driver
 and in every Ray worker: every OpenRLHF flag unchanged, plus the --ext.* flags below.
 
@@ -117,13 +118,6 @@ On a machine without GPUs (the HF rollout engine) every role needs a logical GPU
   --actor.num_gpus_per_node 1 --ref.num_gpus_per_node 1 --reward.num_gpus_per_node 1
   --critic.num_gpus_per_node 1 --ds.param_dtype bf16
 Before Ray starts, the run's placement and memory plan is printed and a run that cannot be placed is refused."""
-
-
-def ext_parser():
-    """The ``--ext.*`` flags as an argparse group (types, choices, help), generated from the knob dataclasses."""
-    knobs = (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs)
-    prog = "python -m rlhf_ext.openrlhf.train_ppo_ray"
-    return ext_argument_parser(prog, HELP_DESCRIPTION, knobs, EXT_DEFAULTS, EXT_EXTRA_HELP)
 
 
 #: The fix for an assertion of OpenRLHF's argument checks, where its message names none.
@@ -243,19 +237,6 @@ def check_args(args: Any) -> None:
         raise ExtArgsError("the HF rollout engine generates text only; use --ext.rollout_engine vllm for images")
 
 
-def cpu_settings(args: Any) -> list[str]:
-    """Settings a run with the HF rollout engine needs without CUDA (after OpenRLHF's fix-ups, which ask for
-    flash-attention with packing); returns what was changed."""
-    changed = []
-    if args.vllm.sync_backend != "gloo":
-        args.vllm.sync_backend = "gloo"
-        changed.append("--vllm.sync_backend gloo")
-    if "flash" in str(args.ds.attn_implementation):
-        args.ds.attn_implementation = "sdpa"
-        changed.append("--ds.attn_implementation sdpa")
-    return changed
-
-
 def worker_settings(ext: Any, methods: bool = True) -> dict[str, Any]:
     """What :func:`setup_worker` installs in each Ray worker (passed through an environment variable)."""
     return {
@@ -299,12 +280,8 @@ def setup_worker() -> None:
 
 def runtime_env(settings: dict[str, Any]) -> dict[str, Any]:
     """The job's runtime env: the worker hook that installs rlhf-ext in every Ray worker, and the driver's settings."""
-    env_vars = {
-        WORKER_ENV: json.dumps(settings),
-        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-    }
+    defaults = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    env_vars = {WORKER_ENV: json.dumps(settings), **{k: os.environ.get(k, v) for k, v in defaults.items()}}
     passed = ("TORCHDYNAMO_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DS_BUILD_OPS")
     env_vars.update({name: os.environ[name] for name in passed if name in os.environ})
     return {"worker_process_setup_hook": "rlhf_ext.openrlhf.train_ppo_ray.setup_worker", "env_vars": env_vars}
@@ -391,12 +368,20 @@ def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple
 
 
 def attach_ext(args: Any, ext: dict[str, Any]) -> None:
-    """``args.ext`` for OpenRLHF's parsed arguments, and the CPU settings the HF rollout engine needs."""
+    """``args.ext`` for OpenRLHF's parsed arguments, and the settings the HF rollout engine needs without CUDA (after
+    OpenRLHF's fix-ups, which ask for flash-attention with packing)."""
     args.ext = nest(ext)
-    if args.ext.rollout_engine == "hf":
-        changed = cpu_settings(args)
-        if changed:
-            logger.info("HF rollout engine: using %s", ", ".join(changed))
+    if args.ext.rollout_engine != "hf":
+        return
+    changed = []
+    if args.vllm.sync_backend != "gloo":
+        args.vllm.sync_backend = "gloo"
+        changed.append("--vllm.sync_backend gloo")
+    if "flash" in str(args.ds.attn_implementation):
+        args.ds.attn_implementation = "sdpa"
+        changed.append("--ds.attn_implementation sdpa")
+    if changed:
+        logger.info("HF rollout engine: using %s", ", ".join(changed))
 
 
 def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
@@ -423,7 +408,8 @@ def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Clust
     reference for ``--ext.granularity bandit``). ``cluster`` default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(ext_parser().format_help())
+        knobs = (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs)  # the --ext.* flags' types, choices, help
+        print(ext_argument_parser(PROG, HELP_DESCRIPTION, knobs, EXT_DEFAULTS, EXT_EXTRA_HELP).format_help())
         print("OpenRLHF's flags (openrlhf.cli.train_ppo_ray --help):\n")
     try:
         rest, ext = parse_ext_args(argv)  # a bad --ext flag is refused before anything else
