@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,13 +61,8 @@ def _loaded_type(module: str, name: str) -> type | None:
 
 def _hub_repo_id(exc: BaseException) -> str | None:
     """The hub id a ``huggingface_hub`` download failed for (the ``repo_id`` argument of the failing call)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        value = tb.tb_frame.f_locals.get("repo_id")
-        if isinstance(value, str):
-            return value
-        tb = tb.tb_next
-    return None
+    ids = (frame.f_locals.get("repo_id") for frame, _ in traceback.walk_tb(exc.__traceback__))
+    return next((value for value in ids if isinstance(value, str)), None)
 
 
 def _hub_offline_message(exc: BaseException) -> str | None:

@@ -13,9 +13,12 @@ re-raised as a :class:`RecipeError` prefixed with the section path.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import difflib
 import enum
+import importlib
 import logging
 import os
 import types
@@ -48,8 +51,6 @@ class KnobType(click.ParamType):
         self.owner, self.knob_name = owner, knob_name
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        import importlib
-
         module, _, cls = self.owner.partition(":")
         spec = knob_specs(getattr(importlib.import_module(module), cls))[self.knob_name]
         return parse_value(spec, value, param.opts[0] if param is not None else self.knob_name)
@@ -200,23 +201,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             if type(None) in args:
                 return None
             raise RecipeError(f"'{path}' must not be empty (expected {_type_name(tp)})")
-        errors = []
         for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, path)
-            except RecipeError as e:
-                errors.append(str(e))
+            if arg is not type(None):
+                with contextlib.suppress(RecipeError):
+                    return _coerce(value, arg, path)
         raise RecipeError(f"'{path}' must be {_type_name(tp)}; got {value!r}")
+    if origin in (list, tuple) and not isinstance(value, list | tuple):
+        raise RecipeError(f"'{path}' must be a list ({_type_name(tp)}); got {value!r}")
     if origin is list:
-        if not isinstance(value, list | tuple):
-            raise RecipeError(f"'{path}' must be a list ({_type_name(tp)}); got {value!r}")
         (item_tp,) = get_args(tp) or (Any,)
         return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise RecipeError(f"'{path}' must be a list ({_type_name(tp)}); got {value!r}")
         args = get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
@@ -228,32 +223,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise RecipeError(f"'{path}' must be a mapping; got {value!r}")
         key_tp, val_tp = get_args(tp) or (Any, Any)
         return {_coerce(k, key_tp, path): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise RecipeError(f"'{path}' must be true or false; got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise RecipeError(f"'{path}' must be an integer; got {value!r}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
-            return float("inf")
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string, and '.inf' is YAML's infinity
+            with contextlib.suppress(ValueError):
+                return float("inf" if value.strip().lower() == ".inf" else value)
         raise RecipeError(f"'{path}' must be a number; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise RecipeError(f"'{path}' must be a string; got {value!r}")
-    if isinstance(tp, type) and isinstance(value, tp):
+    if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    raise RecipeError(f"'{path}' must be {_type_name(tp)}; got {value!r}")
+    expected = {bool: "true or false", int: "an integer", str: "a string"}.get(tp) or _type_name(tp)
+    raise RecipeError(f"'{path}' must be {expected}; got {value!r}")
 
 
 @dataclasses.dataclass
@@ -505,8 +485,6 @@ def normalize_overrides(items: typing.Iterable[str]) -> list[str]:
 def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with overrides applied (``key.sub=value`` or ``--key.sub value``; sections are created
     as needed)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in normalize_overrides(overrides):
         keys, value = parse_override(item)
@@ -538,11 +516,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: invalid YAML: {e}") from e
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
+    if not isinstance(data, dict | None):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
-    return data
+    return data or {}
 
 
 def load_recipe(cls: type[T], path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> T:

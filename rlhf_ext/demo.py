@@ -37,7 +37,7 @@ from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_dense import DenseRewardKnobs, resolve_granularity
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import TrainSection
+from rlhf_ext.config import TrainSection, load_recipe
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.runtime.io import atomic_directory, recover_directory
 from rlhf_ext.runtime.rundir import RunDir, claim_output_dir
@@ -136,13 +136,13 @@ class DemoPipeline:
         self.recipe = recipe
         self.out = Path(recipe.out)
         self.echo = echo or logger.info
-        settings = {k: v for k, v in asdict(recipe).items() if k not in ("out", "report_to")}
-        settings.update(_config_file_fingerprint(recipe.data.config))
+        self._settings = settings = {k: v for k, v in asdict(recipe).items() if k not in ("out", "report_to")}
+        if Path(recipe.data.config).is_file():  # a data.config file's content can change under the same name
+            settings["data_config_sha256"] = hashlib.sha256(Path(recipe.data.config).read_bytes()).hexdigest()[:16]
         if recipe.model.base_model is not None:  # a model that cannot load fails now, before `out` records it
             from rlhf_ext.zoo.builtins import check_model_source
 
             check_model_source(recipe.model.base_model)
-        self._settings = settings
         #: Raises :class:`rlhf_ext.runtime.rundir.RunSettingsChanged` when ``out`` was started with other settings.
         with self._claim():
             self.run_dir = RunDir(
@@ -169,26 +169,23 @@ class DemoPipeline:
         run restarted ``out`` with other settings since this pipeline was made."""
         with self._claim():
             self.run_dir = RunDir(self.out, self._settings, kind="demo")
-            return self._run_stages()
-
-    def _run_stages(self) -> dict[str, Any]:
-        results: dict[str, Any] = {}
-        start = time.perf_counter()
-        for i, stage in enumerate(STAGES, 1):
-            done = self.run_dir.result(stage)
-            if done is not None:
-                self.echo(f"[{i}/{len(STAGES)}] {stage}: reusing {self.run_dir.marker(stage)}")
-                results[stage] = done
-                continue
-            self.echo(f"[{i}/{len(STAGES)}] {stage} ...")
-            recover_directory(self.out / stage)  # what a killed run of this stage left half-written
-            t0 = time.perf_counter()
-            results[stage] = getattr(self, f"stage_{stage}")(results)
-            results[stage]["seconds"] = round(time.perf_counter() - t0, 1)
-            self.run_dir.mark_done(stage, results[stage])
-            self.echo(f"[{i}/{len(STAGES)}] {stage}: done in {results[stage]['seconds']} s")
-        results["total_seconds"] = round(time.perf_counter() - start, 1)
-        return results
+            results: dict[str, Any] = {}
+            start = time.perf_counter()
+            for i, stage in enumerate(STAGES, 1):
+                done = self.run_dir.result(stage)
+                if done is not None:
+                    self.echo(f"[{i}/{len(STAGES)}] {stage}: reusing {self.run_dir.marker(stage)}")
+                    results[stage] = done
+                    continue
+                self.echo(f"[{i}/{len(STAGES)}] {stage} ...")
+                recover_directory(self.out / stage)  # what a killed run of this stage left half-written
+                t0 = time.perf_counter()
+                results[stage] = getattr(self, f"stage_{stage}")(results)
+                results[stage]["seconds"] = round(time.perf_counter() - t0, 1)
+                self.run_dir.mark_done(stage, results[stage])
+                self.echo(f"[{i}/{len(STAGES)}] {stage}: done in {results[stage]['seconds']} s")
+            results["total_seconds"] = round(time.perf_counter() - start, 1)
+            return results
 
     def _derived_dataset(self, name: str, build: Callable[[], Any]) -> Path:
         """``out/<name>``: a ``DatasetDict`` derived from finished stages (``build()``), written atomically the first
@@ -266,7 +263,6 @@ class DemoPipeline:
         """The segment reward-model recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
         from datasets import DatasetDict, load_from_disk
 
-        from rlhf_ext.config import load_recipe
         from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
 
         def pairs() -> DatasetDict:  # the labelled pairs, and the held-out split with the generator's labels
@@ -287,7 +283,6 @@ class DemoPipeline:
         """The segment-PPO recipe of this pipeline (``extra``: more ``key=value`` overrides)."""
         from datasets import DatasetDict
 
-        from rlhf_ext.config import load_recipe
         from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe
 
         def prompts() -> DatasetDict:  # the prompts of the preference split
@@ -382,15 +377,6 @@ class DemoPipeline:
         stage_seconds["report"] = round(time.perf_counter() - started, 1)  # until the page is written
         provenance = collect_provenance(asdict(self.recipe), seed, parameters, stage_seconds, self.out / "data")
         return write_report(self.out, results, samples, provenance)
-
-
-def _config_file_fingerprint(config: str) -> dict[str, str]:
-    """``{"data_config_sha256": ...}`` when ``data.config`` names a file (its content can change under the same name,
-    so a rerun compares it too); ``{}`` for a packaged config name."""
-    path = Path(config)
-    if not path.is_file():
-        return {}
-    return {"data_config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16]}
 
 
 def _overrides(section: str, values: dict[str, Any]) -> list[str]:

@@ -33,12 +33,10 @@ def strip_local_rank(argv: Sequence[str]) -> list[str]:
     for arg in argv:
         if skip_value:
             skip_value = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if flag in ("--local_rank", "--local-rank"):
+        elif arg.split("=", 1)[0] in ("--local_rank", "--local-rank"):
             skip_value = "=" not in arg
-            continue
-        out.append(arg)
+        else:
+            out.append(arg)
     return out
 
 

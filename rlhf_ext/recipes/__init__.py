@@ -15,7 +15,7 @@ def recipe_dir():
 
 def recipe_names() -> list[str]:
     """The packaged recipes' names (file names without ``.yaml``)."""
-    return sorted(p.name[: -len(".yaml")] for p in recipe_dir().iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name.removesuffix(".yaml") for p in recipe_dir().iterdir() if p.name.endswith(".yaml"))
 
 
 def recipe_path(name_or_path: str) -> Path:
@@ -23,8 +23,7 @@ def recipe_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.exists():
         return p
-    name = name_or_path[: -len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
-    packaged = recipe_dir() / f"{name}.yaml"
+    packaged = recipe_dir() / f"{name_or_path.removesuffix('.yaml')}.yaml"
     if packaged.is_file():
         return Path(str(packaged))
     raise RecipeError(

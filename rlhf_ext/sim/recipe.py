@@ -16,7 +16,7 @@ from rlhf_ext.algos.knobs import MAX_SEED, check_knobs, knob, knob_like, seed_kn
 from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import TrainSection
+from rlhf_ext.config import RecipeError, TrainSection, load_recipe
 from rlhf_ext.datagen.schema import MAX_TASK_SAMPLES
 from rlhf_ext.sim.annotators import (
     DEFAULT_ANNOTATORS,
@@ -151,28 +151,23 @@ class PoolConfig:
     def build(self, gold: GoldScorer | None = None, seed: int = 0, sft_model: str | None = None) -> AnnotatorPool:
         """The :class:`AnnotatorPool` this config describes; ``gold`` (default ``GoldScorer()``) reports agreement, and
         the ``gold`` backend's annotators are variants of it (its style and phrase credit, the specs' weights)."""
-        pool = self._build(gold if gold is not None else GoldScorer(), seed, sft_model)
-        pool.unparseable = self.unparseable
-        return pool
-
-    def _build(self, gold: GoldScorer, seed: int, sft_model: str | None) -> AnnotatorPool:
+        gold = gold if gold is not None else GoldScorer()
         if self.backend == "gold":
-            specs = self.annotators or DEFAULT_ANNOTATORS
-            return AnnotatorPool.default(
+            pool = AnnotatorPool.default(
                 gold.style,
                 flip_prob=self.flip_prob,
                 seed=seed,
                 bank=gold.bank,
-                specs=specs,
+                specs=self.annotators or DEFAULT_ANNOTATORS,
                 phrase_credit=gold.phrase_credit,
             )
-        if self.backend == "reward_model":
+        elif self.backend == "reward_model":
             temps = self.temperatures or 1.0
-            return AnnotatorPool.from_reward_models(
+            pool = AnnotatorPool.from_reward_models(
                 self.reward_models, temps, flip_prob=self.flip_prob, seed=seed, gold=gold, sft_model=sft_model
             )
-        if self.backend == "alpaca_farm":
-            return AnnotatorPool.from_alpaca_farm(
+        elif self.backend == "alpaca_farm":
+            pool = AnnotatorPool.from_alpaca_farm(
                 self.alpaca_farm_pool,
                 api_base=self.api_base,
                 models=self.models,
@@ -181,10 +176,13 @@ class PoolConfig:
                 seed=seed,
                 gold=gold,
             )
-        from rlhf_ext.datagen.openai_backend import OpenAIBackend
+        else:
+            from rlhf_ext.datagen.openai_backend import OpenAIBackend
 
-        backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
-        return AnnotatorPool.from_llm(backends, self.preference, flip_prob=self.flip_prob, seed=seed, gold=gold)
+            backends = [OpenAIBackend(self.api_base, model=m, api_key_env=self.api_key_env) for m in self.models]
+            pool = AnnotatorPool.from_llm(backends, self.preference, flip_prob=self.flip_prob, seed=seed, gold=gold)
+        pool.unparseable = self.unparseable
+        return pool
 
 
 @dataclass
@@ -411,8 +409,6 @@ def load_compare_recipe(
 ) -> SimCompareRecipe:
     """The recipe at ``path`` with ``overrides``; with ``budget``, the recipe's ``budgets[budget]`` overrides are
     applied first (``overrides`` still win), e.g. ``budget="full"`` for the night-long setting."""
-    from rlhf_ext.config import RecipeError, load_recipe
-
     recipe = load_recipe(SimCompareRecipe, path, overrides)
     if budget is None:
         return recipe
