@@ -99,10 +99,8 @@ def training_kwargs(train: TrainSection, output_dir: str | None = None, seed: in
     )
 
 
-#: The module each ``report_to`` integration of transformers needs (checked before a trainer is built).
-REPORT_TO_MODULES: dict[str, str] = {
-    name: name for name in ("tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "dvclive", "trackio", "swanlab")
-}
+#: The ``report_to`` integrations of transformers checked before a trainer is built (each needs the module of its name).
+REPORT_TO_MODULES = ("tensorboard", "wandb", "mlflow", "comet_ml", "clearml", "dvclive", "trackio", "swanlab")
 
 
 def check_report_to(report_to: str | list[str] | None) -> None:
@@ -113,9 +111,8 @@ def check_report_to(report_to: str | list[str] | None) -> None:
     from rlhf_ext.config import MissingOptionalPackage, report_integrations
 
     for name in report_integrations(report_to):
-        module = REPORT_TO_MODULES.get(name)
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise MissingOptionalPackage(module, f"report_to={name}")
+        if name in REPORT_TO_MODULES and importlib.util.find_spec(name) is None:
+            raise MissingOptionalPackage(name, f"report_to={name}")
 
 
 def keep_tensorboard_logs(trainer, logging_dir: str | os.PathLike) -> None:
@@ -234,6 +231,8 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
         return None
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+    from rlhf_ext.runtime.io import temporary_sibling
+
     pattern = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
     found: dict[int, Path] = {}
     for entry in os.scandir(output_dir):
@@ -255,24 +254,17 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
             )
         if foreign or (record is not None and "files" in record):  # or finished, then damaged: kept
             logger.warning("%s cannot be resumed from (%s); it is kept", path, problems[step])
-        else:  # rlhf-ext's write that a kill interrupted (or an empty directory)
-            _discard_partial_checkpoint(path)
+            continue
+        # rlhf-ext's write that a kill interrupted (or an empty directory): renamed aside (one rank takes it), deleted
+        aside = temporary_sibling(path, f"partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:  # another rank took it
+            continue
+        logger.warning("removed %s: rlhf-ext's write of it was interrupted (no complete %s)", path, TRAINER_STATE_FILE)
+        shutil.rmtree(aside, ignore_errors=True)
     if usable < 0:
         return None
     if any(step > usable for step in found):
         logger.warning("resuming from %s, the newest checkpoint that loads", found[usable])
     return str(found[usable])
-
-
-def _discard_partial_checkpoint(path: Path) -> None:
-    """Remove a checkpoint whose write was interrupted: renamed aside first (so exactly one rank takes it), then
-    deleted."""
-    from rlhf_ext.runtime.io import temporary_sibling
-
-    aside = temporary_sibling(path, f"partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.replace(path, aside)
-    except FileNotFoundError:  # another rank took it
-        return
-    logger.warning("removed %s: rlhf-ext's write of it was interrupted (no complete %s)", path, TRAINER_STATE_FILE)
-    shutil.rmtree(aside, ignore_errors=True)

@@ -85,7 +85,7 @@ class OneStepAsyncRollout:
         self.runner = OneStepAsyncRunner(
             self._generate,
             num_batches=remaining,
-            load_weights_fn=self._load_weights,
+            load_weights_fn=lambda weights, version: self._model.load_state_dict(weights),
             sync=self.sync,
             generator_threads=self.generator_threads,
             name="rlhf-ext-ppo-generator",
@@ -98,9 +98,6 @@ class OneStepAsyncRollout:
             self.runner = None
 
     # ---------------------------------------------------------------------------------------- generator side
-    def _load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self._model.load_state_dict(weights)
-
     @torch.no_grad()
     def _generate(self, index: int, version: int) -> dict[str, Any]:
         """Rollout batch ``index`` with the policy of ``version``: prompt ids, completion ids (up to and including

@@ -126,12 +126,6 @@ def generic_columns(logs: Mapping[str, Any]) -> list[str]:
     return [f"{k} {format_number(v)}" for k, v in logs.items() if k not in HIDDEN_KEYS]
 
 
-def step_line(name: str, step: int, max_steps: int, columns: list[str]) -> str:
-    """``name step  7/20  col  col`` (the step right-aligned to the width of ``max_steps``)."""
-    head = f"{name} step {step:>{len(str(max_steps))}}/{max_steps}" if max_steps > 0 else f"{name} step {step}"
-    return _cut("  ".join([head, *columns]))
-
-
 def format_logs(profile: ConsoleProfile, name: str, logs: Mapping[str, Any], step: int, max_steps: int) -> str:
     """The terminal line of one ``on_log`` call: a training step, an evaluation (``eval_*`` keys), the end of
     training (``train_runtime``), a round of an outer loop (:data:`ROUND_KEYS`), or other logs."""
@@ -145,8 +139,9 @@ def format_logs(profile: ConsoleProfile, name: str, logs: Mapping[str, Any], ste
         if not columns:
             columns = generic_columns({k: v for k, v in logs.items() if not k.endswith(("_runtime", "_per_second"))})
         return _cut("  ".join([f"{name} eval", *columns]))
-    if "loss" in logs or "learning_rate" in logs:
-        return step_line(name, step, max_steps, metric_columns(profile, logs) or generic_columns(logs))
+    if "loss" in logs or "learning_rate" in logs:  # ``name step  7/20  col  col`` (right-aligned to max_steps)
+        head = f"{name} step {step:>{len(str(max_steps))}}/{max_steps}" if max_steps > 0 else f"{name} step {step}"
+        return _cut("  ".join([head, *(metric_columns(profile, logs) or generic_columns(logs))]))
     round_key = next((k for k in ROUND_KEYS if k in logs), None)
     if round_key is not None:
         rest = {k: v for k, v in logs.items() if k != round_key}

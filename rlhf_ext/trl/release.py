@@ -15,15 +15,6 @@ from typing import Any
 import torch
 
 
-def drop_instance_forwards(model: torch.nn.Module) -> None:
-    """Remove the ``forward`` stored on the instances of ``model``'s modules (TRL's fused LM head, accelerate's
-    ``_original_forward`` / ``_old_forward``): each is a reference cycle that keeps every weight alive until a full
-    garbage collection. Only for a model being released that nothing else uses."""
-    for module in model.modules():
-        for name in ("forward", "_original_forward", "_old_forward"):
-            module.__dict__.pop(name, None)
-
-
 def release_accelerator(accelerator) -> None:
     """``Accelerator.free_memory()`` without its ``gc.collect()`` and device-cache flush: destroy the DeepSpeed
     engine and drop the accelerator's references to what it prepared (models, optimizers, schedulers,
@@ -63,7 +54,11 @@ def release_trainer_run(trainer: Any, keep_model: bool, given_models: Any = ()) 
     if not keep_model:
         for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
             if isinstance(model, torch.nn.Module) and not any(m in given_models for m in model.modules()):
-                drop_instance_forwards(model)
+                # the forwards stored on module instances (TRL's fused LM head, accelerate's _original_forward /
+                # _old_forward) are reference cycles that keep every weight alive until a full collection
+                for module in model.modules():
+                    for name in ("forward", "_original_forward", "_old_forward"):
+                        module.__dict__.pop(name, None)
         trainer.model = trainer.model_wrapped = trainer.ref_model = None
         if handler is not None:
             handler.model = None

@@ -100,27 +100,6 @@ def segment_reward(prompts, completions, **kwargs):
     raise RuntimeError("segment rewards are computed by DensePPOTrainer from token ids, not as a reward function")
 
 
-def async_rollout_func(args: DensePPOConfig, rollout_func):
-    """The :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout` of ``args.async_generation``, else ``None``."""
-    if not args.async_generation:
-        return None
-    if rollout_func is not None:
-        raise ValueError("async_generation=True supplies its own rollout_func; pass one or the other")
-    from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
-
-    return OneStepAsyncRollout(generator_threads=args.generation_threads)
-
-
-def previous_policy(args: DensePPOConfig, prev_model, dtype: torch.dtype):
-    """Paper 000 Eq. 7's frozen previous-task policy: ``prev_model``, else ``args.continual_previous_model`` loaded
-    (the first task has none); ``None`` without one or with ``continual_kl_coef`` 0."""
-    if not (args.continual_kl_coef > 0 and (prev_model is not None or args.continual_previous_model is not None)):
-        return None
-    if prev_model is None:
-        prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=dtype)
-    return prev_model
-
-
 def finishes_in_loss(args: DensePPOConfig, out: dict, mode: str) -> bool:
     """Whether a rollout's old log-probs can be the loss forward's own (detached) policy log-probs (``out``: GRPO's
     rollout dict): an on-policy step, no asynchronous behaviour policy, and one loss call for the whole rollout batch
@@ -165,8 +144,13 @@ class DensePPOTrainer(GRPOTrainer):
         if not isinstance(args, DensePPOConfig):
             raise TypeError(f"args must be a DensePPOConfig, got {type(args).__name__}")
         reward_funcs, self.uses_reward_funcs = reward_sources(args, reward_funcs, reward_model, environment_factory)
-        self.async_rollout = async_rollout_func(args, rollout_func)
-        rollout_func = rollout_func if self.async_rollout is None else self.async_rollout
+        self.async_rollout = None  # one-step off-policy rollouts (paper 001)
+        if args.async_generation:
+            if rollout_func is not None:
+                raise ValueError("async_generation=True supplies its own rollout_func; pass one or the other")
+            from rlhf_ext.trl.async_rollout import OneStepAsyncRollout
+
+            self.async_rollout = rollout_func = OneStepAsyncRollout(generator_threads=args.generation_threads)
         funcs = reward_funcs if reward_funcs is not None else ([] if self.uses_reward_funcs else [segment_reward])
         super().__init__(
             model, funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks,
@@ -211,8 +195,10 @@ class DensePPOTrainer(GRPOTrainer):
             aggregation=self.aggregation, tau=self.seg_tau,
         )  # fmt: skip
         self.monitor = SegmentationMonitor.for_normalizer(self.normalizer, args.granularity)
-        prev_model = previous_policy(args, prev_model, self.model.dtype)
-        self.prev_model = self._frozen(prev_model) if prev_model is not None else None
+        # paper 000 Eq. 7's frozen previous-task policy: prev_model, else args.continual_previous_model loaded
+        if args.continual_kl_coef > 0 and prev_model is None and args.continual_previous_model is not None:
+            prev_model = AutoModelForCausalLM.from_pretrained(args.continual_previous_model, dtype=self.model.dtype)
+        self.prev_model = self._frozen(prev_model) if prev_model is not None and args.continual_kl_coef > 0 else None
         source = args.critic_model_path or rm_source or policy_id
         self.critic = gae_critic(args, critic, source, self.accelerator, self.uses_reward_funcs)
 
