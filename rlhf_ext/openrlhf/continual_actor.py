@@ -20,7 +20,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
-from unittest import mock
 
 import ray
 import torch
@@ -257,12 +256,22 @@ class ContinualActorPPOTrainer(ActorPPOTrainer):
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
 
 
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
 class _ContinualPolicyModelActorImpl(_ppo_actor.PolicyModelActor.__ray_actor_class__):
     """``PolicyModelActor`` whose trainer is a :class:`ContinualActorPPOTrainer` (previous-task model loaded in the
     actor process, like the EMA model)."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        with mock.patch.object(_ppo_actor, "ActorPPOTrainer", ContinualActorPPOTrainer):
+        with _swapped(_ppo_actor, "ActorPPOTrainer", ContinualActorPPOTrainer):
             return super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
 
 
