@@ -287,17 +287,8 @@ class OneStepAsyncRunner(Generic[T]):
         threads = self.generator_threads
         if threads is None and self.process:  # a fresh process would start with every core; inherit the budget
             threads = torch.get_num_threads()
-        args = (
-            self.generate_fn,
-            self.load_weights_fn,
-            self.num_batches,
-            self.lag,
-            threads,
-            self._batches,
-            self._weights,
-            self._stop,
-            self._errors,
-        )
+        args = (self.generate_fn, self.load_weights_fn, self.num_batches, self.lag, threads)
+        args += (self._batches, self._weights, self._stop, self._errors)
         if self.process:
             import torch.multiprocessing as mp
 
@@ -335,18 +326,13 @@ class OneStepAsyncRunner(Generic[T]):
         if exc is None:
             self._raise_generator_error()
 
-    def _failed(self, wait: float = 0.0) -> bool:
-        """Whether the generator reported a failure; ``wait`` seconds for a report still in flight."""
+    def _raise_generator_error(self, wait: float = 0.0) -> None:
+        """Raise the failure the generator reported, if any; ``wait`` seconds for a report still in flight."""
         if self._error_text is None:
-            try:
+            with contextlib.suppress(queue.Empty):
                 item = self._errors.get(timeout=wait) if wait > 0 else self._errors.get_nowait()
                 self._error_text, self._error = item
-            except queue.Empty:
-                pass
-        return self._error_text is not None
-
-    def _raise_generator_error(self, wait: float = 0.0) -> None:
-        if self._failed(wait):
+        if self._error_text is not None:
             raise AsyncRunnerError(
                 f"the generator failed; the learner stopped.\n--- generator traceback ---\n{self._error_text}"
             ) from (self._error or RuntimeError(self._error_text))
