@@ -109,22 +109,19 @@ def torch_threads(n: int | None) -> Iterator[None]:
 def _put(q, item: Any, stop) -> bool:
     """Put with polling, giving up when ``stop`` is set (works for thread and process queues)."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(queue.Full):
             q.put(item, timeout=_POLL_SECONDS)
             return True
-        except queue.Full:
-            continue
     return False
 
 
 def _get(q, stop) -> Any:
     """Get with polling; None once ``stop`` is set and nothing arrived."""
     while True:
-        try:
+        with contextlib.suppress(queue.Empty):
             return q.get(timeout=_POLL_SECONDS)
-        except queue.Empty:
-            if stop.is_set():
-                return None
+        if stop.is_set():
+            return None
 
 
 def _picklable(e: BaseException) -> BaseException | None:
@@ -306,11 +303,9 @@ class OneStepAsyncRunner(Generic[T]):
             return
         if self.process:
             self._weights.cancel_join_thread()  # do not block on weights the child will never read
-            while True:  # unblock a child waiting to flush a batch
-                try:
+            with contextlib.suppress(queue.Empty):  # unblock a child waiting to flush a batch
+                while True:
                     self._batches.get_nowait()
-                except queue.Empty:
-                    break
             self._worker.join(timeout)
             if self._worker.is_alive():
                 self._worker.terminate()
@@ -339,10 +334,8 @@ class OneStepAsyncRunner(Generic[T]):
 
     def _wait_for_batch(self) -> Batch[T]:
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self._batches.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                pass
             self._raise_generator_error()
             if self._stop.is_set():  # set by a failing generator (its report may still be in flight) or by close()
                 self._raise_generator_error(wait=5.0)
