@@ -109,22 +109,19 @@ def torch_threads(n: int | None) -> Iterator[None]:
 def _put(q, item: Any, stop) -> bool:
     """Put with polling, giving up when ``stop`` is set (works for thread and process queues)."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(queue.Full):
             q.put(item, timeout=_POLL_SECONDS)
             return True
-        except queue.Full:
-            continue
     return False
 
 
 def _get(q, stop) -> Any:
     """Get with polling; None once ``stop`` is set and nothing arrived."""
     while True:
-        try:
+        with contextlib.suppress(queue.Empty):
             return q.get(timeout=_POLL_SECONDS)
-        except queue.Empty:
-            if stop.is_set():
-                return None
+        if stop.is_set():
+            return None
 
 
 def _picklable(e: BaseException) -> BaseException | None:
@@ -287,17 +284,8 @@ class OneStepAsyncRunner(Generic[T]):
         threads = self.generator_threads
         if threads is None and self.process:  # a fresh process would start with every core; inherit the budget
             threads = torch.get_num_threads()
-        args = (
-            self.generate_fn,
-            self.load_weights_fn,
-            self.num_batches,
-            self.lag,
-            threads,
-            self._batches,
-            self._weights,
-            self._stop,
-            self._errors,
-        )
+        args = (self.generate_fn, self.load_weights_fn, self.num_batches, self.lag, threads)
+        args += (self._batches, self._weights, self._stop, self._errors)
         if self.process:
             import torch.multiprocessing as mp
 
@@ -315,11 +303,9 @@ class OneStepAsyncRunner(Generic[T]):
             return
         if self.process:
             self._weights.cancel_join_thread()  # do not block on weights the child will never read
-            while True:  # unblock a child waiting to flush a batch
-                try:
+            with contextlib.suppress(queue.Empty):  # unblock a child waiting to flush a batch
+                while True:
                     self._batches.get_nowait()
-                except queue.Empty:
-                    break
             self._worker.join(timeout)
             if self._worker.is_alive():
                 self._worker.terminate()
@@ -335,28 +321,21 @@ class OneStepAsyncRunner(Generic[T]):
         if exc is None:
             self._raise_generator_error()
 
-    def _failed(self, wait: float = 0.0) -> bool:
-        """Whether the generator reported a failure; ``wait`` seconds for a report still in flight."""
+    def _raise_generator_error(self, wait: float = 0.0) -> None:
+        """Raise the failure the generator reported, if any; ``wait`` seconds for a report still in flight."""
         if self._error_text is None:
-            try:
+            with contextlib.suppress(queue.Empty):
                 item = self._errors.get(timeout=wait) if wait > 0 else self._errors.get_nowait()
                 self._error_text, self._error = item
-            except queue.Empty:
-                pass
-        return self._error_text is not None
-
-    def _raise_generator_error(self, wait: float = 0.0) -> None:
-        if self._failed(wait):
+        if self._error_text is not None:
             raise AsyncRunnerError(
                 f"the generator failed; the learner stopped.\n--- generator traceback ---\n{self._error_text}"
             ) from (self._error or RuntimeError(self._error_text))
 
     def _wait_for_batch(self) -> Batch[T]:
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self._batches.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                pass
             self._raise_generator_error()
             if self._stop.is_set():  # set by a failing generator (its report may still be in flight) or by close()
                 self._raise_generator_error(wait=5.0)

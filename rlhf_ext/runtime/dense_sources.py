@@ -18,7 +18,7 @@ import importlib.util
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 
 from rlhf_ext.algos.segment_reward import Segments
 from rlhf_ext.runtime.io import PicklableLock
+from rlhf_ext.runtime.segment_data import DatasetFormatError, pad_responses, tokenize_pair
 from rlhf_ext.runtime.spans import Span, token_char_offsets
 
 
@@ -69,8 +70,6 @@ def encode_response(tokenizer, prompt, response, max_length: int | None = None) 
     """Tokenise ``(prompt, response)`` (text, or chat messages; ``prompt`` may be None) with
     :func:`~rlhf_ext.runtime.segment_data.tokenize_pair`, with the response tokens' character offsets (from the same
     tokenizer call as the response's ids)."""
-    from rlhf_ext.runtime.segment_data import DatasetFormatError, tokenize_pair
-
     example = {"prompt": prompt, "chosen": response, "rejected": response}
     key = "prompt" if prompt is not None else None
     row = tokenize_pair(example, tokenizer, max_length=max_length, prompt_key=key, chosen_offsets=True)
@@ -87,15 +86,8 @@ def encode_response(tokenizer, prompt, response, max_length: int | None = None) 
 
 
 def pad_batch(encoded: Sequence[EncodedResponse], pad_id: int, device=None):
-    """``(input_ids, attention_mask, response_mask)`` ``[B, T]``, right-padded."""
-    from rlhf_ext.runtime.segment_data import pad_sequences
-
-    ids = pad_sequences([e.ids for e in encoded], pad_id, "right", torch.long).to(device)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    lengths = torch.tensor([len(e.ids) for e in encoded], device=ids.device)
-    starts = torch.tensor([e.prompt_len for e in encoded], device=ids.device)
-    attention_mask = (positions < lengths[:, None]).long()
-    return ids, attention_mask, (positions >= starts[:, None]) & attention_mask.bool()
+    """``(input_ids, attention_mask, response_mask)`` ``[B, T]``, right-padded (:func:`pad_responses`)."""
+    return pad_responses([e.ids for e in encoded], [e.prompt_len for e in encoded], pad_id, device)
 
 
 def _offset_tables(encoded: Sequence[EncodedResponse], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +219,11 @@ class _ModelSource:
             return [encode_response(tokenizer, p or None, c, max_length) for p, c in
                     zip(prompts, completions)]  # fmt: skip
 
+    def _batches(self, tokenizer, prompts, completions, max_length=None) -> Iterator[list[EncodedResponse]]:
+        for begin in range(0, len(completions), self.batch_size):
+            end = begin + self.batch_size
+            yield self._encode(tokenizer, prompts[begin:end], completions[begin:end], max_length)
+
 
 class ProcessRewardModel(_ModelSource):
     """A step-wise process reward model: a sequence classifier (``num_labels=1``; a checkpoint, or a loaded model with
@@ -261,9 +258,7 @@ class ProcessRewardModel(_ModelSource):
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         out: list[list[Span]] = []
-        for begin in range(0, len(completions), self.batch_size):
-            encoded = self._encode(self.tokenizer, prompts[begin : begin + self.batch_size],
-                                   completions[begin : begin + self.batch_size])  # fmt: skip
+        for encoded in self._batches(self.tokenizer, prompts, completions):
             ids, mask, response = pad_batch(encoded, pad, self.device)
             scores = token_scores(self.model, ids, mask).cpu()
             starts, _ = _offset_tables(encoded, ids.shape[1])
@@ -316,12 +311,8 @@ class SegmentRewardSpans(_ModelSource):
         return evaluation.values.float().tolist(), segment_spans(evaluation.segments, evaluation.seg_rewards, encoded)
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[list[Span]]:
-        out: list[list[Span]] = []
-        for begin in range(0, len(completions), self.batch_size):
-            encoded = self._encode(self.scorer.tokenizer, prompts[begin : begin + self.batch_size],
-                                   completions[begin : begin + self.batch_size], self.max_length)  # fmt: skip
-            out.extend(self.score(encoded)[1])
-        return out
+        batches = self._batches(self.scorer.tokenizer, prompts, completions, self.max_length)
+        return [spans for encoded in batches for spans in self.score(encoded)[1]]
 
 
 @dataclass

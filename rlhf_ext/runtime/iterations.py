@@ -19,7 +19,7 @@ from rlhf_ext.runtime.pair_collection import score_and_select
 from rlhf_ext.runtime.pair_store import PairStore
 from rlhf_ext.runtime.rewards import RewardFn, score
 from rlhf_ext.runtime.rundir import RunDir
-from rlhf_ext.runtime.sampling import Samples, make_sampler
+from rlhf_ext.runtime.sampling import Samples, make_sampler, sampling_seed
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class IterationRun:
 
     def seed(self, *parts: Any) -> int:
         """The run's seed for ``parts`` (e.g. ``("collect", t)``)."""
-        return int(stable_hash(self.args.seed, *parts), 16) % (2**31 - 1)
+        return sampling_seed(self.args.seed, *parts)
 
     def sampler_spec(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~rlhf_ext.runtime.sampling.make_sampler` for this run."""
@@ -234,14 +234,9 @@ class IterationRun:
         """Step 4: one pair per prompt, best vs worst of ``r - lambda * |a|`` (Eq. 9, ``selection_rule``); prompts
         whose responses tie are dropped. Returns the pair rows and the iteration's statistics."""
         scores = lambda prompts, responses: rewards.flatten()  # the scores of step 3
-        rows, stats = score_and_select(
-            prompts,
-            ids,
-            samples,
-            scores,
-            self.args,  # the selection knobs (OnlineDPOKnobs)
-            torch.Generator().manual_seed(self.seed("select", t)),
-        )
+        generator = torch.Generator().manual_seed(self.seed("select", t))
+        # self.args: the selection knobs (OnlineDPOKnobs)
+        rows, stats = score_and_select(prompts, ids, samples, scores, self.args, generator)
         for r in rows:
             r.update(iteration=t, policy=t)
         return rows, {**stats, "policy": self.policy_path(t)}

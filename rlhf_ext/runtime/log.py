@@ -100,16 +100,12 @@ class ConsoleHandler(logging.StreamHandler):
             super().emit(record)
 
 
-def _console_handler(log: logging.Logger) -> ConsoleHandler | None:
-    return next((h for h in log.handlers if isinstance(h, ConsoleHandler)), None)
-
-
 def enable_console_logging(level: str | int | None = None) -> logging.Handler:
     """Show rlhf-ext's log lines on stderr, as the command line does: one :class:`ConsoleHandler` on the
     ``rlhf_ext`` logger (added once; a second call only changes the level), returned. ``level``:
     ``debug|info|warning|error`` or a level number; ``None``: ``RLHF_EXT_VERBOSITY``, else ``info``."""
     log = library_logger()
-    handler = _console_handler(log)
+    handler = next((h for h in log.handlers if isinstance(h, ConsoleHandler)), None)
     if handler is None:
         handler = ConsoleHandler()
         log.addHandler(handler)

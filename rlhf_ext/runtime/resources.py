@@ -276,8 +276,7 @@ class Plan:
             unit = f"of {capacity:g} GiB" if capacity and self.cluster.total_gpus else "(not checked: no GPU memory)"
             out.append(f"  {'GPUs':<44} {'static':>7} {'peak':>7}  GiB per GPU {unit}")
             for g in self.gpus:
-                static = f"{g.static / GiB:7.1f}" if g.static is not None else "      ?"
-                peak = f"{g.peak / GiB:7.1f}" if g.peak is not None else "      ?"
+                static, peak = (f"{x / GiB:7.1f}" if x is not None else "      ?" for x in (g.static, g.peak))
                 out.append(f"  {g.label[:44]:<44} {static} {peak}  {', '.join(g.roles)}")
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"refused: {p}" for p in self.problems]

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rlhf_ext.runtime.io import PicklableLock
 from rlhf_ext.runtime.sampling import is_conversation
+from rlhf_ext.runtime.segment_data import pad_responses, segment_model_dir
 
 RewardFn = Callable[[list[Any], list[str]], "Tensor | Sequence[float]"]
 
@@ -62,8 +63,6 @@ class SequenceClassifierReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[Any], responses: list[str]) -> Tensor:
-        from rlhf_ext.runtime.segment_data import pad_sequences
-
         ids = []
         with self._tokenizer_lock:
             for p, r in zip(prompts, responses):
@@ -72,8 +71,7 @@ class SequenceClassifierReward:
         out = []
         for start in range(0, len(ids), self.batch_size):
             chunk = ids[start : start + self.batch_size]
-            input_ids = pad_sequences(chunk, self.pad_id, "right", torch.long).to(self.device)
-            mask = pad_sequences([[1] * len(s) for s in chunk], 0, "right", torch.long).to(self.device)
+            input_ids, mask, _ = pad_responses(chunk, [0] * len(chunk), self.pad_id, self.device)
             out.append(self.model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
@@ -97,7 +95,6 @@ class SegmentSequenceReward:
     @torch.no_grad()
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> Tensor:
         """``[N]`` e_phi of each (prompt, completion); a completion is text or a list of assistant messages."""
-        from rlhf_ext.runtime.segment_data import pad_sequences
 
         def response(prompt: Any, completion: Any) -> Any:
             if isinstance(completion, list) or not is_conversation(prompt):
@@ -110,12 +107,8 @@ class SegmentSequenceReward:
         out = []
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
-            seqs = [row["chosen_ids"] for row in chunk]
-            ids = pad_sequences(seqs, pad, "right", torch.long).to(self.device)
-            mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(self.device)
-            action = [[0] * row["prompt_len"] + [1] * (len(s) - row["prompt_len"]) for row, s in zip(chunk, seqs)]
-            action_mask = pad_sequences(action, 0, "right", torch.long).bool().to(self.device)
-            out.append(self.scorer.evaluate(ids, mask, action_mask).values.float().cpu())
+            batch = pad_responses([r["chosen_ids"] for r in chunk], [r["prompt_len"] for r in chunk], pad, self.device)
+            out.append(self.scorer.evaluate(*batch).values.float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -124,8 +117,6 @@ def segment_reward_as_e_phi(reward: Any, where: str) -> Any:
     its directory becomes :class:`SegmentSequenceReward`; a segment reward model already loaded (as a sequence
     classifier it would be scored at its last token) is a ``ValueError`` naming the fix; anything else is returned
     unchanged."""
-    from rlhf_ext.runtime.segment_data import segment_model_dir
-
     path = segment_model_dir(reward)
     if path is None:
         return reward
@@ -203,8 +194,6 @@ def load_reward(
                 "sequence classifier) or 'module:function'"
             )
         return SequenceClassifierReward(spec, batch_size=batch_size, device=device)  # a hub id
-    from rlhf_ext.runtime.segment_data import segment_model_dir
-
     if kind == "auto":
         kind = "segment" if segment_model_dir(path) is not None else "sequence_classification"
     if kind == "segment":

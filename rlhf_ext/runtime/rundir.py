@@ -145,6 +145,8 @@ class RunDir:
         if force:
             shutil.rmtree(self.stages, ignore_errors=True)
         if force or not same or "kind" not in old:  # (a run file from before `kind` is rewritten)
+            from rlhf_ext import __version__
+
             atomic_write_json(
                 self.run_file,
                 {
@@ -152,7 +154,7 @@ class RunDir:
                     "fingerprint": self.fingerprint,
                     "settings": self.settings,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "rlhf_ext_version": _version(),
+                    "rlhf_ext_version": __version__,
                 },
             )
 
@@ -228,9 +230,3 @@ def claim_output_dir(
         yield
     finally:
         lock.release()
-
-
-def _version() -> str:
-    from rlhf_ext import __version__
-
-    return __version__

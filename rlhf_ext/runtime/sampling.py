@@ -298,13 +298,10 @@ class VLLMSampler:
                 seed=None if seed is None else seed + g,
             )
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
-            texts, tokens, truncs = [], [], []
-            for out in outputs:
-                for comp in out.outputs:
-                    texts.append(comp.text)
-                    tokens.append(len(comp.token_ids))
-                    truncs.append(comp.finish_reason == "length")
-            per_temp.append((temp, c, texts, torch.tensor(tokens), torch.tensor(truncs)))
+            comps = [comp for out in outputs for comp in out.outputs]
+            tokens = torch.tensor([len(comp.token_ids) for comp in comps])
+            truncs = torch.tensor([comp.finish_reason == "length" for comp in comps])
+            per_temp.append((temp, c, [comp.text for comp in comps], tokens, truncs))
         return _assemble(per_temp, len(encoded))
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
@@ -320,10 +317,7 @@ class VLLMSampler:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path} has no .safetensors weights to load into vLLM")
-        state: dict[str, Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        self.load_weights(state)
+        self.load_weights({name: t for f in files for name, t in load_file(str(f)).items()})
 
     def release(self) -> None:
         """vLLM keeps its memory (``gpu_memory_utilization``) for the whole run."""

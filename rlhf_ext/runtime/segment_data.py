@@ -268,6 +268,19 @@ def pad_sequences(
     return out
 
 
+def pad_responses(
+    seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, response_mask)`` ``[B, T]`` of prompt + response token ``seqs``, right-padded;
+    ``response_mask`` is true from ``prompt_lens[i]`` on."""
+    ids = pad_sequences(seqs, pad_id, "right", torch.long).to(device)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    lengths = torch.tensor([len(s) for s in seqs], device=ids.device)
+    starts = torch.tensor(list(prompt_lens), device=ids.device)
+    attention_mask = (positions < lengths[:, None]).long()
+    return ids, attention_mask, (positions >= starts[:, None]) & attention_mask.bool()
+
+
 def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: int = 0, desc: str = "Segmenting"):
     """Add ``chosen_entropy``/``rejected_entropy`` computed by the frozen ``sft_model`` (one forward per sequence)."""
     from rlhf_ext.runtime.log import ProgressLines, stderr_is_terminal

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import weakref
@@ -92,9 +93,7 @@ def parse_outputs(name: str, outputs: Sequence[Any], n: int, num_tokens: Sequenc
     parsed = SourceOutput(name)
     for i, item in enumerate(outputs):
         scalar, spans, token_unit = math.nan, None, False
-        if item is None:
-            pass
-        elif _is_number(item) or (isinstance(item, Tensor) and item.dim() == 0):
+        if _is_number(item) or (isinstance(item, Tensor) and item.dim() == 0):
             scalar = float(item)
         elif isinstance(item, Tensor) or (isinstance(item, list | tuple) and item and all(map(_is_number, item))):
             values = torch.as_tensor(item, dtype=torch.float32).flatten().tolist()
@@ -114,7 +113,7 @@ def parse_outputs(name: str, outputs: Sequence[Any], n: int, num_tokens: Sequenc
                         "(char_start, char_end, reward) with integer character offsets"
                     )
                 spans.append((int(span[0]), int(span[1]), float(span[2])))
-        else:
+        elif item is not None:
             raise RewardOutputError(
                 f"reward source {name!r} returned {type(item).__name__} for completion {i}; return a float, a list of "
                 "(char_start, char_end, reward) spans, or one reward per completion token"
@@ -144,11 +143,7 @@ def _prefix_chunks(tokenizer, ids: Sequence[int], text: str, skip_special_tokens
                                       skip_special_tokens=skip_special_tokens)  # fmt: skip
     chunks, done = [], 0
     for i, prefix in enumerate(prefixes):
-        common = 0
-        for a, b in zip(prefix, text):
-            if a != b:
-                break
-            common += 1
+        common = len(os.path.commonprefix([prefix, text]))
         if prefix.endswith("\ufffd") and i < len(ids) - 1:  # an incomplete character so far
             common = min(common, len(prefix) - 1)
         settled = max(done, common)
@@ -513,7 +508,7 @@ def fit_span_normalizer(
     among ``funcs`` on ``dataset``'s chosen and rejected responses (``prompt``/``chosen``/``rejected`` text), each
     response tokenised by the policy's ``tokenizer``: its raw span rewards at their locations (``segment``), or its
     sequence rewards at ``p = 1`` (``bandit``, ``segment_as_bandit``)."""
-    from rlhf_ext.runtime.segment_data import pad_sequences
+    from rlhf_ext.runtime.segment_data import pad_responses
 
     if max_pairs is not None:
         dataset = dataset.select(range(min(max_pairs, len(dataset))))
@@ -532,8 +527,7 @@ def fit_span_normalizer(
             f"a location normalizer is fitted to the spans of one reward source; {len(dense)} of the reward "
             "functions returned spans on the calibration responses: pass normalizer= or no calibration_dataset"
         )
-    completion_ids = pad_sequences(ids, 0, "right", torch.long)
-    mask = pad_sequences([[1] * len(i) for i in ids], 0, "right", torch.long).bool()
+    completion_ids, mask, _ = pad_responses(ids, [0] * len(ids), 0)
     batch = dense_rewards(dense, [1.0], tokenizer, completion_ids, mask, granularity=granularity,
                           aggregation=aggregation, tau=tau)  # fmt: skip
     result = batch.dense[0]

@@ -32,7 +32,7 @@ from rlhf_ext.algos.segment_reward import (
     segment_ids,
 )
 from rlhf_ext.runtime.io import PicklableLock, weights_problem
-from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, sft_token_entropy
+from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, pad_responses, sft_token_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +136,10 @@ def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | N
         return dict(settings)
     if settings is not None:
         return load_segment_settings(settings)
-    inner = getattr(model, "module", model)
-    source = getattr(getattr(inner, "config", None), "_name_or_path", None)
-    if source and (Path(source) / SEGMENT_CONFIG_NAME).is_file():
-        return load_segment_settings(source)
-    return {}
+    from rlhf_ext.runtime.segment_data import segment_model_dir
+
+    path = segment_model_dir(getattr(model, "module", model))
+    return load_segment_settings(path) if path is not None else {}
 
 
 @torch.no_grad()
@@ -324,10 +323,7 @@ class SegmentScorer:
     def score(self, prompt, response) -> SegmentView:
         """Segment and score one response. ``prompt``/``response``: text, or chat messages (prompt may be None)."""
         row = self.encode(prompt, response)
-        ids = torch.tensor([row["chosen_ids"]])
-        mask = torch.ones_like(ids)
-        action = torch.zeros_like(ids, dtype=torch.bool)
-        action[:, row["prompt_len"] :] = True
+        ids, mask, action = pad_responses([row["chosen_ids"]], [row["prompt_len"]], 0)
         ent = sft_token_entropy(self.sft_model, ids, mask)
         ev = self.evaluate(ids, mask, action, entropy=ent)
         seg = ev.segments
