@@ -121,17 +121,9 @@ def cppo_sample_weights(
 ) -> CPPOWeights:
     """Classify samples by reward and generation probability and return CPPO's alpha / beta (table in module doc).
 
-    Args:
-        rewards: ``[B]`` scalar reward of each sample.
-        mean_logp: ``[B]`` mean per-token log-probability of each response under the rollout policy
-            (:func:`mean_log_prob`).
-        settings: thresholds and weight values (default: the released code's constants).
-        stats: means / standard deviations to threshold against; default: :func:`batch_stats` of these inputs
-            (the released code uses the statistics of the current rollout batch).
-
-    Returns:
-        :class:`CPPOWeights` with float32 ``alpha``/``beta`` on the inputs' device. All comparisons are strict, as in
-        the released code; samples within ``k`` standard deviations of either mean are ``NORMAL`` (weights 1).
+    ``rewards`` ``[B]`` and ``mean_logp`` ``[B]`` (:func:`mean_log_prob` under the rollout policy); ``stats`` default
+    to :func:`batch_stats` of these inputs. Returns float32 :class:`CPPOWeights`; comparisons are strict, as in the
+    released code.
     """
     settings = settings or CPPOWeightSettings()
     _check_vectors(rewards, mean_logp)

@@ -3,9 +3,8 @@
 A segment reward r at location p = t/T in (0, 1] (t = 1-based segment index, T = segments in the response) is
 normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
 
-* ``regression`` (paper): from a calibration set of (p, r) pairs, build D_norm = {(p, mu_p, sigma_p)} over the
-  distinct locations and regress Mean and Std on ``x = p`` (``basis="linear"``, the paper) or ``x = ln p``
-  (``basis="log"``, the feature of paper 003's public code). Two fit methods:
+* ``regression`` (paper): regress D_norm = {(p, mu_p, sigma_p)} of calibration (p, r) pairs on ``x = p``
+  (``basis="linear"``, the paper) or ``x = ln p`` (``basis="log"``, paper 003's public code), by one of:
 
   - ``method="ols"`` (default, rlhf-ext's variant): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x +
     b_sigma`` (``std_link="log"``) by closed-form least squares on the interior locations ``p < 1``, ``mu_p`` weighted
@@ -18,12 +17,10 @@ normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
     The released ``param.json`` normalizers are of this form (:meth:`LocationNormalizer.from_reference_params`).
 
 * ``global``: one mean and std over all segment rewards (Table 2 "Global Statistics of All").
-* ``last``: mean and std of each response's last segment reward, i.e. the points at p = 1 (Table 2 "Statistics of the
-  Last Rewards", the classical bandit normalizer), used at every location.
+* ``last``: mean and std of the last segment rewards (p = 1; Table 2 "Statistics of the Last Rewards"), everywhere.
 * ``none``: identity.
 
-Degenerate calibration data never divides by zero: too few points, a single location or zero variance fall back to
-a simpler kind (regression -> global -> none) or a floor on the std, with a warning, and the fallback is recorded.
+Degenerate calibration data falls back (regression -> global -> none, or a floored std) with a warning, recorded.
 
 A linear Std (``std_link="identity"``) can cross zero (a released entry does, for small p; the public PPO divides by
 it as is). rlhf-ext never does: such a normalizer carries a clamp ``std_floor`` (``Std(p) = max(line, std_floor)``) or
