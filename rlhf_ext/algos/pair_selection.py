@@ -118,15 +118,13 @@ def select_pairs(
             )
         scores = rewards - length_penalty * lengths.to(rewards.dtype)
 
-    if rule == SelectionRule.MAX_MIN:
-        first = scores.argmax(dim=1)
-        second = scores.argmin(dim=1)
+    if rule == SelectionRule.RANDOM:
+        first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)
     else:
-        if rule == SelectionRule.MAX_RANDOM:
-            first = scores.argmax(dim=1)
-        else:
-            first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)
-        # a uniform draw among the n - 1 other responses: draw in [0, n-1) and skip over `first`
+        first = scores.argmax(dim=1)
+    if rule == SelectionRule.MAX_MIN:
+        second = scores.argmin(dim=1)
+    else:  # a uniform draw among the n - 1 other responses: draw in [0, n-1) and skip over `first`
         other = torch.randint(0, n - 1, (p,), generator=generator).to(rewards.device)
         second = other + (other >= first).long()
     rows = torch.arange(p, device=rewards.device)
