@@ -5,38 +5,12 @@ of task ``t - 1``:
 
     L_t = L_t^{PPO/DPO}  +  c_t * KL( pi_theta(. | x) || pi_{t-1}(. | x) )            (paper 000 Eq. 7, section 4)
 
-(paper 000 Eq. 7 writes the PPO *objective* minus the KL, i.e. unit weight; as a loss to minimise the term is added, and
-section 4 notes the weight ``c_t`` may be relaxed or set to 0 when preferences shift sharply.) The KL is the
-*reverse* KL, current policy first. This module estimates it per token from the log-probabilities both policies give
-the tokens of a batch, with the three estimators of Schulman ("Approximating KL divergence", 2020). With
-``log r = prev_logp - logp = log pi_{t-1}(a|s) - log pi_theta(a|s)``:
-
-=========  ====================================  ===========================================================
-estimator  per-token value                       properties
-=========  ====================================  ===========================================================
-``k1``     ``-log r = logp - prev_logp``         unbiased for KL(pi_theta || pi_{t-1}) when tokens are sampled
-                                                 from pi_theta; can be negative per token; its pathwise gradient
-                                                 has zero expectation on-policy and, on fixed tokens, lowers
-                                                 ``logp`` without bound, so it is a value monitor, not a loss
-``k2``     ``(log r)^2 / 2``                     >= 0, biased, low variance; its pathwise gradient on pi_theta's
-                                                 own samples is exactly grad KL(pi_theta || pi_{t-1}); on fixed
-                                                 tokens it is minimised at ``logp == prev_logp``. The CPPO
-                                                 authors' retention term is ``(logp - logp_old)^2`` = 2 x k2
-``k3``     ``r - 1 - log r``                     >= 0 (``e^x >= 1 + x``), unbiased on pi_theta's samples, low
-                                                 variance (default, as in the issue); minimised at
-                                                 ``logp == prev_logp``
-=========  ====================================  ===========================================================
-
-On *offline* data (DPO pairs, which were not sampled from pi_theta) none of the three is an unbiased KL estimate;
-they are per-token penalties on the batch's tokens that vanish exactly when the two policies give the same
-log-probabilities, which is how the continual DPO trainer uses them. The reduction is the masked *mean over tokens*
-(OpenRLHF's ``token-mean``); the sequence-level KL of paper 000 Eq. 7 is this times the response length.
-
-The per-token values come from :func:`rlhf_ext.algos.ppo.kl_estimate`, the package's one KL function (its clamp
-policy applies: only ``k3`` caps ``log r`` at :data:`K3_MAX_LOG_RATIO`); :func:`per_token_kl` here is that function
-with ``ref_logp = prev_logp``, the default ``k3`` and only the sampled-token estimators.
-
-All functions are pure ``torch``, vectorised over ``[B, T]``, and used unchanged by the TRL and OpenRLHF adapters.
+(a loss, so the term is added; section 4: ``c_t`` may be lowered or 0 when preferences shift sharply). The *reverse*
+KL is estimated per token with Schulman's ("Approximating KL divergence", 2020) estimators via
+:func:`rlhf_ext.algos.ppo.kl_estimate`, with ``log r = prev_logp - logp``: ``k1 = -log r`` (can be negative; a value
+monitor, not a loss), ``k2 = (log r)^2 / 2`` (the CPPO authors' retention term is 2 x k2) and ``k3 = r - 1 - log r``
+(>= 0, unbiased on pi_theta's samples; the default). On offline data (DPO pairs) they are per-token penalties that
+vanish exactly when the policies agree. The reduction is the masked mean over tokens (OpenRLHF's ``token-mean``).
 """
 
 from __future__ import annotations
@@ -73,15 +47,7 @@ DEFAULT_KL_COEF = 1.0
 class ContinualKnobs:
     """The knobs of paper 000's regulariser toward the previous task's policy (Eq. 7), declared once: the TRL configs
     (``ContinualDPOConfig``, ``DensePPOConfig``), the continual recipe's ``continual:`` section and OpenRLHF's
-    ``--ext.continual_*`` flags use these names and defaults.
-
-    Args:
-        continual_kl_coef: weight ``c`` of ``KL(pi_theta || pi_{t-1})`` (>= 0). Paper 000 Eq. 7 adds the KL with unit
-            weight: default 1.0. 0 switches the term off (sequential fine-tuning, no frozen-model forward). Section 4:
-            set it low or to 0 for a transition where preferences shift sharply.
-        continual_kl_estimator: ``k1`` / ``k2`` / ``k3`` on the sampled tokens (default ``k3``: non-negative and
-            unbiased on the policy's own samples; :func:`rlhf_ext.algos.ppo.kl_estimate`).
-    """
+    ``--ext.continual_*`` flags use these names and defaults. ``continual_kl_coef`` 0 switches the term off."""
 
     continual_kl_coef: float = knob(DEFAULT_KL_COEF, ge=0, help="c of paper 000 Eq. 7 (1.0); 0 switches it off.")
     continual_kl_estimator: str = field(default="k3", metadata={"help": "k1 | k2 | k3 (k3)."})
@@ -120,19 +86,14 @@ def _check_pair(logp: Tensor, prev_logp: Tensor, mask: Tensor | None) -> None:
 def per_token_kl(logp: Tensor, prev_logp: Tensor, estimator: KLEstimator | str = "k3") -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_{t-1}) at the batch's tokens (paper 000 Eq. 7; see the module table).
 
-    :func:`rlhf_ext.algos.ppo.kl_estimate` with ``ref_logp = prev_logp``, the default ``k3`` and only the sampled-token
-    estimators; its clamp policy applies (``k3`` caps ``log r`` at :data:`K3_MAX_LOG_RATIO`, nothing else is capped).
+    :func:`rlhf_ext.algos.ppo.kl_estimate` with ``ref_logp = prev_logp`` and the sampled-token estimators only.
 
     Args:
         logp: ``[B, T]`` log pi_theta(a_t | s_t) of the current policy (differentiable).
-        prev_logp: ``[B, T]`` log pi_{t-1}(a_t | s_t) of the frozen previous-task policy (no gradient is taken
-            through it; detach it or compute it under ``no_grad``).
-        estimator: ``k1`` (``logp - prev_logp``), ``k2`` (``(logp - prev_logp)^2 / 2``) or ``k3``
-            (``exp(prev_logp - logp) - 1 - (prev_logp - logp)``, log-ratio capped at :data:`K3_MAX_LOG_RATIO`).
+        prev_logp: ``[B, T]`` log pi_{t-1}(a_t | s_t) of the frozen previous-task policy (detached).
 
     Returns:
-        ``[B, T]`` float32 (float64 stays float64). Every estimator is exactly 0 where ``logp == prev_logp``.
-        Positions outside the response are not masked here; use :func:`kl_to_previous` for the reduction.
+        ``[B, T]`` float32 (float64 stays float64), not masked.
     """
     _check_pair(logp, prev_logp, None)
     check_estimator(estimator)
@@ -142,15 +103,8 @@ def per_token_kl(logp: Tensor, prev_logp: Tensor, estimator: KLEstimator | str =
 def masked_token_mean(values: Tensor, mask: Tensor, sample_weights: Tensor | None = None) -> Tensor:
     """``sum_bt w_b m_bt v_bt / sum_bt m_bt``: the mean over response tokens, optionally weighting each sample.
 
-    Args:
-        values: ``[B, T]``.
-        mask: ``[B, T]`` bool (or 0/1) response-token mask.
-        sample_weights: optional ``[B]`` non-negative per-sample weights (the CPPO retention weights beta). The
-            denominator stays the token count, so all-ones weights give the plain masked mean and the weights
-            rescale individual samples' contributions (OpenRLHF's ``token-mean`` normalisation).
-
-    Returns:
-        scalar tensor; ``0`` when the mask is empty (no response tokens in the batch).
+    ``values`` and ``mask`` (bool or 0/1) ``[B, T]``; ``sample_weights`` optional ``[B]`` (the CPPO retention weights
+    beta; the denominator stays the token count). Returns a scalar, 0 for an empty mask.
     """
     m = mask.to(values.dtype)
     if sample_weights is not None:
@@ -172,19 +126,8 @@ def kl_to_previous(
 ) -> Tensor:
     """Masked mean over response tokens of the per-token KL(pi_theta || pi_{t-1}) (paper 000 Eq. 7).
 
-    This is the *plain* regulariser of paper 000 Eq. 7 (every token weighs the same). Passing ``sample_weights``
-    (the CPPO retention weights beta of :func:`rlhf_ext.continual.cppo_sample_weights`) turns it into the
-    CPPO-weighted retention term; leave it ``None`` for paper 000 Eq. 7.
-
-    Args:
-        logp: ``[B, T]`` current-policy log-probabilities of the batch's tokens.
-        prev_logp: ``[B, T]`` previous-task policy log-probabilities of the same tokens.
-        mask: ``[B, T]`` bool, true at response tokens (prompt and padding excluded).
-        estimator: ``k1`` / ``k2`` / ``k3`` (see :func:`per_token_kl`).
-        sample_weights: optional ``[B]`` per-sample weights (see :func:`masked_token_mean`).
-
-    Returns:
-        scalar: ``sum_bt w_b m_bt kl_bt / sum_bt m_bt`` (0 for an empty mask). Exactly 0 when the policies agree.
+    ``logp``, ``prev_logp`` and ``mask`` (response tokens) ``[B, T]``; ``sample_weights`` (optional ``[B]``, the CPPO
+    retention weights beta) make it CPPO's weighted retention term. Returns a scalar, 0 for an empty mask.
     """
     _check_pair(logp, prev_logp, mask)
     return masked_token_mean(per_token_kl(logp, prev_logp, estimator), mask, sample_weights)

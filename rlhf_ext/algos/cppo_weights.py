@@ -1,11 +1,8 @@
 """CPPO's sample-wise weights: learning weight alpha and retention weight beta (optional; not part of paper 000 Eq. 7).
 
-Paper 000 only describes CPPO (Zhang et al., ICLR 2024) at the level of paper 000 Eq. 7: the PPO objective plus a
-KL to the previous task's policy. The sample-wise weights that give CPPO its name are not defined in paper 000, and
-the CPPO paper itself is not available offline here. What we implement is therefore taken from the CPPO authors'
-released code, as vendored in AIF-GEN's repository: ``benchmarks/COPR/trlx/models/modeling_cppo.py``, method
-``CPPOConfig.detect_track``, default ("constant") branch (github.com/amgadelgamal/AIF-Gen, commit ``45e526f``; the
-file's notes give the threshold ``mean + 0.85 * std`` and the weights 2.0 / 0.5 and 2.0 / 0.2).
+CPPO (Zhang et al., ICLR 2024) is only described by paper 000 at the level of Eq. 7; the weights follow the CPPO
+authors' released code (AIF-GEN's ``benchmarks/COPR/trlx/models/modeling_cppo.py``, ``CPPOConfig.detect_track``,
+"constant" branch; github.com/amgadelgamal/AIF-Gen, commit ``45e526f``).
 
 For a rollout batch, with ``r`` the reward of each sample (the scalar score, placed on its last response token) and
 ``p`` the mean per-token log-probability of the sample under the rollout policy, and ``k`` the threshold in
@@ -24,20 +21,10 @@ category (constant below)     reward                   generation log-prob      
 Defaults: ``k = 0.85``, ``alpha_high = 2.0``, ``alpha_low = 0.5``, ``beta_high = 2.0``, ``beta_low = 0.2`` (the
 released "constant" values; its "balance" variant is ``alpha_* = beta_* = (ub, lb)``).
 
-How the weights are used (our adapters; differences from the released code are deliberate and listed):
-
-* alpha multiplies each sample's policy-gradient loss. In OpenRLHF this is done by scaling the sample's advantages,
-  which is exactly equivalent because the clipped (and dual-clipped) PPO loss is positively homogeneous in the
-  advantage. The loss keeps OpenRLHF's token-count normalisation; the released code divides by ``sum(alpha * mask)``.
-* beta multiplies each sample's per-token term of the paper 000 Eq. 7 KL to the *previous task's* policy (see
-  :func:`rlhf_ext.continual.kl_to_previous`, ``sample_weights=``). The released code instead penalises
-  ``(log pi_theta - log pi_rollout)^2`` (2 x the k2 estimator) against the rollout policy of the current PPO
-  iteration, and its line ``if n_beta: mask_beta = mask`` replaces the beta-weighted mask by the plain mask whenever
-  any beta is non-zero, so the released code effectively runs with beta = 1. ``beta_high = beta_low = 1`` reproduces
-  that behaviour here.
-
-The plain regulariser of paper 000 Eq. 7 is :func:`rlhf_ext.continual.kl_to_previous` without weights; these
-weights are only applied when a trainer is configured with ``retention="cppo"``.
+alpha scales each sample's policy-gradient loss (in OpenRLHF: its advantages, equivalent for the clipped loss);
+beta weights each sample's term of the paper 000 Eq. 7 KL to the previous task's policy
+(:func:`rlhf_ext.continual.kl_to_previous`, ``sample_weights=``; the released code's retention term effectively runs
+with beta = 1, which ``beta_high = beta_low = 1`` reproduces). Applied only with ``retention="cppo"``.
 """
 
 from __future__ import annotations
@@ -97,20 +84,20 @@ class CPPOWeights(NamedTuple):
     category: Tensor
 
 
-def _check_vector(x: Tensor, name: str) -> None:
-    if x.dim() != 1:
-        raise ValueError(f"{name} must be a [B] vector (one value per sample); got shape {tuple(x.shape)}")
-    if not torch.isfinite(x).all():
-        bad = torch.nonzero(~torch.isfinite(x)).flatten().tolist()[:5]
-        raise ValueError(f"{name} has non-finite values at samples {bad}; check the reward model / log-probs")
+def _check_vectors(rewards: Tensor, mean_logp: Tensor) -> None:
+    for x, name in ((rewards, "rewards"), (mean_logp, "mean_logp")):
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be a [B] vector (one value per sample); got shape {tuple(x.shape)}")
+        if not torch.isfinite(x).all():
+            bad = torch.nonzero(~torch.isfinite(x)).flatten().tolist()[:5]
+            raise ValueError(f"{name} has non-finite values at samples {bad}; check the reward model / log-probs")
+    if rewards.shape != mean_logp.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and mean_logp {tuple(mean_logp.shape)} must match")
 
 
 def batch_stats(rewards: Tensor, mean_logp: Tensor) -> BatchStats:
     """Mean and unbiased standard deviation of ``rewards`` ``[B]`` and ``mean_logp`` ``[B]`` (``B >= 2``)."""
-    _check_vector(rewards, "rewards")
-    _check_vector(mean_logp, "mean_logp")
-    if rewards.shape != mean_logp.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and mean_logp {tuple(mean_logp.shape)} must match")
+    _check_vectors(rewards, mean_logp)
     if rewards.numel() < 2:
         raise ValueError("CPPO thresholds need at least 2 samples to estimate a standard deviation")
     r, p = rewards.double(), mean_logp.double()
@@ -134,23 +121,12 @@ def cppo_sample_weights(
 ) -> CPPOWeights:
     """Classify samples by reward and generation probability and return CPPO's alpha / beta (table in module doc).
 
-    Args:
-        rewards: ``[B]`` scalar reward of each sample.
-        mean_logp: ``[B]`` mean per-token log-probability of each response under the rollout policy
-            (:func:`mean_log_prob`).
-        settings: thresholds and weight values (default: the released code's constants).
-        stats: means / standard deviations to threshold against; default: :func:`batch_stats` of these inputs
-            (the released code uses the statistics of the current rollout batch).
-
-    Returns:
-        :class:`CPPOWeights` with float32 ``alpha``/``beta`` on the inputs' device. All comparisons are strict, as in
-        the released code; samples within ``k`` standard deviations of either mean are ``NORMAL`` (weights 1).
+    ``rewards`` ``[B]`` and ``mean_logp`` ``[B]`` (:func:`mean_log_prob` under the rollout policy); ``stats`` default
+    to :func:`batch_stats` of these inputs. Returns float32 :class:`CPPOWeights`; comparisons are strict, as in the
+    released code.
     """
     settings = settings or CPPOWeightSettings()
-    _check_vector(rewards, "rewards")
-    _check_vector(mean_logp, "mean_logp")
-    if rewards.shape != mean_logp.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and mean_logp {tuple(mean_logp.shape)} must match")
+    _check_vectors(rewards, mean_logp)
     stats = stats if stats is not None else batch_stats(rewards, mean_logp)
     k = settings.threshold_std
     r, p = rewards.double(), mean_logp.double()

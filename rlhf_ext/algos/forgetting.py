@@ -1,16 +1,13 @@
 """Forgetting metrics from a performance matrix (paper 000, Appendix C.3, Fig. 10).
 
-``R`` is a ``K x K`` matrix: ``R[k, t]`` is the performance on task ``k`` (its test split) of the checkpoint taken at
-the end of training on task ``t``. Row ``k`` is task ``k``'s curve over the sequence; column ``t`` is one checkpoint
-evaluated on every task. Entries with ``t < k`` (a task not trained yet) are allowed to be NaN: only ``t >= k`` is
-read by the backward-looking metrics here, and only that region is validated.
+``R`` is a ``K x K`` matrix: ``R[k, t]`` is the performance on task ``k`` of the checkpoint taken after training on
+task ``t``; entries with ``t < k`` are not read and may be NaN.
 
 * Normalised backward transfer (C.3): for a task ``k`` and a later checkpoint ``T > k``,
   ``(R[k, T] - R[k, k]) / R[k, k]``. :func:`backward_transfer` averages it over ``k < K - 1`` at the final checkpoint
   ``T = K - 1``; :func:`backward_transfer_curve` gives mean / min / max over the tasks seen so far at every ``T``
-  (the quantity plotted in Fig. 10). Negative = forgetting, positive = positive backward transfer. Normalising
-  divides by ``R[k, k]``, so it needs positive performances (accuracies); ``normalized=False`` gives the classic,
-  unnormalised BWT of Lopez-Paz & Ranzato (2017), which works for any scale (e.g. reward-model scores).
+  (Fig. 10). Negative = forgetting. Normalising needs ``R[k, k] > 0``; ``normalized=False`` gives the classic BWT of
+  Lopez-Paz & Ranzato (2017).
 * :func:`forgetting` (Chaudhry et al., 2018): ``mean_{k < K-1} max_{k <= t < K-1} R[k, t] - R[k, K-1]``, the drop
   from the best performance a task ever had to its final one (>= 0).
 * :func:`average_performance`: ``mean_k R[k, K-1]``, the final checkpoint's mean performance over all tasks.
@@ -47,26 +44,20 @@ def check_performance_matrix(R: Any, name: str = "R") -> np.ndarray:
     return arr
 
 
-def _check_diagonal(arr: np.ndarray, name: str) -> None:
-    diag = np.diag(arr)
-    bad = np.flatnonzero(diag <= 0)
-    if len(bad):
-        k = int(bad[0])
-        raise ValueError(
-            f"normalized backward transfer divides by {name}[k, k], which is {float(diag[k]):g} for task {k}; it needs "
-            "positive performances such as accuracies. Use normalized=False (absolute BWT) for scores that can be "
-            "zero or negative"
-        )
-
-
 def _transfer(arr: np.ndarray, normalized: bool, name: str) -> np.ndarray:
     """``[K, K]`` matrix of (normalised) differences ``R[k, T] - R[k, k]``; NaN where ``T <= k``."""
+    diag = np.diag(arr)
+    diff = arr - diag[:, None]
     if normalized:
-        _check_diagonal(arr, name)
-    diag = np.diag(arr)[:, None]
-    diff = arr - diag
-    if normalized:
-        diff = diff / diag
+        bad = np.flatnonzero(diag <= 0)
+        if len(bad):
+            k = int(bad[0])
+            raise ValueError(
+                f"normalized backward transfer divides by {name}[k, k], which is {float(diag[k]):g} for task {k}; it "
+                "needs positive performances such as accuracies. Use normalized=False (absolute BWT) for scores that "
+                "can be zero or negative"
+            )
+        diff = diff / diag[:, None]
     later = np.triu(np.ones_like(arr, dtype=bool), k=1)  # T > k
     return np.where(later, diff, np.nan)
 

@@ -1,20 +1,15 @@
 """Truncated importance-sampling correction for PPO-style losses on off-policy samples (paper 001; off by default).
 
-In one-step asynchronous training (Appendix D) a batch is sampled by the generator's policy ``pi_rollout``
-(``theta_{t-1}``, possibly a different inference engine such as vLLM) but the PPO-style loss treats the learner's
-policy at the start of the update, ``pi_old`` (``theta_t``), as the behaviour policy. Paper 001's Proximal RLOO
-(paper 001 Eq. 1, Appendix B) keeps PPO's clipped ratio ``pi_theta / pi_old``; the remaining mismatch
-``pi_old / pi_rollout`` can be corrected per token with an importance weight that is truncated for stability:
+In one-step asynchronous training (paper 001 Appendix D) a batch is sampled by ``pi_rollout`` (``theta_{t-1}``, maybe
+vLLM) but the loss's behaviour policy is ``pi_old`` (``theta_t``); Proximal RLOO (paper 001 Eq. 1) keeps PPO's ratio
+``pi_theta / pi_old`` and the mismatch ``pi_old / pi_rollout`` is corrected per token with a truncated weight:
 
     w_t = clip(pi_old(y_t) / pi_rollout(y_t), low, high)                (mode="clip", level="token": TIS)
     w_t = ratio_t * 1[low <= ratio_t <= high]                           (mode="mask", level="token")
     w_t = ratio_t * 1[low <= exp(mean_t log ratio_t) <= high]           (mode="mask", level="seq")
 
-and the per-token policy loss is multiplied by ``w_t`` (a constant: no gradient flows through it). These are the
-ratio-gated schemes of OpenRLHF 0.11.2's ``--algo.advantage.is_correction_*`` flags, with the same numbers:
-``level`` = ``is_correction_level``, ``mode`` = ``is_correction_mode``, ``(low, high)`` =
-``is_correction_threshold``. Online DPO does not need it (paper 001, section 3.3: it is the most robust loss to
-off-policy data), so :class:`~rlhf_ext.trl.IterativeDPOTrainer` never applies it; PPO-style trainers opt in.
+multiplying the per-token policy loss (no gradient through ``w_t``), as OpenRLHF 0.11.2's
+``--algo.advantage.is_correction_{level,mode,threshold}``. Online DPO never applies it (paper 001, section 3.3).
 """
 
 from __future__ import annotations
@@ -48,18 +43,12 @@ def truncated_importance_weights(
     """Per-token truncated importance weights ``pi_train / pi_rollout`` for a PPO-style loss (see module docstring).
 
     Args:
-        train_logps: ``[B, T]`` log-probabilities of the sampled tokens under the learner's policy at the start of
-            the update (``pi_old``).
-        rollout_logps: ``[B, T]`` log-probabilities under the policy that sampled them (the generator's, recorded
-            at generation time).
+        train_logps, rollout_logps: ``[B, T]`` log-probabilities of the sampled tokens under ``pi_old`` and under the
+            policy that sampled them.
         action_mask: ``[B, T]`` bool, true on response tokens.
-        level: ``token`` (gate each token) or ``seq`` (gate each sequence by the geometric mean of its ratios).
-        mode: ``clip`` (clamp the token ratio into ``[low, high]``; TIS with ``low=0``) or ``mask`` (zero the units
-            outside ``[low, high]``, the others keep their ratio). ``clip`` needs ``level="token"``.
-        low, high: the band, ``0 <= low < high``. Default: TIS with cap 2.
-
-    Returns:
-        :class:`ImportanceWeights` (detached).
+        level: ``token`` or ``seq`` (gate each sequence by the geometric mean of its ratios).
+        mode: ``clip`` (clamp into ``[low, high]``, token level only) or ``mask`` (zero the units outside it).
+        low, high: the band, ``0 <= low < high``.
     """
     if train_logps.shape != rollout_logps.shape or train_logps.shape != action_mask.shape:
         raise ValueError(

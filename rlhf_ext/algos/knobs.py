@@ -1,18 +1,12 @@
 """Knob ranges, declared once next to each knob and checked by one function.
 
-A numeric knob is a dataclass field made by :func:`knob`, which records its range beside the field::
+A numeric knob is a dataclass field made by :func:`knob` (``tau: float = knob(0.5, gt=0, help="...")``), its range
+kept beside the field. :func:`check_value` checks a value against it at every entry point (:func:`check_knobs` in
+``__post_init__``, the recipe loader, OpenRLHF's ``--ext.*`` flags and the command line via :func:`parse_value`); a bad
+value is one :class:`KnobError` line: ``train.num_train_epochs must be a number > 0; got 0``.
 
-    tau: float = knob(0.5, gt=0, help="Soft-max temperature of paper 003 Eq. 4 (0.5).")
-
-:func:`check_value` checks a value against it, and every entry point calls it: a knob dataclass's ``__post_init__``
-(:func:`check_knobs`: Python users and the TRL configs that embed the knobs), the recipe loader
-(:func:`rlhf_ext.config.load_recipe`, naming the dotted key ``train.num_train_epochs``), OpenRLHF's ``--ext.*`` flags
-and the command line's options (:func:`parse_value`: text). A bad value is one :class:`KnobError` line naming the
-knob, its range and the value: ``train.num_train_epochs must be a number > 0; got 0``.
-
-Rules: numbers are finite unless the range says ``inf=True`` (an entropy cutoff of inf is the bandit model); an
-``int`` knob takes integers only; booleans and strings are not numbers; ``None`` only where the annotation allows
-it; a list or tuple knob (``temperatures``) is checked item by item.
+Numbers are finite unless ``inf=True``; an ``int`` knob takes integers only; booleans and strings are not numbers;
+``None`` only where the annotation allows it; a list knob is checked item by item.
 """
 
 from __future__ import annotations
@@ -194,15 +188,12 @@ def check_knobs(obj: Any, prefix: str = "") -> None:
 
 def _parse_number(text: str, integer: bool) -> Any:
     text = text.strip()
-    try:
-        return int(text) if integer else float(text)
-    except ValueError:
-        if integer:  # '1e3' or '2.0' for an integer knob: a number, refused by the range check as not an integer
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        return text
+    for convert in (int, float) if integer else (float,):  # '2.0' for an integer knob: refused later as not an int
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_value(spec: KnobSpec, text: Any, name: str) -> Any:

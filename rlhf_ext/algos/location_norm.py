@@ -3,39 +3,28 @@
 A segment reward r at location p = t/T in (0, 1] (t = 1-based segment index, T = segments in the response) is
 normalised as ``(r - Mean(p)) / Std(p)``. The kinds:
 
-* ``regression`` (paper): from a calibration set of (p, r) pairs, build D_norm = {(p, mu_p, sigma_p)} over the
-  distinct locations and regress Mean and Std on ``x = p`` (``basis="linear"``, the paper) or ``x = ln p``
-  (``basis="log"``, the feature of paper 003's public code). Two fit methods:
+* ``regression`` (paper): regress D_norm = {(p, mu_p, sigma_p)} of calibration (p, r) pairs on ``x = p``
+  (``basis="linear"``, the paper) or ``x = ln p`` (``basis="log"``, paper 003's public code), by one of:
 
-  - ``method="ols"`` (default): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x + b_sigma`` by weighted
-    least squares in closed form (``std_link="log"``: the std is positive by construction), fitted on the interior
-    locations ``p < 1``; the last segment (``p = 1``) gets its own sample mean and std (``mu_last``, ``sigma_last``).
-    This is rlhf-ext's own variant, *not* the public code's fit: each location's ``mu_p`` is weighted by its segment
-    count and its ``log sigma_p`` by the count less one (locations seen once have no sample std and are left out of
-    the std fit; unweighted, D_norm's many rare locations left whole buckets of p 0.2 std off centre), and the last
-    segment is not a point of the line: a soft-max aggregated reward model puts its verdict there (its EOS score far
-    above the interior ones), and on a line through hundreds of locations it stays several standard deviations above
-    0, a constant bonus for ending a segment. At p = 1 the normalizer is the classical bandit one (Appendix E).
-  - ``method="huber"``: the public code's fit exactly (its ``useful_code/plot_logfit_function_sklearn.py`` on the
-    statistics of ``reward-bench/rewardbench/calc_train_reward_mean_std.py``): locations bucketed to 3 decimals,
-    per-bucket mean and *population* std (a location seen once has std 0 and is kept), then ``Mean(p)`` and ``Std(p)``
-    itself (``std_link="identity"``, not log Std) each fitted linearly in ``x = ln(p + 1e-10)`` by Huber regression
-    (:func:`huber_regression`, scikit-learn's ``HuberRegressor`` objective with epsilon 1.35, alpha 1e-4).
+  - ``method="ols"`` (default, rlhf-ext's variant): ``Mean(p) = w_mu * x + b_mu`` and ``log Std(p) = w_sigma * x +
+    b_sigma`` (``std_link="log"``) by closed-form least squares on the interior locations ``p < 1``, ``mu_p`` weighted
+    by its segment count and ``log sigma_p`` by the count less one; the last segment (``p = 1``, where a soft-max
+    aggregated reward model puts its verdict) gets its own sample mean and std (``mu_last``, ``sigma_last``: the
+    classical bandit normalizer, Appendix E).
+  - ``method="huber"``: the public code's fit exactly: locations bucketed to 3 decimals, per-bucket mean and
+    *population* std, then ``Mean(p)`` and ``Std(p)`` itself (``std_link="identity"``) fitted linearly in
+    ``x = ln(p + 1e-10)`` by :func:`huber_regression` (scikit-learn's ``HuberRegressor``, epsilon 1.35, alpha 1e-4).
     The released ``param.json`` normalizers are of this form (:meth:`LocationNormalizer.from_reference_params`).
 
 * ``global``: one mean and std over all segment rewards (Table 2 "Global Statistics of All").
-* ``last``: mean and std of each response's last segment reward, i.e. the points at p = 1 (Table 2 "Statistics of the
-  Last Rewards", the classical bandit normalizer), used at every location.
+* ``last``: mean and std of the last segment rewards (p = 1; Table 2 "Statistics of the Last Rewards"), everywhere.
 * ``none``: identity.
 
-Degenerate calibration data never divides by zero: too few points, a single location or zero variance fall back to
-a simpler kind (regression -> global -> none) or a floor on the std, with a warning, and the fallback is recorded.
+Degenerate calibration data falls back (regression -> global -> none, or a floored std) with a warning, recorded.
 
-A linear Std (``std_link="identity"``) can cross zero: a released entry gives ``Std(p) <= 0`` for small p. The public
-PPO code divides by it as is (a negative "std" flips the sign of those segments' normalized rewards, zero gives inf);
-rlhf-ext never does that. Such a normalizer either carries a documented clamp, ``std_floor`` (``Std(p) =
-max(w_sigma * x + b_sigma, std_floor)``), or raises :class:`NormalizerError` naming the locations where its Std is
-not positive: at import (:meth:`LocationNormalizer.from_reference_params`) and, as a last guard, when evaluated.
+A linear Std (``std_link="identity"``) can cross zero (a released entry does, for small p; the public PPO divides by
+it as is). rlhf-ext never does: such a normalizer carries a clamp ``std_floor`` (``Std(p) = max(line, std_floor)``) or
+raises :class:`NormalizerError` naming the locations, at import and when evaluated.
 """
 
 from __future__ import annotations
@@ -136,8 +125,7 @@ def huber_objective(
     alpha: float = HUBER_ALPHA,
 ) -> Tensor:
     """Owen's (2007) joint Huber objective of location and scale, as scikit-learn's ``HuberRegressor`` minimises it:
-    ``sum_i [scale + scale * H_eps((y_i - w x_i - b) / scale)] + alpha * w^2`` with ``H_eps(z) = z^2`` for
-    ``|z| <= eps`` and ``2 eps |z| - eps^2`` beyond (the intercept is not penalised).
+    ``sum_i [scale + scale * H_eps((y_i - w x_i - b) / scale)] + alpha * w^2`` (``H_eps`` the Huber loss).
 
     Args:
         w, b, scale: 0-d tensors (``scale > 0``).
@@ -154,10 +142,8 @@ def huber_regression(
 ) -> HuberFit:
     """Fit ``y ~ w * x + b`` by minimising :func:`huber_objective` jointly over (w, b, scale), in float64.
 
-    The objective is jointly convex in (w, b, scale > 0); it is minimised by L-BFGS over (w, b, log scale) from the
-    least-squares line, the scale bounded below by 10 machine epsilons (as scikit-learn bounds it: data exactly on
-    a line drive it there). This is the estimator of scikit-learn's ``HuberRegressor(epsilon, alpha)`` (which the
-    public code of paper 003 uses) without depending on scikit-learn.
+    L-BFGS over (w, b, log scale) from the least-squares line, scale >= 10 machine epsilons: scikit-learn's
+    ``HuberRegressor(epsilon, alpha)`` (used by paper 003's public code) without scikit-learn.
 
     Args:
         x, y: ``[N]`` feature and target, ``N >= 2`` with ``var(x) > 0``.
@@ -205,29 +191,26 @@ def reference_location_statistics(positions: Tensor, rewards: Tensor) -> tuple[T
     positions, rewards = torch.as_tensor(positions).double(), torch.as_tensor(rewards).double()
     distinct, inverse = torch.unique(positions, return_inverse=True)
     keys = [float(f"{p:.{REFERENCE_LOCATION_DECIMALS}f}") for p in distinct.tolist()]
-    locations, bucket_of_distinct = torch.unique(torch.tensor(keys, dtype=torch.float64), return_inverse=True)
-    bucket = bucket_of_distinct[inverse]
-    counts = torch.zeros_like(locations).index_add_(0, bucket, torch.ones_like(rewards))
-    means = torch.zeros_like(locations).index_add_(0, bucket, rewards) / counts
-    squares = torch.zeros_like(locations).index_add_(0, bucket, (rewards - means[bucket]) ** 2)
+    locations, counts, means, squares = _grouped_moments(torch.tensor(keys, dtype=torch.float64)[inverse], rewards)
     return locations, means, (squares / counts).sqrt()
+
+
+def _grouped_moments(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per distinct key (ascending): the key, the count, the mean and the sum of squared deviations of ``values``."""
+    groups, inverse = torch.unique(keys, return_inverse=True)
+    counts = torch.zeros_like(groups).index_add_(0, inverse, torch.ones_like(values))
+    means = torch.zeros_like(groups).index_add_(0, inverse, values) / counts
+    return groups, counts, means, torch.zeros_like(groups).index_add_(0, inverse, (values - means[inverse]) ** 2)
 
 
 @dataclass
 class LocationNormalizer:
-    """``(r - Mean(p)) / Std(p)`` with ``Mean(p) = w_mu*x + b_mu`` and ``Std(p) = exp(w_sigma*x + b_sigma)``
-    (``std_link="log"``) or ``Std(p) = w_sigma*x + b_sigma`` (``std_link="identity"``, clamped below at
-    ``std_floor`` when that is set); ``x = p`` or ``ln p`` (``basis``).
-
-    ``global``/``last`` are the special case ``w_mu = w_sigma = 0``; ``none`` has ``b_mu = 0, b_sigma = 0``.
-    ``mu_last`` / ``sigma_last`` (set by the ``ols`` regression fit): the last segment's (p = 1) own mean and std,
-    which replace the line there. ``segments_per_token`` / ``above_cutoff_share``: the calibration responses'
-    segments per response token and share of response tokens above the entropy cutoff under the SFT model (the
-    reference of :class:`~rlhf_ext.algos.segment_dense.SegmentationMonitor`; set by
-    :func:`rlhf_ext.runtime.calibration.fit_normalizer`).
-    Build one with :meth:`fit` or :meth:`from_reference_params`; persist with
-    :func:`rlhf_ext.runtime.calibration.save_normalizer` / ``load_normalizer``. ``source`` names where an imported
-    normalizer came from; ``r2_log_std`` / ``r2_std`` are the R^2 of the std fit (log link / identity link).
+    """``(r - Mean(p)) / Std(p)`` (paper 003 Eq. 6) with ``Mean(p) = w_mu*x + b_mu`` and ``Std(p) = exp(w_sigma*x +
+    b_sigma)`` (``std_link="log"``) or ``w_sigma*x + b_sigma`` (``"identity"``, clamped at ``std_floor`` if set);
+    ``x = p`` or ``ln p`` (``basis``). ``global``/``last`` have ``w_mu = w_sigma = 0``. ``mu_last``/``sigma_last``
+    replace the line at p = 1 (``ols`` fit). ``segments_per_token``/``above_cutoff_share``: the SFT model's rates on
+    the calibration responses (the reference of :class:`~rlhf_ext.algos.segment_dense.SegmentationMonitor`).
+    Build with :meth:`fit` or :meth:`from_reference_params`; persist with :mod:`rlhf_ext.runtime.calibration`.
     """
 
     kind: str = "none"
@@ -273,9 +256,8 @@ class LocationNormalizer:
         self._check_float32_range()
 
     def _check_float32_range(self) -> None:
-        """Mean(p) and Std(p) must be finite float32 numbers on ``p`` in ``[1 / REFERENCE_MAX_SEGMENTS, 1]`` (the
-        lines are monotone in ``x``, so the two ends decide): an overflowing Std (``exp(1e6)``) would divide every
-        segment reward to 0 and train PPO on nothing, an overflowing Mean to NaN."""
+        """Mean(p) and Std(p) must be finite float32 numbers at both ends of ``[1 / REFERENCE_MAX_SEGMENTS, 1]`` (the
+        lines are monotone in ``x``)."""
         if self.kind == NormalizerKind.NONE:
             return
         for p in (1.0 / REFERENCE_MAX_SEGMENTS, 1.0):
@@ -306,12 +288,11 @@ class LocationNormalizer:
         Args:
             positions: ``[N]`` location indicators p in (0, 1] (e.g. ``Segments.locations[Segments.mask]``).
             rewards: ``[N]`` the reward model's segment rewards at those locations.
-            kind, basis, method: see the module docstring; ``basis`` defaults to ``linear`` for ``method="ols"``
-                and to ``log`` for ``method="huber"`` (the public code's fit).
-            reward_model: identifier of the reward model the rewards came from (checked by :meth:`load`).
+            kind, basis, method: see the module docstring; ``basis`` defaults to ``linear`` for ``ols``, ``log`` for
+                ``huber``.
+            reward_model: identifier of the reward model the rewards came from.
             min_points: below this many points a fit falls back to a simpler kind.
-            std_floor: ``method="huber"`` only: clamp the linear Std(p) below at this value (see the module
-                docstring); without it a fit whose Std is not positive at some calibration location warns.
+            std_floor: ``huber`` only: clamp the linear Std(p) below at this value (else a nonpositive Std warns).
         """
         if method not in FitMethod.values():
             raise ValueError(f"fit method must be one of {', '.join(FitMethod.values())}; got {method!r}")
@@ -348,11 +329,9 @@ class LocationNormalizer:
             mu_last = float(rewards[last].mean())
             sigma_last = max(float(rewards[last].std()), STD_FLOOR)
             positions, rewards = positions[~last], rewards[~last]
-        locs, inverse, counts = torch.unique(positions, return_inverse=True, return_counts=True)
+        locs, counts, mu, sq = _grouped_moments(positions, rewards)
         if locs.numel() < 2:
             return cls._scalar(positions, rewards, base, "a single location in the calibration data")
-        mu = torch.zeros_like(locs).index_add_(0, inverse, rewards) / counts
-        sq = torch.zeros_like(locs).index_add_(0, inverse, (rewards - mu[inverse]) ** 2)
         x = locs if basis == "linear" else locs.log()
         w_mu, b_mu, r2_mu = _ols(x, mu, weight=counts)  # each segment counts once, not each distinct location
         has_std = counts >= 2
@@ -443,17 +422,14 @@ class LocationNormalizer:
         max_segments: int = REFERENCE_MAX_SEGMENTS,
     ) -> LocationNormalizer:
         """A normalizer released by paper 003's public code: a ``param.json`` entry ``[a, b, c, d]`` read as
-        ``Mean(p) = a * ln p + c`` and ``Std(p) = b * ln p + d``, as its PPO reads it (``get_adjusted_mean_std`` in
-        ``denserlhf/trainer/ppo_utils/experience_maker.py``, which takes ``log(p + 1e-10)``: at p >= 1e-3 that differs
-        from ``ln p`` by at most 1e-7).
+        ``Mean(p) = a * ln p + c`` and ``Std(p) = b * ln p + d``, as its PPO's ``get_adjusted_mean_std`` reads it.
 
         Args:
             params: the entry's four numbers ``[a, b, c, d]``.
             source: where the entry came from (for messages and the saved file).
-            reward_model: identifier of the released reward model it belongs to (checked when PPO loads it).
-            std_floor: clamp Std(p) below at this value (documented clamp; see the module docstring).
-            max_segments: the most segments a response can have, so p >= 1 / max_segments; default the public
-                PPO's 1024 generated tokens.
+            reward_model: identifier of the released reward model it belongs to.
+            std_floor: clamp Std(p) below at this value.
+            max_segments: the most segments a response can have, so p >= 1 / max_segments.
 
         Raises:
             NormalizerError: ``params`` is not four finite numbers, or Std(p) <= 0 for some p in
@@ -547,11 +523,8 @@ class LocationNormalizer:
             return line.clamp_min(self.std_floor)
         nonpositive = line <= 0
         if bool(nonpositive.any()):
-            region = self.nonpositive_std_locations(float(p[nonpositive].min()))
-            if region is None:  # float32 rounding at the root: report the p that was hit
-                hit = float(p[nonpositive].min())
-                region = (hit, hit)
-            raise NormalizerError(self._nonpositive_std_message(region))
+            hit = float(p[nonpositive].min())  # (hit, hit): float32 rounding at the root
+            raise NormalizerError(self._nonpositive_std_message(self.nonpositive_std_locations(hit) or (hit, hit)))
         return line
 
     def normalize(self, rewards: Tensor, positions: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -1,12 +1,6 @@
-"""The string-valued enums of :mod:`rlhf_ext.algos` share one base class, :class:`StrEnum`; :func:`knob_defaults`
-reads the defaults of the knob dataclasses (for command-line flag tables).
-
-Every option that used to be a ``Literal[...]`` plus a tuple of allowed strings (granularity, interpolation,
-normalizer kind, advantage estimator, KL estimator, selection rule, aggregation) is a ``StrEnum`` subclass. A member
-*is* its string: ``Granularity.BANDIT == "bandit"``, ``hash(Granularity.BANDIT) == hash("bandit")`` (so members and
-plain strings are interchangeable as dict keys and in sets), and ``str`` / ``format`` / f-strings give the bare value
-on every supported Python (3.10 has no ``enum.StrEnum``). Plain strings keep working wherever a member is accepted;
-the old tuple constants are derived from the enums (``GRANULARITIES = Granularity.values()``).
+"""The string-valued enums of :mod:`rlhf_ext.algos` share one base class, :class:`StrEnum` (a member *is* its string,
+``Granularity.BANDIT == "bandit"``, with equal hash, and ``str``/f-strings give the bare value on Python 3.10 too);
+:func:`knob_defaults` and :func:`knob_values` read the knob dataclasses.
 """
 
 from __future__ import annotations

@@ -5,14 +5,10 @@ is formed. The ranking score is the length-penalised reward of paper 004 Eq. 9,
 
     r_e(x, a) = r(x, a) - lambda * |a|,
 
-where ``|a|`` is the response length (characters in the paper). The default rule ``max_min`` pairs the best-ranked
-response (chosen) with the worst-ranked one (rejected) — the "best-of-n as main agent, worst-of-n as enhancer" pair
-that maximises their difference. ``max_random`` pairs the best with a uniformly drawn other response, ``random``
-pairs two distinct uniformly drawn responses (the better one is chosen). A prompt whose two picked responses tie
-(equal ranking score, within ``tie_tolerance``) or have identical text is dropped and counted: it carries no
-preference signal (the paper drops pairs with identical responses).
-
-Everything is vectorised over the ``[P, n]`` reward matrix; there is no per-prompt Python loop.
+where ``|a|`` is the response length (characters in the paper). ``max_min`` (default) pairs the best-ranked response
+(chosen) with the worst-ranked (rejected); ``max_random`` the best with a uniformly drawn other; ``random`` two
+distinct uniform draws (the better chosen). A prompt whose picked responses tie (within ``tie_tolerance``) or have
+identical text is dropped and counted. Vectorised over the ``[P, n]`` reward matrix.
 """
 
 from __future__ import annotations
@@ -40,17 +36,9 @@ SELECTION_RULES: tuple[str, ...] = SelectionRule.values()
 
 @dataclass(frozen=True)
 class PairSelection:
-    """The pairs kept by :func:`select_pairs`, one entry per kept prompt, in prompt order.
-
-    Attributes:
-        prompt_index: ``[K]`` long — row of the reward matrix (prompt) each pair comes from, increasing.
-        chosen: ``[K]`` long — column (response index in ``0..n-1``) of the chosen response.
-        rejected: ``[K]`` long — column of the rejected response.
-        margin: ``[K]`` float — ranking-score difference ``r_e(chosen) - r_e(rejected) > tie_tolerance``
-            (paper 004 Eq. 9; the plain reward margin when ``length_penalty == 0``).
-        reward_margin: ``[K]`` float — the raw reward difference ``r(chosen) - r(rejected)`` (no length penalty).
-        dropped: number of prompts dropped because the picked responses tied (score or text).
-    """
+    """The pairs kept by :func:`select_pairs`, in prompt order: ``[K]`` ``prompt_index`` (row), ``chosen`` and
+    ``rejected`` (columns), ``margin`` ``r_e(chosen) - r_e(rejected)`` (paper 004 Eq. 9) and ``reward_margin`` (without
+    the length penalty); ``dropped``: prompts dropped as ties (score or text)."""
 
     prompt_index: Tensor
     chosen: Tensor
@@ -64,10 +52,8 @@ class PairSelection:
 
 
 def text_ids(texts: Sequence[Sequence[str]]) -> Tensor:
-    """``[P, n]`` long ids with equal ids exactly where two responses of the *same prompt* have identical text.
-
-    Use it to pass response texts to :func:`select_pairs` (``texts=``); ids are only compared within a row.
-    """
+    """``[P, n]`` long ids, equal exactly where two responses have identical text (for :func:`select_pairs`'s
+    ``texts=``)."""
     rows = [list(r) for r in texts]
     if not rows:
         return torch.zeros(0, 0, dtype=torch.long)
@@ -108,19 +94,12 @@ def select_pairs(
 
     Args:
         rewards: ``[P, n]`` reward of each of the ``n >= 2`` responses of ``P`` prompts.
-        lengths: ``[P, n]`` response lengths ``|a|`` (characters in the paper); required when ``length_penalty``
-            is not 0.
-        rule: ``max_min`` (best vs worst, default), ``max_random`` (best vs a uniformly drawn other response) or
-            ``random`` (two distinct uniformly drawn responses, the higher-scored one chosen).
-        length_penalty: ``lambda >= 0`` of paper 004 Eq. 9; responses are ranked by ``r - lambda * |a|``.
-        texts: optional ``[P, n]`` text ids (see :func:`text_ids`) or the response strings themselves; a pair whose
-            two responses have identical text is dropped.
-        tie_tolerance: pairs whose ranking scores differ by at most this much are dropped (default: exact ties).
+        lengths: ``[P, n]`` response lengths ``|a|``; required when ``length_penalty`` is not 0.
+        rule: see the module docstring (ties among maxima/minima pick the lowest index).
+        length_penalty: ``lambda >= 0`` of paper 004 Eq. 9.
+        texts: optional ``[P, n]`` text ids (:func:`text_ids`) or the response strings themselves.
+        tie_tolerance: pairs whose ranking scores differ by at most this much are dropped.
         generator: random generator for the ``max_random`` / ``random`` rules.
-
-    Returns:
-        A :class:`PairSelection`. Among equal maxima (minima) the lowest index is picked, so ``max_min`` is
-        deterministic.
     """
     rewards = _check_rewards(rewards)
     p, n = rewards.shape
@@ -139,27 +118,23 @@ def select_pairs(
             )
         scores = rewards - length_penalty * lengths.to(rewards.dtype)
 
-    if rule == SelectionRule.MAX_MIN:
-        first = scores.argmax(dim=1)
-        second = scores.argmin(dim=1)
+    if rule == SelectionRule.RANDOM:
+        first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)
     else:
-        if rule == SelectionRule.MAX_RANDOM:
-            first = scores.argmax(dim=1)
-        else:
-            first = torch.randint(0, n, (p,), generator=generator).to(rewards.device)
-        # a uniform draw among the n - 1 other responses: draw in [0, n-1) and skip over `first`
+        first = scores.argmax(dim=1)
+    if rule == SelectionRule.MAX_MIN:
+        second = scores.argmin(dim=1)
+    else:  # a uniform draw among the n - 1 other responses: draw in [0, n-1) and skip over `first`
         other = torch.randint(0, n - 1, (p,), generator=generator).to(rewards.device)
         second = other + (other >= first).long()
     rows = torch.arange(p, device=rewards.device)
-    s_first, s_second = scores[rows, first], scores[rows, second]
-    first_wins = s_first >= s_second
+    first_wins = scores[rows, first] >= scores[rows, second]
     chosen = torch.where(first_wins, first, second)
     rejected = torch.where(first_wins, second, first)
     margin = scores[rows, chosen] - scores[rows, rejected]
     keep = margin > tie_tolerance
     if texts is not None:
-        ids = texts if isinstance(texts, Tensor) else text_ids(texts)
-        ids = ids.to(rewards.device)
+        ids = (texts if isinstance(texts, Tensor) else text_ids(texts)).to(rewards.device)
         if ids.shape != rewards.shape:
             raise ValueError(f"texts has shape {tuple(ids.shape)}, rewards {tuple(rewards.shape)}; they must match")
         keep &= ids[rows, chosen] != ids[rows, rejected]
@@ -181,19 +156,12 @@ class OnlineDPOKnobs:
     ``online:`` section and the simulator use these names and defaults.
 
     Args:
-        online_mode: ``iterative`` (paper 004's Algorithm 2: collect an iteration's pairs, then train on them) or
-            ``online`` (one DPO update per generated batch, paper 001).
+        online_mode: ``iterative`` (paper 004's Algorithm 2) or ``online`` (one DPO update per batch, paper 001).
         async_generation: ``online`` mode: generate batch ``t+1`` with ``theta_t`` while training on batch ``t``
-            (paper 001's one-step off-policy; queue size 1), or wait for each update (on-policy).
-        num_iterations: iterations of Algorithm 2 (paper 004: 3).
-        prompts_per_iteration: prompts per iteration (paper 004: 20k); ``None`` = all prompts split evenly.
-        num_generations: ``n`` responses per prompt (>= 2; paper 004: 8 or 16; paper 001: 2, or K = 4).
+            (paper 001's one-step off-policy), or wait for each update.
+        prompts_per_iteration: ``None`` = all prompts split evenly.
         temperatures: ``n`` is split evenly across these (paper 004: 0.7 and 1.0).
-        selection_rule: ``max_min`` (best vs worst, paper 004), ``max_random`` or ``random`` (:class:`SelectionRule`).
-        length_penalty: ``lambda`` of paper 004 Eq. 9, ``r(x, a) - lambda * |a|`` (the concise variant: 0.001).
-        length_unit: ``chars`` (paper 004) or ``tokens`` for ``|a|``.
-        tie_tolerance: pairs whose scores differ by at most this are dropped.
-        pair_data: ``accumulate`` (train on all pairs so far, paper 004's "historical + new") or ``latest``.
+        pair_data: ``accumulate`` (all pairs so far, paper 004's "historical + new") or ``latest``.
     """
 
     online_mode: str = field(default="iterative", metadata={"help": "iterative (paper 004) | online (paper 001)"})
@@ -233,18 +201,11 @@ class OnlineSamplingKnobs:
     ``IterativeDPOConfig`` and the online-DPO recipe's ``online:`` section embed these fields.
 
     Args:
-        max_completion_length, max_prompt_length, top_p, top_k: sampling limits (prompts are cut from the left).
         generation_backend: ``auto`` (vLLM on a CUDA machine when installed, else HF), ``hf`` or ``vllm``.
-        generation_batch_size: sequences per HF ``generate`` call.
-        eval_samples_per_prompt / eval_temperature: the evaluation after each iteration.
-        generator_process: online mode: run the generator (sampling + scoring) in a spawned process instead of a
-            thread, so the two roles do not contend for Python's interpreter lock (HF generation only; the reward
-            function must be picklable). ``None`` (default): a process where it can run and pays -- asynchronous
-            generation with HF on a machine without CUDA and a picklable reward -- else a thread
+        generator_process: online mode: run the generator in a spawned process instead of a thread (HF only; the
+            reward function must be picklable); ``None``: where it pays
             (:func:`~rlhf_ext.runtime.pair_collection.wants_generator_process`).
-        max_fill_rounds: online mode: extra sampling rounds to replace tied prompts before giving up.
         generation_threads / training_threads: torch intra-op threads of each role (CPU); ``None``: unchanged.
-        vllm_gpu_memory_utilization: vLLM's share of GPU memory.
     """
 
     max_completion_length: int = knob(256, ge=1, help="Maximum response length in tokens.")

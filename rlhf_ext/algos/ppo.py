@@ -1,9 +1,6 @@
 """PPO building blocks shared by the engines: KL estimates, GAE, reward-to-go, whitening, the clipped value loss, and
-the registry of advantage estimators.
-
-All functions take right- or left-padded ``[B, T]`` tensors with a bool ``mask`` of valid (response) positions and
-are vectorised over the batch; the backward recursions of GAE and reward-to-go run as blocked matrix products
-(:func:`discounted_reverse_cumsum`), not as a Python loop over tokens.
+the registry of advantage estimators. ``[B, T]`` tensors (either padding side) with a bool ``mask`` of response
+positions; the backward recursions are blocked matrix products (:func:`discounted_reverse_cumsum`).
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ KL_ESTIMATORS: tuple[str, ...] = KLEstimator.values()
 #: The estimators that need only the log-probabilities of the sampled tokens (``exact`` needs full distributions).
 SAMPLE_KL_ESTIMATORS: tuple[str, ...] = (KLEstimator.K1.value, KLEstimator.K2.value, KLEstimator.K3.value)
 
-#: The one clamp of :func:`kl_estimate`: ``k3`` exponentiates the log-ratio ``log r = ref_logp - logp``, which is
-#: capped at this value first, so a token the current policy has all but ruled out gives a large finite penalty
-#: (e^20 ~ 5e8) instead of ``inf``. Nothing else is clamped (see :func:`kl_estimate`).
+#: The one clamp of :func:`kl_estimate`: ``k3`` caps ``log r = ref_logp - logp`` here before its ``exp`` (a finite
+#: penalty, e^20 ~ 5e8, instead of ``inf``).
 K3_MAX_LOG_RATIO = 20.0
 
 
@@ -67,28 +63,14 @@ def kl_estimate(
     ``exact``  ``sum_v p_v (log p_v - log q_v)``           the KL itself, from the full distributions
     =========  ==========================================  =====================================================
 
-    **Clamp policy** — clamp only where a finite input can overflow, and only there: ``k3`` is evaluated at
-    ``min(log r, K3_MAX_LOG_RATIO)`` (``K = 20``; both the ``exp`` and the linear term use the capped value, so the
-    penalty saturates at ``e^20 - 21``). ``k1`` and ``k2`` are linear / quadratic in ``log r`` and ``exact`` is an
-    expectation of log-ratios (no ``exp`` of a ratio), so none of them is clamped; ``exact`` is ``+inf`` only where
-    ``pi_ref`` gives probability 0 to a token ``pi`` does not, which is the true KL. Consequently every estimator is
-    exactly 0 where the two policies agree, and all four are unclamped for ``log r <= 20``.
-
-    Compared with OpenRLHF 0.11.2's ``openrlhf.models.utils.compute_approx_kl`` (same k1/k2/k3 formulas, with
-    ``log_ratio = logp - ref_logp = -log r``): OpenRLHF caps ``log r`` at 10 inside k3 and then clamps *every*
-    estimator's value to ``[-10, 10]``; it has no ``exact``. Our values are equal to OpenRLHF's wherever its value
-    clamp is inactive (``|k1| <= 10``, ``k2 <= 10``, ``k3 <= 10``, i.e. roughly ``-11 <= log r <= 2.6`` for k3) and
-    larger beyond, and our gradients are the estimator formulas' own pathwise gradients (OpenRLHF's optional
-    ``unbiased_gradient`` straight-through variant is not reproduced).
+    Only ``k3`` is clamped (at ``min(log r, K3_MAX_LOG_RATIO)``, in both terms); every estimator is exactly 0 where
+    the policies agree. OpenRLHF 0.11.2's ``compute_approx_kl`` (same formulas) also clamps every value to
+    ``[-10, 10]``; the values agree wherever that clamp is inactive.
 
     Args:
-        logp: ``[B, T]`` log pi(a_t | s_t) of the sampled tokens under the current policy (differentiable). Not
-            needed (may be ``None``) for ``exact``.
-        ref_logp: ``[B, T]`` the same tokens' log-probabilities under the reference policy (take no gradient
-            through it). Not needed for ``exact``.
-        estimator: a :class:`KLEstimator` or its string.
-        logp_full, ref_logp_full: ``[B, T, V]`` *normalised* log-probabilities (``log_softmax`` of the logits) of the
-            whole next-token distributions of both policies; required by ``exact``, ignored otherwise.
+        logp, ref_logp: ``[B, T]`` log-probabilities of the sampled tokens under the current (differentiable) and
+            reference policy; not needed for ``exact``.
+        logp_full, ref_logp_full: ``[B, T, V]`` ``log_softmax`` of both policies' logits; required by ``exact``.
 
     Returns:
         ``[B, T]`` float32 (float64 inputs stay float64). Positions outside the response are not masked here.
@@ -310,8 +292,8 @@ def gae_estimator(
     values: Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 0.95,
-    group_size: int = 1,
     clip_range: tuple[float, float] | None = None,
+    **_,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``gae``: shaped rewards, then :func:`gae_advantages` with the critic's ``values`` (required)."""
     if values is None:
@@ -326,11 +308,9 @@ def reinforce_estimator(
     kl_penalty: Tensor,
     mask: Tensor,
     *,
-    values: Tensor | None = None,
     gamma: float = 1.0,
-    lam: float = 0.95,
-    group_size: int = 1,
     clip_range: tuple[float, float] | None = None,
+    **_,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reinforce``: shaped rewards, then the reward-to-go (:func:`reinforce_advantages`); no critic."""
     rewards = shape_rewards(dense, kl_penalty, mask, clip_range)
@@ -339,21 +319,13 @@ def reinforce_estimator(
 
 @register_advantage_estimator(AdvantageEstimator.REINFORCE_BASELINE)
 def reinforce_baseline_estimator(
-    dense: Tensor,
-    kl_penalty: Tensor,
-    mask: Tensor,
-    *,
-    values: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    group_size: int = 1,
-    clip_range: tuple[float, float] | None = None,
+    dense: Tensor, kl_penalty: Tensor, mask: Tensor, *, group_size: int = 1, **kwargs
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reinforce_baseline``: the prompt group's mean sequence reward (``dense.sum(1)``, :func:`group_mean_baseline`)
     is subtracted at each response's last token *before* the clip, then as ``reinforce`` (OpenRLHF's order)."""
     baseline = group_mean_baseline(dense.sum(dim=1), group_size)
     dense = dense.scatter_add(1, last_token_index(mask)[:, None], -baseline[:, None])
-    return reinforce_estimator(dense, kl_penalty, mask, gamma=gamma, clip_range=clip_range)
+    return reinforce_estimator(dense, kl_penalty, mask, **kwargs)
 
 
 def ppo_advantages(
@@ -370,18 +342,10 @@ def ppo_advantages(
     clip_range: tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token PPO rewards ``r_t = clip(dense_t) - kl_coef * KL_t`` (paper 003 Eq. 5) -> (rewards, advantages,
-    returns), in OpenRLHF 0.11.2's order so that both engines compute the same numbers:
+    returns), in OpenRLHF 0.11.2's order: the estimator registered as ``estimator`` (``reinforce_baseline``'s group
+    baseline, the clip to ``clip_range``, the KL penalty, GAE or reward-to-go), then whitening when ``whiten``.
 
-    1. ``reinforce_baseline``: the prompt group's mean sequence reward (``dense.sum(1)``) is subtracted at each
-       response's last token (for a bandit reward this is exactly OpenRLHF's scalar baseline);
-    2. every token's reward is clipped to ``clip_range`` (OpenRLHF's ``--reward.clip_range``, applied to its scalar);
-    3. minus ``kl_coef * KL``; GAE (needs ``values``) or reward-to-go (``reinforce*``);
-    4. advantages whitened over the batch when ``whiten`` (OpenRLHF whitens all three estimators).
-
-    Steps 1-3 are the estimator registered under ``estimator`` in :data:`ADVANTAGE_ESTIMATORS` (the built-ins are
-    :class:`AdvantageEstimator`); step 4 is common to all.
-
-    Shapes: ``dense_rewards``, ``kl``, ``mask``, ``values`` ``[B, T]``; rows grouped by prompt for step 1.
+    Shapes: ``dense_rewards``, ``kl``, ``mask``, ``values`` ``[B, T]``; rows grouped by prompt.
     """
     fn = get_advantage_estimator(estimator)
     mask = mask.bool()
@@ -404,20 +368,9 @@ def ppo_advantages(
 @dataclass
 class PPOKnobs:
     """PPO knobs shared by the engines, declared once (paper 003 Table 8 and OpenRLHF 0.11.2's defaults):
-    ``DensePPOConfig``, the recipes' ``ppo:`` sections and the OpenRLHF command line the recipes generate use these
-    names and defaults.
-
-    Args:
-        kl_coef: ``beta`` of the per-token KL penalty to the reference (SFT) model in the reward (paper 003 Eq. 5;
-            Table 8: 0.01).
-        kl_estimator: ``k1`` (OpenRLHF's reward penalty), ``k2`` or ``k3`` (:func:`kl_estimate`).
-        advantage_estimator: ``gae`` (critic), ``reinforce`` (reward-to-go) or ``reinforce_baseline`` (minus the
-            prompt group's mean reward); see :data:`ADVANTAGE_ESTIMATORS`.
-        gamma, lam: discount and GAE lambda in [0, 1] (OpenRLHF: 1.0, 0.95).
-        value_clip: critic value clip > 0, or ``None`` for no clip (paper 003 Appendix C: 0.25 with dense rewards,
-            0.2 with bandit rewards).
-        reward_clip_range: per-token reward clip before the KL penalty (OpenRLHF's ``--reward.clip_range``, +-10).
-        whiten_advantages: standardise advantages over the rollout batch (OpenRLHF does).
+    ``DensePPOConfig``, the recipes' ``ppo:`` sections and the generated OpenRLHF command line use these names.
+    ``kl_coef`` is beta of paper 003 Eq. 5; ``value_clip`` ``None`` means no clip (paper 003 Appendix C: 0.25 dense,
+    0.2 bandit); ``reward_clip_range`` is OpenRLHF's ``--reward.clip_range`` (before the KL penalty).
     """
 
     kl_coef: float = knob(0.01, ge=0, help="beta of paper 003 Eq. 5 (0.01)")
@@ -440,14 +393,9 @@ class PPOKnobs:
     def check_ppo_knobs(self) -> None:
         """Validate the knobs (called by every config that embeds them); each error names the knob and its range."""
         check_knobs(self)
-        if self.kl_estimator not in SAMPLE_KL_ESTIMATORS:
-            raise ValueError(
-                f"kl_estimator must be one of {', '.join(SAMPLE_KL_ESTIMATORS)}; got {self.kl_estimator!r}"
-            )
-        if self.advantage_estimator not in ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {', '.join(ESTIMATORS)}; got {self.advantage_estimator!r}"
-            )
+        for name, allowed in (("kl_estimator", SAMPLE_KL_ESTIMATORS), ("advantage_estimator", ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.reward_clip_range is not None and (
             len(self.reward_clip_range) != 2 or not self.reward_clip_range[0] < self.reward_clip_range[1]
         ):

@@ -9,9 +9,7 @@ interpolates them onto tokens.
 
 ================== ====================================================================================================
 ``segment``        segments at entropy > cutoff; normalized segment rewards; interpolated (the paper's method)
-``chunk``          segments of ``chunk_size`` tokens, whatever the text; otherwise as ``segment``. The positions at
-                   which rewards are read, and their number for a given length, are not something the policy can
-                   change by what it writes (see below)
+``chunk``          segments of ``chunk_size`` tokens, whatever the text; otherwise as ``segment``
 ``token``          every response token is a segment (cutoff 0); normalized per-token rewards
 ``bandit``         one reward per response: the score at its last token, normalized at p = 1, on the last token
 ``bandit_as_segment``  Table 1 (A): a *bandit* reward model read at segment ends — computed exactly like ``segment``;
@@ -23,13 +21,8 @@ interpolates them onto tokens.
 ``interpolation`` (Table 3): ``even_split`` gives every token of a segment r/|segment| (the paper), ``repeat`` gives
 every token r, ``segment_end`` puts r on the segment's last token and 0 elsewhere ("no interpolation").
 
-**Segmentation as a reward lever.** With ``segment``, the boundaries fall where the frozen SFT model's entropy of the
-*sampled* text exceeds the cutoff, and the return sums one normalized reward per segment. The policy writes that text,
-so it chooses how many segments a response has and at which prefixes the reward model is read: a policy that learns
-text on which every token is a boundary, at prefixes the reward model scores above the calibration mean, is paid per
-boundary (measured in rlhf-ext's simulator: ``docs/segment_ppo_evidence.md``). ``chunk`` reads the reward model at
-fixed positions (every ``chunk_size``-th response token and the last one), so for a given response the summed reward
-does not depend on anything the policy's text does to the SFT model's entropies; ``token`` is its extreme (size 1).
+With ``segment`` the policy's text decides where the boundaries fall, so it can be paid per boundary
+(``docs/segment_ppo_evidence.md``); ``chunk`` reads the reward model at fixed positions, which the text cannot move.
 """
 
 from __future__ import annotations
@@ -54,6 +47,7 @@ from rlhf_ext.algos.segment_reward import (
     gather_segment_rewards,
     segment_boundaries,
     segment_ids,
+    token_entropy,
 )
 
 
@@ -87,11 +81,8 @@ class Granularity(StrEnum):
 
 
 def resolve_granularity(granularity: Granularity | str | None, spans: bool) -> str:
-    """The granularity of a run (its value, as the knobs store it): as given, else its reward source's default. On a
-    reward model's token scores that is ``chunk``: under the simulator's fair protocol
-    (``docs/segment_ppo_evidence.md``) it beat the paper's ``segment``, whose boundaries the policy learns to buy. On
-    span rewards (reward functions, rules, process reward models, a reward server) it is ``segment``: the source's
-    spans are the segments, and ``chunk`` is not defined there."""
+    """The granularity of a run (its value): as given, else its reward source's default: ``chunk`` on a reward model's
+    token scores (``docs/segment_ppo_evidence.md``), ``segment`` on span rewards (``chunk`` is undefined there)."""
     if granularity is None:
         return (Granularity.SEGMENT if spans else Granularity.CHUNK).value
     return Granularity(granularity).value
@@ -108,17 +99,9 @@ class RewardValueError(ValueError):
 
 
 def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpolation | str = "even_split") -> Tensor:
-    """Spread segment rewards over their tokens (paper 003, section 2.3 "Within-segment Reward Interpolation").
-
-    Args:
-        seg_rewards: ``[B, S]`` (normalized) segment rewards.
-        segments: the :class:`Segments` of the batch (``ids`` ``[B, T]``, ``lengths``, ``ends``).
-        kind: ``even_split`` (r/|a_t| on every token, so each segment's tokens sum back to r), ``repeat`` (r on
-            every token) or ``segment_end`` (r on the last token, 0 elsewhere).
-
-    Returns:
-        ``[B, T]`` per-token rewards, 0 outside the response.
-    """
+    """Spread ``[B, S]`` segment rewards over their tokens -> ``[B, T]``, 0 outside the response (paper 003, section
+    2.3, Table 3): ``even_split`` (r/|a_t| on every token), ``repeat`` (r on every token) or ``segment_end`` (r on the
+    last token)."""
     if kind not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}; got {kind!r}")
     inside = segments.ids >= 0
@@ -132,13 +115,8 @@ def interpolate_rewards(seg_rewards: Tensor, segments: Segments, kind: Interpola
 
 
 def fixed_boundaries(action_mask: Tensor, chunk_size: int) -> Tensor:
-    """``[B, T]`` bool: response tokens whose index within the response is a multiple of ``chunk_size`` (the starts of
-    fixed-length segments; the ``chunk`` granularity).
-
-    Args:
-        action_mask: ``[B, T]`` bool, true at response tokens (one contiguous run per row).
-        chunk_size: segment length in tokens, >= 1.
-    """
+    """``[B, T]`` bool: response tokens whose index within the response is a multiple of ``chunk_size`` >= 1 (the
+    starts of ``chunk`` segments); ``action_mask`` ``[B, T]`` bool, one contiguous run per row."""
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     action_mask = action_mask.bool()
@@ -158,15 +136,9 @@ def check_finite_scores(token_scores: Tensor, action_mask: Tensor) -> None:
 
 
 class DenseRewards(NamedTuple):
-    """Output of :func:`dense_segment_rewards`.
-
-    Attributes:
-        rewards: ``[B, T]`` per-token rewards (before the KL penalty), 0 outside the response.
-        seg_rewards: ``[B, S]`` normalized segment (or sequence) rewards before interpolation.
-        raw_seg_rewards: ``[B, S]`` the reward model's segment rewards before normalization.
-        segments: the segmentation used.
-        sequence_reward: ``[B]`` sum of ``rewards`` over each response (what PPO's return sees without KL).
-    """
+    """Output of :func:`dense_segment_rewards`: ``rewards`` ``[B, T]`` per-token (before the KL penalty),
+    ``seg_rewards`` ``[B, S]`` normalized and ``raw_seg_rewards`` ``[B, S]`` raw segment (or sequence) rewards, the
+    ``segments`` used and ``sequence_reward`` ``[B]`` (``rewards`` summed per response)."""
 
     rewards: Tensor
     seg_rewards: Tensor
@@ -201,12 +173,8 @@ def dense_segment_rewards(
         entropy: ``[B, T]`` reference-model entropy of the distribution each token was sampled from. Give this, or
             ``logits`` (``[B, T, V]``, logits at t predicting t + 1) from which it is computed; not needed for
             ``bandit``/``token``.
-        normalizer: location-aware normalizer (default: none).
-        granularity: see the module docstring.
-        interpolation: see :func:`interpolate_rewards` (only for segment granularities).
-        entropy_cutoff: c_ent for the segment granularities.
-        aggregation, tau: sequence evaluation for ``segment_as_bandit``.
-        chunk_size: segment length in tokens for ``chunk``.
+        granularity, interpolation: see the module docstring.
+        aggregation, tau: sequence evaluation for ``segment_as_bandit`` (paper 003 Eq. 4).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
@@ -219,8 +187,6 @@ def dense_segment_rewards(
         if entropy is None:
             if logits is None:
                 raise ValueError(f"granularity '{granularity}' needs the reference model's entropy (or its logits)")
-            from rlhf_ext.algos.segment_reward import token_entropy
-
             entropy = token_entropy(logits, shift=True)
         cutoff = check_knob(SegmentRewardKnobs, "entropy_cutoff", entropy_cutoff, "entropy cutoff")
     else:
@@ -239,9 +205,7 @@ def dense_segment_rewards(
             seq = aggregate_segments(raw, segments.mask, aggregation, tau)
         else:
             seq = raw[:, 0]
-        has_response = segments.counts > 0
-        ones = torch.ones_like(seq)
-        seq_norm = normalizer.normalize(seq, ones, has_response)
+        seq_norm = normalizer.normalize(seq, torch.ones_like(seq), segments.counts > 0)
         last = segments.ends & (segments.ids == (segments.counts - 1).unsqueeze(1))
         rewards = torch.where(last, seq_norm.unsqueeze(1), torch.zeros_like(token_scores))
         return DenseRewards(rewards, seq_norm.unsqueeze(1), seq.unsqueeze(1), segments, seq_norm)
@@ -252,9 +216,8 @@ def dense_segment_rewards(
 
 
 class SegmentationRates(NamedTuple):
-    """How a batch of responses is segmented: ``segments_per_token`` (segments / response tokens) and
-    ``above_cutoff_share`` (share of response tokens whose reference entropy exceeds the cutoff; NaN without
-    entropies). Under a policy that games entropy segmentation both climb towards 1."""
+    """How a batch of responses is segmented: ``segments_per_token`` and ``above_cutoff_share`` (share of response
+    tokens whose reference entropy exceeds the cutoff; NaN without entropies)."""
 
     segments_per_token: float
     above_cutoff_share: float
@@ -268,10 +231,9 @@ class SegmentationRates(NamedTuple):
 
 
 def segmentation_totals(counts: Tensor, action_mask: Tensor, entropy: Tensor | None, cutoff: float) -> Tensor:
-    """``[3]`` float64 sums of a batch: segments, response tokens, and response tokens whose reference entropy exceeds
-    ``cutoff`` c_ent (NaN without entropies). ``counts`` ``[B]`` segments per response, ``action_mask`` and ``entropy``
-    ``[B, T]``. Sums of batches (or of ranks, whose ``T`` may differ) add up; :meth:`SegmentationRates.of_totals` turns
-    them into token-weighted rates."""
+    """``[3]`` float64 sums of a batch (they add up across batches and ranks): segments, response tokens, and response
+    tokens whose reference entropy exceeds ``cutoff`` (NaN without entropies). ``counts`` ``[B]``, ``action_mask``
+    and ``entropy`` ``[B, T]``."""
     action_mask = action_mask.bool()
     above = float("nan") if entropy is None else (action_mask & (entropy > cutoff)).sum().item()
     return torch.tensor([counts.sum().item(), action_mask.sum().item(), above], dtype=torch.float64)
@@ -283,10 +245,8 @@ def segmentation_rates(counts: Tensor, action_mask: Tensor, entropy: Tensor | No
 
 
 class SegmentationMonitor:
-    """Reward-hacking monitor of dense PPO: compares each rollout batch's :class:`SegmentationRates` with the SFT
-    model's on the calibration responses (``reference``) and returns a one-line warning, once per run, when either
-    rate passes ``threshold`` times the reference (the policy is writing text the SFT model segments far more
-    finely than its own: paper 003's segment rewards then pay per boundary)."""
+    """Reward-hacking monitor of dense PPO: a one-line warning, once per run, when a rollout batch's
+    :class:`SegmentationRates` pass ``threshold`` times the SFT model's on the calibration responses (``reference``)."""
 
     def __init__(
         self, reference: SegmentationRates | None, granularity: Granularity | str = "segment", threshold: float = 1.5
@@ -298,8 +258,7 @@ class SegmentationMonitor:
 
     @classmethod
     def for_normalizer(cls, normalizer: LocationNormalizer, granularity: Granularity | str) -> SegmentationMonitor:
-        """The monitor of a run normalized by ``normalizer``: its recorded SFT rates are the reference (none if it
-        records none)."""
+        """The monitor whose reference is ``normalizer``'s recorded SFT rates (if any)."""
         rates = normalizer.segments_per_token, normalizer.above_cutoff_share
         return cls(SegmentationRates(*rates) if None not in rates else None, granularity)
 
@@ -351,22 +310,9 @@ def calibration_points(token_scores: Tensor, entropy: Tensor, action_mask: Tenso
 
 @dataclass
 class DenseRewardKnobs:
-    """The knobs of paper 003's dense rewards for PPO (Tables 1-3), declared once: ``DensePPOConfig``, the segment
-    PPO recipe's ``segment:`` section and OpenRLHF's ``--ext.*`` flags use these names and defaults.
-
-    Args:
-        granularity: the action definition (paper 003 Table 1): ``segment`` (the paper's), ``chunk`` (fixed-length
-            segments: the reward positions are not a lever for the policy), ``token``, ``bandit`` (stock
-            sequence-level PPO), ``bandit_as_segment``, ``segment_as_bandit``; ``None`` (the default): the reward
-            source's own (:func:`resolve_granularity`: ``chunk`` on a reward model's token scores, ``segment`` on
-            span rewards).
-        chunk_size: tokens per segment for ``granularity="chunk"``.
-        interpolation: how a segment's reward is spread over its tokens (paper 003 Table 3): ``even_split`` (the
-            paper's), ``repeat``, ``segment_end``.
-        normalizer_kind: the reward normalizer (paper 003 Eq. 6 and Table 2): ``regression`` (location-aware, the
-            paper's), ``global``, ``last``, ``none``.
-        normalizer_basis: the regression's location feature: ``linear`` (``p``, the paper's) or ``log`` (``log p``).
-    """
+    """The knobs of paper 003's dense rewards for PPO (Tables 1-3; see the module docstring), declared once:
+    ``DensePPOConfig``, the segment PPO recipe's ``segment:`` section and OpenRLHF's ``--ext.*`` flags use these
+    names and defaults. ``granularity`` ``None``: the reward source's own (:func:`resolve_granularity`)."""
 
     granularity: Granularity | None = field(
         default=None, metadata={"help": "paper 003 Table 1; unset: chunk on a reward model, segment on span rewards"}

@@ -1,17 +1,9 @@
 """Entropy-based segmentation and segment-reward aggregation (paper 003 Eq. 3-4, section 2.2).
 
-Pure tensor functions, vectorised over the batch, no Python loop over tokens or samples.
-
-Conventions (all functions):
-
-* Tensors are batch-first ``[B, T]`` over the *full* sequence (prompt + response + padding); either padding side
-  works, and a row may be padded on both sides (OpenRLHF's reward trainer left-pads the shorter of the chosen and
-  rejected batches after its collator right/left-padded them).
-* ``action_mask`` (bool ``[B, T]``) is true exactly at response tokens. Segments never cross a ``False`` position.
-* ``entropy[b, i]`` is the Shannon entropy of the distribution token ``i`` was sampled from, i.e. computed from the
-  logits at position ``i - 1`` (logits at ``t`` predict token ``t + 1``). :func:`token_entropy` with ``shift=True``
-  returns exactly that alignment.
-* Segment ``s`` of a response is a 0-based index; ``S`` is the largest number of segments in the batch.
+Conventions: tensors are ``[B, T]`` over the full sequence, padded on either or both sides; ``action_mask`` (bool) is
+true exactly at response tokens and segments never cross a ``False`` position; ``entropy[b, i]`` is the entropy of
+the distribution token ``i`` was sampled from (logits at ``i - 1``; :func:`token_entropy` with ``shift=True``);
+segments are 0-based and ``S`` is the most segments of a response in the batch.
 """
 
 from __future__ import annotations
@@ -41,10 +33,8 @@ AGGREGATIONS: tuple[str, ...] = Aggregation.values()
 DEFAULT_ENTROPY_CUTOFF = 2.0
 DEFAULT_TAU = 0.5
 
-#: Logits per chunk. CPU: 256k (1 MB in fp32), so the chunk and its exp buffer stay in cache (1.8x faster than
-#: 4.7M-logit chunks on [4, 24, 49152]). An accelerator needs large launches instead: 64M (a 256 MB fp32 buffer; on an
-#: H200, [8, 1024, 151936] bf16 took 18 ms against 22 ms for OpenRLHF's log-probs + entropy, which allocate 9.5 GB,
-#: and 823 ms in 256k-logit chunks; ``benchmarks/entropy_gpu.py``).
+#: Logits per chunk: 256k on a CPU (the chunk and its exp buffer stay in cache), 64M on an accelerator (large
+#: launches; ``benchmarks/entropy_gpu.py``).
 _ENTROPY_CHUNK_ELEMENTS = {"cpu": 1 << 18}
 _ENTROPY_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 
@@ -60,16 +50,8 @@ def check_aggregation(kind: str) -> str:
 class SegmentRewardKnobs:
     """The knobs of paper 003's segment reward model, declared once: the TRL config
     (:class:`rlhf_ext.trl.SegmentRewardConfig`), the recipes' ``segment:`` section and OpenRLHF's ``--ext.*`` flags of
-    ``rlhf_ext.openrlhf.train_rm`` are made from these fields (same names, same defaults).
-
-    Args:
-        entropy_cutoff: ``c_ent`` in nats (paper 003 section 2.1): a response token starts a new segment when the SFT
-            model's predictive entropy at it exceeds the cutoff. Paper default 2.0 (Table 7); ``inf`` = one segment
-            per response (the bandit reward model), ``0`` = one segment per token.
-        aggregation: how segment rewards become the sequence evaluation ``e_phi`` that the Bradley-Terry loss
-            compares (paper 003 Eq. 3-4): ``softmax`` (Eq. 4, the paper's choice), ``sum`` or ``mean`` (Table 4).
-        tau: temperature of the soft-max aggregation of paper 003 Eq. 4. Paper default 0.5.
-    """
+    ``rlhf_ext.openrlhf.train_rm`` use these names and defaults. ``entropy_cutoff``: c_ent in nats (section 2.1;
+    ``inf`` = one segment per response, ``0`` = one per token); ``aggregation`` and ``tau``: paper 003 Eq. 3-4."""
 
     entropy_cutoff: float = knob(DEFAULT_ENTROPY_CUTOFF, ge=0, inf=True, help="c_ent in nats (paper 003: 2.0).")
     aggregation: Aggregation = field(
@@ -93,31 +75,21 @@ def logprobs_and_entropy(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Log-probabilities of ``labels`` and Shannon entropies (nats) of the rows of ``logits``, in one pass per chunk.
 
-    The log-softmax the log-probs need and the entropy share their statistics. Per row, ``m = max_v z_v``,
-    ``e_v = exp(z_v - m)``, ``S = sum_v e_v`` and ``lse = log S + m`` (computed as ``torch.logsumexp`` computes it, so
-    the log-probs ``z_label - lse`` equal OpenRLHF's ``log_probs_from_logits`` and TRL's ``selective_log_softmax``
-    bit for bit), and
-
-        ``H = lse - sum_v softmax(z)_v z_v = lse - (sum_v e_v z_v) / S``
-
-    where ``sum_v e_v z_v`` is taken in place in the ``exp`` buffer once ``S`` is read from it (``e *= z``, then a
-    row sum): no ``[.., V]``-sized temporary besides that one cache-sized buffer, reused chunk after chunk
-    (``torch.linalg.vecdot`` would allocate ``e * z``; a batched ``bmm`` of 1x1 products is 2x slower on CPU). A row
-    with ``-inf`` logits (a masked vocabulary) gets ``0 * -inf = nan`` there; such rows (found once, at the end) are
-    recomputed with the ``-inf`` entries contributing 0, as :func:`token_entropy` always did.
+    With ``lse = logsumexp(z)`` (as ``torch.logsumexp`` computes it, so the log-probs ``z_label - lse`` equal
+    OpenRLHF's and TRL's bit for bit) and ``e = exp(z - max z)``: ``H = lse - (sum_v e_v z_v) / sum_v e_v``, the
+    product taken in place in one reused cache-sized buffer. Rows with ``-inf`` logits are recomputed with those
+    entries contributing 0.
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]``, any float dtype (computed in fp32, chunk by chunk). A slice of a larger
-            tensor such as ``logits[:, -A - 1 : -1]`` is read in place, not copied.
+        logits: ``[N, V]`` or ``[B, T, V]``, any float dtype (computed in fp32; a slice is read in place).
         labels: token ids of shape ``logits.shape[:-1]``, or None for entropies only.
-        entropy: False skips the entropy's pass (log-probs only, as the log-softmax alone would give them).
-        chunk_size: rows per chunk (at least 2); by default 256k logits (1 MB in fp32) on a CPU, so that a chunk and
-            its ``exp`` buffer stay in cache across the passes, and 64M logits on an accelerator (few, large
-            launches). The results do not depend on it.
+        entropy: False skips the entropy (log-probs only).
+        chunk_size: rows per chunk (at least 2; default :data:`_ENTROPY_CHUNK_ELEMENTS` logits); results do not
+            depend on it.
 
     Returns:
-        ``(log_probs, entropy)``: fp32 of shape ``logits.shape[:-1]`` (None for the one not asked for).
-        Entropies are clamped at 0 (fp32 rounding). Not differentiable.
+        ``(log_probs, entropy)``: fp32 of shape ``logits.shape[:-1]`` (None for the one not asked for), entropies
+        clamped at 0. Not differentiable.
     """
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
@@ -189,16 +161,13 @@ def _masked_entropy(z: Tensor) -> Tensor:
 def token_entropy(logits: Tensor, shift: bool = True, chunk_size: int | None = None) -> Tensor:
     """Shannon entropy (nats) of each next-token distribution (:func:`logprobs_and_entropy` without labels).
 
-    ``H(p) = logsumexp(z) - sum_v softmax(z)_v * z_v`` — stable for any logits, including ``-inf`` entries.
-
     Args:
         logits: ``[B, T, V]`` (any float dtype). ``logits[b, t]`` predicts token ``t + 1``.
-        shift: if True (default) the result is aligned to the *sampled* token: ``out[b, i] = H(logits[b, i - 1])``
-            and ``out[b, 0] = 0`` (token 0 has no predictive distribution). If False, ``out[b, t] = H(logits[b, t])``.
-        chunk_size: positions per chunk (default: as :func:`logprobs_and_entropy`, by device).
+        shift: True: aligned to the *sampled* token, ``out[b, i] = H(logits[b, i - 1])`` and ``out[b, 0] = 0``;
+            False: ``out[b, t] = H(logits[b, t])``.
 
     Returns:
-        ``[B, T]`` float32 entropies. Not differentiable (segmentation is a preprocessing step).
+        ``[B, T]`` float32 entropies. Not differentiable.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
@@ -219,16 +188,13 @@ def first_response_tokens(action_mask: Tensor) -> Tensor:
 def segment_boundaries(entropy: Tensor, action_mask: Tensor, cutoff: float = DEFAULT_ENTROPY_CUTOFF) -> Tensor:
     """Which tokens start a new segment (paper 003, section 2.2, "Entropy-based Segmentation").
 
-    Token ``i`` starts a segment iff it is a response token and either it is the first response token or
-    ``entropy[b, i] > cutoff`` (strictly). ``cutoff = inf`` gives one segment per response (the bandit reward
-    model); a cutoff below every entropy (e.g. 0 with non-degenerate distributions) gives one segment per token
-    (the token-level model) — the paper's baselines are implemented exactly this way (Appendix C).
+    Token ``i`` starts a segment iff it is the first response token or a response token with ``entropy[b, i] >
+    cutoff`` (NaN never does). ``cutoff = inf``: one segment per response; 0: one per token (Appendix C baselines).
 
     Args:
-        entropy: ``[B, T]`` float, aligned to the sampled token (see module docstring). NaN entropies never start a
-            segment.
+        entropy: ``[B, T]`` float, aligned to the sampled token.
         action_mask: ``[B, T]`` bool, true at response tokens.
-        cutoff: entropy threshold c_ent in nats (paper default 2.0), ``>= 0``.
+        cutoff: c_ent in nats, ``>= 0``.
 
     Returns:
         ``[B, T]`` bool, false outside ``action_mask``.
@@ -262,18 +228,8 @@ class Segments(NamedTuple):
 
 
 def segment_ids(starts: Tensor, action_mask: Tensor) -> Segments:
-    """Number the segments of each response given their start tokens.
-
-    The first token of every response run always starts a segment, even if ``starts`` is false there, so every
-    response token belongs to exactly one segment.
-
-    Args:
-        starts: ``[B, T]`` bool from :func:`segment_boundaries`.
-        action_mask: ``[B, T]`` bool, true at response tokens.
-
-    Returns:
-        :class:`Segments`. ``S = max(counts)`` (at least 1 so shapes stay valid for all-empty batches).
-    """
+    """:class:`Segments` of each response from ``[B, T]`` bool ``starts`` (:func:`segment_boundaries`; the first
+    token of a response run always starts one) and ``action_mask``; ``S = max(counts)``, at least 1."""
     if starts.shape != action_mask.shape:
         raise ValueError(f"starts {tuple(starts.shape)} and action_mask {tuple(action_mask.shape)} must match")
     action_mask = action_mask.bool()
@@ -298,14 +254,8 @@ def segment_ids(starts: Tensor, action_mask: Tensor) -> Segments:
 def gather_segment_rewards(token_scores: Tensor, segments: Segments) -> Tensor:
     """Segment reward = the reward model's score at the segment's last token (it has read the whole segment).
 
-    A response truncated without EOS simply ends its last segment at its last kept token.
-
-    Args:
-        token_scores: ``[B, T]`` float, the reward model's scalar head applied at every position.
-        segments: from :func:`segment_ids`.
-
-    Returns:
-        ``[B, S]`` segment rewards (0 at padding segments); differentiable w.r.t. ``token_scores``.
+    ``token_scores`` ``[B, T]`` (the scalar head at every position) -> ``[B, S]`` (0 at padding segments),
+    differentiable.
     """
     if token_scores.shape != segments.ids.shape:
         raise ValueError(
@@ -321,19 +271,8 @@ def aggregate_segments(
 ) -> Tensor:
     """Parameterised sequence evaluation e_phi(x, y) = f({r_phi(s_t, a_t)}) (paper 003 Eq. 3-4).
 
-    * ``softmax`` (paper default): ``tau * log(sum_t exp(r_t / tau))`` (paper 003 Eq. 4). It equals ``r`` for a single
-      segment and tends to ``max_t r_t`` as ``tau -> 0``.
-    * ``sum``: ``sum_t r_t``;  ``mean``: ``sum_t r_t / T`` (Table 4's alternatives).
-
-    Args:
-        seg_rewards: ``[B, S]`` float.
-        seg_mask: ``[B, S]`` bool, real segments.
-        kind: aggregation function f.
-        tau: soft-max temperature (> 0), ignored for ``sum``/``mean``.
-
-    Returns:
-        ``[B]`` evaluations. Raises ``ValueError`` naming the rows that have no segment (empty responses), since no
-        aggregate is defined for them.
+    ``softmax``: ``tau * log(sum_t exp(r_t / tau))`` (Eq. 4); ``sum``; ``mean`` (Table 4's alternatives).
+    ``seg_rewards`` and ``seg_mask`` ``[B, S]`` -> ``[B]``; ``ValueError`` naming rows with no segment.
     """
     check_aggregation(kind)
     seg_mask = seg_mask.bool()
@@ -387,11 +326,7 @@ def evaluate_sequences(
 ) -> SequenceEvaluation:
     """Token scores -> segments -> segment rewards -> sequence evaluation e_phi (the one path both engines use).
 
-    Args:
-        token_scores: ``[B, T]`` reward-model scores at every position.
-        entropy: ``[B, T]`` SFT-model entropies aligned to the sampled token.
-        action_mask: ``[B, T]`` bool response mask.
-        cutoff, aggregation, tau: see :func:`segment_boundaries` and :func:`aggregate_segments`.
+    ``token_scores``, ``entropy`` (SFT model, aligned to the sampled token), ``action_mask``: ``[B, T]``.
     """
     starts = segment_boundaries(entropy, action_mask, cutoff)
     segments = segment_ids(starts, action_mask)

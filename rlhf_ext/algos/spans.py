@@ -1,33 +1,21 @@
 """Span rewards onto any policy tokenizer's tokens: the one dense-reward contract (paper 003, section 2.3).
 
-A dense reward source (a user function, a process reward model, a rule, a segment reward model with its own
-tokenizer, a reward server) answers, per response, with spans ``(start, end, reward)``: characters
-``[start, end)`` of the decoded response text earned ``reward``. :func:`dense_span_rewards` maps them onto the tokens
-of the policy that wrote the response, given each token's character offsets, vectorised over the batch (no Python
-loop over samples, spans or tokens), and applies the same normalizer and knobs as paper 003's segment rewards
+A dense reward source answers, per response, with spans ``(start, end, reward)``: characters ``[start, end)`` of the
+decoded response text earned ``reward``. :func:`dense_span_rewards` maps them onto the policy's tokens, given each
+token's character offsets, and applies the same normalizer and knobs as paper 003's segment rewards
 (:func:`~rlhf_ext.algos.segment_dense.dense_segment_rewards`): each span is one segment.
 
-**Coverage.** A span covers the response tokens whose characters intersect it: token ``t`` with offsets
-``[token_start[t], token_end[t])`` is covered iff ``token_start < span_end`` and ``token_end > span_start``. A token
-straddling a span edge is covered by that span (and by its neighbour, if one starts there: it receives both shares). A
-token with no characters (``token_end == token_start``: EOS and other special tokens, which decoding drops) is
-covered by no span. An empty span (``end <= start``), a span past the end of the text and a span over characters of
-no token cover nothing and are dropped (they earn no reward; the count of real spans is ``segments.counts``). A token
-holding part of a multi-byte character (byte-level BPE) carries that character's offsets, so a span over the
-character covers every token holding a byte of it (:func:`rlhf_ext.runtime.spans.token_char_offsets`).
-
-**Per-token sources.** A source that shares the policy's tokenizer may answer in token indices instead: spans
-``(i, j, r)`` over tokens ``[i, j)`` of the response, mapped with ``token_start = index``, ``token_end = index + 1``.
+**Coverage.** A span covers the response tokens whose characters intersect it (``token_start < span_end`` and
+``token_end > span_start``); a token straddling two spans gets both shares. Tokens with no characters (EOS) are
+covered by no span; spans covering no token are dropped. Token-index spans work with ``token_start = index``,
+``token_end = index + 1``.
 
 **Knobs** (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`, one name each):
 
-* ``granularity``: ``segment`` (each span a segment: normalized at its location ``p = (s + 1) / S``, the rank of its
-  last covered token among the response's spans, then spread by ``interpolation``), ``bandit`` (the sum of the
-  response's span rewards as one reward on its last token, normalized at ``p = 1``: the same signal without credit
-  assignment, the control arm) or ``segment_as_bandit`` (their aggregate ``e = f(r_1..r_S)``, paper 003 Eq. 4, on the
-  last token). The other granularities segment a reward model's token scores and do not apply to spans.
-* ``interpolation``: ``even_split`` (``r / n`` on each of the ``n`` tokens a span covers, so they sum back to ``r``;
-  paper 003's even split), ``segment_end`` (``r`` on the span's last covered token) or ``repeat`` (``r`` on each).
+* ``granularity``: ``segment`` (each span normalized at ``p = (s + 1) / S`` in text order, then spread by
+  ``interpolation``), ``bandit`` (the sum of the span rewards on the last token, normalized at ``p = 1``) or
+  ``segment_as_bandit`` (their aggregate, paper 003 Eq. 4, on the last token).
+* ``interpolation``: ``even_split`` (``r / n`` on each of the ``n`` covered tokens), ``segment_end`` or ``repeat``.
 * ``normalizer``: a :class:`~rlhf_ext.algos.location_norm.LocationNormalizer` (paper 003 Eq. 6).
 
 Overlapping spans add up on the tokens they share.
@@ -85,22 +73,15 @@ def dense_span_rewards(
     """Per-token PPO rewards from span rewards over each response's text (see the module docstring).
 
     Args:
-        span_start, span_end: ``[B, K]`` long, characters ``[start, end)`` of each span in its response's text; pad a
-            row's unused spans with ``start = end`` (empty spans are dropped).
-        span_reward: ``[B, K]`` float, each span's reward (any value at dropped spans; NaN/inf at a real span is an
-            error).
-        token_start, token_end: ``[B, T]`` long, characters ``[start, end)`` of each token in its response's text,
-            non-decreasing along the response (any value outside ``action_mask``).
+        span_start, span_end: ``[B, K]`` long, characters ``[start, end)`` of each span (pad with ``start = end``).
+        span_reward: ``[B, K]`` float (NaN/inf at a real span is an error).
+        token_start, token_end: ``[B, T]`` long, characters of each token, non-decreasing along the response.
         action_mask: ``[B, T]`` bool, true at response tokens.
-        normalizer: location-aware normalizer (default: none).
-        granularity, interpolation: see the module docstring.
         aggregation, tau: the sequence evaluation for ``segment_as_bandit`` (paper 003 Eq. 4).
 
     Returns:
-        :class:`~rlhf_ext.algos.segment_dense.DenseRewards`: ``rewards`` ``[B, T]``, the normalized and raw span
-        rewards ``[B, S]`` in text order (by last covered token, then first, then input order), ``segments`` (a span's
-        covered tokens; a token covered by two spans is listed under the later one; ``lengths`` = tokens covered)
-        and ``sequence_reward`` ``[B]``.
+        :class:`~rlhf_ext.algos.segment_dense.DenseRewards`, spans ``[B, S]`` in text order (by last covered token,
+        then first, then input order).
     """
     granularity = check_span_granularity(granularity)
     if interpolation not in Interpolation.values():
