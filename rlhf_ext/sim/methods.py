@@ -147,9 +147,9 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
             prompts = [unlabeled[(start + i) % len(unlabeled)] for i in range(cfg.prompts_per_round)]
             samples = run.policy(policy).sample(prompts, cfg.num_generations, seed=_seed("quark", seed, r))
             flat_prompts = [p for p in prompts for _ in range(cfg.num_generations)]
-            rewards = score(run.reward_fn(seed), flat_prompts, samples.flat())
-            keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
             texts = samples.flat()
+            rewards = score(run.reward_fn(seed), flat_prompts, texts)
+            keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
             rows = [{"prompt": flat_prompts[i], "completion": texts[i]} for i in keep]
             fine_tune(run, policy, rows, cfg.train, out, seed, kl_coef=cfg.kl_coef, ref=run.sft_model())
             stats.append({"round": r, "mean_reward": float(rewards.mean()), "top_mean": float(rewards[keep].mean())})
