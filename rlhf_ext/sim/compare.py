@@ -35,7 +35,7 @@ import torch
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import RecipeError, TrainSection, from_dict, to_dict
+from rlhf_ext.config import RecipeError, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
@@ -288,6 +288,7 @@ class SimRun:
         (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
         from the SFT model on the same simulated feedback."""
         from rlhf_ext.pipelines import segment_rm as srm
+        from rlhf_ext.sim.methods import train_args
 
         out = self.seed_dir(seed) / f"rm_{kind}"
         if not (out / "metrics.json").exists():
@@ -306,13 +307,7 @@ class SimRun:
                         train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
                     ),
                     segment=srm.SegmentSection(**knobs),
-                    train=srm.RMTrainSection(
-                        **knob_values(cfg.train, TrainSection)
-                        | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
-                        output_dir=str(tmp),
-                        seed=seed,
-                        resume=False,
-                    ),
+                    train=srm.RMTrainSection(**train_args(cfg.train, tmp, seed)),
                 )
                 summary = srm.run_segment_rm(recipe)
                 atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
