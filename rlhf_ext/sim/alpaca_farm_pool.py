@@ -60,13 +60,6 @@ _FIELDS = ("instruction", "input", "output_1", "output_2")
 
 
 # --------------------------------------------------------------------------------------------------- locating pools
-def _package_dir(package: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def resolve_pool(pool: str | Path) -> Path:
     """The ``configs.yaml`` of a pool: a path (directory or YAML file), ``alpaca_eval:<name>`` (an evaluator directory
     of the installed ``alpaca_eval``) or ``<name>`` (a pool of the installed ``alpaca_farm``, e.g.
@@ -79,13 +72,13 @@ def resolve_pool(pool: str | Path) -> Path:
     where = {"alpaca_farm": ("auto_annotations", "annotators"), "alpaca_eval": ("evaluators_configs",)}
     if package not in where or not name:
         raise FileNotFoundError(f"annotator pool {text!r}: no such path, and not <name> or alpaca_eval:<name>")
-    root = _package_dir(package)
-    if root is None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"annotator pool {text!r} needs the {package} package: pip install --no-deps {package.replace('_', '-')} "
             "(its data files are read, its modules are not imported), or pass the pool directory's path"
         )
-    found = root.joinpath(*where[package], name, "configs.yaml")
+    found = Path(next(iter(spec.submodule_search_locations))).joinpath(*where[package], name, "configs.yaml")
     if not found.exists():
         raise FileNotFoundError(f"annotator pool {text!r}: {found} does not exist")
     return found

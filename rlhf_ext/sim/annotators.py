@@ -453,14 +453,6 @@ class AnnotatorPool:
         """``[N]`` float: 1 where ``a`` wins, 0 where ``b`` wins, 1/2 for a draw (see :class:`Decisions`)."""
         return self.decide(prompts, responses_a, responses_b, styles, train=train).outcome
 
-    def _noisy(self, p: Tensor) -> Tensor:
-        return self.flip_prob + (1.0 - 2.0 * self.flip_prob) * p
-
-    def _all_probabilities(self, prompts, a, b, styles) -> Tensor:
-        """``[K, N]`` float64: every annotator's P(a > b) on every pair."""
-        probs = [ann.probability(prompts, a, b, styles).double().cpu().flatten() for ann in self.annotators]
-        return torch.stack(probs).nan_to_num(0.5)  # an unparseable answer: 1/2
-
     # --------------------------------------------------------------------------------------------------- p_sim
     def relabel(
         self,
@@ -511,7 +503,8 @@ class AnnotatorPool:
         prompts, a, b, styles = self._check(prompts, responses_a, responses_b, styles)
         if not a:
             raise ValueError("agreement needs at least one pair")
-        p = self._all_probabilities(prompts, a, b, styles)  # [K, N]
+        probs = [ann.probability(prompts, a, b, styles).double().cpu().flatten() for ann in self.annotators]
+        p = torch.stack(probs).nan_to_num(0.5)  # [K, N] every annotator's P(a > b); an unparseable answer: 1/2
         gold = self.gold.score(prompts + prompts, a + b, styles + styles).double()
         g = torch.sign(gold[: len(a)] - gold[len(a) :])  # +1 a, -1 b, 0 tie
         decided = g != 0
@@ -521,7 +514,7 @@ class AnnotatorPool:
             return (x * y + (1 - x) * (1 - y)).mean(-1)
 
         matrix = agree(p.unsqueeze(1), p.unsqueeze(0))  # [K, K]
-        noisy = self._noisy(p)
+        noisy = self.flip_prob + (1.0 - 2.0 * self.flip_prob) * p
         names = self.names
         # gold columns over the pairs gold decides (NaN, a mean over none, when it decides none); the pool draws its
         # annotator uniformly per pair, and two independent pool annotations draw annotators i, j and their coins

@@ -14,10 +14,6 @@ import click
 from rlhf_ext.config import KnobType
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 @click.group("sim", context_settings={"help_option_names": ["-h", "--help"]})
 def sim() -> None:
     """Simulated feedback, evaluation and method comparison (AlpacaFarm-style, paper 002)."""
@@ -49,7 +45,7 @@ def compare(config_path, methods, seeds, out, report_only, budget, tuning_dir, o
     if out is not None:
         extra.append(f"output_dir={out}")
     if methods is not None:
-        extra.append(f"methods=[{','.join(_csv(methods))}]")
+        extra.append(f"methods=[{','.join(v.strip() for v in methods.split(',') if v.strip())}]")
     if seeds is not None:
         extra.append(f"seeds=[{','.join(map(str, seeds))}]")
     # a user's error (RecipeError, a model that cannot load ...) is reported in one line by `rlhf-ext`'s command

@@ -35,7 +35,7 @@ import torch
 
 from rlhf_ext.algos.names import knob_values
 from rlhf_ext.algos.segment_reward import SegmentRewardKnobs
-from rlhf_ext.config import RecipeError, TrainSection, from_dict, to_dict
+from rlhf_ext.config import RecipeError, from_dict, to_dict
 from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, atomic_write_text
 from rlhf_ext.runtime.rundir import RunDir, RunSettingsChanged, fingerprint
 from rlhf_ext.sim.recipe import METHODS, SimCompareRecipe
@@ -288,6 +288,7 @@ class SimRun:
         (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
         from the SFT model on the same simulated feedback."""
         from rlhf_ext.pipelines import segment_rm as srm
+        from rlhf_ext.sim.methods import train_args
 
         out = self.seed_dir(seed) / f"rm_{kind}"
         if not (out / "metrics.json").exists():
@@ -306,13 +307,7 @@ class SimRun:
                         train=feedback, eval=feedback, eval_split="test", max_length=self.recipe.task.max_length
                     ),
                     segment=srm.SegmentSection(**knobs),
-                    train=srm.RMTrainSection(
-                        **knob_values(cfg.train, TrainSection)
-                        | {"trl_args": {**cfg.train.trl_args, "disable_tqdm": True}},
-                        output_dir=str(tmp),
-                        seed=seed,
-                        resume=False,
-                    ),
+                    train=srm.RMTrainSection(**train_args(cfg.train, tmp, seed)),
                 )
                 summary = srm.run_segment_rm(recipe)
                 atomic_write_json(tmp / "metrics.json", {**summary, "model_dir": str(out)})
@@ -330,11 +325,10 @@ class SimRun:
         """The SFT model's evaluation samples of ``seed`` (drawn once, shared by every method's comparison)."""
         from rlhf_ext.runtime.sampling import Samples
 
-        split = self.recipe.eval.split
-        name = "reference_samples.json" if split == "eval" else f"reference_samples_{split}.json"
+        ev = self.recipe.eval
+        name = "reference_samples.json" if ev.split == "eval" else f"reference_samples_{ev.split}.json"
         path = self.seed_dir(seed) / name
         if not path.exists():
-            ev = self.recipe.eval
             s = self.policy(self.sft_model(), temperature=ev.temperature).sample(
                 self.eval_prompts(), ev.samples_per_prompt, seed=30_000 + seed
             )
@@ -412,30 +406,26 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
     (``sim_compare.json``, :func:`~rlhf_ext.sim.report.summarise`). ``progress`` gets one line per step (default: this
     module's logger at ``INFO``). With ``recipe.workers > 1`` the seeds run in that many processes (:func:`run_jobs`)
     once the shared artefacts (task splits, base and SFT models) are built; the results are the same either way."""
+    from rlhf_ext.runtime.async_runner import torch_threads
     from rlhf_ext.runtime.rundir import claim_output_dir
 
+    progress = progress or logger.info
     inputs = {"model.base": recipe.model.base, "task.source": recipe.task.source}
     with claim_output_dir(recipe.output_dir, inputs, "output_dir"):
-        return _run_compare(recipe, progress or logger.info)
-
-
-def _run_compare(recipe: SimCompareRecipe, progress: Progress) -> dict[str, Any]:
-    from rlhf_ext.runtime.async_runner import torch_threads
-
-    run = SimRun(recipe, progress)
-    run_dir = run.check_directory()
-    start = time.time()
-    pending = [s for s in recipe.seeds if not all(run_dir.done(result_stage(m, s)) for m in recipe.methods)]
-    if recipe.workers > 1 and len(pending) > 1:
-        with torch_threads(recipe.threads):
-            run.sft_model()  # built once, before the workers share it
-        jobs = [(f"seed {s}", from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]})) for s in pending]
-    else:
-        jobs = [("", recipe)]
-    run_jobs(jobs, recipe.workers, recipe.threads, progress)
-    summary = summarise(recipe, wall_seconds=time.time() - start)
-    summary["reports"] = write_reports(summary, run.root)
-    return summary
+        run = SimRun(recipe, progress)
+        run_dir = run.check_directory()
+        start = time.time()
+        pending = [s for s in recipe.seeds if not all(run_dir.done(result_stage(m, s)) for m in recipe.methods)]
+        if recipe.workers > 1 and len(pending) > 1:
+            with torch_threads(recipe.threads):
+                run.sft_model()  # built once, before the workers share it
+            jobs = [(f"seed {s}", from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": [s]})) for s in pending]
+        else:
+            jobs = [("", recipe)]
+        run_jobs(jobs, recipe.workers, recipe.threads, progress)
+        summary = summarise(recipe, wall_seconds=time.time() - start)
+        summary["reports"] = write_reports(summary, run.root)
+        return summary
 
 
 def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: int | None, progress: Progress) -> None:

@@ -247,8 +247,7 @@ def best_of_n(
 ) -> list[str]:
     """The best of ``n`` samples of ``policy`` (an :class:`HFPolicy`, or a path / model instance with ``tokenizer=`` and
     :class:`HFPolicy` keyword arguments) for each prompt under ``scorer``."""
-    base = as_policy(policy, tokenizer, **policy_kwargs)
-    return BestOfNPolicy(base, scorer, n).sample(prompts, 1, seed).flat()
+    return BestOfNPolicy(as_policy(policy, tokenizer, **policy_kwargs), scorer, n).sample(prompts, 1, seed).flat()
 
 
 def as_policy(policy, tokenizer=None, **kwargs: Any):
@@ -455,14 +454,14 @@ def win_rate(
 
     kl, kl_se, kl_method = float("nan"), float("nan"), "none"
     if compute_kl:
+        cut = samples.truncated.flatten()
         if isinstance(pol, BestOfNPolicy):
             kl, kl_se, kl_method = pol.analytic_kl(), 0.0, pol.kl_method
         elif kl_estimator == "exact" and isinstance(pol, HFPolicy) and isinstance(ref, HFPolicy):
-            per = pol.token_kl(ref, flat_prompts, mine, samples.truncated.flatten()).view(len(prompts), k)
+            per = pol.token_kl(ref, flat_prompts, mine, cut).view(len(prompts), k)
             kl, kl_se, kl_method = float(per.double().mean()), _cluster_stderr(per), "exact_token_sum"
         elif kl_estimator == "sequence_log_ratio" and hasattr(pol, "logprobs") and hasattr(ref, "logprobs"):
-            lp = pol.logprobs(flat_prompts, mine, samples.truncated.flatten())
-            lr = ref.logprobs(flat_prompts, mine, samples.truncated.flatten())
+            lp, lr = pol.logprobs(flat_prompts, mine, cut), ref.logprobs(flat_prompts, mine, cut)
             ratio = (lp - lr).view(len(prompts), k)
             kl, kl_se, kl_method = float(ratio.double().mean()), _cluster_stderr(ratio), pol.kl_method
         else:

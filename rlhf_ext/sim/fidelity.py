@@ -32,18 +32,9 @@ def average_ranks(values: Sequence[float] | np.ndarray) -> np.ndarray:
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1:
         raise ValueError(f"expected a 1-d array, got shape {x.shape}")
-    order = np.argsort(x, kind="mergesort")
-    sorted_x = x[order]
-    ranks = np.empty(len(x), dtype=np.float64)
-    start = 0
-    while start < len(x):
-        stop = start + 1
-        while stop < len(x) and sorted_x[stop] == sorted_x[start]:
-            stop += 1
-        # positions start..stop-1 (0-based) hold ranks start+1..stop; their mean is (start + 1 + stop) / 2
-        ranks[order[start:stop]] = (start + 1 + stop) / 2.0
-        start = stop
-    return ranks
+    # a group of c equal values ending at sorted position `stop` holds ranks stop-c+1..stop: their mean is stop-(c-1)/2
+    _, group, counts = np.unique(x, return_inverse=True, return_counts=True, equal_nan=False)
+    return (np.cumsum(counts) - (counts - 1) / 2.0)[group]
 
 
 def _paired(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,8 +80,7 @@ def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarr
     untied_y = n0 - int((sign_y == 0).sum())
     if untied_x == 0 or untied_y == 0:
         return float("nan")
-    concordant_minus_discordant = float((sign_x * sign_y).sum())
-    return concordant_minus_discordant / math.sqrt(untied_x * untied_y)
+    return float((sign_x * sign_y).sum()) / math.sqrt(untied_x * untied_y)  # (concordant - discordant) / ...
 
 
 def bootstrap_seed_means(per_seed: Sequence[Sequence[float]], num_resamples: int, seed: int = 0) -> np.ndarray:

@@ -38,13 +38,6 @@ TOY_STYLE = "toy"
 StyleSpec = str | None | Mapping[str, str]
 
 
-def toy_neutral_texts() -> list[str]:
-    """The toy task's texts that carry no preference: filler subjects and predicates and the phrase's frame."""
-    from rlhf_ext.zoo.toy import PREDICATES, SUBJECTS, TOPICS
-
-    return [*SUBJECTS, *PREDICATES, *TOPICS, "The facts about are"]
-
-
 def toy_rubric():
     """The toy task's :class:`~rlhf_ext.datagen.phrasebank.Rubric`: key phrases positive, weak phrases negative."""
     from rlhf_ext.datagen.phrasebank import Rubric
@@ -157,8 +150,11 @@ class GoldScorer:
     def matcher(self, style: str | None) -> _Matcher:
         key = TOY_STYLE if style in (None, TOY_STYLE) else style
         if key not in self._matchers:
-            if key == TOY_STYLE:
-                rubric, neutral, all_phrases = toy_rubric(), toy_neutral_texts(), ()
+            if key == TOY_STYLE:  # neutral: filler subjects and predicates and the phrase's frame
+                from rlhf_ext.zoo.toy import PREDICATES, SUBJECTS, TOPICS
+
+                rubric, all_phrases = toy_rubric(), ()
+                neutral = [*SUBJECTS, *PREDICATES, *TOPICS, "The facts about are"]
             else:
                 from rlhf_ext.datagen.phrasebank import load_phrase_bank, rubric_for
 

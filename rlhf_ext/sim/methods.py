@@ -70,6 +70,12 @@ def fine_tune(
     )  # fmt: skip
 
 
+def train_args(train: TrainSection, out: Path, seed: int, **extra: Any) -> dict[str, Any]:
+    """The ``train`` knobs (``extra`` replacing some) of a pipeline run into ``out``: no progress bars, no resume."""
+    run = {"output_dir": str(out), "seed": seed, "resume": False}
+    return knob_values(train, TrainSection) | extra | {"trl_args": {**train.trl_args, "disable_tqdm": True}} | run
+
+
 def _num_labels(run: SimRun, seed: int) -> int:
     """The simulated preference labels of ``seed`` (every surrogate reward model is trained on all of them)."""
     return len(run.feedback(seed)["train"])
@@ -147,9 +153,9 @@ def quark(run: SimRun, seed: int) -> PolicySpec:
             prompts = [unlabeled[(start + i) % len(unlabeled)] for i in range(cfg.prompts_per_round)]
             samples = run.policy(policy).sample(prompts, cfg.num_generations, seed=_seed("quark", seed, r))
             flat_prompts = [p for p in prompts for _ in range(cfg.num_generations)]
-            rewards = score(run.reward_fn(seed), flat_prompts, samples.flat())
-            keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
             texts = samples.flat()
+            rewards = score(run.reward_fn(seed), flat_prompts, texts)
+            keep = rewards.topk(max(1, math.ceil(cfg.top_fraction * rewards.numel()))).indices.tolist()
             rows = [{"prompt": flat_prompts[i], "completion": texts[i]} for i in keep]
             fine_tune(run, policy, rows, cfg.train, out, seed, kl_coef=cfg.kl_coef, ref=run.sft_model())
             stats.append({"round": r, "mean_reward": float(rewards.mean()), "top_mean": float(rewards[keep].mean())})
@@ -215,15 +221,8 @@ def _ppo(run: SimRun, seed: int, granularity: str, reward_model: str | None = No
                     temperature=run.recipe.generation.temperature,
                 ),
                 train=sp.PPOTrainSection(
-                    **knob_values(cfg, TrainSection)
-                    | {
-                        "logging_steps": cfg.logging_steps or max(1, cfg.max_steps // 6),
-                        "trl_args": {**cfg.trl_args, "disable_tqdm": True},
-                    },
+                    **train_args(cfg, tmp, seed, logging_steps=cfg.logging_steps or max(1, cfg.max_steps // 6)),
                     critic_learning_rate=cfg.critic_learning_rate,
-                    output_dir=str(tmp),
-                    seed=seed,
-                    resume=False,
                 ),
             )
             summary = sp.run_segment_ppo(recipe)

@@ -48,8 +48,7 @@ def point_name(point: dict[str, Any]) -> str:
 def point_recipe(recipe: SimCompareRecipe, method: str, point: dict[str, Any], seed: int) -> SimCompareRecipe:
     """The comparison recipe of one tuning run: ``method`` alone on ``seed``, at ``point`` (the recipe's own
     ``method_overrides`` are dropped: the grid replaces them), evaluated on the validation prompts."""
-    data = to_dict(recipe)
-    data["method_overrides"] = {}
+    data = {**to_dict(recipe), "method_overrides": {}}
     root = Path(recipe.output_dir) / "tuning" / method / point_name(point)
     overrides = [
         f"output_dir={root}",
