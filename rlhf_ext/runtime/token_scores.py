@@ -32,7 +32,13 @@ from rlhf_ext.algos.segment_reward import (
     segment_ids,
 )
 from rlhf_ext.runtime.io import PicklableLock, weights_problem
-from rlhf_ext.runtime.segment_data import SEGMENT_CONFIG_NAME, load_segment_settings, pad_responses, sft_token_entropy
+from rlhf_ext.runtime.segment_data import (
+    SEGMENT_CONFIG_NAME,
+    load_segment_settings,
+    pad_responses,
+    segment_model_dir,
+    sft_token_entropy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +142,6 @@ def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | N
         return dict(settings)
     if settings is not None:
         return load_segment_settings(settings)
-    from rlhf_ext.runtime.segment_data import segment_model_dir
-
     path = segment_model_dir(getattr(model, "module", model))
     return load_segment_settings(path) if path is not None else {}
 
@@ -266,17 +270,14 @@ class SegmentScorer:
     ):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-        given = {"entropy_cutoff": entropy_cutoff, "aggregation": aggregation, "tau": tau, "sft_model": sft_model}
-        if (Path(reward_model) / SEGMENT_CONFIG_NAME).is_file():
-            settings = load_segment_settings(reward_model)
-        elif any(v is None for v in given.values()):
+        recorded = segment_model_dir(reward_model)
+        if recorded is None and any(v is None for v in (entropy_cutoff, aggregation, tau, sft_model)):
             raise FileNotFoundError(
                 f"'{reward_model}' is not a segment reward model: it has no {SEGMENT_CONFIG_NAME} (written by "
                 "`rlhf-ext train segment-rm`); give the output directory of a segment reward-model run, or pass "
                 "entropy_cutoff, aggregation, tau and sft_model for another sequence-classification model"
             )
-        else:
-            settings = {}
+        settings = load_segment_settings(recorded) if recorded is not None else {}
         self.entropy_cutoff = settings["entropy_cutoff"] if entropy_cutoff is None else float(entropy_cutoff)
         self.aggregation = aggregation or settings["aggregation"]
         self.tau = settings["tau"] if tau is None else float(tau)
