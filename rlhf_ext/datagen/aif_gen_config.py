@@ -38,7 +38,6 @@ from rlhf_ext.config import RecipeError
 if TYPE_CHECKING:
     from rlhf_ext.datagen.phrasebank import PhraseBank
 
-ConfigFormat = Literal["auto", "aif-gen", "rlhf-ext"]
 CONFIG_FORMATS: tuple[str, ...] = ("auto", "aif-gen", "rlhf-ext")
 #: Top-level keys of AIF-Gen's saved ``config.json`` besides ``task_specs``, and their rlhf-ext ``generation`` key.
 _GENERATION_KEYS = {"model": "model", "max_concurrency": "max_concurrency"}
@@ -146,19 +145,7 @@ VOCABULARIES: dict[str, tuple[str, ...]] = {
 }
 
 
-def seed_vocabulary(name: str) -> list[str]:
-    """The built-in vocabulary ``name`` (:data:`VOCABULARIES`); ``KeyError`` for an unknown name."""
-    if name not in VOCABULARIES:
-        raise KeyError(name)
-    return list(VOCABULARIES[name])
-
-
 # ------------------------------------------------------------------------------------------------------ configs
-def is_aif_gen_config(data: Any) -> bool:
-    """Whether a loaded YAML mapping is an AIF-Gen task config (it lists ``task_specs``)."""
-    return isinstance(data, dict) and "task_specs" in data
-
-
 def _mapping(value: Any, where: str, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RecipeError(f"{where}: expected {what}, got {type(value).__name__} {value!r}")
@@ -181,7 +168,7 @@ def _component_words(name: str, value: dict[str, Any], where: str) -> list[str]:
     words = value.get("seed_words", name)
     if isinstance(words, str):
         try:
-            return seed_vocabulary(words)
+            return list(VOCABULARIES[words])
         except KeyError:
             how = "has no seed_words" if "seed_words" not in value else f"has seed_words {words!r}"
             raise RecipeError(
@@ -277,7 +264,7 @@ def config_to_rlhf_ext(data: dict[str, Any], name: str = "aif-gen", bank: Phrase
     """An AIF-Gen task config (loaded YAML) as an rlhf-ext config mapping (see the module docstring); the result is
     validated by :func:`rlhf_ext.datagen.schema.load_task_config`. Errors are ``RecipeError`` naming the key path.
     """
-    if not is_aif_gen_config(data):
+    if detect_config_format(data) != "aif-gen":
         keys = ", ".join(sorted(map(str, data))) if isinstance(data, dict) else type(data).__name__
         raise RecipeError(f"not an AIF-Gen task config: it has no task_specs (it has: {keys or 'nothing'})")
     _check_keys(data, "AIF-Gen config", ("task_specs",), tuple(_GENERATION_KEYS) + _PASS_THROUGH_KEYS)
@@ -294,5 +281,5 @@ def config_to_rlhf_ext(data: dict[str, Any], name: str = "aif-gen", bank: Phrase
 
 
 def detect_config_format(data: Any) -> Literal["aif-gen", "rlhf-ext"]:
-    """``aif-gen`` for a mapping with ``task_specs``, else ``rlhf-ext``."""
-    return "aif-gen" if is_aif_gen_config(data) else "rlhf-ext"
+    """``aif-gen`` for a mapping with ``task_specs`` (an AIF-Gen task config), else ``rlhf-ext``."""
+    return "aif-gen" if isinstance(data, dict) and "task_specs" in data else "rlhf-ext"

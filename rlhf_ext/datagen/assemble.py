@@ -87,10 +87,7 @@ def write_dataset(
 
     def write_all(directories: list[Path]) -> list[tuple[int, int]]:
         jobs = list(enumerate(directories))
-        if write_stages is None:
-            results = [write_stage(plan, cache, i, d) for i, d in jobs]
-        else:
-            results = write_stages(jobs)
+        results = write_stages(jobs) if write_stages is not None else [write_stage(plan, cache, i, d) for i, d in jobs]
         models: set[str] = set()
         for info, result in zip(infos, results):
             info["source_counts"] = result["source_counts"]

@@ -313,11 +313,10 @@ def scan_records(path: Path, start: int = 0) -> tuple | None:
     keys, offs, lens, oks = [], [], [], []
 
     def flush() -> None:  # lists of Python objects cost ~100 bytes an entry: into arrays every 2**16 records
-        if keys:
-            chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
-                           np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
-            for column in (keys, offs, lens, oks):
-                column.clear()
+        chunks.append((np.array(keys, dtype=bytes), np.array(offs, dtype=np.int64),
+                       np.array(lens, dtype=np.int32), np.array(oks, dtype=bool)))  # fmt: skip
+        for column in (keys, offs, lens, oks):
+            column.clear()
 
     with open(path, "rb") as f:
         f.seek(start)
@@ -340,7 +339,5 @@ def scan_records(path: Path, start: int = 0) -> tuple | None:
                     if len(keys) == 1 << 16:
                         flush()
             off += n
-    flush()
-    if not chunks:
-        chunks.append((np.zeros(0, dtype="S1"), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool)))
+    flush()  # at least one chunk, empty arrays for no records
     return tuple(np.concatenate([c[i] for c in chunks]) for i in range(4))

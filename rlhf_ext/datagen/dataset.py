@@ -76,12 +76,6 @@ def test_mask(n: int, test_ratio: float, seed: int) -> np.ndarray:
     return mask
 
 
-def split_indices(n: int, test_ratio: float, seed: int) -> tuple[list[int], list[int]]:
-    """:func:`test_mask` as train and test indices, both in input order."""
-    mask = test_mask(n, test_ratio, seed)
-    return np.flatnonzero(~mask).tolist(), np.flatnonzero(mask).tolist()
-
-
 def write_continual_dataset(
     path: str | Path, metadata: dict[str, Any], write_stages: Callable[[list[Path]], list[tuple[int, int]]]
 ) -> dict[str, Any]:
@@ -167,7 +161,13 @@ class ContinualDataset(collections.abc.Sequence):
         from datasets import load_from_disk
 
         path = Path(path)
-        _recover_if_needed(path)
+        # finish what a killed save left (hidden siblings of stages/, metadata not yet in place) when the lock is free
+        # at once (a save in progress finishes it itself; a read-only copy is read as it is)
+        if (path / PENDING_METADATA).is_file() or (path.is_dir() and any(path.glob(f".{STAGES_DIR}.*-*"))):
+            from filelock import Timeout
+
+            with contextlib.suppress(Timeout, OSError), file_lock(path / LOCK_FILE, timeout=0):
+                _recover(path)
         # a save that is finishing (or a killed one this process could not finish): the metadata of its stages
         meta_path = path / PENDING_METADATA
         if not meta_path.is_file():
@@ -374,17 +374,6 @@ def _recover(path: Path) -> None:
         _publish_metadata(path)
 
 
-def _recover_if_needed(path: Path) -> None:
-    """On load: finish what a killed save left (hidden siblings of ``stages/`` or metadata not yet in place), when the
-    lock is free at once (a save in progress finishes it itself; a read-only copy is read as it is)."""
-    if not (path / PENDING_METADATA).is_file() and not (path.is_dir() and any(path.glob(f".{STAGES_DIR}.*-*"))):
-        return
-    from filelock import Timeout
-
-    with contextlib.suppress(Timeout, OSError), file_lock(path / LOCK_FILE, timeout=0):
-        _recover(path)
-
-
 # ---------------------------------------------------------------------------------------------------- transforms
 def preference_swap(ds: ContinualDataset, p: float = 1.0, seed: int = 0) -> ContinualDataset:
     """Swap chosen and rejected of each sample with probability ``p`` (seeded per ``sample_id``); ``swapped`` is
@@ -410,7 +399,8 @@ def resplit(ds: ContinualDataset, test_ratio: float = 0.15, seed: int = 0) -> Co
     stages = []
     for i, dd in enumerate(ds):
         pooled = concatenate_datasets([dd["train"], dd["test"]])
-        train_idx, test_idx = split_indices(len(pooled), test_ratio, seed + i)
+        is_test = test_mask(len(pooled), test_ratio, seed + i)
+        train_idx, test_idx = np.flatnonzero(~is_test).tolist(), np.flatnonzero(is_test).tolist()
         stages.append(DatasetDict(train=pooled.select(train_idx), test=pooled.select(test_idx)))
     out = ds.with_stages(stages, {"type": "split", "test_ratio": test_ratio, "seed": seed})
     for info in out.metadata["stages"]:

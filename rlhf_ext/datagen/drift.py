@@ -103,14 +103,12 @@ def build_schedule(config: DatagenConfig) -> list[Stage]:
     else:
         mixtures = []
         for vec in lipschitz_weights(len(anchors), float(config.drift.lipschitz_constant)):
-            weights: dict[str, float] = {}
-            for (name, _), w in zip(anchors, vec):
-                if w > _EPS:
-                    weights[name] = weights.get(name, 0.0) + w
             active = [(i, w) for i, w in enumerate(vec) if w > _EPS]
+            weights: dict[str, float] = {}
+            for i, w in active:
+                weights[anchors[i][0]] = weights.get(anchors[i][0], 0.0) + w
             if len(active) == 1:
-                name, c = anchors[active[0][0]]
-                label = _label(name, c, cycles)
+                label = _label(*anchors[active[0][0]], cycles)
             else:
                 (ia, _), (ib, wb) = active
                 label = f"{_label(*anchors[ia], cycles)}>{_label(*anchors[ib], cycles)}[{wb:.3g}]"

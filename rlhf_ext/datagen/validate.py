@@ -13,6 +13,7 @@ judge agreement, per stage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import math
 import random
@@ -174,13 +175,8 @@ def validate_dataset(
     tasks = _tasks_by_name(dataset.metadata)
 
     async def judge_all(stage_rows: list[list[dict[str, Any]]]) -> list[Counter]:
-        if backend is not None and judge == "llm":
-            await backend.start()
-        try:
+        async with backend if judge == "llm" else contextlib.nullcontext():  # Backend: start, then close
             return [await _judge_rows(judge_obj, tasks, rows, seed) for rows in stage_rows]
-        finally:
-            if backend is not None and judge == "llm":
-                await backend.close()
 
     stages, judge_inputs = [], []
     for info, dd in zip(dataset.metadata["stages"], dataset):
