@@ -1,11 +1,6 @@
 """The inference backends behind the interface of :mod:`rlhf_ext.datagen.chat`: ``offline``, ``hf`` and ``openai``
 (:mod:`rlhf_ext.datagen.openai_backend`); :func:`make_backend` builds the one a config asks for. The mappers' parsers
 read every answer, the offline backend's too, so the same code path is exercised everywhere.
-
-* :class:`OfflineBackend`: deterministic and model-free: composes its answer from the request's ``context`` with the
-  phrase bank, seeded by ``request.seed``.
-* :class:`HFBackend`: a local transformers causal LM, one request at a time in a worker thread, seeded per request,
-  the tokenizer's chat template when it has one; ``max_tokens`` is clamped to the model's context.
 """
 
 from __future__ import annotations
@@ -28,7 +23,8 @@ from rlhf_ext.datagen.phrasebank import PhraseBank, compose_prompt, compose_resp
 
 
 class OfflineBackend(Backend):
-    """Deterministic, model-free answers from the phrase bank (see :mod:`rlhf_ext.datagen.phrasebank`).
+    """Deterministic, model-free answers composed from the request's ``context`` with the phrase bank (see
+    :mod:`rlhf_ext.datagen.phrasebank`), seeded by ``request.seed``.
 
     * ``prompt``: :func:`compose_prompt` for ``context["objective_kind"]`` and ``context["seed_words"]``.
     * ``pair``: a chosen response that follows ``context["style"]`` and a rejected one that violates it, in the
@@ -75,7 +71,8 @@ class OfflineBackend(Backend):
 
 
 class HFBackend(Backend):
-    """A local transformers causal LM, one request at a time in a worker thread (deterministic per request seed)."""
+    """A local transformers causal LM, one request at a time in a worker thread (deterministic per request seed), with
+    the tokenizer's chat template when it has one; ``max_tokens`` is clamped to the model's context."""
 
     name = "hf"
 

@@ -1,9 +1,5 @@
 """``rlhf-ext data``: generate, inspect and transform synthetic continual preference datasets (paper Appendix D).
-
-Commands: ``configs``, ``generate``, ``import``, ``validate``, ``preview``, ``sample``, ``transform preference_swap``,
-``transform split``, ``merge`` and ``export`` (``rlhf-ext data COMMAND --help`` lists each one's options). Heavy
-libraries are imported inside the commands.
-"""
+Heavy libraries are imported inside the commands."""
 
 from __future__ import annotations
 

@@ -9,18 +9,15 @@ Per sample (paper Algorithm 2 and Figure 3), with every random choice drawn from
    style axes) and lets the judge order them.
 3. The record goes to the append-only cache the moment it is finished.
 
-Samples whose answers cannot be used (unparseable, a judge tie, truncated or empty) are **skipped for good** (cached
-as skipped). Samples whose requests failed are skipped **for this run**: counted under ``retry_later:<reason>``, never
-cached, tried again by the next run; ``run_stats["errors"]`` keeps one redacted server message per reason. An
-unreachable server stops the run with :class:`BackendUnavailable`; every finished sample is already cached.
+Unusable answers (unparseable, a judge tie, truncated or empty) are cached as skipped, for good. Failed requests are
+counted under ``retry_later:<reason>`` (``run_stats["errors"]``: one redacted server message per reason), never
+cached, and tried again by the next run; an unreachable server stops the run with :class:`BackendUnavailable`.
 
-``workers=N`` shards the jobs over ``N`` processes (every ``N``-th pending sample, ``max_concurrency / N`` requests in
-flight, one cache file each), which then write whole stages; the dataset is byte-identical for any ``N``.
-
-The stages are then assembled from the cache in index order (``rlhf_ext.datagen.assemble``) and streamed to disk
-(``arrow_stage``): memory holds the cache's index (~40 bytes per sample) and one batch of rows. The dataset depends
-only on the config and seed: the ``offline`` backend gives byte-identical files however often the run was
-interrupted, and the stage data is identical for any ``max_concurrency``.
+``workers=N`` shards the pending samples over ``N`` processes (``max_concurrency / N`` requests in flight, one cache
+file each), which then write whole stages. Stages are assembled from the cache in index order
+(``rlhf_ext.datagen.assemble``) and streamed to disk (``arrow_stage``; memory: the cache's index, ~40 bytes per sample,
+and one batch of rows), so they are the same for any ``N`` or ``max_concurrency``; the ``offline`` backend gives
+byte-identical files however often the run was interrupted.
 """
 
 from __future__ import annotations

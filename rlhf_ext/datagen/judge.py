@@ -1,12 +1,5 @@
-"""Judges that order two responses (tau_judge of Algorithm 2, paper Appendix A.1).
-
-* :class:`RuleJudge`: the phrase bank's gold rubric (:func:`rlhf_ext.datagen.phrasebank.rubric_for`); ties are
-  reported, not guessed.
-* :class:`LLMJudge`: asks the backend (:func:`rlhf_ext.datagen.mappers.judge_prompt`, temperature 0) with the two
-  responses in a seeded random order (position-bias control) and parses a strict one-letter answer.
-
-Both return a :class:`Verdict` (``winner`` None with ``reason`` ``judge_tie`` / ``judge_unparseable``: skipped).
-"""
+"""Judges that order two responses (tau_judge of Algorithm 2, paper Appendix A.1); both return a :class:`Verdict`
+(``winner`` None with ``reason`` ``judge_tie`` / ``judge_unparseable``: the sample is skipped)."""
 
 from __future__ import annotations
 
@@ -29,7 +22,8 @@ class Verdict:
 
 
 class RuleJudge:
-    """Orders responses by the gold score of the task's style (needs a style in the phrase bank)."""
+    """Orders responses by the gold rubric of the task's style (:func:`~rlhf_ext.datagen.phrasebank.rubric_for`; needs
+    a style in the phrase bank); ties are reported, not guessed."""
 
     kind = "rule"
 
@@ -49,7 +43,8 @@ class RuleJudge:
 
 
 class LLMJudge:
-    """Asks ``backend`` which response follows the preference; strict ``A``/``B`` answers only."""
+    """Asks ``backend`` which response follows the preference (:func:`~rlhf_ext.datagen.mappers.judge_prompt`,
+    temperature 0), the two in a seeded random order (position-bias control); strict ``A``/``B`` answers only."""
 
     kind = "llm"
 

@@ -1,13 +1,6 @@
-"""Prompt mapper, response mapper and judge templates (paper 5.2, Figure 4, Appendix E) with strict output parsers.
-
-* :class:`PromptMapper` renders the meta-prompt of Appendix E.1 from seed words of the task's domain.
-* :class:`ResponseMapper` renders the one-call pair prompt of Appendix E.2 (``pair`` mode, strict ``CHOSEN:`` /
-  ``REJECTED:`` sections) or one prompt per response (``judged`` mode: the preference stated positively in the first
-  and negatively in the second, each with probability ``preference_inclusion_prob``; shared style axes).
-* :func:`judge_prompt` / :func:`parse_judge`: tau_judge of Algorithm 2, answer exactly ``A`` or ``B`` (whitespace,
-  quotes, asterisks or a final period tolerated).
-
-All sampling takes an explicit ``random.Random`` so a sample's inputs depend only on its seed.
+"""Prompt mapper, response mapper and judge templates (paper 5.2, Figure 4, Appendix E) with strict output parsers
+(``CHOSEN:`` / ``REJECTED:`` sections; a judge answers exactly ``A`` or ``B``, whitespace, quotes, asterisks or a final
+period tolerated). All sampling takes an explicit ``random.Random`` so a sample's inputs depend only on its seed.
 """
 
 from __future__ import annotations
