@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from rlhf_ext.datagen.phrasebank import PhraseBank
 
 CONFIG_FORMATS: tuple[str, ...] = ("auto", "aif-gen", "rlhf-ext")
-#: Top-level keys of AIF-Gen's saved ``config.json`` besides ``task_specs``, and their rlhf-ext ``generation`` key.
-_GENERATION_KEYS = {"model": "model", "max_concurrency": "max_concurrency"}
+#: Top-level keys of AIF-Gen's saved ``config.json`` besides ``task_specs``: set the same rlhf-ext ``generation`` key.
+_GENERATION_KEYS = ("model", "max_concurrency")
 #: rlhf-ext sections that may sit beside ``task_specs`` and pass through unchanged.
 _PASS_THROUGH_KEYS = ("name", "seed", "drift", "generation", "output")
 _SPEC_KEYS = ("num_samples", "alignment_task")
@@ -267,15 +267,15 @@ def config_to_rlhf_ext(data: dict[str, Any], name: str = "aif-gen", bank: Phrase
     if detect_config_format(data) != "aif-gen":
         keys = ", ".join(sorted(map(str, data))) if isinstance(data, dict) else type(data).__name__
         raise RecipeError(f"not an AIF-Gen task config: it has no task_specs (it has: {keys or 'nothing'})")
-    _check_keys(data, "AIF-Gen config", ("task_specs",), tuple(_GENERATION_KEYS) + _PASS_THROUGH_KEYS)
+    _check_keys(data, "AIF-Gen config", ("task_specs",), _GENERATION_KEYS + _PASS_THROUGH_KEYS)
     specs = data["task_specs"]
     if not isinstance(specs, list) or not specs:
         raise RecipeError(f"task_specs: expected a non-empty list of tasks, got {specs!r}")
     out = {k: copy.deepcopy(data[k]) for k in _PASS_THROUGH_KEYS if data.get(k) is not None}
     out.setdefault("name", name)
-    for key, target in _GENERATION_KEYS.items():
+    for key in _GENERATION_KEYS:
         if data.get(key) is not None:
-            out.setdefault("generation", {}).setdefault(target, data[key])
+            out.setdefault("generation", {}).setdefault(key, data[key])
     out["tasks"] = [_task_to_rlhf_ext(i, spec, bank) for i, spec in enumerate(specs)]
     return out
 

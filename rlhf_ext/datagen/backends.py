@@ -114,17 +114,15 @@ class HFBackend(Backend):
             raise RuntimeError("HFBackend.start() must be awaited before complete()")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._generate, request)
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        tok = self._tokenizer
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages) + "\n\n"
-
     def _generate(self, request: ChatRequest) -> ChatCompletion:
         import torch
 
         tok, model = self._tokenizer, self._model
-        enc = tok(self._render(request.messages), return_tensors="pt", add_special_tokens=False)
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in request.messages) + "\n\n"
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
         ids = enc["input_ids"].to(self.device)
         context = getattr(model.config, "max_position_embeddings", None) or 2048
         room = context - ids.shape[1]

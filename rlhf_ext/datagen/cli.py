@@ -267,13 +267,11 @@ def validate(
     """Counts, token entropy, embedding diversity and judge agreement of DATASET, per stage."""
     from rlhf_ext.datagen.backends import make_backend
     from rlhf_ext.datagen.chat import BackendUnavailable
-    from rlhf_ext.datagen.validate import format_report, validate_dataset
+    from rlhf_ext.datagen.validate import format_report, minilm_available, validate_dataset
     from rlhf_ext.runtime.io import atomic_write_json
 
     ds = _load(dataset)
     if embedding_model == "auto":
-        from rlhf_ext.datagen.validate import minilm_available
-
         embedding_model = "minilm" if minilm_available() else None
         if embedding_model is None:
             click.echo(

@@ -307,11 +307,8 @@ class ContinualDataset(collections.abc.Sequence):
         return self.export(out_dir, "parquet", overwrite)
 
     def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True) -> None:
-        """Upload every stage as a config of ``repo_id`` (config name = stage directory) plus the metadata file.
-
-        The token comes from ``token`` or the ``HF_TOKEN`` environment variable; without one this raises before
-        any network access.
-        """
+        """Upload every stage as a config of ``repo_id`` (config name = stage directory) plus the metadata file; the
+        token comes from ``token`` or ``$HF_TOKEN`` (without one this raises before any network access)."""
         token = token or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
         if not token:
             raise RuntimeError("push_to_hub needs a Hugging Face token: set HF_TOKEN or pass token=")

@@ -18,10 +18,9 @@ So the gold reward of a response for style ``s`` is::
 (case-insensitive counts, :meth:`Rubric.score`). Neutral text never contains a key phrase (checked on load), so
 drift within a family *reverses* which phrases are rewarded (what makes forgetting measurable).
 
-**Preference styles**: a free-form preference the bank has no style for gets ``pref:<slug>``
-(:func:`preference_style_name`, e.g. ``pref:headline-polarizing``), a family of ``pref:<slug>`` and
-``pref:<slug>:contrary`` whose key phrases are templates around the slug (:func:`preference_styles`). Every bank
-resolves such names on first use; a clash with the bank's own phrases raises :class:`ValueError` (set ``style:``).
+**Preference styles**: a free-form preference the bank has no style for gets the derived family ``pref:<slug>`` /
+``pref:<slug>:contrary`` (:func:`preference_style_name`, :func:`preference_styles`), which every bank resolves on first
+use; a clash with the bank's own phrases raises :class:`ValueError` (set ``style:``).
 """
 
 from __future__ import annotations

@@ -175,11 +175,7 @@ Pending = list[tuple[int, Any]]  # (position of the stage in plan.stages, numpy 
 
 def pending_jobs(plan: GenerationPlan, cache: SampleCache) -> Pending:
     """The samples of each stage that are not cached (failures never were: they are tried again)."""
-    out = []
-    for s, stage in enumerate(plan.stages):
-        where, _ = cache.locate(plan.stage_keys(stage))
-        out.append((s, (where < 0).nonzero()[0]))
-    return out
+    return [(s, (cache.locate(plan.stage_keys(stage))[0] < 0).nonzero()[0]) for s, stage in enumerate(plan.stages)]
 
 
 class _QueueBar:
