@@ -201,10 +201,10 @@ class _QueueBar:
 def _shard_worker(
     config: DatagenConfig, cache_dir: str, worker: int, num_workers: int, pending: Pending, queue, commands
 ):
-    """One process of a sharded run: generates every ``num_workers``-th pending sample into its own cache file, reports
-    ``("progress", n)`` and ``("done", counts, errors, (path, start, end, scan_records entries))`` on ``queue``, then
-    takes ``("assemble", index_state, [(stage position, directory), ...])`` (reporting ``("assembled", worker,
-    results)``) or ``("stop",)`` from ``commands``. An exception is reported as ``("error", exception)``."""
+    """One process of a sharded run: generates every ``num_workers``-th pending sample into its own cache file,
+    reports ``("progress", n)`` and ``("done", worker, counts, errors, (path, start, end, scan_records entries))`` on
+    ``queue``, then takes ``("assemble", index_state, [(stage position, directory), ...])`` (reporting ``("assembled",
+    worker, results)``) or ``("stop",)`` from ``commands``. An exception is reported as ``("error", exception)``."""
     from rlhf_ext.datagen.assemble import write_stage
 
     bar = _QueueBar(queue)
@@ -226,7 +226,7 @@ def _shard_worker(
             appender.close()
             bar.flush()
         entries = scan_records(path, start)  # this run's records: never a NOT_FINAL reason, never torn
-        queue.put(("done", dict(counts), errors, (str(path), start, path.stat().st_size, entries)))
+        queue.put(("done", worker, dict(counts), errors, (str(path), start, path.stat().st_size, entries)))
         command = commands.get()
         if command[0] == "assemble":
             cache = SampleCache.from_index_state(cache_dir, command[1])
@@ -280,16 +280,18 @@ class ShardedRun:
                 p.terminate()
                 p.join()
 
-    def _receive(self) -> tuple:
-        """The next message of any worker; an error message is raised, a worker that died unreported too."""
+    def _receive(self, owing: set[int]) -> tuple:
+        """The next message of any worker. An error message is raised; so is a worker in ``owing`` (those whose
+        report is still to come) that exited without sending it. A worker that reported and exited is no crash."""
         import queue as queue_mod
 
         while True:
+            # checked before the wait: a process's messages are all in the queue once it has exited
+            exited = any(self.procs[w].exitcode is not None for w in owing)
             try:
                 message = self.messages.get(True, 0.5)
             except queue_mod.Empty:
-                # a process's messages are all in the queue once it has exited: one that exited unreported died
-                if any(p.exitcode is not None for p in self.procs):
+                if exited:
                     codes = [p.exitcode for p in self.procs]
                     raise RuntimeError(f"a generation worker stopped without reporting (exit codes {codes})") from None
                 continue
@@ -300,17 +302,17 @@ class ShardedRun:
     async def generate(self, bar, counts: Counter, errors: dict[str, str]) -> None:
         """Run the pending samples; the first error stops them all and is raised here. The workers' records are
         added to the cache's index from their own scans."""
-        finished = 0
-        while finished < self.workers:
-            message = await asyncio.to_thread(self._receive)
+        owing = set(range(self.workers))
+        while owing:
+            message = await asyncio.to_thread(self._receive, owing)
             if message[0] == "progress":
                 bar.update(message[1])
             else:  # done
-                finished += 1
-                counts.update(message[1])
-                for reason, line in message[2].items():
+                _, worker, worker_counts, worker_errors, (path, start, end, entries) = message
+                owing.discard(worker)
+                counts.update(worker_counts)
+                for reason, line in worker_errors.items():
                     errors.setdefault(reason, line)
-                path, start, end, entries = message[3]
                 self.cache.add_records(Path(path), start, end, entries)
 
     def write_stages(self, jobs: list[tuple[int, Path]]) -> list[dict[str, Any]]:
@@ -326,7 +328,9 @@ class ShardedRun:
         for commands, share in zip(self.commands, shares):
             commands.put(("assemble", state, sorted(share)))
         results: dict[int, dict[str, Any]] = {}
-        for _ in range(self.workers):
-            _, worker, done = self._receive()
+        owing = set(range(self.workers))
+        while owing:
+            _, worker, done = self._receive(owing)
+            owing.discard(worker)
             results.update((i, r) for (i, _), r in zip(sorted(shares[worker]), done))
         return [results[i] for i, _ in jobs]

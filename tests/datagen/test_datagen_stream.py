@@ -227,3 +227,49 @@ def test_a_sharded_run_imports_datasets_only_to_load_the_result(tmp_path):
                          env=env)  # fmt: skip
     seen, train = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == [False] and train == 8  # stage 1: task expert, 8 samples, test_ratio 0
+
+
+class _Process:
+    """A worker process handle as ``ShardedRun`` reads it: ``exitcode`` is ``None`` while it runs."""
+
+    def __init__(self, exitcode: int | None):
+        self.exitcode = exitcode
+
+
+def _fake_run(procs: list[_Process]):
+    import queue
+    from types import SimpleNamespace
+
+    from rlhf_ext.datagen.runner import ShardedRun
+
+    run = ShardedRun.__new__(ShardedRun)  # the parent side only: no processes are spawned
+    run.workers, run.procs, run.messages = len(procs), procs, queue.Queue()
+    run.commands = [queue.Queue() for _ in procs]
+    run.plan = SimpleNamespace(stages=[SimpleNamespace(num_samples=4)])
+    run.cache = SimpleNamespace(index_state=dict)
+    return run
+
+
+def test_a_worker_that_reported_and_exited_is_not_taken_for_a_crash():
+    """Worker 1 had no stage to write: it reports and exits (code 0) while worker 0 still writes its stage. The parent
+    waits for worker 0 instead of failing with 'a generation worker stopped without reporting' (a race that failed
+    the byte-identity test above on a loaded machine)."""
+    import threading
+
+    run = _fake_run([_Process(None), _Process(0)])
+    run.messages.put(("assembled", 1, []))
+    later = threading.Timer(1.5, run.messages.put, args=(("assembled", 0, [{"rows": 4}]),))  # > the 0.5 s poll
+    later.start()
+    assert run.write_stages([(0, Path("stage-0"))]) == [{"rows": 4}]
+    later.join()
+    assert run.commands[0].get_nowait() == ("assemble", {}, [(0, "stage-0")])
+    assert run.commands[1].get_nowait() == ("assemble", {}, [])
+
+
+def test_a_worker_that_exited_before_its_report_is_a_crash():
+    run = _fake_run([_Process(None), _Process(-9)])
+    run.messages.put(("assembled", 0, [{"rows": 4}]))
+    with pytest.raises(
+        RuntimeError, match=r"a generation worker stopped without reporting \(exit codes \[None, -9\]\)"
+    ):
+        run.write_stages([(0, Path("stage-0"))])
