@@ -228,13 +228,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 @dataclasses.dataclass
 class TrainSection:
-    """Optimisation keys every recipe's ``train`` section shares (each recipe subclasses it with its own defaults
-    and extra keys; :func:`rlhf_ext.trl.args.training_kwargs` maps them to ``TrainingArguments``).
+    """Optimisation keys every recipe's ``train`` section shares (subclassed per recipe with its own defaults):
+    ``TrainingArguments``' names but for the batch pair, ``warmup_ratio`` (:func:`rlhf_ext.trl.args.training_kwargs`).
 
-    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (at most
-    ``batch_size``: a larger one is lowered to it); ``max_steps`` (``None``: train for ``num_train_epochs``);
-    ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed through unchanged. The keys are
-    ``TrainingArguments``' names but for the global batch pair and ``warmup_ratio``.
+    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (lowered to
+    ``batch_size`` when larger); ``max_steps`` ``None``: train for ``num_train_epochs``; ``trl_args``: extra TRL
+    config fields passed through unchanged.
     """
 
     num_train_epochs: float = knob(1.0, gt=0)
