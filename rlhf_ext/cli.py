@@ -9,10 +9,8 @@
     rlhf-ext serve rm --model RM_DIR [--port 5000]
     rlhf-ext demo
 
-Heavy libraries are imported inside each command, so ``rlhf-ext --help`` is instant. Every command group is a
-:class:`UserErrorGroup`: a user's mistake (:data:`USER_ERRORS`: a recipe error, a hub id while offline, a missing
-optional package, a missing path, a full disk ...) is one ``error: ...`` line naming the fix, exit code 2; a programming
-error keeps its traceback.
+Heavy libraries are imported inside each command. A user's mistake (:func:`user_error_message`) is one ``error: ...``
+line naming the fix, exit code 2; a programming error keeps its traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import os
 import shutil
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -59,12 +57,6 @@ def _loaded_type(module: str, name: str) -> type | None:
     return found if isinstance(found, type) else None
 
 
-def _hub_repo_id(exc: BaseException) -> str | None:
-    """The hub id a ``huggingface_hub`` download failed for (the ``repo_id`` argument of the failing call)."""
-    ids = (frame.f_locals.get("repo_id") for frame, _ in traceback.walk_tb(exc.__traceback__))
-    return next((value for value in ids if isinstance(value, str)), None)
-
-
 def _hub_offline_message(exc: BaseException) -> str | None:
     """A model or tokenizer named by hub id while the hub is switched off (HF_HUB_OFFLINE=1)."""
     names = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
@@ -73,7 +65,9 @@ def _hub_offline_message(exc: BaseException) -> str | None:
         if isinstance(e, HubOfflineError):
             return str(e)
         if hub_errors and isinstance(e, hub_errors) and hub_offline():
-            return str(HubOfflineError(_hub_repo_id(e) or "the hub model"))
+            # the hub id is the ``repo_id`` argument of the failing huggingface_hub call
+            ids = (frame.f_locals.get("repo_id") for frame, _ in traceback.walk_tb(e.__traceback__))
+            return str(HubOfflineError(next((i for i in ids if isinstance(i, str)), None) or "the hub model"))
     return None
 
 
@@ -130,20 +124,11 @@ def _typed_message(exc: BaseException) -> str | None:
     return None
 
 
-#: Matchers tried in order; the first message wins. An exception none of them matches is a programming error.
-USER_ERRORS: tuple[Callable[[BaseException], str | None], ...] = (
-    _hub_offline_message,
-    _missing_package_message,
-    _typed_message,
-    _os_error_message,
-)
-
-
 def user_error_message(exc: BaseException) -> str | None:
-    """One line that names the user's error and its fix, or None when ``exc`` is not a user error."""
-    for matcher in USER_ERRORS:
-        message = matcher(exc)
-        if message:
+    """One line that names the user's error and its fix, or None when ``exc`` is not a user error (a hub id while
+    offline, a missing optional package, one of :data:`USER_ERROR_TYPES`, a missing path, a full disk)."""
+    for matcher in (_hub_offline_message, _missing_package_message, _typed_message, _os_error_message):
+        if message := matcher(exc):
             return " ".join(message.split())
     return None
 
@@ -191,6 +176,16 @@ main.add_command(data)
 main.add_command(sim_group)
 
 
+def _load(cls: type, config_path: str | Path, overrides: tuple[str, ...], engine: str | None = None):
+    """Recipe ``cls`` from ``--config`` (a file or a packaged name) and the overrides; ``--engine`` when given."""
+    from rlhf_ext.config import load_recipe
+
+    recipe = load_recipe(cls, recipe_path(config_path), overrides)
+    if engine is not None:
+        recipe.engine = engine
+    return recipe
+
+
 # ---------------------------------------------------------------------------------------------------------- plan
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", required=True, help="Recipe YAML file or packaged recipe name.")
@@ -208,7 +203,7 @@ main.add_command(sim_group)
 def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, overrides: tuple[str, ...]) -> None:
     """The pre-flight plan of a recipe: placement and memory per GPU, before any model loads (every launch runs the
     same check first). Exit code 2 if the plan cannot run."""
-    from rlhf_ext.config import RecipeError, load_recipe, read_yaml
+    from rlhf_ext.config import RecipeError, read_yaml
     from rlhf_ext.pipelines.plan import segment_rm_plan
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, plan_segment_ppo
     from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe
@@ -227,9 +222,7 @@ def plan(config_path: str, cluster: str, gpu_memory: float, engine: str | None, 
             f"{config_path}: `rlhf-ext plan` plans segment PPO and segment reward-model recipes (a segment: section); "
             f"this recipe has {', '.join(sorted(sections))}"
         )
-    recipe = load_recipe(SegmentPPORecipe if "ppo" in sections else SegmentRMRecipe, path, overrides)
-    if engine is not None:
-        recipe.engine = engine
+    recipe = _load(SegmentPPORecipe if "ppo" in sections else SegmentRMRecipe, path, overrides, engine)
     result = plan_segment_ppo(recipe, shape) if "ppo" in sections else segment_rm_plan(recipe, shape)
     click.echo(result.table())
     if result.problems:
@@ -248,13 +241,9 @@ def train() -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train_segment_rm(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
     """Segment-level reward model (paper 003, section 2.2)."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm
 
-    recipe = load_recipe(SegmentRMRecipe, recipe_path(config_path), overrides)
-    if engine is not None:
-        recipe.engine = engine
-    print_rm_summary(run_segment_rm(recipe))
+    print_rm_summary(run_segment_rm(_load(SegmentRMRecipe, config_path, overrides, engine)))
 
 
 def print_rm_summary(summary: dict) -> None:
@@ -280,12 +269,10 @@ def print_rm_summary(summary: dict) -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
     """Continual RLHF over a task sequence with the KL to the previous task's policy (paper 000)."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.continual import format_summary, run_continual
     from rlhf_ext.pipelines.continual_recipe import ContinualRecipe
 
-    recipe = load_recipe(ContinualRecipe, recipe_path(config_path), overrides)
-    summary = run_continual(recipe)
+    summary = run_continual(_load(ContinualRecipe, config_path, overrides))
     click.echo("")
     click.echo(format_summary(summary))
 
@@ -296,13 +283,9 @@ def train_continual(config_path: str, overrides: tuple[str, ...]) -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train_segment_ppo(config_path: str, engine: str | None, overrides: tuple[str, ...]) -> None:
     """Segment-level PPO (paper 003, section 2.3)."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.segment_ppo import SegmentPPORecipe, run_segment_ppo
 
-    recipe = load_recipe(SegmentPPORecipe, recipe_path(config_path), overrides)
-    if engine is not None:
-        recipe.engine = engine
-    print_ppo_summary(run_segment_ppo(recipe))
+    print_ppo_summary(run_segment_ppo(_load(SegmentPPORecipe, config_path, overrides, engine)))
 
 
 def print_ppo_summary(summary: dict) -> None:
@@ -327,11 +310,9 @@ def print_ppo_summary(summary: dict) -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train_online_dpo(config_path: str, overrides: tuple[str, ...]) -> None:
     """Iterative best/worst-of-n online DPO (paper 004) or one-step asynchronous online DPO (paper 001)."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.pipelines.iterative_dpo import OnlineDPORecipe, run_online_dpo
 
-    recipe = load_recipe(OnlineDPORecipe, recipe_path(config_path), overrides)
-    _print_online_summary(run_online_dpo(recipe))
+    _print_online_summary(run_online_dpo(_load(OnlineDPORecipe, config_path, overrides)))
 
 
 def _print_online_summary(summary: dict) -> None:
@@ -511,10 +492,9 @@ def segment_import_normalizer(
 def demo(config_path: str, out: str | None, force: bool, overrides: tuple[str, ...]) -> None:
     """The main job on the embedded default (tiny models, generated data, CPU): data -> SFT -> simulated labels ->
     segment reward model -> normalizer -> segment PPO -> evaluation -> runs/demo/report.html."""
-    from rlhf_ext.config import load_recipe
     from rlhf_ext.demo import DemoPipeline, DemoRecipe
 
-    recipe = load_recipe(DemoRecipe, recipe_path(config_path), (*((f"out={out}",) if out else ()), *overrides))
+    recipe = _load(DemoRecipe, config_path, (*((f"out={out}",) if out else ()), *overrides))
     results = DemoPipeline(recipe, force=force, echo=lambda m: click.secho(m, fg="cyan")).run()
     ev = results["eval"]["ppo_vs_sft"]
     click.echo("")

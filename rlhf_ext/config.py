@@ -1,14 +1,7 @@
-"""Recipe loading: YAML files map 1:1 onto typed dataclasses; unknown or mistyped keys are errors.
+"""Recipe loading: YAML files (plus ``key.sub=value`` overrides) map 1:1 onto typed, nested dataclasses.
 
-Every method has one recipe dataclass made of nested section dataclasses (``model``, ``data``, ``train`` ...).
-:func:`load_recipe` reads a YAML file, applies ``key.sub=value`` overrides from the command line and builds the
-dataclass, checking every value against its annotation. Errors name the offending key path and, for unknown keys,
-the closest valid key::
-
-    RecipeError: segment_rm_tiny.yaml: unknown key 'segment.entropy_cuttoff' (did you mean 'segment.entropy_cutoff'?)
-
-Dataclasses may validate cross-field constraints in ``__post_init__`` by raising ``ValueError``; the message is
-re-raised as a :class:`RecipeError` prefixed with the section path.
+An unknown or mistyped key is a :class:`RecipeError` naming the key path and, for an unknown key, the closest valid
+key; a ``ValueError`` of a section's ``__post_init__`` is re-raised as one prefixed with the section path.
 """
 
 from __future__ import annotations
@@ -18,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib
 import logging
 import os
@@ -40,10 +34,8 @@ class RecipeError(ValueError):
 
 
 class KnobType(click.ParamType):
-    """A command-line option that takes knob ``name`` of dataclass ``owner`` (``"module:Class"``, imported on first
-    use so that ``rlhf-ext --help`` imports nothing heavy): its value is checked against the knob's declared range
-    (:mod:`rlhf_ext.algos.knobs`), so ``--cutoff nan`` is one ``error:`` line naming the option and the range, exit
-    code 2 (the ``rlhf-ext`` command group reports :class:`~rlhf_ext.algos.knobs.KnobError`)."""
+    """A command-line option that takes knob ``knob_name`` of dataclass ``owner`` (``"module:Class"``, imported on
+    first use), checked against the knob's declared range (:mod:`rlhf_ext.algos.knobs`)."""
 
     name = "number"
 
@@ -125,7 +117,6 @@ RENAMED_KEYS: dict[str, str] = {
     "online.selection": "online.selection_rule",
     "online.max_new_tokens": "online.max_completion_length",
     "online_dpo.iterations": "online_dpo.num_iterations",  # the sim compare recipe
-    # the demo recipe's own training names, now the keys of every recipe's train section (one section per stage)
     "model.sft_epochs": "train.sft.num_train_epochs",
     "model.sft_learning_rate": "train.sft.learning_rate",
     "training.rm_epochs": "train.reward_model.num_train_epochs",
@@ -136,7 +127,6 @@ RENAMED_KEYS: dict[str, str] = {
     "training.annotator_flip_prob": "data.annotator_flip_prob",
     "training.max_completion_length": "data.max_completion_length",
     "training.seed": "seed",
-    # the simulator's reward-model training keys, now its train section
     "reward_model.epochs": "reward_model.train.num_train_epochs",
     "reward_model.batch_size": "reward_model.train.batch_size",
     "reward_model.learning_rate": "reward_model.train.learning_rate",
@@ -238,13 +228,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 @dataclasses.dataclass
 class TrainSection:
-    """Optimisation keys every recipe's ``train`` section shares (each recipe subclasses it with its own defaults
-    and extra keys; :func:`rlhf_ext.trl.args.training_kwargs` maps them to ``TrainingArguments``).
+    """Optimisation keys every recipe's ``train`` section shares (subclassed per recipe with its own defaults):
+    ``TrainingArguments``' names but for the batch pair, ``warmup_ratio`` (:func:`rlhf_ext.trl.args.training_kwargs`).
 
-    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (at most
-    ``batch_size``: a larger one is lowered to it); ``max_steps`` (``None``: train for ``num_train_epochs``);
-    ``warmup_ratio`` of the total steps; ``trl_args``: extra TRL config fields passed through unchanged. The keys are
-    ``TrainingArguments``' names but for the global batch pair and ``warmup_ratio``.
+    ``batch_size`` is the global batch per optimizer step, ``micro_batch_size`` the per-device batch (lowered to
+    ``batch_size`` when larger); ``max_steps`` ``None``: train for ``num_train_epochs``; ``trl_args``: extra TRL
+    config fields passed through unchanged.
     """
 
     num_train_epochs: float = knob(1.0, gt=0)
@@ -276,9 +265,8 @@ class TrainSection:
 
 
 def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """The per-device micro batch for a recipe's global ``batch_size`` over ``world_size`` processes (every engine
-    needs ``batch_size = micro * world_size * accumulation`` with accumulation >= 1): ``micro_batch_size`` lowered to
-    ``batch_size // world_size`` when it does not fit, with a notice (from the first process only); a
+    """The per-device micro batch for a global ``batch_size = micro * world_size * accumulation``:
+    ``micro_batch_size`` lowered to ``batch_size // world_size`` when it does not fit (with a notice from rank 0); a
     :class:`RecipeError` when nothing fits."""
     if batch_size % world_size:
         raise RecipeError(
@@ -301,16 +289,14 @@ def per_device_micro_batch(batch_size: int, micro_batch_size: int, world_size: i
 
 def _section_default(value: Any) -> Any:
     """``value`` when it is a section instance that a partial section overlays (a recipe's own defaults for that
-    section, e.g. ``MethodTrainSection(num_train_epochs=2)``), else None: not a section, or one of alternatives that a
-    recipe replaces whole (its class sets ``replaced_whole``)."""
+    section), else None: not a section, or one a recipe replaces whole (its class sets ``replaced_whole``)."""
     overlaid = dataclasses.is_dataclass(value) and not getattr(value, "replaced_whole", False)
     return value if overlaid else None
 
 
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "", base: Any = None) -> T:
-    """``cls`` from the mapping ``data``: keys checked (renamed, unknown, types, knob ranges); a key ``data`` omits
-    takes ``base``'s value when given (the section's default instance), else the field's default. A nested section
-    written in part starts from its own default instance, so an override changes only the keys it names."""
+    """``cls`` from the mapping ``data``, every key checked; an omitted key takes ``base``'s value when given, else
+    the field's default. A nested section written in part starts from its default instance."""
     hints = get_type_hints(cls)
     specs = knob_specs(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -386,15 +372,14 @@ def _has_trl_args(cls: type) -> bool:
 
 def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """TrlParser-style flat keys: a top-level key that is not a field of ``cls`` but names exactly one section's field
-    (``entropy_cutoff: 1.5`` for ``segment.entropy_cutoff``) moves into that section; ambiguous keys are errors. When
-    ``cls.engine_config_fields()`` exists (the TRL config's field names), any other such key that names a field of
-    the TRL config (``per_device_train_batch_size: 4``) goes to ``train.trl_args``, as TrlParser would set it;
-    :data:`SHARED_TRL_KEYS` (``report_to``) go there in every recipe whose ``train`` section has ``trl_args``."""
+    (``entropy_cutoff: 1.5``) moves into that section; ambiguous keys are errors. Any other such key that names a
+    field of ``cls.engine_config_fields()`` (the TRL config's), or is in :data:`SHARED_TRL_KEYS`, goes to
+    ``train.trl_args`` when the recipe's ``train`` section has one."""
     top = {f.name for f in dataclasses.fields(cls)}
     leaves = _section_leaves(cls)
     out: dict[str, Any] = {}
     moved: dict[str, dict[str, Any]] = {}
-    engine_fields: set[str] | None = None
+    engine_fields = functools.cache(getattr(cls, "engine_config_fields", set))  # imports TRL: only when needed
     for key, value in data.items():
         if key not in top and key not in leaves and (renamed := _renamed_key(key, None, train_section=True)):
             raise RecipeError(renamed)
@@ -405,14 +390,10 @@ def route_flat_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if sections:
             moved.setdefault(sections[0], {})[key] = value
             continue
-        if key not in top and (hasattr(cls, "engine_config_fields") or key in SHARED_TRL_KEYS):
-            # a field of the engine's own config (TRL's); the keys every TRL config has route without the list
-            if engine_fields is None:
-                engine_fields = cls.engine_config_fields() if hasattr(cls, "engine_config_fields") else set()
-            if (key in engine_fields or key in SHARED_TRL_KEYS) and _has_trl_args(cls):
-                train = out.setdefault("train", data.get("train", {}))
-                train.setdefault("trl_args", {})[key] = value
-                continue
+        if key not in top and (key in engine_fields() or key in SHARED_TRL_KEYS) and _has_trl_args(cls):
+            train = out.setdefault("train", data.get("train", {}))
+            train.setdefault("trl_args", {})[key] = value
+            continue
         out[key] = value
     for section, values in moved.items():
         nested = out.setdefault(section, {})
@@ -471,14 +452,13 @@ def normalize_overrides(items: typing.Iterable[str]) -> list[str]:
     ``--key.sub=value`` (TRL / HfArgumentParser style); a ``--flag`` with no value is ``flag=true``."""
     items, out, i = list(items), [], 0
     while i < len(items):
-        item = items[i]
-        if item.startswith("--") and "=" not in item:
-            has_value = i + 1 < len(items) and not items[i + 1].startswith("--")
-            out.append(f"{item[2:]}={items[i + 1] if has_value else 'true'}")
-            i += 2 if has_value else 1
-            continue
-        out.append(item[2:] if item.startswith("--") else item)
+        flag, item = items[i].startswith("--"), items[i].removeprefix("--")
         i += 1
+        if flag and "=" not in item:
+            has_value = i < len(items) and not items[i].startswith("--")
+            item = f"{item}={items[i] if has_value else 'true'}"
+            i += has_value
+        out.append(item)
     return out
 
 

@@ -1,24 +1,19 @@
 """The main job: the whole RLHF pipeline on an embedded default, on a CPU, in minutes (``make demo``).
 
-Stages (each writes its outputs atomically and a marker ``stages/<stage>.json``; a rerun reuses finished stages
-unless ``--force``, and refuses a directory started with other settings, the content of a ``data.config`` file
-included). What a killed stage left half-written is cleaned up when the stage runs again; the datasets derived from
-finished stages for training (``rm_data``, ``ppo_prompts``) are rebuilt by every run that trains on them, so they
-always match the current stages:
+Each stage writes its outputs atomically and a marker ``stages/<stage>.json``; a rerun reuses finished stages unless
+``--force`` and refuses a directory started with other settings (a ``data.config`` file's content included):
 
 1. ``data``       — a small continual preference dataset from the ``offline`` generator (paper 000); stage 0 is used.
-2. ``sft``        — a BPE tokenizer trained on the data and a tiny Llama fine-tuned (TRL ``SFTTrainer``) on the
-                    demonstrations (chosen and rejected responses alike, so the SFT policy is mixed-quality).
+2. ``sft``        — a BPE tokenizer and a tiny Llama fine-tuned (TRL ``SFTTrainer``) on chosen and rejected
+                    responses alike, so the SFT policy is mixed-quality.
 3. ``labels``     — the preference split relabelled by the simulated annotator pool (25% label flips; paper 002).
 4. ``rm``         — a segment reward model (paper 003, section 2.2) trained on those labels.
 5. ``normalizer`` — the location-aware normalizer fitted on the labelled pairs (paper 003 Eq. 6).
 6. ``ppo``        — segment-level PPO (paper 003, section 2.3) from the SFT model.
-7. ``eval``       — win rate of the PPO policy against the SFT policy on held-out prompts (annotator pool, no
-                    noise), gold reward, response length and KL to the SFT model (the exact per-token KL summed
-                    along each PPO response, mean +- s.e.: never negative); reward-model accuracy.
-8. ``report``     — ``report.html`` (a PPO-vs-SFT metrics table, smoothed reward/KL curves, SFT and PPO responses
-                    to the same prompts coloured by segment reward, provenance: recipe, versions, model sizes, stage
-                    times) and ``metrics.json`` (the same numbers, the provenance under ``"provenance"``).
+7. ``eval``       — win rate of PPO against SFT on held-out prompts (noise-free annotator pool), gold reward,
+                    response length, exact per-token KL to the SFT model; reward-model accuracy.
+8. ``report``     — ``report.html`` (metrics, reward/KL curves, SFT and PPO responses coloured by segment reward,
+                    provenance) and ``metrics.json`` (the same numbers).
 """
 
 from __future__ import annotations
@@ -120,8 +115,7 @@ class DemoRecipe:
     segment: SegmentRewardKnobs = field(default_factory=SegmentRewardKnobs)
     dense: DenseRewardKnobs = field(default_factory=DenseRewardKnobs)
     ppo: PPOKnobs = field(default_factory=lambda: PPOKnobs(advantage_estimator="reinforce_baseline"))
-    #: TRL's ``report_to`` for every training stage (SFT, reward model, PPO): ``tensorboard`` writes events under
-    #: ``out/<stage>/runs``; not a setting of the results, so changing it never invalidates finished stages
+    #: TRL's ``report_to`` for every training stage; not a setting of the results (never invalidates finished stages)
     report_to: str | list[str] = "none"
 
     def __post_init__(self) -> None:  # the demo learns from a segment reward model: unset granularity = chunk
@@ -129,8 +123,8 @@ class DemoRecipe:
 
 
 class DemoPipeline:
-    """Runs the stages in order, skipping the ones already finished (see the module docstring). ``echo`` receives
-    one line per stage started, finished or reused (default: the ``rlhf_ext.demo`` logger at ``INFO``)."""
+    """Runs the stages in order, skipping finished ones. ``echo`` receives one line per stage started, finished or
+    reused (default: the ``rlhf_ext.demo`` logger at ``INFO``)."""
 
     def __init__(self, recipe: DemoRecipe, force: bool = False, echo: Callable[[str], Any] | None = None):
         self.recipe = recipe
@@ -165,8 +159,8 @@ class DemoPipeline:
         return claim_output_dir(self.recipe.out, {"model.base_model": self.recipe.model.base_model}, "out")
 
     def run(self) -> dict[str, Any]:
-        """Run the stages, holding ``out``'s lock (a second demo on it is refused at once); refused, too, when another
-        run restarted ``out`` with other settings since this pipeline was made."""
+        """Run the stages, holding ``out``'s lock; refused when another run holds it or restarted ``out`` with other
+        settings since this pipeline was made."""
         with self._claim():
             self.run_dir = RunDir(self.out, self._settings, kind="demo")
             results: dict[str, Any] = {}
@@ -189,8 +183,7 @@ class DemoPipeline:
 
     def _derived_dataset(self, name: str, build: Callable[[], Any]) -> Path:
         """``out/<name>``: a ``DatasetDict`` derived from finished stages (``build()``), written atomically the first
-        time this process needs it. Never taken from an earlier run: after ``--force``, new data or a kill while it
-        was written, it is rebuilt from the current stages."""
+        time this process needs it (never taken from an earlier run, so it always matches the current stages)."""
         path = self.out / name
         if name not in self._derived_built:
             recover_directory(path)
@@ -249,7 +242,7 @@ class DemoPipeline:
         dest = self.out / "labels"
         with atomic_directory(dest) as tmp:
             labelled.save_to_disk(str(tmp))
-        agree = sum(int(a == b) for a, b in zip(labelled["chosen"], pref_rows["chosen"])) / len(labelled)
+        agree = sum(a == b for a, b in zip(labelled["chosen"], pref_rows["chosen"])) / len(labelled)
         return {"path": str(dest), "pairs": len(labelled), "agreement_with_generator_label": agree}
 
     def _train_overrides(self, stage: str) -> list[str]:
