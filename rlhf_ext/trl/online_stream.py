@@ -137,12 +137,10 @@ def train_online(trainer: IterativeDPOTrainer) -> dict[str, Any]:
         for it in steps.store.completed():
             if it >= offset:
                 shutil.rmtree(steps.store.path(it))
-    dist.wait_for_everyone()
-    evals = [steps.evaluate_policy(0)]
-    if dist.is_main_process:
         recover_directory(dest)
         shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
     dist.wait_for_everyone()
+    evals = [steps.evaluate_policy(0)]
     if offset < total:
         stats = _run_online(trainer, total, offset, last, work, dest)
     else:  # killed after the last update's checkpoint, before the final policy was saved
