@@ -65,7 +65,6 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`) and:
 
     Args:
-        max_new_tokens, num_samples: deprecated aliases of ``max_completion_length`` and ``num_generations``.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
