@@ -149,10 +149,11 @@ class CheckpointError(ValueError):
     """An output directory holds a ``checkpoint-N`` that rlhf-ext did not write and cannot resume from."""
 
 
-def _record(path: Path) -> dict[str, Any] | None:
-    """The rlhf-ext record of checkpoint ``path`` (``{}`` while being written), or None when it has none."""
+def _record(path: Path, name: str = CHECKPOINT_RECORD) -> dict[str, Any] | None:
+    """The JSON object in file ``name`` of checkpoint ``path`` (by default rlhf-ext's record: ``{}`` while being
+    written), or None when there is none."""
     try:
-        record = json.loads(Path(path, CHECKPOINT_RECORD).read_text())
+        record = json.loads(Path(path, name).read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
@@ -168,11 +169,7 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     ``trainer_state.json`` (written last: the write was interrupted), a file whose size differs from the one rlhf-ext
     recorded after the save, or (checkpoints without a record) a ``.safetensors`` file shorter than its header."""
     path = Path(path)
-    try:
-        state = json.loads(Path(path, TRAINER_STATE_FILE).read_text())
-    except (OSError, ValueError):
-        state = None
-    if not (isinstance(state, dict) and "global_step" in state):
+    if "global_step" not in (_record(path, TRAINER_STATE_FILE) or {}):
         return f"no complete {TRAINER_STATE_FILE}"
     from rlhf_ext.runtime.io import weights_problem
 
@@ -234,11 +231,8 @@ def last_checkpoint(output_dir: str | os.PathLike, resume: bool = True) -> str |
     from rlhf_ext.runtime.io import temporary_sibling
 
     pattern = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
-    found: dict[int, Path] = {}
-    for entry in os.scandir(output_dir):
-        match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found[int(match[1])] = Path(entry.path)
+    matches = ((pattern.fullmatch(entry.name), entry) for entry in os.scandir(output_dir))
+    found = {int(match[1]): Path(entry.path) for match, entry in matches if match and entry.is_dir()}
     problems = {step: checkpoint_problem(path) for step, path in found.items()}
     usable = max((step for step, problem in problems.items() if problem is None), default=-1)
     for step, path in sorted(found.items(), reverse=True):

@@ -1,13 +1,11 @@
 """One-step asynchronous rollouts for TRL's GRPO-based trainers (paper 001, section 3 and Appendix D).
 
-:class:`OneStepAsyncRollout` is a GRPO ``rollout_func``: a :class:`~rlhf_ext.online.OneStepAsyncRunner` generator
-thread holds its own copy of the policy and generates rollout batch ``t + 1`` with ``theta_t`` while the trainer
-trains on batch ``t``; the new weights are published to it after every optimizer step. The runner asserts that every
-batch after the first is exactly one version old (``sync=True``: zero, the on-policy baseline).
-
-The generator walks its own copy of the trainer's data loader (checked) and returns the behaviour policy's log-probs
-as ``logprobs`` (the PPO "old" log-probs). Rollout batch ``t`` is sampled with its own generator seeded with
-:func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(args.seed, "rollout", t)``, never the trainer's global RNG.
+:class:`OneStepAsyncRollout` is a GRPO ``rollout_func``: a :class:`~rlhf_ext.online.OneStepAsyncRunner` thread
+generates rollout batch ``t + 1`` with its own copy of the policy at ``theta_t`` (published after every optimizer
+step) while the trainer trains on batch ``t``; every batch after the first is exactly one version old (asserted;
+``sync=True``: zero, the on-policy baseline). It walks its own copy of the trainer's data loader (checked), returns
+the behaviour policy's log-probs as ``logprobs`` (PPO's "old" log-probs) and samples batch ``t`` with a generator
+seeded with :func:`~rlhf_ext.runtime.sampling.sampling_seed` ``(args.seed, "rollout", t)``, never the global RNG.
 
 Requirements (checked): ``steps_per_generation == gradient_accumulation_steps``, ``num_iterations == 1``, HF
 ``generate`` (not vLLM), a single process.

@@ -1,23 +1,19 @@
-"""One compact terminal line per logging step for TRL / transformers trainers (instead of the raw ``logs`` dict).
-
-transformers prints every ``logs`` dict whole (``PrinterCallback`` / ``ProgressCallback``). :class:`ConsoleCallback`
-replaces both with one line per logging step holding the metrics that matter for the trainer::
+"""One compact terminal line per logging step for TRL / transformers trainers, in place of the whole ``logs`` dicts
+``PrinterCallback`` / ``ProgressCallback`` print (plus a tqdm bar of the steps when stderr is a terminal)::
 
     ppo step 12/20  reward +0.41  kl 0.031  len 23.5  segs/resp 3.2  value_loss 0.12
-    rm step 16/32  loss 0.55  accuracy 0.945  margin +0.323  segs/resp 7.24
     rm eval  loss 0.486  accuracy 0.984  margin +0.481  segs/resp 7.35
     rm finished in 89.9 s  train loss 0.618
 
-plus a tqdm bar of the steps when stderr is a terminal. The lines go to the ``rlhf_ext.trl.console`` logger at
-``INFO``; the full dicts still go to ``trainer.state.log_history`` and the ``report_to`` integrations. A trainer built
-in your own code keeps TRL's default output unless you opt in::
+The lines go to this module's logger at ``INFO``; ``trainer.state.log_history`` and the ``report_to`` integrations
+still get the full dicts. A trainer built in your own code opts in::
 
     from rlhf_ext.runtime.log import enable_console_logging
     from rlhf_ext.trl.console import use_console_output
 
     enable_console_logging()                 # rlhf-ext's info lines on stderr, as under the command line
     trainer = SegmentRewardTrainer(...)
-    use_console_output(trainer)              # after building the trainer, before trainer.train()
+    use_console_output(trainer)              # before trainer.train()
 """
 
 from __future__ import annotations

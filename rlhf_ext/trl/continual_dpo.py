@@ -1,15 +1,12 @@
-"""Continual DPO on TRL: ``ContinualDPOConfig`` + ``ContinualDPOTrainer`` (paper 000, section 4, Eq. 6-7).
-
-``ContinualDPOTrainer`` is TRL's ``DPOTrainer`` with one extra term: the KL between the policy being trained on the
-current task and the frozen policy from the end of the previous task, on the current batch's completion tokens,
+"""Continual DPO on TRL: ``ContinualDPOConfig`` + ``ContinualDPOTrainer`` (paper 000, section 4, Eq. 6-7)::
 
     loss = DPO loss (paper 000 Eq. 6, reference = SFT model)  +  c * kl_to_previous(logp, prev_logp, completion mask)
 
-where ``logp`` are the per-token log-probabilities of the stock policy forward pass (captured, not recomputed), and
-``prev_logp`` come from one no-grad forward of the frozen previous-task model (prepared as TRL prepares the
-reference). With ``c = 0`` or without a previous-task model the loss *is* ``DPOTrainer``'s. The unweighted KL is
-logged as ``continual/kl_to_previous``. On offline pairs the k1/k2/k3 values are penalties on the dataset's tokens,
-not unbiased KL estimates (see :mod:`rlhf_ext.algos.continual_kl`).
+``logp``: the policy's per-token log-probs of the stock forward pass (captured, not recomputed); ``prev_logp``: one
+no-grad forward of the frozen previous-task model (prepared as TRL prepares the reference). With ``c = 0`` or no
+previous-task model the loss *is* ``DPOTrainer``'s. The unweighted KL is logged as ``continual/kl_to_previous``; on
+offline pairs k1/k2/k3 are penalties on the dataset's tokens, not unbiased KL estimates
+(:mod:`rlhf_ext.algos.continual_kl`).
 
 Example::
 

@@ -1,8 +1,6 @@
 """The GAE critic of :class:`~rlhf_ext.trl.segment_ppo.DensePPOTrainer` (paper 003 section 2.3 and Appendix C: PPO's
-value model, initialised from the reward model, trained with a clipped value loss, lr 9e-6).
-
-The critic is a second model with its own optimizer: values at rollout time, one clipped value-loss step per policy
-micro-batch, and its weights and optimizer state in each checkpoint's ``critic/``.
+value model, initialised from the reward model, trained with a clipped value loss, lr 9e-6): values at rollout time,
+one value-loss step per policy micro-batch, weights and optimizer state in each checkpoint's ``critic/``.
 """
 
 from __future__ import annotations

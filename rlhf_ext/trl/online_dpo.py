@@ -1,18 +1,14 @@
 """A streaming ``trl.DPOTrainer`` for iterative best/worst-of-n online DPO (paper 004) and one-step asynchronous
-online DPO (paper 001).
+online DPO (paper 001); every DPO run it makes is a plain ``trl.DPOTrainer`` on the pairs collected so far.
 
-:class:`IterativeDPOTrainer` *is* a ``DPOTrainer`` taking TRL's arguments in GRPO / OnlineDPO order; every DPO run it
-makes is a plain ``trl.DPOTrainer``, fed with preference pairs as they are collected:
+- ``online_mode="iterative"`` (paper 004 section 3.3, Algorithm 2): one DPO run per iteration ``t`` from ``pi_t`` on
+  the stored (or latest) pairs against ``pi_0`` or ``pi_t``, saved as ``pi_{t+1}``
+  (:func:`rlhf_ext.runtime.iterations.run_iterations` over ``trainer.iteration_steps``).
+- ``online_mode="online"`` (paper 001 sections 3.5 and 4.2): one DPO run on a stream of pairs generated one step
+  ahead (:mod:`rlhf_ext.trl.online_stream`).
 
-**per-iteration** (``online_mode="iterative"``, paper 004 section 3.3): one DPO run per iteration ``t`` from ``pi_t``
-on the pairs stored so far (or the latest) against ``pi_0`` or ``pi_t``, saved as ``pi_{t+1}``. The loop (Algorithm
-2) is :func:`rlhf_ext.runtime.iterations.run_iterations` over ``trainer.iteration_steps``.
-
-**per-batch** (``online_mode="online"``, paper 001 sections 3.5 and 4.2): one DPO run whose train dataloader is a
-stream of pairs generated one step ahead (:mod:`rlhf_ext.trl.online_stream`).
-
-Resuming: every step is skipped when its result exists in ``output_dir``, so a killed run resumes at the last
-completed step and, with the same seed, produces the same pairs and weights as an uninterrupted one.
+Every step whose result exists in ``output_dir`` is skipped, so a killed run resumes and, with the same seed, ends
+with the same pairs and weights as an uninterrupted one.
 
 Example::
 
@@ -69,7 +65,6 @@ class IterativeDPOConfig(OnlineDPOKnobs, OnlineSamplingKnobs, HardwareBF16Defaul
     (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`) and:
 
     Args:
-        max_new_tokens, num_samples: deprecated aliases of ``max_completion_length`` and ``num_generations``.
         reference: ``sft`` (the SFT model, as the paper's authors did) or ``previous`` (the iterate being trained).
         resume: continue a run found in ``output_dir`` (``False``: refuse to touch an existing run).
     """
@@ -162,11 +157,9 @@ def _deprecated(old: str, value: Any, new: str, current: Any) -> Any:
     return value
 
 
-def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
-                       deprecated: dict[str, Any]) -> tuple[Any, IterativeDPOConfig, Any, Any]:  # fmt: skip
-    """``(reward_funcs, args, train_dataset, eval_dataset)`` checked, with their ``deprecated`` names resolved."""
-    prompts, eval_prompts = deprecated["prompts"], deprecated["eval_prompts"]
-    reward_fn, reward_model = deprecated["reward_fn"], deprecated["reward_model"]
+def _checked_arguments(reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config, *, prompts,
+                       eval_prompts, reward_fn, reward_model) -> tuple[Any, IterativeDPOConfig, Any, Any]:  # fmt: skip
+    """``(reward_funcs, args, train_dataset, eval_dataset)`` checked, with their deprecated names resolved."""
     if isinstance(reward_funcs, TrainingArguments):
         raise TypeError(
             "IterativeDPOTrainer takes TRL's argument order (model, reward_funcs, args, train_dataset, ...); "
@@ -277,7 +270,7 @@ class IterativeDPOTrainer(DPOTrainer):
 
         reward_funcs, args, train_dataset, eval_dataset = _checked_arguments(
             reward_funcs, args, train_dataset, eval_dataset, optimizers, peft_config,
-            deprecated=dict(prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn, reward_model=reward_model),
+            prompts=prompts, eval_prompts=eval_prompts, reward_fn=reward_fn, reward_model=reward_model,
         )  # fmt: skip
         self.args = args  # (Trainer sets it again; _load_model reads it before)
         self._dist = PartialState()
@@ -285,9 +278,7 @@ class IterativeDPOTrainer(DPOTrainer):
         self.prompts = _prompt_list(train_dataset, prompt_key)
         self.eval_prompts = (
             self.prompts if eval_dataset is None else _prompt_list(eval_dataset, prompt_key, "eval_dataset")
-        )
-        if args.eval_num_prompts is not None:
-            self.eval_prompts = self.eval_prompts[: args.eval_num_prompts]
+        )[: args.eval_num_prompts]
         if processing_class is None:
             if not isinstance(model, str | Path):
                 raise ValueError("pass processing_class= (the tokenizer) when the model is already instantiated")
@@ -296,8 +287,7 @@ class IterativeDPOTrainer(DPOTrainer):
             processing_class.pad_token = processing_class.eos_token
         # every DPO run and every sampler loads its policy from disk: instantiated models are saved once, atomically
         self.sft_path = self._as_path(model, "policy_000", processing_class)
-        self.ref_path = self._as_path(ref_model, "reference", processing_class) if ref_model is not None else None
-        self.ref_path = self.ref_path or self.sft_path
+        self.ref_path = self.sft_path if ref_model is None else self._as_path(ref_model, "reference", processing_class)
         self.reward_fn = _reward_function(reward_funcs, processing_class, args.reward_batch_size)
         self.iteration_steps = IterationRun(
             args, self.prompts, self.eval_prompts, self.sft_path, self.ref_path, processing_class, self.reward_fn,

@@ -1,13 +1,12 @@
 """The per-batch mode of :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``online_mode="online"``, paper 001 sections
-3.5 and 4.2): one DPO run whose train dataloader is a stream: a generator thread (or process) samples
-``num_generations`` responses for ``per_device_train_batch_size * gradient_accumulation_steps`` prompts, scores them
-and selects pairs (topping up with further prompts when some tie) while the training loop trains on the previous batch
-(:class:`~rlhf_ext.online.OneStepAsyncRunner`); new weights go to the generator after each optimizer step.
-``async_generation=False`` is the synchronous on-policy baseline through the same code.
-
-A killed run resumes from the last checkpoint (``save_steps``) and regenerates the batches after it with the same
-seeds, so synchronous resumed runs end as uninterrupted ones; asynchronous ones generate the first batch after a
-resume with the checkpoint's weights (``theta_k``, not ``theta_{k-1}``), still deterministically.
+3.5 and 4.2): one DPO run whose train dataloader is a stream. A generator thread or process
+(:class:`~rlhf_ext.online.OneStepAsyncRunner`) samples ``num_generations`` responses for
+``per_device_train_batch_size * gradient_accumulation_steps`` prompts, scores them and selects pairs (topping up when
+some tie) while training runs on the previous batch, and gets the new weights after each optimizer step
+(``async_generation=False``: the synchronous on-policy baseline). A killed run resumes from its last checkpoint
+(``save_steps``) and regenerates the later batches with the same seeds: synchronous runs end as uninterrupted ones,
+asynchronous ones generate the first batch after a resume with the checkpoint's weights (``theta_k``, not
+``theta_{k-1}``), still deterministically.
 """
 
 from __future__ import annotations
@@ -137,12 +136,10 @@ def train_online(trainer: IterativeDPOTrainer) -> dict[str, Any]:
         for it in steps.store.completed():
             if it >= offset:
                 shutil.rmtree(steps.store.path(it))
-    dist.wait_for_everyone()
-    evals = [steps.evaluate_policy(0)]
-    if dist.is_main_process:
         recover_directory(dest)
         shutil.rmtree(dest, ignore_errors=True)  # left by a run killed between saving it and the summary
     dist.wait_for_everyone()
+    evals = [steps.evaluate_policy(0)]
     if offset < total:
         stats = _run_online(trainer, total, offset, last, work, dest)
     else:  # killed after the last update's checkpoint, before the final policy was saved

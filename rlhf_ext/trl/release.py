@@ -1,8 +1,6 @@
-"""Freeing a finished Trainer run by reference counting, without ``gc.collect()``.
-
-``accelerate``'s ``free_memory`` runs a full garbage collection on every call (a third of a second here), which a
-model TRL or accelerate patched needs (a method bound to the module stored on it is a reference cycle). The functions
-here break those cycles and drop the references, so what a run held is freed at once, deterministically.
+"""Freeing a finished Trainer run by reference counting, without ``gc.collect()``: ``accelerate``'s ``free_memory``
+collects on every call (a third of a second here) because TRL / accelerate patch models with reference cycles (a
+method bound to the module stored on it); these functions break the cycles and drop the references instead.
 """
 
 from __future__ import annotations

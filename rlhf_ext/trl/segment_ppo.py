@@ -62,7 +62,6 @@ class DensePPOConfig(DenseRewardKnobs, PPOKnobs, ContinualKnobs, HardwareBF16Def
         entropy_cutoff / aggregation / tau: ``None`` = the reward model's recorded settings (else 2.0/softmax/0.5).
         normalizer_path: a saved :class:`LocationNormalizer`; ``None`` fits one at start-up on ``calibration_dataset``
             (kind ``normalizer_kind``, basis ``normalizer_basis``), or uses none if there is no calibration data.
-        critic_model_path: critic initialisation (default: the reward model); critic_learning_rate: 9e-6 (Table 8).
         async_generation, generation_threads: one-step asynchronous off-policy rollouts (paper 001, Appendix D;
             :class:`~rlhf_ext.trl.async_rollout.OneStepAsyncRollout`).
         continual_previous_model: the frozen previous-task policy of paper 000 Eq. 7; the loss gains
@@ -242,22 +241,21 @@ class DensePPOTrainer(GRPOTrainer):
         mask = completion_mask.bool() if "tool_mask" not in out else (completion_mask * out["tool_mask"]).bool()
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
         finish_in_loss = self._reuse_policy_logps and finishes_in_loss(args, out, mode)
+
+        def forward(model, **kw):
+            return self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, c, batch_size=batch_size, **kw
+            )
+
         with torch.no_grad():
             old_logps = out.get("old_per_token_logps")
             if old_logps is None and self.args.async_generation and mode == "train":
                 old_logps = out["sampling_per_token_logps"]  # the behaviour policy, one version behind
             if old_logps is None and not finish_in_loss:
-                old_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, c, batch_size=batch_size
-                )
-            ref_logps, ref_entropy, _ = self._get_per_token_logps_and_entropies(
-                self.segment_ref_model, input_ids, attention_mask, c, batch_size=batch_size,
-                compute_entropy=self.needs_reference_entropy,
-            )  # fmt: skip
+                old_logps, _, _ = forward(self.model)
+            ref_logps, ref_entropy, _ = forward(self.segment_ref_model, compute_entropy=self.needs_reference_entropy)
             if self.prev_model is not None:
-                out["prev_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.prev_model, input_ids, attention_mask, c, batch_size=batch_size
-                )
+                out["prev_per_token_logps"], _, _ = forward(self.prev_model)
             dense, scores = self._dense_rewards(input_ids, attention_mask, completion_ids, mask, ref_entropy)
             clip_range = tuple(args.reward_clip_range) if args.reward_clip_range else None
             values = None

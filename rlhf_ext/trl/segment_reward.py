@@ -1,10 +1,10 @@
 """Segment-level reward model training on TRL: ``SegmentRewardConfig`` + ``SegmentRewardTrainer`` (paper 003, 2.2).
 
-``SegmentRewardTrainer`` is TRL's ``RewardTrainer`` with two changes: the dataset gets the frozen SFT model's entropy
-of every response token as a column (:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`; pairs that carry
-no preference are dropped), and ``compute_loss`` reads the score head at *every* position, splits each response into
-segments at tokens whose SFT entropy exceeds ``entropy_cutoff``, aggregates the segments' rewards with the soft-max
-of paper 003 Eq. 4 and applies the Bradley-Terry loss of Eq. 3 (``entropy_cutoff=inf``: the stock bandit loss).
+TRL's ``RewardTrainer`` on a dataset carrying the frozen SFT model's entropy of every response token
+(:func:`rlhf_ext.runtime.segment_data.prepare_segment_dataset`; pairs without a preference dropped), with a loss that
+reads the score head at every position, splits responses at tokens whose SFT entropy exceeds ``entropy_cutoff``,
+aggregates segment rewards by the soft-max of paper 003 Eq. 4 and applies the Bradley-Terry loss of Eq. 3
+(``entropy_cutoff=inf``: the stock bandit loss).
 
 Example::
 
@@ -246,9 +246,8 @@ class SegmentRewardTrainer(RewardTrainer):
             counts = gather(ev.segments.counts.float())
             tokens = gather(action_mask.sum(1).float())
             metrics = self._metrics[mode]
-            metrics["min_reward"].append(values.min().item())
-            metrics["mean_reward"].append(values.mean().item())
-            metrics["max_reward"].append(values.max().item())
+            for stat in ("min", "mean", "max"):
+                metrics[f"{stat}_reward"].append(getattr(values, stat)().item())
             metrics["accuracy"].append(gather((rewards_chosen > rewards_rejected).float()).mean().item())
             metrics["margin"].append(gather((rewards_chosen - rewards_rejected).detach()).mean().item())
             metrics["segments_per_response"].append(counts.mean().item())
