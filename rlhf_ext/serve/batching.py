@@ -19,8 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentEvaluator:
-    """e_phi and segment spans of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer` (reward
-    model, SFT model, recorded cutoff / aggregation / tau), through
+    """e_phi and segment spans of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer`, through
     :class:`~rlhf_ext.runtime.dense_sources.SegmentRewardSpans` (the dense source the trainers use)."""
 
     def __init__(self, scorer: SegmentScorer, max_length: int | None = None):
@@ -57,17 +56,13 @@ class _Job:
 
     size: int
     on_done: Callable[[], None] | None = None
-    values: list[float] = field(default_factory=list)
-    segments: list[int] = field(default_factory=list)
-    spans: list[list[Span] | None] = field(default_factory=list)
-    remaining: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
-        self.values = [0.0] * self.size
-        self.segments = [0] * self.size
-        self.spans = [None] * self.size
+        self.values: list[float] = [0.0] * self.size
+        self.segments: list[int] = [0] * self.size
+        self.spans: list[list[Span] | None] = [None] * self.size
         self.remaining = self.size
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -177,11 +172,8 @@ class MicroBatcher:
             with self._lock:
                 self.failure = reason
                 left = list(batch)
-                while True:
-                    try:
-                        left.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                while not self._queue.empty():  # no one else puts or gets while the lock is held
+                    left.append(self._queue.get_nowait())
             stopped = ScorerStopped(reason)
             for item in left:
                 if item is not None:
