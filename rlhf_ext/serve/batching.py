@@ -24,7 +24,6 @@ class SegmentEvaluator:
 
     def __init__(self, scorer: SegmentScorer, max_length: int | None = None):
         self.scorer = scorer
-        self.tokenizer = scorer.tokenizer
         self.max_length = max_length or getattr(scorer.reward_model.config, "max_position_embeddings", None)
         self.spans = SegmentRewardSpans(scorer, max_length=self.max_length)
 
@@ -36,7 +35,7 @@ class SegmentEvaluator:
     def response_of_query(self, query: str, prompt: str, index: int) -> str:
         """:func:`response_after_prompt` with this model's tokenizer."""
         with self.scorer.tokenizer_lock:  # a fast tokenizer refuses calls from two threads at once
-            return response_after_prompt(query, prompt, self.tokenizer, index)
+            return response_after_prompt(query, prompt, self.scorer.tokenizer, index)
 
     def evaluate(self, pairs: Sequence[EncodedResponse]) -> tuple[list[float], list[int], list[list[Span]]]:
         """e_phi (paper 003 Eq. 4), the number of segments and the segment spans over the response text of each pair,
