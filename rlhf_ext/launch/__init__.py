@@ -28,15 +28,13 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 
 def strip_local_rank(argv: Sequence[str]) -> list[str]:
     """``argv`` without the ``--local_rank=N`` / ``--local_rank N`` (or ``--local-rank``) that deepspeed inserts."""
+    args = iter(argv)
     out: list[str] = []
-    skip_value = False
-    for arg in argv:
-        if skip_value:
-            skip_value = False
-        elif arg.split("=", 1)[0] in ("--local_rank", "--local-rank"):
-            skip_value = "=" not in arg
-        else:
+    for arg in args:
+        if arg.split("=", 1)[0] not in ("--local_rank", "--local-rank"):
             out.append(arg)
+        elif "=" not in arg:
+            next(args, None)  # its value
     return out
 
 

@@ -1,9 +1,7 @@
 """Online preference learning: best/worst-of-n pairs (paper 004) and one-step asynchronous training (paper 001).
 
-A facade over :mod:`rlhf_ext.algos` (pair selection, importance weights) and :mod:`rlhf_ext.runtime` (the async runner,
-the pair store); ``torch`` only at import. Samplers, reward functions and pair collection are in
-:mod:`rlhf_ext.runtime`; the iteration loop and its recipe in :mod:`rlhf_ext.pipelines.iterative_dpo`.
-The TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
+A facade over :mod:`rlhf_ext.algos` and :mod:`rlhf_ext.runtime` (``torch`` only at import); the iteration loop is in
+:mod:`rlhf_ext.pipelines.iterative_dpo`, the TRL adapter is :class:`rlhf_ext.trl.IterativeDPOTrainer`.
 """
 
 from rlhf_ext.algos.importance import ImportanceWeights, truncated_importance_weights

@@ -19,13 +19,11 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentEvaluator:
-    """e_phi and segment spans of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer` (reward
-    model, SFT model, recorded cutoff / aggregation / tau), through
+    """e_phi and segment spans of tokenised pairs in padded batches, with a loaded :class:`SegmentScorer`, through
     :class:`~rlhf_ext.runtime.dense_sources.SegmentRewardSpans` (the dense source the trainers use)."""
 
     def __init__(self, scorer: SegmentScorer, max_length: int | None = None):
         self.scorer = scorer
-        self.tokenizer = scorer.tokenizer
         self.max_length = max_length or getattr(scorer.reward_model.config, "max_position_embeddings", None)
         self.spans = SegmentRewardSpans(scorer, max_length=self.max_length)
 
@@ -37,7 +35,7 @@ class SegmentEvaluator:
     def response_of_query(self, query: str, prompt: str, index: int) -> str:
         """:func:`response_after_prompt` with this model's tokenizer."""
         with self.scorer.tokenizer_lock:  # a fast tokenizer refuses calls from two threads at once
-            return response_after_prompt(query, prompt, self.tokenizer, index)
+            return response_after_prompt(query, prompt, self.scorer.tokenizer, index)
 
     def evaluate(self, pairs: Sequence[EncodedResponse]) -> tuple[list[float], list[int], list[list[Span]]]:
         """e_phi (paper 003 Eq. 4), the number of segments and the segment spans over the response text of each pair,
@@ -57,17 +55,13 @@ class _Job:
 
     size: int
     on_done: Callable[[], None] | None = None
-    values: list[float] = field(default_factory=list)
-    segments: list[int] = field(default_factory=list)
-    spans: list[list[Span] | None] = field(default_factory=list)
-    remaining: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
-        self.values = [0.0] * self.size
-        self.segments = [0] * self.size
-        self.spans = [None] * self.size
+        self.values: list[float] = [0.0] * self.size
+        self.segments: list[int] = [0] * self.size
+        self.spans: list[list[Span] | None] = [None] * self.size
         self.remaining = self.size
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -177,11 +171,8 @@ class MicroBatcher:
             with self._lock:
                 self.failure = reason
                 left = list(batch)
-                while True:
-                    try:
-                        left.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                while not self._queue.empty():  # no one else puts or gets while the lock is held
+                    left.append(self._queue.get_nowait())
             stopped = ScorerStopped(reason)
             for item in left:
                 if item is not None:

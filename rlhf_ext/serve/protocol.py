@@ -112,27 +112,26 @@ def parse_reward_request(raw: bytes, max_request_pairs: int) -> tuple[list, list
         raise RequestError(400, "request body is nested too deeply to parse; send a flat JSON object") from None
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    if "query" in body:  # OpenRLHF
-        queries, prompts = _expect_list(body, "query"), _expect_list(body, "prompts")
-        labels = body.get("labels")
-        if labels is not None and not isinstance(labels, list):
-            raise RequestError(400, f"'labels' must be a list, got {type(labels).__name__}")
+    texts_are_queries = "query" in body
+    if texts_are_queries:  # OpenRLHF
+        texts, prompts = _expect_list(body, "query"), _expect_list(body, "prompts")
+        if body.get("labels") is not None:
+            _expect_list(body, "labels")
         n = _check_lengths(body, ("query", "prompts", "labels"))
-        _check_items(queries, "query", allow_messages=False)
+        _check_items(texts, "query", allow_messages=False)
         _check_items(prompts, "prompts", allow_messages=False)
     elif "responses" in body:  # direct (TRL)
-        prompts, responses = _expect_list(body, "prompts"), _expect_list(body, "responses")
+        prompts, texts = _expect_list(body, "prompts"), _expect_list(body, "responses")
         n = _check_lengths(body, ("responses", "prompts"))
         _check_items(prompts, "prompts", allow_messages=True)
-        _check_items(responses, "responses", allow_messages=True)
-        queries = None
+        _check_items(texts, "responses", allow_messages=True)
     else:
         raise RequestError(
             400, 'missing key \'query\': send OpenRLHF\'s {"query", "prompts"} or {"prompts", "responses"}'
         )
     if n > max_request_pairs:
         raise RequestError(413, f"{n} pairs exceed this server's limit of {max_request_pairs} per request; split them")
-    return (prompts, responses, False) if queries is None else (prompts, queries, True)
+    return prompts, texts, texts_are_queries
 
 
 def response_after_prompt(query: str, prompt: str, tokenizer, index: int) -> str:

@@ -1,18 +1,12 @@
 """``rlhf-ext serve rm``: a segment reward model's sequence evaluation e_phi over HTTP, in OpenRLHF's remote-reward
-protocol (:mod:`rlhf_ext.serve.protocol`), on uvicorn (as OpenRLHF's own ``openrlhf.cli.serve_rm``) with its routes as
-a plain ASGI app.
+protocol (:mod:`rlhf_ext.serve.protocol`), as a plain ASGI app on uvicorn.
 
-A segment reward model scores a response by ``e_phi(x, y) = tau * logsumexp(r_seg / tau)`` over its segment rewards
-(paper 003 Eq. 4; ``"sum"`` / ``"mean"`` for the ablations), the segments starting where the SFT model's entropy
-exceeds the recorded cutoff -- not by the last-token output a plain reward-model server returns. This server computes
-e_phi with :func:`rlhf_ext.runtime.token_scores.segment_evaluation` (the code the trainers use), so OpenRLHF PPO/GRPO
-(``--reward.remote_url http://HOST:PORT/get_reward``) and TRL (``reward_funcs=[RemoteSegmentReward(url)]``, see
-:mod:`rlhf_ext.trl.remote_reward`) can train against a segment reward model as a scalar reward.
+e_phi(x, y) = tau * logsumexp(r_seg / tau) over the segment rewards (paper 003 Eq. 4; ``"sum"`` / ``"mean"`` for the
+ablations), computed by :func:`rlhf_ext.runtime.token_scores.segment_evaluation` as in the trainers, so OpenRLHF
+(``--reward.remote_url http://HOST:PORT/get_reward``) and TRL (:mod:`rlhf_ext.trl.remote_reward`) train against it.
 
-Routes: ``POST /get_reward`` (also ``POST /``) scores; ``GET /health`` answers at once, whatever is being scored:
-``{"status": "ok" | "unavailable", "scorer": "running" | why it stopped, "model", "sft_model" (names, not paths),
-"aggregation", "tau", "entropy_cutoff", "max_batch_size", "max_request_pairs", "in_flight", "auth": "bearer" |
-"none"}`` (503 when the scoring thread has stopped).
+Routes: ``POST /get_reward`` (also ``POST /``) scores; ``GET /health`` answers at once with :meth:`RewardServer.health`
+(503 when the scoring thread has stopped).
 
 Every refusal is ``{"error": "<one line>"}`` with its status: 400 (not JSON, nested too deeply, invalid text, missing
 key, wrong type, mismatched lengths, malformed HTTP or chunking), 401 (missing or wrong bearer token), 404 (unknown
@@ -20,11 +14,9 @@ route), 408 (a request head or body not received within ``read_timeout_s``), 413
 ``max_request_pairs`` or a body over ``max_body_bytes``), 422 (a query that does not start with its prompt), 503 (more
 than ``max_pending`` open connections, no score within ``request_timeout_s``, or the scoring thread stopped).
 
-Work: the event loop only moves bytes (a slow client holds no thread); ``workers`` threads parse and tokenise bodies;
-one scoring thread (:class:`~rlhf_ext.serve.batching.MicroBatcher`) scores the pairs waiting from all requests
-together, up to ``max_batch_size`` per batch: one right-padded forward of the SFT model (entropies) and one of the
-reward model (per-token scores) per batch. SIGINT and SIGTERM stop accepting, answer the requests in flight, then
-exit.
+Work: the event loop only moves bytes; ``workers`` threads parse and tokenise bodies; one scoring thread
+(:class:`~rlhf_ext.serve.batching.MicroBatcher`) scores the waiting pairs of all requests together, up to
+``max_batch_size`` per batch. SIGINT and SIGTERM stop accepting, answer the requests in flight, then exit.
 """
 
 from __future__ import annotations
@@ -91,11 +83,9 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
 
 
-class _RequestGuard:
-    """Mixed into uvicorn's HTTP/1.1 protocol: a deadline on each request head
-    (uvicorn has none: a client trickling one header byte at a time would keep its connection forever) and JSON
-    refusals for malformed requests (the parser refuses a bad request line, header, ``Content-Length`` or chunk size,
-    such as ``-1``, before the app sees any body byte)."""
+class _GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol on httptools' C parser with a deadline on each request head (uvicorn has none) and
+    JSON refusals for malformed requests (refused by the parser before the app sees any body byte)."""
 
     read_timeout_s = 60.0  # set on a subclass per server
 
@@ -151,14 +141,9 @@ class _RequestGuard:
         self.transport.close()
 
 
-class _GuardedProtocol(_RequestGuard, HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol on httptools' C parser (its fastest), with :class:`_RequestGuard`."""
-
-
 class _Server(uvicorn.Server):
-    """uvicorn's server, which on SIGINT or SIGTERM stops accepting and answers the requests in flight; unlike
-    uvicorn's own handling it does not raise the signal again afterwards (that would end the process before the
-    scoring thread is closed)."""
+    """uvicorn's server, which on SIGINT or SIGTERM stops accepting and answers the requests in flight, without
+    raising the signal again afterwards (that would end the process before the scoring thread is closed)."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -174,9 +159,8 @@ class _Server(uvicorn.Server):
 
 
 class RewardServer:
-    """The HTTP server of a segment reward model: see the module docstring.
-
-    Use as a context manager (serves on a background thread) or call :meth:`serve_forever`::
+    """The HTTP server of a segment reward model: a context manager (serving on a background thread), or call
+    :meth:`serve_forever`::
 
         with RewardServer(SegmentScorer(rm_dir), ServeSettings(port=0)) as server:
             print(server.url)  # http://127.0.0.1:PORT
@@ -202,9 +186,7 @@ class RewardServer:
 
     # ------------------------------------------------------------------------------------------------------ routes
     async def _app(self, scope: dict[str, Any], receive, send) -> None:
-        """The routes, as a plain ASGI app on uvicorn (a framework's request objects, routing and middleware would
-        cost more per request than the HTTP parsing): ``GET`` (or ``HEAD``) :data:`HEALTH_PATH`, ``POST``
-        :data:`REWARD_PATHS`, 404 for anything else."""
+        """The routes: ``GET`` (or ``HEAD``) :data:`HEALTH_PATH`, ``POST`` :data:`REWARD_PATHS`, 404 otherwise."""
         if scope["type"] != "http":  # lifespan is off: nothing else reaches the app
             return
         method, path = scope["method"], scope["path"]
@@ -219,15 +201,15 @@ class RewardServer:
         await _send_json(send, reply)
 
     def _health(self) -> Reply:
-        if self._busy():
-            return _reply(503, {"error": self._busy_message()})
+        if busy := self._busy():
+            return _reply(503, {"error": busy})
         health = self.health()
         return _reply(200 if health["status"] == "ok" else 503, health)
 
     async def _score(self, scope: dict[str, Any], receive) -> Reply:
         try:
-            if self._busy():
-                raise RequestError(503, self._busy_message())
+            if busy := self._busy():
+                raise RequestError(503, busy)
             self._authorise(_header(scope, b"authorization"))
             self.in_flight += 1
             try:
@@ -245,16 +227,13 @@ class RewardServer:
         return _reply(200, {"rewards": values, "scores": values, "extra_logs": {"segments": segments}, "spans": spans})
 
     # ----------------------------------------------------------------------------------------------------- checks
-    def _busy(self) -> bool:
-        """More open connections than ``max_pending``, not counting the asking one."""
-        return len(self._server.server_state.connections) - 1 >= self.settings.max_pending
-
-    def _busy_message(self) -> str:
-        return f"server busy: {self.settings.max_pending} requests running or queued; retry later"
+    def _busy(self) -> str | None:
+        """The refusal while more than ``max_pending`` connections are open (not counting the asking one)."""
+        if len(self._server.server_state.connections) - 1 >= self.settings.max_pending:
+            return f"server busy: {self.settings.max_pending} requests running or queued; retry later"
 
     def _authorise(self, header: str | None) -> None:
-        """Accept ``Authorization: Bearer KEY`` or HTTP basic auth with KEY as the password (compared in constant
-        time); without an ``api_key`` every request is accepted."""
+        """Accept ``Authorization: Bearer KEY`` or HTTP basic auth with KEY as the password (constant-time compare)."""
         key = self.settings.api_key
         if key is None:
             return
@@ -268,9 +247,8 @@ class RewardServer:
                                f"server was started with (--api-key or {API_KEY_ENV})")  # fmt: skip
 
     async def _read_body(self, scope: dict[str, Any], receive) -> bytes:
-        """The request body (``Content-Length`` or chunked, both checked by the HTTP parser), read within
-        ``read_timeout_s``; a body over ``max_body_bytes`` is read to its end and dropped (up to :data:`DISCARD_LIMIT`
-        bytes), then 413."""
+        """The request body, read within ``read_timeout_s``; a body over ``max_body_bytes`` is read to its end and
+        dropped (up to :data:`DISCARD_LIMIT` bytes), then 413."""
         limit = self.settings.max_body_bytes
         declared = int(_header(scope, b"content-length") or "0")  # the parser refused a malformed one
         if declared > DISCARD_LIMIT:
@@ -322,8 +300,7 @@ class RewardServer:
         return encoded
 
     async def _scores(self, pairs: list[EncodedResponse]) -> tuple[list[float], list[int], list[list[Span]]]:
-        """Queue ``pairs`` on the batcher and wait (without holding a thread) for their values, segment counts and
-        segment spans."""
+        """Queue ``pairs`` on the batcher and wait (holding no thread) for their values, segment counts and spans."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -348,6 +325,7 @@ class RewardServer:
 
     # ---------------------------------------------------------------------------------------------------- running
     def health(self) -> dict[str, Any]:
+        """The ``/health`` payload: status, scoring thread, model names (not paths), e_phi settings, limits, auth."""
         alive = self.batcher.alive
         scorer, settings = self.scorer, self.settings
         return {

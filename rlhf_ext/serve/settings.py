@@ -61,21 +61,17 @@ class ServeSettings:
             loopback address needs ``api_key`` (or ``insecure=True``).
         max_batch_size: pairs scored in one forward pass of each model.
         max_wait_ms: how long the first pair of a batch waits for more pairs; 0 (default): a batch closes as soon as
-            no other pair is waiting (a lone request is scored at once; requests arriving during a forward pass form
-            the next batch).
+            no other pair is waiting.
         max_request_pairs: pairs one request may carry (413 above it).
         max_body_bytes: size of one request body (413 above it).
-        workers: threads that parse and tokenise request bodies (the event loop only moves bytes; one scoring thread
-            runs the models).
+        workers: threads that parse and tokenise request bodies.
         max_pending: open connections beyond which a request is answered 503 at once.
         max_length: tokens per prompt + response (prompts cut from the left, responses from the right, as in
             training); default: the reward model's ``max_position_embeddings``.
-        read_timeout_s: a request's head, and then its body, must arrive within this many seconds each (408 and the
-            connection closed otherwise), however slowly its bytes trickle in.
+        read_timeout_s: a request's head, then its body, must each arrive within this many seconds (else 408).
         request_timeout_s: how long a request waits for its scores before a 503.
         api_key: the bearer token every scoring request must carry (``Authorization: Bearer KEY``, or HTTP basic auth
-            with KEY as the password, which OpenRLHF's client sends for ``http://user:KEY@host/get_reward``); None:
-            no authentication.
+            with KEY as the password, as OpenRLHF sends for ``http://user:KEY@host/get_reward``); None: no auth.
         insecure: allow a non-loopback ``host`` without ``api_key``.
     """
 

@@ -14,10 +14,8 @@ name                       what it is
                            200 samples per task (:mod:`rlhf_ext.datagen.builtin`)
 =========================  ==========================================================================================
 
-Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``), each built once
-(:func:`~rlhf_ext.runtime.io.build_once`): callers asking at the same time, in threads or processes, wait for the
-first one and reuse its result; a build killed halfway leaves nothing that is reused, and the next call builds again.
-Anything without the prefix is passed through unchanged (a local path or a hub id).
+Built artefacts are cached under ``$RLHF_EXT_CACHE`` (default ``~/.cache/rlhf_ext``), each built once, whoever asks
+(:func:`~rlhf_ext.runtime.io.build_once`). Anything without the prefix is passed through unchanged (a path or hub id).
 """
 
 from __future__ import annotations

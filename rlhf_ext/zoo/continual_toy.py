@@ -31,12 +31,6 @@ def _split(items: list[str], parts: int) -> list[list[str]]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
-def max_tasks(kind: SequenceKind) -> int:
-    """The longest sequence of ``kind``: ``preference_shift`` needs ``K + 1`` non-empty phrase groups, ``domains``
-    one topic per task."""
-    return len(KEY_PHRASES) + len(WEAK_PHRASES) - 1 if kind == "preference_shift" else len(TOPICS)
-
-
 def toy_task_sequence(
     kind: SequenceKind = "preference_shift", num_tasks: int = 3, n_train: int = 256, n_test: int = 64, seed: int = 0
 ):
@@ -45,9 +39,11 @@ def toy_task_sequence(
 
     if kind not in SEQUENCE_KINDS:
         raise ValueError(f"toy sequence kind must be one of {', '.join(SEQUENCE_KINDS)}; got {kind!r}")
-    if not 1 <= num_tasks <= max_tasks(kind):
+    # preference_shift needs K + 1 non-empty phrase groups, domains one topic per task
+    most = len(KEY_PHRASES) + len(WEAK_PHRASES) - 1 if kind == "preference_shift" else len(TOPICS)
+    if not 1 <= num_tasks <= most:
         raise ValueError(
-            f"num_tasks is {num_tasks}, but the toy {kind} sequence has 1 to {max_tasks(kind)} tasks; use fewer tasks"
+            f"num_tasks is {num_tasks}, but the toy {kind} sequence has 1 to {most} tasks; use fewer tasks"
         )
     if kind == "preference_shift":
         phrases = list(KEY_PHRASES) + list(WEAK_PHRASES)

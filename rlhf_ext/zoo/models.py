@@ -61,7 +61,8 @@ def tiny_reward_model(tokenizer=None, seed: int = 0, **overrides: Any):
 
 
 def save_tiny_checkpoint(path: str | Path, model=None, tokenizer=None, seed: int = 0) -> Path:
-    """Save ``model`` (default: a fresh :func:`tiny_causal_lm`) and its tokenizer as a checkpoint directory."""
+    """Save ``model`` (default: a fresh :func:`tiny_causal_lm`) and its tokenizer as a checkpoint directory, written
+    atomically (a kill leaves ``path`` as it was)."""
     tokenizer = tokenizer if tokenizer is not None else gpt2_tokenizer()
     model = model if model is not None else tiny_causal_lm(tokenizer, seed=seed)
     path = Path(path)
@@ -86,16 +87,13 @@ def smollm2_gguf_path() -> Path:
 
 def smollm2_checkpoint(dest: str | Path) -> Path:
     """Convert SmolLM2-135M-Instruct (GGUF, Q4_1) into a normal fp32 checkpoint directory ``dest`` (about 30 s, 1.7 GB
-    peak memory), written atomically (a kill leaves ``dest`` as it was).
+    peak memory), written atomically; converts on every call (``resolve_model("builtin:smollm2")`` caches it).
 
-    transformers dequantises the GGUF file on load; the weights are then copied into a model built from the same
-    config without the quantization config, so the result loads with plain ``from_pretrained`` everywhere (TRL,
-    OpenRLHF, vLLM). This converts every time it is called: ``resolve_model("builtin:smollm2")`` converts once into
-    the cache, whoever asks.
+    The dequantised weights are copied into a model built from the same config without the quantization config, so
+    the result loads with plain ``from_pretrained`` everywhere (TRL, OpenRLHF, vLLM).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dest = Path(dest)
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -114,7 +112,4 @@ def smollm2_checkpoint(dest: str | Path) -> Path:
     tokenizer.pad_token = "<|endoftext|>"
     for config in (model.config, model.generation_config):
         config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    with atomic_directory(dest) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    return dest
+    return save_tiny_checkpoint(dest, model, tokenizer)
