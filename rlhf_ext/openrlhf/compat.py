@@ -1,24 +1,17 @@
 """Make OpenRLHF 0.11.2 importable and runnable on a CPU-only machine, without changing it on a GPU machine.
 
-Two independent pieces, both no-ops where they are not needed:
+Two idempotent pieces, no-ops where they are not needed, pinned to ``openrlhf==0.11.2`` (:func:`check_version`):
 
-* :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When those are
-  missing, placeholder modules are registered whose every function and class raises a ``RuntimeError`` naming the GPU
-  package to install (as OpenRLHF's own tests do), and reading any other attribute (``vllm.__version__`` ...) raises
-  :class:`GPUPackageMissing`. ``flash_attn.bert_padding``'s helpers (plain PyTorch in flash-attn too) are real CPU
-  implementations (:func:`unpad_input`, :func:`pad_input`, :func:`index_first_axis`, einops' ``rearrange``), so
-  ``--ds.packing_samples`` runs on CPU through ``sdpa``; ``vllm.SamplingParams`` is the dataclass
-  :class:`SamplingParams`, which OpenRLHF builds even for the HF rollout engine. :func:`import_shims` registers them
-  for a ``with`` block only (:func:`remove_import_shims`): while ``vllm`` is a placeholder, TRL 1.16's
-  ``is_vllm_available()`` fails to parse its version, so ``trl.generation`` cannot be imported.
-* :func:`patch_for_cpu` — without CUDA, replaces the strategy helpers that call CUDA unconditionally: DeepSpeed's
-  shared-memory comm-op build, ``setup_distributed`` (gloo, a ``cpu`` device mesh), ``all_reduce``/``all_gather``,
-  ``torch.cuda.synchronize`` (a no-op) and the optimizer config (``torch_adam``, no fused-Adam C++ build). In Ray
-  workers (``worker=True``) also ``torch.cuda.current_device()`` (18 ``.to(...)`` call sites in OpenRLHF's PPO path)
-  returns the CPU, the replay buffer targets the CPU, and rendezvous ports come from :func:`free_port` (several runs
-  can start at once on one machine).
-
-Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
+* :func:`install_import_shims` — when ``flash_attn`` / ``vllm`` (imported by OpenRLHF at module level) are missing,
+  placeholder modules whose functions and classes raise a ``RuntimeError`` naming the GPU package (other attributes:
+  :class:`GPUPackageMissing`); ``flash_attn.bert_padding``'s helpers are real CPU implementations (so
+  ``--ds.packing_samples`` runs through ``sdpa``) and ``vllm.SamplingParams`` is :class:`SamplingParams`.
+  :func:`import_shims` registers them for a ``with`` block only: while ``vllm`` is a placeholder, TRL 1.16's
+  ``is_vllm_available()`` fails to parse its version.
+* :func:`patch_for_cpu` — without CUDA, replaces what calls CUDA unconditionally: DeepSpeed's shared-memory comm-op
+  build, ``setup_distributed`` (gloo), ``all_reduce``/``all_gather``, ``torch.cuda.synchronize`` and the optimizer
+  config (``torch_adam``). In Ray workers also ``torch.cuda.current_device()`` and the replay buffer target the CPU,
+  and rendezvous ports come from :func:`free_port`.
 """
 
 from __future__ import annotations
@@ -98,8 +91,7 @@ def _cpu_implementation(name: str) -> Any:
         from einops import rearrange
 
         return rearrange
-    cpu = {"index_first_axis": index_first_axis, "unpad_input": unpad_input, "pad_input": pad_input}
-    return {**cpu, "SamplingParams": SamplingParams}[name]  # SamplingParams: plain data OpenRLHF's driver builds
+    return globals()[name]  # index_first_axis, unpad_input, pad_input, SamplingParams (plain data OpenRLHF builds)
 
 
 class GPUPackageMissing(AttributeError):
@@ -201,13 +193,9 @@ def check_version() -> None:
 
 
 def free_port() -> int:
-    """A free TCP port to bind later (a torch.distributed rendezvous, a Ray node), chosen *below* the kernel's
-    ephemeral range.
-
-    OpenRLHF's ``_get_free_port`` binds port 0 and lets the process group bind that port seconds later, when any
-    process may have received it (``EADDRINUSE`` when two Ray runs start at once). The kernel never hands out ports
-    below ``ip_local_port_range``, so one from ``[20000, low)`` (above Ray's worker ports, 10002-19999) can only
-    collide with another explicit choice. Falls back to port 0 where that range is empty."""
+    """A free TCP port to bind later (a torch.distributed rendezvous), from ``[20000, low)``: above Ray's worker ports
+    and below the kernel's ephemeral range (``low``), so no process receives it as OpenRLHF's port-0 choice can
+    (``EADDRINUSE`` when two Ray runs start at once). Falls back to port 0 where that range is empty."""
     import random
     import socket
 
