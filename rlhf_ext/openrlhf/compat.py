@@ -31,9 +31,8 @@ from typing import Any
 
 OPENRLHF_VERSION = "0.11.2"
 
-#: Names OpenRLHF 0.11.2 imports at module level from GPU-only packages (``grep -rn "flash_attn\|vllm" openrlhf``).
-#: Imports OpenRLHF guards with ``try/except ImportError`` (the fused cross-entropy of ``flash_attn.ops``) are left
-#: missing on purpose, so its CPU fallback runs.
+#: Names OpenRLHF 0.11.2 imports at module level from GPU-only packages; imports it guards with ``try/except
+#: ImportError`` (``flash_attn.ops``) are left missing on purpose, so its CPU fallback runs.
 _SHIMS: dict[str, dict[str, str]] = {
     "flash_attn": {},
     "flash_attn.bert_padding": dict.fromkeys(("index_first_axis", "pad_input", "rearrange", "unpad_input"), "cpu"),
@@ -136,8 +135,7 @@ def install_import_shims() -> list[str]:
             module = types.ModuleType(name)
             setattr(module, _SHIM_MARKER, True)
             module.__path__ = []  # a package, so submodules resolve
-            # find_spec() must work on it (transformers probes flash_attn that way); with no __file__ and no
-            # __version__, transformers treats it as "not installed", which is the truth.
+            # for find_spec() (transformers' probe): no __file__ nor __version__, so "not installed", the truth
             module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             module.__getattr__ = _missing_attribute(root)
             for attr, kind in attrs.items():
@@ -171,9 +169,8 @@ def remove_import_shims(names: list[str] | None = None) -> list[str]:
 
 @contextlib.contextmanager
 def import_shims() -> Iterator[list[str]]:
-    """Placeholders registered for the duration of the block (to import OpenRLHF modules, which keep references to
-    the names they imported), unregistered afterwards. Yields the names this block registered; placeholders that
-    were registered before it stay."""
+    """Placeholders registered for the duration of the block (to import OpenRLHF modules), unregistered afterwards.
+    Yields the names this block registered; placeholders registered before it stay."""
     installed = install_import_shims()
     try:
         yield installed
@@ -219,11 +216,9 @@ def ensure_single_process_env() -> None:
     """Fill in the torch.distributed rendezvous variables for a plain ``python`` run (launchers set them)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0"}
+    for key, value in {**defaults, "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
 
 
 def _cpu_setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:

@@ -195,9 +195,8 @@ def role_memory(role: str, args: Any, size: ModelSize | None, cluster: Cluster) 
 
 
 def _gpu_groups(groups: list[Group], roles: dict[str, RoleMemory], args: Any) -> list[GPUGroup]:
-    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes. A GPU shared
-    with vLLM has two phases: generation (vLLM's share + the DeepSpeed models unless ``--ds.enable_sleep``) and
-    training (the DeepSpeed models + one role's activations + vLLM's share unless ``--vllm.enable_sleep``)."""
+    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes; a GPU shared
+    with vLLM peaks in generation or in training (each without what ``--ds/--vllm.enable_sleep`` puts to sleep)."""
     kinds = Counter(tuple(r for r, ranks in g.members.items() if b < ranks) for g in groups for b in range(g.bundles))
     out = []
     for members, count in kinds.items():

@@ -284,8 +284,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             for e, d, b in zip(experiences, dense, baseline):
                 shifted = d.scatter_add(1, last_token_index(e.action_mask)[:, None], -b[:, None].to(d.dtype))
                 setattr(e.kl, DENSE_ATTR, shifted)
-        # OpenRLHF's length-penalty step copies ``rewards`` (the zero placeholder) into info["reward"]; keep the
-        # summed dense reward there so rollout/reward_mean logs what PPO optimises.
+        # OpenRLHF copies ``rewards`` (the zero placeholder) into info["reward"]: keep the summed dense reward there
         summed_rewards = [e.info["reward"] for e in experiences]
         experiences = super().compute_advantages_and_returns(experiences)
         for e, reward in zip(experiences, summed_rewards):

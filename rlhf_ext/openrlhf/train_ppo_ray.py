@@ -10,12 +10,9 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
         --ext.continual_previous_model PREV --ext.continual_kl_coef 1.0      # paper 000 Eq. 7 (CPPO-style KL)
         --train.async_enable --train.async_queue_size 1                      # paper 001 (OpenRLHF's own flag)
 
-``--ext`` flags (:data:`EXT_DEFAULTS`): segment rewards (``granularity``, unset: ``chunk`` on a reward model,
-``segment`` on span rewards; ``interpolation``, ``entropy_cutoff`` / ``aggregation`` / ``tau``, default: the reward
-model's ``segment_config.json``; ``normalizer``, ``reward_model_id``); continual RLHF (any ``continual_*`` flag makes
-the policy actor :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor`); ``rollout_engine``
-(:func:`resolve_rollout_engine`); dense reward sources (``reward_source``, ``step_separator``, or
-``--reward.remote_url`` at ``rlhf-ext serve rm``, scored by the experience maker: :func:`route_rewards`).
+``--ext`` flags (:data:`EXT_DEFAULTS`): segment rewards (unset ``entropy_cutoff`` / ``aggregation`` / ``tau``: the
+reward model's ``segment_config.json``), continual RLHF (any ``continual_*`` flag makes the policy actor
+:class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor`), ``rollout_engine``, dense reward sources.
 
 Before Ray places anything, :func:`preflight` refuses what OpenRLHF would silently ignore (:func:`check_args`) and
 prints the placement and memory plan of :mod:`rlhf_ext.openrlhf.plan`, refusing a run that cannot be placed or fit.
@@ -65,8 +62,7 @@ EXT_DEFAULTS: dict[str, Any] = {
     "reward_source": None,
     "step_separator": "\n",
     "rollout_engine": "auto",
-    # paper 000: ContinualKnobs + the previous task's model + retention (ContinualActorSettings). None = not given: the
-    # continual actor is used only when one of them is given, with the knobs' defaults for the others
+    # paper 000 (ContinualActorSettings); None = not given: the continual actor is used only when one of them is given
     **dict.fromkeys([*knob_defaults(ContinualKnobs), "continual_previous_model", "continual_retention"]),
 }
 #: ``--ext.*`` flags that were renamed: an old flag is refused with the new name.
@@ -297,8 +293,7 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
             # every bundle also reserves a (logical) CPU; the trainer and async queue actors need free ones
             need = plan.cluster.total_gpus
             init.update(address="local", num_gpus=need, num_cpus=need + (os.cpu_count() or 1))
-            # Ray runs its workers at niceness 15; here they do all of the run's work, and beside any other busy
-            # process on the machine they starved (a 2-minute run did not finish in 15 minutes)
+            # Ray's workers run at niceness 15; here they do all of the run's work and starved beside busy processes
             os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(**init)
     return plan
