@@ -1,8 +1,5 @@
-"""Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our extras.
-
-OpenRLHF's CLIs keep their argparse under ``__main__``. Without copying them: patch the classes on their source
-modules, strip our ``--ext.*`` flags from the command line, and execute the module from its own source with its final
-``train(args)`` routed through a hook that attaches them as ``args.ext`` (:func:`run_cli_module`).
+"""Run an unmodified OpenRLHF CLI module (``openrlhf.cli.train_rm``, ``train_ppo_ray`` ...) with our ``--ext.*`` flags
+stripped from its command line and its final ``train(args)`` routed through a hook (:func:`run_cli_module`).
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ def exit_with_error(message: object) -> NoReturn:
 def ext_argument_parser(
     prog: str, description: str, knob_classes: Sequence[type], defaults: dict[str, Any], extra: dict[str, tuple]
 ) -> argparse.ArgumentParser:
-    """The ``--ext.*`` flags as an argparse group (for ``--help``), made from the knob dataclasses that declare them:
-    each flag's type (its knob spec), choices (an enum or ``Literal`` annotation), help text and default.
-    ``extra`` gives flags that are no knob field: ``{key: (help, choices or None)}``."""
+    """The ``--ext.*`` flags as an argparse group (for ``--help``) from the knob dataclasses that declare them (type,
+    choices, help, default); ``extra``: flags that are no knob field, ``{key: (help, choices or None)}``."""
     import argparse
     import enum
     import typing
@@ -79,12 +75,9 @@ def split_ext_args(
     renamed: dict[str, str] | None = None,
     specs: dict[str, KnobSpec] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line.
-
-    Returns (remaining argv, ``defaults`` updated with the given values and passed through ``validate``). A value with
-    a knob spec in ``specs`` is parsed and checked against the knob's declared range; a key in ``renamed`` (old ->
-    new) is refused with its new name. Raises :class:`ExtArgsError` (or :class:`~rlhf_ext.algos.knobs.KnobError`).
-    """
+    """Split ``--ext.key value`` / ``--ext.key=value`` options from an OpenRLHF command line; returns (remaining argv,
+    ``defaults`` updated and passed through ``validate``). Values with a knob spec in ``specs`` are range-checked; a
+    key in ``renamed`` (old -> new) is refused with its new name. Raises :class:`ExtArgsError` (or ``KnobError``)."""
     argv = list(argv)
     rest: list[str] = []
     ext = dict(defaults)
@@ -137,8 +130,7 @@ def _cli_code(module: str):
 
 def run_cli_module(module: str, argv: Sequence[str], before_train: Callable[[Any], Any]) -> None:
     """Execute OpenRLHF CLI ``module`` as ``__main__`` with ``argv``; ``before_train(args)`` runs right before the
-    CLI's ``train(args)`` (:func:`_cli_code`): it sees (and may change) the arguments after argparse *and* every
-    fix-up of its ``__main__`` block (``--ds.ring_attn_size > 1`` turning on packing ...): it checks what will run."""
+    CLI's ``train(args)``, after argparse *and* every fix-up of its ``__main__`` block."""
     import runpy
 
     from rlhf_ext.openrlhf.compat import import_shims

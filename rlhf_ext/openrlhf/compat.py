@@ -1,24 +1,17 @@
 """Make OpenRLHF 0.11.2 importable and runnable on a CPU-only machine, without changing it on a GPU machine.
 
-Two independent pieces, both no-ops where they are not needed:
+Two idempotent pieces, no-ops where they are not needed, pinned to ``openrlhf==0.11.2`` (:func:`check_version`):
 
-* :func:`install_import_shims` — OpenRLHF imports ``flash_attn`` and ``vllm`` at module import time. When those are
-  missing, placeholder modules are registered whose every function and class raises a ``RuntimeError`` naming the GPU
-  package to install (as OpenRLHF's own tests do), and reading any other attribute (``vllm.__version__`` ...) raises
-  :class:`GPUPackageMissing`. ``flash_attn.bert_padding``'s helpers (plain PyTorch in flash-attn too) are real CPU
-  implementations (:func:`unpad_input`, :func:`pad_input`, :func:`index_first_axis`, einops' ``rearrange``), so
-  ``--ds.packing_samples`` runs on CPU through ``sdpa``; ``vllm.SamplingParams`` is the dataclass
-  :class:`SamplingParams`, which OpenRLHF builds even for the HF rollout engine. :func:`import_shims` registers them
-  for a ``with`` block only (:func:`remove_import_shims`): while ``vllm`` is a placeholder, TRL 1.16's
-  ``is_vllm_available()`` fails to parse its version, so ``trl.generation`` cannot be imported.
-* :func:`patch_for_cpu` — without CUDA, replaces the strategy helpers that call CUDA unconditionally: DeepSpeed's
-  shared-memory comm-op build, ``setup_distributed`` (gloo, a ``cpu`` device mesh), ``all_reduce``/``all_gather``,
-  ``torch.cuda.synchronize`` (a no-op) and the optimizer config (``torch_adam``, no fused-Adam C++ build). In Ray
-  workers (``worker=True``) also ``torch.cuda.current_device()`` (18 ``.to(...)`` call sites in OpenRLHF's PPO path)
-  returns the CPU, the replay buffer targets the CPU, and rendezvous ports come from :func:`free_port` (several runs
-  can start at once on one machine).
-
-Both are idempotent and pinned to ``openrlhf==0.11.2`` (they touch its private layout; :func:`check_version`).
+* :func:`install_import_shims` — when ``flash_attn`` / ``vllm`` (imported by OpenRLHF at module level) are missing,
+  placeholder modules whose functions and classes raise a ``RuntimeError`` naming the GPU package (other attributes:
+  :class:`GPUPackageMissing`); ``flash_attn.bert_padding``'s helpers are real CPU implementations (so
+  ``--ds.packing_samples`` runs through ``sdpa``) and ``vllm.SamplingParams`` is :class:`SamplingParams`.
+  :func:`import_shims` registers them for a ``with`` block only: while ``vllm`` is a placeholder, TRL 1.16's
+  ``is_vllm_available()`` fails to parse its version.
+* :func:`patch_for_cpu` — without CUDA, replaces what calls CUDA unconditionally: DeepSpeed's shared-memory comm-op
+  build, ``setup_distributed`` (gloo), ``all_reduce``/``all_gather``, ``torch.cuda.synchronize`` and the optimizer
+  config (``torch_adam``). In Ray workers also ``torch.cuda.current_device()`` and the replay buffer target the CPU,
+  and rendezvous ports come from :func:`free_port`.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ from typing import Any
 
 OPENRLHF_VERSION = "0.11.2"
 
-#: Names OpenRLHF 0.11.2 imports at module level from GPU-only packages (``grep -rn "flash_attn\|vllm" openrlhf``).
-#: Imports OpenRLHF guards with ``try/except ImportError`` (the fused cross-entropy of ``flash_attn.ops``) are left
-#: missing on purpose, so its CPU fallback runs.
+#: Names OpenRLHF 0.11.2 imports at module level from GPU-only packages; imports it guards with ``try/except
+#: ImportError`` (``flash_attn.ops``) are left missing on purpose, so its CPU fallback runs.
 _SHIMS: dict[str, dict[str, str]] = {
     "flash_attn": {},
     "flash_attn.bert_padding": dict.fromkeys(("index_first_axis", "pad_input", "rearrange", "unpad_input"), "cpu"),
@@ -98,8 +90,7 @@ def _cpu_implementation(name: str) -> Any:
         from einops import rearrange
 
         return rearrange
-    cpu = {"index_first_axis": index_first_axis, "unpad_input": unpad_input, "pad_input": pad_input}
-    return {**cpu, "SamplingParams": SamplingParams}[name]  # SamplingParams: plain data OpenRLHF's driver builds
+    return globals()[name]  # index_first_axis, unpad_input, pad_input, SamplingParams (plain data OpenRLHF builds)
 
 
 class GPUPackageMissing(AttributeError):
@@ -144,8 +135,7 @@ def install_import_shims() -> list[str]:
             module = types.ModuleType(name)
             setattr(module, _SHIM_MARKER, True)
             module.__path__ = []  # a package, so submodules resolve
-            # find_spec() must work on it (transformers probes flash_attn that way); with no __file__ and no
-            # __version__, transformers treats it as "not installed", which is the truth.
+            # for find_spec() (transformers' probe): no __file__ nor __version__, so "not installed", the truth
             module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             module.__getattr__ = _missing_attribute(root)
             for attr, kind in attrs.items():
@@ -179,9 +169,8 @@ def remove_import_shims(names: list[str] | None = None) -> list[str]:
 
 @contextlib.contextmanager
 def import_shims() -> Iterator[list[str]]:
-    """Placeholders registered for the duration of the block (to import OpenRLHF modules, which keep references to
-    the names they imported), unregistered afterwards. Yields the names this block registered; placeholders that
-    were registered before it stay."""
+    """Placeholders registered for the duration of the block (to import OpenRLHF modules), unregistered afterwards.
+    Yields the names this block registered; placeholders registered before it stay."""
     installed = install_import_shims()
     try:
         yield installed
@@ -201,13 +190,9 @@ def check_version() -> None:
 
 
 def free_port() -> int:
-    """A free TCP port to bind later (a torch.distributed rendezvous, a Ray node), chosen *below* the kernel's
-    ephemeral range.
-
-    OpenRLHF's ``_get_free_port`` binds port 0 and lets the process group bind that port seconds later, when any
-    process may have received it (``EADDRINUSE`` when two Ray runs start at once). The kernel never hands out ports
-    below ``ip_local_port_range``, so one from ``[20000, low)`` (above Ray's worker ports, 10002-19999) can only
-    collide with another explicit choice. Falls back to port 0 where that range is empty."""
+    """A free TCP port to bind later (a torch.distributed rendezvous), from ``[20000, low)``: above Ray's worker ports
+    and below the kernel's ephemeral range (``low``), so no process receives it as OpenRLHF's port-0 choice can
+    (``EADDRINUSE`` when two Ray runs start at once). Falls back to port 0 where that range is empty."""
     import random
     import socket
 
@@ -231,11 +216,9 @@ def ensure_single_process_env() -> None:
     """Fill in the torch.distributed rendezvous variables for a plain ``python`` run (launchers set them)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0"}
+    for key, value in {**defaults, "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
 
 
 def _cpu_setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:

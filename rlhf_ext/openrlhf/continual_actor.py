@@ -1,17 +1,11 @@
 """Continual RLHF in OpenRLHF 0.11.2's PPO actor: the KL to the previous task's policy (paper 000, Eq. 7).
 
-* :class:`ContinualPolicyLoss` — ``PolicyLoss`` plus ``c * KL(pi_theta || pi_{t-1})``: the per-token KL of
-  :func:`rlhf_ext.continual.per_token_kl` (as in the TRL trainer) reduced by OpenRLHF's ``aggregate_loss`` with the
-  policy loss's normalisation, so it is invariant to data-parallel sharding like the PPO loss; ``c = 0`` without CPPO
-  weights is ``PolicyLoss`` unchanged. ``continual_retention="cppo"``: CPPO's sample-wise weights scale advantages
-  (alpha) and the KL term (beta), see :mod:`rlhf_ext.algos.cppo_weights`.
-* :class:`ContinualActorPPOTrainer` — ``training_step`` computes the previous-task policy's log-probs under
-  ``no_grad`` (one frozen forward of an ``Actor`` loaded like the EMA model) and binds them to the loss; the KL is
-  logged as ``prev_task_kl``.
-* :class:`ContinualPolicyModelActor` — the Ray policy actor building it (:func:`use_continual_actor`), with the
-  ``--ext.continual_*`` settings of :class:`ContinualActorSettings`.
-
-OpenRLHF is imported inside :func:`rlhf_ext.openrlhf.compat.import_shims`, so this module imports on a CPU machine.
+* :class:`ContinualPolicyLoss` — ``PolicyLoss`` plus ``c * KL(pi_theta || pi_{t-1})``, the per-token KL of
+  :func:`rlhf_ext.continual.per_token_kl` reduced by OpenRLHF's ``aggregate_loss`` like the policy loss; with
+  ``continual_retention="cppo"`` CPPO's sample-wise weights scale advantages (alpha) and the KL term (beta).
+* :class:`ContinualActorPPOTrainer` — ``training_step`` binds the previous-task policy's log-probs (one frozen
+  forward) to the loss; the KL is logged as ``prev_task_kl``.
+* :class:`ContinualPolicyModelActor` — the Ray policy actor building it (:func:`use_continual_actor`).
 """
 
 from __future__ import annotations
@@ -40,10 +34,8 @@ PREV_TASK_KL_KEY = "prev_task_kl"
 
 @dataclass
 class ContinualActorSettings(ContinualKnobs):
-    """Settings of the continual actor: paper 000's knobs (:class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`),
-    ``continual_previous_model`` (the previous task's final policy; ``None``: first task, no term),
-    ``continual_retention`` (``kl``: paper 000 Eq. 7; ``cppo``: also CPPO's sample-wise alpha / beta weights) and the
-    ``cppo`` thresholds and weights; all but ``cppo`` are ``--ext.*`` flags."""
+    """Paper 000's knobs plus ``continual_previous_model`` (``None``: first task, no term), ``continual_retention``
+    (``kl``: paper 000 Eq. 7; ``cppo``: also CPPO's sample-wise weights) and the ``cppo`` settings."""
 
     continual_previous_model: str | None = None
     continual_retention: Literal["kl", "cppo"] = "kl"
@@ -66,8 +58,7 @@ class ContinualActorSettings(ContinualKnobs):
 
 
 def check_continual_ext(ext: dict[str, Any]) -> None:
-    """Check the ``--ext.continual_*`` values in the driver, before Ray starts: the knobs, the retention, and that
-    ``--ext.continual_previous_model`` can be loaded (an existing directory, a cached hub id while offline)."""
+    """Check the ``--ext.continual_*`` values in the driver, and that ``--ext.continual_previous_model`` loads."""
     from rlhf_ext.zoo.builtins import check_model_source
 
     values = {k: v for k, v in ext.items() if k.startswith("continual_") and v is not None}
@@ -82,10 +73,9 @@ def check_continual_ext(ext: dict[str, Any]) -> None:
 class ContinualPolicyLoss(PolicyLoss):
     """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (paper 000 Eq. 7), optionally with CPPO's sample-wise weights.
 
-    ``forward`` takes the stock arguments plus ``prev_log_probs`` (``[B, A]``, log pi_{t-1} of the action tokens),
-    ``learning_weights`` (alpha, ``[B]``) and ``retention_weights`` (beta, ``[B]``); those left ``None`` come from
-    :meth:`extra_inputs` (how the stock ``training_step`` passes them). Returns the stock 5-tuple; the unweighted KL
-    of the last call is in :attr:`last_prev_task_kl`."""
+    ``forward`` also takes ``prev_log_probs`` ``[B, A]``, ``learning_weights`` (alpha, ``[B]``) and
+    ``retention_weights`` (beta, ``[B]``), else from :meth:`extra_inputs`; the last unweighted KL is
+    :attr:`last_prev_task_kl`."""
 
     def __init__(
         self, *args: Any, continual_kl_coef: float = DEFAULT_KL_COEF, continual_kl_estimator: str = "k3", **kwargs: Any
@@ -98,20 +88,10 @@ class ContinualPolicyLoss(PolicyLoss):
 
     @classmethod
     def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
-        """A continual loss with every setting of an existing ``PolicyLoss`` (e.g. the one ``ActorPPOTrainer`` built
-        from the command line) plus ``continual_kl_coef`` / ``continual_kl_estimator``."""
-        new = cls(
-            clip_eps_low=loss.clip_eps_low,
-            clip_eps_high=loss.clip_eps_high,
-            dual_clip=loss.dual_clip,
-            token_level_loss=loss.token_level_loss,
-            policy_loss_type=loss.policy_loss_type,
-            is_correction_level=loss.is_correction_level,
-            is_correction_mode=loss.is_correction_mode,
-            is_correction_gating=loss.is_correction_gating,
-            is_correction_threshold=loss.is_correction_threshold,
-            **kwargs,
-        )
+        """A continual loss with every setting of an existing ``PolicyLoss`` plus ``kwargs``."""
+        names = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type")
+        names += ("is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold")
+        new = cls(**{name: getattr(loss, name) for name in names}, **kwargs)
         new.token_level_loss = loss.token_level_loss  # GSPO forces sequence-level in __init__; keep the final value
         return new
 
@@ -169,9 +149,8 @@ class ContinualPolicyLoss(PolicyLoss):
 
 
 def load_previous_task_actor(strategy: Any, path: str) -> Actor:
-    """The previous task's policy as a frozen OpenRLHF ``Actor``, loaded the way ``PolicyModelActor`` loads its EMA
-    model (same attention / dtype / packing settings, DeepSpeed *eval* config) and at the rollout temperature, so its
-    log-probabilities are comparable with the actor's."""
+    """The previous task's policy as a frozen OpenRLHF ``Actor``, loaded like ``PolicyModelActor``'s EMA model and at
+    the rollout temperature, so its log-probabilities are comparable with the actor's."""
     ds = strategy.args.ds
     model = Actor(
         path,
@@ -188,9 +167,8 @@ def load_previous_task_actor(strategy: Any, path: str) -> Actor:
 
 
 class ContinualActorPPOTrainer(ActorPPOTrainer):
-    """``ActorPPOTrainer`` with the KL to the previous task's policy (see the module docstring). ``prev_model``: a
-    frozen ``Actor`` (default: :func:`load_previous_task_actor` of ``settings.continual_previous_model``, if set);
-    ``settings``: :class:`ContinualActorSettings` (default: from ``strategy.args.ext``)."""
+    """``ActorPPOTrainer`` with the KL to the previous task's policy ``prev_model`` (default: loaded from
+    ``settings.continual_previous_model``, if set); ``settings`` default: from ``strategy.args.ext``."""
 
     def __init__(
         self,
@@ -279,6 +257,5 @@ ContinualPolicyModelActor = ray.remote(num_gpus=1)(_ContinualPolicyModelActorImp
 
 
 def use_continual_actor() -> None:
-    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` instead of its policy actor (by
-    replacing ``PolicyModelActor`` in ``openrlhf.trainer.ray.ppo_actor``, where the CLI imports it from)."""
+    """Make ``openrlhf.cli.train_ppo_ray`` build :data:`ContinualPolicyModelActor` as its policy actor."""
     _ppo_actor.PolicyModelActor = ContinualPolicyModelActor

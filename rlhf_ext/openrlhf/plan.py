@@ -1,22 +1,17 @@
 """The pre-flight plan of an OpenRLHF 0.11.2 Ray PPO run: where ``train_ppo_ray`` will place every role, whether the
-cluster can hold it, and what each GPU will carry — computed from the arguments *after* OpenRLHF's own fix-ups, before
-Ray places anything or any model loads.
+cluster can hold it, and what each GPU will carry — from the arguments *after* OpenRLHF's own fix-ups, before Ray
+places anything.
 
-:func:`placement_groups` follows ``openrlhf/cli/train_ppo_ray.py::train`` step by step: the shared group of
-``--train.colocate_all`` / ``--train.colocate_actor_ref`` (one-GPU bundles for the actor's GPUs), the vLLM engines
-(in that group only when ``colocate_all and not async_enable``), then the actor, reference, critic and reward-model
-groups (a PACK group when ``num_gpus_per_node > 1``, else loose one-GPU actors). :func:`simulate` places them in that
-order as Ray's PACK strategy would; a group that does not fit waits forever in ``ray.get(pg.ready())``.
-:func:`plan_run` adds the per-GPU memory of every role (:mod:`rlhf_ext.runtime.resources`) and the fixes.
-
-:func:`detect_cluster` reads the cluster a run will get: the Ray cluster it connects to (``RAY_ADDRESS`` or a running
-``ray start`` cluster), its nodes' GPUs and, through NVML on a GPU node, their memory; else this machine's GPUs.
+:func:`placement_groups` follows ``openrlhf/cli/train_ppo_ray.py::train`` step by step, :func:`simulate` places the
+groups as Ray's PACK strategy would (a group that does not fit waits forever), :func:`plan_run` adds the per-GPU memory
+of every role (:mod:`rlhf_ext.runtime.resources`) and the fixes, :func:`detect_cluster` reads the cluster a run gets.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +38,7 @@ SizeLookup = Callable[[str], ModelSize]
 @dataclass
 class Group:
     """One of ``train_ppo_ray``'s placement requests: ``bundles`` one-GPU bundles (a PACK placement group) or, when
-    not ``packed``, that many one-GPU actors placed one by one. ``members``: role -> ranks (rank ``r`` on bundle
-    ``r``)."""
+    not ``packed``, that many loose one-GPU actors. ``members``: role -> ranks (rank ``r`` on bundle ``r``)."""
 
     bundles: int
     members: dict[str, int] = field(default_factory=dict)
@@ -122,9 +116,8 @@ def placement_groups(args: Any) -> tuple[list[Group], list[str]]:
 
 
 def simulate(groups: list[Group], cluster: Cluster) -> str | None:
-    """Place ``groups`` on the cluster's nodes in creation order (Ray PACK: one node if one has room, else the
-    emptiest nodes first; loose actors on the emptiest node). Returns the first group that cannot be placed (Ray
-    would wait for it forever), as text, or None."""
+    """Place ``groups`` on the cluster's nodes in order (Ray PACK: one node if one has room, else the emptiest nodes
+    first; loose actors on the emptiest node). Returns the first group that cannot be placed, as text, or None."""
     free = list(cluster.gpus)
     for g in groups:
         if sum(free) < g.bundles:
@@ -202,14 +195,9 @@ def role_memory(role: str, args: Any, size: ModelSize | None, cluster: Cluster) 
 
 
 def _gpu_groups(groups: list[Group], roles: dict[str, RoleMemory], args: Any) -> list[GPUGroup]:
-    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes. A GPU shared
-    with vLLM has two phases: generation (vLLM's share + the DeepSpeed models unless ``--ds.enable_sleep``) and
-    training (the DeepSpeed models + one role's activations + vLLM's share unless ``--vllm.enable_sleep``)."""
-    kinds: dict[tuple[str, ...], int] = {}
-    for g in groups:
-        for bundle in range(g.bundles):
-            members = tuple(role for role, ranks in g.members.items() if bundle < ranks)
-            kinds[members] = kinds.get(members, 0) + 1
+    """GPUs holding the same set of roles, with their exact (``static``) and estimated (``peak``) bytes; a GPU shared
+    with vLLM peaks in generation or in training (each without what ``--ds/--vllm.enable_sleep`` puts to sleep)."""
+    kinds = Counter(tuple(r for r, ranks in g.members.items() if b < ranks) for g in groups for b in range(g.bundles))
     out = []
     for members, count in kinds.items():
         mems = [roles[r] for r in members if r in roles]
@@ -342,8 +330,8 @@ def cluster_from_ray_nodes(nodes: list[dict[str, Any]], gpu_memory_gib: float | 
 
 
 def detect_cluster() -> Cluster:
-    """The cluster a run gets (module docstring). Connects to an existing Ray cluster briefly (no runtime env, so
-    nothing of the run starts), reads its nodes and the GPU memory of one GPU node, and disconnects."""
+    """The cluster a run gets: the Ray cluster it connects to (``RAY_ADDRESS`` or ``ray start``; its nodes' GPUs and,
+    by NVML on one GPU node, their memory, connecting briefly), else this machine's GPUs."""
     address = ray_address()
     if address is None:
         import torch

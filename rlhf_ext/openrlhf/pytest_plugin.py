@@ -1,8 +1,5 @@
-"""pytest plugin that installs every patch rlhf-ext makes to OpenRLHF 0.11.2 before a test session — the Ray-worker
-set, the most invasive one: placeholder ``flash_attn``/``vllm`` modules, the CPU patches, the segment experience maker
-and actors, the continual policy actor and the HF rollout engine.
-
-It exists to run OpenRLHF's own unit tests (its repository's ``tests/``) unchanged with those patches on::
+"""pytest plugin that installs every patch rlhf-ext makes to OpenRLHF 0.11.2 (the Ray-worker set) before a test
+session, to run OpenRLHF's own unit tests unchanged with them on::
 
     make openrlhf-tests OPENRLHF_TESTS=/path/to/OpenRLHF/tests
     # = python -m pytest -p rlhf_ext.openrlhf.pytest_plugin /path/to/OpenRLHF/tests

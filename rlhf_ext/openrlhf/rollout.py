@@ -1,19 +1,12 @@
 """A CPU rollout engine for OpenRLHF 0.11.2's Ray PPO loop: Hugging Face ``generate`` in place of vLLM.
 
 :class:`HFRolloutEngine` is a Ray actor with the part of the vLLM ``RolloutRayActor`` interface OpenRLHF calls:
+``generate_responses`` (``RolloutRayActor``'s own), ``generate`` (the requests that arrive together as one left-padded
+``model.generate`` batch, by Gumbel-max with noise that is a pure function of engine seed, weights version, prompt,
+sample number, step and token: rollouts do not depend on batching), ``load_weights`` (through the Ray object store,
+:func:`broadcast_to_hf_engines`, instead of vLLM's NCCL group) and no-op KV-cache / sleep controls.
 
-* ``generate_responses`` — ``RolloutRayActor``'s (OpenRLHF's executor, or ``--train.agent_func_path``'s, tokenizes,
-  calls :meth:`HFRolloutEngine.generate` and fetches remote rewards as with vLLM);
-* ``generate`` — the requests that arrive together are generated as one left-padded ``model.generate`` batch, by
-  Gumbel-max on the temperature/top-k/top-p processed logits with noise that is a pure function of (engine seed,
-  weights version, prompt, sample number, step, token): rollouts do not depend on batching, and repeat with the seeds;
-* ``load_weights`` — the policy's parameters after each PPO step, through the Ray object store
-  (:func:`broadcast_to_hf_engines`, gathered under ZeRO-3) instead of vLLM's NCCL group;
-* ``get_num_unfinished_requests``, ``sleep`` / ``wake_up`` / ``reset_prefix_cache`` / ``pause_generation`` /
-  ``resume_generation`` — bookkeeping and no-ops (no KV-cache pool).
-
-Chosen with ``--ext.rollout_engine hf`` (or ``auto`` without CUDA, :mod:`rlhf_ext.openrlhf.train_ppo_ray`); for CPU
-runs and tests: on GPUs vLLM is much faster.
+Chosen with ``--ext.rollout_engine hf`` (or ``auto`` without CUDA); for CPU runs and tests: on GPUs vLLM is faster.
 """
 
 from __future__ import annotations
@@ -46,8 +39,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` standard Gumbel noise, a pure function of ``(row_seeds[b], step, token)``: ``row_seeds`` ``[B]``
-    int64 in ``[0, 2**32)`` (one per request), ``step`` the index of the token being generated, ``vocab_size`` ``V``."""
+    """``[B, V]`` standard Gumbel noise, a pure function of ``(row_seeds[b], step, token)``; ``row_seeds`` ``[B]``
+    int64 in ``[0, 2**32)``."""
     row = _hash32(row_seeds * 0x9E3779B1 + step)  # [B]
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=row_seeds.device)
     bits = _hash32(row[:, None] + tokens[None, :] * 0x85EBCA77)  # [B, V]
@@ -56,8 +49,8 @@ def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab_size: int) -> torch.T
 
 
 def process_logits(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """vLLM's order of logit processing: temperature, then top-k, then top-p (nucleus). ``[B, V]`` -> ``[B, V]``
-    with ``-inf`` outside the kept set. ``temperature <= 0`` means greedy (scores are returned unscaled)."""
+    """vLLM's order of logit processing: temperature (``<= 0``: greedy, unscaled), top-k, top-p. ``[B, V]`` ->
+    ``[B, V]`` with ``-inf`` outside the kept set."""
     scores = scores.float()
     if temperature > 0:
         scores = scores / temperature
@@ -127,8 +120,7 @@ def request_seed(engine_seed: int, version: int, prompt_token_ids: list[int], oc
 
 
 class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
-    """See the module docstring. Constructed by :func:`create_hf_rollout_engines` with ``create_vllm_engines``'
-    arguments."""
+    """See the module docstring. Built by :func:`create_hf_rollout_engines`."""
 
     def __init__(
         self,
@@ -251,9 +243,8 @@ class _HFRolloutEngine(RolloutRayActor.__ray_actor_class__):
         return outputs
 
     async def generate_responses(self, *args: Any, **kwargs: Any) -> list[dict]:
-        """OpenRLHF's ``generate_responses`` (its executor, unchanged); each response also reports the weights
-        version it was sampled with (``extra_logs["weights_version"]``), from which the experience maker logs
-        ``staleness`` (:class:`rlhf_ext.openrlhf.segment_ppo.SegmentExperienceMaker`)."""
+        """OpenRLHF's ``generate_responses``; each response also reports its weights version
+        (``extra_logs["weights_version"]``), from which the experience maker logs ``staleness``."""
         responses = await super().generate_responses(*args, **kwargs)
         for response in responses:
             response["extra_logs"] = {**(response.get("extra_logs") or {}), WEIGHTS_VERSION: float(self.version)}
@@ -304,10 +295,9 @@ def create_hf_rollout_engines(
     max_images_per_prompt: int = 0,
     **kwargs: Any,
 ) -> list:
-    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` HF engines seeded
-    ``seed + i`` and placed as vLLM's: on bundle ``i`` of ``shared_pg`` with 0.2 GPU (``--train.colocate_all``
-    without async), else of a PACK group of one-GPU bundles of their own. The GPUs are Ray bookkeeping only (the
-    engines generate on the CPU), so a run asks a cluster for what the same run with vLLM would."""
+    """Drop-in for ``openrlhf.trainer.ray.create_vllm_engines``: ``num_engines`` HF engines seeded ``seed + i`` and
+    placed as vLLM's (bundle ``i`` of ``shared_pg`` with 0.2 GPU, else of a PACK group of their own). The GPUs are Ray
+    bookkeeping only: the engines generate on the CPU."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -364,9 +354,8 @@ def _hf_aware(original, replacement):
 
 
 def _in_canonical_order(original):
-    """``SamplesGenerator._generate_vllm`` returning its experiences sorted by (prompt, sequence) instead of in
-    completion order (``ray.wait``): the order in which samples reach the trainer sets the summation order of its
-    losses and gradients, so only a canonical order makes two runs with one seed equal bit for bit."""
+    """``SamplesGenerator._generate_vllm`` returning its experiences sorted by (prompt, sequence), not in completion
+    order: the order sets the summation order of losses, so only this makes two runs with one seed equal bit for bit."""
 
     def method(self, *args, **kwargs):
         experiences, prompts_consumed, exhausted = original(self, *args, **kwargs)

@@ -1,19 +1,13 @@
-"""Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3).
+"""Segment-level PPO on OpenRLHF 0.11.2's Ray pipeline (paper 003, section 2.3), installed by
+:func:`install_in_process` in the driver and every Ray worker:
 
-Three subclasses, installed by :func:`install_in_process` in the driver and every Ray worker (as
-:mod:`rlhf_ext.openrlhf.train_ppo_ray` does):
-
-* ``SegmentReferenceModelActor`` — the reference (SFT) actor returns ``(log_probs, entropy)`` from one pass over the
-  logits its forward computes for the KL term anyway.
+* ``SegmentReferenceModelActor`` — the reference actor also returns the entropy ``[B, A]`` (one pass over its logits).
 * ``SegmentRewardModelActor`` — the reward-model actor returns the score at *every* position ``[B, T]``.
-* ``SegmentExperienceMaker`` — turns scores and entropies into dense rewards with
-  :func:`rlhf_ext.segment.dense_segment_rewards` (as the TRL trainer does), placed by OpenRLHF's ``compute_reward``
-  where the scalar would be (clipped to ``--reward.clip_range`` per token). GAE, whitening and async run unchanged.
+* ``SegmentExperienceMaker`` — dense rewards (:func:`rlhf_ext.segment.dense_segment_rewards`, as the TRL trainer),
+  placed by OpenRLHF's ``compute_reward`` where the scalar would be; with ``--ext.reward_source`` or a reward server
+  it maps the source's spans onto the policy's tokens (:func:`rlhf_ext.runtime.spans.dense_rewards`) instead.
 
 ``--ext.granularity bandit`` hands OpenRLHF the score at the last token: exactly stock OpenRLHF (tested end to end).
-With ``--ext.reward_source SPEC`` or ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a dense granularity no
-reward-model actor runs: the experience maker decodes each batch, asks the source for spans and maps them onto the
-policy's tokens with :func:`rlhf_ext.runtime.spans.dense_rewards`, as the TRL trainer does.
 """
 
 from __future__ import annotations
@@ -85,12 +79,9 @@ def _device() -> torch.device:
 
 # ------------------------------------------------------------------------------------------------- Ray actors
 def padded(packed: torch.Tensor, attention_mask: torch.Tensor, ring_attn_group: Any = None) -> torch.Tensor:
-    """``[1, N]`` per-token values of a packed forward -> ``[B, T]`` rows (zeros at the padding).
-
-    ``--ds.packing_samples`` runs models on the real tokens of all rows concatenated (``N = attention_mask.sum()``;
-    ``[1, ceil(N / r)]`` per rank with ring attention of size ``r``), as a forward hook or the raw logits see them.
-    OpenRLHF's ``gather_and_pad_tensor`` with the indices and ring padding of its ``unpad_and_slice_tensor`` gives
-    each row exactly its own values, so segments never cross samples."""
+    """``[1, N]`` per-token values of a ``--ds.packing_samples`` forward (``N = attention_mask.sum()``, ``[1, ceil(N /
+    r)]`` per rank with ring attention of size ``r``) -> ``[B, T]`` rows, zeros at the padding, by OpenRLHF's
+    ``gather_and_pad_tensor``: each row gets exactly its own values, so segments never cross samples."""
     from openrlhf.models.ring_attn_utils import gather_and_pad_tensor
 
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
@@ -115,12 +106,8 @@ class _SegmentReferenceActor(ReferenceModelActor.__ray_actor_class__):
         packed_seq_lens: list[int] | None = None,
         mm_train_inputs_list=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model.
-
-        Action ``j`` is token ``T - A + j``, scored by the logits before it. Both come from the ``Actor``'s (fp32,
-        temperature-scaled) logits in one :func:`~rlhf_ext.algos.segment_reward.logprobs_and_entropy` pass sharing
-        the log-softmax, over the ``A`` positions only or, with ``--ds.packing_samples``, over the packed real tokens
-        (put back in their rows by :func:`padded`)."""
+        """``(log_probs [B, A], entropy [B, A])`` from one forward of the reference model: action ``j`` is token
+        ``T - A + j``, scored by the ``Actor``'s (fp32, tempered) logits before it (packed: :func:`padded`)."""
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("segment rewards are not supported for vision-language inputs")
         device = _device()
@@ -177,11 +164,8 @@ _stock_compute_reward = getattr(openrlhf_model_utils.compute_reward, "__wrapped_
 
 
 def dense_aware_compute_reward(r, kl_coef, kl, action_mask=None, reward_clip_range=None):
-    """OpenRLHF's ``compute_reward`` plus the dense segment rewards attached to ``kl`` (if any).
-
-    Stock: the scalar ``r`` on the last action token and ``-kl_coef * kl`` everywhere. The segment experience maker
-    sets ``r = 0`` and attaches ``[B, A]`` dense rewards to ``kl``: ``clip(dense) - kl_coef * kl``, ``clip`` being
-    ``--reward.clip_range`` per token."""
+    """OpenRLHF's ``compute_reward`` plus the ``[B, A]`` dense rewards the segment experience maker attaches to ``kl``
+    (with ``r = 0``): ``clip(dense) - kl_coef * kl``, ``clip`` being ``--reward.clip_range`` per token."""
     reward = _stock_compute_reward(r, kl_coef, kl, action_mask=action_mask, reward_clip_range=reward_clip_range)
     dense = getattr(kl, DENSE_ATTR, None)
     if dense is None:
@@ -232,8 +216,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
     @torch.no_grad()
     def make_experience_batch(self, rollout_samples):
         """OpenRLHF's, plus ``info["staleness"]`` per sample when the rollout engine reports weights versions (the HF
-        engine does): policy updates before this batch minus the sample's version (0 on-policy, up to 1 with one-step
-        async, paper 001), counted from the first batch's version so that a resumed run starts at 0 too."""
+        engine does): policy updates before this batch minus the sample's version (0 on-policy, 1 with one-step async,
+        paper 001), counted from the first batch's version."""
         versions = [s.info[WEIGHTS_VERSION].float() for s in rollout_samples if WEIGHTS_VERSION in s.info]
         if len(versions) == len(rollout_samples) and versions:
             if self._first_version is None:
@@ -257,17 +241,16 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
 
     @staticmethod
     def attach_source_rewards(experiences, batches) -> None:
-        """Attach each experience's :class:`~rlhf_ext.runtime.spans.DenseBatch` (from :meth:`source_rewards`): its
-        rewards ``[B, A]`` for :meth:`compute_advantages_and_returns`, their sums as ``info["reward"]``."""
+        """Attach each experience's :class:`~rlhf_ext.runtime.spans.DenseBatch`: rewards ``[B, A]``, sums as
+        ``info["reward"]``."""
         for exp, batch in zip(experiences, batches):
             setattr(exp.kl, DENSE_ATTR, batch.rewards.to(exp.action_mask.device))
             exp.info["reward"] = batch.sequence_reward
             exp.info["segments_per_response"] = batch.segments_per_response.float()
 
     def source_rewards(self, samples):
-        """The dense rewards ``[B, A]`` of one batch of rollouts from ``--ext.reward_source`` (or the reward server),
-        its spans mapped onto the action tokens (:func:`rlhf_ext.runtime.spans.dense_rewards`); ``samples.rewards``
-        becomes the zero placeholder, so OpenRLHF calls no reward model."""
+        """The dense rewards ``[B, A]`` of one batch from ``--ext.reward_source`` (or the reward server);
+        ``samples.rewards`` becomes the zero placeholder, so OpenRLHF calls no reward model."""
         from rlhf_ext.runtime.spans import completion_offsets, dense_rewards, parse_outputs
 
         mask = samples.action_mask.bool()
@@ -278,17 +261,16 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         answer = self.source(prompts=list(samples.prompts), completions=texts, completion_ids=ids)
         output = parse_outputs(name, answer, len(texts), [len(i) for i in ids])
         samples.rewards = torch.zeros(len(texts), dtype=torch.float32)
-        return dense_rewards(
-            [output], [1.0], self.tokenizer, completion_ids, mask, normalizer=self.normalizer,
-            granularity=self.ext["granularity"], interpolation=self.ext["interpolation"],
-            aggregation=self.aggregation, tau=self.tau,
-        )  # fmt: skip
+        return dense_rewards([output], [1.0], self.tokenizer, completion_ids, mask, **self._dense_knobs())
+
+    def _dense_knobs(self) -> dict[str, Any]:
+        knobs = {"normalizer": self.normalizer, "aggregation": self.aggregation, "tau": self.tau}
+        return {**knobs, "granularity": self.ext["granularity"], "interpolation": self.ext["interpolation"]}
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):
-        """OpenRLHF's, on dense rewards. For ``reinforce_baseline`` the prompt group's mean summed dense reward is
-        subtracted at each response's last token first (OpenRLHF subtracts it from the scalar, which is the zero
-        placeholder here): the same numbers as :func:`rlhf_ext.algos.ppo.ppo_advantages`, which the TRL engine calls."""
+        """OpenRLHF's, on dense rewards; ``reinforce_baseline`` subtracts the prompt group's mean summed dense reward at
+        each response's last token (as :func:`rlhf_ext.algos.ppo.ppo_advantages`, which the TRL engine calls)."""
         if not self.dense:
             return super().compute_advantages_and_returns(experiences)
         dense = [getattr(e.kl, DENSE_ATTR) for e in experiences]
@@ -302,8 +284,7 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             for e, d, b in zip(experiences, dense, baseline):
                 shifted = d.scatter_add(1, last_token_index(e.action_mask)[:, None], -b[:, None].to(d.dtype))
                 setattr(e.kl, DENSE_ATTR, shifted)
-        # OpenRLHF's length-penalty step copies ``rewards`` (the zero placeholder) into info["reward"]; keep the
-        # summed dense reward there so rollout/reward_mean logs what PPO optimises.
+        # OpenRLHF copies ``rewards`` (the zero placeholder) into info["reward"]: keep the summed dense reward there
         summed_rewards = [e.info["reward"] for e in experiences]
         experiences = super().compute_advantages_and_returns(experiences)
         for e, reward in zip(experiences, summed_rewards):
@@ -311,11 +292,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         return experiences
 
     def attach_dense_rewards(self, experiences, entropies: list[torch.Tensor] | None) -> None:
-        """Replace each experience's ``[B, T]`` reward-model scores by dense rewards attached to its ``kl``.
-
-        ``experience.rewards`` becomes 0 and ``info["reward"]`` the summed dense reward per sample. With ``bandit``
-        granularity ``experience.rewards`` becomes the score at the last response token (OpenRLHF's scalar reward);
-        rewards given per sample (``--reward.remote_url``, an agent: ``[B]`` or stacked ``[B, 1]``) are kept."""
+        """Replace each experience's ``[B, T]`` reward-model scores by dense rewards attached to its ``kl``
+        (``rewards`` 0, ``info["reward"]`` their sum). ``bandit``: ``rewards`` becomes the score at the last response
+        token; rewards given per sample (``[B]`` or ``[B, 1]``) are kept."""
         if not self.dense:  # the score at the last token (normalized at p = 1 if a normalizer is given)
             for exp in experiences:
                 scores = exp.rewards
@@ -343,18 +322,9 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
                 )
             action_mask = exp.action_mask.bool()
             a = action_mask.shape[1]
-            dense = dense_segment_rewards(
-                scores[:, -a:],
-                action_mask,
-                entropies[i] if needs_entropy else None,
-                normalizer=self.normalizer,
-                granularity=self.ext["granularity"],
-                interpolation=self.ext["interpolation"],
-                entropy_cutoff=self.entropy_cutoff,
-                aggregation=self.aggregation,
-                tau=self.tau,
-                chunk_size=self.ext["chunk_size"],
-            )
+            entropy = entropies[i] if needs_entropy else None
+            knobs = {"entropy_cutoff": self.entropy_cutoff, "chunk_size": self.ext["chunk_size"], **self._dense_knobs()}
+            dense = dense_segment_rewards(scores[:, -a:], action_mask, entropy, **knobs)
             setattr(exp.kl, DENSE_ATTR, dense.rewards)
             exp.rewards = torch.zeros(scores.shape[0], dtype=torch.float32)
             exp.info["reward"] = dense.sequence_reward
@@ -362,9 +332,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
             self._monitor_segmentation(exp, dense.segments.counts, action_mask, entropies[i] if entropies else None)
 
     def _monitor_segmentation(self, exp, counts: torch.Tensor, action_mask: torch.Tensor, entropy) -> None:
-        """The reward-hacking monitor (:class:`SegmentationMonitor`): the batch's segments per token and share of
-        tokens above the cutoff, and their ratios to the SFT model's, in ``info`` (one value per sample, the batch's
-        token-weighted rate, so OpenRLHF's mean logs it); a one-line warning the first time either passes 1.5x."""
+        """The reward-hacking monitor (:class:`SegmentationMonitor`): its rates in ``info`` (the batch's value for
+        every sample, so OpenRLHF's mean logs it); a one-line warning the first time either passes 1.5x."""
         rates = segmentation_rates(counts, action_mask, entropy, self.entropy_cutoff)
         for name, value in self.monitor.values(rates).items():
             if math.isfinite(value):
@@ -375,9 +344,8 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
 
 
 def reward_source(ext: dict[str, Any]):
-    """The dense reward source of a run: ``--ext.reward_source`` (:func:`rlhf_ext.zoo.resolve_reward_source`), or the
-    reward server of ``--reward.remote_url`` asked for spans (moved to ``ext["remote_url"]`` by the launcher when the
-    granularity is dense), or None (a reward-model actor scores the rollouts)."""
+    """The dense reward source of a run: ``--ext.reward_source``, or the reward server of ``--reward.remote_url``
+    asked for spans (moved to ``ext["remote_url"]`` by the launcher), or None (a reward-model actor scores)."""
     if ext.get("reward_source"):
         from rlhf_ext.zoo.builtins import resolve_reward_source
 
@@ -390,8 +358,7 @@ def reward_source(ext: dict[str, Any]):
 
 
 def engines_without_maker_url(create):
-    """``create_vllm_engines`` (or the HF engines' drop-in) that gives the engines no reward URL when the experience
-    maker scores the rollouts (``--reward.remote_url`` is :data:`REWARDS_IN_MAKER`)."""
+    """``create_vllm_engines`` (or the HF drop-in) giving engines no reward URL if it is :data:`REWARDS_IN_MAKER`."""
     if hasattr(create, "_rlhf_ext_maker_url"):
         return create
 

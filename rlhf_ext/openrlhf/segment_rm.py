@@ -1,18 +1,15 @@
 """Segment-level reward model training on OpenRLHF 0.11.2 (paper 003, section 2.2), through its own ``train_rm``.
 
-OpenRLHF's CLI builds ``RewardDataset`` and ``RewardModelTrainer`` by name: :func:`install` swaps in the subclasses
-below on their source modules, and :func:`run_train_rm` runs the *unmodified* ``openrlhf.cli.train_rm`` with our
-``--ext.*`` flags stripped from the command line and attached to its parsed arguments as ``args.ext``::
+:func:`install` swaps the subclasses below in on OpenRLHF's source modules and :func:`run_train_rm` runs the
+*unmodified* ``openrlhf.cli.train_rm`` with our ``--ext.*`` flags attached as ``args.ext``::
 
     deepspeed --module rlhf_ext.openrlhf.train_rm \\
         --model.model_name_or_path SFT --data.dataset prefs.jsonl --data.prompt_key prompt ... \\
         --ext.entropy_cutoff 2.0 --ext.aggregation softmax --ext.tau 0.5
 
 OpenRLHF's ``fit`` loop hands only ids and masks to ``concatenated_forward``, so the collator returns a *role mask* in
-place of the attention mask (:func:`encode_role_mask`: 0 padding, -1 prompt, ``1 + entropy`` response, float64 so the
-entropy round-trips exactly). :class:`SegmentRewardModelTrainer` decodes it and computes the sequence evaluation e_phi
-with :func:`rlhf_ext.segment.evaluate_sequences` (as the TRL trainer does), which OpenRLHF's ``PairWiseLoss`` turns
-into the BT loss of paper 003 Eq. 3.
+place of the attention mask (:func:`encode_role_mask`), from which :class:`SegmentRewardModelTrainer` computes the
+sequence evaluation e_phi (:func:`rlhf_ext.segment.evaluate_sequences`) for the BT loss of paper 003 Eq. 3.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ with import_shims():
 
 @dataclass
 class RMExtFlags(SegmentRewardKnobs):
-    """The ``--ext.*`` options of ``rlhf_ext.openrlhf.train_rm``: paper 003's knobs (Table 7 defaults) plus
-    ``sft_model`` (default: ``--model.model_name_or_path``, the RM starts from the SFT model), the entropy pass's
-    batch size, the prompt budget and the segmented-data cache."""
+    """The ``--ext.*`` options of ``rlhf_ext.openrlhf.train_rm``: paper 003's knobs plus ``sft_model`` (default:
+    ``--model.model_name_or_path``), the entropy pass's batch size, the prompt budget and the data cache."""
 
     sft_model: str | None = None
     entropy_batch_size: int = knob(8, ge=1)
@@ -60,8 +56,7 @@ EXT_DEFAULTS: dict[str, Any] = knob_defaults(RMExtFlags)
 
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split and validate this module's ``--ext.*`` options (:class:`RMExtFlags`; each value is checked against its
-    knob's declared range)."""
+    """Split and validate this module's ``--ext.*`` options (:class:`RMExtFlags`)."""
     return split_ext_args(argv, EXT_DEFAULTS, validate_ext, specs=knob_specs(RMExtFlags))
 
 
@@ -78,7 +73,7 @@ ROLE_PAD, ROLE_PROMPT = 0.0, -1.0
 
 
 def encode_role_mask(attention_mask: torch.Tensor, action_mask: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` float64: 0 = padding, -1 = prompt token, ``1 + entropy`` = response token (entropy >= 0)."""
+    """``[B, T]`` float64 (the entropy round-trips exactly): 0 = padding, -1 = prompt, ``1 + entropy`` = response."""
     roles = torch.where(attention_mask.bool(), ROLE_PROMPT, ROLE_PAD).double()
     return torch.where(action_mask.bool(), 1.0 + entropy.double(), roles)
 
@@ -93,9 +88,8 @@ def decode_role_mask(roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 # ------------------------------------------------------------------------------------------------ the dataset
 class SegmentRewardDataset(RewardDataset):
-    """OpenRLHF ``RewardDataset`` over segment-prepared rows (token ids, prompt length, SFT entropies): a prepared
-    dataset (as ``rlhf-ext train segment-rm --engine openrlhf`` passes), or raw preference rows prepared with the SFT
-    model of ``--ext.sft_model`` (default: the RM's init model), cached in ``--ext.cache_dir`` for all ranks."""
+    """OpenRLHF ``RewardDataset`` over segment-prepared rows (token ids, prompt length, SFT entropies), or raw
+    preference rows prepared with ``--ext.sft_model`` and cached in ``--ext.cache_dir`` for all ranks."""
 
     def __init__(self, dataset, tokenizer, max_length: int, strategy, input_template=None, is_dpo=False, **kwargs):
         if is_dpo:
@@ -174,8 +168,7 @@ class SegmentRewardModelTrainer(RewardModelTrainer):
         return ev.values[:n], ev.values[n:], aux_loss
 
     def evaluate(self, eval_dataloader, steps=0):
-        """OpenRLHF's evaluation, skipped (with one notice) when the eval set is empty: without ``--eval.dataset``
-        OpenRLHF evaluates on 1% of the training rows, which is none below 100 rows (its own loop then crashes)."""
+        """OpenRLHF's evaluation, skipped (with one notice) when the eval set is empty (OpenRLHF's loop would crash)."""
         if len(eval_dataloader) == 0:
             if not getattr(self, "_warned_empty_eval", False):
                 self.strategy.print("rlhf-ext: the eval set is empty (pass --eval.dataset); skipping evaluation")
@@ -207,9 +200,8 @@ def install() -> None:
 
 
 def run_train_rm(argv: Sequence[str]) -> None:
-    """Run ``openrlhf.cli.train_rm`` with the segment subclasses; ``argv`` may contain ``--ext.*`` options (a bad one
-    raises :class:`~rlhf_ext.openrlhf.cli_runner.ExtArgsError` or :class:`~rlhf_ext.algos.knobs.KnobError` before
-    OpenRLHF starts)."""
+    """Run ``openrlhf.cli.train_rm`` with the segment subclasses and ``--ext.*`` options (a bad one raises
+    :class:`~rlhf_ext.openrlhf.cli_runner.ExtArgsError` or :class:`~rlhf_ext.algos.knobs.KnobError`)."""
     rest, ext = parse_ext_args(argv)
     install()
     run_cli_module("openrlhf.cli.train_rm", rest, lambda args: setattr(args, "ext", SimpleNamespace(**ext)))

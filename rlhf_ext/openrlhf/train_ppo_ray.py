@@ -10,30 +10,14 @@ It takes every flag of OpenRLHF's CLI unchanged plus ``--ext.*``::
         --ext.continual_previous_model PREV --ext.continual_kl_coef 1.0      # paper 000 Eq. 7 (CPPO-style KL)
         --train.async_enable --train.async_queue_size 1                      # paper 001 (OpenRLHF's own flag)
 
-``--ext`` flags (:data:`EXT_DEFAULTS`):
+``--ext`` flags (:data:`EXT_DEFAULTS`): segment rewards (unset ``entropy_cutoff`` / ``aggregation`` / ``tau``: the
+reward model's ``segment_config.json``), continual RLHF (any ``continual_*`` flag makes the policy actor
+:class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor`), ``rollout_engine``, dense reward sources.
 
-* segment rewards — ``granularity`` (``segment`` | ``chunk`` | ``token`` | ``bandit`` | ``bandit_as_segment`` |
-  ``segment_as_bandit``; unset: ``chunk`` on a reward model, ``segment`` on span rewards), ``interpolation``,
-  ``entropy_cutoff`` / ``aggregation`` / ``tau`` (default: the reward model's ``segment_config.json``),
-  ``normalizer`` (a fitted :class:`~rlhf_ext.segment.LocationNormalizer` file), ``reward_model_id``. ``bandit`` is
-  stock OpenRLHF (tested): the control arm of paper 003's Table 1.
-* continual RLHF — ``continual_previous_model``, ``continual_kl_coef``, ``continual_kl_estimator``,
-  ``continual_retention``: any of them makes the policy actor
-  :class:`~rlhf_ext.openrlhf.continual_actor.ContinualPolicyModelActor` (no previous model: the KL term is 0).
-* ``rollout_engine`` — ``vllm``, ``hf`` (:mod:`rlhf_ext.openrlhf.rollout`, CPU) or ``auto`` (vLLM when the *cluster*
-  has GPUs, else HF with a one-line notice; :func:`resolve_rollout_engine`).
-* dense reward sources — ``reward_source`` (``module:function``, ``file.py:function``, ``rules:FILE``, ``prm:MODEL``
-  with ``step_separator``, ``segment-rm:DIR``) or ``--reward.remote_url`` at ``rlhf-ext serve rm`` with a dense
-  granularity, scored by the experience maker (:func:`route_rewards`).
-
-Pre-flight (:func:`preflight`, run by :func:`prepare` after OpenRLHF's argument fix-ups, before Ray places anything):
-:func:`check_args` refuses what OpenRLHF would silently ignore with dense rewards, per-sample rewards and estimators
-not defined on them; then the placement and memory plan of :mod:`rlhf_ext.openrlhf.plan` for the cluster of
-:func:`~rlhf_ext.openrlhf.plan.detect_cluster` is printed, and a run that cannot be placed or fit is refused.
-
-Without GPUs (``hf`` engine, :func:`attach_ext`) the driver starts Ray with the *logical* GPUs the plan counts
-(bookkeeping: every actor computes on the CPU; on an existing cluster ``ray start --head --num-gpus N``), DeepSpeed
-runs with gloo, attention with ``sdpa``, ``torch.cuda.current_device()`` is the CPU (:mod:`rlhf_ext.openrlhf.compat`).
+Before Ray places anything, :func:`preflight` refuses what OpenRLHF would silently ignore (:func:`check_args`) and
+prints the placement and memory plan of :mod:`rlhf_ext.openrlhf.plan`, refusing a run that cannot be placed or fit.
+Without GPUs (``hf`` engine) Ray starts with the *logical* GPUs the plan counts (bookkeeping only; on an existing
+cluster ``ray start --head --num-gpus N``), with gloo, ``sdpa`` and the CPU patches of :mod:`rlhf_ext.openrlhf.compat`.
 """
 
 from __future__ import annotations
@@ -78,8 +62,7 @@ EXT_DEFAULTS: dict[str, Any] = {
     "reward_source": None,
     "step_separator": "\n",
     "rollout_engine": "auto",
-    # paper 000: ContinualKnobs + the previous task's model + retention (ContinualActorSettings). None = not given: the
-    # continual actor is used only when one of them is given, with the knobs' defaults for the others
+    # paper 000 (ContinualActorSettings); None = not given: the continual actor is used only when one of them is given
     **dict.fromkeys([*knob_defaults(ContinualKnobs), "continual_previous_model", "continual_retention"]),
 }
 #: ``--ext.*`` flags that were renamed: an old flag is refused with the new name.
@@ -131,9 +114,8 @@ WORKER_ENV = "RLHF_EXT_OPENRLHF_WORKER"
 
 
 def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
-    """Check every ``--ext.*`` value in the driver, before Ray starts: the segment flags and the normalizer file
-    (:func:`~rlhf_ext.openrlhf.segment_ppo.validate_segment_ext`), the continual flags and the previous task's model
-    (:func:`~rlhf_ext.openrlhf.continual_actor.check_continual_ext`), the rollout engine."""
+    """Check every ``--ext.*`` value in the driver, before Ray starts (the normalizer file and the previous task's
+    model are loaded)."""
     from rlhf_ext.openrlhf.segment_ppo import validate_segment_ext
 
     ext = validate_segment_ext(ext)
@@ -147,14 +129,12 @@ def validate_ext(ext: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_ext_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict). Numeric
-    values are checked against their knobs' declared ranges (:data:`EXT_SPECS`)."""
+    """Split ``--ext.*`` flags off an OpenRLHF command line; returns (OpenRLHF argv, validated ext dict)."""
     return split_ext_args(argv, EXT_DEFAULTS, validate_ext, renamed=RENAMED_EXT_FLAGS, specs=EXT_SPECS)
 
 
 def nest(ext: dict[str, Any]) -> SimpleNamespace:
-    """``{"a": 1, "b.c": 2}`` -> ``namespace(a=1, b=namespace(c=2))``, by OpenRLHF's own
-    hierarchiser (as its dotted flags are nested)."""
+    """``{"a": 1, "b.c": 2}`` -> ``namespace(a=1, b=namespace(c=2))``, by OpenRLHF's own hierarchiser."""
     from rlhf_ext.openrlhf.compat import import_shims
 
     with import_shims():
@@ -164,8 +144,7 @@ def nest(ext: dict[str, Any]) -> SimpleNamespace:
 
 
 def resolve_rollout_engine(requested: str, cluster: Cluster) -> str:
-    """``auto`` -> ``vllm`` when the cluster has real GPUs, ``hf`` otherwise (with a one-line notice); explicit choices
-    are kept. The cluster, not the driver: under ``ray job submit`` the driver may run on a node without GPUs."""
+    """``auto`` -> ``vllm`` when the cluster (not the driver's node) has real GPUs, ``hf`` otherwise (with a notice)."""
     if requested != "auto":
         return requested
     if cluster.total_gpus and not cluster.logical:
@@ -176,9 +155,8 @@ def resolve_rollout_engine(requested: str, cluster: Cluster) -> str:
 
 
 def check_args(args: Any) -> None:
-    """Refuse settings the segment subclasses cannot honour (raises :class:`ExtArgsError`). ``args`` are OpenRLHF's
-    after its fix-ups, so a setting it derives (``remote_url = "agent"`` from ``--train.agent_func_path``) is named by
-    the flag the user gave."""
+    """Refuse settings the segment subclasses cannot honour (raises :class:`ExtArgsError`); ``args`` are OpenRLHF's
+    after its fix-ups."""
     ext = args.ext
     dense = ext.granularity != "bandit"
     if not dense and args.reward.model_name_or_path:
@@ -288,18 +266,15 @@ def runtime_env(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def preflight(args: Any, cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
-    """What is checked before Ray places anything (module docstring): :func:`check_args` (raises
-    :class:`ExtArgsError`), then the placement and memory plan (:func:`~rlhf_ext.openrlhf.plan.plan_run`); the caller
-    prints ``plan.table()`` and refuses ``plan.problems``."""
+    """:func:`check_args`, then the placement and memory plan; the caller prints and refuses ``plan.problems``."""
     if methods:
         check_args(args)
     return plan_run(args, cluster, lookup)
 
 
 def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = True) -> Plan:
-    """Called with OpenRLHF's arguments right before its ``train(args)`` (after its fix-ups): attach ``args.ext``,
-    adapt to the CPU, run the pre-flight plan (printed; a refused run raises :class:`PlanError` or
-    :class:`ExtArgsError` before Ray starts), start Ray with the worker hook."""
+    """Right before OpenRLHF's ``train(args)``: attach ``args.ext``, run the pre-flight (raises :class:`PlanError` or
+    :class:`ExtArgsError`), start Ray with the worker hook."""
     import ray
 
     attach_ext(args, ext)
@@ -318,17 +293,15 @@ def prepare(args: Any, ext: dict[str, Any], cluster: Cluster, methods: bool = Tr
             # every bundle also reserves a (logical) CPU; the trainer and async queue actors need free ones
             need = plan.cluster.total_gpus
             init.update(address="local", num_gpus=need, num_cpus=need + (os.cpu_count() or 1))
-            # Ray runs its workers at niceness 15; here they do all of the run's work, and beside any other busy
-            # process on the machine they starved (a 2-minute run did not finish in 15 minutes)
+            # Ray's workers run at niceness 15; here they do all of the run's work and starved beside busy processes
             os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(**init)
     return plan
 
 
 def route_rewards(args: Any) -> None:
-    """Rewards the experience maker computes from spans: a dense granularity with ``--reward.remote_url`` asks that
-    server for spans (the URL moves to ``args.ext.remote_url``), and ``--reward.remote_url`` becomes the marker that
-    keeps OpenRLHF from building a reward-model actor and the rollout engines from fetching rewards."""
+    """A dense granularity with ``--reward.remote_url`` asks that server for spans in the experience maker: the URL
+    moves to ``args.ext.remote_url`` and ``--reward.remote_url`` becomes the marker ``REWARDS_IN_MAKER``."""
     from rlhf_ext.openrlhf.segment_ppo import REWARDS_IN_MAKER
 
     urls = [u for u in args.reward.remote_url or [] if u != REWARDS_IN_MAKER]
@@ -338,9 +311,8 @@ def route_rewards(args: Any) -> None:
 
 
 def with_reward_source(rest: list[str], ext: dict[str, Any]) -> list[str]:
-    """``--ext.reward_source`` replaces the reward model: refuse a second reward and mark the run as scored by the
-    experience maker (``--reward.remote_url`` :data:`~rlhf_ext.openrlhf.segment_ppo.REWARDS_IN_MAKER`, set before
-    OpenRLHF's fix-ups so that they give the critic the actor's weights as they do for remote rewards)."""
+    """``--ext.reward_source`` replaces the reward model: refuse a second reward, mark the run as scored by the
+    experience maker (before OpenRLHF's fix-ups, which then give the critic the actor's weights)."""
     if not ext.get("reward_source"):
         return rest
     for flag in ("--reward.model_name_or_path", "--reward.remote_url", "--train.agent_func_path"):
@@ -352,9 +324,8 @@ def with_reward_source(rest: list[str], ext: dict[str, Any]) -> list[str]:
 
 
 def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple[list[str], dict[str, Any]]:
-    """The OpenRLHF argv and ``--ext`` values of :func:`parse_ext_args` with the rollout engine resolved for
-    ``cluster`` (one HF engine unless ``--vllm.num_engines`` is given: OpenRLHF's packing fix-up asserts a count), the
-    reward source routed (:func:`with_reward_source`) and an unset granularity set to the source's default."""
+    """:func:`parse_ext_args`'s result with the rollout engine resolved for ``cluster`` (HF: one engine by default),
+    the reward source routed and an unset granularity set to the source's default."""
     from rlhf_ext.runtime.dense_sources import absolute_source_spec
 
     rest = with_reward_source(rest, ext)
@@ -368,8 +339,7 @@ def for_cluster(rest: list[str], ext: dict[str, Any], cluster: Cluster) -> tuple
 
 
 def attach_ext(args: Any, ext: dict[str, Any]) -> None:
-    """``args.ext`` for OpenRLHF's parsed arguments, and the settings the HF rollout engine needs without CUDA (after
-    OpenRLHF's fix-ups, which ask for flash-attention with packing)."""
+    """``args.ext`` for OpenRLHF's parsed arguments, and the settings the HF rollout engine needs without CUDA."""
     args.ext = nest(ext)
     if args.ext.rollout_engine != "hf":
         return
@@ -385,9 +355,8 @@ def attach_ext(args: Any, ext: dict[str, Any]) -> None:
 
 
 def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, lookup: SizeLookup = model_size) -> Plan:
-    """The pre-flight plan of ``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` on ``cluster``, as the launch computes
-    it, without starting anything. Raises :class:`ExtArgsError` (:func:`check_args`) or :class:`PlanError` (what
-    OpenRLHF's own argument checks refuse)."""
+    """The pre-flight plan of ``python -m rlhf_ext.openrlhf.train_ppo_ray ARGV`` on ``cluster``, starting nothing.
+    Raises :class:`ExtArgsError` or :class:`PlanError` (what OpenRLHF's own argument checks refuse)."""
     try:
         rest, ext = for_cluster(*parse_ext_args(argv), cluster)
     except ValueError as error:
@@ -403,9 +372,8 @@ def plan_for_argv(argv: Sequence[str], cluster: Cluster, methods: bool = True, l
 
 
 def main(argv: Sequence[str] | None = None, methods: bool = True, cluster: Cluster | None = None) -> None:
-    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags (module docstring); a refused run exits with code 2
-    and one ``error:`` line. ``methods=False`` installs only what a CPU needs (stock OpenRLHF PPO, the tests'
-    reference for ``--ext.granularity bandit``). ``cluster`` default: :func:`~rlhf_ext.openrlhf.plan.detect_cluster`."""
+    """Run OpenRLHF's ``train_ppo_ray`` CLI with ``--ext.*`` flags; a refused run exits with code 2 and one ``error:``
+    line. ``methods=False`` installs only what a CPU needs (stock OpenRLHF PPO)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         knobs = (DenseRewardKnobs, SegmentRewardKnobs, ContinualKnobs)  # the --ext.* flags' types, choices, help
