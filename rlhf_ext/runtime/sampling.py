@@ -220,17 +220,16 @@ class HFSampler:
         return SeededTokenSampler(generator, temperature, self.top_k, self.top_p).generate_kwargs()
 
     def _generate(self, encoded: list[list[int]], copies: int, temperature: float, generator: torch.Generator | None):
+        from rlhf_ext.runtime.segment_data import pad_sequences
+
         seqs = [ids for ids in encoded for _ in range(copies)]
         texts: list[str] = []
         lengths, truncated = [], []
         for start in range(0, len(seqs), self.batch_size):
             chunk = seqs[start : start + self.batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
-                ids[i, width - len(s) :] = torch.tensor(s)
-                mask[i, width - len(s) :] = 1
+            ids = pad_sequences(chunk, self.pad_id, "left", torch.long)
+            mask = pad_sequences([[1] * len(s) for s in chunk], 0, "left", torch.long)
+            width = ids.shape[1]  # left padding: the response starts at column `width` for every row
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),

@@ -296,8 +296,7 @@ def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: i
         out: dict[str, list] = {}
         for side in ("chosen", "rejected"):
             seqs = batch[f"{side}_ids"]
-            ids = pad_sequences(seqs, pad_token_id, "right", torch.long).to(device)
-            mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(device)
+            ids, mask, _ = pad_responses(seqs, [0] * len(seqs), pad_token_id, device)
             ent = sft_token_entropy(sft_model, ids, mask).cpu()
             out[f"{side}_entropy"] = [
                 ent[i, p : len(s)].tolist() for i, (s, p) in enumerate(zip(seqs, batch["prompt_len"]))
