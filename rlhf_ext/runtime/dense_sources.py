@@ -91,9 +91,8 @@ def _offset_tables(encoded: Sequence[EncodedResponse], width: int) -> tuple[torc
     ends = torch.zeros(len(encoded), width, dtype=torch.long)
     for i, e in enumerate(encoded):
         if e.offsets:
-            table = torch.tensor(e.offsets, dtype=torch.long)
-            starts[i, e.prompt_len : e.prompt_len + len(e.offsets)] = table[:, 0]
-            ends[i, e.prompt_len : e.prompt_len + len(e.offsets)] = table[:, 1]
+            cols = slice(e.prompt_len, e.prompt_len + len(e.offsets))
+            starts[i, cols], ends[i, cols] = torch.tensor(e.offsets, dtype=torch.long).T
     return starts, ends
 
 

@@ -42,13 +42,9 @@ class SeededTokenSampler:
     def __init__(self, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        warpers = []
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=top_p))
+        warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+        warpers += [TopKLogitsWarper(top_k=top_k)] if top_k else []
+        warpers += [TopPLogitsWarper(top_p=top_p)] if top_p < 1.0 else []
         self.warpers = LogitsProcessorList(warpers)
         self.generator = generator
         self.token_logprobs: list[Tensor] = []
