@@ -183,10 +183,6 @@ class ReferenceEntry:
         """``model_type/dataset/method/aggregation/cutoff``."""
         return "/".join((self.model_type, self.dataset, self.method, self.aggregation, self.cutoff))
 
-    def cutoff_value(self) -> float:
-        """The cutoff key as a number (the public code converts numeric keys to float before its look-up)."""
-        return float(self.cutoff)
-
 
 def read_reference_params(path: str | Path) -> list[ReferenceEntry]:
     """Every entry of a released ``param.json``, in file order (:class:`NormalizerError`: the file is missing, not
@@ -245,11 +241,8 @@ def import_reference_normalizer(
     path = Path(path)
     entries = read_reference_params(path)
     wanted = (model_type, dataset, method, aggregation)
-    matches = [
-        e
-        for e in entries
-        if (e.model_type, e.dataset, e.method, e.aggregation) == wanted and math.isclose(e.cutoff_value(), cutoff)
-    ]
+    # the cutoff key as a number (the public code converts numeric keys to float before its look-up)
+    matches = [e for e in entries if dataclasses.astuple(e)[:4] == wanted and math.isclose(float(e.cutoff), cutoff)]
     requested = "/".join((*wanted, f"{cutoff:g}"))
     if not matches:
         raise NormalizerError(

@@ -85,20 +85,14 @@ def encode_response(tokenizer, prompt, response, max_length: int | None = None) 
     return EncodedResponse(ids, row["prompt_len"], offsets, text)
 
 
-def pad_batch(encoded: Sequence[EncodedResponse], pad_id: int, device=None):
-    """``(input_ids, attention_mask, response_mask)`` ``[B, T]``, right-padded (:func:`pad_responses`)."""
-    return pad_responses([e.ids for e in encoded], [e.prompt_len for e in encoded], pad_id, device)
-
-
 def _offset_tables(encoded: Sequence[EncodedResponse], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, width]`` character starts and ends of each row's tokens at their positions in the padded batch."""
     starts = torch.zeros(len(encoded), width, dtype=torch.long)
     ends = torch.zeros(len(encoded), width, dtype=torch.long)
     for i, e in enumerate(encoded):
         if e.offsets:
-            table = torch.tensor(e.offsets, dtype=torch.long)
-            starts[i, e.prompt_len : e.prompt_len + len(e.offsets)] = table[:, 0]
-            ends[i, e.prompt_len : e.prompt_len + len(e.offsets)] = table[:, 1]
+            cols = slice(e.prompt_len, e.prompt_len + len(e.offsets))
+            starts[i, cols], ends[i, cols] = torch.tensor(e.offsets, dtype=torch.long).T
     return starts, ends
 
 
@@ -259,7 +253,7 @@ class ProcessRewardModel(_ModelSource):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         out: list[list[Span]] = []
         for encoded in self._batches(self.tokenizer, prompts, completions):
-            ids, mask, response = pad_batch(encoded, pad, self.device)
+            ids, mask, _ = pad_responses([e.ids for e in encoded], [e.prompt_len for e in encoded], pad, self.device)
             scores = token_scores(self.model, ids, mask).cpu()
             starts, _ = _offset_tables(encoded, ids.shape[1])
             for row, e in enumerate(encoded):
@@ -306,7 +300,7 @@ class SegmentRewardSpans(_ModelSource):
         """e_phi and the segment spans of a batch of encoded pairs (one forward of each model)."""
         tok = self.scorer.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        ids, mask, response = pad_batch(encoded, pad, self.device)
+        ids, mask, response = pad_responses([e.ids for e in encoded], [e.prompt_len for e in encoded], pad, self.device)
         evaluation = self.scorer.evaluate(ids, mask, response)
         return evaluation.values.float().tolist(), segment_spans(evaluation.segments, evaluation.seg_rewards, encoded)
 

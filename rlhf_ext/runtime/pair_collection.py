@@ -148,19 +148,15 @@ class OnlinePairGenerator:
             self._sampler = make_sampler(**self.sampler_spec)
         return self._sampler
 
-    def _take(self, m: int) -> tuple[list[Any], list[int]]:
-        pos = (self.cursor + torch.arange(m)) % len(self.prompts)
-        self.cursor += m
-        ids = self.order[pos].tolist()
-        return [self.prompts[i] for i in ids], ids
-
     def generate(self, index: int, version: int) -> OnlineBatchPairs:
         """The pairs of the runner's batch ``index`` (update ``first_index + index``), sampled with the weights
         loaded last (policy ``version``), and the prompt cursor after them."""
         update = self.first_index + index
         rows: list[dict[str, Any]] = []
         for fill_round in range(self.max_fill_rounds + 1):
-            prompts, ids = self._take(self.pairs_per_update - len(rows))
+            m = self.pairs_per_update - len(rows)
+            ids = self.order[(self.cursor + torch.arange(m)) % len(self.prompts)].tolist()
+            prompts, self.cursor = [self.prompts[i] for i in ids], self.cursor + m
             seed = sampling_seed(self.seed, "online", update, fill_round)
             samples = self.sampler.sample(prompts, self.selection.num_generations, seed=seed)
             rows += score_and_select(

@@ -42,13 +42,9 @@ class SeededTokenSampler:
     def __init__(self, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        warpers = []
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=top_p))
+        warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+        warpers += [TopKLogitsWarper(top_k=top_k)] if top_k else []
+        warpers += [TopPLogitsWarper(top_p=top_p)] if top_p < 1.0 else []
         self.warpers = LogitsProcessorList(warpers)
         self.generator = generator
         self.token_logprobs: list[Tensor] = []
@@ -174,10 +170,9 @@ class HFSampler:
             self.load_policy(model)
         else:
             self.model = model.to(self.device).eval()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is None:
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
-        self.pad_id = pad
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -212,29 +207,25 @@ class HFSampler:
         per_temp = [(t, c, *self._generate(encoded, c, t, generator)) for t, c in groups]
         return _assemble(per_temp, len(encoded))
 
-    def _sampling_kwargs(self, temperature: float, generator: torch.Generator | None) -> dict[str, Any]:
-        """``generate`` arguments drawing at ``temperature`` (and the sampler's top-k / top-p) with ``generator``,
-        or with transformers' sampling from the global RNG when ``generator`` is None."""
-        if generator is None:
-            return {"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
-        return SeededTokenSampler(generator, temperature, self.top_k, self.top_p).generate_kwargs()
-
     def _generate(self, encoded: list[list[int]], copies: int, temperature: float, generator: torch.Generator | None):
+        from rlhf_ext.runtime.segment_data import pad_sequences
+
         seqs = [ids for ids in encoded for _ in range(copies)]
         texts: list[str] = []
         lengths, truncated = [], []
         for start in range(0, len(seqs), self.batch_size):
             chunk = seqs[start : start + self.batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
-                ids[i, width - len(s) :] = torch.tensor(s)
-                mask[i, width - len(s) :] = 1
+            ids = pad_sequences(chunk, self.pad_id, "left", torch.long)
+            mask = pad_sequences([[1] * len(s) for s in chunk], 0, "left", torch.long)
+            width = ids.shape[1]  # left padding: the response starts at column `width` for every row
+            if generator is None:  # transformers' sampling from the global RNG
+                sampling = {"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
+            else:
+                sampling = SeededTokenSampler(generator, temperature, self.top_k, self.top_p).generate_kwargs()
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                **self._sampling_kwargs(temperature, generator),
+                **sampling,
                 max_new_tokens=self.max_new_tokens,
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_ids,

@@ -131,10 +131,8 @@ def tokenize_pair(
     if max_length is not None:
         if max_length < 2:
             raise DatasetFormatError(f"max_length must be >= 2 (one prompt and one response token), got {max_length}")
-        limit = max_prompt_length if max_prompt_length is not None else max_length - 1
-        limit = min(limit, max_length - 1)
-        if len(prompt_ids) > limit:
-            prompt_ids = prompt_ids[len(prompt_ids) - limit :]
+        limit = min(max_prompt_length if max_prompt_length is not None else max_length - 1, max_length - 1)
+        prompt_ids = prompt_ids[max(len(prompt_ids) - limit, 0) :]
         room = max_length - len(prompt_ids)
         responses = [ids if len(ids) <= room else ids[: room - 1] + [eos] for ids in responses]
     out = {
@@ -296,8 +294,7 @@ def add_entropy_columns(dataset, sft_model, batch_size: int = 8, pad_token_id: i
         out: dict[str, list] = {}
         for side in ("chosen", "rejected"):
             seqs = batch[f"{side}_ids"]
-            ids = pad_sequences(seqs, pad_token_id, "right", torch.long).to(device)
-            mask = pad_sequences([[1] * len(s) for s in seqs], 0, "right", torch.long).to(device)
+            ids, mask, _ = pad_responses(seqs, [0] * len(seqs), pad_token_id, device)
             ent = sft_token_entropy(sft_model, ids, mask).cpu()
             out[f"{side}_entropy"] = [
                 ent[i, p : len(s)].tolist() for i, (s, p) in enumerate(zip(seqs, batch["prompt_len"]))
@@ -451,8 +448,7 @@ def resolve_segment_settings(
 ) -> tuple[float, str, float]:  # fmt: skip
     """``(entropy_cutoff, aggregation, tau)`` of a PPO run: each knob as given, else the value recorded next to the
     ``reward_model`` directory (:func:`load_segment_settings`), else the paper's default (2.0, softmax, 0.5), with a
-    warning (attributed ``stacklevel`` frames up) if ``warn_unrecorded`` and the directory records none. Both engines
-    call this."""
+    warning (attributed ``stacklevel`` frames up) if ``warn_unrecorded`` and the directory records none."""
     recorded: dict[str, Any] = {}
     if reward_model and (Path(reward_model) / SEGMENT_CONFIG_NAME).exists():
         recorded = load_segment_settings(reward_model)

@@ -326,8 +326,7 @@ def offsets_by_row(
         positions = mask[row].nonzero().flatten()
         _, offsets = token_char_offsets(tokenizer, completion_ids[row, positions].tolist())
         if offsets:
-            starts[row, positions] = torch.tensor([s for s, _ in offsets])
-            ends[row, positions] = torch.tensor([e for _, e in offsets])
+            starts[row, positions], ends[row, positions] = torch.tensor(offsets).T
 
 
 def completion_offsets(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor, Tensor]:
@@ -357,8 +356,7 @@ def span_tensors(spans: Sequence[Sequence[Span] | None]) -> tuple[Tensor, Tensor
     reward = torch.zeros(len(spans), k)
     for i, row in enumerate(spans):
         if row:
-            values = torch.tensor([[a, b] for a, b, _ in row], dtype=torch.long)
-            start[i, : len(row)], end[i, : len(row)] = values[:, 0], values[:, 1]
+            start[i, : len(row)], end[i, : len(row)] = torch.tensor([[a, b] for a, b, _ in row], dtype=torch.long).T
             reward[i, : len(row)] = torch.tensor([r for _, _, r in row])
     return start, end, reward
 

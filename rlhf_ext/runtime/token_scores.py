@@ -116,34 +116,20 @@ class TokenScoreCapture:
         self.handle.remove()
 
 
-def _forward_extras(model, attention_mask: torch.Tensor) -> dict[str, Any]:
-    """``position_ids`` (correct under left padding) and ``use_cache=False`` for a model whose ``forward`` takes them
-    (Hugging Face models); OpenRLHF's reward model derives its positions from the mask and takes neither."""
-    params = inspect.signature(_unwrap(model).forward).parameters
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    return {k: v for k, v in (("position_ids", position_ids), ("use_cache", False)) if k in params}
-
-
 @torch.no_grad()
 def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` reward-model scores at every position of a batch (one forward pass)."""
     capture = TokenScoreCapture(model)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, **_forward_extras(model, attention_mask))
+        # position_ids (correct under left padding) and use_cache=False for a model whose forward takes them (Hugging
+        # Face models); OpenRLHF's reward model derives its positions from the mask and takes neither
+        params = inspect.signature(_unwrap(model).forward).parameters
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        extras = {k: v for k, v in (("position_ids", position_ids), ("use_cache", False)) if k in params}
+        model(input_ids=input_ids, attention_mask=attention_mask, **extras)
         return capture.pop().float()
     finally:
         capture.remove()
-
-
-def _segment_settings(model, settings: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
-    """The recorded segment settings: ``settings`` (a reward-model directory or the mapping read from one), else the
-    ``segment_config.json`` of the directory ``model`` was loaded from (``config._name_or_path``), else ``{}``."""
-    if isinstance(settings, Mapping):
-        return dict(settings)
-    if settings is not None:
-        return load_segment_settings(settings)
-    path = segment_model_dir(getattr(model, "module", model))
-    return load_segment_settings(path) if path is not None else {}
 
 
 @torch.no_grad()
@@ -178,7 +164,9 @@ def segment_evaluation(
         settings: a reward-model directory or its ``segment_config.json`` mapping (default: the directory ``model``
             was loaded from); ``entropy_cutoff``, ``aggregation`` and ``tau`` override it.
     """
-    recorded = _segment_settings(model, settings)
+    if settings is None:  # the directory ``model`` was loaded from (``config._name_or_path``), if it records any
+        settings = segment_model_dir(getattr(model, "module", model)) or {}
+    recorded = dict(settings) if isinstance(settings, Mapping) else load_segment_settings(settings)
     aggregation = aggregation or recorded.get("aggregation")
     tau = recorded.get("tau") if tau is None else tau
     cutoff = recorded.get("entropy_cutoff") if entropy_cutoff is None else entropy_cutoff
