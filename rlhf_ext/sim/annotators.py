@@ -1,23 +1,18 @@
 """Simulated pairwise preferences ``p_sim`` (paper 002, sections 3.2-3.3 and Appendix C.1).
 
-Each example is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are
-also flipped with probability 0.25 (intra-annotator noise; the paper's mix of ``p_eval`` with a fair coin at weight
-1/2 is the same thing); *evaluation* labels (``p_eval``) are not. An annotator returns ``P(a preferred over b)`` for a
-batch of pairs (:class:`Annotator`): a :class:`BTAnnotator` (Bradley-Terry on a utility: gold-scorer variants,
-:data:`DEFAULT_ANNOTATORS`, or reward models, :meth:`AnnotatorPool.from_reward_models`), an LLM judge
-(:meth:`AnnotatorPool.from_llm`) or AlpacaFarm's own annotators as shipped (:meth:`AnnotatorPool.from_alpaca_farm`).
+Each pair is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are also
+flipped with probability 0.25 (intra-annotator noise), *evaluation* labels (``p_eval``) are not. An :class:`Annotator`
+returns ``P(a preferred over b)``: a :class:`BTAnnotator` (gold-scorer variants or reward models), an LLM judge or
+AlpacaFarm's own annotators (the :class:`AnnotatorPool` builders).
 
-**Draws**: identical responses (no annotator asked, AlpacaEval's 1.5) and an annotator's draw answer (optional
-``probability_with_ties``) are 1/2 in :meth:`AnnotatorPool.outcome`; binary labels (:meth:`AnnotatorPool.prefer`,
-``relabel``) settle them with the pair's fair coin. **Unparseable answers** (``NaN``) are counted per annotator
-(:meth:`AnnotatorPool.label_counts`), warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by the pair's
-coin (``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval;
-evaluation keeps its coin, so every prompt keeps its ``k`` comparisons).
+**Draws** (identical responses, never sent to an annotator, or an annotator's draw answer) are 1/2 in
+:meth:`AnnotatorPool.outcome`; binary labels settle them with the pair's fair coin. **Unparseable answers** (``NaN``)
+are counted per annotator, warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by that coin
+(``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval).
 
-Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: which
-annotator, the Bernoulli draw, the training flip): labels do not depend on batch order, ``prefer(b, a) == not
-prefer(a, b)`` for ``a != b``, and a training label is its evaluation label with the flip applied (so the measured
-flip rate is exactly the injected noise).
+Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: annotator,
+Bernoulli draw, training flip): labels do not depend on batch order, ``prefer(b, a) == not prefer(a, b)`` for ``a !=
+b``, and a training label is its evaluation label with the flip applied.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``rlhf-ext sim compare``: AlpacaFarm's method comparison in the simulator (paper 002, sections 3-5).
 
-AlpacaFarm's Figure 1 on a cheap task: SFT on the SFT split; simulated feedback ``p_sim`` on the PREF split (two SFT
-samples per instruction, labelled by the pool with 25% training flips); surrogate reward models trained on it; each
-method trained from the SFT model and evaluated by its win rate against it on held-out prompts, judged by ``p_eval``
-(no flips), with gold reward, length and KL alongside; mean ± standard error over several seeds.
+AlpacaFarm's Figure 1 on a cheap task: SFT; simulated feedback ``p_sim`` on the PREF split; surrogate reward models;
+each method trained from the SFT model and evaluated by its win rate against it on held-out prompts (``p_eval``), with
+gold reward, length and KL alongside; mean ± standard error over seeds.
 
 Layout of ``output_dir`` (written atomically, reused on rerun; only :data:`FREE_KEYS` and the ``method_overrides`` of
-methods that have not run here may change between runs of one directory)::
+methods that have not run here may change between runs)::
 
     recipe.json                  the settings (the recipe less --methods/--seeds and method_overrides), fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
@@ -247,12 +246,10 @@ class SimRun:
             if self.recipe.feedback.pairs == "sft_samples":
                 self.progress(f"seed {seed}: sampling {2 * (len(pref) + len(held_out))} SFT responses for feedback")
                 pairs = self.sft_pairs(pref["prompt"], pref["style"], seed=10_000 + seed)
-                test, test_tied = order_by_gold(
-                    self.gold, self.sft_pairs(held_out["prompt"], held_out["style"], 40_000 + seed)
-                )
+                held_out = self.sft_pairs(held_out["prompt"], held_out["style"], 40_000 + seed)
             else:
                 pairs = pref
-                test, test_tied = order_by_gold(self.gold, held_out)
+            test, test_tied = order_by_gold(self.gold, held_out)
             if len(test) == 0:
                 credit = self.recipe.task.phrase_credit
                 raise RecipeError(

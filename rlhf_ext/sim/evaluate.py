@@ -1,22 +1,17 @@
 """Automatic evaluation in the simulator: win rate against a reference policy (paper 002, section 3.3).
 
-The **win rate** is the expected fraction of held-out instructions on which the policy's output is preferred over the
-reference's by ``p_eval`` (the pool without training noise). :func:`win_rate` measures it for any causal LM, with the
-quantities AlpacaFarm's analysis uses alongside: response length (section 5.2), gold reward and KL to the reference.
-
-Draws count half a win, as in AlpacaEval (a draw coded 1.5): identical responses, an annotator's explicit draw answer
-(:meth:`rlhf_ext.sim.annotators.AnnotatorPool.outcome`) and the gold judge's equal rewards. ``win_rate = (wins + ties
-/ 2) / comparisons``, with ``tie_rate = ties / comparisons``; its standard error is that of the outcomes ``{1, 1/2,
-0}`` (AlpacaEval's ``standard_error`` with one sample per prompt; with ``k`` per prompt, clustered by prompt).
+:func:`win_rate`: the expected fraction of held-out instructions on which ``p_eval`` (the pool without training noise)
+prefers the policy's output over the reference's, with response length (section 5.2), gold reward and KL alongside.
+Draws count half a win, as AlpacaEval's 1.5: ``win_rate = (wins + ties / 2) / comparisons``; its standard error is
+that of the outcomes ``{1, 1/2, 0}``, clustered by prompt with ``k`` samples per prompt.
 
 Policies (:class:`HFPolicy`, :class:`BestOfNPolicy`) have ``sample(prompts, n, seed) -> Samples`` (``[P][n]``) and,
 for the KL, ``logprobs(prompts, responses, truncated) -> [N]``.
 
 KL (``kl_estimator``): ``sequence_log_ratio``, ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i |
-x_i)]`` over the policy's samples (unbiased; a mean over few samples can be negative), or ``exact``, ``mean_i sum_t
-KL(pi(.|x_i, y_i<t) || pi_ref(.|x_i, y_i<t))`` (same expectation by the chain rule, never negative, lower variance;
-needs one vocabulary); both with the standard error over samples. Responses are re-tokenised as the trainers do
-(prompt and response separately, EOS appended unless cut at ``max_new_tokens``); logits are divided by the sampling
+x_i)]`` over the policy's samples (unbiased, can be negative), or ``exact``, ``mean_i sum_t KL(pi(.|x_i, y_i<t) ||
+pi_ref(.|x_i, y_i<t))`` (same expectation, never negative, lower variance; needs one vocabulary). Responses are
+re-tokenised as the trainers do (EOS appended unless cut at ``max_new_tokens``); logits are divided by the sampling
 temperature. Best-of-n's KL is the analytic ``log n - (n - 1) / n`` (an upper bound, exact without reward ties).
 """
 
@@ -321,19 +316,14 @@ _SLOPE_RIDGE = 1e-8  # length_controlled_win_rate: keeps the slope finite on len
 def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
 
-    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))`` fitted by maximum likelihood with the
-    outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), read off
-    at zero length difference: ``LC = sigmoid(a)``. AlpacaEval adds a cross-validated L1 penalty (and an instruction
-    term with no analogue here); here a vanishing ridge ``(1e-8 / 2) b^2`` on the slope only keeps ``b`` finite when
-    length separates the outcomes. Newton's method in float64 (deterministic).
+    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))`` fitted by maximum likelihood (Newton's
+    method in float64) with the outcomes ``{1, 1/2, 0}`` as soft labels, read off at zero length difference: ``LC =
+    sigmoid(a)``. Instead of AlpacaEval's cross-validated L1 penalty (and instruction term), a vanishing ridge ``(1e-8 /
+    2) b^2`` on the slope only keeps ``b`` finite when length separates the outcomes.
 
-    Args:
-        outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
-            standard error).
-        length, ref_length: ``[P, k]`` response lengths (characters) of the policy and the reference.
-
-    Returns:
-        :class:`LengthControlled`. When no length varies, or every outcome is equal, the fit is the raw win rate.
+    ``outcome``: ``[P, k]`` outcomes (rows are prompts, the clusters of the standard error); ``length`` /
+    ``ref_length``: ``[P, k]`` response lengths (characters). When no length varies, or every outcome is equal, the
+    fit is the raw win rate.
     """
     y = outcome.double().flatten()
     delta = (length.double() - ref_length.double()).flatten()
@@ -400,13 +390,11 @@ def win_rate(
     """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
 
     Args:
-        policy / reference: :class:`HFPolicy` / :class:`BestOfNPolicy` objects, checkpoint paths, or model instances
-            (with ``tokenizer=``), the latter wrapped in :class:`HFPolicy` with ``policy_kwargs``. ``policy`` may be
-            ``reference`` itself (independent samples).
+        policy / reference: policy objects, checkpoint paths or model instances (with ``tokenizer=``; wrapped in
+            :class:`HFPolicy` with ``policy_kwargs``); ``policy`` may be ``reference`` itself (independent samples).
         prompts: ``P`` held-out prompts; ``styles``: one per prompt or one for all (``None``: the scorers' default).
-        judge: an :class:`AnnotatorPool` in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``), or a
-            :class:`GoldScorer` / ``"gold"`` (higher gold reward wins; equal = tie).
-        gold: the scorer for the gold-reward columns (default ``GoldScorer()``).
+        judge: an :class:`AnnotatorPool` in evaluation mode (default ``AnnotatorPool.default(seed)``) or a
+            :class:`GoldScorer` / ``"gold"`` (higher gold reward wins); ``gold`` scores the gold-reward columns.
         samples_per_prompt: ``k``; comparison ``j`` pits policy sample ``j`` against reference sample ``j``.
         seed: sampling seed of the policy (the reference uses ``seed + 1``).
         reference_samples / samples: the reference's / policy's ``[P][k]`` samples, if already drawn.

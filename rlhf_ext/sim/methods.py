@@ -1,11 +1,8 @@
 """The reference methods of ``sim compare``: AlpacaFarm's (paper 002, section 3.4 and Appendix A) and ours.
 
-Each method is a function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy from the
-run's SFT model with the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration, binary FeedME and
-reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's ``DPOTrainer``,
-:class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.DensePPOTrainer` (PPO) and
-:class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO). ``run`` (:class:`rlhf_ext.sim.compare.SimRun`) owns the
-shared artefacts and writes every result atomically, so finished work is reused on rerun.
+Each method ``method(run, seed) -> PolicySpec`` trains (or, for best-of-n, wraps) a policy from the run's SFT model
+with the package's real trainers (TRL's ``SFTTrainer`` and ``DPOTrainer``, the ``rlhf_ext.trl`` trainers for Quark, PPO
+and online DPO); ``run`` (:class:`rlhf_ext.sim.compare.SimRun`) owns the shared artefacts, reused on rerun.
 """
 
 from __future__ import annotations
@@ -22,10 +19,10 @@ from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.config import TrainSection
 from rlhf_ext.runtime.io import atomic_directory, stable_hash
+from rlhf_ext.sim.recipe import METHODS, DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
 if TYPE_CHECKING:
     from rlhf_ext.sim.compare import SimRun
-    from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
 
 @dataclass
@@ -359,20 +356,4 @@ def online_dpo_sync(run: SimRun, seed: int) -> PolicySpec:
     return sim_online_dpo(run, seed, "sync")
 
 
-METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
-    "sft": sft,
-    "best_of_n": best_of_n,
-    "expert_iteration": expert_iteration,
-    "feedme": feedme,
-    "reward_conditioning": reward_conditioning,
-    "quark": quark,
-    "dpo": dpo,
-    "bandit_ppo": bandit_ppo,
-    "segment_ppo": segment_ppo,
-    "chunk_ppo": chunk_ppo,
-    "token_ppo": token_ppo,
-    "rules_ppo": rules_ppo,
-    "online_dpo": online_dpo,
-    "online_dpo_async": online_dpo_async,
-    "online_dpo_sync": online_dpo_sync,
-}
+METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {name: globals()[name] for name in METHODS}

@@ -1,15 +1,13 @@
 """``rlhf-ext sim tune``: the same small tuning grid for every method, picked on validation prompts (paper 002).
 
-AlpacaFarm compared methods after tuning each in its simulator. :func:`run_tuning` gives every method of the recipe's
-``tuning`` section the same grid (the product of ``tuning.grid``'s values, or the method's own in
-``tuning.method_grids``), trains each point on ``tuning.seeds`` and evaluates it as ``sim compare`` does but on the
-*validation* prompts (``eval.split: validation``), never by gold or the surrogate reward, and picks per method the
-point with the best mean length-controlled win rate (raw win rates reward length). The picks are what a comparison
-recipe's ``method_overrides`` should hold; report on seeds other than the tuning seeds.
+:func:`run_tuning` gives every method of the recipe's ``tuning`` section the same grid (or the method's own in
+``tuning.method_grids``), trains each point on ``tuning.seeds``, evaluates it as ``sim compare`` does on the
+*validation* prompts and picks per method the point with the best mean length-controlled win rate (raw win rates
+reward length): what a comparison recipe's ``method_overrides`` should hold (report on other seeds).
 
-Each (method, point) is a comparison directory under ``OUTPUT_DIR/tuning/`` whose shared artefacts (task splits, base
-and SFT models, each seed's feedback and reward models) link to the main directory's, so every point trains from the
-same SFT model on the same feedback. Finished points are reused on rerun; points run in ``workers`` processes.
+Each (method, point) is a comparison directory under ``OUTPUT_DIR/tuning/`` that links the main directory's shared
+artefacts (task splits, base and SFT models, each seed's feedback and reward models), so every point trains from the
+same SFT model on the same feedback.
 """
 
 from __future__ import annotations
