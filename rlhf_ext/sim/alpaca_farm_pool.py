@@ -138,11 +138,10 @@ class CompletionParser:
     def _regex_parser(self, completion: str) -> list[float]:
         answers, rest = [], completion
         while True:
-            matches = [(key, pattern.search(rest)) for key, pattern in self._patterns.items()]
-            hits = [(m.start(), i, key, m) for i, (key, m) in enumerate(matches) if m]
+            hits = [(m.start(), i, k, m) for i, (k, p) in enumerate(self._patterns.items()) if (m := p.search(rest))]
             if not hits:
                 return answers
-            _, _, key, match = min(hits, key=lambda h: (h[0], h[1]))
+            _, _, key, match = min(hits)  # the earliest match; on a tie, the first pattern
             answers.append(key)
             rest = rest[match.end() :]
 
@@ -166,11 +165,10 @@ class CompletionParser:
 # --------------------------------------------------------------------------------------------------------- configs
 @dataclass
 class AlpacaFarmAnnotatorConfig:
-    """One annotator of a pool's ``configs.yaml``: ``name`` its YAML key; ``templates`` (read) ``{"with_inputs": ...,
+    """One annotator of a pool's ``configs.yaml`` (``name``: its YAML key): ``templates`` (read) ``{"with_inputs": ...,
     "without_inputs": ...}`` or ``{"any": ...}``; ``model_name`` / ``max_tokens`` / ``temperature`` its
-    ``completions_kwargs``; ``batch_size`` examples per prompt; ``parser`` its ``fn_completion_parser`` (default
-    ``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``); ``randomize_output_order`` / ``shuffle``
-    AlpacaEval's ``is_randomize_output_order`` / ``is_shuffle``."""
+    ``completions_kwargs``; ``parser`` its ``fn_completion_parser``; ``randomize_output_order`` / ``shuffle`` its
+    ``is_randomize_output_order`` / ``is_shuffle``."""
 
     name: str
     templates: dict[str, str]

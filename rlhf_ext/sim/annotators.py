@@ -221,11 +221,9 @@ class AnnotatorPool:
 
     Args:
         annotators: the pool (each pair is labelled by one, drawn uniformly per pair).
-        flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); evaluation labels never are.
-        seed: seeds every draw (annotator choice, Bernoulli draw, flip).
+        flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); ``seed`` seeds every draw.
         gold: the gold scorer used by :meth:`agreement` (default: ``GoldScorer()`` with the pool's default style).
-        assign: ``assign(prompts, a, b) -> [N]`` long annotator indices (default: uniform from the pair's digest;
-            AlpacaFarm's pools choose per instruction, :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
+        assign: ``assign(prompts, a, b) -> [N]`` long annotator indices (default: uniform from the pair's digest).
         unparseable: ``coin`` (settled by the pair's fair coin) or ``drop`` (AlpacaEval: :meth:`relabel` drops it).
 
     Example::
@@ -366,10 +364,9 @@ class AnnotatorPool:
         gold: GoldScorer | None = None,
         backend_factory: Callable[[str], Any] | None = None,
     ) -> AnnotatorPool:
-        """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool of the
-        installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>`` or a directory with such a
-        ``configs.yaml``, run against ``api_base`` (``models``: one served model for all, ``config_model=served``
-        pairs, or empty for the configs' names). ``flip_prob`` is AlpacaFarm's ``p_label_flip``."""
+        """AlpacaFarm's annotator pool as shipped (:func:`~rlhf_ext.sim.alpaca_farm_pool.resolve_pool` names ``pool``)
+        run against ``api_base`` (``models``: :func:`~rlhf_ext.sim.alpaca_farm_pool.model_for`); ``flip_prob`` is
+        AlpacaFarm's ``p_label_flip``."""
         from rlhf_ext.sim.alpaca_farm_pool import AlpacaFarmAssignment, alpaca_farm_annotators
 
         annotators = alpaca_farm_annotators(
@@ -388,10 +385,8 @@ class AnnotatorPool:
     def _annotator_probabilities(
         self, index: Tensor, prompts, a, b, styles, asked: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair (1/2 where its answer was unparseable),
-        ``[N]`` bool: it answered a draw, ``[N]`` bool: its answer was unparseable (counted, and named in a warning
-        above :data:`UNPARSEABLE_WARN_RATE`). Each annotator sees only its pairs, and only those where ``asked``
-        (elsewhere: 1/2, no draw)."""
+        """Per pair, of annotator ``index[i]``: ``[N]`` P(a > b) (1/2 where unparseable or not ``asked``), ``[N]`` bool
+        it answered a draw, ``[N]`` bool its answer was unparseable (counted and warned about: module docstring)."""
         p = torch.full((len(a),), 0.5, dtype=torch.float64)
         tie = torch.zeros(len(a), dtype=torch.bool)
         for k, annotator in enumerate(self.annotators):
@@ -461,9 +456,8 @@ class AnnotatorPool:
     ):
         """AlpacaFarm's ``p_sim``: re-decide which response of every pair is chosen (a new ``datasets.Dataset``).
 
-        All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added:
-        ``sim_annotator`` (who labelled the row) and ``sim_swapped``. Styles come from ``style_key`` if present, else
-        the gold scorer's default. With ``unparseable="drop"`` unparseable rows are left out (AlpacaEval).
+        ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added: ``sim_annotator`` and
+        ``sim_swapped``. Styles come from ``style_key`` if present. With ``unparseable="drop"`` unparseable rows go.
         """
         cols = dataset.column_names
         missing = [k for k in (prompt_key, chosen_key, rejected_key) if k not in cols]

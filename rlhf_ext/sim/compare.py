@@ -234,10 +234,9 @@ class SimRun:
         return Dataset.from_list([{"prompt": p, "chosen": s[0], "rejected": s[1], "style": st} for p, s, st in rows])
 
     def feedback(self, seed: int):
-        """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips),
-        ``test`` = held-out pairs of the same kind ordered by the gold reward (gold ties dropped): with
-        ``pairs: sft_samples`` two SFT samples per held-out prompt, with ``pairs: dataset`` the dataset's own pairs.
-        Writes the pool's agreement report and the tie rates next to it."""
+        """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips), ``test``
+        = held-out pairs of the same kind ordered by the gold reward (gold ties dropped); with the pool's agreement
+        report and the tie rates next to it."""
         from datasets import DatasetDict, load_from_disk
 
         out = self.feedback_dir(seed)
@@ -281,9 +280,8 @@ class SimRun:
         return load_from_disk(str(out))
 
     def reward_model(self, seed: int, kind: str) -> str:
-        """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf), ``segment`` (the recipe's cutoff) or ``token``
-        (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
-        from the SFT model on the same simulated feedback."""
+        """A surrogate reward model of ``seed`` (``bandit``, ``segment`` or ``token``: :data:`RM_CUTOFFS`), trained
+        with the segment reward-model recipe from the SFT model on the simulated feedback."""
         from rlhf_ext.pipelines import segment_rm as srm
         from rlhf_ext.sim.methods import train_args
 
@@ -400,9 +398,8 @@ class SimRun:
 # ---------------------------------------------------------------------------------------------------- running
 def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> dict[str, Any]:
     """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write and return the summary
-    (``sim_compare.json``, :func:`~rlhf_ext.sim.report.summarise`). ``progress`` gets one line per step (default: this
-    module's logger at ``INFO``). With ``recipe.workers > 1`` the seeds run in that many processes (:func:`run_jobs`)
-    once the shared artefacts (task splits, base and SFT models) are built; the results are the same either way."""
+    (:func:`~rlhf_ext.sim.report.summarise`); ``progress`` gets one line per step (default: this module's logger).
+    With ``recipe.workers > 1`` the seeds run in that many processes once the SFT model is built (same results)."""
     from rlhf_ext.runtime.async_runner import torch_threads
     from rlhf_ext.runtime.rundir import claim_output_dir
 
@@ -427,8 +424,7 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
 
 def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: int | None, progress: Progress) -> None:
     """Run every (method, seed) of each ``(label, recipe)`` in ``jobs`` that has no result yet: here, or with
-    ``workers > 1`` and several jobs in that many spawned processes (``threads`` torch threads each, progress lines
-    to standard error prefixed with the job's label); every result is the same either way."""
+    ``workers > 1`` and several jobs in that many spawned processes (progress lines prefixed with the job's label)."""
     from rlhf_ext.runtime.async_runner import torch_threads
 
     if workers <= 1 or len(jobs) <= 1:

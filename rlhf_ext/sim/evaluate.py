@@ -37,12 +37,8 @@ DEFAULT_EVAL_TEMPERATURE = 1.0
 
 
 class HFPolicy:
-    """A transformers causal LM as a simulator policy.
-
-    ``model``: a checkpoint path (``builtin:`` names resolved) or an instance (then ``tokenizer`` is required);
-    ``prompt_prefix`` goes before every prompt when sampling and scoring (e.g. a control token); ``max_new_tokens`` /
-    ``temperature`` / ``top_p`` / ``batch_size``: sampling (no top-k); ``logprob_batch_size``: per forward.
-    """
+    """A transformers causal LM as a simulator policy: ``model`` a checkpoint path (``builtin:`` names resolved) or an
+    instance (with ``tokenizer``); ``prompt_prefix`` goes before every prompt when sampling and scoring; no top-k."""
 
     kl_method = "sequence_log_ratio"
 
@@ -258,13 +254,11 @@ class WinRate:
 
     Attributes:
         win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
-        lc_win_rate / lc_stderr / lc_length_coef: the length-controlled win rate (AlpacaEval 2.0's GLM read off at zero
-            length difference, :func:`length_controlled_win_rate`), its standard error and the length coefficient.
+        lc_win_rate / lc_stderr / lc_length_coef: the length-controlled fit (:func:`length_controlled_win_rate`).
         wins / ties / losses / tie_rate: counts of comparisons; ``ties / num_comparisons``.
         num_prompts / samples_per_prompt / num_comparisons: sample sizes.
         judge: ``pool`` (evaluation annotators, no flips) or ``gold``.
-        avg_length_chars / avg_length_tokens / truncated_fraction: of the policy's responses.
-        ref_avg_length_chars / ref_avg_length_tokens: of the reference's responses.
+        avg_length_chars / avg_length_tokens / truncated_fraction (policy), ref_avg_length_*: of the responses.
         gold_mean / gold_stderr / ref_gold_mean: gold reward of the policy's / reference's responses.
         kl / kl_stderr / kl_method: KL(policy || reference) in nats (see the module docstring); NaN if not computed.
     """

@@ -57,10 +57,8 @@ def word_bigrams(text: str) -> set[tuple[str, str]]:
 
 
 class _Matcher:
-    """Per response: the summed credit of the positive and the negative key phrases (see the module docstring).
-
-    ``neutral`` are texts that carry no preference (their bigrams are not distinctive); ``all_phrases`` every key
-    phrase of the bank (a bigram shared by two phrases is not distinctive of either)."""
+    """Per response: the summed credit of the positive and the negative key phrases (see the module docstring);
+    ``neutral`` texts and every key phrase of the bank (``all_phrases``) decide which bigrams are distinctive."""
 
     def __init__(self, rubric, credit: PhraseCredit, neutral: Sequence[str] = (), all_phrases: Sequence[str] = ()):
         self.rubric = rubric
@@ -104,8 +102,7 @@ class GoldScorer:
         positive_weight / negative_weight / length_weight: ``w_pos`` / ``w_neg`` (>= 0) / ``w_len``.
         phrase_credit: ``"partial"`` (default, graded) or ``"exact"`` (verbatim phrases only).
 
-    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (default ``style``), e.g. for
-    :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and :func:`rlhf_ext.sim.best_of_n`.
+    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (default ``style``).
     """
 
     def __init__(

@@ -27,10 +27,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class PolicySpec:
-    """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix``, or, with ``best_of_n``, the
-    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics. Budget
-    beyond the SFT model: ``labels`` (simulated preference labels used, directly or through a reward model) and
-    ``samples`` (responses generated while training; best-of-n's inference samples not counted)."""
+    """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix`` (with ``best_of_n``: best of that
+    many under the bandit surrogate RM); ``info``: method statistics; budget beyond the SFT model: ``labels``
+    (simulated preference labels used) and ``samples`` (responses generated while training)."""
 
     path: str
     prompt_prefix: str = ""
@@ -134,10 +133,9 @@ def reward_conditioning(run: SimRun, seed: int) -> PolicySpec:
 
 
 def quark(run: SimRun, seed: int) -> PolicySpec:
-    """Quark, top-quantile variant (AlpacaFarm 3.4, App. A.2 / B.2): each round samples from the current policy,
-    scores with the surrogate RM, keeps only the best reward quantile (the rollout pool is reset every round) and
-    fine-tunes on it with a KL penalty to the SFT model; no entropy bonus. With one bin trained, Quark's reward
-    token is a constant, so it is omitted."""
+    """Quark, top-quantile variant (AlpacaFarm 3.4, App. A.2 / B.2): each round keeps the best reward quantile of the
+    current policy's samples under the surrogate RM and fine-tunes on it with a KL penalty to the SFT model (no
+    entropy bonus; with one bin, Quark's reward token is a constant, so it is omitted)."""
     from rlhf_ext.runtime.rewards import score
 
     cfg = run.recipe.quark
@@ -255,11 +253,9 @@ def token_ppo(run: SimRun, seed: int) -> PolicySpec:
 
 
 def rules_ppo(run: SimRun, seed: int) -> PolicySpec:
-    """Segment-level PPO on rules instead of a reward model (issue: dense rewards from anything): keyword credit
-    learned from the same simulated preference labels as the reward models
-    (:meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`), each matched phrase rewarded where it occurs,
-    normalised by location and spread evenly; the critic starts from the SFT model. Same labels and PPO budget as
-    ``segment_ppo``: the effect of dense credit without a learned reward model."""
+    """Segment-level PPO on rules instead of a reward model: keyword credit learned from the same simulated labels
+    (:meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`), each matched phrase rewarded where it occurs; same
+    labels and PPO budget as ``segment_ppo``: the effect of dense credit without a learned reward model."""
 
     def learned_rules() -> str:
         from rlhf_ext.runtime.dense_sources import KeywordCredit

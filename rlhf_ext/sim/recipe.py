@@ -1,9 +1,8 @@
 """The ``sim compare`` recipe: one typed config (``recipes/sim_compare.yaml`` maps onto it 1:1; paper 002, section 5).
 
-Sections: where the simulated task comes from (``task``), the initial model (``model``) and its supervised
-fine-tuning (``sft``), the simulated feedback (``feedback``: AlpacaFarm's ``p_sim`` pool), the surrogate reward models
-(``reward_model``), sampling (``generation``), the evaluation (``eval``: win rate against the SFT model, judged by
-``p_eval``), and one section per method. Method names are those of :data:`METHODS`.
+Sections: the simulated task, the initial model and its SFT, the simulated feedback (AlpacaFarm's ``p_sim`` pool), the
+surrogate reward models, sampling, the evaluation (win rate against the SFT model, judged by ``p_eval``), and one
+section per method of :data:`METHODS`.
 """
 
 from __future__ import annotations

@@ -71,9 +71,8 @@ def link_shared(main: Path, sub: Path, seed: int) -> None:
 
 
 def shared_run(recipe: SimCompareRecipe, progress: Callable[[str], None] | None = None) -> SimRun:
-    """The main directory's run that builds what every tuning point shares (SFT model, feedback and reward models of
-    the tuning seeds). It runs no method, so methods a tuned comparison ran there are not checked against the
-    recipe's ``method_overrides``: tuning again after ``sim compare --tuning`` reuses the directory."""
+    """The main directory's run that builds what every tuning point shares; it runs no method, so tuning again after
+    ``sim compare --tuning`` reuses the directory (its methods' ``method_overrides`` are not checked)."""
     return SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": recipe.tuning.seeds, "methods": ["sft"]}),
                   progress)  # fmt: skip
 
@@ -109,9 +108,8 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
 
 
 def apply_tuning(recipe: SimCompareRecipe, tuning_dir: str | Path) -> SimCompareRecipe:
-    """``recipe`` with ``method_overrides`` replaced, for every method ``sim tune`` picked a point for, by that point
-    (read from ``TUNING_DIR/tuning/tuning.json``, the output directory of a ``sim tune`` run -- e.g. the comparison's
-    own, or that of another task stage; a one-line error when there is none)."""
+    """``recipe`` with the ``method_overrides`` of every method ``sim tune`` picked a point for replaced by that point
+    (read from ``TUNING_DIR/tuning/tuning.json``, the output directory of a ``sim tune`` run)."""
     from rlhf_ext.config import RecipeError
 
     path = Path(tuning_dir) / "tuning" / "tuning.json"
