@@ -264,11 +264,8 @@ def instruction_and_input(prompt: Any) -> tuple[str, str]:
 
 
 class AlpacaFarmAssignment:
-    """Which annotator labels each pair: AlpacaEval's seeded uniform choice on the example's input and instruction.
-
-    ``assignment(prompts, a, b) -> [N]`` long indices into ``names``; the same instruction always gets the same
-    annotator for a given ``seed``.
-    """
+    """Which annotator labels each pair: AlpacaEval's seeded uniform choice on the example's input and instruction
+    (``assignment(prompts, a, b) -> [N]`` long indices into ``names``; one annotator per instruction and ``seed``)."""
 
     def __init__(self, names: Sequence[str], seed: int = 0):
         self.names, self.seed = list(names), int(seed)
