@@ -234,8 +234,8 @@ class SimRun:
         return Dataset.from_list([{"prompt": p, "chosen": s[0], "rejected": s[1], "style": st} for p, s, st in rows])
 
     def feedback(self, seed: int):
-        """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips), ``test``
-        = held-out pairs of the same kind ordered by the gold reward (gold ties dropped); with the pool's agreement
+        """Simulated human feedback of ``seed``: ``train`` PREF pairs labelled by ``p_sim`` (training flips), ``test``
+        held-out pairs of the same kind ordered by the gold reward (gold ties dropped); with the pool's agreement
         report and the tie rates next to it."""
         from datasets import DatasetDict, load_from_disk
 
