@@ -1,11 +1,7 @@
-"""The AlpacaFarm-style simulator (paper 002): gold rewards, simulated annotators, win rates, method comparison.
-
-* :class:`GoldScorer` — the gold reward: credit of the preferred style's key phrases minus the competing styles'.
-* :class:`AnnotatorPool` — simulated pairwise preferences ``p_sim`` (gold-scorer variants, reward models or LLM
-  judges, one per pair, 25% flips on training labels): ``relabel`` a preference dataset, ``agreement``.
-* :func:`win_rate` — win rate against a reference with standard error, length, gold reward and KL;
-  :class:`HFPolicy`, :class:`BestOfNPolicy` and :func:`best_of_n`.
-* ``rlhf-ext sim compare`` (:mod:`rlhf_ext.sim.compare`) — AlpacaFarm's reference methods and ours, several seeds.
+"""The AlpacaFarm-style simulator (paper 002): gold rewards (:class:`GoldScorer`), simulated pairwise preferences
+``p_sim`` (:class:`AnnotatorPool`: ``relabel`` a preference dataset, ``agreement``), win rates against a reference
+(:func:`win_rate`, :class:`HFPolicy`, :class:`BestOfNPolicy`, :func:`best_of_n`) and ``rlhf-ext sim compare``
+(:mod:`rlhf_ext.sim.compare`: AlpacaFarm's reference methods and ours, several seeds).
 
 Engine-free: ``import rlhf_ext.sim`` imports only ``torch``; the functions import ``transformers`` / ``datasets`` /
 ``trl`` when they need them.

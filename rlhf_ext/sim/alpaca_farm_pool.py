@@ -1,29 +1,23 @@
 """AlpacaFarm's own simulated annotators, as shipped, against any OpenAI-compatible server (paper 002, Appendix C.1).
 
-AlpacaFarm's ``p_sim`` / ``p_eval`` is a pool of 13 API annotators in one ``configs.yaml``
-(``alpaca_farm/auto_annotations/annotators/annotator_pool_v0``; see :class:`AlpacaFarmAnnotatorConfig`), each run as
-``alpaca_eval.annotators`` interprets it:
+AlpacaFarm's ``p_sim`` / ``p_eval`` is a pool of 13 API annotators in one ``configs.yaml`` (``annotator_pool_v0``;
+:class:`AlpacaFarmAnnotatorConfig`), each run as ``alpaca_eval.annotators`` interprets it:
 
-* **which annotator**: ``random.Random("annotator" + input + instruction + str(seed)).choices(names)`` (every pair of
-  one instruction goes to the same annotator) — :class:`AlpacaFarmAssignment`;
-* **presentation order**: unless ``is_randomize_output_order: false``, ``output_1`` / ``output_2`` are swapped where
-  ``random.Random("is_switched_outputs" + instruction + str(seed)).choices([False, True])`` says so and the answer is
-  mapped back (``3 - preference``); the unswapped order is the pair sorted as text, so ``P(a > b) = 1 - P(b > a)``;
-* **batch prompts**: rows with a non-empty input use ``with_inputs``, the others ``without_inputs``; each group is
-  shuffled (seeded, ``is_shuffle``), cut into batches of ``batch_size``, the last padded with AlpacaEval's dummy
-  example; the ``j``-th occurrence of each placeholder ``{field}`` gets the batch's ``j``-th example;
-* **the request**: a ChatML template (``<|im_start|>role ... <|im_end|>``) becomes chat messages (``system
-  name=example_user``: a system message with that ``name``), any other template one user message. ``model_name`` is
-  sent unless the recipe maps it to a served model; ``tokens_to_avoid`` / ``tokens_to_favor`` are not sent;
-* **parsing**: ``regex_parser`` takes the earliest match among ``outputs_to_match`` and continues after it (the
-  ``k``-th answer labels the ``k``-th example); ``lmsys_parser`` reads two scores from the first line (equal: a draw);
-  ``ranking_parser`` reads a ``[{'model': ..., 'rank': ...}]`` list. A completion with a different number of answers
-  than ``batch_size`` labels its whole batch unparseable, as in AlpacaEval.
+* **which annotator**: AlpacaEval's seeded choice per instruction (:class:`AlpacaFarmAssignment`);
+* **presentation order**: unless ``is_randomize_output_order: false``, the text-sorted pair is swapped where
+  ``random.Random("is_switched_outputs" + instruction + str(seed))`` says so and the answer mapped back, so
+  ``P(a > b) = 1 - P(b > a)``;
+* **batch prompts**: ``with_inputs`` / ``without_inputs`` templates, each group shuffled (``is_shuffle``), batched by
+  ``batch_size`` and padded with AlpacaEval's dummy example; the ``j``-th occurrence of each ``{field}`` gets the
+  batch's ``j``-th example;
+* **the request**: a ChatML template becomes chat messages, any other one user message; ``tokens_to_avoid`` /
+  ``tokens_to_favor`` are not sent;
+* **parsing**: ``regex_parser``, ``lmsys_parser`` (two scores, equal: a draw) or ``ranking_parser``; a completion
+  with a different number of answers than ``batch_size`` labels its whole batch unparseable, as in AlpacaEval.
 
 Preference codes are AlpacaEval's: 1 (``output_1``), 2 (``output_2``), 1.5 or 0 (a draw), given as ``P(a preferred
-over b)`` = 1, 0 or 1/2 (draws flagged); an unparseable answer is ``NaN``. ``p_label_flip`` is the pool's
-``flip_prob``. The peers' modules are not imported (``alpaca_eval`` 0.6.6 needs ``pkg_resources``, gone from
-setuptools >= 81): their package data is located with :func:`importlib.util.find_spec`.
+over b)`` = 1, 0 or 1/2 (draws flagged); an unparseable answer is ``NaN``. The peers' modules are not imported
+(``alpaca_eval`` 0.6.6 needs ``pkg_resources``): their package data is located with :func:`importlib.util.find_spec`.
 """
 
 from __future__ import annotations
@@ -144,11 +138,10 @@ class CompletionParser:
     def _regex_parser(self, completion: str) -> list[float]:
         answers, rest = [], completion
         while True:
-            matches = [(key, pattern.search(rest)) for key, pattern in self._patterns.items()]
-            hits = [(m.start(), i, key, m) for i, (key, m) in enumerate(matches) if m]
+            hits = [(m.start(), i, k, m) for i, (k, p) in enumerate(self._patterns.items()) if (m := p.search(rest))]
             if not hits:
                 return answers
-            _, _, key, match = min(hits, key=lambda h: (h[0], h[1]))
+            _, _, key, match = min(hits)  # the earliest match; on a tie, the first pattern
             answers.append(key)
             rest = rest[match.end() :]
 
@@ -172,11 +165,10 @@ class CompletionParser:
 # --------------------------------------------------------------------------------------------------------- configs
 @dataclass
 class AlpacaFarmAnnotatorConfig:
-    """One annotator of a pool's ``configs.yaml``: ``name`` its YAML key; ``templates`` (read) ``{"with_inputs": ...,
+    """One annotator of a pool's ``configs.yaml`` (``name``: its YAML key): ``templates`` (read) ``{"with_inputs": ...,
     "without_inputs": ...}`` or ``{"any": ...}``; ``model_name`` / ``max_tokens`` / ``temperature`` its
-    ``completions_kwargs``; ``batch_size`` examples per prompt; ``parser`` its ``fn_completion_parser`` (default
-    ``regex_parser`` with ``completion_parser_kwargs.outputs_to_match``); ``randomize_output_order`` / ``shuffle``
-    AlpacaEval's ``is_randomize_output_order`` / ``is_shuffle``."""
+    ``completions_kwargs``; ``parser`` its ``fn_completion_parser``; ``randomize_output_order`` / ``shuffle`` its
+    ``is_randomize_output_order`` / ``is_shuffle``."""
 
     name: str
     templates: dict[str, str]
@@ -272,11 +264,8 @@ def instruction_and_input(prompt: Any) -> tuple[str, str]:
 
 
 class AlpacaFarmAssignment:
-    """Which annotator labels each pair: AlpacaEval's seeded uniform choice on the example's input and instruction.
-
-    ``assignment(prompts, a, b) -> [N]`` long indices into ``names``; the same instruction always gets the same
-    annotator for a given ``seed``.
-    """
+    """Which annotator labels each pair: AlpacaEval's seeded uniform choice on the example's input and instruction
+    (``assignment(prompts, a, b) -> [N]`` long indices into ``names``; one annotator per instruction and ``seed``)."""
 
     def __init__(self, names: Sequence[str], seed: int = 0):
         self.names, self.seed = list(names), int(seed)

@@ -1,23 +1,18 @@
 """Simulated pairwise preferences ``p_sim`` (paper 002, sections 3.2-3.3 and Appendix C.1).
 
-Each example is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are
-also flipped with probability 0.25 (intra-annotator noise; the paper's mix of ``p_eval`` with a fair coin at weight
-1/2 is the same thing); *evaluation* labels (``p_eval``) are not. An annotator returns ``P(a preferred over b)`` for a
-batch of pairs (:class:`Annotator`): a :class:`BTAnnotator` (Bradley-Terry on a utility: gold-scorer variants,
-:data:`DEFAULT_ANNOTATORS`, or reward models, :meth:`AnnotatorPool.from_reward_models`), an LLM judge
-(:meth:`AnnotatorPool.from_llm`) or AlpacaFarm's own annotators as shipped (:meth:`AnnotatorPool.from_alpaca_farm`).
+Each pair is labelled by one annotator drawn from a **pool** (inter-annotator variability); *training* labels are also
+flipped with probability 0.25 (intra-annotator noise), *evaluation* labels (``p_eval``) are not. An :class:`Annotator`
+returns ``P(a preferred over b)``: a :class:`BTAnnotator` (gold-scorer variants or reward models), an LLM judge or
+AlpacaFarm's own annotators (the :class:`AnnotatorPool` builders).
 
-**Draws**: identical responses (no annotator asked, AlpacaEval's 1.5) and an annotator's draw answer (optional
-``probability_with_ties``) are 1/2 in :meth:`AnnotatorPool.outcome`; binary labels (:meth:`AnnotatorPool.prefer`,
-``relabel``) settle them with the pair's fair coin. **Unparseable answers** (``NaN``) are counted per annotator
-(:meth:`AnnotatorPool.label_counts`), warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by the pair's
-coin (``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval;
-evaluation keeps its coin, so every prompt keeps its ``k`` comparisons).
+**Draws** (identical responses, never sent to an annotator, or an annotator's draw answer) are 1/2 in
+:meth:`AnnotatorPool.outcome`; binary labels settle them with the pair's fair coin. **Unparseable answers** (``NaN``)
+are counted per annotator, warned about above :data:`UNPARSEABLE_WARN_RATE`, and settled by that coin
+(``unparseable="coin"``) or dropped from :meth:`AnnotatorPool.relabel`'s training labels (``"drop"``, AlpacaEval).
 
-Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: which
-annotator, the Bernoulli draw, the training flip): labels do not depend on batch order, ``prefer(b, a) == not
-prefer(a, b)`` for ``a != b``, and a training label is its evaluation label with the flip applied (so the measured
-flip rate is exactly the injected noise).
+Randomness is a deterministic function of ``(seed, prompt, {a, b})`` (SHA-256 gives three uniforms per pair: annotator,
+Bernoulli draw, training flip): labels do not depend on batch order, ``prefer(b, a) == not prefer(a, b)`` for ``a !=
+b``, and a training label is its evaluation label with the flip applied.
 """
 
 from __future__ import annotations
@@ -226,11 +221,9 @@ class AnnotatorPool:
 
     Args:
         annotators: the pool (each pair is labelled by one, drawn uniformly per pair).
-        flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); evaluation labels never are.
-        seed: seeds every draw (annotator choice, Bernoulli draw, flip).
+        flip_prob: probability that a *training* label is flipped (AlpacaFarm: 0.25); ``seed`` seeds every draw.
         gold: the gold scorer used by :meth:`agreement` (default: ``GoldScorer()`` with the pool's default style).
-        assign: ``assign(prompts, a, b) -> [N]`` long annotator indices (default: uniform from the pair's digest;
-            AlpacaFarm's pools choose per instruction, :class:`~rlhf_ext.sim.alpaca_farm_pool.AlpacaFarmAssignment`).
+        assign: ``assign(prompts, a, b) -> [N]`` long annotator indices (default: uniform from the pair's digest).
         unparseable: ``coin`` (settled by the pair's fair coin) or ``drop`` (AlpacaEval: :meth:`relabel` drops it).
 
     Example::
@@ -371,10 +364,9 @@ class AnnotatorPool:
         gold: GoldScorer | None = None,
         backend_factory: Callable[[str], Any] | None = None,
     ) -> AnnotatorPool:
-        """AlpacaFarm's annotator pool as shipped (:mod:`rlhf_ext.sim.alpaca_farm_pool`): ``pool`` is a pool of the
-        installed ``alpaca_farm`` (``annotator_pool_v0``), ``alpaca_eval:<evaluator>`` or a directory with such a
-        ``configs.yaml``, run against ``api_base`` (``models``: one served model for all, ``config_model=served``
-        pairs, or empty for the configs' names). ``flip_prob`` is AlpacaFarm's ``p_label_flip``."""
+        """AlpacaFarm's annotator pool as shipped (:func:`~rlhf_ext.sim.alpaca_farm_pool.resolve_pool` names ``pool``)
+        run against ``api_base`` (``models``: :func:`~rlhf_ext.sim.alpaca_farm_pool.model_for`); ``flip_prob`` is
+        AlpacaFarm's ``p_label_flip``."""
         from rlhf_ext.sim.alpaca_farm_pool import AlpacaFarmAssignment, alpaca_farm_annotators
 
         annotators = alpaca_farm_annotators(
@@ -393,10 +385,8 @@ class AnnotatorPool:
     def _annotator_probabilities(
         self, index: Tensor, prompts, a, b, styles, asked: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``[N]`` P(a > b) of the annotator ``index[i]`` for each pair (1/2 where its answer was unparseable),
-        ``[N]`` bool: it answered a draw, ``[N]`` bool: its answer was unparseable (counted, and named in a warning
-        above :data:`UNPARSEABLE_WARN_RATE`). Each annotator sees only its pairs, and only those where ``asked``
-        (elsewhere: 1/2, no draw)."""
+        """Per pair, of annotator ``index[i]``: ``[N]`` P(a > b) (1/2 where unparseable or not ``asked``), ``[N]`` bool
+        it answered a draw, ``[N]`` bool its answer was unparseable (counted and warned about: module docstring)."""
         p = torch.full((len(a),), 0.5, dtype=torch.float64)
         tie = torch.zeros(len(a), dtype=torch.bool)
         for k, annotator in enumerate(self.annotators):
@@ -466,9 +456,8 @@ class AnnotatorPool:
     ):
         """AlpacaFarm's ``p_sim``: re-decide which response of every pair is chosen (a new ``datasets.Dataset``).
 
-        All columns are kept; ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added:
-        ``sim_annotator`` (who labelled the row) and ``sim_swapped``. Styles come from ``style_key`` if present, else
-        the gold scorer's default. With ``unparseable="drop"`` unparseable rows are left out (AlpacaEval).
+        ``chosen``/``rejected`` are exchanged where the pool prefers the rejected one; added: ``sim_annotator`` and
+        ``sim_swapped``. Styles come from ``style_key`` if present. With ``unparseable="drop"`` unparseable rows go.
         """
         cols = dataset.column_names
         missing = [k for k in (prompt_key, chosen_key, rejected_key) if k not in cols]

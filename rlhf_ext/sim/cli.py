@@ -41,9 +41,7 @@ def compare(config_path, methods, seeds, out, report_only, budget, tuning_dir, o
     from rlhf_ext.sim.recipe import load_compare_recipe
     from rlhf_ext.sim.report import markdown_table, summarise, write_reports
 
-    extra = list(overrides)
-    if out is not None:
-        extra.append(f"output_dir={out}")
+    extra = list(overrides) + ([f"output_dir={out}"] if out is not None else [])
     if methods is not None:
         extra.append(f"methods=[{','.join(v.strip() for v in methods.split(',') if v.strip())}]")
     if seeds is not None:

@@ -1,12 +1,11 @@
 """``rlhf-ext sim compare``: AlpacaFarm's method comparison in the simulator (paper 002, sections 3-5).
 
-AlpacaFarm's Figure 1 on a cheap task: SFT on the SFT split; simulated feedback ``p_sim`` on the PREF split (two SFT
-samples per instruction, labelled by the pool with 25% training flips); surrogate reward models trained on it; each
-method trained from the SFT model and evaluated by its win rate against it on held-out prompts, judged by ``p_eval``
-(no flips), with gold reward, length and KL alongside; mean ± standard error over several seeds.
+AlpacaFarm's Figure 1 on a cheap task: SFT; simulated feedback ``p_sim`` on the PREF split; surrogate reward models;
+each method trained from the SFT model and evaluated by its win rate against it on held-out prompts (``p_eval``), with
+gold reward, length and KL alongside; mean ± standard error over seeds.
 
 Layout of ``output_dir`` (written atomically, reused on rerun; only :data:`FREE_KEYS` and the ``method_overrides`` of
-methods that have not run here may change between runs of one directory)::
+methods that have not run here may change between runs)::
 
     recipe.json                  the settings (the recipe less --methods/--seeds and method_overrides), fingerprint
     data/                        task splits (sft, pref, unlabeled, eval, rm_eval)        shared by all seeds
@@ -235,10 +234,9 @@ class SimRun:
         return Dataset.from_list([{"prompt": p, "chosen": s[0], "rejected": s[1], "style": st} for p, s, st in rows])
 
     def feedback(self, seed: int):
-        """Simulated human feedback of ``seed``: ``train`` = PREF pairs labelled by ``p_sim`` (training flips),
-        ``test`` = held-out pairs of the same kind ordered by the gold reward (gold ties dropped): with
-        ``pairs: sft_samples`` two SFT samples per held-out prompt, with ``pairs: dataset`` the dataset's own pairs.
-        Writes the pool's agreement report and the tie rates next to it."""
+        """Simulated human feedback of ``seed``: ``train`` PREF pairs labelled by ``p_sim`` (training flips), ``test``
+        held-out pairs of the same kind ordered by the gold reward (gold ties dropped); with the pool's agreement
+        report and the tie rates next to it."""
         from datasets import DatasetDict, load_from_disk
 
         out = self.feedback_dir(seed)
@@ -247,12 +245,10 @@ class SimRun:
             if self.recipe.feedback.pairs == "sft_samples":
                 self.progress(f"seed {seed}: sampling {2 * (len(pref) + len(held_out))} SFT responses for feedback")
                 pairs = self.sft_pairs(pref["prompt"], pref["style"], seed=10_000 + seed)
-                test, test_tied = order_by_gold(
-                    self.gold, self.sft_pairs(held_out["prompt"], held_out["style"], 40_000 + seed)
-                )
+                held_out = self.sft_pairs(held_out["prompt"], held_out["style"], 40_000 + seed)
             else:
                 pairs = pref
-                test, test_tied = order_by_gold(self.gold, held_out)
+            test, test_tied = order_by_gold(self.gold, held_out)
             if len(test) == 0:
                 credit = self.recipe.task.phrase_credit
                 raise RecipeError(
@@ -284,9 +280,8 @@ class SimRun:
         return load_from_disk(str(out))
 
     def reward_model(self, seed: int, kind: str) -> str:
-        """A surrogate reward model of ``seed``: ``bandit`` (cutoff inf), ``segment`` (the recipe's cutoff) or ``token``
-        (cutoff 0: every token a segment), trained with the segment reward-model recipe (TRL ``SegmentRewardTrainer``)
-        from the SFT model on the same simulated feedback."""
+        """A surrogate reward model of ``seed`` (``bandit``, ``segment`` or ``token``: :data:`RM_CUTOFFS`), trained
+        with the segment reward-model recipe from the SFT model on the simulated feedback."""
         from rlhf_ext.pipelines import segment_rm as srm
         from rlhf_ext.sim.methods import train_args
 
@@ -403,9 +398,8 @@ class SimRun:
 # ---------------------------------------------------------------------------------------------------- running
 def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> dict[str, Any]:
     """Train and evaluate every (method, seed) of ``recipe`` that has no result yet, then write and return the summary
-    (``sim_compare.json``, :func:`~rlhf_ext.sim.report.summarise`). ``progress`` gets one line per step (default: this
-    module's logger at ``INFO``). With ``recipe.workers > 1`` the seeds run in that many processes (:func:`run_jobs`)
-    once the shared artefacts (task splits, base and SFT models) are built; the results are the same either way."""
+    (:func:`~rlhf_ext.sim.report.summarise`); ``progress`` gets one line per step (default: this module's logger).
+    With ``recipe.workers > 1`` the seeds run in that many processes once the SFT model is built (same results)."""
     from rlhf_ext.runtime.async_runner import torch_threads
     from rlhf_ext.runtime.rundir import claim_output_dir
 
@@ -430,8 +424,7 @@ def run_compare(recipe: SimCompareRecipe, progress: Progress | None = None) -> d
 
 def run_jobs(jobs: list[tuple[str, SimCompareRecipe]], workers: int, threads: int | None, progress: Progress) -> None:
     """Run every (method, seed) of each ``(label, recipe)`` in ``jobs`` that has no result yet: here, or with
-    ``workers > 1`` and several jobs in that many spawned processes (``threads`` torch threads each, progress lines
-    to standard error prefixed with the job's label); every result is the same either way."""
+    ``workers > 1`` and several jobs in that many spawned processes (progress lines prefixed with the job's label)."""
     from rlhf_ext.runtime.async_runner import torch_threads
 
     if workers <= 1 or len(jobs) <= 1:

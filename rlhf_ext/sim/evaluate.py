@@ -1,22 +1,17 @@
 """Automatic evaluation in the simulator: win rate against a reference policy (paper 002, section 3.3).
 
-The **win rate** is the expected fraction of held-out instructions on which the policy's output is preferred over the
-reference's by ``p_eval`` (the pool without training noise). :func:`win_rate` measures it for any causal LM, with the
-quantities AlpacaFarm's analysis uses alongside: response length (section 5.2), gold reward and KL to the reference.
-
-Draws count half a win, as in AlpacaEval (a draw coded 1.5): identical responses, an annotator's explicit draw answer
-(:meth:`rlhf_ext.sim.annotators.AnnotatorPool.outcome`) and the gold judge's equal rewards. ``win_rate = (wins + ties
-/ 2) / comparisons``, with ``tie_rate = ties / comparisons``; its standard error is that of the outcomes ``{1, 1/2,
-0}`` (AlpacaEval's ``standard_error`` with one sample per prompt; with ``k`` per prompt, clustered by prompt).
+:func:`win_rate`: the expected fraction of held-out instructions on which ``p_eval`` (the pool without training noise)
+prefers the policy's output over the reference's, with response length (section 5.2), gold reward and KL alongside.
+Draws count half a win, as AlpacaEval's 1.5: ``win_rate = (wins + ties / 2) / comparisons``; its standard error is
+that of the outcomes ``{1, 1/2, 0}``, clustered by prompt with ``k`` samples per prompt.
 
 Policies (:class:`HFPolicy`, :class:`BestOfNPolicy`) have ``sample(prompts, n, seed) -> Samples`` (``[P][n]``) and,
 for the KL, ``logprobs(prompts, responses, truncated) -> [N]``.
 
 KL (``kl_estimator``): ``sequence_log_ratio``, ``KL(pi || pi_ref) ~= mean_i [log pi(y_i | x_i) - log pi_ref(y_i |
-x_i)]`` over the policy's samples (unbiased; a mean over few samples can be negative), or ``exact``, ``mean_i sum_t
-KL(pi(.|x_i, y_i<t) || pi_ref(.|x_i, y_i<t))`` (same expectation by the chain rule, never negative, lower variance;
-needs one vocabulary); both with the standard error over samples. Responses are re-tokenised as the trainers do
-(prompt and response separately, EOS appended unless cut at ``max_new_tokens``); logits are divided by the sampling
+x_i)]`` over the policy's samples (unbiased, can be negative), or ``exact``, ``mean_i sum_t KL(pi(.|x_i, y_i<t) ||
+pi_ref(.|x_i, y_i<t))`` (same expectation, never negative, lower variance; needs one vocabulary). Responses are
+re-tokenised as the trainers do (EOS appended unless cut at ``max_new_tokens``); logits are divided by the sampling
 temperature. Best-of-n's KL is the analytic ``log n - (n - 1) / n`` (an upper bound, exact without reward ties).
 """
 
@@ -42,12 +37,8 @@ DEFAULT_EVAL_TEMPERATURE = 1.0
 
 
 class HFPolicy:
-    """A transformers causal LM as a simulator policy.
-
-    ``model``: a checkpoint path (``builtin:`` names resolved) or an instance (then ``tokenizer`` is required);
-    ``prompt_prefix`` goes before every prompt when sampling and scoring (e.g. a control token); ``max_new_tokens`` /
-    ``temperature`` / ``top_p`` / ``batch_size``: sampling (no top-k); ``logprob_batch_size``: per forward.
-    """
+    """A transformers causal LM as a simulator policy: ``model`` a checkpoint path (``builtin:`` names resolved) or an
+    instance (with ``tokenizer``); ``prompt_prefix`` goes before every prompt when sampling and scoring; no top-k."""
 
     kl_method = "sequence_log_ratio"
 
@@ -263,13 +254,11 @@ class WinRate:
 
     Attributes:
         win_rate / stderr: mean outcome (win 1, tie 1/2, loss 0) and its standard error (from per-prompt means).
-        lc_win_rate / lc_stderr / lc_length_coef: the length-controlled win rate (AlpacaEval 2.0's GLM read off at zero
-            length difference, :func:`length_controlled_win_rate`), its standard error and the length coefficient.
+        lc_win_rate / lc_stderr / lc_length_coef: the length-controlled fit (:func:`length_controlled_win_rate`).
         wins / ties / losses / tie_rate: counts of comparisons; ``ties / num_comparisons``.
         num_prompts / samples_per_prompt / num_comparisons: sample sizes.
         judge: ``pool`` (evaluation annotators, no flips) or ``gold``.
-        avg_length_chars / avg_length_tokens / truncated_fraction: of the policy's responses.
-        ref_avg_length_chars / ref_avg_length_tokens: of the reference's responses.
+        avg_length_chars / avg_length_tokens / truncated_fraction (policy), ref_avg_length_*: of the responses.
         gold_mean / gold_stderr / ref_gold_mean: gold reward of the policy's / reference's responses.
         kl / kl_stderr / kl_method: KL(policy || reference) in nats (see the module docstring); NaN if not computed.
     """
@@ -321,19 +310,14 @@ _SLOPE_RIDGE = 1e-8  # length_controlled_win_rate: keeps the slope finite on len
 def length_controlled_win_rate(outcome: Tensor, length: Tensor, ref_length: Tensor) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate (its ``length_controlled_minimal`` GLM, unpenalised).
 
-    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))`` fitted by maximum likelihood with the
-    outcomes ``{1, 1/2, 0}`` as soft labels (AlpacaEval's ``fit_LogisticRegressionCV(is_ytrue_proba=True)``), read off
-    at zero length difference: ``LC = sigmoid(a)``. AlpacaEval adds a cross-validated L1 penalty (and an instruction
-    term with no analogue here); here a vanishing ridge ``(1e-8 / 2) b^2`` on the slope only keeps ``b`` finite when
-    length separates the outcomes. Newton's method in float64 (deterministic).
+    ``P(win) = sigmoid(a + b * tanh((len - ref_len) / std(len - ref_len)))`` fitted by maximum likelihood (Newton's
+    method in float64) with the outcomes ``{1, 1/2, 0}`` as soft labels, read off at zero length difference: ``LC =
+    sigmoid(a)``. Instead of AlpacaEval's cross-validated L1 penalty (and instruction term), a vanishing ridge ``(1e-8 /
+    2) b^2`` on the slope only keeps ``b`` finite when length separates the outcomes.
 
-    Args:
-        outcome: ``[P, k]`` comparison outcomes (1 win, 1/2 tie, 0 loss); rows are prompts (the clusters of the
-            standard error).
-        length, ref_length: ``[P, k]`` response lengths (characters) of the policy and the reference.
-
-    Returns:
-        :class:`LengthControlled`. When no length varies, or every outcome is equal, the fit is the raw win rate.
+    ``outcome``: ``[P, k]`` outcomes (rows are prompts, the clusters of the standard error); ``length`` /
+    ``ref_length``: ``[P, k]`` response lengths (characters). When no length varies, or every outcome is equal, the
+    fit is the raw win rate.
     """
     y = outcome.double().flatten()
     delta = (length.double() - ref_length.double()).flatten()
@@ -400,13 +384,11 @@ def win_rate(
     """Win rate of ``policy`` against ``reference`` on held-out ``prompts`` (paper 002, section 3.3).
 
     Args:
-        policy / reference: :class:`HFPolicy` / :class:`BestOfNPolicy` objects, checkpoint paths, or model instances
-            (with ``tokenizer=``), the latter wrapped in :class:`HFPolicy` with ``policy_kwargs``. ``policy`` may be
-            ``reference`` itself (independent samples).
+        policy / reference: policy objects, checkpoint paths or model instances (with ``tokenizer=``; wrapped in
+            :class:`HFPolicy` with ``policy_kwargs``); ``policy`` may be ``reference`` itself (independent samples).
         prompts: ``P`` held-out prompts; ``styles``: one per prompt or one for all (``None``: the scorers' default).
-        judge: an :class:`AnnotatorPool` in evaluation mode (no flips; default ``AnnotatorPool.default(seed)``), or a
-            :class:`GoldScorer` / ``"gold"`` (higher gold reward wins; equal = tie).
-        gold: the scorer for the gold-reward columns (default ``GoldScorer()``).
+        judge: an :class:`AnnotatorPool` in evaluation mode (default ``AnnotatorPool.default(seed)``) or a
+            :class:`GoldScorer` / ``"gold"`` (higher gold reward wins); ``gold`` scores the gold-reward columns.
         samples_per_prompt: ``k``; comparison ``j`` pits policy sample ``j`` against reference sample ``j``.
         seed: sampling seed of the policy (the reference uses ``seed + 1``).
         reference_samples / samples: the reference's / policy's ``[P][k]`` samples, if already drawn.

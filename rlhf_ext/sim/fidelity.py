@@ -84,12 +84,9 @@ def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarr
 
 
 def bootstrap_seed_means(per_seed: Sequence[Sequence[float]], num_resamples: int, seed: int = 0) -> np.ndarray:
-    """Bootstrap of each method's mean over seeds: for every resample and method, draw that method's seeds with
-    replacement (as many as it has) and average them. Methods are resampled independently.
-
-    ``per_seed[m]`` holds method m's per-seed values (at least one). Returns shape ``[num_resamples, num_methods]``;
-    the same ``seed`` gives the same array.
-    """
+    """Bootstrap of each method's mean over seeds: per resample, each method's per-seed values ``per_seed[m]`` are
+    drawn with replacement (as many as it has, methods independently) and averaged. Returns ``[num_resamples,
+    num_methods]``, the same for the same ``seed``."""
     if num_resamples < 1:
         raise ValueError(f"num_resamples must be >= 1, got {num_resamples}")
     rng = np.random.default_rng(seed)

@@ -1,10 +1,9 @@
 """Gold rewards of the simulator: what a response *should* be rewarded for (paper 002 2.2; paper 003 Fig. 2-3).
 
-:class:`GoldScorer` scores the tasks of the ``offline`` dataset generator (:mod:`rlhf_ext.datagen`; ``style`` = a
-phrase-bank style such as ``rapper``: positive phrases the style's key phrases, negative those of the competing styles
-of its family, :func:`rlhf_ext.datagen.phrasebank.rubric_for`) and the toy task (``style`` = ``None`` or ``"toy"``:
-:data:`rlhf_ext.zoo.toy.KEY_PHRASES` positive, :data:`~rlhf_ext.zoo.toy.WEAK_PHRASES` negative). Credit sits in a few
-multi-token **key phrases** and nowhere else::
+:class:`GoldScorer` scores the ``offline`` dataset generator's tasks (``style`` = a phrase-bank style: positive phrases
+its key phrases, negative those of the competing styles, :func:`rlhf_ext.datagen.phrasebank.rubric_for`) and the toy
+task (``style`` ``None`` or ``"toy"``: :data:`rlhf_ext.zoo.toy.KEY_PHRASES` positive, ``WEAK_PHRASES`` negative).
+Credit sits in a few multi-token **key phrases** and nowhere else::
 
     gold(y, s) = w_pos * P(y, s) - w_neg * N(y, s) + w_len * len(y) / 100
     P(y, s) = sum_{q positive} credit(q, y),   N(y, s) = sum_{q negative} credit(q, y)
@@ -12,16 +11,12 @@ multi-token **key phrases** and nowhere else::
 with ``len`` in characters and defaults ``w_pos = w_neg = 1``, ``w_len = 0``. ``phrase_credit`` sets ``credit(q, y)``:
 
 * ``"partial"`` (default): the fraction of ``q``'s *distinctive* word bigrams found in ``y`` (within a clause;
-  distinctive = in no other key phrase of the bank, in none of its neutral texts, and not two stop words). "dropping
-  bars about the town" earns 3/5 of "dropping bars about the ballot box": a policy that half-learns a style is partly
-  right, so two samples of one SFT model rarely tie (AlpacaFarm compares exactly such pairs, paper 002 section 3.2).
+  distinctive = in no other key phrase of the bank, in none of its neutral texts, and not two stop words), so two
+  samples of one SFT model rarely tie (AlpacaFarm compares exactly such pairs, paper 002 section 3.2).
 * ``"exact"``: 1 if ``q`` occurs verbatim (case-insensitive), else 0; ``P`` / ``N`` count **distinct** phrases.
 
-Both give a whole key phrase exactly 1. Neutral text earns nothing and **repeating a key phrase earns nothing more**
-(paper 003, Figure 3: a reward model that pays for repetition is being hacked), unlike
-:func:`rlhf_ext.datagen.phrasebank.gold_score` / :meth:`Rubric.score`, which count occurrences; the rubric is the same.
-For the toy task, ``P >= 1`` under exact credit is :func:`rlhf_ext.zoo.toy.has_key_phrase` up to letter case. The
-annotator variants of :class:`rlhf_ext.sim.AnnotatorPool` are gold scorers with other weights.
+Both give a whole key phrase exactly 1; **repeating a key phrase earns nothing more** (paper 003, Figure 3), unlike
+:func:`rlhf_ext.datagen.phrasebank.gold_score`, which counts occurrences of the same rubric.
 """
 
 from __future__ import annotations
@@ -62,10 +57,8 @@ def word_bigrams(text: str) -> set[tuple[str, str]]:
 
 
 class _Matcher:
-    """Per response: the summed credit of the positive and the negative key phrases (see the module docstring).
-
-    ``neutral`` are texts that carry no preference (their bigrams are not distinctive); ``all_phrases`` every key
-    phrase of the bank (a bigram shared by two phrases is not distinctive of either)."""
+    """Per response: the summed credit of the positive and the negative key phrases (see the module docstring);
+    ``neutral`` texts and every key phrase of the bank (``all_phrases``) decide which bigrams are distinctive."""
 
     def __init__(self, rubric, credit: PhraseCredit, neutral: Sequence[str] = (), all_phrases: Sequence[str] = ()):
         self.rubric = rubric
@@ -109,8 +102,7 @@ class GoldScorer:
         positive_weight / negative_weight / length_weight: ``w_pos`` / ``w_neg`` (>= 0) / ``w_len``.
         phrase_credit: ``"partial"`` (default, graded) or ``"exact"`` (verbatim phrases only).
 
-    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (default ``style``), e.g. for
-    :class:`~rlhf_ext.trl.IterativeDPOTrainer` (``reward_funcs=`` / ``gold_fn=``) and :func:`rlhf_ext.sim.best_of_n`.
+    Callable as a reward function ``scorer(prompts, responses) -> tensor[N]`` (default ``style``).
     """
 
     def __init__(

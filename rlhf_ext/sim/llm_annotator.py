@@ -27,12 +27,9 @@ class JudgeTask:
 
 
 class LLMAnnotator:
-    """An LLM judge (through a :mod:`rlhf_ext.datagen` backend, e.g. ``OpenAIBackend``) as an annotator.
-
-    ``backend``: an unstarted :class:`rlhf_ext.datagen.Backend`, started and closed around each batch; ``preference``:
-    the preference the judge checks, one text or a mapping ``style -> text``; ``seed`` seeds presentation order and
-    requests. ``probability`` is 1 / 0 for the judge's choice, ``NaN`` when it answered neither ``A`` nor ``B``.
-    """
+    """An LLM judge as an annotator: ``backend`` an unstarted :class:`rlhf_ext.datagen.Backend` (started and closed
+    around each batch); ``preference`` the judge checks, one text or a mapping ``style -> text``; ``seed`` seeds
+    presentation order and requests. ``probability`` is 1 / 0 for the judge's choice, ``NaN`` for neither."""
 
     def __init__(self, name: str, backend, preference: str | Mapping[str, str], max_tokens: int = 128, seed: int = 0):
         self.name = name

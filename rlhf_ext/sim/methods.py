@@ -1,11 +1,8 @@
 """The reference methods of ``sim compare``: AlpacaFarm's (paper 002, section 3.4 and Appendix A) and ours.
 
-Each method is a function ``method(run, seed) -> PolicySpec`` that trains (or, for best-of-n, wraps) a policy from the
-run's SFT model with the package's real trainers: TRL's ``SFTTrainer`` (SFT, expert iteration, binary FeedME and
-reward conditioning), :class:`~rlhf_ext.trl.KLRegularizedSFTTrainer` (Quark), TRL's ``DPOTrainer``,
-:class:`~rlhf_ext.trl.SegmentRewardTrainer` + :class:`~rlhf_ext.trl.DensePPOTrainer` (PPO) and
-:class:`~rlhf_ext.trl.IterativeDPOTrainer` (online DPO). ``run`` (:class:`rlhf_ext.sim.compare.SimRun`) owns the
-shared artefacts and writes every result atomically, so finished work is reused on rerun.
+Each method ``method(run, seed) -> PolicySpec`` trains (or, for best-of-n, wraps) a policy from the run's SFT model
+with the package's real trainers (TRL's ``SFTTrainer`` and ``DPOTrainer``, the ``rlhf_ext.trl`` trainers for Quark, PPO
+and online DPO); ``run`` (:class:`rlhf_ext.sim.compare.SimRun`) owns the shared artefacts, reused on rerun.
 """
 
 from __future__ import annotations
@@ -22,18 +19,17 @@ from rlhf_ext.algos.pair_selection import OnlineDPOKnobs
 from rlhf_ext.algos.ppo import PPOKnobs
 from rlhf_ext.config import TrainSection
 from rlhf_ext.runtime.io import atomic_directory, stable_hash
+from rlhf_ext.sim.recipe import METHODS, DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
 if TYPE_CHECKING:
     from rlhf_ext.sim.compare import SimRun
-    from rlhf_ext.sim.recipe import DPOSection, OnlineDPOAsyncSection, OnlineDPOSection
 
 
 @dataclass
 class PolicySpec:
-    """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix``, or, with ``best_of_n``, the
-    best of that many of its samples under the bandit surrogate reward model. ``info``: method statistics. Budget
-    beyond the SFT model: ``labels`` (simulated preference labels used, directly or through a reward model) and
-    ``samples`` (responses generated while training; best-of-n's inference samples not counted)."""
+    """What to evaluate: the checkpoint at ``path`` sampled after ``prompt_prefix`` (with ``best_of_n``: best of that
+    many under the bandit surrogate RM); ``info``: method statistics; budget beyond the SFT model: ``labels``
+    (simulated preference labels used) and ``samples`` (responses generated while training)."""
 
     path: str
     prompt_prefix: str = ""
@@ -137,10 +133,9 @@ def reward_conditioning(run: SimRun, seed: int) -> PolicySpec:
 
 
 def quark(run: SimRun, seed: int) -> PolicySpec:
-    """Quark, top-quantile variant (AlpacaFarm 3.4, App. A.2 / B.2): each round samples from the current policy,
-    scores with the surrogate RM, keeps only the best reward quantile (the rollout pool is reset every round) and
-    fine-tunes on it with a KL penalty to the SFT model; no entropy bonus. With one bin trained, Quark's reward
-    token is a constant, so it is omitted."""
+    """Quark, top-quantile variant (AlpacaFarm 3.4, App. A.2 / B.2): each round keeps the best reward quantile of the
+    current policy's samples under the surrogate RM and fine-tunes on it with a KL penalty to the SFT model (no
+    entropy bonus; with one bin, Quark's reward token is a constant, so it is omitted)."""
     from rlhf_ext.runtime.rewards import score
 
     cfg = run.recipe.quark
@@ -258,11 +253,9 @@ def token_ppo(run: SimRun, seed: int) -> PolicySpec:
 
 
 def rules_ppo(run: SimRun, seed: int) -> PolicySpec:
-    """Segment-level PPO on rules instead of a reward model (issue: dense rewards from anything): keyword credit
-    learned from the same simulated preference labels as the reward models
-    (:meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`), each matched phrase rewarded where it occurs,
-    normalised by location and spread evenly; the critic starts from the SFT model. Same labels and PPO budget as
-    ``segment_ppo``: the effect of dense credit without a learned reward model."""
+    """Segment-level PPO on rules instead of a reward model: keyword credit learned from the same simulated labels
+    (:meth:`~rlhf_ext.runtime.dense_sources.KeywordCredit.learn`), each matched phrase rewarded where it occurs; same
+    labels and PPO budget as ``segment_ppo``: the effect of dense credit without a learned reward model."""
 
     def learned_rules() -> str:
         from rlhf_ext.runtime.dense_sources import KeywordCredit
@@ -359,20 +352,4 @@ def online_dpo_sync(run: SimRun, seed: int) -> PolicySpec:
     return sim_online_dpo(run, seed, "sync")
 
 
-METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {
-    "sft": sft,
-    "best_of_n": best_of_n,
-    "expert_iteration": expert_iteration,
-    "feedme": feedme,
-    "reward_conditioning": reward_conditioning,
-    "quark": quark,
-    "dpo": dpo,
-    "bandit_ppo": bandit_ppo,
-    "segment_ppo": segment_ppo,
-    "chunk_ppo": chunk_ppo,
-    "token_ppo": token_ppo,
-    "rules_ppo": rules_ppo,
-    "online_dpo": online_dpo,
-    "online_dpo_async": online_dpo_async,
-    "online_dpo_sync": online_dpo_sync,
-}
+METHOD_FUNCTIONS: dict[str, Callable[[SimRun, int], PolicySpec]] = {name: globals()[name] for name in METHODS}

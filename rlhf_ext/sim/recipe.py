@@ -1,9 +1,8 @@
 """The ``sim compare`` recipe: one typed config (``recipes/sim_compare.yaml`` maps onto it 1:1; paper 002, section 5).
 
-Sections: where the simulated task comes from (``task``), the initial model (``model``) and its supervised
-fine-tuning (``sft``), the simulated feedback (``feedback``: AlpacaFarm's ``p_sim`` pool), the surrogate reward models
-(``reward_model``), sampling (``generation``), the evaluation (``eval``: win rate against the SFT model, judged by
-``p_eval``), and one section per method. Method names are those of :data:`METHODS`.
+Sections: the simulated task, the initial model and its SFT, the simulated feedback (AlpacaFarm's ``p_sim`` pool), the
+surrogate reward models, sampling, the evaluation (win rate against the SFT model, judged by ``p_eval``), and one
+section per method of :data:`METHODS`.
 """
 
 from __future__ import annotations
@@ -62,15 +61,10 @@ def _method_train(**values: Any):
 
 @dataclass
 class TaskSection:
-    """The simulated task.
-
-    ``source``: a ``rlhf_ext.datagen`` config (packaged name or YAML path) generated with the offline backend, of which
-    stage ``stage`` is used (one style), or ``toy`` (:mod:`rlhf_ext.zoo.toy`). ``num_samples``: every datagen task's
-    sample count, or the number of toy rows. The train split is partitioned (AlpacaFarm, section 3.1) into SFT / PREF
-    / unlabeled prompts by ``sft_fraction`` and ``pref_fraction``; the test split gives the evaluation prompts (at most
-    ``max_eval_prompts``) and the reward models' held-out pairs. ``prompt_suffix`` is appended to datagen prompts.
-    ``phrase_credit``: the gold reward's (:class:`~rlhf_ext.sim.GoldScorer`) ``partial`` or ``exact`` credit.
-    """
+    """The simulated task (:mod:`rlhf_ext.sim.task`): ``source`` a ``rlhf_ext.datagen`` config (packaged name or YAML
+    path) generated with the offline backend, of which stage ``stage`` is used, or ``toy``; ``num_samples`` every
+    datagen task's sample count, or the number of toy rows; ``prompt_suffix`` is appended to datagen prompts;
+    ``phrase_credit`` the gold reward's (:class:`~rlhf_ext.sim.GoldScorer`)."""
 
     source: str = "continual-piecewise-preference"
     stage: int = knob(0, ge=0)
@@ -282,11 +276,10 @@ class DPOSection:
 
 @dataclass
 class PPOSection(PPOKnobs, TrainSection):
-    """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`): one setting for paper 003's action spaces (``bandit_ppo``,
-    AlpacaFarm's PPO; ``segment_ppo``; ``token_ppo``, every token a segment), compared under the same budget. Flat, as
-    TRL's ``PPOConfig``: the PPO knobs (:class:`~rlhf_ext.algos.ppo.PPOKnobs`), every recipe's training keys
-    (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` PPO steps of ``batch_size`` rollouts = prompts x
-    ``num_generations``; ``logging_steps`` null: six points per run) and ``critic_learning_rate``."""
+    """The PPO runs (:class:`~rlhf_ext.trl.DensePPOTrainer`): one setting for every PPO method, compared under the same
+    budget. Flat, as TRL's ``PPOConfig``: the PPO knobs, every recipe's training keys (``max_steps`` PPO steps of
+    ``batch_size`` rollouts = prompts x ``num_generations``; ``logging_steps`` null: six points per run) and
+    ``critic_learning_rate``."""
 
     max_steps: int = knob(96, ge=1)
     batch_size: int = knob(16, ge=2)

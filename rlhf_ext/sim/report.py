@@ -110,8 +110,7 @@ def summarise(recipe: SimCompareRecipe, wall_seconds: float | None = None) -> di
         for kind in RM_KINDS:
             path = root / f"seed-{seed}" / f"rm_{kind}" / "metrics.json"
             if path.exists():
-                ev = json.loads(path.read_text()).get("eval", {})
-                rms.setdefault(kind, {})[str(seed)] = ev.get("eval_accuracy")
+                rms.setdefault(kind, {})[str(seed)] = json.loads(path.read_text()).get("eval", {}).get("eval_accuracy")
     return {
         "recipe": to_dict(recipe),
         "methods": rows,

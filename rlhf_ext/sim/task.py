@@ -1,8 +1,5 @@
-"""The simulated task of ``sim compare``: AlpacaFarm-like splits of an offline-generated (or toy) preference task.
-
-As AlpacaFarm (section 3.1), :func:`build_task_splits` splits one stage of an offline-generated :mod:`rlhf_ext.datagen`
-dataset (one style), or the toy task, into a ``DatasetDict`` (columns ``prompt``, ``chosen``, ``rejected``, ``style``);
-:func:`build_base_model` makes the tiny model SFT starts from when no base checkpoint is given.
+"""The simulated task of ``sim compare``: AlpacaFarm-like splits (section 3.1) of one stage of an offline-generated
+:mod:`rlhf_ext.datagen` dataset (one style) or of the toy task, columns ``prompt``, ``chosen``, ``rejected``, ``style``:
 
 * ``sft`` / ``pref`` / ``unlabeled``: disjoint parts of the stage's train split (``task.sft_fraction`` /
   ``task.pref_fraction`` / the rest), in a fixed shuffled order;

@@ -1,15 +1,13 @@
 """``rlhf-ext sim tune``: the same small tuning grid for every method, picked on validation prompts (paper 002).
 
-AlpacaFarm compared methods after tuning each in its simulator. :func:`run_tuning` gives every method of the recipe's
-``tuning`` section the same grid (the product of ``tuning.grid``'s values, or the method's own in
-``tuning.method_grids``), trains each point on ``tuning.seeds`` and evaluates it as ``sim compare`` does but on the
-*validation* prompts (``eval.split: validation``), never by gold or the surrogate reward, and picks per method the
-point with the best mean length-controlled win rate (raw win rates reward length). The picks are what a comparison
-recipe's ``method_overrides`` should hold; report on seeds other than the tuning seeds.
+:func:`run_tuning` gives every method of the recipe's ``tuning`` section the same grid (or the method's own in
+``tuning.method_grids``), trains each point on ``tuning.seeds``, evaluates it as ``sim compare`` does on the
+*validation* prompts and picks per method the point with the best mean length-controlled win rate (raw win rates
+reward length): what a comparison recipe's ``method_overrides`` should hold (report on other seeds).
 
-Each (method, point) is a comparison directory under ``OUTPUT_DIR/tuning/`` whose shared artefacts (task splits, base
-and SFT models, each seed's feedback and reward models) link to the main directory's, so every point trains from the
-same SFT model on the same feedback. Finished points are reused on rerun; points run in ``workers`` processes.
+Each (method, point) is a comparison directory under ``OUTPUT_DIR/tuning/`` that links the main directory's shared
+artefacts (task splits, base and SFT models, each seed's feedback and reward models), so every point trains from the
+same SFT model on the same feedback.
 """
 
 from __future__ import annotations
@@ -73,9 +71,8 @@ def link_shared(main: Path, sub: Path, seed: int) -> None:
 
 
 def shared_run(recipe: SimCompareRecipe, progress: Callable[[str], None] | None = None) -> SimRun:
-    """The main directory's run that builds what every tuning point shares (SFT model, feedback and reward models of
-    the tuning seeds). It runs no method, so methods a tuned comparison ran there are not checked against the
-    recipe's ``method_overrides``: tuning again after ``sim compare --tuning`` reuses the directory."""
+    """The main directory's run that builds what every tuning point shares; it runs no method, so tuning again after
+    ``sim compare --tuning`` reuses the directory (its methods' ``method_overrides`` are not checked)."""
     return SimRun(from_dict(SimCompareRecipe, {**to_dict(recipe), "seeds": recipe.tuning.seeds, "methods": ["sft"]}),
                   progress)  # fmt: skip
 
@@ -111,9 +108,8 @@ def run_tuning(recipe: SimCompareRecipe, progress: Callable[[str], None]) -> dic
 
 
 def apply_tuning(recipe: SimCompareRecipe, tuning_dir: str | Path) -> SimCompareRecipe:
-    """``recipe`` with ``method_overrides`` replaced, for every method ``sim tune`` picked a point for, by that point
-    (read from ``TUNING_DIR/tuning/tuning.json``, the output directory of a ``sim tune`` run -- e.g. the comparison's
-    own, or that of another task stage; a one-line error when there is none)."""
+    """``recipe`` with the ``method_overrides`` of every method ``sim tune`` picked a point for replaced by that point
+    (read from ``TUNING_DIR/tuning/tuning.json``, the output directory of a ``sim tune`` run)."""
     from rlhf_ext.config import RecipeError
 
     path = Path(tuning_dir) / "tuning" / "tuning.json"
