@@ -1,10 +1,5 @@
-"""The online-DPO recipe (papers 004 and 001).
-
-``recipes/online_dpo_tiny.yaml`` (CPU, seconds) and ``recipes/online_dpo_paper.yaml`` (paper 004's settings) are
-instances of :class:`OnlineDPORecipe`, one typed config that YAML files map onto 1:1. :func:`run_online_dpo` runs one
-with the TRL adapter, :class:`rlhf_ext.trl.IterativeDPOTrainer` (a streaming ``trl.DPOTrainer``), whose ``train()``
-runs per-iteration mode through :func:`rlhf_ext.runtime.iterations.run_iterations` (paper 004's Algorithm 2, step by
-step, written once) and per-batch mode (paper 001) as one streaming DPO run. OpenRLHF has no iterative or online DPO.
+"""The online-DPO recipe (papers 004 and 001): :class:`OnlineDPORecipe`, which ``recipes/online_dpo_*.yaml`` map
+onto 1:1, run on TRL by :func:`run_online_dpo` (OpenRLHF has no iterative or online DPO).
 """
 
 from __future__ import annotations

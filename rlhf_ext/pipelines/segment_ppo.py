@@ -1,7 +1,5 @@
-"""The segment-PPO recipe (paper 003, section 2.3; Table 8 defaults), shared by the TRL and OpenRLHF engines.
-
-``recipes/segment_ppo_tiny.yaml`` (CPU, a few steps), ``segment_ppo_paper.yaml`` (Table 8) and
-``segment_ppo_openrlhf.yaml`` (OpenRLHF Ray, one-step async) are instances of :class:`SegmentPPORecipe`.
+"""The segment-PPO recipe :class:`SegmentPPORecipe` (paper 003, section 2.3; Table 8 defaults; the
+``recipes/segment_ppo_*.yaml``), shared by the TRL and OpenRLHF engines.
 """
 
 from __future__ import annotations
