@@ -446,8 +446,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 def run_continual(
     recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.PathLike | None = None, stop_after: int | None = None
 ) -> dict[str, Any]:
-    """Run (or resume) a continual recipe; see :class:`ContinualRunner`. The output directory may hold none of the
-    inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Run (or resume) a continual recipe (:class:`ContinualRunner`) in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     m = recipe.model

@@ -45,11 +45,8 @@ class TaskSequenceSection:
 @dataclass
 class ContinualSection(ContinualKnobs):
     """The KL to the previous task's policy (paper 000 Eq. 7): :class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`
-    (``continual_kl_coef`` for every transition, 1.0; ``continual_kl_estimator``, k3) plus
-    ``continual_kl_coef_schedule``: optional per-transition weights, one per task after the first
-    (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
-    Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
-    """
+    plus ``continual_kl_coef_schedule``: optional weights ``[c_1, ..., c_{K-1}]``, ``c_t`` used while training task
+    ``t`` against the snapshot of task ``t - 1`` (section 4: a sharp preference shift can get 0)."""
 
     continual_kl_coef_schedule: list[float] | None = knob_like(ContinualKnobs, "continual_kl_coef", None)
 
@@ -131,10 +128,8 @@ class RewardModelSection:
 
 @dataclass
 class ContinualRecipe:
-    """Continual RLHF over a task sequence (paper 000, section 4, Algorithm 1): per task an optional reward model,
-    policy training with the KL to the previous task's snapshot, a frozen snapshot, and every snapshot evaluated on
-    every task's test split. ``output_dir`` holds everything; with ``resume: true`` a rerun continues after the last
-    finished task."""
+    """Continual RLHF over a task sequence (paper 000, section 4, Algorithm 1; :mod:`rlhf_ext.pipelines.continual`).
+    ``output_dir`` holds everything; with ``resume: true`` a rerun continues after the last finished task."""
 
     engine: Literal["trl"] = "trl"
     algorithm: Literal["dpo", "ppo"] = "dpo"

@@ -80,9 +80,8 @@ class DPOPolicyStage:
         warn_unread(recipe, ("ppo",), "dpo trains the policy with the train and dpo sections")
 
     def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
-        """Train task ``task.index`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`); return
-        ``{"scores": [accuracy on each test set], "metrics": {...}}``. The snapshot is written to
-        ``task.policy_dir`` before scoring."""
+        """Train task ``task.index``, write its snapshot to ``task.policy_dir``; return
+        ``{"scores": [accuracy on each test set], "metrics": {...}}``."""
         from transformers import AutoTokenizer
 
         r = self.recipe

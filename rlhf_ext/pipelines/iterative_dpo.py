@@ -46,11 +46,9 @@ class RewardSection:
 
 @dataclass
 class PromptSection:
-    """Where prompts come from (any dataset with a prompt column; preference datasets work, their responses are
-    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists, else the evaluation uses
-    the first training prompts (not held out). ``as_chat``: wrap plain-text
-    prompts as a user message so they go through the chat template (for chat / instruct models); prompts that are
-    already message lists are used as they are."""
+    """Where prompts come from (any dataset with a prompt column). ``eval`` defaults to ``train`` (its ``eval_split``)
+    when that split exists, else the evaluation uses the first training prompts (not held out). ``as_chat``: wrap
+    plain-text prompts as a user message, so they go through the chat template (message lists are kept as they are)."""
 
     train: str = "builtin:toy-keyphrase"
     train_split: str = "train"
@@ -110,9 +108,8 @@ class OnlineDPORecipe:
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
-    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``). The
-    output directory may hold none of the inputs and is locked while the run writes it
-    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Run an :class:`OnlineDPORecipe` with TRL in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); returns the run's summary (also in ``summary.json``)."""
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     p, d = recipe.policy, recipe.data

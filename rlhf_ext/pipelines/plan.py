@@ -155,8 +155,8 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
 def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
     """The reward model of a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` on every GPU: OpenRLHF's
     ``train_rm`` under DeepSpeed (bf16, ``train.zero_stage`` over every GPU) or TRL's ``RewardTrainer`` (fp32 DDP, or
-    ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences. (The
-    SFT model that segments the data runs before training, once, and is not resident with it.)"""
+    ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences (the
+    SFT model that segments the data runs once, before training)."""
     t = recipe.train
     size = size_or_fallback(size_of, recipe.model.sft_model, None)
     tokens = 2 * t.micro_batch_size * recipe.data.max_length

@@ -156,10 +156,9 @@ def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection,
 
 
 def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
-    """Train a segment reward model with the recipe's engine, after its pre-flight plan on this launch's GPUs
-    (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`; refused before any model loads); returns a summary (paths,
-    final metrics). The output directory may hold none of the inputs and is locked while the run writes it
-    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Train a segment reward model with the recipe's engine in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`), after its pre-flight plan on this launch's GPUs
+    (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`); returns a summary (paths, final metrics)."""
     from rlhf_ext.pipelines.plan import local_cluster, segment_rm_plan
     from rlhf_ext.runtime.rundir import claim_output_dir
 
