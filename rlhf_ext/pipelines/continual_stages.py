@@ -48,25 +48,22 @@ def warn_unread(recipe, sections: tuple[str, ...], algorithm: str) -> None:
         logger.warning("algorithm: %s; not read: %s", algorithm, ", ".join(unread))
 
 
-def _train(trainer, task, stage: str):
+def _train(trainer, task, stage: str, dest: Path):
     """``trainer.train()`` with its TensorBoard events kept in ``task_dir/runs/<stage>`` (the trainer's own
-    ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step."""
+    ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step, then the
+    model + tokenizer saved to ``dest`` (rename of a finished temp dir; main process only)."""
+    from rlhf_ext.runtime.io import atomic_directory
     from rlhf_ext.trl.args import keep_tensorboard_logs
     from rlhf_ext.trl.console import use_console_output
 
     keep_tensorboard_logs(trainer, task.task_dir / "runs" / stage)
     use_console_output(trainer, name=f"task {task.index} {stage}")
-    return trainer.train()
-
-
-def _save_atomically(trainer, dest: Path) -> None:
-    """Save the trained model + tokenizer to ``dest`` (rename of a finished temp dir; main process only)."""
-    from rlhf_ext.runtime.io import atomic_directory
-
+    result = trainer.train()
     if trainer.accelerator.is_main_process:
         with atomic_directory(dest) as tmp:
             trainer.save_model(str(tmp))
     trainer.accelerator.wait_for_everyone()
+    return result
 
 
 class DPOPolicyStage:
@@ -106,8 +103,7 @@ class DPOPolicyStage:
             train_dataset=task.train,
             processing_class=tokenizer,
         )
-        result = _train(trainer, task, self.name)
-        _save_atomically(trainer, task.policy_dir)
+        result = _train(trainer, task, self.name, task.policy_dir)
         evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
         shutil.rmtree(work, ignore_errors=True)
         history = [h for h in trainer.state.log_history if "loss" in h]
@@ -148,8 +144,7 @@ class RewardModelStage:
         trainer = SegmentRewardTrainer(
             model=task.reference_policy, args=args, train_dataset=train, processing_class=tokenizer
         )
-        _train(trainer, task, "reward_model")
-        _save_atomically(trainer, task.reward_model_dir)
+        _train(trainer, task, "reward_model", task.reward_model_dir)
         scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
         shutil.rmtree(work, ignore_errors=True)
         return {"scores": scores}
@@ -221,8 +216,7 @@ class PPOPolicyStage:
             ref_model=ref_model,
             calibration_dataset=task.train,
         )
-        result = _train(trainer, task, self.name)
-        _save_atomically(trainer, task.policy_dir)
+        result = _train(trainer, task, self.name, task.policy_dir)
         scores = [
             self.score(task.policy_dir, tokenizer, rm_dir, ds, task.seed)
             for rm_dir, ds in zip(task.reward_model_dirs, test_sets)

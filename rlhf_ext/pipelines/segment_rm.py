@@ -102,13 +102,13 @@ NO_EVAL_SPLIT = (
 )
 
 
-def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):
+def load_preference_splits(data: PreferenceDataSection):
     """(train, eval-or-None) ``datasets.Dataset`` for a recipe's data section, with columns checked up front."""
     from rlhf_ext.runtime.segment_data import check_preference_columns
     from rlhf_ext.zoo.builtins import resolve_dataset
 
     def pick(source: str, split: str, limit: int | None, what: str):
-        dd = resolve_dataset(source, **builtin_kwargs) if source.startswith("builtin:") else resolve_dataset(source)
+        dd = resolve_dataset(source)
         if split not in dd:
             raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
         ds = dd[split]
