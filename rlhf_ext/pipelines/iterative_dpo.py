@@ -62,11 +62,9 @@ class PromptSection:
 
 @dataclass
 class OnlineSection(OnlineDPOKnobs, OnlineSamplingKnobs):
-    """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, the same names and defaults as
-    ``IterativeDPOConfig``: ``online_mode: iterative`` is Algorithm 2, ``online_mode: online`` one DPO update per
-    generated batch with ``async_generation`` one step off-policy, paper 001) plus the sampling and process settings
-    (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`; ``generator_process`` runs the generator in its own
-    process instead of a thread: no interpreter-lock contention; HF generation, picklable reward)."""
+    """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, as in ``IterativeDPOConfig``:
+    ``online_mode: iterative`` is Algorithm 2, ``online`` one DPO update per generated batch, paper 001) plus the
+    sampling and process settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`)."""
 
 
 @dataclass
