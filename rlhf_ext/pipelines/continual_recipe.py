@@ -118,9 +118,8 @@ def _rm_defaults() -> StageTrainSection:
 
 @dataclass
 class RewardModelSection:
-    """Optional per-task reward model (Appendix C trains one per task): a Bradley-Terry model initialised from the
-    SFT model, trained on the task's pairs and scored on every task's test split. The DPO policy does not use it;
-    it is what a PPO policy stage reads."""
+    """Optional per-task reward model (Appendix C): a Bradley-Terry model initialised from the SFT model, trained on
+    the task's pairs and scored on every task's test split; the PPO policy stage trains against it."""
 
     enabled: bool = False
     train: StageTrainSection = field(default_factory=_rm_defaults)

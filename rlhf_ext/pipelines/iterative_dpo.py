@@ -25,11 +25,10 @@ class PolicySection:
 
 @dataclass
 class RewardSection:
-    """Exactly one of ``model`` (a reward-model checkpoint: sequence classification or an rlhf-ext segment RM,
-    ``kind: auto`` tells them apart) or ``function`` (``builtin:keyphrase-gold`` or ``package.module:callable``
-    taking ``(prompts, responses)`` and returning one score per response — the simulator's annotators plug in
-    here). ``gold``: an optional second scorer reported at evaluation only. A recipe's ``reward`` replaces the
-    default section whole (naming ``model`` drops the default ``function``)."""
+    """Exactly one of ``model`` (a sequence-classification or rlhf-ext segment RM checkpoint; ``kind: auto`` tells
+    them apart) or ``function`` (``builtin:keyphrase-gold`` or ``package.module:callable`` scoring
+    ``(prompts, responses)``). ``gold``: an optional second scorer reported at evaluation only. A recipe's ``reward``
+    replaces the default section whole (naming ``model`` drops the default ``function``)."""
 
     replaced_whole: ClassVar[bool] = True
     model: str | None = None

@@ -482,9 +482,8 @@ def _provenance_section(provenance: Mapping[str, Any]) -> str:
 def render_report(
     metrics: Mapping[str, Any], samples: Mapping[str, list[SegmentView]], provenance: Mapping[str, Any]
 ) -> str:
-    """The HTML page (see the module docstring) from :func:`report_metrics`' numbers, the samples of each policy
-    (policy name -> one :class:`SegmentView` per prompt, the same prompts in the same order) and the provenance of
-    :func:`collect_provenance`."""
+    """The HTML page (see the module docstring); ``samples``: policy name -> one :class:`SegmentView` per prompt (the
+    same prompts in the same order for every policy)."""
     body = (
         "<h1>rlhf-ext demo</h1><p>Segment-level RLHF (paper 003) on a synthetic preference task (paper 000), judged "
         "by a simulated annotator pool (paper 002): a PPO policy trained from the SFT policy, compared with it.</p>"
