@@ -1,10 +1,5 @@
-"""Building the trained ``builtin:`` models (``tiny-sft``, ``tiny-segment-rm``) explicitly: resolving a name in
-:mod:`rlhf_ext.zoo` never trains; the pipelines call :func:`resolve_model` here, which builds what is missing first.
-
-``rlhf-ext zoo build NAME`` runs :func:`build_model`. Each model is built once
-(:func:`~rlhf_ext.runtime.io.build_once`: concurrent callers wait and reuse it; a killed build is redone), and inside
-a ``torchrun``/``deepspeed`` launch it runs in a plain subprocess (training inside the launch would join its process
-group while the other ranks wait for the lock: a deadlock).
+"""Building the trained ``builtin:`` models (``tiny-sft``, ``tiny-segment-rm``): :mod:`rlhf_ext.zoo` never trains;
+the pipelines call :func:`resolve_model` here, which builds what is missing first.
 """
 
 from __future__ import annotations
@@ -20,11 +15,8 @@ from rlhf_ext.zoo.toy import toy_preference_rows
 
 
 def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0) -> None:
-    """Supervised fine-tuning of ``base`` on the toy task's chosen *and* rejected responses with TRL's SFTTrainer.
-
-    The SFT model learns the language of the task (both kinds of response), which is what segmentation needs: low
-    entropy inside a phrase, high entropy where the next phrase is chosen.
-    """
+    """Supervised fine-tuning of ``base`` on the toy task's chosen *and* rejected responses with TRL's SFTTrainer:
+    segmentation needs low entropy inside a phrase and high entropy where the next phrase is chosen."""
     from rlhf_ext.config import TrainSection
     from rlhf_ext.trl.sft import fine_tune
 
@@ -35,24 +27,14 @@ def train_tiny_sft(dest: Path, base: str | Path, steps: int = 300, seed: int = 0
     fine_tune(base, demos, dest, train, seed=seed, disable_tqdm=True)
 
 
-def _build_tiny_segment_rm(dest: Path, sft: str) -> None:
-    """Train ``recipes/segment_rm_tiny.yaml`` from ``sft`` into ``dest`` (the reward model of the tiny PPO recipe)."""
-    from rlhf_ext.config import load_recipe
-    from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm  # noqa: I001
-
-    recipe_file = Path(__file__).parents[1] / "recipes" / "segment_rm_tiny.yaml"
-    with atomic_directory(dest) as tmp:
-        recipe = load_recipe(SegmentRMRecipe, recipe_file, [f"train.output_dir={tmp}", f"model.sft_model={sft}"])
-        run_segment_rm(recipe)
-
-
 _DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE")  # fmt: skip
 
 
 def build_model(name: str, cache_dir: str | Path | None = None) -> str:
-    """Build ``builtin:<name>`` into the cache if it is missing (training ``tiny-sft`` / ``tiny-segment-rm``); returns
-    its directory."""
+    """Build ``builtin:<name>`` into the cache once (:func:`~rlhf_ext.runtime.io.build_once`) if it is missing; returns
+    its directory. Inside a ``torchrun``/``deepspeed`` launch the build runs in a plain subprocess (training there
+    would join the launch's process group while the other ranks wait for the lock: a deadlock)."""
     spec = zoo.PREFIX + name
     if name not in zoo.TRAINED_MODELS:
         return zoo.resolve_model(spec, cache_dir)
@@ -67,9 +49,16 @@ def build_model(name: str, cache_dir: str | Path | None = None) -> str:
 
     def build(path: Path) -> None:
         if name == "tiny-sft":
-            train_tiny_sft(path, zoo.resolve_model(zoo.PREFIX + "tiny", cache_dir))
-        else:
-            _build_tiny_segment_rm(path, build_model("tiny-sft", cache_dir))
+            return train_tiny_sft(path, zoo.resolve_model(zoo.PREFIX + "tiny", cache_dir))
+        # tiny-segment-rm: recipes/segment_rm_tiny.yaml trained from tiny-sft
+        from rlhf_ext.config import load_recipe
+        from rlhf_ext.pipelines.segment_rm import SegmentRMRecipe, run_segment_rm  # noqa: I001
+
+        sft = build_model("tiny-sft", cache_dir)
+        recipe_file = Path(__file__).parents[1] / "recipes" / "segment_rm_tiny.yaml"
+        with atomic_directory(path) as tmp:
+            recipe = load_recipe(SegmentRMRecipe, recipe_file, [f"train.output_dir={tmp}", f"model.sft_model={sft}"])
+            run_segment_rm(recipe)
 
     return str(build_once(dest, build, "config.json"))
 

@@ -1,24 +1,19 @@
 """The task-sequence runner: continual RLHF over tasks ``0 .. K-1`` (paper 000, Algorithm 1 and section 4).
 
-First, when reward models are enabled, one reward model per task (the paper trains one per task, Appendix C), each
-from the SFT model on that task's pairs and scored on every task's test split. They do not depend on the policy, so
-all of them exist before the policy sequence starts: a PPO stage can train on task ``t``'s model and score any
-snapshot on any task with that task's held-out model. Then, for each task ``t`` in order:
+With reward models enabled, first one per task (Appendix C), from the SFT model on that task's pairs, scored on every
+task's test split; they do not depend on the policy. Then, for each task ``t`` in order:
 
-1. train the policy on task ``t``, starting from the snapshot of task ``t - 1`` (the SFT model for ``t = 0``), with
-   the KL to that frozen snapshot weighted by ``c_t`` (:meth:`ContinualSection.coef_for_task`; ``c_0 = 0``);
-2. write the policy snapshot ``task_{t}/policy`` (atomically: it exists complete or not at all);
-3. evaluate that snapshot on *every* task's test split: column ``t`` of the performance matrix ``R[k, t]``;
+1. train the policy on task ``t`` from the snapshot of task ``t - 1`` (the SFT model for ``t = 0``), with the KL to
+   that frozen snapshot weighted by ``c_t`` (:meth:`ContinualSection.coef_for_task`; ``c_0 = 0``);
+2. write the snapshot ``task_{t}/policy`` atomically;
+3. evaluate it on *every* task's test split: column ``t`` of the performance matrix ``R[k, t]``;
 4. write ``task_{t}/result.json`` (the task is finished once this exists), then ``performance.json`` (matrix so far,
    metrics of :mod:`rlhf_ext.algos.forgetting`) and the plots.
 
-Nothing carries over between tasks in memory: every task loads its starting point and its previous-task model from
-the snapshots on disk, so a sequence killed at any point and rerun with ``resume: true`` skips the finished tasks and
-produces exactly what an uninterrupted run produces.
-
-The runner is engine-free: a stage is any object with ``run_task(task: TaskContext, test_sets)`` returning
-``{"scores": [one float per test set], "metrics": {...}}``; :func:`build_stages` picks TRL's DPO or PPO stages
-(:mod:`rlhf_ext.pipelines.continual_stages`).
+Every task loads its inputs from the snapshots on disk, so a killed sequence rerun with ``resume: true`` skips the
+finished tasks and produces exactly what an uninterrupted run produces. A stage is any object with
+``run_task(task: TaskContext, test_sets)`` returning ``{"scores": [one float per test set], "metrics": {...}}``;
+:func:`build_stages` picks TRL's DPO or PPO stages (:mod:`rlhf_ext.pipelines.continual_stages`).
 """
 
 from __future__ import annotations
@@ -185,14 +180,9 @@ def build_stages(recipe: ContinualRecipe) -> tuple[TaskStage, TaskStage | None]:
 
 # --------------------------------------------------------------------------------------------------------- runner
 class ContinualRunner:
-    """Runs a recipe's task sequence (see the module docstring). ``run()`` returns the summary it also writes to
-    ``performance.json``.
-
-    Args:
-        recipe: the :class:`ContinualRecipe`.
-        tasks: optional override of ``recipe.data.tasks``: a list of ``DatasetDict`` or a generator directory.
-        policy_stage / reward_stage: optional stage objects (default: :func:`build_stages`).
-    """
+    """Runs a recipe's task sequence (see the module docstring); ``run()`` returns the summary it also writes to
+    ``performance.json``. ``tasks`` overrides ``recipe.data.tasks`` (a list of ``DatasetDict`` or a generator
+    directory); the stages default to :func:`build_stages`."""
 
     def __init__(
         self,
@@ -361,11 +351,9 @@ class ContinualRunner:
 # ----------------------------------------------------------------------------------------------------------- plots
 def plot_run(summary: dict[str, Any], results: Sequence[dict[str, Any]], out: Path) -> dict[str, str] | None:
     """Write ``performance.png``: (a) training loss over steps, (b) each task's test performance at every snapshot,
-    (c) backward transfer over time (Fig. 10); dashed lines mark task switches. Panel (c) follows the text summary
-    (:func:`format_summary`): normalised, ``(R[k,T] - R[k,k]) / R[k,k]``, when the summary has a normalised backward
-    transfer; when that is n/a (some ``R[k,k] <= 0``, e.g. reward-model scores) the raw ``R[k,T] - R[k,k]``, titled
-    so; with one task, "n/a". Needs matplotlib (the ``trl`` extra); without it, warns once in one line and returns
-    ``None`` (the run itself is unaffected)."""
+    (c) backward transfer over time (Fig. 10), normalised ``(R[k,T] - R[k,k]) / R[k,k]`` unless the summary's is n/a
+    (some ``R[k,k] <= 0``: then raw ``R[k,T] - R[k,k]``); dashed lines mark task switches. Without matplotlib: one
+    warning and ``None``."""
     try:
         import matplotlib
 
@@ -458,8 +446,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 def run_continual(
     recipe: ContinualRecipe, tasks: Sequence[Any] | str | os.PathLike | None = None, stop_after: int | None = None
 ) -> dict[str, Any]:
-    """Run (or resume) a continual recipe; see :class:`ContinualRunner`. The output directory may hold none of the
-    inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Run (or resume) a continual recipe (:class:`ContinualRunner`) in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     m = recipe.model

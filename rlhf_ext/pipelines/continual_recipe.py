@@ -1,7 +1,5 @@
-"""The continual-RLHF recipe: one typed config that ``recipes/continual_*.yaml`` files map onto 1:1.
-
-``recipes/continual_dpo_tiny.yaml`` (CPU, a few minutes) is an instance of :class:`ContinualRecipe`;
-:func:`rlhf_ext.pipelines.continual.run_continual` runs it (DPO or PPO, on TRL).
+"""The continual-RLHF recipe :class:`ContinualRecipe`, which ``recipes/continual_*.yaml`` map onto 1:1; run by
+:func:`rlhf_ext.pipelines.continual.run_continual` (DPO or PPO, on TRL).
 """
 
 from __future__ import annotations
@@ -26,16 +24,12 @@ class ContinualModelSection:
 
 @dataclass
 class TaskSequenceSection:
-    """Where the task sequence comes from.
-
-    ``tasks``: ``builtin:toy-continual-preference-shift`` / ``builtin:toy-continual-domains`` (toy sequences, see
-    :mod:`rlhf_ext.zoo.continual_toy`), or anything ``rlhf_ext.datagen.load_continual_dataset`` reads: a
-    directory written by the dataset generator or one of its ``builtin:continual-*`` datasets. ``num_tasks``:
-    number of builtin toy tasks, or keep only the first ``num_tasks`` of a generated sequence. ``max_length``:
-    prompt + response tokens (paper 000 generates responses of up to 256 tokens, Tables 4-6).
-    ``max_train_samples`` / ``max_test_samples`` cut every task's splits (and size the builtin toy splits: 256 / 64
-    by default). ``seed`` seeds the builtin toy data.
-    """
+    """Where the task sequence comes from. ``tasks``: ``builtin:toy-continual-preference-shift`` /
+    ``builtin:toy-continual-domains`` (:mod:`rlhf_ext.zoo.continual_toy`), or what
+    ``rlhf_ext.datagen.load_continual_dataset`` reads (a dataset-generator directory or ``builtin:continual-*``).
+    ``num_tasks``: the number of builtin toy tasks, or the first tasks kept of a generated sequence. ``max_length``:
+    prompt + response tokens (paper 000: responses of up to 256 tokens). ``max_train_samples`` /
+    ``max_test_samples`` cut every task's splits (builtin toy splits: 256 / 64 by default); ``seed``: the toy data's."""
 
     tasks: str = "builtin:toy-continual-preference-shift"
     num_tasks: int | None = knob(None, ge=1)
@@ -51,11 +45,8 @@ class TaskSequenceSection:
 @dataclass
 class ContinualSection(ContinualKnobs):
     """The KL to the previous task's policy (paper 000 Eq. 7): :class:`~rlhf_ext.algos.continual_kl.ContinualKnobs`
-    (``continual_kl_coef`` for every transition, 1.0; ``continual_kl_estimator``, k3) plus
-    ``continual_kl_coef_schedule``: optional per-transition weights, one per task after the first
-    (``[c_1, ..., c_{K-1}]``; ``c_t`` is used while training task ``t`` against the snapshot of task ``t - 1``).
-    Section 4: the constraint need not hold when preferences shift sharply, so a transition can get 0.
-    """
+    plus ``continual_kl_coef_schedule``: optional weights ``[c_1, ..., c_{K-1}]``, ``c_t`` used while training task
+    ``t`` against the snapshot of task ``t - 1`` (section 4: a sharp preference shift can get 0)."""
 
     continual_kl_coef_schedule: list[float] | None = knob_like(ContinualKnobs, "continual_kl_coef", None)
 
@@ -86,15 +77,13 @@ class DPOSection:
 
 @dataclass
 class PPOSection(PPOKnobs, TrainSection):
-    """PPO settings of the ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy
-    with ``DensePPOTrainer`` (bandit granularity) against that task's reward model (``reward_model.enabled`` must be
-    true; the paper trains one per task), bandit rewards normalized by the last-token statistics of the task's
-    preference pairs, a KL penalty ``kl_coef`` to the SFT model in the reward, and ``continual.continual_kl_coef`` x KL
-    to the previous task's policy in the loss. Flat, as TRL's ``PPOConfig``: the PPO knobs
-    (:class:`~rlhf_ext.algos.ppo.PPOKnobs`, the same names and defaults as ``DensePPOConfig``), the policy's training
-    keys (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` per task, ``batch_size`` rollouts per step,
-    ``learning_rate``, ``trl_args`` ...; with ``algorithm: ppo`` they take the place of ``train``, which is the DPO
-    stage's) and the evaluation's ``eval_prompts``."""
+    """The ``ppo`` algorithm (CPPO-style continual PPO, paper 000 Eq. 7): each task trains the policy with
+    ``DensePPOTrainer`` (bandit granularity, rewards normalized by the last-token statistics of the task's pairs)
+    against that task's reward model (``reward_model.enabled``), with a KL penalty ``kl_coef`` to the SFT model in the
+    reward and ``continual.continual_kl_coef`` x KL to the previous task's policy in the loss. Flat, as TRL's
+    ``PPOConfig``: the :class:`~rlhf_ext.algos.ppo.PPOKnobs`, the policy's training keys in place of the DPO stage's
+    ``train`` (:class:`~rlhf_ext.config.TrainSection`: ``max_steps`` per task, ``batch_size`` rollouts per step ...)
+    and ``eval_prompts``."""
 
     max_steps: int = knob(16, ge=1)
     batch_size: int = knob_like(TrainSection, "batch_size", 16)
@@ -129,9 +118,8 @@ def _rm_defaults() -> StageTrainSection:
 
 @dataclass
 class RewardModelSection:
-    """Optional per-task reward model (Appendix C trains one per task): a Bradley-Terry model initialised from the
-    SFT model, trained on the task's pairs and scored on every task's test split. The DPO policy does not use it;
-    it is what a PPO policy stage reads."""
+    """Optional per-task reward model (Appendix C): a Bradley-Terry model initialised from the SFT model, trained on
+    the task's pairs and scored on every task's test split; the PPO policy stage trains against it."""
 
     enabled: bool = False
     train: StageTrainSection = field(default_factory=_rm_defaults)
@@ -139,10 +127,8 @@ class RewardModelSection:
 
 @dataclass
 class ContinualRecipe:
-    """Continual RLHF over a task sequence (paper 000, section 4, Algorithm 1): per task an optional reward model,
-    policy training with the KL to the previous task's snapshot, a frozen snapshot, and every snapshot evaluated on
-    every task's test split. ``output_dir`` holds everything; with ``resume: true`` a rerun continues after the last
-    finished task."""
+    """Continual RLHF over a task sequence (paper 000, section 4, Algorithm 1; :mod:`rlhf_ext.pipelines.continual`).
+    ``output_dir`` holds everything; with ``resume: true`` a rerun continues after the last finished task."""
 
     engine: Literal["trl"] = "trl"
     algorithm: Literal["dpo", "ppo"] = "dpo"

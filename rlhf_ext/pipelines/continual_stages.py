@@ -23,17 +23,13 @@ from rlhf_ext.trl.continual_dpo import KL_METRIC, ContinualDPOConfig, ContinualD
 logger = logging.getLogger(__name__)
 
 
-def _training_kwargs(train, seed: int, output_dir: str) -> dict[str, Any]:
-    """TrainingArguments shared by the policy and reward-model stages of the runner (from the recipe's sections)."""
+def _training_kwargs(recipe, train, seed: int, output_dir: str) -> dict[str, Any]:
+    """TrainingArguments of a stage trained with the ``train`` section; every stage reports to the run's
+    ``train.trl_args.report_to`` (as a flat ``--report_to`` sets it) unless its own ``trl_args`` say otherwise."""
     from rlhf_ext.trl.args import training_kwargs
 
-    return {**training_kwargs(train, output_dir, seed), "save_strategy": "no", "disable_tqdm": True}
-
-
-def _report_to(recipe) -> str | list[str]:
-    """The run's ``report_to`` (``train.trl_args.report_to``, as a flat ``--report_to`` sets it): every stage of
-    the runner reports there unless its own ``trl_args`` say otherwise."""
-    return recipe.train.trl_args.get("report_to", "none")
+    report_to = recipe.train.trl_args.get("report_to", "none")
+    return dict(training_kwargs(train, output_dir, seed), save_strategy="no", disable_tqdm=True, report_to=report_to)
 
 
 def warn_unread(recipe, sections: tuple[str, ...], algorithm: str) -> None:
@@ -52,25 +48,22 @@ def warn_unread(recipe, sections: tuple[str, ...], algorithm: str) -> None:
         logger.warning("algorithm: %s; not read: %s", algorithm, ", ".join(unread))
 
 
-def _train(trainer, task, stage: str):
+def _train(trainer, task, stage: str, dest: Path):
     """``trainer.train()`` with its TensorBoard events kept in ``task_dir/runs/<stage>`` (the trainer's own
-    ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step."""
+    ``output_dir`` is a scratch directory, deleted after the task) and one terminal line per logging step, then the
+    model + tokenizer saved to ``dest`` (rename of a finished temp dir; main process only)."""
+    from rlhf_ext.runtime.io import atomic_directory
     from rlhf_ext.trl.args import keep_tensorboard_logs
     from rlhf_ext.trl.console import use_console_output
 
     keep_tensorboard_logs(trainer, task.task_dir / "runs" / stage)
     use_console_output(trainer, name=f"task {task.index} {stage}")
-    return trainer.train()
-
-
-def _save_atomically(trainer, dest: Path) -> None:
-    """Save the trained model + tokenizer to ``dest`` (rename of a finished temp dir; main process only)."""
-    from rlhf_ext.runtime.io import atomic_directory
-
+    result = trainer.train()
     if trainer.accelerator.is_main_process:
         with atomic_directory(dest) as tmp:
             trainer.save_model(str(tmp))
     trainer.accelerator.wait_for_everyone()
+    return result
 
 
 class DPOPolicyStage:
@@ -84,16 +77,15 @@ class DPOPolicyStage:
         warn_unread(recipe, ("ppo",), "dpo trains the policy with the train and dpo sections")
 
     def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
-        """Train task ``task.index`` (a :class:`rlhf_ext.pipelines.continual.TaskContext`); return
-        ``{"scores": [accuracy on each test set], "metrics": {...}}``. The snapshot is written to
-        ``task.policy_dir`` before scoring."""
+        """Train task ``task.index``, write its snapshot to ``task.policy_dir``; return
+        ``{"scores": [accuracy on each test set], "metrics": {...}}``."""
         from transformers import AutoTokenizer
 
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "trainer"
         kwargs = dict(
-            **_training_kwargs(r.train, task.seed, str(work)),
+            **_training_kwargs(r, r.train, task.seed, str(work)),
             beta=r.dpo.beta,
             loss_type=[r.dpo.loss_type],
             max_length=r.data.max_length,
@@ -111,8 +103,7 @@ class DPOPolicyStage:
             train_dataset=task.train,
             processing_class=tokenizer,
         )
-        result = _train(trainer, task, self.name)
-        _save_atomically(trainer, task.policy_dir)
+        result = _train(trainer, task, self.name, task.policy_dir)
         evals = [trainer.implicit_reward_accuracy(ds, f"task{k}_test") for k, ds in enumerate(test_sets)]
         shutil.rmtree(work, ignore_errors=True)
         history = [h for h in trainer.state.log_history if "loss" in h]
@@ -142,21 +133,18 @@ class RewardModelStage:
         from rlhf_ext.runtime.segment_data import prepare_segment_dataset
         from rlhf_ext.trl.segment_reward import SegmentRewardConfig, SegmentRewardTrainer
 
-        rm = self.recipe.reward_model
+        rm_train = self.recipe.reward_model.train
         tokenizer = AutoTokenizer.from_pretrained(task.tokenizer_path)
         work = task.work_dir / "rm_trainer"
         max_length = self.recipe.data.max_length
-        kwargs = dict(
-            **_training_kwargs(rm.train, task.seed, str(work)), max_length=max_length, entropy_cutoff=float("inf")
-        )
-        args = make_config(SegmentRewardConfig, kwargs, {"report_to": _report_to(self.recipe), **rm.train.trl_args})
+        kwargs = dict(**_training_kwargs(self.recipe, rm_train, task.seed, str(work)), max_length=max_length)
+        args = make_config(SegmentRewardConfig, {**kwargs, "entropy_cutoff": float("inf")}, rm_train.trl_args)
         prepare = dict(tokenizer=tokenizer, sft_model_name_or_path=task.reference_policy, max_length=max_length)
         train = prepare_segment_dataset(task.train, **prepare)
         trainer = SegmentRewardTrainer(
             model=task.reference_policy, args=args, train_dataset=train, processing_class=tokenizer
         )
-        _train(trainer, task, "reward_model")
-        _save_atomically(trainer, task.reward_model_dir)
+        _train(trainer, task, "reward_model", task.reward_model_dir)
         scores = [_reward_model_accuracy(trainer, prepare_segment_dataset(ds, **prepare)) for ds in test_sets]
         shutil.rmtree(work, ignore_errors=True)
         return {"scores": scores}
@@ -197,7 +185,7 @@ class PPOPolicyStage:
 
         r, ppo = self.recipe, self.recipe.ppo
         kwargs = dict(
-            **_training_kwargs(ppo, task.seed, str(work)),
+            **_training_kwargs(r, ppo, task.seed, str(work)),
             num_generations=ppo.num_generations, max_completion_length=ppo.max_completion_length,
             reward_model_path=str(task.reward_model_dirs[task.index]),
             granularity=Granularity.BANDIT, normalizer_kind="last",
@@ -205,7 +193,7 @@ class PPOPolicyStage:
             continual_previous_model=task.previous_policy if task.continual_kl_coef > 0 else None,
             continual_kl_coef=task.continual_kl_coef, continual_kl_estimator=r.continual.continual_kl_estimator,
         )  # fmt: skip
-        return make_config(DensePPOConfig, kwargs, {"report_to": _report_to(r), **ppo.trl_args})
+        return make_config(DensePPOConfig, kwargs, ppo.trl_args)
 
     def run_task(self, task, test_sets: Sequence) -> dict[str, Any]:
         from datasets import Dataset
@@ -228,8 +216,7 @@ class PPOPolicyStage:
             ref_model=ref_model,
             calibration_dataset=task.train,
         )
-        result = _train(trainer, task, self.name)
-        _save_atomically(trainer, task.policy_dir)
+        result = _train(trainer, task, self.name, task.policy_dir)
         scores = [
             self.score(task.policy_dir, tokenizer, rm_dir, ds, task.seed)
             for rm_dir, ds in zip(task.reward_model_dirs, test_sets)

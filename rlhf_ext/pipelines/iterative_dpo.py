@@ -1,10 +1,5 @@
-"""The online-DPO recipe (papers 004 and 001).
-
-``recipes/online_dpo_tiny.yaml`` (CPU, seconds) and ``recipes/online_dpo_paper.yaml`` (paper 004's settings) are
-instances of :class:`OnlineDPORecipe`, one typed config that YAML files map onto 1:1. :func:`run_online_dpo` runs one
-with the TRL adapter, :class:`rlhf_ext.trl.IterativeDPOTrainer` (a streaming ``trl.DPOTrainer``), whose ``train()``
-runs per-iteration mode through :func:`rlhf_ext.runtime.iterations.run_iterations` (paper 004's Algorithm 2, step by
-step, written once) and per-batch mode (paper 001) as one streaming DPO run. OpenRLHF has no iterative or online DPO.
+"""The online-DPO recipe (papers 004 and 001): :class:`OnlineDPORecipe`, which ``recipes/online_dpo_*.yaml`` map
+onto 1:1, run on TRL by :func:`run_online_dpo` (OpenRLHF has no iterative or online DPO).
 """
 
 from __future__ import annotations
@@ -30,11 +25,10 @@ class PolicySection:
 
 @dataclass
 class RewardSection:
-    """Exactly one of ``model`` (a reward-model checkpoint: sequence classification or an rlhf-ext segment RM,
-    ``kind: auto`` tells them apart) or ``function`` (``builtin:keyphrase-gold`` or ``package.module:callable``
-    taking ``(prompts, responses)`` and returning one score per response — the simulator's annotators plug in
-    here). ``gold``: an optional second scorer reported at evaluation only. A recipe's ``reward`` replaces the
-    default section whole (naming ``model`` drops the default ``function``)."""
+    """Exactly one of ``model`` (a sequence-classification or rlhf-ext segment RM checkpoint; ``kind: auto`` tells
+    them apart) or ``function`` (``builtin:keyphrase-gold`` or ``package.module:callable`` scoring
+    ``(prompts, responses)``). ``gold``: an optional second scorer reported at evaluation only. A recipe's ``reward``
+    replaces the default section whole (naming ``model`` drops the default ``function``)."""
 
     replaced_whole: ClassVar[bool] = True
     model: str | None = None
@@ -51,11 +45,9 @@ class RewardSection:
 
 @dataclass
 class PromptSection:
-    """Where prompts come from (any dataset with a prompt column; preference datasets work, their responses are
-    ignored). ``eval`` defaults to ``train`` (its ``eval_split``) when that split exists, else the evaluation uses
-    the first training prompts (not held out). ``as_chat``: wrap plain-text
-    prompts as a user message so they go through the chat template (for chat / instruct models); prompts that are
-    already message lists are used as they are."""
+    """Where prompts come from (any dataset with a prompt column). ``eval`` defaults to ``train`` (its ``eval_split``)
+    when that split exists, else the evaluation uses the first training prompts (not held out). ``as_chat``: wrap
+    plain-text prompts as a user message, so they go through the chat template (message lists are kept as they are)."""
 
     train: str = "builtin:toy-keyphrase"
     train_split: str = "train"
@@ -69,11 +61,9 @@ class PromptSection:
 
 @dataclass
 class OnlineSection(OnlineDPOKnobs, OnlineSamplingKnobs):
-    """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, the same names and defaults as
-    ``IterativeDPOConfig``: ``online_mode: iterative`` is Algorithm 2, ``online_mode: online`` one DPO update per
-    generated batch with ``async_generation`` one step off-policy, paper 001) plus the sampling and process settings
-    (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`; ``generator_process`` runs the generator in its own
-    process instead of a thread: no interpreter-lock contention; HF generation, picklable reward)."""
+    """Papers 004 / 001 knobs (:class:`~rlhf_ext.algos.pair_selection.OnlineDPOKnobs`, as in ``IterativeDPOConfig``:
+    ``online_mode: iterative`` is Algorithm 2, ``online`` one DPO update per generated batch, paper 001) plus the
+    sampling and process settings (:class:`~rlhf_ext.algos.pair_selection.OnlineSamplingKnobs`)."""
 
 
 @dataclass
@@ -115,9 +105,8 @@ class OnlineDPORecipe:
 
 
 def run_online_dpo(recipe: OnlineDPORecipe) -> dict[str, Any]:
-    """Run an :class:`OnlineDPORecipe` with TRL; returns the run's summary (also ``output_dir/summary.json``). The
-    output directory may hold none of the inputs and is locked while the run writes it
-    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Run an :class:`OnlineDPORecipe` with TRL in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); returns the run's summary (also in ``summary.json``)."""
     from rlhf_ext.runtime.rundir import claim_output_dir
 
     p, d = recipe.policy, recipe.data

@@ -1,15 +1,8 @@
 """The pre-flight plan of a recipe (``rlhf-ext plan --config RECIPE [--cluster auto|NODESxGPUS]``), before any model
-loads — the same check every launch of the recipe runs first.
-
-* ``engine: openrlhf`` PPO recipes (:func:`rlhf_ext.pipelines.segment_ppo.plan_segment_ppo`): the exact
-  ``train_ppo_ray`` command line the launch would run on that cluster, parsed by OpenRLHF's own CLI with its
-  fix-ups, then :func:`rlhf_ext.openrlhf.train_ppo_ray.preflight`: placement of every role and per-GPU memory.
-* segment reward-model recipes (:func:`segment_rm_plan`) and TRL recipes (one process per GPU under
-  ``accelerate``/``torchrun``/``deepspeed``): every GPU holds every model of the job (fp32 under DDP, or DeepSpeed's
-  bf16 ZeRO shards when ``train.trl_args.deepspeed`` names a DeepSpeed config; see :func:`_trl_role`).
-
-Model sizes come from each model's config (:func:`rlhf_ext.runtime.resources.model_size`; ``builtin:`` names from
-the zoo); a reward model or critic that does not exist yet is sized as the SFT model it is trained from.
+loads: the same check every launch of the recipe runs first. OpenRLHF PPO recipes:
+:func:`rlhf_ext.pipelines.segment_ppo.plan_segment_ppo`. Segment reward-model and TRL recipes (one process per GPU):
+every GPU holds every model of the job (:func:`_trl_role`). Model sizes come from each model's config
+(:func:`size_of`); a reward model or critic that does not exist yet is sized as the SFT model it is trained from.
 """
 
 from __future__ import annotations
@@ -162,8 +155,8 @@ def trl_segment_ppo_plan(recipe, cluster: Cluster) -> Plan:
 def segment_rm_plan(recipe, cluster: Cluster) -> Plan:
     """The reward model of a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` on every GPU: OpenRLHF's
     ``train_rm`` under DeepSpeed (bf16, ``train.zero_stage`` over every GPU) or TRL's ``RewardTrainer`` (fp32 DDP, or
-    ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences. (The
-    SFT model that segments the data runs before training, once, and is not resident with it.)"""
+    ``train.trl_args.deepspeed``). A micro batch holds chosen and rejected: ``2 * micro_batch_size`` sequences (the
+    SFT model that segments the data runs once, before training)."""
     t = recipe.train
     size = size_or_fallback(size_of, recipe.model.sft_model, None)
     tokens = 2 * t.micro_batch_size * recipe.data.max_length

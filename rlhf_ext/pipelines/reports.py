@@ -1,17 +1,8 @@
 """``report.html`` and ``metrics.json`` of the demo pipeline.
 
-The page is one self-contained HTML file (images inline, no scripts) with:
-
-* a PPO-vs-SFT table: win rate ± standard error with the number of comparisons, its 95% interval and what it says
-  against 50% (:func:`win_rate_verdict`), gold reward, response length in
-  tokens and characters, KL in nats; then the figures both policies share: reward-model held-out accuracy, segments
-  per response, annotator agreement, the normalizer's fit;
-* the PPO reward and KL curves: a moving average over the raw points, which stay faint;
-* SFT and PPO samples for the same held-out prompts side by side, both split into segments and coloured by the same
-  reward model on one colour scale, with a legend for that scale;
-* provenance (:func:`collect_provenance`): command line, date, seed, host CPUs, package versions and source, data
-  hash, parameter counts, wall time per stage and in total, and the resolved recipe as YAML.
-
+The page is one self-contained HTML file (images inline, no scripts): the PPO-vs-SFT table (:func:`metric_rows`),
+the PPO reward and KL curves (a moving average over faint raw points), SFT and PPO samples for the same held-out
+prompts split into segments and coloured on one reward scale, and the provenance (:func:`collect_provenance`).
 ``metrics.json`` holds the same numbers under machine-readable keys, the provenance under ``"provenance"``.
 """
 
@@ -178,15 +169,9 @@ def collect_provenance(
     stage_seconds: Mapping[str, float | None],
     data_dir: str | os.PathLike,
 ) -> dict[str, Any]:
-    """The provenance block of the report and of ``metrics.json``.
-
-    Args:
-        recipe: the resolved recipe (plain values, as ``dataclasses.asdict`` gives them).
-        seed: the run's seed.
-        parameters: parameter count of each model, by role ("policy", "reward model").
-        stage_seconds: wall time of each stage in seconds (``None``: not timed); the total is their sum.
-        data_dir: the data the run trained on (hashed with :func:`directory_sha256`).
-    """
+    """The provenance block of the report and of ``metrics.json``: ``recipe`` as ``dataclasses.asdict`` gives it,
+    ``parameters`` per model role, ``stage_seconds`` per stage (``None``: not timed; the total is their sum) and the
+    sha256 of ``data_dir`` (:func:`directory_sha256`)."""
     timed = [s for s in stage_seconds.values() if s is not None]
     return {
         "command_line": shlex.join(sys.argv),
@@ -497,9 +482,8 @@ def _provenance_section(provenance: Mapping[str, Any]) -> str:
 def render_report(
     metrics: Mapping[str, Any], samples: Mapping[str, list[SegmentView]], provenance: Mapping[str, Any]
 ) -> str:
-    """The HTML page (see the module docstring) from :func:`report_metrics`' numbers, the samples of each policy
-    (policy name -> one :class:`SegmentView` per prompt, the same prompts in the same order) and the provenance of
-    :func:`collect_provenance`."""
+    """The HTML page (see the module docstring); ``samples``: policy name -> one :class:`SegmentView` per prompt (the
+    same prompts in the same order for every policy)."""
     body = (
         "<h1>rlhf-ext demo</h1><p>Segment-level RLHF (paper 003) on a synthetic preference task (paper 000), judged "
         "by a simulated annotator pool (paper 002): a PPO policy trained from the SFT policy, compared with it.</p>"

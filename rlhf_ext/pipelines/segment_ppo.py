@@ -1,7 +1,5 @@
-"""The segment-PPO recipe (paper 003, section 2.3; Table 8 defaults), shared by the TRL and OpenRLHF engines.
-
-``recipes/segment_ppo_tiny.yaml`` (CPU, a few steps), ``segment_ppo_paper.yaml`` (Table 8) and
-``segment_ppo_openrlhf.yaml`` (OpenRLHF Ray, one-step async) are instances of :class:`SegmentPPORecipe`.
+"""The segment-PPO recipe :class:`SegmentPPORecipe` (paper 003, section 2.3; Table 8 defaults; the
+``recipes/segment_ppo_*.yaml``), shared by the TRL and OpenRLHF engines.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ class PPOModelSection:
     """``sft_model``: policy and reference initialisation; ``reward_model``: the segment RM (its
     ``segment_config.json`` supplies cutoff/aggregation/tau); ``critic_model``: default the reward model (the policy
     with a reward source); ``normalizer``: a saved LocationNormalizer (null = fit on ``data.calibration``).
-
     ``reward_source``: a dense reward source instead of ``reward_model`` (set that to null), answering with character
     spans that are mapped onto the policy's tokens (:func:`rlhf_ext.runtime.dense_sources.load_reward_source`):
     ``rules:FILE.yaml``, ``file.py:function``, ``module:function``, ``prm:MODEL`` (read at ``step_separator``),
@@ -70,8 +67,7 @@ class PPODataSection:
 class PPOSegmentSection(DenseRewardKnobs):
     """Paper 003's Table 1-3 switches (:class:`~rlhf_ext.algos.segment_dense.DenseRewardKnobs`, the same names and
     defaults as ``DensePPOConfig``) plus the reward model's segmentation, ``entropy_cutoff`` / ``aggregation`` /
-    ``tau`` (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`); null = the values the reward model was trained
-    with (its ``segment_config.json``)."""
+    ``tau`` (:class:`~rlhf_ext.algos.segment_reward.SegmentRewardKnobs`); null = the reward model's own."""
 
     entropy_cutoff: float | None = knob_like(SegmentRewardKnobs, "entropy_cutoff", None)
     aggregation: Aggregation | None = None
@@ -142,9 +138,8 @@ CURVE_KEYS = (
 
 
 def run_segment_ppo(recipe: SegmentPPORecipe) -> dict[str, Any]:
-    """Train with the recipe's engine; returns a summary (paths, reward/KL curve). The output directory may hold none
-    of the inputs and is locked while the run writes it (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`); a
-    given normalizer file is validated before any model loads."""
+    """Train with the recipe's engine in its locked output directory (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`;
+    a given normalizer file is validated before any model loads); returns a summary (paths, reward/KL curve)."""
     from rlhf_ext.runtime.calibration import load_normalizer
     from rlhf_ext.runtime.dense_sources import check_reward_source
     from rlhf_ext.runtime.rundir import claim_output_dir

@@ -1,7 +1,5 @@
-"""The segment reward-model recipe: one typed config that YAML files map onto 1:1, shared by both engines.
-
-``recipes/segment_rm_tiny.yaml`` (CPU, seconds) and ``recipes/segment_rm_paper.yaml`` (Table 7) are instances of
-:class:`SegmentRMRecipe`. :func:`run_segment_rm` dispatches to the TRL or OpenRLHF adapter.
+"""The segment reward-model recipe :class:`SegmentRMRecipe` (``recipes/segment_rm_*.yaml`` map onto it 1:1), shared
+by both engines: :func:`run_segment_rm` dispatches to the TRL or OpenRLHF adapter.
 """
 
 from __future__ import annotations
@@ -64,12 +62,9 @@ class SegmentSection(SegmentRewardKnobs):
 
 @dataclass
 class RMTrainSection(TrainSection):
-    """Optimisation settings (:class:`~rlhf_ext.config.TrainSection`); both engines read the same keys.
-
-    ``save_steps`` writes resumable checkpoints; with ``resume: true`` a rerun continues from the last one.
-    ``trl_args`` / ``openrlhf_args`` pass engine-native options through unchanged (``SegmentRewardConfig`` fields,
-    or OpenRLHF flags without the leading dashes, e.g. ``{ds.adam_offload: true}``).
-    """
+    """Optimisation settings (:class:`~rlhf_ext.config.TrainSection`), the same keys on both engines. ``trl_args`` /
+    ``openrlhf_args`` pass engine-native options through unchanged (``SegmentRewardConfig`` fields, or OpenRLHF flags
+    without the leading dashes, e.g. ``{ds.adam_offload: true}``)."""
 
     output_dir: str = "runs/segment_rm"
     learning_rate: float = knob_like(TrainSection, "learning_rate", 1e-3)
@@ -107,13 +102,13 @@ NO_EVAL_SPLIT = (
 )
 
 
-def load_preference_splits(data: PreferenceDataSection, **builtin_kwargs: Any):
+def load_preference_splits(data: PreferenceDataSection):
     """(train, eval-or-None) ``datasets.Dataset`` for a recipe's data section, with columns checked up front."""
     from rlhf_ext.runtime.segment_data import check_preference_columns
     from rlhf_ext.zoo.builtins import resolve_dataset
 
     def pick(source: str, split: str, limit: int | None, what: str):
-        dd = resolve_dataset(source, **builtin_kwargs) if source.startswith("builtin:") else resolve_dataset(source)
+        dd = resolve_dataset(source)
         if split not in dd:
             raise ValueError(f"data.{what}: {source!r} has no split {split!r} (splits: {', '.join(dd)})")
         ds = dd[split]
@@ -161,10 +156,9 @@ def write_segment_report(model_dir: str, eval_rows, data: PreferenceDataSection,
 
 
 def run_segment_rm(recipe: SegmentRMRecipe) -> dict[str, Any]:
-    """Train a segment reward model with the recipe's engine, after its pre-flight plan on this launch's GPUs
-    (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`; refused before any model loads); returns a summary (paths,
-    final metrics). The output directory may hold none of the inputs and is locked while the run writes it
-    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`)."""
+    """Train a segment reward model with the recipe's engine in its locked output directory
+    (:func:`~rlhf_ext.runtime.rundir.claim_output_dir`), after its pre-flight plan on this launch's GPUs
+    (:func:`rlhf_ext.pipelines.plan.segment_rm_plan`); returns a summary (paths, final metrics)."""
     from rlhf_ext.pipelines.plan import local_cluster, segment_rm_plan
     from rlhf_ext.runtime.rundir import claim_output_dir
 
@@ -274,15 +268,11 @@ def final_evaluation(trainer) -> dict[str, float] | None:
 
 
 def openrlhf_logger_flags(report_to: str | list[str] | None, output_dir: str) -> list[str]:
-    """OpenRLHF 0.11.2's logger flags for TRL's ``report_to`` (the one key both engines read, from
-    ``train.trl_args``, where a flat ``--report_to`` puts it).
-
-    ``tensorboard`` -> ``--logger.tensorboard_dir OUTPUT_DIR/runs`` (events in ``runs/<run name>``, as TRL's are in
-    ``runs/<time>_<host>``). ``wandb`` -> ``--logger.wandb.key``: OpenRLHF logs to wandb exactly when that flag is
-    set and calls ``wandb.login(key)`` only when wandb has no key yet, so the flag gets a placeholder and wandb reads
-    the real key from ``WANDB_API_KEY`` or ``wandb login`` (it never lands in the run's logged config);
-    ``WANDB_PROJECT`` sets ``--logger.wandb.project``. With both, OpenRLHF logs to wandb only.
-    """
+    """OpenRLHF 0.11.2's logger flags for TRL's ``report_to`` (from ``train.trl_args``, where a flat ``--report_to``
+    puts it): ``tensorboard`` -> ``--logger.tensorboard_dir OUTPUT_DIR/runs``; ``wandb`` -> ``--logger.wandb.key``
+    with a placeholder (OpenRLHF logs to wandb when that flag is set and logs in only when wandb has no key yet, so
+    wandb reads the real key from ``WANDB_API_KEY`` or ``wandb login``, never the logged config) and
+    ``--logger.wandb.project`` from ``WANDB_PROJECT``. With both, OpenRLHF logs to wandb only."""
     from rlhf_ext.config import RecipeError, report_integrations
     from rlhf_ext.trl.args import check_report_to
 
@@ -370,11 +360,8 @@ def openrlhf_argv(recipe, dataset_dir: str, eval_dir: str | None) -> list[str]:
 
 
 def train_with_openrlhf(recipe) -> dict[str, Any]:
-    """Run a :class:`~rlhf_ext.pipelines.segment_rm.SegmentRMRecipe` with OpenRLHF's ``train_rm`` (in this process).
-
-    The data is prepared (tokenised, SFT entropies) once, saved next to the output, and handed to OpenRLHF as a
-    dataset directory, so every rank of a ``deepspeed`` launch reads the same prepared rows.
-    """
+    """Run a :class:`SegmentRMRecipe` with OpenRLHF's ``train_rm`` (in this process), on data prepared once and saved
+    next to the output, so every rank of a ``deepspeed`` launch reads the same prepared rows."""
     from rlhf_ext.openrlhf.segment_rm import run_train_rm
     from rlhf_ext.pipelines.builtins import resolve_model
     from rlhf_ext.runtime.io import atomic_directory, atomic_write_json, build_once
