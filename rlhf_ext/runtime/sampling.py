@@ -208,16 +208,17 @@ class HFSampler:
         return _assemble(per_temp, len(encoded))
 
     def _generate(self, encoded: list[list[int]], copies: int, temperature: float, generator: torch.Generator | None):
-        from rlhf_ext.runtime.segment_data import pad_sequences
-
         seqs = [ids for ids in encoded for _ in range(copies)]
         texts: list[str] = []
         lengths, truncated = [], []
         for start in range(0, len(seqs), self.batch_size):
             chunk = seqs[start : start + self.batch_size]
-            ids = pad_sequences(chunk, self.pad_id, "left", torch.long)
-            mask = pad_sequences([[1] * len(s) for s in chunk], 0, "left", torch.long)
-            width = ids.shape[1]  # left padding: the response starts at column `width` for every row
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, s in enumerate(chunk):  # left padding: the response starts at column `width` for every row
+                ids[i, width - len(s) :] = torch.tensor(s)
+                mask[i, width - len(s) :] = 1
             if generator is None:  # transformers' sampling from the global RNG
                 sampling = {"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
             else:
