@@ -216,8 +216,14 @@ def ensure_single_process_env() -> None:
     """Fill in the torch.distributed rendezvous variables for a plain ``python`` run (launchers set them)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0"}
-    for key, value in {**defaults, "WORLD_SIZE": "1"}.items():
+    defaults = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
 
 

@@ -70,6 +70,20 @@ def check_continual_ext(ext: dict[str, Any]) -> None:
             raise ValueError(f"--ext.continual_previous_model: {e}") from None
 
 
+#: the ``PolicyLoss.__init__`` arguments a :class:`ContinualPolicyLoss` copies from the stock loss
+_POLICY_LOSS_SETTINGS = (
+    "clip_eps_low",
+    "clip_eps_high",
+    "dual_clip",
+    "token_level_loss",
+    "policy_loss_type",
+    "is_correction_level",
+    "is_correction_mode",
+    "is_correction_gating",
+    "is_correction_threshold",
+)
+
+
 class ContinualPolicyLoss(PolicyLoss):
     """``PolicyLoss`` + ``c * KL(pi_theta || pi_{t-1})`` (paper 000 Eq. 7), optionally with CPPO's sample-wise weights.
 
@@ -89,9 +103,7 @@ class ContinualPolicyLoss(PolicyLoss):
     @classmethod
     def from_policy_loss(cls, loss: PolicyLoss, **kwargs: Any) -> ContinualPolicyLoss:
         """A continual loss with every setting of an existing ``PolicyLoss`` plus ``kwargs``."""
-        names = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type")
-        names += ("is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold")
-        new = cls(**{name: getattr(loss, name) for name in names}, **kwargs)
+        new = cls(**{name: getattr(loss, name) for name in _POLICY_LOSS_SETTINGS}, **kwargs)
         new.token_level_loss = loss.token_level_loss  # GSPO forces sequence-level in __init__; keep the final value
         return new
 

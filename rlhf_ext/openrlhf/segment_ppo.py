@@ -264,8 +264,14 @@ class SegmentExperienceMaker(RemoteExperienceMaker):
         return dense_rewards([output], [1.0], self.tokenizer, completion_ids, mask, **self._dense_knobs())
 
     def _dense_knobs(self) -> dict[str, Any]:
-        knobs = {"normalizer": self.normalizer, "aggregation": self.aggregation, "tau": self.tau}
-        return {**knobs, "granularity": self.ext["granularity"], "interpolation": self.ext["interpolation"]}
+        """The settings both dense-reward paths pass: read at call time (tests replace ``normalizer`` after init)."""
+        return {
+            "normalizer": self.normalizer,
+            "granularity": self.ext["granularity"],
+            "interpolation": self.ext["interpolation"],
+            "aggregation": self.aggregation,
+            "tau": self.tau,
+        }
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):

@@ -242,7 +242,11 @@ def import_reference_normalizer(
     entries = read_reference_params(path)
     wanted = (model_type, dataset, method, aggregation)
     # the cutoff key as a number (the public code converts numeric keys to float before its look-up)
-    matches = [e for e in entries if dataclasses.astuple(e)[:4] == wanted and math.isclose(float(e.cutoff), cutoff)]
+    matches = [
+        e
+        for e in entries
+        if (e.model_type, e.dataset, e.method, e.aggregation) == wanted and math.isclose(float(e.cutoff), cutoff)
+    ]
     requested = "/".join((*wanted, f"{cutoff:g}"))
     if not matches:
         raise NormalizerError(
